@@ -1,0 +1,152 @@
+"""The graph walk: from a backward pass's roots along `next_functions` to every reachable Node, and keys.
+
+Facts this relies on (torch.autograd.graph.Node):
+- `node.next_functions[i] == (next_node, input_nr)`: slot i of this node's grad_inputs flows into slot
+  `input_nr` of next_node's grad_outputs; next_node is None where that input needs no gradient.
+- `node.name()` is 'torch::autograd::AccumulateGrad' for a leaf's accumulator, '<Class>Backward' for a custom
+  `torch.autograd.Function`, 'CompiledFunctionBackward' for a `torch.compile` region.
+- The Python object of a Node is the same object for as long as someone holds it, so `id()` identifies it
+  while the walk holds every node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from . import _torch_private as tp
+
+ACCUMULATE_GRAD = "AccumulateGrad"
+
+
+def node_name(node) -> str:
+    """`node.name()` with the C++ namespace dropped ('torch::autograd::AccumulateGrad' -> 'AccumulateGrad')."""
+    return node.name().rsplit("::", 1)[-1]
+
+
+def node_kind(node, name: str) -> str:
+    """One of schema.KINDS: accumulate_grad, compiled, custom_function, function (built-in) or other."""
+    if name == ACCUMULATE_GRAD:
+        return "accumulate_grad"
+    if name == "CompiledFunctionBackward":
+        return "compiled"
+    if isinstance(node, BackwardCFunction):
+        return "custom_function"
+    if isinstance(node, torch.autograd.graph.Node):
+        return "function"
+    return "other"
+
+
+def roots_of(outputs) -> list:
+    """The graph roots of a pass: for each output tensor its `grad_fn` (or a leaf's AccumulateGrad, via
+    `torch.autograd.graph.get_gradient_edge`); for a `GradientEdge` its node. Tensors that need no gradient
+    are left out."""
+    roots = []
+    for out in outputs:
+        node = None
+        if isinstance(out, torch.Tensor):
+            if out.grad_fn is not None:
+                node = out.grad_fn
+            elif out.requires_grad:
+                node = torch.autograd.graph.get_gradient_edge(out).node
+        else:
+            node = getattr(out, "node", None)
+        if node is not None:
+            roots.append(node)
+    return roots
+
+
+@dataclass
+class Walk:
+    """The reachable graph of one pass. nodes: Node objects in walk order (depth-first from the roots, in
+    `next_functions` order); edges: (src index, src slot, dst index, dst slot)."""
+
+    nodes: list = field(default_factory=list)
+    edges: list[tuple[int, int, int, int]] = field(default_factory=list)
+    index: dict[int, int] = field(default_factory=dict)
+
+
+def walk(roots: list) -> Walk:
+    """Visit every Node reachable from `roots` once; O(nodes + edges)."""
+    w = Walk()
+    stack = list(reversed(roots))
+    pending_edges = []
+    while stack:
+        node = stack.pop()
+        if id(node) in w.index:
+            continue
+        w.index[id(node)] = len(w.nodes)
+        w.nodes.append(node)
+        nexts = node.next_functions
+        for slot, (nxt, input_nr) in enumerate(nexts):
+            if nxt is not None:
+                pending_edges.append((node, slot, nxt, input_nr))
+        for nxt, _ in reversed(nexts):
+            if nxt is not None and id(nxt) not in w.index:
+                stack.append(nxt)
+    w.edges = [(w.index[id(s)], slot, w.index[id(d)], dslot) for s, slot, d, dslot in pending_edges]
+    return w
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the store keeps of a node: key (stable across steps and runs), name, kind, module, param."""
+
+    key: str
+    name: str
+    kind: str
+    module: str
+    param: str | None
+
+
+def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple]) -> list[NodeInfo]:
+    """Give every walked node a `NodeInfo`, with keys 'module/Name#ordinal' or 'param:qualified.name'.
+
+    Args:
+        w: the walk.
+        owner: callable sequence_nr -> module qualified name ('' outside any module).
+        param_names: id(parameter) -> qualified name.
+        known: id(node) -> (node, NodeInfo) for nodes already keyed earlier in this step (a second pass over
+            the same graph, double backward); updated in place.
+    The ordinal of a node counts the nodes of the same name and module in this pass, in forward order
+    (`sequence_nr`, then walk order), after those already keyed in this step; so micro-batches and
+    steps of the same code give the same keys.
+    """
+    infos: list[NodeInfo | None] = [None] * len(w.nodes)
+    groups: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    taken: dict[tuple[str, str], int] = {}
+    leaf_ordinal = 0
+    for i, node in enumerate(w.nodes):
+        hit = known.get(id(node))
+        if hit is not None:
+            info = hit[1]
+            infos[i] = info
+            base = (info.module, info.name)
+            ordinal = int(info.key.rsplit("#", 1)[1]) if "#" in info.key else -1
+            taken[base] = max(taken.get(base, -1), ordinal)
+            continue
+        name = node_name(node)
+        kind = node_kind(node, name)
+        if kind == "accumulate_grad":
+            var = getattr(node, "variable", None)
+            pname = param_names.get(id(var)) if var is not None else None
+            if pname is not None:
+                module = pname.rsplit(".", 1)[0] if "." in pname else ""
+                infos[i] = NodeInfo(f"param:{pname}", name, kind, module, pname)
+                continue
+            # a leaf that is not a named parameter (an input with requires_grad): keyed by walk order
+            groups.setdefault(("", name), []).append((-1, leaf_ordinal, i))
+            leaf_ordinal += 1
+            continue
+        seq = tp.sequence_nr(node)
+        groups.setdefault((owner(seq), name), []).append((seq, i, i))
+    for (module, name), members in groups.items():
+        start = taken.get((module, name), -1) + 1
+        prefix = f"{module}/" if module else ""
+        for ordinal, (_, _, i) in enumerate(sorted(members), start=start):
+            infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, node_kind(w.nodes[i], name), module, None)
+    for i, node in enumerate(w.nodes):
+        if id(node) not in known:
+            known[id(node)] = (node, infos[i])
+    return infos  # type: ignore[return-value]

@@ -1,0 +1,92 @@
+"""Which module owns each autograd Node: forward hooks note the sequence counter at module boundaries.
+
+Every Node gets `sequence_nr` from a per-thread counter when the forward op creates it. Global module
+forward pre-hooks and hooks (`torch.nn.modules.module.register_module_forward_pre_hook` and
+`register_module_forward_hook`) record the counter at each module entry and exit, with the module that is
+innermost from then on. A Node's owner is the innermost module at the last boundary before its number
+(found by bisection). This is exact for in-place ops (ReLU(inplace=True)) and for modules whose outputs
+are not tensors, where walking back from module outputs is not.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch.nn as nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from . import _torch_private as tp
+
+
+def qualified_names(models: list[nn.Module]) -> dict[int, str]:
+    """Map id(module) -> qualified name ('' for a root) for every module under `models`.
+
+    A wrapper with a `.module` attribute (DistributedDataParallel, DataParallel) is unwrapped, so names
+    match the plain model's.
+    """
+    names: dict[int, str] = {}
+    for model in models:
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module):
+            names.setdefault(id(model), "")
+            model = inner
+        for name, mod in model.named_modules(remove_duplicate=False):
+            names.setdefault(id(mod), name)
+    return names
+
+
+class ModuleTracker:
+    """Records module boundaries during forward and answers `owner(sequence_nr) -> qualified name`.
+
+    Use `install()` / `remove()` around the recorded scope; `clear()` between steps. Modules outside the
+    given models are named by their class, in angle brackets ('<Linear>').
+    """
+
+    def __init__(self, names: dict[int, str]):
+        self.names = names
+        self._seqs: list[int] = []
+        self._owners: list[str] = []
+        self._stack: list[str] = []
+        self._handles = []
+
+    def _name(self, module: nn.Module) -> str:
+        name = self.names.get(id(module))
+        return name if name is not None else f"<{type(module).__name__}>"
+
+    def _pre(self, module, _args):
+        self._stack.append(self._name(module))
+        self._seqs.append(tp.next_sequence_nr())
+        self._owners.append(self._stack[-1])
+
+    def _post(self, module, _args, _output):
+        if self._stack:
+            self._stack.pop()
+        self._seqs.append(tp.next_sequence_nr())
+        self._owners.append(self._stack[-1] if self._stack else "")
+
+    def install(self) -> None:
+        """Register the global forward pre-hook and hook (no-op when the sequence counter is unreadable)."""
+        if not tp.has_sequence_nr() or self._handles:
+            return
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        """Remove the global hooks; safe to call twice."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._stack.clear()
+
+    def clear(self) -> None:
+        """Forget the boundaries seen so far (between steps)."""
+        self._seqs.clear()
+        self._owners.clear()
+
+    def owner(self, sequence_nr: int) -> str:
+        """Qualified name of the innermost module that was running when `sequence_nr` was handed out, or ''."""
+        if sequence_nr < 0:
+            return ""
+        i = bisect.bisect_right(self._seqs, sequence_nr) - 1
+        return self._owners[i] if i >= 0 else ""

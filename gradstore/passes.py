@@ -1,0 +1,216 @@
+"""One backward pass: walk its graph, hang a prehook and a hook on every Node, and turn what they saw into
+plain rows when the engine returns.
+
+The hooks (the hot path) only measure tensors (gradstore.stats, reductions left on the device) and append
+to lists. They return None, so they never change a gradient. PyTorch's node hook signatures:
+  prehook(grad_outputs)            -> gradients w.r.t. the forward op's outputs, flowing in
+  hook(grad_inputs, grad_outputs)  -> grad_inputs: gradients w.r.t. the forward op's inputs, flowing out
+(`torch.autograd.graph.Node.register_prehook` / `register_hook`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from . import _torch_private as tp
+from .graph import NodeInfo, describe, roots_of, walk
+from .stats import Measured, measure, to_rows
+
+
+@dataclass
+class PassRecord:
+    """Everything recorded about one pass, as plain data for the writer.
+
+    calls: (node key, seq, start seconds since pass start, duration seconds or None);
+    tensors: dicts with key, seq (None for param_grad rows), role, slot and the columns of stats.to_rows.
+    """
+
+    number: int
+    parent_pass: int | None
+    parent_seq: int | None
+    kind: str
+    create_graph: bool
+    retain_graph: bool
+    roots: int
+    inputs: int | None
+    started_at: float
+    duration: float | None = None
+    nodes: list[NodeInfo] = field(default_factory=list)
+    edges: list[tuple[str, int, str, int]] = field(default_factory=list)
+    calls: list[tuple[str, int, float, float | None]] = field(default_factory=list)
+    tensors: list[dict] = field(default_factory=list)
+    nonfinite: bool = False
+
+
+class StepState:
+    """What the passes of one step share: the call counter, the pass counter, the keys already given to
+    Node objects in this step, the passes still running, and the finished records."""
+
+    def __init__(self):
+        self.seq = 0
+        self.pass_count = 0
+        self.known: dict[int, tuple] = {}
+        self.active: list[PassRecorder] = []
+        self.records: list[PassRecord] = []
+        self.open_calls = threading.local()
+        self.faults: list[str] = []
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+    def open_stack(self) -> list:
+        stack = getattr(self.open_calls, "stack", None)
+        if stack is None:
+            stack = self.open_calls.stack = []
+        return stack
+
+    def fault(self, where: str, exc: BaseException) -> None:
+        msg = f"{where}: {type(exc).__name__}: {exc}"
+        if not self.faults:
+            warnings.warn(f"gradstore: recorder fault (training continues): {msg}", RuntimeWarning, stacklevel=3)
+        self.faults.append(msg)
+
+    def release(self) -> None:
+        """Drop every reference to graph objects (end of step)."""
+        self.known.clear()
+        self.active.clear()
+
+
+_ROLE_OUT, _ROLE_IN, _ROLE_PARAM = "grad_output", "grad_input", "param_grad"
+
+
+class PassRecorder:
+    """Records one pass. Create it just before the engine runs; call `finish(ok)` in a finally block.
+
+    Args:
+        step: the StepState.
+        outputs: the roots given to the engine (tensors or GradientEdges).
+        kind: 'backward' (accumulates into .grad) or 'grad' (torch.autograd.grad).
+        owner: sequence_nr -> module qualified name.
+        params: [(qualified name, Parameter)] of the recorded models.
+    """
+
+    def __init__(self, step: StepState, outputs, kind: str, create_graph: bool, retain_graph: bool,
+                 inputs: int | None, owner, params: list[tuple[str, object]]):
+        self.step = step
+        self.params = params
+        parent = step.active[-1] if step.active else None
+        open_calls = step.open_stack()
+        self.record = PassRecord(
+            number=step.pass_count, parent_pass=parent.record.number if parent else None,
+            parent_seq=open_calls[-1][1] if (parent and open_calls) else None, kind=kind,
+            create_graph=bool(create_graph), retain_graph=bool(retain_graph), roots=0, inputs=inputs,
+            started_at=time.time(),
+        )
+        step.pass_count += 1
+        self.task: int | None = None
+        self.t0 = time.perf_counter()
+        self.open: dict[int, list] = {}
+        self.calls: list[list] = []  # [node index, seq, start, duration]
+        self.measured: list[tuple[list | None, str, int, Measured]] = []  # (call, role, slot, Measured)
+        self.handles = []
+        roots = roots_of(outputs)
+        self.record.roots = len(roots)
+        self.walk = walk(roots)
+        param_names = {id(p): n for n, p in params}
+        self.infos = describe(self.walk, owner, param_names, step.known)
+        step.active.append(self)
+        for i, node in enumerate(self.walk.nodes):
+            pre, post = self._hooks(i)
+            self.handles.append(node.register_prehook(pre))
+            self.handles.append(node.register_hook(post))
+
+    # ---- the hot path ----------------------------------------------------------------------------------
+    def _mine(self) -> bool:
+        """True when the hook fires for this pass's own graph task (a nested pass shares AccumulateGrad nodes)."""
+        tid = tp.current_graph_task_id()
+        if self.task is None:
+            if any(p.task == tid for p in self.step.active if p is not self):
+                return False
+            self.task = tid
+        return tid == self.task
+
+    def _hooks(self, i: int):
+        def prehook(grad_outputs):
+            try:
+                if not self._mine():
+                    return None
+                call = [i, self.step.next_seq(), 0.0, None]
+                for slot, g in enumerate(grad_outputs):
+                    self.measured.append((call, _ROLE_OUT, slot, measure(g)))
+                self.open[i] = call
+                self.step.open_stack().append((self.record.number, call[1]))
+                call[2] = time.perf_counter() - self.t0
+                self.calls.append(call)
+            except Exception as exc:
+                self.step.fault("prehook", exc)
+            return None
+
+        def hook(grad_inputs, grad_outputs):
+            try:
+                t = time.perf_counter() - self.t0
+                if not self._mine():
+                    return None
+                call = self.open.pop(i, None)
+                if call is None:
+                    return None
+                call[3] = t - call[2]
+                stack = self.step.open_stack()
+                if stack and stack[-1] == (self.record.number, call[1]):
+                    stack.pop()
+                for slot, g in enumerate(grad_inputs):
+                    self.measured.append((call, _ROLE_IN, slot, measure(g)))
+            except Exception as exc:
+                self.step.fault("hook", exc)
+            return None
+
+        return prehook, hook
+
+    # ---- after the engine returns ------------------------------------------------------------------------
+    def finish(self, ok: bool) -> PassRecord:
+        """Remove every hook, measure parameter gradients (top-level backward passes that succeeded), do the
+        pass's one host transfer, and hand the PassRecord to the step. Drops every graph reference."""
+        rec = self.record
+        try:
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+            rec.duration = time.perf_counter() - self.t0
+            stack = self.step.open_stack()
+            stack[:] = [c for c in stack if c[0] != rec.number]
+            param_nodes = {}
+            if ok and rec.kind == "backward" and rec.parent_pass is None:
+                for name, p in self.params:
+                    if getattr(p, "requires_grad", False):
+                        key = f"param:{name}"
+                        param_nodes[key] = NodeInfo(key, "AccumulateGrad", "accumulate_grad",
+                                                    name.rsplit(".", 1)[0] if "." in name else "", name)
+                        self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad)))
+            rows = to_rows([m for _, _, _, m in self.measured])
+            infos = self.infos
+            rec.nodes = list(infos) + [n for k, n in param_nodes.items() if k not in {i.key for i in infos}]
+            rec.edges = [(infos[s].key, slot, infos[d].key, dslot) for s, slot, d, dslot in self.walk.edges]
+            rec.calls = [(infos[i].key, seq, start, dur) for i, seq, start, dur in self.calls]
+            param_keys = iter(param_nodes)
+            for (call, role, slot, _), row in zip(self.measured, rows):
+                if call is None:
+                    row["key"], row["seq"] = next(param_keys), None
+                else:
+                    row["key"], row["seq"] = infos[call[0]].key, call[1]
+                row["role"], row["slot"] = role, slot
+                if row["nan"] or row["posinf"] or row["neginf"]:
+                    rec.nonfinite = True
+            rec.tensors = rows
+        except Exception as exc:
+            self.step.fault("end of pass", exc)
+        finally:
+            if self in self.step.active:
+                self.step.active.remove(self)
+            self.walk = None
+            self.measured = []
+            self.open.clear()
+            self.step.records.append(rec)
+        return rec

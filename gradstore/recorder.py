@@ -1,0 +1,253 @@
+"""`record`: the decorator and context manager that turn calls of training code into recorded steps."""
+from __future__ import annotations
+
+import functools
+import socket
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from sqlalchemy import func, insert, select, update
+
+from . import intercept
+from . import schema as s
+from .errors import RecordUsageError
+from .modules import ModuleTracker, qualified_names
+from .passes import PassRecorder, StepState
+from .writer import StepBatch, writer_for
+
+DEFAULT_DB = "gradstore.db"
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    """(rank, world_size) from `torch.distributed` when a process group is initialised, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _versions() -> tuple[str, str]:
+    from . import __version__
+
+    return torch.__version__, __version__
+
+
+class record:
+    """Record every backward pass of some training code into a gradstore database.
+
+    As a decorator, each call of the function is one step:
+
+        @gradstore.record("gpt2-debug", db="grads.db", model=model)
+        def train_step(batch): ...
+
+    As a context manager, the block is one step and `rec.step()` starts the next one:
+
+        with gradstore.record("gpt2-debug", model=model) as rec:
+            for batch in loader:
+                ...; loss.backward(); ...
+                rec.step()
+
+    Args:
+        run: the run's name (str). Recording again into an existing run continues its step numbering
+            (per rank).
+        db: SQLite file path (created if missing; default ./gradstore.db) or an SQLAlchemy URL.
+        model: an `nn.Module` or a list of them; their qualified names label modules and parameters. The
+            decorator uses the function's `nn.Module` arguments when it is not given.
+        meta: a JSON-serialisable dict stored with the run on creation.
+    Raises:
+        RecordUsageError: a bad argument, or a scope opened inside another.
+        SchemaTooNew: the database was written by a newer gradstore.
+    Relies on: `torch.autograd.graph._engine_run_backward` (interception), `Node.register_prehook` /
+    `register_hook`, global module forward hooks (module attribution).
+    """
+
+    def __init__(self, run: str, db: str | Path = DEFAULT_DB, model: nn.Module | list | None = None,
+                 meta: dict | None = None):
+        if not isinstance(run, str) or not run.strip():
+            raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
+        models = [] if model is None else (list(model) if isinstance(model, (list, tuple)) else [model])
+        for m in models:
+            if not isinstance(m, nn.Module):
+                raise RecordUsageError(
+                    f"record(model=...) takes an nn.Module or a list of them, got {type(m).__name__}")
+        if meta is not None and not isinstance(meta, dict):
+            raise RecordUsageError(f"record(meta=...) takes a dict, got {type(meta).__name__}")
+        self.run = run
+        self.db = db
+        self.models = models
+        self.meta = meta
+        self.run_id: int | None = None
+        self.rank, self.world_size = 0, 1
+        self._next_step: int | None = None
+        self._writer = None
+        self._state: StepState | None = None
+        self._tracker: ModuleTracker | None = None
+        self._params: list = []
+        self._step_started = 0.0
+        self._step_number = 0
+        self._in_scope = False
+
+    # ---- run and step bookkeeping ----------------------------------------------------------------------
+    def _open_run(self) -> None:
+        self.rank, world_size = _rank_and_world_size()
+        self._writer = writer_for(self.db)
+        self._writer.flush()  # earlier scopes of this process may still be writing this run's steps
+        torch_version, gs_version = _versions()
+        with self._writer.engine.begin() as conn:
+            row = conn.execute(select(s.runs.c.id, s.runs.c.world_size).where(s.runs.c.name == self.run)).first()
+            if row is None:
+                try:
+                    self.run_id = conn.execute(insert(s.runs).returning(s.runs.c.id), {
+                        "name": self.run, "status": "running", "created_at": time.time(),
+                        "torch_version": torch_version, "gradstore_version": gs_version,
+                        "host": socket.gethostname(), "world_size": world_size, "meta": self.meta,
+                    }).scalar_one()
+                except Exception:  # another rank created it first
+                    conn.rollback()
+                    row = conn.execute(select(s.runs.c.id, s.runs.c.world_size)
+                                       .where(s.runs.c.name == self.run)).first()
+            if row is not None:
+                self.run_id = row[0]
+                conn.execute(update(s.runs).where(s.runs.c.id == self.run_id).values(
+                    status="running", finished_at=None, world_size=max(row[1], world_size)))
+            last = conn.execute(select(func.max(s.steps.c.step)).where(
+                s.steps.c.run_id == self.run_id, s.steps.c.rank == self.rank)).scalar()
+        self._next_step = 0 if last is None else last + 1
+
+    def _enter(self, models: list[nn.Module]) -> None:
+        if self._in_scope:
+            raise RecordUsageError(f"record({self.run!r}) is already recording; scopes do not nest")
+        if intercept.active() is not None:
+            raise RecordUsageError("another gradstore.record scope is active in this process; scopes do not nest")
+        if self.run_id is None:
+            self._open_run()
+        self._in_scope = True
+        models = self.models or models
+        self._params = []
+        seen = set()
+        for m in models:
+            inner = getattr(m, "module", None)
+            for name, p in (inner if isinstance(inner, nn.Module) else m).named_parameters():
+                if id(p) not in seen:  # tied weights once, under their first name
+                    seen.add(id(p))
+                    self._params.append((name, p))
+        self._tracker = ModuleTracker(qualified_names(models))
+        self._tracker.install()
+        intercept.activate(self)
+        self._begin_step()
+
+    def _exit(self, exc: BaseException | None, run_status: str | None) -> None:
+        try:
+            self._end_step(exc, run_status)
+        finally:
+            intercept.deactivate(self)
+            if self._tracker is not None:
+                self._tracker.remove()
+            self._tracker = None
+            self._params = []
+            self._in_scope = False
+
+    def _begin_step(self) -> None:
+        self._state = StepState()
+        self._step_started = time.time()
+        self._step_number = self._next_step
+        self._next_step += 1
+        if self._tracker is not None:
+            self._tracker.clear()
+
+    def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
+        state, self._state = self._state, None
+        if state is None:
+            return
+        status, error = "ok", None
+        if exc is not None:
+            status = "error"
+            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        elif any(r.nonfinite for r in state.records):
+            status = "nonfinite"
+        if state.faults:
+            error = "\n".join(filter(None, [error, "recorder faults: " + "; ".join(state.faults[:20])]))
+        batch = StepBatch(run_id=self.run_id, rank=self.rank, step=self._step_number,
+                          started_at=self._step_started, ended_at=time.time(), status=status, error=error,
+                          passes=sorted(state.records, key=lambda r: r.number), run_status=run_status)
+        state.release()
+        self._writer.submit(batch)
+
+    # ---- called by intercept for every backward pass ---------------------------------------------------
+    def run_pass(self, original, outputs, args, kwargs, *, kind, retain_graph, create_graph, inputs):
+        """Run one engine call with recording around it; the engine's result or exception passes through."""
+        state = self._state
+        p = None
+        if state is not None:
+            try:
+                p = PassRecorder(state, outputs, kind, create_graph, retain_graph, inputs,
+                                 self._tracker.owner, self._params)
+            except Exception as exc:
+                state.fault("start of pass", exc)
+        ok = False
+        try:
+            result = original(outputs, *args, **kwargs)
+            ok = True
+            return result
+        finally:
+            if p is not None:
+                p.finish(ok)
+
+    # ---- public API ----------------------------------------------------------------------------------------
+    def step(self) -> int:
+        """End the current step (queue it for writing) and start the next; returns the new step number.
+
+        Raises RecordUsageError outside a `with record(...)` block.
+        """
+        if not self._in_scope:
+            raise RecordUsageError("rec.step() works inside `with gradstore.record(...) as rec:` only")
+        self._end_step(None)
+        self._begin_step()
+        return self._step_number
+
+    @property
+    def current_step(self) -> int | None:
+        """The number of the step being recorded (int), or None outside a scope."""
+        return self._step_number if self._in_scope else None
+
+    def __enter__(self) -> "record":
+        self._enter([])
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._exit(exc, run_status="error" if exc is not None else "finished")
+        self._writer.flush()
+        return False  # the exception, if any, reaches the caller unchanged
+
+    def __call__(self, fn):
+        if not callable(fn):
+            raise RecordUsageError(f"@record(...) decorates a function, got {type(fn).__name__}")
+
+        @functools.wraps(fn)
+        def recorded(*args, **kwargs):
+            found = [a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)]
+            self._enter(found)
+            exc = None
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                self._exit(exc, run_status="finished" if exc is None else "error")
+
+        recorded.recorder = self
+        return recorded
+
+    def flush(self) -> None:
+        """Block until every recorded step is in the database."""
+        if self._writer is not None:
+            self._writer.flush()
+
+
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)

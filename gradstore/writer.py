@@ -1,0 +1,212 @@
+"""The single writer: one thread per database that turns finished steps into rows, one transaction per step.
+
+Training code hands a `StepBatch` to `Writer.submit` and goes on; it never waits on the database except in
+`flush` (end of a recording scope, `gradstore.open` on the same database, interpreter exit). A write
+that fails is reported as a warning and counted in `Writer.errors`; it never raises into training.
+"""
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.engine import Engine
+
+from . import schema as s
+from .database import ensure_schema, make_engine
+from .passes import PassRecord
+from .schema import KIND, ROLE
+
+_CHUNK = 500  # keys per IN (...) list
+
+
+@dataclass
+class StepBatch:
+    """A finished step: identity, timing (seconds since the epoch), status and its passes."""
+
+    run_id: int
+    rank: int
+    step: int
+    started_at: float
+    ended_at: float
+    status: str
+    error: str | None
+    passes: list[PassRecord] = field(default_factory=list)
+    run_status: str | None = None  # when set, the run row is updated to it (end of a scope)
+
+
+def _insert_ignore(engine: Engine, table, index_elements):
+    """INSERT that skips rows conflicting on `index_elements` (SQLite and PostgreSQL)."""
+    if engine.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    return dialect_insert(table).on_conflict_do_nothing(index_elements=index_elements)
+
+
+class Writer:
+    """Owns the write side of one database (SQLite path or URL). Thread-safe `submit`, `flush`, `close`."""
+
+    def __init__(self, db):
+        self.db = db
+        self.engine = make_engine(db)
+        ensure_schema(self.engine, str(db))
+        self.errors: list[str] = []
+        self._node_ids: dict[tuple[int, str], int] = {}
+        self._edges: set[tuple[int, int, int, int]] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
+        self._thread.start()
+
+    # ---- the calling side --------------------------------------------------------------------------------
+    def submit(self, batch: StepBatch) -> None:
+        """Queue a step for writing; returns at once."""
+        self._queue.put(batch)
+
+    def flush(self) -> None:
+        """Block until every submitted step is written (or has failed and been reported)."""
+        if self._thread.is_alive():
+            self._queue.join()
+
+    def close(self) -> None:
+        """Flush, stop the thread and release the engine."""
+        self.flush()
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+        self.engine.dispose()
+
+    # ---- the writer thread -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if batch is None:
+                    return
+                self.write(batch)
+            except Exception as exc:
+                msg = f"step {getattr(batch, 'step', '?')}: {type(exc).__name__}: {exc}"
+                self.errors.append(msg)
+                warnings.warn(f"gradstore: could not write to {self.db}: {msg}", RuntimeWarning, stacklevel=1)
+            finally:
+                self._queue.task_done()
+
+    def write(self, b: StepBatch) -> None:
+        """Write one step and everything in it in one transaction (called on the writer thread)."""
+        with self.engine.begin() as conn:
+            step_id = conn.execute(insert(s.steps).returning(s.steps.c.id), {
+                "run_id": b.run_id, "rank": b.rank, "step": b.step, "started_at": b.started_at,
+                "ended_at": b.ended_at, "status": b.status, "error": b.error, "passes": len(b.passes),
+            }).scalar_one()
+            self._write_nodes(conn, b)
+            self._write_edges(conn, b)
+            if b.passes:
+                pass_ids = conn.execute(
+                    insert(s.passes).returning(s.passes.c.id, sort_by_parameter_order=True),
+                    [{"step_id": step_id, "pass": p.number, "parent_pass": p.parent_pass,
+                      "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
+                      "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
+                      "nodes": len(p.nodes), "started_at": p.started_at, "duration": p.duration}
+                     for p in b.passes],
+                ).scalars().all()
+                self._write_calls_and_tensors(conn, b, step_id, pass_ids)
+            if b.run_status is not None:
+                conn.execute(update(s.runs).where(s.runs.c.id == b.run_id).values(
+                    status=b.run_status, finished_at=b.ended_at))
+
+    def _write_nodes(self, conn, b: StepBatch) -> None:
+        new = {}
+        for p in b.passes:
+            for n in p.nodes:
+                if (b.run_id, n.key) not in self._node_ids:
+                    new[n.key] = n
+        if not new:
+            return
+        conn.execute(_insert_ignore(self.engine, s.nodes, ["run_id", "key"]), [
+            {"run_id": b.run_id, "key": n.key, "name": n.name, "kind": KIND[n.kind], "module": n.module,
+             "param": n.param, "first_step": b.step} for n in new.values()])
+        keys = list(new)
+        for i in range(0, len(keys), _CHUNK):
+            chunk = keys[i:i + _CHUNK]
+            rows = conn.execute(select(s.nodes.c.key, s.nodes.c.id).where(
+                s.nodes.c.run_id == b.run_id, s.nodes.c.key.in_(chunk)))
+            for key, node_id in rows:
+                self._node_ids[(b.run_id, key)] = node_id
+
+    def _write_edges(self, conn, b: StepBatch) -> None:
+        ids = self._node_ids
+        new = {}
+        for p in b.passes:
+            for src, slot, dst, dslot in p.edges:
+                e = (ids[(b.run_id, src)], slot, ids[(b.run_id, dst)], dslot)
+                if e not in self._edges:
+                    new[e] = None
+        if new:
+            conn.execute(_insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]), [
+                {"run_id": b.run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3],
+                 "first_step": b.step} for e in new])
+            self._edges.update(new)
+
+    def _write_calls_and_tensors(self, conn, b: StepBatch, step_id: int, pass_ids: list[int]) -> None:
+        ids = self._node_ids
+        call_rows, call_pass = [], []
+        for p, pass_id in zip(b.passes, pass_ids):
+            for key, seq, start, dur in p.calls:
+                call_rows.append({"step_id": step_id, "pass_id": pass_id, "node_id": ids[(b.run_id, key)],
+                                  "seq": seq, "start": start, "duration": dur})
+        call_ids = {}
+        if call_rows:
+            returned = conn.execute(insert(s.calls).returning(s.calls.c.id, sort_by_parameter_order=True),
+                                    call_rows).scalars().all()
+            call_ids = {row["seq"]: cid for row, cid in zip(call_rows, returned)}
+        tensor_rows = []
+        for p, pass_id in zip(b.passes, pass_ids):
+            for t in p.tensors:
+                row = {k: v for k, v in t.items() if k not in ("key", "seq")}
+                row.update(step_id=step_id, pass_id=pass_id, node_id=ids[(b.run_id, t["key"])],
+                           call_id=call_ids.get(t["seq"]) if t["seq"] is not None else None,
+                           role=ROLE[t["role"]])
+                tensor_rows.append(row)
+        if tensor_rows:
+            conn.execute(insert(s.tensors), tensor_rows)
+
+
+# ---- one writer per database per process ------------------------------------------------------------------
+_writers: dict[str, Writer] = {}
+_writers_lock = threading.Lock()
+
+
+def _db_id(db) -> str:
+    from pathlib import Path
+
+    from .database import is_url
+
+    return str(db) if is_url(db) else str(Path(db).resolve())
+
+
+def writer_for(db) -> Writer:
+    """The process's Writer for `db` (created, with its schema ensured, on first use)."""
+    key = _db_id(db)
+    with _writers_lock:
+        w = _writers.get(key)
+        if w is None:
+            w = _writers[key] = Writer(db)
+        return w
+
+
+def flush_pending(db) -> None:
+    """Wait for this process's pending writes to `db`, if it has a writer for it."""
+    w = _writers.get(_db_id(db))
+    if w is not None:
+        w.flush()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for w in list(_writers.values()):
+        try:
+            w.flush()
+        except Exception:
+            pass

@@ -1,0 +1,29 @@
+"""Alembic environment for gradstore.
+
+gradstore builds the Alembic Config in code (gradstore/database.py) and passes its own connection through
+`config.attributes["connection"]`; `alembic -c ...` from a shell works too, given `sqlalchemy.url`.
+"""
+from alembic import context
+from sqlalchemy import engine_from_config, pool
+
+config = context.config
+
+
+def _run(connection):
+    context.configure(
+        connection=connection,
+        target_metadata=None,
+        render_as_batch=True,  # SQLite cannot ALTER most things: batch mode copies the table
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+connection = config.attributes.get("connection")
+if connection is not None:
+    _run(connection)
+else:
+    engine = engine_from_config(config.get_section(config.config_ini_section, {}), prefix="sqlalchemy.",
+                                poolclass=pool.NullPool)
+    with engine.connect() as conn:
+        _run(conn)

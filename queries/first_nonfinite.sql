@@ -1,0 +1,29 @@
+-- title: First non-finite gradient
+-- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs hold NaN or +/-Inf: one row per non-finite slot of that call, with node, module, step, pass, role and slot.
+-- param run: run name; NULL for every run
+-- param rank: rank; NULL for every rank
+WITH bad AS (
+    SELECT st.run_id, st.rank, st.step, c.seq, t.call_id
+    FROM tensors t
+    JOIN calls c ON c.id = t.call_id
+    JOIN steps st ON st.id = t.step_id
+    JOIN runs r ON r.id = st.run_id
+    WHERE t.nan + t.posinf + t.neginf > 0
+      AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+), ranked AS (
+    SELECT call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
+    FROM bad
+)
+SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module,
+       ro.name AS role, t.slot, t.numel, t.nan, t.posinf, t.neginf, t.norm, t.min, t.max
+FROM ranked
+JOIN calls c ON c.id = ranked.call_id
+JOIN tensors t ON t.call_id = c.id
+JOIN passes p ON p.id = c.pass_id
+JOIN steps st ON st.id = c.step_id
+JOIN runs r ON r.id = st.run_id
+JOIN nodes n ON n.id = c.node_id
+JOIN roles ro ON ro.id = t.role
+WHERE ranked.nth = 1 AND t.nan + t.posinf + t.neginf > 0
+ORDER BY r.id, st.rank, t.role, t.slot;

@@ -1,0 +1,27 @@
+-- title: Gradient norms per node or per module, per step
+-- description: For each step and node key (by = node) or owning module (by = module): the L2 norm of all grad_outputs flowing into it and of all grad_inputs flowing out of it, taken over finite elements and combined over slots, calls and passes as sqrt(sum of squared norms); calls counts executions; nonfinite counts NaN and +/-Inf elements. With by = module, key is NULL.
+-- param run: run name; NULL for every run
+-- param by: node (default) or module
+-- param rank: rank; NULL for every rank
+-- param step: step number; NULL for every step
+-- param module: qualified module name; the module and its submodules; NULL for all
+SELECT r.name AS run, st.rank, st.step,
+       CASE WHEN COALESCE(CAST(:by AS TEXT), 'node') = 'module' THEN NULL ELSE n.key END AS key,
+       n.module,
+       SQRT(SUM(CASE WHEN t.role = 0 THEN t.norm * t.norm ELSE 0 END)) AS grad_output_norm,
+       SQRT(SUM(CASE WHEN t.role = 1 THEN t.norm * t.norm ELSE 0 END)) AS grad_input_norm,
+       COUNT(DISTINCT t.call_id) AS calls,
+       SUM(COALESCE(t.nan, 0) + COALESCE(t.posinf, 0) + COALESCE(t.neginf, 0)) AS nonfinite
+FROM tensors t
+JOIN steps st ON st.id = t.step_id
+JOIN runs r ON r.id = st.run_id
+JOIN nodes n ON n.id = t.node_id
+WHERE t.role IN (0, 1)
+  AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+  AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+  AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+  AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
+       OR n.module LIKE CAST(:module AS TEXT) || '.%')
+GROUP BY r.id, r.name, st.rank, st.step,
+         CASE WHEN COALESCE(CAST(:by AS TEXT), 'node') = 'module' THEN NULL ELSE n.key END, n.module
+ORDER BY r.id, st.step, st.rank, n.module, key;

@@ -1,0 +1,12 @@
+-- title: Nodes
+-- description: Every autograd node seen in a run: its stable key, name, kind, owning module ('' outside any module), parameter (AccumulateGrad of a parameter) and the step it was first seen in.
+-- param run: run name; NULL for every run
+-- param module: qualified module name; the module and its submodules; NULL for all
+SELECT r.name AS run, n.key, n.name, k.name AS kind, n.module, n.param, n.first_step
+FROM nodes n
+JOIN runs r ON r.id = n.run_id
+JOIN kinds k ON k.id = n.kind
+WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+  AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
+       OR n.module LIKE CAST(:module AS TEXT) || '.%')
+ORDER BY r.id, n.id;

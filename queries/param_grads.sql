@@ -1,0 +1,28 @@
+-- title: Parameter gradients per step
+-- description: Each parameter's .grad as it stood when the step's last top-level backward pass returned (after gradient accumulation and, under DDP, after the all-reduce): status (none when .grad was None) and statistics over finite elements, exact non-finite counts.
+-- param run: run name; NULL for every run
+-- param rank: rank; NULL for every rank
+-- param step: step number; NULL for every step
+-- param param: qualified parameter name; NULL for all
+SELECT run, rank, step, pass, param, module, status, dtype, shape, numel,
+       norm, min, max, mean, std, nan, posinf, neginf, zeros
+FROM (
+    SELECT r.id AS run_order, r.name AS run, st.rank, st.step, p.pass, n.param, n.module,
+           su.name AS status, d.name AS dtype, t.shape, t.numel,
+           t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, n.id AS node_order,
+           ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
+    FROM tensors t
+    JOIN steps st ON st.id = t.step_id
+    JOIN runs r ON r.id = st.run_id
+    JOIN nodes n ON n.id = t.node_id
+    JOIN passes p ON p.id = t.pass_id
+    JOIN statuses su ON su.id = t.status
+    LEFT JOIN dtypes d ON d.id = t.dtype
+    WHERE t.role = 2
+      AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+      AND (CAST(:param AS TEXT) IS NULL OR n.param = CAST(:param AS TEXT))
+) AS last_pass
+WHERE latest = 1
+ORDER BY run_order, step, rank, node_order;

@@ -1,0 +1,16 @@
+-- title: Backward passes
+-- description: One row per backward pass: kind (backward accumulates into .grad; grad is torch.autograd.grad), flags, number of roots, inputs= and reachable nodes, the parent pass and call of a nested pass (reentrant checkpoint), duration in seconds.
+-- param run: run name; NULL for every run
+-- param rank: rank; NULL for every rank
+-- param step: step number; NULL for every step
+SELECT r.name AS run, st.rank, st.step, p.pass, p.kind, p.parent_pass, p.parent_seq,
+       p.create_graph, p.retain_graph, p.roots, p.inputs, p.nodes,
+       (SELECT COUNT(*) FROM calls c WHERE c.pass_id = p.id) AS calls,
+       p.started_at, p.duration
+FROM passes p
+JOIN steps st ON st.id = p.step_id
+JOIN runs r ON r.id = st.run_id
+WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+  AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+  AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+ORDER BY r.id, st.step, st.rank, p.pass;
