@@ -65,6 +65,7 @@ class Walk:
     nodes: list = field(default_factory=list)
     edges: list[tuple[int, int, int, int]] = field(default_factory=list)
     index: dict[int, int] = field(default_factory=dict)
+    scope: dict | None = None  # set by describe: (module, name) -> highest ordinal given in this key scope
 
 
 def walk(roots: list) -> Walk:
@@ -100,31 +101,37 @@ class NodeInfo:
     param: str | None
 
 
-def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple]) -> list[NodeInfo]:
+def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple],
+             parent_scope: dict | None = None) -> list[NodeInfo]:
     """Give every walked node a `NodeInfo`, with keys 'module/Name#ordinal' or 'param:qualified.name'.
 
     Args:
-        w: the walk.
+        w: the walk; `w.scope` is set to the key scope this pass used.
         owner: callable sequence_nr -> module qualified name ('' outside any module).
         param_names: id(parameter) -> qualified name.
-        known: id(node) -> (node, NodeInfo) for nodes already keyed earlier in this step (a second pass over
-            the same graph, double backward); updated in place.
-    The ordinal of a node counts the nodes of the same name and module in this pass, in forward order
-    (`sequence_nr`, then walk order), after those already keyed in this step; so micro-batches and
-    steps of the same code give the same keys.
+        known: id(node) -> (node, NodeInfo, scope) for nodes already keyed earlier in this step (a second
+            pass over the same graph, double backward); updated in place.
+        parent_scope: the key scope of the enclosing pass, for a nested pass (reentrant checkpoint).
+    The ordinal of a node counts the nodes of the same name and module in forward order (`sequence_nr`,
+    then walk order) within a key scope. A pass whose graph reuses nodes keyed earlier in this step (other
+    than AccumulateGrad nodes: double backward, a second pass over a retained graph) continues their scope,
+    and a nested pass continues its parent's; a fresh graph starts a new scope. So two different nodes of one
+    graph lineage never share a key, while micro-batches and steps of the same code give the same keys.
     """
     infos: list[NodeInfo | None] = [None] * len(w.nodes)
     groups: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    taken: dict[tuple[str, str], int] = {}
+    scope = parent_scope
     leaf_ordinal = 0
     for i, node in enumerate(w.nodes):
         hit = known.get(id(node))
         if hit is not None:
-            info = hit[1]
-            infos[i] = info
-            base = (info.module, info.name)
-            ordinal = int(info.key.rsplit("#", 1)[1]) if "#" in info.key else -1
-            taken[base] = max(taken.get(base, -1), ordinal)
+            infos[i] = hit[1]
+            if hit[1].kind != "accumulate_grad":
+                if scope is None:
+                    scope = hit[2]
+                elif hit[2] is not scope:
+                    for base, ordinal in hit[2].items():
+                        scope[base] = max(scope.get(base, -1), ordinal)
             continue
         name = node_name(node)
         kind = node_kind(node, name)
@@ -141,12 +148,16 @@ def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple
             continue
         seq = tp.sequence_nr(node)
         groups.setdefault((owner(seq), name), []).append((seq, i, i))
+    if scope is None:
+        scope = {}
     for (module, name), members in groups.items():
-        start = taken.get((module, name), -1) + 1
+        start = scope.get((module, name), -1) + 1
         prefix = f"{module}/" if module else ""
         for ordinal, (_, _, i) in enumerate(sorted(members), start=start):
             infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, node_kind(w.nodes[i], name), module, None)
+        scope[(module, name)] = start + len(members) - 1
     for i, node in enumerate(w.nodes):
         if id(node) not in known:
-            known[id(node)] = (node, infos[i])
+            known[id(node)] = (node, infos[i], scope)
+    w.scope = scope
     return infos  # type: ignore[return-value]

@@ -17,21 +17,36 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from . import _torch_private as tp
 
 
-def qualified_names(models: list[nn.Module]) -> dict[int, str]:
-    """Map id(module) -> qualified name ('' for a root) for every module under `models`.
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a wrapper with a `.module` attribute (DistributedDataParallel, DataParallel), else itself."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
 
-    A wrapper with a `.module` attribute (DistributedDataParallel, DataParallel) is unwrapped, so names
-    match the plain model's.
+
+def qualified_names(models: list[tuple[str, nn.Module]]) -> dict[int, str]:
+    """Map id(module) -> qualified name for every module under `models`, given as (prefix, model) pairs.
+
+    A model's own name is its prefix ('' for a single model); a wrapper with a `.module` attribute
+    (DistributedDataParallel, DataParallel) is unwrapped, so names match the plain model's.
     """
     names: dict[int, str] = {}
-    for model in models:
-        inner = getattr(model, "module", None)
-        if isinstance(inner, nn.Module):
-            names.setdefault(id(model), "")
-            model = inner
-        for name, mod in model.named_modules(remove_duplicate=False):
-            names.setdefault(id(mod), name)
+    for prefix, model in models:
+        names.setdefault(id(model), prefix)
+        for name, mod in unwrap(model).named_modules(remove_duplicate=False):
+            names.setdefault(id(mod), ".".join(filter(None, (prefix, name))))
     return names
+
+
+def named_parameters(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
+    """[(qualified name, parameter)] of `models` ((prefix, model) pairs); a tied parameter once, under its
+    first name (`nn.Module.named_parameters`)."""
+    out, seen = [], set()
+    for prefix, model in models:
+        for name, p in unwrap(model).named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((".".join(filter(None, (prefix, name))), p))
+    return out
 
 
 class ModuleTracker:

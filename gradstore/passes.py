@@ -9,6 +9,7 @@ to lists. They return None, so they never change a gradient. PyTorch's node hook
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import warnings
@@ -25,6 +26,8 @@ class PassRecord:
 
     calls: (node key, seq, start seconds since pass start, duration seconds or None);
     tensors: dicts with key, seq (None for param_grad rows), role, slot and the columns of stats.to_rows.
+    reachable: how many nodes the walk reached from the roots (`nodes` also lists the AccumulateGrad nodes of
+    parameters the pass did not reach, for their param_grad rows).
     """
 
     number: int
@@ -42,6 +45,7 @@ class PassRecord:
     calls: list[tuple[str, int, float, float | None]] = field(default_factory=list)
     tensors: list[dict] = field(default_factory=list)
     nonfinite: bool = False
+    reachable: int = 0
 
 
 class StepState:
@@ -49,7 +53,7 @@ class StepState:
     Node objects in this step, the passes still running, and the finished records."""
 
     def __init__(self):
-        self.seq = 0
+        self._seq = itertools.count()  # next() is atomic under the GIL: hooks may fire on device threads
         self.pass_count = 0
         self.known: dict[int, tuple] = {}
         self.active: list[PassRecorder] = []
@@ -58,8 +62,7 @@ class StepState:
         self.faults: list[str] = []
 
     def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq - 1
+        return next(self._seq)
 
     def open_stack(self) -> list:
         stack = getattr(self.open_calls, "stack", None)
@@ -115,13 +118,21 @@ class PassRecorder:
         roots = roots_of(outputs)
         self.record.roots = len(roots)
         self.walk = walk(roots)
+        self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
-        self.infos = describe(self.walk, owner, param_names, step.known)
+        parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
+        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope)
         step.active.append(self)
-        for i, node in enumerate(self.walk.nodes):
-            pre, post = self._hooks(i)
-            self.handles.append(node.register_prehook(pre))
-            self.handles.append(node.register_hook(post))
+        try:
+            for i, node in enumerate(self.walk.nodes):
+                pre, post = self._hooks(i)
+                self.handles.append(node.register_prehook(pre))
+                self.handles.append(node.register_hook(post))
+        except BaseException:
+            for h in self.handles:
+                h.remove()
+            step.active.remove(self)
+            raise
 
     # ---- the hot path ----------------------------------------------------------------------------------
     def _mine(self) -> bool:

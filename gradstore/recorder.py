@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import socket
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from sqlalchemy import func, insert, select, update
 from . import intercept
 from . import schema as s
 from .errors import RecordUsageError
-from .modules import ModuleTracker, qualified_names
+from .modules import ModuleTracker, named_parameters, qualified_names
 from .passes import PassRecorder, StepState
 from .writer import StepBatch, writer_for
 
@@ -55,8 +55,9 @@ class record:
         run: the run's name (str). Recording again into an existing run continues its step numbering
             (per rank).
         db: SQLite file path (created if missing; default ./gradstore.db) or an SQLAlchemy URL.
-        model: an `nn.Module` or a list of them; their qualified names label modules and parameters. The
-            decorator uses the function's `nn.Module` arguments when it is not given.
+        model: an `nn.Module`, or a list or dict of them; qualified names label modules and parameters
+            (several models are prefixed by dict key or list position). The decorator uses the function's
+            `nn.Module` arguments when it is not given (several are prefixed by the argument's name).
         meta: a JSON-serialisable dict stored with the run on creation.
     Raises:
         RecordUsageError: a bad argument, or a scope opened inside another.
@@ -69,11 +70,7 @@ class record:
                  meta: dict | None = None):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
-        models = [] if model is None else (list(model) if isinstance(model, (list, tuple)) else [model])
-        for m in models:
-            if not isinstance(m, nn.Module):
-                raise RecordUsageError(
-                    f"record(model=...) takes an nn.Module or a list of them, got {type(m).__name__}")
+        models = _named_models(model)
         if meta is not None and not isinstance(meta, dict):
             raise RecordUsageError(f"record(meta=...) takes a dict, got {type(meta).__name__}")
         self.run = run
@@ -127,14 +124,7 @@ class record:
             self._open_run()
         self._in_scope = True
         models = self.models or models
-        self._params = []
-        seen = set()
-        for m in models:
-            inner = getattr(m, "module", None)
-            for name, p in (inner if isinstance(inner, nn.Module) else m).named_parameters():
-                if id(p) not in seen:  # tied weights once, under their first name
-                    seen.add(id(p))
-                    self._params.append((name, p))
+        self._params = named_parameters(models)
         self._tracker = ModuleTracker(qualified_names(models))
         self._tracker.install()
         intercept.activate(self)
@@ -227,10 +217,14 @@ class record:
         if not callable(fn):
             raise RecordUsageError(f"@record(...) decorates a function, got {type(fn).__name__}")
 
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            signature = None
+
         @functools.wraps(fn)
         def recorded(*args, **kwargs):
-            found = [a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)]
-            self._enter(found)
+            self._enter(_module_arguments(signature, args, kwargs))
             exc = None
             try:
                 return fn(*args, **kwargs)
@@ -249,5 +243,36 @@ class record:
             self._writer.flush()
 
 
-def _warn_once(msg: str) -> None:
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+def _named_models(model) -> list[tuple[str, nn.Module]]:
+    """record(model=...) as (prefix, module) pairs: one model gets no prefix; several are prefixed by their
+    dict key or list position, so that two models' parameters never share a name."""
+    if model is None:
+        return []
+    if isinstance(model, nn.Module):
+        pairs = [("", model)]
+    elif isinstance(model, dict):
+        pairs = [(str(k), m) for k, m in model.items()]
+    elif isinstance(model, (list, tuple)):
+        pairs = [(str(i), m) for i, m in enumerate(model)]
+    else:
+        raise RecordUsageError(f"record(model=...) takes an nn.Module, a list or a dict of them, got {type(model).__name__}")
+    for name, m in pairs:
+        if not isinstance(m, nn.Module):
+            raise RecordUsageError(
+                f"record(model=...) takes an nn.Module, a list or a dict of them; {name or 'it'} is {type(m).__name__}")
+    return [("", pairs[0][1])] if len(pairs) == 1 else pairs
+
+
+def _module_arguments(signature, args, kwargs) -> list[tuple[str, nn.Module]]:
+    """The decorated function's nn.Module arguments as (prefix, module): no prefix for a single one, the
+    parameter's name for several (`train(model, ema_model)` -> 'model.…', 'ema_model.…')."""
+    found = []
+    if signature is not None:
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            found = [(name, v) for name, v in bound.items() if isinstance(v, nn.Module)]
+        except TypeError:
+            found = []
+    if not found:
+        found = [(str(i), a) for i, a in enumerate((*args, *kwargs.values())) if isinstance(a, nn.Module)]
+    return [("", found[0][1])] if len(found) == 1 else found

@@ -114,6 +114,7 @@ def measure(t: torch.Tensor | None) -> Measured:
     """
     if t is None:
         return NONE
+    m = None
     try:
         shape = ",".join(str(s) for s in t.shape)
         m = Measured("ok", dtype=dtype_code(t.dtype), shape=shape, numel=t.numel())
@@ -130,7 +131,11 @@ def measure(t: torch.Tensor | None) -> Measured:
             m.vec = _reduce(x)
         return m
     except Exception as exc:  # a recorder fault must never reach the training code
-        return Measured("skipped", reason=f"{type(exc).__name__}: {exc}"[:500])
+        reason = f"{type(exc).__name__}: {exc}"[:500]
+        if m is None:
+            return Measured("skipped", reason=reason)
+        # keep dtype, shape and numel: they were known before the fault
+        return Measured("skipped", reason=reason, dtype=m.dtype, shape=m.shape, numel=m.numel)
 
 
 def _derive(v) -> dict:

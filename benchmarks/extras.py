@@ -1,0 +1,178 @@
+"""Smaller sections: what a recorded step holds (from the store), where the training thread's time goes
+outside the hooks, a cProfile of the full level, peak RSS, and the overhead against model depth."""
+from __future__ import annotations
+
+import contextlib
+import cProfile
+import io
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+from .common import Bench, ModelSpec, Worker, log, median, train_step
+from .configs import Gradstore, NoRecording
+from .timing import interleaved, summarize
+
+
+# ---- what one step holds -----------------------------------------------------------------------------------
+def counts_from_store(db: Path, run: str) -> dict:
+    """Per recorded step, from gradstore.open(db): nodes, calls and tensor rows (medians over steps)."""
+    import gradstore
+
+    store = gradstore.open(str(db))
+    try:
+        passes = store.passes(run)
+        if passes.empty:
+            return {"steps": 0}
+        per_step = passes.groupby("step").agg(nodes=("nodes", "sum"), calls=("calls", "sum"))
+        steps = list(per_step.index)
+        pick = steps[len(steps) // 2]
+        tensors = store.tensors(run, step=int(pick))
+        by_role = tensors.groupby("role").size().to_dict() if not tensors.empty else {}
+        return {
+            "steps": len(steps),
+            "nodes": float(median(list(per_step["nodes"]))),
+            "calls": float(median(list(per_step["calls"]))),
+            "tensor_rows": int(len(tensors)),
+            "tensor_rows_by_role": {str(k): int(v) for k, v in by_role.items()},
+            "step_counted": int(pick),
+        }
+    finally:
+        store.close()
+
+
+# ---- the training thread outside the hooks -----------------------------------------------------------------
+@contextlib.contextmanager
+def _timed(owner, attr: str, sink: dict, key: str):
+    fn = getattr(owner, attr, None)
+    if fn is None:
+        sink.setdefault("missing", []).append(f"{owner.__name__}.{attr}")
+        yield
+        return
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, attr, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, fn)
+
+
+def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None) -> dict:
+    """Time spent by the training thread in gradstore code that is not a hook, per step (stats=full):
+    scope entry (decorator), pass start (graph walk, hook registration), end of pass (hook removal,
+    parameter gradients, the one host transfer, rows), end of step (StepBatch, hand-off to the writer)."""
+    import gradstore
+    from gradstore import passes, recorder
+
+    rec = gradstore.record("outside-hooks", db=str(db), model=bench.model)
+    fn = rec(train_step)
+    fn(bench.model, bench)  # warm-up
+    rec.flush()
+    totals: dict = {}
+    per_step = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_timed(recorder.record, "_enter", totals, "scope entry"))
+        stack.enter_context(_timed(passes.PassRecorder, "__init__", totals, "pass start (walk, register hooks)"))
+        stack.enter_context(_timed(passes.PassRecorder, "finish", totals, "end of pass (transfer, rows)"))
+        stack.enter_context(_timed(recorder.record, "_end_step", totals, "end of step (hand-off to writer)"))
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn(bench.model, bench)
+            per_step.append(time.perf_counter() - t0)
+            rec.flush()
+    missing = totals.pop("missing", [])
+    parts = {k: v / steps for k, v in totals.items()}
+    out = {"parts_s": parts, "missing": missing, "step_s": median(per_step), "none_step_s": none_step_s}
+    handoff = sum(v for k, v in parts.items() if k.startswith(("end of pass", "end of step")))
+    if none_step_s:
+        out["handoff_fraction"] = handoff / none_step_s
+        out["fractions"] = {k: v / none_step_s for k, v in parts.items()}
+    return out
+
+
+def profile_full(bench: Bench, db: Path, steps: int, top: int = 18) -> str:
+    """cProfile of `steps` recorded steps at the default level: the top functions by own time."""
+    import gradstore
+
+    rec = gradstore.record("profile", db=str(db), model=bench.model)
+    fn = rec(train_step)
+    fn(bench.model, bench)
+    rec.flush()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn(bench.model, bench)
+    prof.disable()
+    rec.flush()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(top)
+    lines = buf.getvalue().splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.strip().startswith("ncalls")), 0)
+    body = [ln.replace(str(Path.cwd()) + "/", "") for ln in lines[start:] if ln.strip()]
+    return "\n".join(body)
+
+
+# ---- peak RSS -------------------------------------------------------------------------------------------------
+def peak_rss(spec: ModelSpec, steps: int, repeats: int, threads: int = 1) -> dict:
+    """Fresh processes, without and with recording side by side (memory is per process); peak RSS of the
+    training steps (the peak is reset after imports and model construction where Linux allows)."""
+    res = {"none": [], "full": [], "setup_none": [], "setup_full": [], "errors": [], "reset": None}
+    with tempfile.TemporaryDirectory(prefix="gradstore-rss-") as tmp:
+        for i in range(repeats):
+            jobs = {mode: Worker(["rss", "--record", mode, "--steps", str(steps), "--threads", str(threads),
+                                  "--db", str(Path(tmp) / f"rss-{i}.db"), *spec.to_args()], timeout=900)
+                    for mode in ("none", "full")}
+            for mode, job in jobs.items():
+                r = job.result()
+                if "error" in r:
+                    res["errors"].append(f"{mode}: {r['error']}")
+                    continue
+                res[mode].append(r["peak_kib"])
+                res.setdefault(f"ru_maxrss_{mode}", []).append(r.get("ru_maxrss_kib"))
+                res["source"] = r.get("peak_source")
+                res[f"setup_{mode}"].append(r.get("setup_rss_kib"))
+                res["reset"] = r.get("peak_reset_after_setup")
+            log(f"rss: round {i + 1}/{repeats}: peak none {res['none'][-1:]} KiB, full {res['full'][-1:]} KiB")
+    if res["none"] and res["full"]:
+        res["none_mib"] = median(res["none"]) / 1024
+        res["full_mib"] = median(res["full"]) / 1024
+        res["ratio"] = median(res["full"]) / median(res["none"])
+        if all(res["setup_none"]) and all(res["setup_full"]):
+            res["setup_none_mib"] = median(res["setup_none"]) / 1024
+            res["setup_full_mib"] = median(res["setup_full"]) / 1024
+    return res
+
+
+# ---- overhead against depth -----------------------------------------------------------------------------------
+def depth_sweep(spec: ModelSpec, layers: list[int], rounds: int, warmup: int, workdir: Path) -> dict:
+    """For each n_layer: none and gradstore full, interleaved, 1 thread; ratio of medians."""
+    import torch
+
+    torch.set_num_threads(1)
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for n in layers:
+        bench = Bench(spec.with_layers(n))
+        cfgs = [NoRecording(bench), Gradstore(bench, workdir / f"depth-{n}.db", "full")]
+        res = summarize(interleaved(cfgs, rounds, warmup, label=f"depth n_layer={n}"))
+        full = res[cfgs[1].name]
+        counts = {}
+        if full["status"] == "ok":
+            try:
+                counts = counts_from_store(workdir / f"depth-{n}.db", cfgs[1].run)
+            except Exception as exc:
+                counts = {"error": str(exc)}
+        out[n] = {"none_s": res["none"]["median_s"], "full_s": full.get("median_s"), "ratio": full.get("ratio"),
+                  "ratio_incl_write": full.get("ratio_incl_write"), "status": full["status"],
+                  "note": full.get("note", ""), **{k: counts.get(k) for k in ("nodes", "calls", "tensor_rows")}}
+        del bench
+    return out

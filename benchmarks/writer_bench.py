@@ -1,0 +1,233 @@
+"""The writer: rows/s through the real `gradstore.writer.Writer.write` against raw `sqlite3.executemany` of
+the same rows in one WAL transaction (same run, same machine), and bytes per tensor row on disk."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+from .common import Bench, log, median, train_step
+
+
+@contextlib.contextmanager
+def capture_batches(store: list):
+    """Keep a reference to every StepBatch handed to a Writer (the real one still writes it)."""
+    from gradstore import writer as gw
+
+    original = gw.Writer.submit
+
+    def submit(self, batch, *a, **kw):
+        store.append(batch)
+        return original(self, batch, *a, **kw)
+
+    gw.Writer.submit = submit
+    try:
+        yield store
+    finally:
+        gw.Writer.submit = original
+
+
+def recorded_batch(bench: Bench, db: Path):
+    """One StepBatch of the reference step recorded at the default level (full), after a warm-up step."""
+    import gradstore
+
+    rec = gradstore.record("capture", db=str(db), model=bench.model)
+    fn = rec(train_step)
+    fn(bench.model, bench)
+    batches = []
+    with capture_batches(batches):
+        fn(bench.model, bench)
+    rec.flush()
+    if not batches:
+        raise RuntimeError("no StepBatch reached Writer.submit")
+    return batches[-1]
+
+
+def _count(batch) -> tuple[int, int, int]:
+    calls = sum(len(p.calls) for p in batch.passes)
+    tensors = sum(len(p.tensors) for p in batch.passes)
+    nodes = sum(len(p.nodes) for p in batch.passes)
+    return nodes, calls, tensors
+
+
+def _new_run(engine, name: str) -> int:
+    from sqlalchemy import insert
+
+    from gradstore import schema as s
+
+    with engine.begin() as conn:
+        return conn.execute(insert(s.runs).returning(s.runs.c.id), {
+            "name": name, "status": "running", "created_at": time.time(), "world_size": 1,
+        }).scalar_one()
+
+
+def through_writer(batch, db: Path, n: int) -> dict:
+    """Write the batch n+1 times (as steps 0..n) through Writer.write; step 0 (new nodes and edges) untimed."""
+    from gradstore.writer import Writer
+
+    w = Writer(str(db))
+    try:
+        run_id = _new_run(w.engine, "writer-bench")
+        w.write(dataclasses.replace(batch, run_id=run_id, step=0, run_status=None))
+        copies = [dataclasses.replace(batch, run_id=run_id, step=i, run_status=None) for i in range(1, n + 1)]
+        per_step = []
+        t0 = time.perf_counter()
+        for b in copies:
+            t1 = time.perf_counter()
+            w.write(b)
+            per_step.append(time.perf_counter() - t1)
+        total = time.perf_counter() - t0
+    finally:
+        w.close()
+    return {"seconds": total, "per_step_s": median(per_step)}
+
+
+def _columns(table) -> list[str]:
+    return [c.name for c in table.columns]
+
+
+def raw_executemany(batch, db: Path, n: int) -> dict:
+    """The same rows (steps, passes, calls, tensors of n steps) with sqlite3.executemany in one WAL
+    transaction; ids assigned in Python. Schema from gradstore (ensure_schema), nodes inserted untimed."""
+    from gradstore import schema as s
+    from gradstore.database import ensure_schema, make_engine
+    from gradstore.schema import ROLE
+
+    engine = make_engine(str(db))
+    ensure_schema(engine, str(db))
+    run_id = _new_run(engine, "raw-bench")
+    engine.dispose()
+
+    conn = sqlite3.connect(str(db), isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    node_cols = _columns(s.nodes)
+    keys = {}
+    for p in batch.passes:
+        for nd in p.nodes:
+            keys.setdefault(nd.key, nd)
+    node_rows = []
+    for i, (key, nd) in enumerate(keys.items(), start=1):
+        row = {"id": i, "run_id": run_id, "key": key, "name": nd.name, "kind": 0, "module": nd.module,
+               "param": nd.param, "first_step": 0}
+        node_rows.append(tuple(row.get(c) for c in node_cols))
+    conn.execute("BEGIN")
+    conn.executemany(f"INSERT INTO nodes ({','.join(node_cols)}) VALUES ({','.join('?' * len(node_cols))})",
+                     node_rows)
+    conn.execute("COMMIT")
+    node_id = {k: i for i, k in enumerate(keys, start=1)}
+
+    step_cols, pass_cols = _columns(s.steps), _columns(s.passes)
+    call_cols, tensor_cols = _columns(s.calls), _columns(s.tensors)
+
+    def sql(table, cols):
+        return f"INSERT INTO {table} ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})"
+
+    step_sql, pass_sql = sql("steps", step_cols), sql("passes", pass_cols)
+    call_sql, tensor_sql = sql("calls", call_cols), sql("tensors", tensor_cols)
+    t0 = time.perf_counter()
+    conn.execute("BEGIN")
+    pass_id = call_id = tensor_id = 0
+    for step in range(1, n + 1):
+        b = batch
+        conn.execute(step_sql, tuple({
+            "id": step, "run_id": run_id, "rank": b.rank, "step": step, "started_at": b.started_at,
+            "ended_at": b.ended_at, "status": b.status, "error": b.error, "passes": len(b.passes),
+        }.get(c) for c in step_cols))
+        for p in b.passes:
+            pass_id += 1
+            conn.execute(pass_sql, tuple({
+                "id": pass_id, "step_id": step, "pass": p.number, "parent_pass": p.parent_pass,
+                "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
+                "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
+                "nodes": getattr(p, "reachable", len(p.nodes)), "started_at": p.started_at,
+                "duration": p.duration,
+            }.get(c) for c in pass_cols))
+            seq_to_call = {}
+            call_rows = []
+            for key, seq, start, dur in p.calls:
+                call_id += 1
+                seq_to_call[seq] = call_id
+                call_rows.append(tuple({"id": call_id, "step_id": step, "pass_id": pass_id,
+                                        "node_id": node_id[key], "seq": seq, "start": start,
+                                        "duration": dur}.get(c) for c in call_cols))
+            conn.executemany(call_sql, call_rows)
+            tensor_rows = []
+            for t in p.tensors:
+                tensor_id += 1
+                row = dict(t)
+                row.update(id=tensor_id, step_id=step, pass_id=pass_id, node_id=node_id[t["key"]],
+                           call_id=seq_to_call.get(t["seq"]) if t["seq"] is not None else None,
+                           role=ROLE[t["role"]])
+                tensor_rows.append(tuple(row.get(c) for c in tensor_cols))
+            conn.executemany(tensor_sql, tensor_rows)
+    conn.execute("COMMIT")
+    total = time.perf_counter() - t0
+    conn.close()
+    return {"seconds": total}
+
+
+def bytes_per_row(db: Path) -> dict:
+    """VACUUM the database, then: whole file / tensor rows, and (dbstat) the tensors table plus its indexes /
+    tensor rows."""
+    conn = sqlite3.connect(str(db), isolation_level=None)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.execute("VACUUM")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    rows = conn.execute("SELECT COUNT(*) FROM tensors").fetchone()[0]
+    calls = conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
+    size = os.path.getsize(db)
+    out = {"tensor_rows": rows, "calls": calls, "file_bytes": size,
+           "file_bytes_per_tensor_row": size / rows if rows else None}
+    try:
+        per = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall())
+        idx = [r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tensors'")]
+        call_idx = [r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'")]
+        tensors_bytes = per.get("tensors", 0) + sum(per.get(i, 0) for i in idx)
+        calls_bytes = per.get("calls", 0) + sum(per.get(i, 0) for i in call_idx)
+        out.update(tensors_table_bytes=per.get("tensors", 0), tensors_index_bytes=sum(per.get(i, 0) for i in idx),
+                   tensors_bytes_per_row=tensors_bytes / rows if rows else None,
+                   calls_bytes_per_tensor_row=calls_bytes / rows if rows else None,
+                   tensor_indexes=idx)
+    except sqlite3.OperationalError as exc:  # sqlite built without dbstat
+        out["dbstat"] = f"unavailable: {exc}"
+    conn.close()
+    return out
+
+
+def run(bench: Bench, workdir: Path, n: int, repeats: int = 3) -> dict:
+    """Capture a real step, then alternate Writer.write and raw executemany `repeats` times (fresh files)."""
+    log(f"writer: recording one reference step to capture its StepBatch")
+    batch = recorded_batch(bench, workdir / "capture.db")
+    nodes, calls, tensors = _count(batch)
+    res = {"steps": n, "nodes_per_step": nodes, "calls_per_step": calls, "tensor_rows_per_step": tensors,
+           "writer_s": [], "raw_s": [], "writer_per_step_s": []}
+    for i in range(repeats):
+        wdb, rdb = workdir / f"writer-{i}.db", workdir / f"raw-{i}.db"
+        w = through_writer(batch, wdb, n)
+        r = raw_executemany(batch, rdb, n)
+        res["writer_s"].append(w["seconds"])
+        res["writer_per_step_s"].append(w["per_step_s"])
+        res["raw_s"].append(r["seconds"])
+        log(f"writer: round {i + 1}/{repeats}: Writer.write {n * tensors / w['seconds']:,.0f} tensor rows/s, "
+            f"raw executemany {n * tensors / r['seconds']:,.0f} tensor rows/s")
+        if i == repeats - 1:
+            res["bytes"] = bytes_per_row(wdb)
+            res["bytes_raw"] = bytes_per_row(rdb)
+        for f in (wdb, rdb):
+            if i != repeats - 1:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(str(f) + suffix).unlink(missing_ok=True)
+    rows = n * tensors
+    all_rows = n * (tensors + calls + 1 + len(batch.passes))
+    res["writer_tensor_rows_per_s"] = rows / median(res["writer_s"])
+    res["raw_tensor_rows_per_s"] = rows / median(res["raw_s"])
+    res["writer_all_rows_per_s"] = all_rows / median(res["writer_s"])
+    res["raw_all_rows_per_s"] = all_rows / median(res["raw_s"])
+    res["writer_ms_per_step"] = median(res["writer_per_step_s"]) * 1e3
+    return res

@@ -1,0 +1,225 @@
+"""The command line (gradstore.cli) through click's CliRunner: the demo's numbers agree with the database,
+the reading commands print what the Store returns, and every failure is one line and a non-zero exit."""
+import io
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+import gradstore
+from gradstore.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_one_line_error(result, *words):
+    """Non-zero exit, no traceback, and the error on one line that names `words`."""
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    assert "Error:" not in result.stdout
+    for w in words:
+        assert w in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def demo_db(tmp_path_factory):
+    """(path, output) of a database holding run 'demo' (2 steps) recorded by `gradstore demo`."""
+    path = tmp_path_factory.mktemp("demo") / "gradstore.db"
+    result = invoke("demo", "--db", path, "--steps", 2)
+    assert result.exit_code == 0, result.output
+    return str(path), result.output
+
+
+def sql_count(path, sql):
+    con = sqlite3.connect(path)
+    try:
+        return con.execute(sql).fetchone()[0]
+    finally:
+        con.close()
+
+
+def test_demo_counts_agree_with_the_database(demo_db):
+    path, out = demo_db
+    expected = {
+        "steps": sql_count(path, "SELECT COUNT(*) FROM steps"),
+        "passes": sql_count(path, "SELECT COUNT(*) FROM passes"),
+        "nodes": sql_count(path, "SELECT COUNT(*) FROM nodes"),
+        "edges": sql_count(path, "SELECT COUNT(*) FROM edges"),
+        "calls": sql_count(path, "SELECT COUNT(*) FROM calls"),
+        "tensors": sql_count(path, "SELECT COUNT(*) FROM tensors"),
+    }
+    assert expected["steps"] == 2 and expected["passes"] == 2  # one loss.backward() per step
+    assert expected["calls"] > 100 and expected["tensors"] > expected["calls"]
+    printed = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in expected and parts[1].replace(",", "").isdigit():
+            printed.setdefault(parts[0], int(parts[1].replace(",", "")))
+    assert printed == expected, out
+    assert sql_count(path, "SELECT COUNT(*) FROM runs WHERE name = 'demo' AND status = 'finished'") == 1
+
+
+def test_demo_prints_slowest_nodes_and_module_norms_from_the_queries(demo_db):
+    path, out = demo_db
+    with gradstore.open(path) as store:
+        calls = store.calls(run="demo")
+        slowest = calls.groupby("key")["duration"].sum().sort_values(ascending=False).index[0]
+        norms = store.grad_norms(run="demo", by="module")
+        biggest = norms.sort_values("grad_output_norm", ascending=False)["module"].iloc[0]
+    section = out.split("Slowest nodes")[1].split("Largest gradient norms")[0]
+    assert slowest in section
+    assert (biggest or "(outside any module)") in out.split("Largest gradient norms")[1]
+    assert "transformer.h.0." in section or "transformer.h.1." in section  # GPT-2 style module names
+    assert "gradstore show" in out and "first_nonfinite.sql" in out
+
+
+def test_demo_model_reads_like_gpt2():
+    from gradstore.demo import GPT, GPTConfig
+
+    model = GPT(GPTConfig())
+    names = dict(model.named_modules())
+    for name in ("transformer.wte", "transformer.wpe", "transformer.h.0.ln_1", "transformer.h.0.attn.c_attn",
+                 "transformer.h.0.attn.c_proj", "transformer.h.1.mlp.c_fc", "transformer.h.1.mlp.c_proj",
+                 "transformer.ln_f", "lm_head"):
+        assert name in names
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_demo_nan_step_is_found_by_first_nonfinite(db):
+    from gradstore.demo import run_demo
+
+    summary = run_demo(db=db, run="nan", steps=2, nan_step=1, n_layer=1, n_embd=32, block_size=8)
+    assert summary["steps"] == 2 and len(summary["losses"]) == 2
+    with gradstore.open(db) as store:
+        bad = store.first_nonfinite(run="nan")
+        assert list(store.steps(run="nan")["status"]) == ["ok", "nonfinite"]
+    assert set(bad["step"]) == {1} and set(bad["module"]) == {"transformer.h.0.mlp.c_fc"}
+    out = invoke("show", db, "nan").output
+    assert "First non-finite gradient" in out and "transformer.h.0.mlp.c_fc" in out
+
+
+def test_runs_lists_the_run(demo_db):
+    path, _ = demo_db
+    result = invoke("runs", path)
+    assert result.exit_code == 0, result.output
+    header, row = result.output.splitlines()[:2]
+    assert header.split()[:3] == ["run", "status", "steps"]
+    assert row.split()[:3] == ["demo", "finished", "2"]
+
+
+def test_show_run_and_step(demo_db):
+    path, _ = demo_db
+    result = invoke("show", path, "demo")
+    assert result.exit_code == 0, result.output
+    calls = sql_count(path, "SELECT COUNT(*) FROM calls")
+    assert f"{calls:,}" in result.output and "Steps (2 ok)" in result.output
+
+    result = invoke("show", path, "demo", "--step", 1, "--limit", 3)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    step_calls = sql_count(path, "SELECT COUNT(*) FROM calls c JOIN steps s ON s.id = c.step_id WHERE s.step = 1")
+    assert f"Slowest calls of {step_calls:,}" in out
+    assert "Backward passes" in out and "param_grad" in out and "transformer.wte.weight" in out
+    assert len(out.splitlines()) < 60  # readable, not every row
+
+
+def test_show_unknown_run_or_step_is_one_line(demo_db):
+    path, _ = demo_db
+    assert_one_line_error(invoke("show", path, "nope"), "nope", "demo")
+    assert_one_line_error(invoke("show", path, "demo", "--step", 99), "99", "0-1")
+
+
+def test_query_table_and_csv_match_store_query(demo_db):
+    path, _ = demo_db
+    with gradstore.open(path) as store:
+        expected = store.query("steps", run="demo")
+        expected_calls = store.query("calls", run="demo", step=1)
+
+    table = invoke("query", path, "steps", "-p", "run=demo")
+    assert table.exit_code == 0, table.output
+    assert table.output.splitlines()[0].split() == list(expected.columns)
+    assert len(table.output.splitlines()) == len(expected) + 1
+
+    for name, params, exp in (("steps", ["-p", "run=demo"], expected),
+                              ("calls", ["-p", "run=demo", "-p", "step=1"], expected_calls)):
+        result = invoke("query", path, name, *params, "--csv")
+        assert result.exit_code == 0, result.output
+        got = pd.read_csv(io.StringIO(result.output))
+        exp = exp.fillna(value=float("nan")).replace({"": float("nan"), None: float("nan")})
+        pd.testing.assert_frame_equal(got, exp, check_dtype=False)
+
+
+def test_query_errors_are_one_line(demo_db, tmp_path):
+    path, _ = demo_db
+    assert_one_line_error(invoke("query", path, "nope"), "nope", "first_nonfinite")
+    assert_one_line_error(invoke("query", path, "steps", "-p", "color=red"), "color", "run, rank, step")
+    assert_one_line_error(invoke("query", path, "steps", "-p", "run"), "run", "NAME=VALUE")
+    assert_one_line_error(invoke("query", path, "steps", "-p", "run=ghost"), "ghost")
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("hello\n" * 100)
+    assert_one_line_error(invoke("query", not_a_db, "steps"), "not a database")
+
+
+def test_missing_database_is_not_created(tmp_path):
+    missing = tmp_path / "missing.db"
+    for args in (("runs", missing), ("show", missing, "demo"), ("query", missing, "steps")):
+        assert_one_line_error(invoke(*args), str(missing))
+        assert not missing.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_queries_listing():
+    for args in (("queries",), ("query", "--list")):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+        assert "first_nonfinite" in result.output and "First non-finite gradient" in result.output
+    assert "-p module=" in invoke("queries", "-v").output
+
+
+def test_db_upgrade_creates_revision_0001(db):
+    result = invoke("db", "upgrade", db)
+    assert result.exit_code == 0, result.output
+    assert "0001" in result.output
+    assert sql_count(db, "SELECT version_num FROM alembic_version") == "0001"
+    again = invoke("db", "upgrade", db)
+    assert again.exit_code == 0 and "already at schema revision 0001" in again.output
+    assert_one_line_error(invoke("db", "upgrade", Path(db).parent / "no" / "such" / "dir.db"), "database error")
+
+
+def _commands(group, prefix=()):
+    for name, cmd in group.commands.items():
+        yield prefix + (name,), cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, prefix + (name,))
+
+
+def test_every_command_and_option_has_help():
+    assert main.help
+    found = set()
+    for path, cmd in _commands(main):
+        found.add(" ".join(path))
+        assert cmd.help and cmd.get_short_help_str(), path
+        for param in cmd.params:
+            if isinstance(param, click.Option):
+                assert param.help, (path, param.name)
+        result = invoke(*path, "--help")
+        assert result.exit_code == 0 and "Usage:" in result.output, path
+    assert {"demo", "runs", "show", "query", "queries", "db", "db upgrade"} <= found
+
+
+def test_python_dash_m_gradstore():
+    result = subprocess.run([sys.executable, "-m", "gradstore", "--version"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert gradstore.__version__ in result.stdout

@@ -1,0 +1,38 @@
+"""The private PyTorch APIs gradstore leans on (gradstore/_torch_private.py). If one of these fails after a
+PyTorch upgrade, module attribution, nested-pass separation or interception needs its fallback checked."""
+import torch
+import torch.autograd.graph
+
+from gradstore import _torch_private as tp
+
+
+def test_sequence_counter_is_readable_and_counts_nodes():
+    assert tp.has_sequence_nr()
+    x = torch.ones(2, requires_grad=True)
+    before = tp.next_sequence_nr()
+    y = x.exp()
+    assert tp.sequence_nr(y.grad_fn) == before
+    assert tp.next_sequence_nr() == before + 1
+
+
+def test_accumulate_grad_sequence_nr_and_variable():
+    w = torch.nn.Parameter(torch.ones(2))
+    acc = w.view_as(w).grad_fn.next_functions[0][0]
+    assert acc.name() == "torch::autograd::AccumulateGrad"
+    assert tp.sequence_nr(acc) == tp.ACCUMULATE_GRAD_SEQUENCE_NR
+    assert acc.variable is w
+
+
+def test_graph_task_id_outside_and_inside_a_pass():
+    assert tp.current_graph_task_id() == -1
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x.exp().sum()
+    y.grad_fn.register_prehook(lambda go: seen.append(tp.current_graph_task_id()))
+    y.backward()
+    assert len(seen) == 1 and seen[0] >= 0
+
+
+def test_engine_entry_point_is_bound_under_both_names():
+    assert tp.engine_entry_available()
+    assert torch.autograd._engine_run_backward is torch.autograd.graph._engine_run_backward
