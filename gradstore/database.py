@@ -26,8 +26,9 @@ def is_url(db: str | Path) -> bool:
 def make_engine(db: str | Path) -> Engine:
     """Create an SQLAlchemy `Engine` for a SQLite file path or a database URL.
 
-    SQLite connections get WAL journaling, `synchronous=NORMAL` and a 60 s busy timeout, so that several
-    processes can write one file. Nothing is created on disk until a connection writes.
+    SQLite connections get WAL journaling, `synchronous=NORMAL`, a 60 s busy timeout (so that several
+    processes can write one file) and a WAL checkpoint every 10,000 pages (40 MB) instead of 1,000, which
+    keeps checkpoints off most step commits. Nothing is created on disk until a connection writes.
     """
     if is_url(db):
         return create_engine(str(db))
@@ -39,6 +40,7 @@ def make_engine(db: str | Path) -> Engine:
         cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         cur.execute("PRAGMA journal_mode = WAL")
         cur.execute("PRAGMA synchronous = NORMAL")
+        cur.execute("PRAGMA wal_autocheckpoint = 10000")
         cur.close()
 
     return engine

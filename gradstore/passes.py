@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from . import _torch_private as tp
 from .graph import NodeInfo, describe, roots_of, walk
-from .stats import Measured, measure, to_rows
+from .options import Options
+from .schema import ROLE
+from .stats import NONFINITE_COLUMNS, Measured, Measurer, measure, to_rows
 
 
 @dataclass
@@ -25,7 +27,7 @@ class PassRecord:
     """Everything recorded about one pass, as plain data for the writer.
 
     calls: (node key, seq, start seconds since pass start, duration seconds or None);
-    tensors: dicts with key, seq (None for param_grad rows), role, slot and the columns of stats.to_rows.
+    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS).
     reachable: how many nodes the walk reached from the roots (`nodes` also lists the AccumulateGrad nodes of
     parameters the pass did not reach, for their param_grad rows).
     """
@@ -46,6 +48,8 @@ class PassRecord:
     tensors: list[dict] = field(default_factory=list)
     nonfinite: bool = False
     reachable: int = 0
+    measured: int = 0  # reductions done in node hooks
+    reused: int = 0  # reductions avoided (same tensor, or a grad_input that is a grad_output's memory)
 
 
 class StepState:
@@ -94,12 +98,14 @@ class PassRecorder:
         kind: 'backward' (accumulates into .grad) or 'grad' (torch.autograd.grad).
         owner: sequence_nr -> module qualified name.
         params: [(qualified name, Parameter)] of the recorded models.
+        options: gradstore.options.Options (level, filters).
     """
 
     def __init__(self, step: StepState, outputs, kind: str, create_graph: bool, retain_graph: bool,
-                 inputs: int | None, owner, params: list[tuple[str, object]]):
+                 inputs: int | None, owner, params: list[tuple[str, object]], options: Options):
         self.step = step
         self.params = params
+        self.options = options
         parent = step.active[-1] if step.active else None
         open_calls = step.open_stack()
         self.record = PassRecord(
@@ -112,19 +118,26 @@ class PassRecorder:
         self.task: int | None = None
         self.t0 = time.perf_counter()
         self.open: dict[int, list] = {}
-        self.calls: list[list] = []  # [node index, seq, start, duration]
+        self.calls: list[list] = []  # [node index, seq, start, duration, grad_outputs' Measured, versions]
         self.measured: list[tuple[list | None, str, int, Measured]] = []  # (call, role, slot, Measured)
+        self.measurer = Measurer(options.node_level or "full")
         self.handles = []
+        self.walk = None
+        self.infos: list[NodeInfo] = []
         roots = roots_of(outputs)
         self.record.roots = len(roots)
+        step.active.append(self)
+        if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
+            return
         self.walk = walk(roots)
         self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
         self.infos = describe(self.walk, owner, param_names, step.known, parent_scope)
-        step.active.append(self)
         try:
             for i, node in enumerate(self.walk.nodes):
+                if not self._wanted(self.infos[i].module, self.infos[i].param):
+                    continue
                 pre, post = self._hooks(i)
                 self.handles.append(node.register_prehook(pre))
                 self.handles.append(node.register_hook(post))
@@ -133,6 +146,11 @@ class PassRecorder:
                 h.remove()
             step.active.remove(self)
             raise
+
+    def _wanted(self, module: str, param: str | None) -> bool:
+        """The modules= and params= filters: a parameter's node needs both, any other node the first."""
+        opts = self.options
+        return opts.wants_module(module) and (param is None or opts.wants_param(param))
 
     # ---- the hot path ----------------------------------------------------------------------------------
     def _mine(self) -> bool:
@@ -145,13 +163,17 @@ class PassRecorder:
         return tid == self.task
 
     def _hooks(self, i: int):
+        measure_one = self.measurer
+        measured = self.measured
+
         def prehook(grad_outputs):
             try:
                 if not self._mine():
                     return None
-                call = [i, self.step.next_seq(), 0.0, None]
-                for slot, g in enumerate(grad_outputs):
-                    self.measured.append((call, _ROLE_OUT, slot, measure(g)))
+                ms = [measure_one(g) for g in grad_outputs]
+                call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
+                for slot, m in enumerate(ms):
+                    measured.append((call, _ROLE_OUT, slot, m))
                 self.open[i] = call
                 self.step.open_stack().append((self.record.number, call[1]))
                 call[2] = time.perf_counter() - self.t0
@@ -172,8 +194,8 @@ class PassRecorder:
                 stack = self.step.open_stack()
                 if stack and stack[-1] == (self.record.number, call[1]):
                     stack.pop()
-                for slot, g in enumerate(grad_inputs):
-                    self.measured.append((call, _ROLE_IN, slot, measure(g)))
+                for slot, m in enumerate(measure_one.grad_inputs(grad_inputs, grad_outputs, call[4], call[5])):
+                    measured.append((call, _ROLE_IN, slot, m))
             except Exception as exc:
                 self.step.fault("hook", exc)
             return None
@@ -192,29 +214,33 @@ class PassRecorder:
             rec.duration = time.perf_counter() - self.t0
             stack = self.step.open_stack()
             stack[:] = [c for c in stack if c[0] != rec.number]
-            param_nodes = {}
+            param_nodes: dict[str, NodeInfo] = {}
+            param_keys: list[str] = []
             if ok and rec.kind == "backward" and rec.parent_pass is None:
+                opts = self.options
                 for name, p in self.params:
-                    if getattr(p, "requires_grad", False):
-                        key = f"param:{name}"
-                        param_nodes[key] = NodeInfo(key, "AccumulateGrad", "accumulate_grad",
-                                                    name.rsplit(".", 1)[0] if "." in name else "", name)
-                        self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad)))
+                    module = name.rsplit(".", 1)[0] if "." in name else ""
+                    if not getattr(p, "requires_grad", False) or not self._wanted(module, name):
+                        continue
+                    key = f"param:{name}"
+                    param_nodes[key] = NodeInfo(key, "AccumulateGrad", "accumulate_grad", module, name)
+                    param_keys.append(key)
+                    self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad, opts.param_level)))
             rows = to_rows([m for _, _, _, m in self.measured])
             infos = self.infos
-            rec.nodes = list(infos) + [n for k, n in param_nodes.items() if k not in {i.key for i in infos}]
-            rec.edges = [(infos[s].key, slot, infos[d].key, dslot) for s, slot, d, dslot in self.walk.edges]
-            rec.calls = [(infos[i].key, seq, start, dur) for i, seq, start, dur in self.calls]
-            param_keys = iter(param_nodes)
+            walked = {i.key for i in infos}
+            rec.nodes = list(infos) + [n for k, n in param_nodes.items() if k not in walked]
+            if self.walk is not None:
+                rec.edges = [(infos[s].key, slot, infos[d].key, dslot) for s, slot, d, dslot in self.walk.edges]
+            rec.calls = [(infos[c[0]].key, c[1], c[2], c[3]) for c in self.calls]
+            keys = iter(param_keys)
+            tensors = []
             for (call, role, slot, _), row in zip(self.measured, rows):
-                if call is None:
-                    row["key"], row["seq"] = next(param_keys), None
-                else:
-                    row["key"], row["seq"] = infos[call[0]].key, call[1]
-                row["role"], row["slot"] = role, slot
-                if row["nan"] or row["posinf"] or row["neginf"]:
-                    rec.nonfinite = True
-            rec.tensors = rows
+                head = (next(keys), None) if call is None else (infos[call[0]].key, call[1])
+                tensors.append(head + (ROLE[role], slot) + row)
+            rec.tensors = tensors
+            rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+            rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
         except Exception as exc:
             self.step.fault("end of pass", exc)
         finally:
@@ -222,6 +248,8 @@ class PassRecorder:
                 self.step.active.remove(self)
             self.walk = None
             self.measured = []
+            self.calls = []
+            self.measurer.clear()
             self.open.clear()
             self.step.records.append(rec)
         return rec

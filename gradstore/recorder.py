@@ -16,10 +16,12 @@ from . import intercept
 from . import schema as s
 from .errors import RecordUsageError
 from .modules import ModuleTracker, named_parameters, qualified_names
+from .options import Options
 from .passes import PassRecorder, StepState
 from .writer import StepBatch, writer_for
 
 DEFAULT_DB = "gradstore.db"
+_open_scope = None  # the record object whose scope is open in this process (scopes do not nest)
 
 
 def _rank_and_world_size() -> tuple[int, int]:
@@ -59,6 +61,21 @@ class record:
             (several models are prefixed by dict key or list position). The decorator uses the function's
             `nn.Module` arguments when it is not given (several are prefixed by the argument's name).
         meta: a JSON-serialisable dict stored with the run on creation.
+        stats: what each pass records (str):
+            'full' (default): every node and call, grad_outputs and grad_inputs, all statistics;
+            'health': every node and call; norm, min, max and exact non-finite counts (mean, std, zeros NULL);
+            'params': parameter gradients only (param_grad rows, all statistics), no node hooks;
+            'shape': every node, call, dtype, shape and numel; no reductions.
+        every: record every Nth step (int >= 1; step numbers still count every step).
+        steps: record only these step numbers (a range or an iterable of ints); combined with `every`.
+        modules: glob or list of globs on module qualified names ('transformer.h.*.attn'): only nodes owned
+            by a matching module or a submodule of one get hooks. Applied before any reduction.
+        params: glob or list of globs on parameter qualified names: only matching parameters' AccumulateGrad
+            nodes and param_grad rows are recorded.
+        on_full: when more than `queue_rows` rows wait for the database: 'wait' (the step blocks until the
+            writer catches up; seconds waited go to steps.waited) or 'drop' (the step's calls and tensors are
+            dropped; their count goes to steps.dropped).
+        queue_rows: the bound on rows waiting for the writer (int).
     Raises:
         RecordUsageError: a bad argument, or a scope opened inside another.
         SchemaTooNew: the database was written by a newer gradstore.
@@ -66,13 +83,16 @@ class record:
     `register_hook`, global module forward hooks (module attribution).
     """
 
-    def __init__(self, run: str, db: str | Path = DEFAULT_DB, model: nn.Module | list | None = None,
-                 meta: dict | None = None):
+    def __init__(self, run: str, db: str | Path = DEFAULT_DB, model: nn.Module | list | dict | None = None,
+                 meta: dict | None = None, *, stats: str = "full", every: int = 1, steps=None, modules=None,
+                 params=None, on_full: str = "wait", queue_rows: int = 500_000):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
         models = _named_models(model)
         if meta is not None and not isinstance(meta, dict):
             raise RecordUsageError(f"record(meta=...) takes a dict, got {type(meta).__name__}")
+        self.options = Options.make(stats=stats, every=every, steps=steps, modules=modules, params=params,
+                                    on_full=on_full, queue_rows=queue_rows)
         self.run = run
         self.db = db
         self.models = models
@@ -118,16 +138,17 @@ class record:
     def _enter(self, models: list[nn.Module]) -> None:
         if self._in_scope:
             raise RecordUsageError(f"record({self.run!r}) is already recording; scopes do not nest")
-        if intercept.active() is not None:
-            raise RecordUsageError("another gradstore.record scope is active in this process; scopes do not nest")
+        global _open_scope
+        if _open_scope is not None:
+            raise RecordUsageError(f"gradstore.record({_open_scope.run!r}) is already recording in this process; "
+                                   "scopes do not nest: end it first, or record both in one scope")
         if self.run_id is None:
             self._open_run()
         self._in_scope = True
+        _open_scope = self
         models = self.models or models
         self._params = named_parameters(models)
         self._tracker = ModuleTracker(qualified_names(models))
-        self._tracker.install()
-        intercept.activate(self)
         self._begin_step()
 
     def _exit(self, exc: BaseException | None, run_status: str | None) -> None:
@@ -140,18 +161,30 @@ class record:
             self._tracker = None
             self._params = []
             self._in_scope = False
+            global _open_scope
+            if _open_scope is self:
+                _open_scope = None
 
     def _begin_step(self) -> None:
-        self._state = StepState()
+        """Start the next step; install the hooks only when the step is sampled (every=, steps=)."""
         self._step_started = time.time()
         self._step_number = self._next_step
         self._next_step += 1
-        if self._tracker is not None:
+        if self.options.wants_step(self._step_number):
+            self._state = StepState()
             self._tracker.clear()
+            self._tracker.install()
+            intercept.activate(self)
+        else:  # an unsampled step runs with no gradstore hook at all
+            self._state = None
+            self._tracker.remove()
+            intercept.deactivate(self)
 
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
         state, self._state = self._state, None
-        if state is None:
+        if state is None:  # an unsampled step: nothing recorded; only the run's status may change
+            if run_status is not None:
+                self._writer.set_run_status(self.run_id, run_status, time.time())
             return
         status, error = "ok", None
         if exc is not None:
@@ -163,9 +196,10 @@ class record:
             error = "\n".join(filter(None, [error, "recorder faults: " + "; ".join(state.faults[:20])]))
         batch = StepBatch(run_id=self.run_id, rank=self.rank, step=self._step_number,
                           started_at=self._step_started, ended_at=time.time(), status=status, error=error,
-                          passes=sorted(state.records, key=lambda r: r.number), run_status=run_status)
+                          passes=sorted(state.records, key=lambda r: r.number), run_status=run_status,
+                          level=self.options.stats)
         state.release()
-        self._writer.submit(batch)
+        self._writer.submit(batch, on_full=self.options.on_full, max_rows=self.options.queue_rows)
 
     # ---- called by intercept for every backward pass ---------------------------------------------------
     def run_pass(self, original, outputs, args, kwargs, *, kind, retain_graph, create_graph, inputs):
@@ -175,7 +209,7 @@ class record:
         if state is not None:
             try:
                 p = PassRecorder(state, outputs, kind, create_graph, retain_graph, inputs,
-                                 self._tracker.owner, self._params)
+                                 self._tracker.owner, self._params, self.options)
             except Exception as exc:
                 state.fault("start of pass", exc)
         ok = False

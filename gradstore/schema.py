@@ -20,6 +20,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 
 NAMING_CONVENTION = {
@@ -88,6 +89,9 @@ steps = Table(
     Column("status", String(16), nullable=False),  # ok / error / nonfinite
     Column("error", Text),
     Column("passes", Integer, nullable=False),
+    Column("level", String(16), nullable=False),  # stats level: full / health / params / shape
+    Column("dropped", Integer, nullable=False),  # rows dropped because the writer fell behind (on_full='drop')
+    Column("waited", Float, nullable=False),  # seconds the step waited for the writer (on_full='wait')
     UniqueConstraint("run_id", "rank", "step"),
 )
 
@@ -175,6 +179,9 @@ tensors = Table(
     Column("posinf", Integer),
     Column("neginf", Integer),
     Column("zeros", Integer),
-    Index("ix_tensors_call_id", "call_id"),
-    Index("ix_tensors_step_id", "step_id"),
+    Index("ix_tensors_step_id", "step_id", "call_id"),
+    Index("ix_tensors_node_id", "node_id"),
 )
+# first_nonfinite reads only the rows that hold NaN or Inf: a partial index keeps that lookup small
+NONFINITE = "nan + posinf + neginf > 0"
+Index("ix_tensors_nonfinite", tensors.c.step_id, sqlite_where=text(NONFINITE), postgresql_where=text(NONFINITE))

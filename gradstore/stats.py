@@ -1,42 +1,54 @@
-"""Statistics of one gradient tensor: reductions on the tensor's own device, one host transfer per pass.
+"""Statistics of one gradient tensor, at the recording level asked for, without holding the tensor.
 
-`measure(t)` runs inside autograd hooks. It never reads a value back from an accelerator: it returns a
-`Measured` whose `vec` is a float64 tensor of `VEC_LEN` reductions still on the tensor's device. `to_rows`
-stacks every pending `vec` of a pass per device, copies each stack to the host once, and derives the final
-statistics there.
+`Measurer` runs inside autograd hooks (the hot path). Each distinct gradient is reduced once per pass: a
+tensor object seen before in the pass (a node's grad_input is usually the next node's grad_output, the same
+object) and a grad_input that is the same memory as one of the node's grad_outputs (view-like nodes:
+ViewBackward0, TBackward0 of a contiguous gradient, ...) reuse the earlier result with their own shape.
 
-On the CPU (no device to synchronise with) a cheap check chooses between a fast path for all-finite tensors
-(var_mean, aminmax, vector_norm, count_nonzero) and the masked path that counts NaN and +/-Inf exactly; on
-other devices the masked path always runs, with no branch on data.
+Where the reductions run:
+- CPU tensors (no device to synchronise with): a fast path for all-finite tensors, results read on the spot.
+  full:   float64-accumulated sum (NumPy's pairwise summation, exact to float64 rounding), min and max
+          (torch.aminmax), sum of squares (float32 norms of 1024-element rows combined in float64), zero count;
+          std from the sum of squares, recomputed in float64 around the mean when the mean dominates.
+  health: min and max (torch.aminmax propagates NaN and Inf, so it is also the finiteness check) and norm.
+  A tensor that holds NaN or Inf takes the masked path, which counts them exactly.
+- Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
+  device until `to_rows` copies each device's stack to the host once per pass.
 
-Statistics (all computed in float64 from the tensor's values):
-  norm, min, max, mean, std   over the finite elements (std with Bessel's correction, as `torch.std`);
-                              NULL when there is no finite element (std: fewer than two)
-  nan, posinf, neginf, zeros  exact counts over all elements
+Statistics: norm, min, max, mean, std over the finite elements (std with Bessel's correction, as
+`torch.std`; NULL with fewer than two finite elements); nan, posinf, neginf, zeros exact counts. `health`
+leaves mean, std and zeros NULL; `shape` records dtype, shape and numel only.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from .schema import DTYPE, STATUS
 
-# positions in the per-tensor vector of reductions
+LEVELS = ("full", "health", "params", "shape")
+
+# positions in the per-tensor vector of reductions; NaN marks "not computed at this level"
 NAN, POSINF, NEGINF, ZEROS, NFINITE, NORM, MIN, MAX, MEAN, M2 = range(10)
 VEC_LEN = 10
-
+_ABSENT = math.nan
+_LARGE = 1 << 16  # above this many elements, torch's multi-threaded kernels beat NumPy's per-call advantage
+_ROW = 1024
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass
 class Measured:
-    """What `measure` knows about one tensor before the host transfer.
+    """What is known about one tensor before the pass's host transfer.
 
-    status: 'ok', 'none' (the slot held None) or 'skipped' (reason says why); dtype: code from
-    schema.DTYPES; shape: comma-separated sizes; numel: element count; vec: float64 tensor of shape
-    (VEC_LEN,) on the tensor's device, or None when nothing was reduced.
+    status: 'ok', 'none' (the slot held None) or 'skipped' (`reason` says why); dtype: code from
+    schema.DTYPES; shape: comma-separated sizes; numel: element count; vec: a tuple of VEC_LEN host
+    floats, or a float64 tensor of shape (VEC_LEN,) still on the tensor's device, or None (nothing reduced).
     """
 
     status: str
@@ -44,7 +56,7 @@ class Measured:
     dtype: int | None = None
     shape: str | None = None
     numel: int | None = None
-    vec: torch.Tensor | None = None
+    vec: tuple | torch.Tensor | None = None
 
 
 NONE = Measured("none")
@@ -53,6 +65,10 @@ NONE = Measured("none")
 def dtype_code(dtype: torch.dtype) -> int:
     """Return the schema code of a torch dtype (0, 'other', for a dtype newer than the schema)."""
     return DTYPE.get(str(dtype).removeprefix("torch."), 0)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return ",".join(map(str, t.shape))
 
 
 def _skip_reason(t: torch.Tensor) -> str | None:
@@ -69,104 +85,237 @@ def _skip_reason(t: torch.Tensor) -> str | None:
     return None
 
 
-def _masked(x: torch.Tensor) -> torch.Tensor:
-    """All reductions with exact non-finite counts; no branch on data (safe on any device)."""
+# ---- the reductions ------------------------------------------------------------------------------------------
+def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
+    """All reductions with exact non-finite counts, in float64, on x's device, with no branch on data."""
+    x = x.to(torch.float64)
     finite = torch.isfinite(x)
     nfinite = finite.sum(dtype=torch.float64)
     nan = torch.isnan(x).sum(dtype=torch.float64)
     posinf = (x == math.inf).sum(dtype=torch.float64)
     neginf = (x == -math.inf).sum(dtype=torch.float64)
-    zeros = (x == 0).sum(dtype=torch.float64)
     xz = torch.where(finite, x, 0.0)
-    mean = xz.sum() / nfinite
-    dev = torch.where(finite, x - mean, 0.0)
-    m2 = (dev * dev).sum()
     norm = torch.linalg.vector_norm(xz)
     mn = torch.where(finite, x, math.inf).amin()
     mx = torch.where(finite, x, -math.inf).amax()
+    if level == "full":
+        zeros = (x == 0).sum(dtype=torch.float64)
+        mean = xz.sum() / nfinite
+        dev = torch.where(finite, x - mean, 0.0)
+        m2 = (dev * dev).sum()
+    else:
+        zeros = mean = m2 = torch.full((), _ABSENT, dtype=torch.float64, device=x.device)
     return torch.stack([nan, posinf, neginf, zeros, nfinite, norm, mn, mx, mean, m2])
 
 
-def _reduce(x: torch.Tensor) -> torch.Tensor:
+def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
+    """Sum of squares accurate to ~1e-9 relative: float64 for small tensors; for large ones float32 norms of
+    1024-element rows (each exact to float32 rounding) squared and added in float64."""
     n = x.numel()
-    if x.device.type == "cpu":
-        var, mean = torch.var_mean(x, correction=0)
-        if math.isfinite(mean.item()):  # a CPU read: no device to wait for. NaN/Inf make the mean non-finite.
-            mn, mx = torch.aminmax(x)
-            zero = torch.zeros((), dtype=torch.float64)
-            return torch.stack([
-                zero, zero, zero,
-                torch.tensor(float(n - torch.count_nonzero(x).item()), dtype=torch.float64),
-                torch.tensor(float(n), dtype=torch.float64),
-                torch.linalg.vector_norm(x), mn, mx, mean, var * n,
-            ])
-    return _masked(x)
+    if n < _LARGE:
+        a64 = a.astype(np.float64, copy=False).reshape(-1)
+        return float(np.dot(a64, a64))
+    flat = x.reshape(-1)
+    k = n - n % _ROW
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # float16 rows would round to 1e-3
+    rows = torch.linalg.vector_norm(flat[:k].view(-1, _ROW), dim=1, dtype=acc).double()
+    tail = flat[k:].double()
+    return float(rows.dot(rows) + tail.dot(tail))
 
 
-def measure(t: torch.Tensor | None) -> Measured:
-    """Measure one gradient; never raises.
+def _cpu(x: torch.Tensor, level: str):
+    """CPU reductions: host floats for an all-finite tensor, else the masked path's tensor."""
+    if x.dtype not in _NUMPY_DTYPES:
+        x = x.float() if x.is_floating_point() else x.double()
+    n = x.numel()
+    a = x.resolve_neg().numpy()
+    if level == "full":
+        s = float(np.add.reduce(a, axis=None, dtype=np.float64))
+        if not math.isfinite(s):
+            return _masked(x, level)
+    if n >= _LARGE:
+        mn_t, mx_t = torch.aminmax(x)
+        mn, mx = mn_t.item(), mx_t.item()
+    else:
+        mn, mx = a.min().item(), a.max().item()
+    if not (math.isfinite(mn) and math.isfinite(mx)):  # NaN propagates through min/max
+        return _masked(x, level)
+    sumsq = _sum_of_squares(x, a)
+    if level != "full":
+        return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
+    mean = s / n
+    zeros = n - int(np.count_nonzero(a)) if n < _LARGE else int(np.count_nonzero(a == 0))
+    m2 = max(sumsq - s * mean, 0.0)
+    if mn != mx and m2 < 1e-4 * s * mean:  # the mean dominates: sumsq - s*mean cancels; redo around the mean
+        d = a.astype(np.float64) - mean
+        m2 = float(np.dot(d.reshape(-1), d.reshape(-1)))
+    elif mn == mx:
+        m2 = 0.0
+    return (0.0, 0.0, 0.0, float(zeros), float(n), math.sqrt(sumsq), mn, mx, mean, m2)
+
+
+def _reduce(x: torch.Tensor, level: str = "full"):
+    """Reductions of a detached dense real tensor with numel > 0: host floats or a device tensor."""
+    return _cpu(x, level) if x.device.type == "cpu" else _masked(x, level)
+
+
+def measure(t: torch.Tensor | None, level: str = "full") -> Measured:
+    """Measure one gradient at `level` ('full', 'health' or 'shape'); never raises.
 
     Args:
         t: any tensor (any shape, dtype, device, layout) or None.
     Returns:
         `Measured`; a tensor that cannot be measured is status 'skipped' with the reason.
-    Relies on: `Tensor.detach`, `torch.var_mean`, `torch.aminmax`, `torch.linalg.vector_norm`.
+    Relies on: `Tensor.detach`, `Tensor.numpy` (CPU), `torch.aminmax`, `torch.linalg.vector_norm`.
     """
     if t is None:
         return NONE
     m = None
     try:
-        shape = ",".join(str(s) for s in t.shape)
+        shape = _shape(t)
         m = Measured("ok", dtype=dtype_code(t.dtype), shape=shape, numel=t.numel())
         reason = _skip_reason(t)
         if reason is not None:
             m.status, m.reason = "skipped", reason
             return m
-        if m.numel == 0:
+        if m.numel == 0 or level == "shape":
             return m
         with torch.no_grad():
             x = t.detach()
-            if x.dtype != torch.float64:
-                x = x.to(torch.float64)
-            m.vec = _reduce(x)
+            m.vec = _reduce(x, level)
         return m
     except Exception as exc:  # a recorder fault must never reach the training code
         reason = f"{type(exc).__name__}: {exc}"[:500]
         if m is None:
             return Measured("skipped", reason=reason)
-        # keep dtype, shape and numel: they were known before the fault
         return Measured("skipped", reason=reason, dtype=m.dtype, shape=m.shape, numel=m.numel)
 
 
-def _derive(v) -> dict:
+def _version(t) -> int | None:
+    """The tensor's version counter (bumped by every in-place change), or None when it has none."""
+    try:
+        return t._version
+    except Exception:  # inference tensors and some subclasses have no version counter
+        return None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when t's elements fill one gap-free, overlap-free block of memory (in any dimension order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a and b hold the same multiset of elements: the same dense block of memory (same start,
+    size and dtype), possibly in another order (a transpose or permute of a gradient)."""
+    return (type(a) in _PLAIN_TENSOR_TYPES and type(b) in _PLAIN_TENSOR_TYPES and a.layout == torch.strided
+            and b.layout == torch.strided and a.dtype == b.dtype and a.device == b.device
+            and a.numel() == b.numel() and a.numel() > 0 and a.data_ptr() == b.data_ptr()
+            and _dense(a) and _dense(b))
+
+
+class Measurer:
+    """Measures the gradients of one pass at one level, reducing each distinct gradient once.
+
+    `measured` and `reused` count reductions done and avoided (for benchmarks). Holds weak references
+    only: no gradient is kept alive.
+    """
+
+    def __init__(self, level: str = "full"):
+        self.level = level
+        self._seen: dict[int, tuple] = {}
+        self.measured = 0
+        self.reused = 0
+
+    def __call__(self, t: torch.Tensor | None) -> Measured:
+        if t is None:
+            return NONE
+        version = _version(t)
+        hit = self._seen.get(id(t))
+        # the same object at the same version: the engine accumulates gradients in place (InputBuffer), which
+        # bumps the version, so a grad_input that later received a second contribution is measured again
+        if hit is not None and hit[0]() is t and hit[2] == version and version is not None:
+            self.reused += 1
+            return hit[1]
+        m = measure(t, self.level)
+        self.measured += 1
+        if version is not None:
+            try:
+                self._seen[id(t)] = (weakref.ref(t), m, version)
+            except TypeError:
+                pass
+        return m
+
+    @staticmethod
+    def versions(tensors) -> list[int | None]:
+        """`Tensor._version` of each tensor (None for None or a tensor without a version counter)."""
+        return [_version(t) if t is not None else None for t in tensors]
+
+    def grad_inputs(self, grad_inputs, grad_outputs, measured_outputs: list[Measured],
+                    output_versions: list[int | None]) -> list[Measured]:
+        """Measure a node's grad_inputs, reusing a grad_output's result where a grad_input is the same memory
+        and that grad_output was not modified since it was measured (same `_version`)."""
+        out = []
+        for g in grad_inputs:
+            m = None
+            if g is not None:
+                for go, mo, v in zip(grad_outputs, measured_outputs, output_versions):
+                    if (go is not None and mo.status == "ok" and mo.vec is not None and v is not None
+                            and _version(go) == v and _same_memory(g, go)):
+                        m = replace(mo, shape=_shape(g))
+                        self.reused += 1
+                        break
+            out.append(m if m is not None else self(g))
+        return out
+
+    def clear(self) -> None:
+        """Forget the pass's tensors (end of pass)."""
+        self._seen.clear()
+
+
+# ---- host side ----------------------------------------------------------------------------------------------
+def _opt(v: float):
+    return None if v != v else v  # NaN marks "not computed"
+
+
+def _derive(v) -> tuple:
     nfinite = int(v[NFINITE])
-    return {
-        "nan": int(v[NAN]),
-        "posinf": int(v[POSINF]),
-        "neginf": int(v[NEGINF]),
-        "zeros": int(v[ZEROS]),
-        "norm": float(v[NORM]),
-        "min": float(v[MIN]) if nfinite else None,
-        "max": float(v[MAX]) if nfinite else None,
-        "mean": float(v[MEAN]) if nfinite else None,
-        "std": math.sqrt(max(float(v[M2]), 0.0) / (nfinite - 1)) if nfinite > 1 else None,
-    }
+    zeros, m2 = _opt(v[ZEROS]), _opt(v[M2])
+    has = nfinite > 0
+    return (
+        float(v[NORM]),
+        float(v[MIN]) if has else None,
+        float(v[MAX]) if has else None,
+        _opt(float(v[MEAN])) if has else None,
+        math.sqrt(max(m2, 0.0) / (nfinite - 1)) if (nfinite > 1 and m2 is not None) else None,
+        int(v[NAN]), int(v[POSINF]), int(v[NEGINF]),
+        int(zeros) if zeros is not None else None,
+    )
 
 
-_EMPTY_STATS = {"nan": 0, "posinf": 0, "neginf": 0, "zeros": 0, "norm": 0.0,
-                "min": None, "max": None, "mean": None, "std": None}
-_NULL_STATS = dict.fromkeys(_EMPTY_STATS)
+_NULL_STATS = (None,) * 9
+_EMPTY_STATS = (0.0, None, None, None, None, 0, 0, 0, 0)
+
+# the columns of a row from `to_rows`, in order; NONFINITE_COLUMNS index the nan, posinf, neginf counts
+ROW_COLUMNS = ("status", "reason", "dtype", "shape", "numel", "norm", "min", "max", "mean", "std",
+               "nan", "posinf", "neginf", "zeros")
+NONFINITE_COLUMNS = (10, 11, 12)
 
 
-def to_rows(measured: list[Measured]) -> list[dict]:
-    """Turn a pass's `Measured` list into plain dicts (column name -> value), with one host copy per device.
+def to_rows(measured: list[Measured]) -> list[tuple]:
+    """Turn a pass's `Measured` list into row tuples (ROW_COLUMNS order), with one host copy per device.
 
-    Returns dicts with keys status (schema code), reason, dtype, shape, numel, norm, min, max, mean, std,
-    nan, posinf, neginf, zeros, in the order given. Faults in the transfer mark the rows skipped.
+    A fault in a transfer marks the affected rows skipped with the reason.
     """
     by_device: dict[torch.device, list[int]] = {}
     for i, m in enumerate(measured):
-        if m.vec is not None:
+        if isinstance(m.vec, torch.Tensor):
             by_device.setdefault(m.vec.device, []).append(i)
     host: dict[int, list] = {}
     failed: dict[int, str] = {}
@@ -179,14 +328,19 @@ def to_rows(measured: list[Measured]) -> list[dict]:
     rows = []
     for i, m in enumerate(measured):
         status, reason = m.status, m.reason
+        values = host.get(i, m.vec if isinstance(m.vec, tuple) else None)
         if i in failed:
-            status, reason = "skipped", failed[i]
-        if i in host:
-            stats = _derive(host[i])
+            status, reason, stats = "skipped", failed[i], _NULL_STATS
+        elif values is not None:
+            stats = _derive(values)
         elif status == "ok" and m.numel == 0:
             stats = _EMPTY_STATS
         else:
             stats = _NULL_STATS
-        rows.append({"status": STATUS[status], "reason": reason, "dtype": m.dtype, "shape": m.shape,
-                     "numel": m.numel, **stats})
+        rows.append((STATUS[status], reason, m.dtype, m.shape, m.numel, *stats))
     return rows
+
+
+def to_dicts(measured: list[Measured]) -> list[dict]:
+    """`to_rows` as dicts keyed by ROW_COLUMNS (for reading, tests and notebooks)."""
+    return [dict(zip(ROW_COLUMNS, row)) for row in to_rows(measured)]

@@ -64,7 +64,8 @@ class Store:
         return self.query("runs")
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
-        """Steps: run, rank, step, status (ok/error/nonfinite), passes, started_at, ended_at, duration (s), error."""
+        """Steps: run, rank, step, status (ok/error/nonfinite), passes, level, dropped (rows), waited (s),
+        started_at, ended_at, duration (s), error."""
         return self.query("steps", run=run, rank=rank, step=step)
 
     def passes(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:

@@ -17,11 +17,13 @@ JOIN steps st ON st.id = t.step_id
 JOIN runs r ON r.id = st.run_id
 JOIN nodes n ON n.id = t.node_id
 WHERE t.role IN (0, 1)
-  AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+  AND t.node_id IN (  -- start from the run's (and module's) nodes: an index lookup, not a table scan
+      SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
+      WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+        AND (CAST(:module AS TEXT) IS NULL OR n2.module = CAST(:module AS TEXT)
+             OR n2.module LIKE CAST(:module AS TEXT) || '.%'))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
   AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
-  AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
-       OR n.module LIKE CAST(:module AS TEXT) || '.%')
 GROUP BY r.id, r.name, st.rank, st.step,
          CASE WHEN COALESCE(CAST(:by AS TEXT), 'node') = 'module' THEN NULL ELSE n.key END, n.module
 ORDER BY r.id, st.step, st.rank, n.module, key;

@@ -50,7 +50,7 @@ def close(got, want) -> bool:
 
 def row_of(t) -> dict:
     """gradstore's row for one tensor: measure, then the pass's host transfer."""
-    (row,) = stats.to_rows([stats.measure(t)])
+    (row,) = stats.to_dicts([stats.measure(t)])
     return row
 
 
@@ -214,7 +214,7 @@ def test_several_tensors_in_one_transfer_keep_their_order():
     ts.insert(4, None)
     ts.insert(7, torch.tensor([NAN, 1.0, INF]))
     ts.insert(9, torch.empty(0))
-    rows = stats.to_rows([stats.measure(t) for t in ts])
+    rows = stats.to_dicts([stats.measure(t) for t in ts])
     assert len(rows) == len(ts)
     for t, row in zip(ts, rows):
         if t is None:
@@ -272,7 +272,7 @@ def test_skipped_kinds(name):
     t = make()
     m = stats.measure(t)  # must not raise
     assert m.vec is None
-    (row,) = stats.to_rows([m])
+    (row,) = stats.to_dicts([m])
     assert STATUSES[row["status"]] == "skipped"
     assert word.lower() in row["reason"].lower(), row["reason"]
     assert DTYPES[row["dtype"]] == dtype
@@ -282,13 +282,13 @@ def test_skipped_kinds(name):
 
 
 def test_measure_fault_is_a_skip_with_the_exception_text(monkeypatch):
-    def broken(x):
+    def broken(x, level="full"):
         raise RuntimeError("reduction exploded")
 
     monkeypatch.setattr(stats, "_reduce", broken)
     t = torch.ones(3, 4)
     m = stats.measure(t)  # must not raise
-    (row,) = stats.to_rows([m])
+    (row,) = stats.to_dicts([m])
     assert STATUSES[row["status"]] == "skipped"
     assert "RuntimeError" in row["reason"] and "reduction exploded" in row["reason"]
     # what was known before the fault is kept
@@ -302,7 +302,7 @@ def test_measure_fault_before_anything_is_known():
         def shape(self):
             raise ValueError("no shape for you")
 
-    (row,) = stats.to_rows([stats.measure(Weird())])
+    (row,) = stats.to_dicts([stats.measure(Weird())])
     assert STATUSES[row["status"]] == "skipped"
     assert "ValueError" in row["reason"] and "no shape for you" in row["reason"]
 
@@ -311,7 +311,7 @@ def test_transfer_fault_marks_only_that_device_skipped():
     good = torch.tensor([1.0, 2.0, 3.0])
     bad = stats.Measured("ok", dtype=stats.dtype_code(torch.float32), shape="3", numel=3,
                          vec=torch.empty(stats.VEC_LEN, dtype=torch.float64, device="meta"))
-    rows = stats.to_rows([stats.measure(good), bad, stats.measure(good)])
+    rows = stats.to_dicts([stats.measure(good), bad, stats.measure(good)])
     assert STATUSES[rows[1]["status"]] == "skipped" and rows[1]["reason"]
     assert rows[1]["norm"] is None
     assert_matches(good, rows[0])
@@ -383,7 +383,7 @@ def test_pipeline_nan_inf_values_are_not_stored_as_statistics(db):
 
 
 def test_pipeline_measure_fault_does_not_stop_training(db, monkeypatch):
-    def broken(x):
+    def broken(x, level="full"):
         raise RuntimeError("reduction exploded")
 
     model = Holder(torch.ones(3))

@@ -68,6 +68,9 @@ def upgrade() -> None:
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("error", sa.Text),
         sa.Column("passes", sa.Integer, nullable=False),
+        sa.Column("level", sa.String(16), nullable=False),
+        sa.Column("dropped", sa.Integer, nullable=False),
+        sa.Column("waited", sa.Float, nullable=False),
         sa.UniqueConstraint("run_id", "rank", "step", name="uq_steps_run_id"),
     )
     op.create_table(
@@ -146,8 +149,10 @@ def upgrade() -> None:
         sa.Column("neginf", sa.Integer),
         sa.Column("zeros", sa.Integer),
     )
-    op.create_index("ix_tensors_call_id", "tensors", ["call_id"])
-    op.create_index("ix_tensors_step_id", "tensors", ["step_id"])
+    op.create_index("ix_tensors_step_id", "tensors", ["step_id", "call_id"])
+    op.create_index("ix_tensors_node_id", "tensors", ["node_id"])
+    nonfinite = sa.text("nan + posinf + neginf > 0")
+    op.create_index("ix_tensors_nonfinite", "tensors", ["step_id"], sqlite_where=nonfinite, postgresql_where=nonfinite)
 
 
 def downgrade() -> None:

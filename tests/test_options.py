@@ -1,0 +1,238 @@
+"""Recording controls: stats levels, every= / steps= sampling, modules= / params= filters, the bounded
+queue (wait / drop), and the reuse of one reduction for a gradient seen twice."""
+import math
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+import gradstore
+from gradstore import stats
+from gradstore.writer import StepBatch, writer_for
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.enc(x))
+
+
+def _train(db, n=3, **kw):
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(5, 4)
+
+    @gradstore.record("r", db=db, model=net, **kw)
+    def step():
+        net(x).pow(2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        net.zero_grad()
+        return grads
+
+    out = [step() for _ in range(n)]
+    return gradstore.open(db), out, net
+
+
+def _plain_calls():
+    """Node names that run in one step, counted with plain prehooks (no gradstore)."""
+    torch.manual_seed(0)
+    net = Net()
+    loss = net(torch.randn(5, 4)).pow(2).sum()
+    seen, stack, names = set(), [loss.grad_fn], []
+    handles = []
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        handles.append(n.register_prehook(lambda go, n=n: names.append(n.name())))
+        stack.extend(f for f, _ in n.next_functions)
+    loss.backward()
+    for h in handles:
+        h.remove()
+    return names
+
+
+def test_levels_record_what_they_promise(tmp_path):
+    expected_calls = len(_plain_calls())
+    results = {}
+    for level in ("full", "health", "params", "shape"):
+        store, grads, _ = _train(str(tmp_path / f"{level}.db"), n=1, stats=level)
+        tensors = store.tensors("r")
+        assert set(tensors.status) <= {"ok", "none"}
+        results[level] = (store.calls("r"), tensors[tensors.status == "ok"], store.steps("r"), grads[0])
+    calls, tensors, steps, grads = results["full"]
+    assert len(calls) == expected_calls
+    assert tensors["mean"].notna().all() and tensors.zeros.notna().all()
+    calls, tensors, steps, grads = results["health"]
+    assert len(calls) == expected_calls
+    assert tensors.norm.notna().all() and tensors["max"].notna().all() and tensors.nan.notna().all()
+    assert tensors["mean"].isna().all() and tensors["std"].isna().all() and tensors.zeros.isna().all()
+    calls, tensors, steps, grads = results["params"]
+    assert calls.empty and set(tensors.role) == {"param_grad"}
+    pg = tensors.set_index("param")
+    for name, g in grads.items():
+        assert math.isclose(pg.loc[name, "norm"], float(g.double().norm()), rel_tol=1e-6)
+        assert math.isclose(pg.loc[name, "mean"], float(g.double().mean()), rel_tol=1e-6, abs_tol=1e-12)
+    calls, tensors, steps, grads = results["shape"]
+    assert len(calls) == expected_calls
+    assert tensors.norm.isna().all() and tensors["shape"].notna().all() and tensors.dtype.eq("float32").all()
+    assert set(results["health"][2].level) == {"health"}
+
+
+def test_levels_never_change_gradients(tmp_path):
+    _, reference, _ = _train(str(tmp_path / "ref.db"), n=2, stats="full")
+    for level in ("health", "params", "shape"):
+        _, grads, _ = _train(str(tmp_path / f"{level}.db"), n=2, stats=level)
+        for a, b in zip(reference, grads):
+            assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_every_and_steps_sample_steps_and_keep_numbering(db):
+    store, _, _ = _train(db, n=7, every=3)
+    assert list(store.steps("r").step) == [0, 3, 6]
+    db3 = db.replace(".db", "3.db")
+    store3, _, _ = _train(db3, n=6, steps=range(2, 4))
+    assert list(store3.steps("r").step) == [2, 3]
+    db4 = db.replace(".db", "4.db")
+    store4, _, _ = _train(db4, n=6, every=2, steps=[1, 2, 4, 5])
+    assert list(store4.steps("r").step) == [2, 4]
+
+
+def test_unsampled_steps_run_without_any_hook(db):
+    torch.manual_seed(0)
+    net = Net()
+    with gradstore.record("r", db=db, model=net, every=2) as rec:
+        assert torch.autograd.graph._engine_run_backward.__module__.startswith("gradstore")
+        net(torch.randn(2, 4)).sum().backward()
+        rec.step()  # step 1: not sampled
+        assert not torch.autograd.graph._engine_run_backward.__module__.startswith("gradstore")
+        net(torch.randn(2, 4)).sum().backward()
+    assert list(gradstore.open(db).steps("r").step) == [0]
+    assert gradstore.open(db).runs().status.tolist() == ["finished"]
+
+
+def test_module_and_param_filters(db):
+    store, _, _ = _train(db, n=1, modules="enc*")
+    calls = store.calls("r")
+    assert set(calls.module) == {"enc.0", "enc.1"}  # enc and its submodules; nothing from head or top level
+    assert set(store.param_grads("r").param) == {"enc.0.weight", "enc.0.bias"}
+    assert len(store.nodes("r")) > len(calls)  # the graph itself is still recorded
+    db2 = db.replace(".db", "2.db")
+    store2, _, _ = _train(db2, n=1, params=["*.bias"])
+    assert set(store2.param_grads("r").param) == {"enc.0.bias", "head.bias"}
+    acc = store2.calls("r")
+    assert set(acc[acc.name == "AccumulateGrad"].key) == {"param:enc.0.bias", "param:head.bias"}
+    assert (acc.name != "AccumulateGrad").sum() == len([n for n in _plain_calls() if "AccumulateGrad" not in n])
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"stats": "everything"}, "stats"), ({"every": 0}, "every"), ({"steps": "abc"}, "steps"),
+    ({"modules": 3}, "modules"), ({"params": [""]}, "params"), ({"on_full": "block"}, "on_full"),
+    ({"queue_rows": 0}, "queue_rows"),
+])
+def test_bad_options_are_named(db, kw, match):
+    with pytest.raises(gradstore.RecordUsageError, match=match):
+        gradstore.record("r", db=db, **kw)
+
+
+def _batch(run_id, step, n_tensors):
+    from gradstore.passes import PassRecord
+
+    p = PassRecord(number=0, parent_pass=None, parent_seq=None, kind="backward", create_graph=False,
+                   retain_graph=False, roots=1, inputs=None, started_at=0.0)
+    return StepBatch(run_id=run_id, rank=0, step=step, started_at=0.0, ended_at=0.0, status="ok", error=None,
+                     passes=[p]), p
+
+
+class _Stall:
+    """Holds the writer thread inside its next write until released."""
+
+    def __init__(self, writer):
+        import threading
+
+        self.writer, self.release = writer, threading.Event()
+        self.entered = threading.Event()
+        self._write = writer.write
+
+        def stalled(batch):
+            self.entered.set()
+            self.release.wait(timeout=30)
+            return self._write(batch)
+
+        writer.write = stalled
+
+    def undo(self):
+        self.release.set()
+        self.writer.write = self._write
+
+
+def test_full_queue_drop_policy_counts_rows_in_steps(db):
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(3, 4)
+    with gradstore.record("r", db=db, model=net, on_full="drop", queue_rows=1) as rec:
+        stall = _Stall(writer_for(db))
+        try:
+            net(x).sum().backward()
+            rec.step()  # step 0 is taken by the (stalled) writer
+            assert stall.entered.wait(timeout=30)
+            net(x).sum().backward()
+            rec.step()  # step 0's rows are still pending: step 1's rows are dropped
+        finally:
+            stall.undo()
+        writer_for(db).flush()
+        net(x).sum().backward()  # step 2: the queue is empty again
+    store = gradstore.open(db)
+    steps, calls = store.steps("r"), store.calls("r")
+    assert list(steps.dropped > 0) == [False, True, False]
+    assert set(calls.step) == {0, 2}  # step 1's rows were dropped, its step row kept
+    assert steps.dropped.iloc[1] == len(calls[calls.step == 0]) + len(store.tensors("r", step=0))
+
+
+def test_full_queue_wait_policy_waits_and_loses_nothing(db):
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(3, 4)
+    with gradstore.record("r", db=db, model=net, on_full="wait", queue_rows=1) as rec:
+        stall = _Stall(writer_for(db))
+        net(x).sum().backward()
+        rec.step()
+        assert stall.entered.wait(timeout=30)
+        threading.Timer(0.3, stall.undo).start()  # the writer is stuck for 0.3 s more
+        net(x).sum().backward()
+        t0 = time.perf_counter()
+        rec.step()  # step 0's rows still wait: this step blocks until the writer takes them
+        assert time.perf_counter() - t0 > 0.1
+        net(x).sum().backward()
+    store = gradstore.open(db)
+    steps = store.steps("r")
+    assert (steps.dropped == 0).all() and steps.waited.iloc[1] > 0.1
+    assert set(store.calls("r").step) == {0, 1, 2}
+
+
+def test_same_gradient_is_reduced_once_and_in_place_accumulation_is_not_missed():
+    m = stats.Measurer("full")
+    t = torch.randn(1000)
+    a = m(t)
+    assert m(t) is a and (m.measured, m.reused) == (1, 1)
+    t.add_(1.0)  # an in-place change (the engine's InputBuffer accumulates like this): measured again
+    b = m(t)
+    assert b is not a and m.measured == 2
+    (row_b,) = stats.to_dicts([b])
+    assert math.isclose(row_b["mean"], float(t.double().mean()), rel_tol=1e-6)
+    # a grad_input that is a transposed view of a grad_output reuses its numbers, with its own shape
+    go = torch.randn(8, 4)
+    (mo,) = [m(go)]
+    (mi,) = m.grad_inputs([go.t()], [go], [mo], m.versions([go]))
+    assert mi.shape == "4,8" and mi.vec is mo.vec
+    (mi2,) = m.grad_inputs([go[:4]], [go], [mo], m.versions([go]))  # half of it: measured on its own
+    assert mi2.vec is not mo.vec and mi2.numel == 16
