@@ -48,6 +48,8 @@ class PassRecord:
     tensors: list[dict] = field(default_factory=list)
     nonfinite: bool = False
     reachable: int = 0
+    setup: float | None = None  # seconds: walk, keys, hook registration
+    finish: float | None = None  # seconds: hook removal, param grads, host transfer, rows
     measured: int = 0  # reductions done in node hooks
     reused: int = 0  # reductions avoided (same tensor, or a grad_input that is a grad_output's memory)
 
@@ -128,6 +130,7 @@ class PassRecorder:
         self.record.roots = len(roots)
         step.active.append(self)
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
+            self.record.setup = time.perf_counter() - self.t0
             return
         self.walk = walk(roots)
         self.record.reachable = len(self.walk.nodes)
@@ -146,6 +149,7 @@ class PassRecorder:
                 h.remove()
             step.active.remove(self)
             raise
+        self.record.setup = time.perf_counter() - self.t0
 
     def _wanted(self, module: str, param: str | None) -> bool:
         """The modules= and params= filters: a parameter's node needs both, any other node the first."""
@@ -207,11 +211,12 @@ class PassRecorder:
         """Remove every hook, measure parameter gradients (top-level backward passes that succeeded), do the
         pass's one host transfer, and hand the PassRecord to the step. Drops every graph reference."""
         rec = self.record
+        t_end = time.perf_counter()
         try:
             for h in self.handles:
                 h.remove()
             self.handles.clear()
-            rec.duration = time.perf_counter() - self.t0
+            rec.duration = t_end - self.t0
             stack = self.step.open_stack()
             stack[:] = [c for c in stack if c[0] != rec.number]
             param_nodes: dict[str, NodeInfo] = {}
@@ -244,6 +249,7 @@ class PassRecorder:
         except Exception as exc:
             self.step.fault("end of pass", exc)
         finally:
+            rec.finish = time.perf_counter() - t_end
             if self in self.step.active:
                 self.step.active.remove(self)
             self.walk = None

@@ -111,6 +111,8 @@ passes = Table(
     Column("nodes", Integer, nullable=False),  # nodes reachable from the roots
     Column("started_at", Float, nullable=False),
     Column("duration", Float),
+    Column("setup", Float),  # seconds before the engine ran: graph walk, keys, hook registration
+    Column("finish", Float),  # seconds after it returned: hook removal, param grads, host transfer, rows
     UniqueConstraint("step_id", "pass"),
 )
 

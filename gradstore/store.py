@@ -70,7 +70,7 @@ class Store:
 
     def passes(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Backward passes: run, rank, step, pass, kind (backward/grad), parent_pass, parent_seq, create_graph,
-        retain_graph, roots, inputs, nodes, calls, started_at, duration (s)."""
+        retain_graph, roots, inputs, nodes, calls, started_at, duration, setup, finish (s)."""
         return self.query("passes", run=run, rank=rank, step=step)
 
     def nodes(self, run: str | None = None, module: str | None = None) -> pd.DataFrame:

@@ -170,7 +170,8 @@ class Writer:
                     [{"step_id": step_id, "pass": p.number, "parent_pass": p.parent_pass,
                       "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
                       "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
-                      "nodes": p.reachable, "started_at": p.started_at, "duration": p.duration}
+                      "nodes": p.reachable, "started_at": p.started_at, "duration": p.duration,
+                      "setup": p.setup, "finish": p.finish}
                      for p in b.passes],
                 ).scalars().all()
                 self._write_calls_and_tensors(conn, b, step_id, pass_ids)

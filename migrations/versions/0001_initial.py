@@ -88,6 +88,8 @@ def upgrade() -> None:
         sa.Column("nodes", sa.Integer, nullable=False),
         sa.Column("started_at", sa.Float, nullable=False),
         sa.Column("duration", sa.Float),
+        sa.Column("setup", sa.Float),
+        sa.Column("finish", sa.Float),
         sa.UniqueConstraint("step_id", "pass", name="uq_passes_step_id"),
     )
     op.create_table(
