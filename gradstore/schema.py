@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Column,
     Float,
     ForeignKey,
@@ -181,6 +182,7 @@ tensors = Table(
     Column("posinf", Integer),
     Column("neginf", Integer),
     Column("zeros", Integer),
+    Column("checksum", BigInteger),  # param_grad rows: a 64-bit checksum of the bytes (bitwise comparison)
     Index("ix_tensors_step_id", "step_id", "call_id"),
     Index("ix_tensors_node_id", "node_id"),
 )

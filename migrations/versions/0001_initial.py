@@ -150,6 +150,7 @@ def upgrade() -> None:
         sa.Column("posinf", sa.Integer),
         sa.Column("neginf", sa.Integer),
         sa.Column("zeros", sa.Integer),
+        sa.Column("checksum", sa.BigInteger),
     )
     op.create_index("ix_tensors_step_id", "tensors", ["step_id", "call_id"])
     op.create_index("ix_tensors_node_id", "tensors", ["node_id"])
