@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from sqlalchemy import func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 
 from . import intercept
 from . import schema as s
@@ -110,27 +111,29 @@ class record:
 
     # ---- run and step bookkeeping ----------------------------------------------------------------------
     def _open_run(self) -> None:
+        """Find or create the run row (several ranks may race to create it) and the next step number."""
         self.rank, world_size = _rank_and_world_size()
         self._writer = writer_for(self.db)
         self._writer.flush()  # earlier scopes of this process may still be writing this run's steps
-        torch_version, gs_version = _versions()
-        with self._writer.engine.begin() as conn:
-            row = conn.execute(select(s.runs.c.id, s.runs.c.world_size).where(s.runs.c.name == self.run)).first()
-            if row is None:
-                try:
-                    self.run_id = conn.execute(insert(s.runs).returning(s.runs.c.id), {
+        engine = self._writer.engine
+        by_name = select(s.runs.c.id, s.runs.c.world_size).where(s.runs.c.name == self.run)
+        with engine.connect() as conn:
+            found = conn.execute(by_name).first()
+        if found is None:
+            torch_version, gs_version = _versions()
+            try:
+                with engine.begin() as conn:
+                    conn.execute(insert(s.runs), {
                         "name": self.run, "status": "running", "created_at": time.time(),
                         "torch_version": torch_version, "gradstore_version": gs_version,
                         "host": socket.gethostname(), "world_size": world_size, "meta": self.meta,
-                    }).scalar_one()
-                except Exception:  # another rank created it first
-                    conn.rollback()
-                    row = conn.execute(select(s.runs.c.id, s.runs.c.world_size)
-                                       .where(s.runs.c.name == self.run)).first()
-            if row is not None:
-                self.run_id = row[0]
-                conn.execute(update(s.runs).where(s.runs.c.id == self.run_id).values(
-                    status="running", finished_at=None, world_size=max(row[1], world_size)))
+                    })
+            except IntegrityError:
+                pass  # another rank created it between our look and our insert: use theirs
+        with engine.begin() as conn:
+            self.run_id, known_world_size = conn.execute(by_name).one()
+            conn.execute(update(s.runs).where(s.runs.c.id == self.run_id).values(
+                status="running", finished_at=None, world_size=max(known_world_size, world_size)))
             last = conn.execute(select(func.max(s.steps.c.step)).where(
                 s.steps.c.run_id == self.run_id, s.steps.c.rank == self.rank)).scalar()
         self._next_step = 0 if last is None else last + 1
