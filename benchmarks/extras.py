@@ -68,7 +68,8 @@ def _timed(owner, attr: str, sink: dict, key: str):
 def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None) -> dict:
     """Time spent by the training thread in gradstore code that is not a hook, per step (stats=full):
     scope entry (decorator), pass start (graph walk, hook registration), end of pass (hook removal,
-    parameter gradients, the one host transfer, rows), end of step (StepBatch, hand-off to the writer)."""
+    parameter gradients, the one host transfer, rows; `to_rows` also on its own), end of step (StepBatch,
+    hand-off to the writer)."""
     import gradstore
     from gradstore import passes, recorder
 
@@ -81,7 +82,9 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_timed(recorder.record, "_enter", totals, "scope entry"))
         stack.enter_context(_timed(passes.PassRecorder, "__init__", totals, "pass start (walk, register hooks)"))
-        stack.enter_context(_timed(passes.PassRecorder, "finish", totals, "end of pass (transfer, rows)"))
+        stack.enter_context(_timed(passes.PassRecorder, "finish", totals,
+                                   "end of pass (hook removal, parameter-gradient statistics, transfer, rows)"))
+        stack.enter_context(_timed(passes, "to_rows", totals, "↳ of which `to_rows` (the host transfer, rows)"))
         stack.enter_context(_timed(recorder.record, "_end_step", totals, "end of step (hand-off to writer)"))
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -89,7 +92,9 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None)
             per_step.append(time.perf_counter() - t0)
             rec.flush()
     missing = totals.pop("missing", [])
-    parts = {k: v / steps for k, v in totals.items()}
+    order = ["scope entry", "pass start", "end of pass", "↳", "end of step"]
+    parts = {k: totals[k] / steps for k in sorted(totals, key=lambda k: next(
+        (i for i, o in enumerate(order) if k.startswith(o)), len(order)))}
     out = {"parts_s": parts, "missing": missing, "step_s": median(per_step), "none_step_s": none_step_s}
     handoff = sum(v for k, v in parts.items() if k.startswith(("end of pass", "end of step")))
     if none_step_s:
@@ -122,15 +127,23 @@ def profile_full(bench: Bench, db: Path, steps: int, top: int = 18) -> str:
 
 
 # ---- peak RSS -------------------------------------------------------------------------------------------------
-def peak_rss(spec: ModelSpec, steps: int, repeats: int, threads: int = 1) -> dict:
-    """Fresh processes, without and with recording side by side (memory is per process); peak RSS of the
-    training steps (the peak is reset after imports and model construction where Linux allows)."""
+def rss_jobs(spec: ModelSpec, steps: int, threads: int, dbdir: Path, i: int = 0) -> dict:
+    """Start one pair of fresh processes, without and with recording (memory is per process, so they may run
+    side by side)."""
+    return {mode: Worker(["rss", "--record", mode, "--steps", str(steps), "--threads", str(threads),
+                          "--db", str(Path(dbdir) / f"rss-{i}.db"), *spec.to_args()], timeout=900)
+            for mode in ("none", "full")}
+
+
+def peak_rss(spec: ModelSpec, steps: int, repeats: int, threads: int = 1, started: dict | None = None,
+             dbdir: Path | None = None) -> dict:
+    """Peak RSS of the training steps, without and with recording, in `repeats` pairs of fresh processes
+    (the peak is reset after imports and model construction where Linux allows). `started`: a first pair
+    already started by `rss_jobs` (with `dbdir`)."""
     res = {"none": [], "full": [], "setup_none": [], "setup_full": [], "errors": [], "reset": None}
     with tempfile.TemporaryDirectory(prefix="gradstore-rss-") as tmp:
         for i in range(repeats):
-            jobs = {mode: Worker(["rss", "--record", mode, "--steps", str(steps), "--threads", str(threads),
-                                  "--db", str(Path(tmp) / f"rss-{i}.db"), *spec.to_args()], timeout=900)
-                    for mode in ("none", "full")}
+            jobs = started if (i == 0 and started) else rss_jobs(spec, steps, threads, Path(tmp), i + 1)
             for mode, job in jobs.items():
                 r = job.result()
                 if "error" in r:

@@ -48,7 +48,9 @@ def _schema_tag() -> str:
     from gradstore import schema as s
     from gradstore.database import head_revision
 
-    cols = ";".join(f"{t.name}:{','.join(c.name for c in t.columns)}" for t in s.metadata.sorted_tables)
+    cols = ";".join(f"{t.name}:{','.join(c.name for c in t.columns)}:"
+                    + ",".join(sorted(f"{i.name}({','.join(c.name for c in i.columns)})" for i in t.indexes))
+                    for t in s.metadata.sorted_tables)
     return f"r{head_revision()}-{hashlib.sha1(cols.encode()).hexdigest()[:8]}"
 
 

@@ -89,9 +89,36 @@ def _columns(table) -> list[str]:
     return [c.name for c in table.columns]
 
 
+def _row(table, cols: list[str], given: dict, source=None) -> tuple:
+    """A row for `cols`: `given`, else the attribute of that name on `source` (StepBatch, PassRecord), else
+    the column's scalar default. Keeps the raw path writing what the writer writes as the schema grows."""
+    out = []
+    for c in cols:
+        if c in given:
+            out.append(given[c])
+        elif source is not None and hasattr(source, c):
+            out.append(getattr(source, c))
+        else:
+            d = table.c[c].default
+            out.append(d.arg if d is not None and d.is_scalar else None)
+    return tuple(out)
+
+
+def _tensor_row(t) -> dict:
+    """A PassRecord tensor entry as a dict: a dict already (key, seq, role, slot, columns), or a tuple
+    (key, seq, role, slot, *gradstore.stats.ROW_COLUMNS)."""
+    if isinstance(t, dict):
+        return dict(t)
+    from gradstore.stats import ROW_COLUMNS
+
+    key, seq, role, slot, *rest = t
+    return {"key": key, "seq": seq, "role": role, "slot": slot, **dict(zip(ROW_COLUMNS, rest))}
+
+
 def raw_executemany(batch, db: Path, n: int) -> dict:
-    """The same rows (steps, passes, calls, tensors of n steps) with sqlite3.executemany in one WAL
-    transaction; ids assigned in Python. Schema from gradstore (ensure_schema), nodes inserted untimed."""
+    """The same rows (steps, passes, calls, tensors of n steps), built as tuples beforehand (untimed), then
+    one sqlite3.executemany per table in one WAL transaction (timed); ids assigned in Python. Schema from
+    gradstore (ensure_schema), nodes inserted untimed."""
     from gradstore import schema as s
     from gradstore.database import ensure_schema, make_engine
     from gradstore.schema import ROLE
@@ -111,9 +138,8 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
             keys.setdefault(nd.key, nd)
     node_rows = []
     for i, (key, nd) in enumerate(keys.items(), start=1):
-        row = {"id": i, "run_id": run_id, "key": key, "name": nd.name, "kind": 0, "module": nd.module,
-               "param": nd.param, "first_step": 0}
-        node_rows.append(tuple(row.get(c) for c in node_cols))
+        node_rows.append(_row(s.nodes, node_cols, {"id": i, "run_id": run_id, "key": key, "kind": 0,
+                                                   "first_step": 0}, nd))
     conn.execute("BEGIN")
     conn.executemany(f"INSERT INTO nodes ({','.join(node_cols)}) VALUES ({','.join('?' * len(node_cols))})",
                      node_rows)
@@ -128,42 +154,44 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
 
     step_sql, pass_sql = sql("steps", step_cols), sql("passes", pass_cols)
     call_sql, tensor_sql = sql("calls", call_cols), sql("tensors", tensor_cols)
-    t0 = time.perf_counter()
-    conn.execute("BEGIN")
+    # the rows are built first, untimed: the timed part is sqlite3 itself, the ceiling for any writer
+    rows = {"steps": [], "passes": [], "calls": [], "tensors": []}
     pass_id = call_id = tensor_id = 0
     for step in range(1, n + 1):
         b = batch
-        conn.execute(step_sql, tuple({
+        rows["steps"].append(_row(s.steps, step_cols, {
             "id": step, "run_id": run_id, "rank": b.rank, "step": step, "started_at": b.started_at,
             "ended_at": b.ended_at, "status": b.status, "error": b.error, "passes": len(b.passes),
-        }.get(c) for c in step_cols))
+        }, b))
         for p in b.passes:
             pass_id += 1
-            conn.execute(pass_sql, tuple({
+            rows["passes"].append(_row(s.passes, pass_cols, {
                 "id": pass_id, "step_id": step, "pass": p.number, "parent_pass": p.parent_pass,
                 "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
                 "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
                 "nodes": getattr(p, "reachable", len(p.nodes)), "started_at": p.started_at,
                 "duration": p.duration,
-            }.get(c) for c in pass_cols))
+            }, p))
             seq_to_call = {}
-            call_rows = []
             for key, seq, start, dur in p.calls:
                 call_id += 1
                 seq_to_call[seq] = call_id
-                call_rows.append(tuple({"id": call_id, "step_id": step, "pass_id": pass_id,
-                                        "node_id": node_id[key], "seq": seq, "start": start,
-                                        "duration": dur}.get(c) for c in call_cols))
-            conn.executemany(call_sql, call_rows)
-            tensor_rows = []
+                rows["calls"].append(tuple({"id": call_id, "step_id": step, "pass_id": pass_id,
+                                            "node_id": node_id[key], "seq": seq, "start": start,
+                                            "duration": dur}.get(c) for c in call_cols))
             for t in p.tensors:
                 tensor_id += 1
-                row = dict(t)
-                row.update(id=tensor_id, step_id=step, pass_id=pass_id, node_id=node_id[t["key"]],
-                           call_id=seq_to_call.get(t["seq"]) if t["seq"] is not None else None,
-                           role=ROLE[t["role"]])
-                tensor_rows.append(tuple(row.get(c) for c in tensor_cols))
-            conn.executemany(tensor_sql, tensor_rows)
+                row = _tensor_row(t)
+                row.update(id=tensor_id, step_id=step, pass_id=pass_id, node_id=node_id[row["key"]],
+                           call_id=seq_to_call.get(row["seq"]) if row["seq"] is not None else None,
+                           role=ROLE[row["role"]] if isinstance(row["role"], str) else row["role"])
+                rows["tensors"].append(tuple(row.get(c) for c in tensor_cols))
+    t0 = time.perf_counter()
+    conn.execute("BEGIN")
+    conn.executemany(step_sql, rows["steps"])
+    conn.executemany(pass_sql, rows["passes"])
+    conn.executemany(call_sql, rows["calls"])
+    conn.executemany(tensor_sql, rows["tensors"])
     conn.execute("COMMIT")
     total = time.perf_counter() - t0
     conn.close()
@@ -202,7 +230,7 @@ def bytes_per_row(db: Path) -> dict:
 
 def run(bench: Bench, workdir: Path, n: int, repeats: int = 3) -> dict:
     """Capture a real step, then alternate Writer.write and raw executemany `repeats` times (fresh files)."""
-    log(f"writer: recording one reference step to capture its StepBatch")
+    log("writer: recording one reference step to capture its StepBatch")
     batch = recorded_batch(bench, workdir / "capture.db")
     nodes, calls, tensors = _count(batch)
     res = {"steps": n, "nodes_per_step": nodes, "calls_per_step": calls, "tensor_rows_per_step": tensors,

@@ -6,7 +6,11 @@ queries, upgrade a database's schema.
     gradstore show DB RUN [--step N]     a run, or one step of it
     gradstore query DB NAME [-p k=v]     a named query of queries/ as a table (or --csv)
     gradstore queries                    the named queries, their titles and parameters
+    gradstore explain DB RUN KEY         what the record knows about one node (edges, calls, gradients)
     gradstore db upgrade DB              bring a database to the newest schema revision
+    gradstore diff DB RUN_A RUN_B        where two runs (or two steps or ranks of one) first part
+    gradstore ranks DB RUN [--step N]    do the ranks' parameter gradients agree at a step
+    gradstore merge OUT IN...            join per-rank or per-machine databases into one
 
 Every error gradstore raises on purpose (GradstoreError), a database error, and a malformed option come out
 as one line on stderr (`Error: ...`) with exit status 1 (2 for click's own usage errors), never a traceback.
@@ -450,6 +454,25 @@ def list_queries(verbose):
         click.echo(f"  file: {q.path}\n")
 
 
+@main.command(short_help="Explain one recorded node: its edges, calls and gradients at a step.")
+@click.argument("db")
+@click.argument("run")
+@click.argument("key")
+@click.option("--step", type=int, default=None, help="The step to show (default: the last step the node ran in).")
+@click.option("--rank", type=int, default=None, help="The rank to show (default: the lowest rank with a call).")
+def explain(db, run, key, step, rank):
+    """Explain node KEY of run RUN in database DB: its name, kind and module, where its grad_outputs come from
+    and its grad_inputs go (edges), and its calls' grad_output / grad_input statistics at a step.
+
+    KEY is a node key as `gradstore query DB nodes -p run=RUN` lists it, e.g. 'fc/AddmmBackward0#0' or
+    'param:fc.weight'.
+    """
+    from .explain import explain_recorded
+
+    with _store(db) as store:
+        click.echo(str(explain_recorded(store, run, key, step=step, rank=rank)))
+
+
 @main.group(cls=_Group, short_help="Manage a database's schema revision (upgrade).")
 def db():
     """Manage a database's schema (Alembic revisions shipped with gradstore)."""
@@ -466,6 +489,231 @@ def upgrade(db_path):
         click.echo(f"{db_path}: already at schema revision {after}")
     else:
         click.echo(f"{db_path}: schema revision {before or '(none, new database)'} -> {after}")
+
+
+# ---- comparing runs, steps and ranks; merging ----------------------------------------------------------------
+
+_STATS = ("norm", "min", "max", "mean", "std")
+_COUNTS = ("nan", "posinf", "neginf", "zeros")
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and pd.isna(v)) or v is pd.NA
+
+
+def _num_pair(a, b) -> tuple[str, str]:
+    """Two floats with the fewest significant digits (5 or more) that tell them apart."""
+    if _missing(a) or _missing(b):
+        return ("NULL" if _missing(a) else f"{a:.5g}"), ("NULL" if _missing(b) else f"{b:.5g}")
+    for digits in range(5, 18):
+        sa, sb = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if sa != sb:
+            return sa, sb
+    return repr(float(a)), repr(float(b))
+
+
+def _slot_label(role: str, slot) -> str:
+    """'grad_outputs[0]' / 'grad_inputs[1]' (PyTorch's names for a node's hook arguments) / '.grad'."""
+    if role == "param_grad":
+        return ".grad"
+    return f"{role}s[{int(slot)}]"
+
+
+def _plain(v, field: str) -> str:
+    if _missing(v):
+        return "NULL"
+    if field == "shape":
+        return f"[{v}]"
+    if field in _COUNTS or field == "checksum":
+        return str(int(v))
+    return str(v)
+
+
+def _difference_words(row, label_a: str, label_b: str) -> str:
+    """What differs in one row of diff / first_divergence / rank_divergence, in words: the first differing
+    field with both values ('norm 1.2345 vs 1.2346 (rel 8.1e-05)'), then the names of the others."""
+    fields = [f for f in str(row["differs"]).split(",") if f]
+    if "missing" in fields:
+        return f"only in {label_a if row['side'] == 'a' else label_b}"
+    if not fields:
+        return "no difference"
+    if fields[0] == "checksum" and len(fields) > 1:  # show a statistic's values; the checksum confirms it
+        fields = fields[1:] + fields[:1]
+    first, rest = fields[0], fields[1:]
+    a, b = row[f"{first}_a"], row[f"{first}_b"]
+    if first in _STATS:
+        sa, sb = _num_pair(a, b)
+        rel = row[f"{first}_rel"]
+        text = f"{first} {sa} vs {sb}" + ("" if _missing(rel) else f" (rel {rel:.2g})")
+    else:
+        text = f"{first} {_plain(a, first)} vs {_plain(b, first)}"
+    if first == "checksum" and not rest:
+        text += " (every statistic equal)"
+    if rest:
+        text += f"; {', '.join(rest)} differ{'s' if len(rest) == 1 else ''} too"
+    return text
+
+
+def _side_labels(run_a, run_b, step_a, step_b, rank_a, rank_b) -> tuple[str, str, set[str]]:
+    """How to name side a and side b in a sentence ('rank 0' / 'rank 1'), and which of run/step/rank the
+    labels carry."""
+    run_b = run_b if run_b is not None else run_a
+    step_a, step_b = (step_a if step_a is not None else step_b), (step_b if step_b is not None else step_a)
+    rank_a, rank_b = (rank_a if rank_a is not None else rank_b), (rank_b if rank_b is not None else rank_a)
+    a, b, carried = [], [], set()
+    if run_a != run_b:
+        a.append(f"run {run_a!r}"), b.append(f"run {run_b!r}"), carried.add("run")
+    if step_a != step_b:
+        a.append(f"step {step_a}"), b.append(f"step {step_b}"), carried.add("step")
+    if rank_a != rank_b:
+        a.append(f"rank {rank_a}"), b.append(f"rank {rank_b}"), carried.add("rank")
+    if not a:
+        a = b = [f"run {run_a!r}"]
+    return " ".join(a), " ".join(b), carried
+
+
+def _where(row, carried: set[str], several_ranks: bool) -> str:
+    """'step 3, pass 0' (and the rank where runs have several ranks) of a first_divergence row."""
+    side = "b" if row["side"] == "b" else "a"
+    parts = []
+    if "step" not in carried:
+        parts.append(f"step {int(row[f'step_{side}'])}")
+    if "rank" not in carried and several_ranks:
+        parts.append(f"rank {int(row[f'rank_{side}'])}")
+    p = row[f"pass_{side}"]
+    if not _missing(p):
+        parts.append(f"pass {int(p)}")
+    return ", ".join(parts)
+
+
+@main.command(short_help="Where two runs (or two steps or two ranks of one run) first part.")
+@click.argument("db")
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--step-a", type=int, default=None, help="Side a's step (default: --step-b; neither: every step).")
+@click.option("--step-b", type=int, default=None, help="Side b's step (default: --step-a).")
+@click.option("--rank-a", type=int, default=None, help="Side a's rank (default: --rank-b; neither: every rank).")
+@click.option("--rank-b", type=int, default=None, help="Side b's rank (default: --rank-a).")
+@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Relative tolerance: a statistic differs when |a - b| > atol + rtol * max(|a|, |b|).")
+@click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Absolute tolerance (0 and 0: any difference, bitwise).")
+def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
+    """Compare run RUN_A with run RUN_B of database DB node by node (key, role, slot and occurrence) and print,
+    in backward execution order, the first node whose gradients differ.
+
+    Two steps of one run: `gradstore diff DB RUN RUN --step-a 3 --step-b 4`; two ranks:
+    `gradstore diff DB RUN RUN --rank-a 0 --rank-b 1 --step-a 3`. Every aligned row: `gradstore query DB diff
+    -p run_a=... -p run_b=...`, or Store.diff in Python.
+    """
+    sides = dict(run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a, rank_b=rank_b)
+    label_a, label_b, carried = _side_labels(**sides)
+    with _store(db) as store:
+        table = store.diff(**sides)
+        try:
+            first = store.first_divergence(**sides, rtol=rtol, atol=atol)
+        except ValueError as exc:  # a tolerance of inf or nan
+            raise click.BadParameter(str(exc)) from None
+        ranks = set(store.steps(run=run_a)["rank"]) | set(store.steps(run=run_b)["rank"])
+    both = table[table["side"] == "both"]
+    n_diff = int((both["differs"] != "").sum())
+    only_a, only_b = int((table["side"] == "a").sum()), int((table["side"] == "b").sum())
+    click.echo(f"Compared {label_a} with {label_b}: {len(table):,} gradients aligned by node key, role, slot and "
+               f"occurrence; {n_diff:,} differ bitwise, {only_a:,} only in {label_a}, {only_b:,} only in {label_b}.")
+    tolerance = f" within rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
+    if first.empty:
+        click.echo(f"no divergence: {label_b} agrees with {label_a} on every gradient"
+                   + (tolerance or " (bitwise-identical statistics)"))
+        return
+    several = len(ranks) > 1
+    for (_, rows) in first.groupby([first["rank_a"].fillna(-1), first["rank_b"].fillna(-1)], sort=True):
+        r = rows.iloc[0]
+        click.echo(f"{label_b} differs from {label_a}{tolerance} first at {r['key']} "
+                   f"{_slot_label(r['role'], r['slot'])} ({_where(r, carried, several)}): "
+                   f"{_difference_words(r, label_a, label_b)}")
+        for _, other in rows.iloc[1:].iterrows():
+            click.echo(f"  also {_slot_label(other['role'], other['slot'])}: "
+                       f"{_difference_words(other, label_a, label_b)}")
+
+
+def _count_missing_checksums(store: Store, run: str, step: int) -> int:
+    """Parameter gradients (.grad not None) at `step` of `run` recorded without a checksum."""
+    with store.engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(
+            s.tensors.join(s.steps, s.tensors.c.step_id == s.steps.c.id).join(s.runs, s.steps.c.run_id == s.runs.c.id)
+        ).where(s.runs.c.name == run, s.steps.c.step == step, s.tensors.c.role == s.ROLE["param_grad"],
+                s.tensors.c.status == s.STATUS["ok"], s.tensors.c.checksum.is_(None))).scalar()
+
+
+@main.command(short_help="Do the ranks' parameter gradients agree at a step?")
+@click.argument("db")
+@click.argument("run")
+@click.option("--step", type=int, default=None, help="The step to check (default: the last step the run recorded).")
+def ranks(db, run, step):
+    """Compare every parameter's final gradient at a step of run RUN (database DB) across ranks: the .grad
+    each rank held when the step's last backward pass returned (after any all-reduce). Bitwise where the
+    record holds checksums, else statistic by statistic. Needs every rank in DB (see `gradstore merge`).
+    """
+    with _store(db) as store:
+        world = int(store.query("runs", run=run)["world_size"].iloc[0])  # UnknownRun first
+        steps = store.steps(run=run)
+        if steps.empty:
+            raise click.ClickException(f"run {run!r} has no steps yet")
+        if step is None:
+            step = int(steps["step"].max())
+        store._check_step(run, step, None)
+        ranks_at = sorted(int(r) for r in steps[steps["step"] == step]["rank"])
+        absent = [r for r in range(world) if r not in ranks_at]
+        note = (f" (rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} of world size {world} "
+                f"did not record step {step}; merge their databases with `gradstore merge`)") if absent else ""
+        if len(ranks_at) < 2:
+            click.echo(f"only rank {ranks_at[0]} recorded step {step} of run {run!r}: nothing to compare{note}")
+            return
+        n_params = len(store.param_grads(run=run, step=step, rank=ranks_at[0]))
+        bad = store.rank_divergence(run, step)
+        unchecked = _count_missing_checksums(store, run, step)
+    rank_list = ", ".join(map(str, ranks_at))
+    if bad.empty:
+        if unchecked == 0:
+            click.echo(f"ranks agree at step {step}: all {n_params} parameter gradients bitwise equal "
+                       f"(ranks {rank_list}){note}")
+        else:
+            click.echo(f"ranks agree at step {step}: all {n_params} parameter gradients have equal statistics "
+                       f"(ranks {rank_list}; no checksums recorded, so not a bitwise comparison){note}")
+        return
+    params = list(dict.fromkeys(bad["param"]))
+    click.echo(f"ranks differ at step {step}: {len(params)} of {n_params} parameter gradients differ "
+               f"(ranks {rank_list}){note}")
+    for _, r in bad.iterrows():
+        a, b = f"rank {int(r['rank_a'])}", f"rank {int(r['rank_b'])}"
+        click.echo(f"  {r['param']}: {b} differs from {a}: {_difference_words(r, a, b)}")
+    first_b = int(bad["rank_b"].iloc[0])
+    click.echo(f"Node by node (each rank's local gradients, before any all-reduce): gradstore diff {db} {run} {run} "
+               f"--step-a {step} --rank-a {int(bad['rank_a'].iloc[0])} --rank-b {first_b}")
+
+
+@main.command(short_help="Join per-rank or per-machine databases into one.")
+@click.argument("out")
+@click.argument("inputs", nargs=-1, required=True, metavar="IN...")
+@click.option("--skip-existing", is_flag=True,
+              help="Leave out input steps (run, rank, step) that OUT already holds, instead of failing.")
+def merge(out, inputs, skip_existing):
+    """Merge the gradstore databases IN... into OUT (created if missing): runs matched by name, steps appended
+    per (run, rank, step), nodes matched by key, edges de-duplicated, passes, calls and tensors copied. One
+    transaction: on an error (a step OUT already holds, without --skip-existing) OUT is left as it was.
+    """
+    from .merge import merge as merge_databases
+
+    reports = merge_databases(out, list(inputs), skip_existing=skip_existing)
+    for r in reports:
+        runs = ", ".join([f"{n!r} (new)" for n in r.runs_created] + [repr(n) for n in r.runs_matched]) or "none"
+        ranks_txt = f" of rank{'s' if len(r.ranks) > 1 else ''} {', '.join(map(str, r.ranks))}" if r.ranks else ""
+        line = (f"{r.source}: run {runs}: {r.steps:,} steps{ranks_txt}, {r.passes:,} passes, {r.calls:,} calls, "
+                f"{r.tensors:,} tensors; {r.nodes:,} new nodes, {r.edges:,} new edges")
+        if r.skipped:
+            line += f"; {len(r.skipped):,} steps already in {out} skipped"
+        click.echo(line)
+    click.echo(f"merged {len(reports)} database{'s' if len(reports) > 1 else ''} into {out}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError, IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from .errors import DatabaseNotFound, GradstoreError, SchemaTooNew
 from .resources import migrations_dir
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
+_PG_SCHEMA_LOCK = 0x6772616473746F72  # "gradstor": the advisory lock key that serialises schema creation
 
 
 def is_url(db: str | Path) -> bool:
@@ -23,15 +24,20 @@ def is_url(db: str | Path) -> bool:
     return "://" in str(db)
 
 
-def make_engine(db: str | Path) -> Engine:
+def make_engine(db: str | Path, immediate: bool = False) -> Engine:
     """Create an SQLAlchemy `Engine` for a SQLite file path or a database URL.
 
     SQLite connections get WAL journaling, `synchronous=NORMAL`, a 60 s busy timeout (so that several
     processes can write one file) and a WAL checkpoint every 10,000 pages (40 MB) instead of 1,000, which
     keeps checkpoints off most step commits. Nothing is created on disk until a connection writes.
+
+    immediate: SQLite only: every transaction starts with BEGIN IMMEDIATE, taking the file's write lock at
+    once (waiting up to the busy timeout) instead of at its first write. A transaction that reads and then
+    writes can otherwise fail at once with "database is locked" when another process wrote in between (the
+    busy timeout does not apply to a read transaction that must become a write one). The writer uses it.
     """
     if is_url(db):
-        return create_engine(str(db))
+        return create_engine(str(db), pool_pre_ping=True)
     engine = create_engine(f"sqlite:///{Path(db)}")
 
     @event.listens_for(engine, "connect")
@@ -42,6 +48,13 @@ def make_engine(db: str | Path) -> Engine:
         cur.execute("PRAGMA synchronous = NORMAL")
         cur.execute("PRAGMA wal_autocheckpoint = 10000")
         cur.close()
+        if immediate:
+            dbapi_conn.isolation_level = None  # the driver's own BEGIN off: SQLAlchemy's "begin" event says it
+
+    if immediate:
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
 
@@ -89,7 +102,8 @@ def ensure_schema(engine: Engine, db_label: str = "the database") -> str:
     """Bring the schema to the newest revision, creating it in an empty database.
 
     Returns the revision now in place. Raises `SchemaTooNew` when the database was written by a newer
-    gradstore. Safe when several processes open one new database at once: a loser of the race re-checks.
+    gradstore. Safe when several processes open one new database at once: on PostgreSQL they take turns
+    (an advisory lock), on SQLite a loser of the race re-checks.
     """
     from alembic import command
 
@@ -101,9 +115,13 @@ def ensure_schema(engine: Engine, db_label: str = "the database") -> str:
             return head
         try:
             with engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    # one migrating process at a time; the others then find the schema at head (Alembic reads
+                    # the revision inside this transaction, after the lock)
+                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_SCHEMA_LOCK})")
                 command.upgrade(_alembic_config(conn), "head")
             return head
-        except (OperationalError, IntegrityError):
+        except (OperationalError, IntegrityError, ProgrammingError):
             if attempt == 4:
                 raise
             time.sleep(0.2 * (attempt + 1))  # another process is creating or upgrading it

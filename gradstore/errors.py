@@ -27,3 +27,19 @@ class QueryParameterError(GradstoreError):
 
 class RecordUsageError(GradstoreError):
     """`record` was used in a way it cannot work (bad argument, nested scopes)."""
+
+
+class UnknownNode(GradstoreError):
+    """A node key that is not in a run (gradstore explain DB RUN KEY)."""
+
+
+class ReplayError(GradstoreError):
+    """A node's backward cannot be re-run (gradstore.replay): AccumulateGrad, a nested backward, bad input."""
+
+
+class SavedTensorsFreed(ReplayError):
+    """The node's saved tensors were freed by a backward pass without retain_graph=True."""
+
+
+class VerifyUsageError(GradstoreError):
+    """gradstore.verify was called in a way it cannot work (no captured forward inputs, bad argument)."""

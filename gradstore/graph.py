@@ -92,13 +92,14 @@ def walk(roots: list) -> Walk:
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """What the store keeps of a node: key (stable across steps and runs), name, kind, module, param."""
+    """What the store keeps of a node: key (stable across steps and runs), name, kind, module, param, frame."""
 
     key: str
     name: str
     kind: str
     module: str
     param: str | None
+    frame: str | None = None  # 'file:line in function' of the user code that created it (record(frames=True))
 
 
 def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple],

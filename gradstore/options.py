@@ -39,10 +39,12 @@ class Options:
     params: tuple[str, ...] | None = None
     on_full: str = "wait"
     queue_rows: int = 500_000
+    saved: bool = False
+    frames: bool = False
 
     @classmethod
     def make(cls, stats="full", every=1, steps=None, modules=None, params=None, on_full="wait",
-             queue_rows=500_000) -> "Options":
+             queue_rows=500_000, saved=False, frames=False) -> "Options":
         """Validate user arguments; raises RecordUsageError naming the argument and what it accepts."""
         if stats not in LEVELS:
             raise RecordUsageError(f"record(stats=...) is one of {', '.join(map(repr, LEVELS))}, got {stats!r}")
@@ -60,7 +62,14 @@ class Options:
                                    f"(rows are dropped and counted in steps.dropped), got {on_full!r}")
         if isinstance(queue_rows, bool) or not isinstance(queue_rows, int) or queue_rows < 1:
             raise RecordUsageError(f"record(queue_rows=...) takes a whole number >= 1, got {queue_rows!r}")
-        return cls(stats, every, steps, _globs(modules, "modules"), _globs(params, "params"), on_full, queue_rows)
+        for name, flag in (("saved", saved), ("frames", frames)):
+            if not isinstance(flag, bool):
+                raise RecordUsageError(f"record({name}=...) is True or False, got {flag!r}")
+        if saved and stats in ("params", "shape"):
+            raise RecordUsageError(f"record(saved=True) measures saved tensors in node hooks; stats={stats!r} "
+                                   "records no node statistics: use stats='full' or 'health'")
+        return cls(stats, every, steps, _globs(modules, "modules"), _globs(params, "params"), on_full, queue_rows,
+                   saved, frames)
 
     def wants_step(self, step: int) -> bool:
         """True when step number `step` is to be recorded (every= and steps=)."""

@@ -13,11 +13,12 @@ import itertools
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import _torch_private as tp
 from .graph import NodeInfo, describe, roots_of, walk
 from .options import Options
+from .saved import saved_tensors
 from .schema import ROLE
 from .stats import NONFINITE_COLUMNS, Measured, Measurer, measure, to_rows
 
@@ -88,7 +89,7 @@ class StepState:
         self.active.clear()
 
 
-_ROLE_OUT, _ROLE_IN, _ROLE_PARAM = "grad_output", "grad_input", "param_grad"
+_ROLE_OUT, _ROLE_IN, _ROLE_PARAM, _ROLE_SAVED = "grad_output", "grad_input", "param_grad", "saved"
 
 
 class PassRecorder:
@@ -100,11 +101,13 @@ class PassRecorder:
         kind: 'backward' (accumulates into .grad) or 'grad' (torch.autograd.grad).
         owner: sequence_nr -> module qualified name.
         params: [(qualified name, Parameter)] of the recorded models.
-        options: gradstore.options.Options (level, filters).
+        options: gradstore.options.Options (level, filters, saved=).
+        frame_of: sequence_nr -> 'file:line in function' or None (record(frames=True)), else None.
     """
 
     def __init__(self, step: StepState, outputs, kind: str, create_graph: bool, retain_graph: bool,
-                 inputs: int | None, owner, params: list[tuple[str, object]], options: Options):
+                 inputs: int | None, owner, params: list[tuple[str, object]], options: Options,
+                 frame_of=None):
         self.step = step
         self.params = params
         self.options = options
@@ -137,6 +140,14 @@ class PassRecorder:
         param_names = {id(p): n for n, p in params}
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
         self.infos = describe(self.walk, owner, param_names, step.known, parent_scope)
+        if frame_of is not None:
+            for i, node in enumerate(self.walk.nodes):
+                info = self.infos[i]
+                if info.frame is None and info.kind != "accumulate_grad":
+                    frame = frame_of(tp.sequence_nr(node))
+                    if frame is not None:
+                        self.infos[i] = replace(info, frame=frame)
+                        step.known[id(node)] = (node, self.infos[i]) + step.known[id(node)][2:]
         try:
             for i, node in enumerate(self.walk.nodes):
                 if not self._wanted(self.infos[i].module, self.infos[i].param):
@@ -169,6 +180,9 @@ class PassRecorder:
     def _hooks(self, i: int):
         measure_one = self.measurer
         measured = self.measured
+        node = self.walk.nodes[i] if self.options.saved else None
+        # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
+        trusted = self.infos[i].kind in ("function", "accumulate_grad")
 
         def prehook(grad_outputs):
             try:
@@ -178,6 +192,9 @@ class PassRecorder:
                 call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
                 for slot, m in enumerate(ms):
                     measured.append((call, _ROLE_OUT, slot, m))
+                if node is not None:  # record(saved=True): what the node keeps for its backward, still alive here
+                    for slot, (_name, t) in enumerate(saved_tensors(node)):
+                        measured.append((call, _ROLE_SAVED, slot, measure_one(t)))
                 self.open[i] = call
                 self.step.open_stack().append((self.record.number, call[1]))
                 call[2] = time.perf_counter() - self.t0
@@ -198,7 +215,7 @@ class PassRecorder:
                 stack = self.step.open_stack()
                 if stack and stack[-1] == (self.record.number, call[1]):
                     stack.pop()
-                for slot, m in enumerate(measure_one.grad_inputs(grad_inputs, grad_outputs, call[4], call[5])):
+                for slot, m in enumerate(measure_one.grad_inputs(grad_inputs, grad_outputs, call[4], call[5], trusted)):
                     measured.append((call, _ROLE_IN, slot, m))
             except Exception as exc:
                 self.step.fault("hook", exc)
@@ -230,7 +247,8 @@ class PassRecorder:
                     key = f"param:{name}"
                     param_nodes[key] = NodeInfo(key, "AccumulateGrad", "accumulate_grad", module, name)
                     param_keys.append(key)
-                    self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad, opts.param_level)))
+                    level = opts.param_level  # checksum: a bitwise comparison across ranks (not at 'shape')
+                    self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad, level, checksum=level != "shape")))
             rows = to_rows([m for _, _, _, m in self.measured])
             infos = self.infos
             walked = {i.key for i in infos}

@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from . import intercept
 from . import schema as s
 from .errors import RecordUsageError
+from .frames import FrameTracker
 from .modules import ModuleTracker, named_parameters, qualified_names
 from .options import Options
 from .passes import PassRecorder, StepState
@@ -77,6 +78,10 @@ class record:
             writer catches up; seconds waited go to steps.waited) or 'drop' (the step's calls and tensors are
             dropped; their count goes to steps.dropped).
         queue_rows: the bound on rows waiting for the writer (int).
+        saved: also record the statistics of every saved tensor each node holds for its backward (role
+            'saved', slot = position in `gradstore.saved_tensors(node)`), measured in the node's prehook.
+        frames: note, for each forward op, the user-code frame that created its node ('file:line in
+            function', in nodes.frame; a `torch.overrides.TorchFunctionMode`, about 4 µs per op).
     Raises:
         RecordUsageError: a bad argument, or a scope opened inside another.
         SchemaTooNew: the database was written by a newer gradstore.
@@ -86,14 +91,15 @@ class record:
 
     def __init__(self, run: str, db: str | Path = DEFAULT_DB, model: nn.Module | list | dict | None = None,
                  meta: dict | None = None, *, stats: str = "full", every: int = 1, steps=None, modules=None,
-                 params=None, on_full: str = "wait", queue_rows: int = 500_000):
+                 params=None, on_full: str = "wait", queue_rows: int = 500_000, saved: bool = False,
+                 frames: bool = False):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
         models = _named_models(model)
         if meta is not None and not isinstance(meta, dict):
             raise RecordUsageError(f"record(meta=...) takes a dict, got {type(meta).__name__}")
         self.options = Options.make(stats=stats, every=every, steps=steps, modules=modules, params=params,
-                                    on_full=on_full, queue_rows=queue_rows)
+                                    on_full=on_full, queue_rows=queue_rows, saved=saved, frames=frames)
         self.run = run
         self.db = db
         self.models = models
@@ -104,6 +110,7 @@ class record:
         self._writer = None
         self._state: StepState | None = None
         self._tracker: ModuleTracker | None = None
+        self._frames: FrameTracker | None = None
         self._params: list = []
         self._step_started = 0.0
         self._step_number = 0
@@ -152,6 +159,7 @@ class record:
         models = self.models or models
         self._params = named_parameters(models)
         self._tracker = ModuleTracker(qualified_names(models))
+        self._frames = FrameTracker() if self.options.frames else None
         self._begin_step()
 
     def _exit(self, exc: BaseException | None, run_status: str | None) -> None:
@@ -159,6 +167,9 @@ class record:
             self._end_step(exc, run_status)
         finally:
             intercept.deactivate(self)
+            if self._frames is not None:
+                self._frames.remove()
+            self._frames = None
             if self._tracker is not None:
                 self._tracker.remove()
             self._tracker = None
@@ -177,9 +188,14 @@ class record:
             self._state = StepState()
             self._tracker.clear()
             self._tracker.install()
+            if self._frames is not None:
+                self._frames.clear()
+                self._frames.install()
             intercept.activate(self)
         else:  # an unsampled step runs with no gradstore hook at all
             self._state = None
+            if self._frames is not None:
+                self._frames.remove()
             self._tracker.remove()
             intercept.deactivate(self)
 
@@ -212,12 +228,17 @@ class record:
         if state is not None:
             try:
                 p = PassRecorder(state, outputs, kind, create_graph, retain_graph, inputs,
-                                 self._tracker.owner, self._params, self.options)
+                                 self._tracker.owner, self._params, self.options,
+                                 self._frames.owner_frame if self._frames is not None else None)
             except Exception as exc:
                 state.fault("start of pass", exc)
         ok = False
         try:
-            result = original(outputs, *args, **kwargs)
+            if self._frames is not None:  # the hooks' own reductions are not user ops: no frame walk for them
+                with self._frames.paused():
+                    result = original(outputs, *args, **kwargs)
+            else:
+                result = original(outputs, *args, **kwargs)
             ok = True
             return result
         finally:

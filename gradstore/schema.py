@@ -127,6 +127,7 @@ nodes = Table(
     Column("kind", Integer, nullable=False),
     Column("module", String(1024), nullable=False),
     Column("param", String(1024)),
+    Column("frame", String(2048)),  # 'file:line in function' of the user code that created it (frames=True)
     Column("first_step", Integer, nullable=False),
     UniqueConstraint("run_id", "key"),
 )

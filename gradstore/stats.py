@@ -22,6 +22,7 @@ leaves mean, std and zeros NULL; `shape` records dtype, shape and numel only.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass, replace
 
@@ -57,6 +58,7 @@ class Measured:
     shape: str | None = None
     numel: int | None = None
     vec: tuple | torch.Tensor | None = None
+    checksum: int | torch.Tensor | None = None  # `checksum` of the bytes (param_grad rows): int or 0-d int64
 
 
 NONE = Measured("none")
@@ -159,11 +161,145 @@ def _reduce(x: torch.Tensor, level: str = "full"):
     return _cpu(x, level) if x.device.type == "cpu" else _masked(x, level)
 
 
-def measure(t: torch.Tensor | None, level: str = "full") -> Measured:
+# ---- checksum ---------------------------------------------------------------------------------------------------
+# sum over positions i of int(x_i) * m_i, modulo 2**64, where int(x_i) is element i's bytes read as a signed
+# integer of the element's width (sign-extended to 64 bits) and m_i an odd multiplier that depends on i only.
+# Linear in the elements, so chunks add up in any order (equal on every device and for any chunking); a change
+# d != 0 at one position changes the sum by d * m_i != 0 (m_i is odd), and changes at several positions (a
+# swap, +1/-1 ulp at two places) cancel only when their multipliers happen to line up (about 2**-64).
+# m_i = _BLOCK_MULT[i % _CSUM_CHUNK] * K(i // _CSUM_CHUNK): one cached block of multipliers per device,
+# times an odd per-block factor, so no index tensor is built per call.
+_CSUM_CHUNK = 1 << 18  # elements per chunk: int64 temporaries of 2 MiB
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _block_multipliers_numpy() -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = np.arange(_CSUM_CHUNK, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z | np.uint64(1)).view(np.int64)
+
+
+_block_mult: dict[torch.device, torch.Tensor] = {}
+_block_factor: list[int] = [1]  # K(0) = 1: a tensor of one chunk needs no extra multiply
+_work = threading.local()  # per thread and device: one reusable int64 chunk (no allocation per chunk)
+
+
+def _work_buffer(device: torch.device) -> torch.Tensor:
+    bufs = getattr(_work, "bufs", None)
+    if bufs is None:
+        bufs = _work.bufs = {}
+    b = bufs.get(device)
+    if b is None:
+        b = bufs[device] = torch.empty(_CSUM_CHUNK, dtype=torch.int64, device=device)
+    return b
+
+
+def _multipliers(device: torch.device) -> torch.Tensor:
+    m = _block_mult.get(device)
+    if m is None:
+        cpu = _block_mult.get(torch.device("cpu"))
+        if cpu is None:
+            cpu = _block_mult[torch.device("cpu")] = torch.from_numpy(_block_multipliers_numpy())
+        m = _block_mult[device] = cpu if device.type == "cpu" else cpu.to(device)
+    return m
+
+
+def _factor(k: int) -> int:
+    while len(_block_factor) <= k:
+        _block_factor.append(_signed64(_splitmix64(len(_block_factor) ^ 0x5851F42D4C957F2D) | 1))
+    return _block_factor[k]
+
+
+def _pieces(t: torch.Tensor, offset: int = 0):
+    """(offset, 1-d tensor of at most _CSUM_CHUNK elements) covering t in row-major order; a non-contiguous t
+    is copied one block of rows at a time."""
+    n = t.numel()
+    if n == 0:
+        return
+    if t.is_contiguous():
+        flat = t.reshape(-1)
+        for start in range(0, n, _CSUM_CHUNK):
+            yield offset + start, flat[start:start + _CSUM_CHUNK]
+        return
+    rows, row = t.shape[0], n // t.shape[0]
+    if row <= _CSUM_CHUNK:
+        per = max(1, _CSUM_CHUNK // row)
+        for start in range(0, rows, per):
+            yield offset + start * row, t[start:start + per].reshape(-1)
+    else:
+        for i in range(rows):
+            yield from _pieces(t[i], offset + i * row)
+
+
+def _checksum(t: torch.Tensor):
+    """`checksum` as a 0-d int64 tensor on t's device (no host sync), or an int for a CPU tensor."""
+    if _skip_reason(t) is not None and not t.is_complex():
+        return None
+    width = t.element_size()
+    with torch.no_grad():
+        x = t.detach()
+        if x.is_complex():
+            x = torch.view_as_real(x)
+            width //= 2
+        x = x.view(_INT_OF_WIDTH[width])
+        mult = _multipliers(x.device)
+        work = _work_buffer(x.device)
+        acc = None
+        for offset, piece in _pieces(x):
+            while piece.numel():
+                k, j = divmod(offset, _CSUM_CHUNK)
+                take = min(piece.numel(), _CSUM_CHUNK - j)
+                w = work[:take]
+                w.copy_(piece[:take])  # sign-extends to int64
+                s = w.mul_(mult[j:j + take]).sum()
+                if k:
+                    s = s * _factor(k)
+                acc = s if acc is None else acc.add_(s)
+                piece, offset = piece[take:], offset + take
+    if acc is None:
+        return 0
+    return int(acc) if acc.device.type == "cpu" else acc
+
+
+def checksum(t: torch.Tensor | None) -> int | None:
+    """A 64-bit signed checksum of a tensor's bytes, in row-major (logical) order.
+
+    Equal for bitwise-equal tensors of one dtype and shape on any device, whatever their strides; a
+    different value at any one position always changes it, and changes at several positions (swapped
+    elements, +1 and -1 ulp at two places) change it except with probability about 2**-64. Runs on the
+    tensor's device in chunks of 2**18 elements (a few MiB of temporaries); this function reads the result
+    (one host sync), the recorder leaves it on the device until the pass's transfer.
+
+    Returns None for None, and for a tensor whose bytes are not read (a subclass, sparse, meta or quantized).
+    """
+    if t is None:
+        return None
+    c = _checksum(t)
+    return c if c is None or isinstance(c, int) else int(c)
+
+
+def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False) -> Measured:
     """Measure one gradient at `level` ('full', 'health' or 'shape'); never raises.
 
     Args:
         t: any tensor (any shape, dtype, device, layout) or None.
+        checksum: also take `checksum(t)` (left on the device until `to_rows`); a fault there leaves the
+            statistics and stores no checksum.
     Returns:
         `Measured`; a tensor that cannot be measured is status 'skipped' with the reason.
     Relies on: `Tensor.detach`, `Tensor.numpy` (CPU), `torch.aminmax`, `torch.linalg.vector_norm`.
@@ -178,6 +314,11 @@ def measure(t: torch.Tensor | None, level: str = "full") -> Measured:
         if reason is not None:
             m.status, m.reason = "skipped", reason
             return m
+        if checksum:
+            try:
+                m.checksum = _checksum(t)
+            except Exception:
+                m.checksum = None
         if m.numel == 0 or level == "shape":
             return m
         with torch.no_grad():
@@ -233,11 +374,12 @@ class Measurer:
         self.measured = 0
         self.reused = 0
 
-    def __call__(self, t: torch.Tensor | None) -> Measured:
+    def __call__(self, t: torch.Tensor | None, fresh: bool = False) -> Measured:
+        """Measure `t`, or reuse the result for the same object at the same version (unless `fresh`)."""
         if t is None:
             return NONE
         version = _version(t)
-        hit = self._seen.get(id(t))
+        hit = None if fresh else self._seen.get(id(t))
         # the same object at the same version: the engine accumulates gradients in place (InputBuffer), which
         # bumps the version, so a grad_input that later received a second contribution is measured again
         if hit is not None and hit[0]() is t and hit[2] == version and version is not None:
@@ -258,9 +400,15 @@ class Measurer:
         return [_version(t) if t is not None else None for t in tensors]
 
     def grad_inputs(self, grad_inputs, grad_outputs, measured_outputs: list[Measured],
-                    output_versions: list[int | None]) -> list[Measured]:
+                    output_versions: list[int | None], trusted: bool = True) -> list[Measured]:
         """Measure a node's grad_inputs, reusing a grad_output's result where a grad_input is the same memory
-        and that grad_output was not modified since it was measured (same `_version`)."""
+        and that grad_output was not modified since it was measured (same `_version`).
+
+        `trusted=False` (custom Functions and other user backward code) measures every grad_input afresh and
+        replaces what was known of that tensor: user code can change a gradient in place without bumping its
+        version (`dist.all_reduce(grad)` in a Megatron-style backward, writes through `.data`)."""
+        if not trusted:
+            return [self(g, fresh=True) for g in grad_inputs]
         out = []
         for g in grad_inputs:
             m = None
@@ -304,40 +452,53 @@ _EMPTY_STATS = (0.0, None, None, None, None, 0, 0, 0, 0)
 
 # the columns of a row from `to_rows`, in order; NONFINITE_COLUMNS index the nan, posinf, neginf counts
 ROW_COLUMNS = ("status", "reason", "dtype", "shape", "numel", "norm", "min", "max", "mean", "std",
-               "nan", "posinf", "neginf", "zeros")
+               "nan", "posinf", "neginf", "zeros", "checksum")
 NONFINITE_COLUMNS = (10, 11, 12)
 
 
 def to_rows(measured: list[Measured]) -> list[tuple]:
-    """Turn a pass's `Measured` list into row tuples (ROW_COLUMNS order), with one host copy per device.
+    """Turn a pass's `Measured` list into row tuples (ROW_COLUMNS order), with one host copy per device
+    (statistics and checksums travel together: the float64 statistics as their int64 bit patterns).
 
     A fault in a transfer marks the affected rows skipped with the reason.
     """
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[torch.device, tuple[list[int], list[int]]] = {}
     for i, m in enumerate(measured):
         if isinstance(m.vec, torch.Tensor):
-            by_device.setdefault(m.vec.device, []).append(i)
+            by_device.setdefault(m.vec.device, ([], []))[0].append(i)
+        if isinstance(m.checksum, torch.Tensor):
+            by_device.setdefault(m.checksum.device, ([], []))[1].append(i)
     host: dict[int, list] = {}
+    sums: dict[int, int] = {}
     failed: dict[int, str] = {}
-    for indices in by_device.values():
+    for vec_idx, sum_idx in by_device.values():
         try:
-            stacked = torch.stack([measured[i].vec for i in indices]).cpu().tolist()
-            host.update(zip(indices, stacked))
+            parts = []
+            if vec_idx:
+                parts.append(torch.stack([measured[i].vec for i in vec_idx]).view(torch.int64).reshape(-1))
+            if sum_idx:
+                parts.append(torch.stack([measured[i].checksum.reshape(()) for i in sum_idx]))
+            packed = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
+            nv = len(vec_idx) * VEC_LEN
+            if vec_idx:
+                host.update(zip(vec_idx, packed[:nv].view(torch.float64).reshape(-1, VEC_LEN).tolist()))
+            sums.update(zip(sum_idx, packed[nv:].tolist()))
         except Exception as exc:
-            failed.update(dict.fromkeys(indices, f"{type(exc).__name__}: {exc}"[:500]))
+            failed.update(dict.fromkeys(vec_idx + sum_idx, f"{type(exc).__name__}: {exc}"[:500]))
     rows = []
     for i, m in enumerate(measured):
         status, reason = m.status, m.reason
         values = host.get(i, m.vec if isinstance(m.vec, tuple) else None)
+        csum = sums.get(i, m.checksum if isinstance(m.checksum, int) else None)
         if i in failed:
-            status, reason, stats = "skipped", failed[i], _NULL_STATS
+            status, reason, stats, csum = "skipped", failed[i], _NULL_STATS, None
         elif values is not None:
             stats = _derive(values)
         elif status == "ok" and m.numel == 0:
             stats = _EMPTY_STATS
         else:
             stats = _NULL_STATS
-        rows.append((STATUS[status], reason, m.dtype, m.shape, m.numel, *stats))
+        rows.append((STATUS[status], reason, m.dtype, m.shape, m.numel, *stats, csum))
     return rows
 
 

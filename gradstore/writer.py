@@ -1,12 +1,21 @@
 """The single writer: one thread per database that turns finished steps into rows, one transaction per step.
 
 Training code hands a `StepBatch` to `Writer.submit` and goes on; it never waits on the database except in
-`flush` (end of a recording scope, `gradstore.open` on the same database, interpreter exit). A write
-that fails is reported as a warning and counted in `Writer.errors`; it never raises into training.
+`flush` (end of a recording scope, `gradstore.open` on the same database, interpreter exit, and the end of a
+`multiprocessing` child, which skips the interpreter's exit handlers). A write that fails is reported as a
+warning and counted in `Writer.errors`; it never raises into training.
+
+Many writers, one database: every rank (process) has its own Writer. On SQLite each step transaction starts
+with BEGIN IMMEDIATE (the file's write lock, waited for up to the busy timeout), so id reservation and the
+whole step are one writer's at a time; on PostgreSQL ids come from sequences and rows of shared tables (nodes,
+edges) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
+PostgreSQL deadlock or serialization failure) is retried whole. A forked child gets fresh writers: the
+parent's queue, thread and connections are not its own.
 """
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import warnings
@@ -15,6 +24,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from . import schema as s
 from .database import ensure_schema, make_engine
@@ -23,6 +33,23 @@ from .schema import KIND, ROLE
 from .stats import ROW_COLUMNS
 
 _CHUNK = 500  # keys per IN (...) list
+_ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
+_TRANSIENT_PG = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+
+
+def _transient(exc: BaseException) -> bool:
+    """True for a failure that a retry of the whole transaction can cure: SQLite busy/locked, a PostgreSQL
+    deadlock or serialization failure, a dropped connection."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    orig = exc.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if code in _TRANSIENT_PG:
+        return True
+    text = str(orig).lower()
+    return "database is locked" in text or "database is busy" in text or "database table is locked" in text
 
 
 @dataclass
@@ -61,8 +88,10 @@ class Writer:
 
     def __init__(self, db):
         self.db = db
-        self.engine = make_engine(db)
+        self.pid = os.getpid()
+        self.engine = make_engine(db, immediate=True)
         ensure_schema(self.engine, str(db))
+        self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         self.rows_written = 0
         self._node_ids: dict[tuple[int, str], int] = {}
@@ -79,6 +108,26 @@ class Writer:
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
         self._thread.start()
 
+    def _after_fork_in_child(self) -> None:
+        """Make an inherited writer this process's own: the parent's pending steps stay the parent's, its
+        connections are left alone (not closed: they are the parent's), and a new thread starts on first use."""
+        self.pid = os.getpid()
+        self.engine.dispose(close=False)
+        self._pending = deque()
+        self._pending_rows = 0
+        self._busy = False
+        self._closed = False
+        self._node_ids = {}  # the parent may have been inside a step transaction that is yet to commit
+        self._edges = set()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
+
+    def _running(self) -> bool:
+        """True when the writer thread is alive, starting it first in a forked child (call with _cond held)."""
+        if self._thread.ident is None and not self._closed:
+            self._thread.start()
+        return self._thread.is_alive()
+
     def _driver_insert(self, table: str, columns) -> str:
         mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
         return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join([mark] * len(columns))})"
@@ -90,6 +139,7 @@ class Writer:
         (their count goes to batch.dropped) and queues the rest. Never raises."""
         n = batch.rows()
         with self._cond:
+            self._running()
             if self._pending_rows and self._pending_rows + n > max_rows:
                 if on_full == "drop":
                     batch.dropped = n
@@ -108,13 +158,14 @@ class Writer:
     def set_run_status(self, run_id: int, status: str, at: float) -> None:
         """Queue an update of a run's status (end of a scope whose last step was not sampled)."""
         with self._cond:
+            self._running()
             self._pending.append(("run_status", run_id, status, at))
             self._cond.notify_all()
 
     def flush(self) -> None:
         """Block until every submitted step is written (or has failed and been reported)."""
         with self._cond:
-            while (self._pending or self._busy) and self._thread.is_alive():
+            while (self._pending or self._busy) and self._running():
                 self._cond.wait(timeout=1.0)
 
     def close(self) -> None:
@@ -123,7 +174,8 @@ class Writer:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=60)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=60)
         self.engine.dispose()
 
     # ---- the writer thread -------------------------------------------------------------------------------
@@ -138,11 +190,9 @@ class Writer:
                 self._busy = True
             try:
                 if isinstance(item, tuple):
-                    with self.engine.begin() as conn:
-                        conn.execute(update(s.runs).where(s.runs.c.id == item[1]).values(
-                            status=item[2], finished_at=item[3]))
+                    self._retrying(self._write_run_status, item)
                 else:
-                    self.write(item)
+                    self._retrying(self.write, item)
             except Exception as exc:
                 msg = f"step {getattr(item, 'step', '?')}: {type(exc).__name__}: {exc}"
                 self.errors.append(msg)
@@ -154,32 +204,60 @@ class Writer:
                         self._pending_rows -= item.rows()
                     self._cond.notify_all()
 
-    def write(self, b: StepBatch) -> None:
-        """Write one step and everything in it in one transaction (called on the writer thread)."""
-        with self.engine.begin() as conn:
-            step_id = conn.execute(insert(s.steps).returning(s.steps.c.id), {
-                "run_id": b.run_id, "rank": b.rank, "step": b.step, "started_at": b.started_at,
-                "ended_at": b.ended_at, "status": b.status, "error": b.error, "passes": len(b.passes),
-                "level": b.level, "dropped": b.dropped, "waited": b.waited,
-            }).scalar_one()
-            self._write_nodes(conn, b)
-            self._write_edges(conn, b)
-            if b.passes:
-                pass_ids = conn.execute(
-                    insert(s.passes).returning(s.passes.c.id, sort_by_parameter_order=True),
-                    [{"step_id": step_id, "pass": p.number, "parent_pass": p.parent_pass,
-                      "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
-                      "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
-                      "nodes": p.reachable, "started_at": p.started_at, "duration": p.duration,
-                      "setup": p.setup, "finish": p.finish}
-                     for p in b.passes],
-                ).scalars().all()
-                self._write_calls_and_tensors(conn, b, step_id, pass_ids)
-            if b.run_status is not None:
-                conn.execute(update(s.runs).where(s.runs.c.id == b.run_id).values(
-                    status=b.run_status, finished_at=b.ended_at))
+    def _retrying(self, write, item) -> None:
+        """Run one transaction, again (whole) after a transient failure, with a growing pause."""
+        for attempt in range(_ATTEMPTS):
+            try:
+                write(item)
+                return
+            except DBAPIError as exc:
+                if attempt == _ATTEMPTS - 1 or not _transient(exc):
+                    raise
+                self.retries += 1
+                time.sleep(min(0.05 * 2 ** attempt, 2.0))
 
-    def _write_nodes(self, conn, b: StepBatch) -> None:
+    def _write_run_status(self, item) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(s.runs).where(s.runs.c.id == item[1]).values(status=item[2], finished_at=item[3]))
+
+    def write(self, b: StepBatch) -> None:
+        """Write one step and everything in it in one transaction (called on the writer thread). The caches of
+        node ids and edges learn this step's additions only when the transaction commits."""
+        added_nodes: list = []
+        added_edges: list = []
+        try:
+            with self.engine.begin() as conn:
+                self._write_step(conn, b, added_nodes, added_edges)
+        except BaseException:
+            for k in added_nodes:
+                self._node_ids.pop(k, None)
+            self._edges.difference_update(added_edges)
+            raise
+
+    def _write_step(self, conn, b: StepBatch, added_nodes: list, added_edges: list) -> None:
+        step_id = conn.execute(insert(s.steps).returning(s.steps.c.id), {
+            "run_id": b.run_id, "rank": b.rank, "step": b.step, "started_at": b.started_at,
+            "ended_at": b.ended_at, "status": b.status, "error": b.error, "passes": len(b.passes),
+            "level": b.level, "dropped": b.dropped, "waited": b.waited,
+        }).scalar_one()
+        self._write_nodes(conn, b, added_nodes)
+        self._write_edges(conn, b, added_edges)
+        if b.passes:
+            pass_ids = conn.execute(
+                insert(s.passes).returning(s.passes.c.id, sort_by_parameter_order=True),
+                [{"step_id": step_id, "pass": p.number, "parent_pass": p.parent_pass,
+                  "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
+                  "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
+                  "nodes": p.reachable, "started_at": p.started_at, "duration": p.duration,
+                  "setup": p.setup, "finish": p.finish}
+                 for p in b.passes],
+            ).scalars().all()
+            self._write_calls_and_tensors(conn, b, step_id, pass_ids)
+        if b.run_status is not None:
+            conn.execute(update(s.runs).where(s.runs.c.id == b.run_id).values(
+                status=b.run_status, finished_at=b.ended_at))
+
+    def _write_nodes(self, conn, b: StepBatch, added: list) -> None:
         new = {}
         for p in b.passes:
             for n in p.nodes:
@@ -187,18 +265,19 @@ class Writer:
                     new[n.key] = n
         if not new:
             return
+        keys = sorted(new)  # one order for every writer: concurrent inserts of shared keys cannot deadlock
         conn.execute(_insert_ignore(self.engine, s.nodes, ["run_id", "key"]), [
-            {"run_id": b.run_id, "key": n.key, "name": n.name, "kind": KIND[n.kind], "module": n.module,
-             "param": n.param, "first_step": b.step} for n in new.values()])
-        keys = list(new)
+            {"run_id": b.run_id, "key": k, "name": new[k].name, "kind": KIND[new[k].kind], "module": new[k].module,
+             "param": new[k].param, "frame": new[k].frame, "first_step": b.step} for k in keys])
         for i in range(0, len(keys), _CHUNK):
             chunk = keys[i:i + _CHUNK]
             rows = conn.execute(select(s.nodes.c.key, s.nodes.c.id).where(
                 s.nodes.c.run_id == b.run_id, s.nodes.c.key.in_(chunk)))
             for key, node_id in rows:
                 self._node_ids[(b.run_id, key)] = node_id
+                added.append((b.run_id, key))
 
-    def _write_edges(self, conn, b: StepBatch) -> None:
+    def _write_edges(self, conn, b: StepBatch, added: list) -> None:
         ids = self._node_ids
         new = {}
         for p in b.passes:
@@ -207,10 +286,12 @@ class Writer:
                 if e not in self._edges:
                     new[e] = None
         if new:
+            edges = sorted(new)
             conn.execute(_insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]), [
                 {"run_id": b.run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3],
-                 "first_step": b.step} for e in new])
-            self._edges.update(new)
+                 "first_step": b.step} for e in edges])
+            self._edges.update(edges)
+            added.extend(edges)
 
     def _reserve_ids(self, conn, table: str, n: int) -> list[int]:
         """`n` fresh primary keys for `table`, so that rows can be inserted with the driver's executemany and
@@ -244,6 +325,7 @@ class Writer:
 # ---- one writer per database per process ------------------------------------------------------------------
 _writers: dict[str, Writer] = {}
 _writers_lock = threading.Lock()
+_exit_hook_pid: int | None = None
 
 
 def _db_id(db) -> str:
@@ -256,12 +338,28 @@ def _db_id(db) -> str:
 
 def writer_for(db) -> Writer:
     """The process's Writer for `db` (created, with its schema ensured, on first use)."""
+    global _exit_hook_pid
     key = _db_id(db)
     with _writers_lock:
         w = _writers.get(key)
         if w is None:
             w = _writers[key] = Writer(db)
+        if _exit_hook_pid != os.getpid():
+            # a multiprocessing child ends with os._exit, after its own finalizers but without atexit: flush there
+            import multiprocessing.util
+
+            multiprocessing.util.Finalize(None, _flush_all, exitpriority=100)
+            _exit_hook_pid = os.getpid()
         return w
+
+
+def close_writer(db) -> None:
+    """Flush and close this process's writer for `db`, if it has one, and forget it (its connections are
+    released; a later recording into `db` starts a new writer)."""
+    with _writers_lock:
+        w = _writers.pop(_db_id(db), None)
+    if w is not None:
+        w.close()
 
 
 def flush_pending(db) -> None:
@@ -275,6 +373,18 @@ def flush_pending(db) -> None:
 def _flush_all() -> None:
     for w in list(_writers.values()):
         try:
-            w.flush()
+            if w.pid == os.getpid():
+                w.flush()
         except Exception:
             pass
+
+
+def _after_fork_in_child() -> None:
+    global _writers_lock
+    _writers_lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+    for w in _writers.values():
+        w._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,5 +1,5 @@
 -- title: First non-finite gradient
--- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs hold NaN or +/-Inf: one row per non-finite slot of that call, with node, module, step, pass, role and slot.
+-- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs hold NaN or +/-Inf: one row per non-finite slot of that call, with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot.
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
 WITH bad AS (
@@ -16,7 +16,7 @@ WITH bad AS (
     SELECT call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
     FROM bad
 )
-SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module,
+SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.frame,
        ro.name AS role, t.slot, t.numel, t.nan, t.posinf, t.neginf, t.norm, t.min, t.max
 FROM ranked
 JOIN calls c ON c.id = ranked.call_id

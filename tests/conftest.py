@@ -1,12 +1,120 @@
-"""Shared fixtures: a fresh database path per test, and frames printed in full on failure."""
+"""Shared fixtures: a fresh database per test (a SQLite path, or a fresh PostgreSQL schema for the `postgresql`
+backend), and frames printed in full on failure."""
+import contextlib
+import os
+import uuid
+
 import pandas as pd
 import pytest
 
 pd.set_option("display.width", 250)
 pd.set_option("display.max_columns", 40)
 
+# ---- backends ------------------------------------------------------------------------------------------------
+# Tests that take `db` in BACKEND_MODULES run twice: against a SQLite file and against a fresh schema of a
+# PostgreSQL database (one database per test process) on the server GRADSTORE_TEST_PG_URL names
+# (postgresql+psycopg://user:password@host:port/db, a user who may CREATE DATABASE; .ci/run starts one).
+# Without the variable the PostgreSQL variants are skipped. tests/test_postgres.py uses `pg_url` directly.
+PG_URL_ENV = "GRADSTORE_TEST_PG_URL"
+PG_URL = os.environ.get(PG_URL_ENV)
+BACKEND_MODULES = {"test_recorder.py", "test_concurrency.py"}
+SQLITE_ONLY = {"test_memory_does_not_grow"}  # about the recorder's memory, not the database: once is enough
+BACKENDS = [
+    pytest.param("sqlite", id="sqlite"),
+    pytest.param("postgresql", id="postgresql",
+                 marks=pytest.mark.skipif(not PG_URL, reason=f"{PG_URL_ENV} is not set (.ci/run starts a server)")),
+]
+
+
+def pytest_generate_tests(metafunc):
+    if (metafunc.definition.path.name in BACKEND_MODULES and "db" in metafunc.fixturenames
+            and metafunc.function.__name__ not in SQLITE_ONLY
+            and not any("backend" in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))):
+        metafunc.parametrize("backend", BACKENDS, indirect=True)
+
 
 @pytest.fixture
-def db(tmp_path):
-    """Path (str) of a database file that does not exist yet."""
-    return str(tmp_path / "grads.db")
+def backend(request):
+    """'sqlite' (the default) or 'postgresql' (parametrized in BACKEND_MODULES)."""
+    return getattr(request, "param", "sqlite")
+
+
+@contextlib.contextmanager
+def pg_database():
+    """A fresh, empty PostgreSQL database on the GRADSTORE_TEST_PG_URL server; yields its URL (str). Dropped
+    afterwards, with this process's gradstore writer for it closed and any other connection ended."""
+    from sqlalchemy import create_engine, make_url, text
+    from sqlalchemy.pool import NullPool
+
+    from gradstore import writer
+
+    base = make_url(PG_URL)
+    name = f"gs_test_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        url = base.set(database=name).render_as_string(hide_password=False)
+        try:
+            yield url
+        finally:
+            writer.close_writer(url)
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+@contextlib.contextmanager
+def pg_schema(database_url: str):
+    """A fresh, empty schema in the database at `database_url`; yields a URL (str) whose connections have it
+    as their search_path (so gradstore's tables, sequences and alembic_version land in it). Dropped afterwards,
+    with this process's gradstore writer for it closed. Much faster than a database per test."""
+    from sqlalchemy import create_engine, make_url, text
+    from sqlalchemy.pool import NullPool
+
+    from gradstore import writer
+
+    name = f"s_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(database_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{name}"'))
+        url = make_url(database_url).update_query_dict({"options": f"-csearch_path={name}"})
+        url = url.render_as_string(hide_password=False)
+        try:
+            yield url
+        finally:
+            writer.close_writer(url)
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_session_database():
+    """One fresh PostgreSQL database per test process (pytest-xdist worker); tests get a schema in it."""
+    with pg_database() as url:
+        yield url
+
+
+@pytest.fixture
+def db(tmp_path, backend, request):
+    """Path (str) of a database file that does not exist yet; for the postgresql backend, the URL (str) of a
+    fresh, empty schema of a PostgreSQL database (as good as a fresh database to gradstore)."""
+    if backend == "sqlite":
+        yield str(tmp_path / "grads.db")
+        return
+    with pg_schema(request.getfixturevalue("pg_session_database")) as url:
+        yield url
+
+
+@pytest.fixture
+def pg_url(request):
+    """The URL (str) of a fresh, empty schema on the GRADSTORE_TEST_PG_URL server; the test is skipped without
+    the variable."""
+    if not PG_URL:
+        pytest.skip(f"{PG_URL_ENV} is not set (.ci/run starts a server)")
+    with pg_schema(request.getfixturevalue("pg_session_database")) as url:
+        yield url

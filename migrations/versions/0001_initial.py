@@ -101,6 +101,7 @@ def upgrade() -> None:
         sa.Column("kind", sa.Integer, nullable=False),
         sa.Column("module", sa.String(1024), nullable=False),
         sa.Column("param", sa.String(1024)),
+        sa.Column("frame", sa.String(2048)),
         sa.Column("first_step", sa.Integer, nullable=False),
         sa.UniqueConstraint("run_id", "key", name="uq_nodes_run_id"),
     )

@@ -1,0 +1,182 @@
+-- title: First divergence between two runs, steps or ranks
+-- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only). Empty when the sides agree.
+-- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
+-- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
+-- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
+-- param step_b: side b's step; NULL: step_a's
+-- param rank_a: side a's rank; NULL: rank_b's (both NULL: every rank, paired by rank)
+-- param rank_b: side b's rank; NULL: rank_a's
+-- param rtol: relative tolerance (>= 0); NULL: 0
+-- param atol: absolute tolerance (>= 0); NULL: 0
+WITH prm AS (  -- a NULL side takes the other side's value
+    SELECT COALESCE(CAST(:run_a AS TEXT), CAST(:run_b AS TEXT)) AS run_a,
+           COALESCE(CAST(:run_b AS TEXT), CAST(:run_a AS TEXT)) AS run_b,
+           COALESCE(CAST(:step_a AS INTEGER), CAST(:step_b AS INTEGER)) AS step_a,
+           COALESCE(CAST(:step_b AS INTEGER), CAST(:step_a AS INTEGER)) AS step_b,
+           COALESCE(CAST(:rank_a AS INTEGER), CAST(:rank_b AS INTEGER)) AS rank_a,
+           COALESCE(CAST(:rank_b AS INTEGER), CAST(:rank_a AS INTEGER)) AS rank_b,
+           COALESCE(CAST(:rtol AS DOUBLE PRECISION), 0.0) AS rtol,
+           COALESCE(CAST(:atol AS DOUBLE PRECISION), 0.0) AS atol,
+           CASE WHEN COALESCE(CAST(:rtol AS DOUBLE PRECISION), 0.0) = 0.0
+                 AND COALESCE(CAST(:atol AS DOUBLE PRECISION), 0.0) = 0.0 THEN 1 ELSE 0 END AS exact
+), a AS (  -- side a's gradients, with their position in execution order
+    SELECT t.id AS tid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
+           ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
+                              ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
+           COALESCE(c.seq, (SELECT MAX(c2.seq) FROM calls c2 WHERE c2.pass_id = t.pass_id), -1) AS ord,
+           COALESCE(p.pass, -1) AS pass
+    FROM tensors t
+    JOIN steps st ON st.id = t.step_id
+    JOIN nodes n ON n.id = t.node_id
+    LEFT JOIN passes p ON p.id = t.pass_id
+    LEFT JOIN calls c ON c.id = t.call_id
+    WHERE t.role IN (0, 1, 2)  -- gradients: grad_output, grad_input, param_grad (not saved tensors)
+      AND t.step_id IN (  -- the side's steps first: an index lookup, not a table scan
+          SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id CROSS JOIN prm
+          WHERE (prm.run_a IS NULL OR r2.name = prm.run_a)
+            AND (prm.step_a IS NULL OR st2.step = prm.step_a)
+            AND (prm.rank_a IS NULL OR st2.rank = prm.rank_a))
+), b AS (  -- side b's gradients, with their position in execution order
+    SELECT t.id AS tid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
+           ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
+                              ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
+           COALESCE(c.seq, (SELECT MAX(c2.seq) FROM calls c2 WHERE c2.pass_id = t.pass_id), -1) AS ord,
+           COALESCE(p.pass, -1) AS pass
+    FROM tensors t
+    JOIN steps st ON st.id = t.step_id
+    JOIN nodes n ON n.id = t.node_id
+    LEFT JOIN passes p ON p.id = t.pass_id
+    LEFT JOIN calls c ON c.id = t.call_id
+    WHERE t.role IN (0, 1, 2)  -- gradients: grad_output, grad_input, param_grad (not saved tensors)
+      AND t.step_id IN (  -- the side's steps first: an index lookup, not a table scan
+          SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id CROSS JOIN prm
+          WHERE (prm.run_b IS NULL OR r2.name = prm.run_b)
+            AND (prm.step_b IS NULL OR st2.step = prm.step_b)
+            AND (prm.rank_b IS NULL OR st2.rank = prm.rank_b))
+), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable)
+    SELECT a.tid AS a_tid, b.tid AS b_tid, a.occurrence, a.ord AS a_ord, b.ord AS b_ord
+    FROM a CROSS JOIN prm
+    LEFT JOIN b ON b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
+        AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
+        AND (prm.step_a IS NOT NULL OR b.step = a.step)
+        AND (prm.rank_a IS NOT NULL OR b.rank = a.rank)
+    UNION ALL
+    SELECT NULL, b.tid, b.occurrence, NULL, b.ord
+    FROM b CROSS JOIN prm
+    WHERE NOT EXISTS (SELECT 1 FROM a WHERE b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
+                                         AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
+                                         AND (prm.step_a IS NOT NULL OR b.step = a.step)
+                                         AND (prm.rank_a IS NOT NULL OR b.rank = a.rank))
+), compared AS (
+    SELECT ra.name AS run_a,
+           rb.name AS run_b,
+           sa.rank AS rank_a,
+           sb.rank AS rank_b,
+           sa.step AS step_a,
+           sb.step AS step_b,
+           pa.pass AS pass_a,
+           pb.pass AS pass_b,
+           ca.seq AS seq_a,
+           cb.seq AS seq_b,
+           COALESCE(na.key, nb.key) AS key,
+           COALESCE(na.name, nb.name) AS name,
+           COALESCE(na.module, nb.module) AS module,
+           COALESCE(na.param, nb.param) AS param,
+           ro.name AS role,
+           COALESCE(ta.slot, tb.slot) AS slot,
+           pr.occurrence,
+           CASE WHEN ta.id IS NULL THEN 'b' WHEN tb.id IS NULL THEN 'a' ELSE 'both' END AS side,
+           CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN 'missing'
+            ELSE RTRIM(CASE WHEN COALESCE(ta.status <> tb.status, ta.status IS NOT NULL OR tb.status IS NOT NULL) THEN 'status,' ELSE '' END
+                 || CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
+                 || CASE WHEN COALESCE(ta.shape <> tb.shape, ta.shape IS NOT NULL OR tb.shape IS NOT NULL) THEN 'shape,' ELSE '' END
+                 || CASE WHEN COALESCE(ta.nan <> tb.nan, ta.nan IS NOT NULL OR tb.nan IS NOT NULL) THEN 'nan,' ELSE '' END
+                 || CASE WHEN COALESCE(ta.posinf <> tb.posinf, ta.posinf IS NOT NULL OR tb.posinf IS NOT NULL) THEN 'posinf,' ELSE '' END
+                 || CASE WHEN COALESCE(ta.neginf <> tb.neginf, ta.neginf IS NOT NULL OR tb.neginf IS NOT NULL) THEN 'neginf,' ELSE '' END
+                 || CASE WHEN COALESCE(ABS(ta.norm - tb.norm) > prm.atol + prm.rtol * CASE WHEN ABS(ta.norm) >= ABS(tb.norm) THEN ABS(ta.norm) ELSE ABS(tb.norm) END, ta.norm IS NOT NULL OR tb.norm IS NOT NULL) THEN 'norm,' ELSE '' END
+                 || CASE WHEN COALESCE(ABS(ta.min - tb.min) > prm.atol + prm.rtol * CASE WHEN ABS(ta.min) >= ABS(tb.min) THEN ABS(ta.min) ELSE ABS(tb.min) END, ta.min IS NOT NULL OR tb.min IS NOT NULL) THEN 'min,' ELSE '' END
+                 || CASE WHEN COALESCE(ABS(ta.max - tb.max) > prm.atol + prm.rtol * CASE WHEN ABS(ta.max) >= ABS(tb.max) THEN ABS(ta.max) ELSE ABS(tb.max) END, ta.max IS NOT NULL OR tb.max IS NOT NULL) THEN 'max,' ELSE '' END
+                 || CASE WHEN COALESCE(ABS(ta.mean - tb.mean) > prm.atol + prm.rtol * CASE WHEN ABS(ta.mean) >= ABS(tb.mean) THEN ABS(ta.mean) ELSE ABS(tb.mean) END, ta.mean IS NOT NULL OR tb.mean IS NOT NULL) THEN 'mean,' ELSE '' END
+                 || CASE WHEN COALESCE(ABS(ta.std - tb.std) > prm.atol + prm.rtol * CASE WHEN ABS(ta.std) >= ABS(tb.std) THEN ABS(ta.std) ELSE ABS(tb.std) END, ta.std IS NOT NULL OR tb.std IS NOT NULL) THEN 'std,' ELSE '' END
+                 || CASE WHEN prm.exact = 1 AND COALESCE(ta.zeros <> tb.zeros, ta.zeros IS NOT NULL OR tb.zeros IS NOT NULL) THEN 'zeros,' ELSE '' END
+                 || CASE WHEN prm.exact = 1 AND ta.checksum <> tb.checksum THEN 'checksum,' ELSE '' END, ',') END AS differs,
+           sua.name AS status_a,
+           sub.name AS status_b,
+           da.name AS dtype_a,
+           db.name AS dtype_b,
+           ta.shape AS shape_a,
+           tb.shape AS shape_b,
+           ta.numel AS numel_a,
+           tb.numel AS numel_b,
+           ta.norm AS norm_a,
+           tb.norm AS norm_b,
+           ABS(ta.norm - tb.norm) AS norm_abs,
+           CASE WHEN ta.norm = tb.norm THEN 0.0 ELSE ABS(ta.norm - tb.norm) / (CASE WHEN ABS(ta.norm) >= ABS(tb.norm) THEN ABS(ta.norm) ELSE ABS(tb.norm) END) END AS norm_rel,
+           ta.min AS min_a,
+           tb.min AS min_b,
+           ABS(ta.min - tb.min) AS min_abs,
+           CASE WHEN ta.min = tb.min THEN 0.0 ELSE ABS(ta.min - tb.min) / (CASE WHEN ABS(ta.min) >= ABS(tb.min) THEN ABS(ta.min) ELSE ABS(tb.min) END) END AS min_rel,
+           ta.max AS max_a,
+           tb.max AS max_b,
+           ABS(ta.max - tb.max) AS max_abs,
+           CASE WHEN ta.max = tb.max THEN 0.0 ELSE ABS(ta.max - tb.max) / (CASE WHEN ABS(ta.max) >= ABS(tb.max) THEN ABS(ta.max) ELSE ABS(tb.max) END) END AS max_rel,
+           ta.mean AS mean_a,
+           tb.mean AS mean_b,
+           ABS(ta.mean - tb.mean) AS mean_abs,
+           CASE WHEN ta.mean = tb.mean THEN 0.0 ELSE ABS(ta.mean - tb.mean) / (CASE WHEN ABS(ta.mean) >= ABS(tb.mean) THEN ABS(ta.mean) ELSE ABS(tb.mean) END) END AS mean_rel,
+           ta.std AS std_a,
+           tb.std AS std_b,
+           ABS(ta.std - tb.std) AS std_abs,
+           CASE WHEN ta.std = tb.std THEN 0.0 ELSE ABS(ta.std - tb.std) / (CASE WHEN ABS(ta.std) >= ABS(tb.std) THEN ABS(ta.std) ELSE ABS(tb.std) END) END AS std_rel,
+           ta.nan AS nan_a,
+           tb.nan AS nan_b,
+           ta.posinf AS posinf_a,
+           tb.posinf AS posinf_b,
+           ta.neginf AS neginf_a,
+           tb.neginf AS neginf_b,
+           ta.zeros AS zeros_a,
+           tb.zeros AS zeros_b,
+           ta.checksum AS checksum_a,
+           tb.checksum AS checksum_b,
+           CASE WHEN prm.run_a IS NULL THEN COALESCE(sa.run_id, sb.run_id) ELSE 0 END AS o_run,
+           CASE WHEN prm.rank_a IS NULL THEN COALESCE(sa.rank, sb.rank) ELSE 0 END AS o_rank,
+           CASE WHEN prm.step_a IS NULL THEN COALESCE(sa.step, sb.step) ELSE 0 END AS o_step, CASE WHEN ta.id IS NULL THEN 1 ELSE 0 END AS o_b_only,
+           COALESCE(pr.a_ord, pr.b_ord) AS o_seq, COALESCE(pa.pass, pb.pass) AS o_pass,
+           CASE WHEN COALESCE(ta.role, tb.role) = 2 THEN 1 ELSE 0 END AS o_param, COALESCE(ta.role, tb.role) AS o_role
+    FROM pairs pr
+    LEFT JOIN tensors ta ON ta.id = pr.a_tid
+    LEFT JOIN tensors tb ON tb.id = pr.b_tid
+    LEFT JOIN steps sa ON sa.id = ta.step_id
+    LEFT JOIN steps sb ON sb.id = tb.step_id
+    LEFT JOIN runs ra ON ra.id = sa.run_id
+    LEFT JOIN runs rb ON rb.id = sb.run_id
+    LEFT JOIN nodes na ON na.id = ta.node_id
+    LEFT JOIN nodes nb ON nb.id = tb.node_id
+    LEFT JOIN passes pa ON pa.id = ta.pass_id
+    LEFT JOIN passes pb ON pb.id = tb.pass_id
+    LEFT JOIN calls ca ON ca.id = ta.call_id
+    LEFT JOIN calls cb ON cb.id = tb.call_id
+    LEFT JOIN statuses sua ON sua.id = ta.status
+    LEFT JOIN statuses sub ON sub.id = tb.status
+    LEFT JOIN dtypes da ON da.id = ta.dtype
+    LEFT JOIN dtypes db ON db.id = tb.dtype
+    JOIN roles ro ON ro.id = COALESCE(ta.role, tb.role)
+    CROSS JOIN prm
+), diverged AS (  -- the rows that differ, numbered by call in execution order
+    SELECT compared.*,
+           DENSE_RANK() OVER (PARTITION BY o_run, o_rank
+                              ORDER BY o_step, o_b_only, o_seq, o_pass, o_param, key, occurrence) AS nth
+    FROM compared
+    WHERE differs <> ''
+)
+SELECT run_a, run_b, rank_a, rank_b, step_a, step_b, pass_a, pass_b, seq_a, seq_b, key, name, module, param,
+       role, slot, occurrence, side, differs, status_a, status_b, dtype_a, dtype_b, shape_a, shape_b, numel_a, numel_b,
+       norm_a, norm_b, norm_abs, norm_rel,
+       min_a, min_b, min_abs, min_rel,
+       max_a, max_b, max_abs, max_rel,
+       mean_a, mean_b, mean_abs, mean_rel,
+       std_a, std_b, std_abs, std_rel,
+       nan_a, nan_b, posinf_a, posinf_b, neginf_a, neginf_b, zeros_a, zeros_b, checksum_a, checksum_b
+FROM diverged
+WHERE nth = 1
+ORDER BY o_run, o_rank, o_role, slot;

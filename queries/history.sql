@@ -1,0 +1,33 @@
+-- title: History of a node, module or parameter over steps
+-- description: The gradient statistics of one node (key), one module and its submodules (module), or one parameter (param: its AccumulateGrad node's grad_outputs and its param_grad rows) in every recorded step and rank, in order of step, rank, pass and seq (param_grad rows after their pass's calls). occurrence counts earlier rows of the same key, role and slot in the same step (0 for the first call; micro-batches and retained-graph passes give 1, 2, ...). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; checksum is set for param_grad rows when recorded (NULL = unknown).
+-- param run: run name; NULL for every run
+-- param key: node key (e.g. fc/AddmmBackward0#0 or param:fc.weight); NULL for all
+-- param module: qualified module name; the module and its submodules; NULL for all
+-- param param: qualified parameter name; NULL for all
+-- param role: grad_output, grad_input or param_grad; NULL for all
+-- param rank: rank; NULL for every rank
+SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.param,
+       ro.name AS role, t.slot,
+       ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
+                          ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
+       su.name AS status, d.name AS dtype, t.shape, t.numel,
+       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.checksum
+FROM tensors t
+JOIN steps st ON st.id = t.step_id
+JOIN runs r ON r.id = st.run_id
+JOIN nodes n ON n.id = t.node_id
+JOIN roles ro ON ro.id = t.role
+JOIN statuses su ON su.id = t.status
+LEFT JOIN dtypes d ON d.id = t.dtype
+LEFT JOIN passes p ON p.id = t.pass_id
+LEFT JOIN calls c ON c.id = t.call_id
+WHERE t.node_id IN (  -- the run's matching nodes first: an index lookup, not a table scan
+      SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
+      WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+        AND (CAST(:key AS TEXT) IS NULL OR n2.key = CAST(:key AS TEXT))
+        AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT))
+        AND (CAST(:module AS TEXT) IS NULL OR n2.module = CAST(:module AS TEXT)
+             OR n2.module LIKE CAST(:module AS TEXT) || '.%'))
+  AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
+  AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+ORDER BY r.id, st.step, st.rank, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot;

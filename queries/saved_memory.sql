@@ -1,0 +1,25 @@
+-- title: Saved-tensor memory per module
+-- description: With record(saved=True): per step and owning module, how many tensors its nodes held for their backward (role saved) and how much memory that is in bytes (numel x element size; a tensor saved by several nodes is counted once per node), with the largest single saved tensor.
+-- param run: run name; NULL for every run
+-- param rank: rank; NULL for every rank
+-- param step: step number; NULL for every step
+SELECT r.name AS run, st.rank, st.step, n.module,
+       COUNT(*) AS saved_tensors,
+       SUM(t.numel * CASE d.name
+             WHEN 'float64' THEN 8 WHEN 'int64' THEN 8 WHEN 'complex64' THEN 8 WHEN 'uint64' THEN 8
+             WHEN 'complex128' THEN 16
+             WHEN 'float32' THEN 4 WHEN 'int32' THEN 4 WHEN 'uint32' THEN 4
+             WHEN 'float16' THEN 2 WHEN 'bfloat16' THEN 2 WHEN 'int16' THEN 2 WHEN 'uint16' THEN 2
+             ELSE 1 END) AS bytes,
+       MAX(t.numel) AS largest_numel
+FROM tensors t
+JOIN steps st ON st.id = t.step_id
+JOIN runs r ON r.id = st.run_id
+JOIN nodes n ON n.id = t.node_id
+LEFT JOIN dtypes d ON d.id = t.dtype
+WHERE t.role = 3 AND t.status <> 1
+  AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+  AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+  AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+GROUP BY r.id, r.name, st.rank, st.step, n.module
+ORDER BY r.id, st.step, st.rank, bytes DESC;

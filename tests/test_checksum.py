@@ -1,0 +1,118 @@
+"""stats.checksum: a 64-bit checksum of a tensor's bytes that makes a bitwise comparison across ranks exact."""
+import numpy as np
+import pytest
+import torch
+
+import gradstore
+from gradstore import stats
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _reference(t: torch.Tensor) -> int:
+    """The documented formula, in one shot with NumPy's wrapping uint64 arithmetic (no chunks): sum over
+    row-major positions i of int(bytes of x_i) * m_i mod 2**64, m_i = block[i % C] * K(i // C)."""
+    ints = {2: np.int16, 4: np.int32, 8: np.int64}[t.element_size()]
+    x = t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
+    x = x.reshape(-1).astype(ints).astype(np.int64).view(np.uint64)
+    c = stats._CSUM_CHUNK
+    block = stats._multipliers(torch.device("cpu")).numpy().view(np.uint64)
+    i = np.arange(x.size)
+    k = np.array([stats._factor(int(b)) for b in range(x.size // c + 1)], dtype=np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        m = block[i % c] * k[i // c]
+        total = int(np.sum(x * m, dtype=np.uint64))
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+def _bump(t: torch.Tensor, i: int, direction: float) -> None:
+    """Move element i (row-major) of t one ulp towards +-inf, in place."""
+    flat = t.view(-1)
+    flat[i] = torch.nextafter(flat[i:i + 1], torch.tensor([direction * float("inf")], dtype=t.dtype))[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_equal_tensors_equal_checksums_and_any_change_differs(dtype):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(37, 53, generator=g).to(dtype)
+    c = stats.checksum(t)
+    assert isinstance(c, int) and -(1 << 63) <= c < (1 << 63)
+    assert stats.checksum(t.clone()) == c
+    assert stats.checksum(t.t().contiguous().t()) == c  # same values, other strides: same checksum
+
+    one_ulp = t.clone()
+    _bump(one_ulp, 100, +1)
+    assert not torch.equal(one_ulp, t) and stats.checksum(one_ulp) != c
+
+    swapped = t.clone().view(-1)
+    assert swapped[3] != swapped[1500]
+    swapped[[3, 1500]] = swapped[[1500, 3]]
+    assert sorted(swapped.tolist()) == sorted(t.view(-1).tolist())  # same multiset, same sum
+    assert stats.checksum(swapped.view(37, 53)) != c
+
+    cancel = t.clone()  # +1 ulp at one place, -1 ulp at another: statistics barely move, bytes differ
+    _bump(cancel, 10, +1)
+    _bump(cancel, 20, -1)
+    assert stats.checksum(cancel) != c
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_the_formula_across_chunks_and_non_contiguous_input(dtype):
+    n = stats._CSUM_CHUNK
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(3, n // 2 + 7, generator=g).to(dtype)  # spans two chunk boundaries at odd offsets
+    assert stats.checksum(t) == _reference(t)
+    nc = t.t().contiguous().t()  # a transposed copy: non-contiguous, same values
+    assert not nc.is_contiguous() and stats.checksum(nc) == stats.checksum(t)
+    wide = torch.randn(2, n + 5, generator=g).to(dtype).t()  # rows longer than a chunk, non-contiguous
+    assert stats.checksum(wide) == _reference(wide)
+    step = torch.randn(40, 30, generator=g).to(dtype)[::3, 1::2]  # a strided slice
+    assert stats.checksum(step) == _reference(step) == stats.checksum(step.contiguous())
+
+
+def test_edge_cases():
+    assert stats.checksum(None) is None
+    assert stats.checksum(torch.zeros(0)) == 0
+    assert stats.checksum(torch.zeros(5)) == 0  # all-zero bytes
+    assert stats.checksum(torch.tensor(1.5)) == _reference(torch.tensor(1.5).reshape(1))
+    assert stats.checksum(torch.zeros(3).to_sparse()) is None
+    # -0.0 == 0.0 numerically but not bitwise
+    assert stats.checksum(torch.tensor([0.0, -0.0])) != stats.checksum(torch.zeros(2))
+
+
+def test_param_grad_rows_store_the_checksum_and_other_rows_do_not(db):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    with gradstore.record("c", db=db, model=model):
+        model(torch.randn(5, 4)).sum().backward()
+    want = {f"param:{n}": stats.checksum(p.grad) for n, p in model.named_parameters()}
+    with gradstore.open(db) as store, store.engine.connect() as conn:
+        from sqlalchemy import text
+
+        rows = conn.execute(text(
+            "SELECT n.key, t.role, t.checksum FROM tensors t JOIN nodes n ON n.id = t.node_id")).all()
+    got = {key: c for key, role, c in rows if role == 2}
+    assert got == want and len(set(want.values())) == 4
+    assert all(c is None for _, role, c in rows if role != 2)
+
+
+def test_checksums_left_on_the_device_travel_with_the_statistics_in_one_transfer():
+    """to_rows packs device-resident statistics (float64, as their bit patterns) and checksums (int64) into one
+    copy per device; a CPU tensor with a NaN takes that path too (its statistics stay a tensor)."""
+    g = torch.Generator().manual_seed(3)
+    with_nan = torch.randn(50, generator=g)
+    with_nan[7] = float("nan")
+    plain = torch.randn(20, generator=g)
+    a = stats.measure(with_nan, checksum=True)
+    b = stats.measure(plain)
+    c = stats.measure(plain.double(), checksum=True)
+    assert isinstance(a.vec, torch.Tensor)
+    want_a, want_c = stats.checksum(with_nan), stats.checksum(plain.double())
+    a.checksum = torch.tensor(want_a)  # as a device would leave it: a 0-d int64 tensor
+    c.vec = torch.tensor(c.vec, dtype=torch.float64)  # and its statistics: a float64 tensor
+    c.checksum = torch.tensor(want_c)
+    rows = stats.to_dicts([a, b, stats.NONE, c])
+    assert [r["checksum"] for r in rows] == [want_a, None, None, want_c]
+    assert rows[0]["nan"] == 1 and rows[0]["numel"] == 50
+    assert rows[3]["norm"] == pytest.approx(float(plain.double().norm()), rel=1e-12)
+    assert rows[1]["norm"] == pytest.approx(float(plain.double().norm()), rel=1e-6)

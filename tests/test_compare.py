@@ -1,0 +1,426 @@
+"""Comparing runs, steps and ranks: Store.history, diff, first_divergence, rank_divergence and the `gradstore diff`
+and `gradstore ranks` commands.
+
+Every recording here is of one small MLP, Sequential(Linear(4, 8), Tanh, Linear(8, 8), Tanh, Linear(8, 1)), on
+fixed inputs, with one deliberate change in some runs:
+- 'scaled': a tensor hook multiplies the gradient flowing into module 2's output by 1.5. Module 2 is a Linear on a
+  2-D input, so the first node that sees the change is its AddmmBackward0 (key '2/AddmmBackward0#0'), in its
+  grad_outputs[0]; every node before it in backward order (the loss, module 4, module 3) is untouched.
+- 'nan': a hook puts a NaN into the gradient of module 1's output (a Tanh): the first node to see it is
+  '1/TanhBackward0#0', grad_outputs[0], with one NaN.
+- 'perturbed': one weight of module 2 is changed before the forward. The loss is mean(y**2): MeanBackward0's
+  gradients (1 and 1/N) do not depend on y, so the first difference is PowBackward0's grad_inputs[0] = 2y/N.
+- rank 1 of run 'job' (two ranks recorded into one database, world size 2): a hook scales the gradient of
+  parameter 0.bias by 1.25, so 0.bias is the only parameter whose final gradient differs across ranks.
+Expected values come from plain torch.autograd on a twin of the model, without gradstore.
+"""
+import sqlite3
+
+import pytest
+import torch
+import torch.nn as nn
+from click.testing import CliRunner
+
+import gradstore
+from gradstore import recorder
+from gradstore.cli import main
+
+STEPS = 2
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(5, 4, generator=g) for _ in range(STEPS)]
+
+
+def loss_of(out):
+    return out.pow(2).mean()
+
+
+def norm64(t) -> float:
+    return float(t.detach().double().norm())
+
+
+def output_hook(module: nn.Module, fn):
+    """Apply `fn` to the gradient flowing into `module`'s output (a tensor hook, registered at each forward)."""
+    def forward_hook(_mod, _inp, out):
+        out.register_hook(fn)
+    return module.register_forward_hook(forward_hook)
+
+
+def with_nan(g):
+    g = g.clone()
+    g[0, 0] = float("nan")
+    return g
+
+
+def record(db, run, model, hook=None, steps=STEPS, only_step=None, same_input=False):
+    """Record `steps` steps of `model` on inputs() (step i on input i % STEPS, or all on input 0); `hook(model)`
+    installs the change (in step `only_step` only, when given) and returns its handle."""
+    xs = inputs()[:1] if same_input else inputs()
+    with gradstore.record(run, db=db, model=model) as rec:
+        for i in range(steps):
+            handle = hook(model) if hook is not None and only_step in (None, i) else None
+            loss_of(model(xs[i % len(xs)])).backward()
+            model.zero_grad()
+            if handle is not None:
+                handle.remove()
+            if i < steps - 1:
+                rec.step()
+
+
+def record_micro(db, run, scaled_micro_batch=None):
+    """One step of three micro-batches (three backward passes, inputs 0, 1, 0); in micro-batch
+    `scaled_micro_batch` module 2's output gradient is scaled by 1.5."""
+    model = make_model()
+    xs = inputs()
+    with gradstore.record(run, db=db, model=model):
+        for i in range(3):
+            handle = output_hook(model[2], lambda g: g * 1.5) if i == scaled_micro_batch else None
+            loss_of(model(xs[i % 2])).backward()
+            if handle is not None:
+                handle.remove()
+
+
+def record_rank(db, run, rank, world, monkeypatch, hook=None):
+    monkeypatch.setattr(recorder, "_rank_and_world_size", lambda: (rank, world))
+    model = make_model()
+    handle = hook(model) if hook is not None else None
+    record(db, run, model)
+    if handle is not None:
+        handle.remove()
+
+
+def scale_bias(model):
+    return model[0].bias.register_hook(lambda g: g * 1.25)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    db = str(tmp_path_factory.mktemp("compare") / "grads.db")
+    record(db, "base", make_model())
+    record(db, "same", make_model())
+    record(db, "scaled", make_model(), hook=lambda m: output_hook(m[2], lambda g: g * 1.5))
+    record(db, "nan", make_model(), hook=lambda m: output_hook(m[1], with_nan))
+    perturbed = make_model()
+    with torch.no_grad():
+        perturbed[2].weight[0, 0] += 1e-3
+    record(db, "perturbed", perturbed)
+    # one run, three steps: step 1 alone has module 2's gradient scaled
+    record(db, "steps", make_model(), hook=lambda m: output_hook(m[2], lambda g: g * 1.5), steps=3, only_step=1,
+           same_input=True)
+    record_micro(db, "micro")
+    record_micro(db, "micro_scaled", scaled_micro_batch=1)
+    mp = pytest.MonkeyPatch()
+    try:
+        record_rank(db, "job", 0, 2, mp)
+        record_rank(db, "job", 1, 2, mp, hook=scale_bias)
+        record_rank(db, "agree", 0, 2, mp)
+        record_rank(db, "agree", 1, 2, mp)
+    finally:
+        mp.undo()
+    return db
+
+
+@pytest.fixture
+def store(recorded):
+    with gradstore.open(recorded) as s:
+        yield s
+
+
+def twin(step: int, scale_module2: float | None = None):
+    """Plain autograd on the same model and input: gradients of the loss w.r.t. each module's output (as
+    autograd.grad returns them: before any tensor hook), and the parameters' .grad (after the hooks)."""
+    model = make_model()
+    outs = {}
+    x = inputs()[step]
+    h = x
+    for i, layer in enumerate(model):
+        h = layer(h)
+        outs[str(i)] = h
+    if scale_module2 is not None:
+        outs["2"].register_hook(lambda g: g * scale_module2)
+    loss = loss_of(h)
+    names = list(outs)
+    grads = dict(zip(names, torch.autograd.grad(loss, [outs[n] for n in names], retain_graph=True)))
+    loss.backward()
+    return grads, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ---- diff and first_divergence between two runs ----------------------------------------------------------------
+DOWNSTREAM_OF_2 = {  # the nodes that receive module 2's gradient, in the graph of this model (param:* included)
+    "2/AddmmBackward0#0", "param:2.bias", "2/TBackward0#0", "param:2.weight", "1/TanhBackward0#0",
+    "0/AddmmBackward0#0", "param:0.bias", "0/TBackward0#0", "param:0.weight",
+}
+
+
+def test_first_divergence_points_at_the_scaled_node(store):
+    first = store.first_divergence("base", "scaled")
+    assert set(first.key) == {"2/AddmmBackward0#0"}
+    assert list(zip(first.role, first.slot)) == [("grad_output", 0), ("grad_input", 0), ("grad_input", 1),
+                                                 ("grad_input", 2)]
+    assert set(first.module) == {"2"} and set(first.side) == {"both"} and set(first.step_a) == {0}
+    grads, _ = twin(0)
+    out = first.iloc[0]
+    assert out.norm_a == pytest.approx(norm64(grads["2"]), rel=1e-9)
+    assert out.norm_b == pytest.approx(norm64(grads["2"] * 1.5), rel=1e-9)
+    assert out.norm_rel == pytest.approx(0.5 / 1.5, rel=1e-6)
+    assert out.norm_abs == pytest.approx(out.norm_b - out.norm_a, rel=1e-9)
+    assert out.differs.split(",")[0] == "norm"
+    # tolerances: a relative change of 1/3 is within rtol 0.5, not within rtol 0.3
+    assert store.first_divergence("base", "scaled", rtol=0.5).empty
+    assert set(store.first_divergence("base", "scaled", rtol=0.3).key) == {"2/AddmmBackward0#0"}
+    assert store.first_divergence("base", "scaled", atol=10.0).empty
+
+
+def test_diff_aligns_every_gradient_and_flags_exactly_the_changed_ones(store):
+    d = store.diff("base", "scaled", step_a=0)
+    base = store.tensors("base", step=0)
+    base = base[base.role != "saved"]
+    assert len(d) == len(base) and set(d.side) == {"both"}
+    assert set(d.step_a) == {0} and set(d.step_b) == {0}
+    changed = d[d.differs != ""]
+    assert set(changed.key) == DOWNSTREAM_OF_2
+    # the input x needs no gradient: 0/AddmmBackward0 grad_inputs[1] is None on both sides, hence equal
+    none_rows = d[(d.status_a == "none")]
+    assert list(zip(none_rows.key, none_rows.role, none_rows.slot)) == [("0/AddmmBackward0#0", "grad_input", 1)]
+    assert (none_rows.differs == "").all()
+    # before the scaled node in backward order, every row is bitwise equal
+    first_seq = int(d[d.key == "2/AddmmBackward0#0"].seq_a.iloc[0])
+    before = d[d.seq_a < first_seq]
+    assert len(before) > 0 and (before.differs == "").all() and (before.norm_abs == 0).all()
+    # param_grad rows: module 4's parameters unchanged, module 0's and 2's scaled
+    pg = d[d.role == "param_grad"].set_index("param")
+    _, plain_grads = twin(0)
+    _, scaled_grads = twin(0, scale_module2=1.5)
+    for name in ("0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"):
+        assert pg.loc[name, "norm_a"] == pytest.approx(norm64(plain_grads[name]), rel=1e-9)
+        assert pg.loc[name, "norm_b"] == pytest.approx(norm64(scaled_grads[name]), rel=1e-9)
+        assert (pg.loc[name, "differs"] == "") == name.startswith("4.")
+
+
+def test_nan_injected_at_one_module(store):
+    first = store.first_divergence("base", "nan")
+    assert list(zip(first.key, first.role, first.slot)) == [("1/TanhBackward0#0", "grad_output", 0),
+                                                            ("1/TanhBackward0#0", "grad_input", 0)]
+    out = first.iloc[0]
+    assert (out.nan_a, out.nan_b) == (0, 1)
+    assert "nan" in out.differs.split(",")
+
+
+def test_perturbed_weight_diverges_first_at_the_loss_gradient(store):
+    first = store.first_divergence("base", "perturbed")
+    assert list(zip(first.key, first.role, first.slot)) == [("PowBackward0#0", "grad_input", 0)]
+    d = store.diff("base", "perturbed", step_a=0)
+    mean = d[d.key == "MeanBackward0#0"]
+    assert len(mean) == 2 and (mean.differs == "").all()
+
+
+def test_identical_runs_do_not_diverge(store):
+    assert store.first_divergence("base", "same").empty
+    d = store.diff("base", "same")
+    assert set(d.step_a) == set(range(STEPS)) and (d.step_a == d.step_b).all()  # steps paired by number
+    assert (d.side == "both").all() and (d.differs == "").all()
+    assert (d.norm_abs.dropna() == 0).all() and (d.norm_rel.dropna() == 0).all()
+
+
+def test_two_steps_of_one_run(store):
+    # every step of 'steps' saw input 0; steps 0 and 2 without the hook
+    assert store.first_divergence("steps", step_a=0, step_b=2).empty
+    first = store.first_divergence("steps", step_a=0, step_b=1)
+    assert set(first.key) == {"2/AddmmBackward0#0"} and set(first.step_a) == {0} and set(first.step_b) == {1}
+    grads, _ = twin(0)
+    assert first.iloc[0].norm_a == pytest.approx(norm64(grads["2"]), rel=1e-9)
+    assert first.iloc[0].norm_b == pytest.approx(norm64(grads["2"] * 1.5), rel=1e-9)
+    # different inputs: steps 0 and 1 part at the loss gradient already
+    plain = store.first_divergence("base", step_a=0, step_b=1)
+    assert list(zip(plain.key, plain.role)) == [("PowBackward0#0", "grad_input")]
+
+
+def test_micro_batches_are_aligned_by_occurrence(store):
+    # the same keys run in each of the three passes; only the second micro-batch (occurrence 1) was scaled
+    first = store.first_divergence("micro", "micro_scaled")
+    assert set(first.key) == {"2/AddmmBackward0#0"}
+    assert set(first.occurrence) == {1} and set(first.pass_a) == {1} and set(first.pass_b) == {1}
+    grads, _ = twin(1)
+    assert first.iloc[0].norm_a == pytest.approx(norm64(grads["2"]), rel=1e-9)
+    d = store.diff("micro", "micro_scaled")
+    assert (d.side == "both").all() and sorted(set(d.occurrence)) == [0, 1, 2]
+    assert (d.occurrence == d["pass_a"]).all() and (d["pass_a"] == d["pass_b"]).all()
+    changed = d[d.differs != ""]
+    nodes = changed[changed.role != "param_grad"]
+    assert set(nodes.occurrence) == {1} and set(nodes.key) == DOWNSTREAM_OF_2
+    # .grad accumulates: from pass 1 on, every parameter that received module 2's gradient differs; module 4's
+    # parameters never
+    pg = changed[changed.role == "param_grad"]
+    assert sorted(zip(pg["pass_a"], pg.param)) == sorted(
+        (p, n) for p in (1, 2) for n in ("0.weight", "0.bias", "2.weight", "2.bias"))
+
+
+def test_rows_only_in_one_side_are_flagged(store, recorded):
+    # 'steps' has a step 2, 'base' does not: paired by step number, step 2's rows are side b only
+    d = store.diff("base", "steps")
+    assert set(d[d.side == "both"].step_a) == {0, 1}
+    only_b = d[d.side == "b"]
+    assert set(only_b.step_b) == {2} and only_b.step_a.isna().all() and (only_b.differs == "missing").all()
+    steps2 = store.tensors("steps", step=2)
+    assert len(only_b) == len(steps2[steps2.role != "saved"])
+    assert (d.side != "a").all()
+
+
+def test_history_of_a_node_a_module_and_a_parameter(store):
+    h = store.history("base", key="2/AddmmBackward0#0", role="grad_output")
+    assert list(h.step) == list(range(STEPS)) and set(h.slot) == {0} and set(h.occurrence) == {0}
+    assert list(h.norm) == pytest.approx([norm64(twin(s)[0]["2"]) for s in range(STEPS)], rel=1e-9)
+    mod = store.history("base", module="2")
+    assert set(mod.key) == {"2/AddmmBackward0#0", "2/TBackward0#0", "param:2.weight", "param:2.bias"}
+    par = store.history("base", param="2.weight")
+    assert set(par.key) == {"param:2.weight"}
+    assert sorted(set(par.role)) == ["grad_output", "param_grad"]
+    pg = par[par.role == "param_grad"]
+    assert list(pg.norm) == pytest.approx([norm64(twin(s)[1]["2.weight"]) for s in range(STEPS)], rel=1e-9)
+    assert len(store.history("base")) == len(store.tensors("base"))
+    with pytest.raises(ValueError, match="grad_output, grad_input or param_grad"):
+        store.history("base", role="gradient")
+
+
+def test_bad_arguments(store):
+    with pytest.raises(gradstore.UnknownRun, match="no run named 'nope'"):
+        store.diff("base", "nope")
+    with pytest.raises(gradstore.GradstoreError, match="run 'base' has no step 7"):
+        store.first_divergence("base", "scaled", step_a=7)
+    with pytest.raises(gradstore.GradstoreError, match="has no rank 3"):
+        store.diff("job", rank_a=0, rank_b=3)
+    with pytest.raises(ValueError, match="rtol"):
+        store.first_divergence("base", "scaled", rtol=-1)
+    with pytest.raises(gradstore.GradstoreError, match="has no step 9"):
+        store.rank_divergence("job", step=9)
+
+
+# ---- ranks ---------------------------------------------------------------------------------------------------------
+def test_rank_divergence_names_exactly_the_changed_parameter(store):
+    assert store.runs().set_index("run").loc["job", "world_size"] == 2
+    assert sorted(set(store.steps("job")["rank"])) == [0, 1]
+    bad = store.rank_divergence("job", step=0)
+    assert list(bad.param) == ["0.bias"]
+    row = bad.iloc[0]
+    assert (row.rank_a, row.rank_b, row.side, row.module) == (0, 1, "both", "0")
+    _, grads = twin(0)
+    assert row.norm_a == pytest.approx(norm64(grads["0.bias"]), rel=1e-9)
+    assert row.norm_b == pytest.approx(norm64(grads["0.bias"] * 1.25), rel=1e-9)
+    assert row.norm_rel == pytest.approx(0.25 / 1.25, rel=1e-6)
+    everything = store.rank_divergence("job")
+    assert list(zip(everything.step, everything.param)) == [(s, "0.bias") for s in range(STEPS)]
+    assert store.rank_divergence("agree").empty
+    # node by node, rank 1 first differs where the hook acts: what reaches 0.bias's AccumulateGrad
+    first = store.first_divergence("job", rank_a=0, rank_b=1, step_a=0)
+    assert list(zip(first.key, first.role, first.slot)) == [("param:0.bias", "grad_output", 0)]
+
+
+def test_rank_divergence_uses_checksums_where_both_ranks_have_them(tmp_path, monkeypatch):
+    db = str(tmp_path / "ck.db")
+    record_rank(db, "r", 0, 2, monkeypatch)
+    record_rank(db, "r", 1, 2, monkeypatch)
+    con = sqlite3.connect(db)
+    try:
+        def set_checksum(rank, param, value):
+            con.execute("UPDATE tensors SET checksum = ? WHERE role = 2 AND id IN (SELECT t.id FROM tensors t "
+                        "JOIN steps st ON st.id = t.step_id JOIN nodes n ON n.id = t.node_id "
+                        "WHERE st.rank = ? AND n.param = ? AND st.step = 0)", (value, rank, param))
+        for rank in (0, 1):
+            for param in ("0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"):
+                set_checksum(rank, param, 11)
+        set_checksum(1, "2.weight", 12)  # bits differ, statistics equal: only the checksum can tell
+        set_checksum(1, "4.bias", None)  # one side without a checksum: compared by statistics (equal)
+        con.commit()
+    finally:
+        con.close()
+    with gradstore.open(db) as store:
+        bad = store.rank_divergence("r", step=0)
+        assert list(bad.param) == ["2.weight"]
+        assert (bad.compared.iloc[0], bad.differs.iloc[0]) == ("checksum", "checksum")
+        first = store.first_divergence("r", rank_a=0, rank_b=1, step_a=0)
+        assert list(zip(first.key, first.role, first.differs)) == [("param:2.weight", "param_grad", "checksum")]
+        assert store.first_divergence("r", rank_a=0, rank_b=1, step_a=0, rtol=1e-12).empty  # tolerance: no bits
+
+
+# ---- the command line -----------------------------------------------------------------------------------------------
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_one_line_error(result, *words):
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for w in words:
+        assert w in errors[0], errors[0]
+
+
+def test_cli_diff_prints_the_first_divergence_in_words(recorded):
+    grads, _ = twin(0)
+    a, b = norm64(grads["2"]), norm64(grads["2"] * 1.5)
+    result = invoke("diff", recorded, "base", "scaled")
+    assert result.exit_code == 0, result.output
+    assert (f"run 'scaled' differs from run 'base' first at 2/AddmmBackward0#0 grad_outputs[0] (step 0, pass 0): "
+            f"norm {a:.5g} vs {b:.5g} (rel 0.33)") in result.output
+    assert "  also grad_inputs[2]: norm" in result.output
+    result = invoke("diff", recorded, "base", "nan")
+    assert "first at 1/TanhBackward0#0 grad_outputs[0] (step 0, pass 0)" in result.output
+    assert "nan 0 vs 1" in result.output
+    result = invoke("diff", recorded, "base", "same")
+    assert result.exit_code == 0 and "no divergence" in result.output
+    result = invoke("diff", recorded, "base", "scaled", "--rtol", "0.5")
+    assert "no divergence" in result.output and "within rtol=0.5" in result.output
+    result = invoke("diff", recorded, "steps", "steps", "--step-a", 0, "--step-b", 1)
+    assert "step 1 differs from step 0 first at 2/AddmmBackward0#0 grad_outputs[0] (pass 0)" in result.output
+
+
+def test_cli_diff_two_ranks(recorded):
+    _, grads = twin(0)
+    result = invoke("diff", recorded, "job", "job", "--rank-a", 0, "--rank-b", 1, "--step-a", 0)
+    assert result.exit_code == 0, result.output
+    a, b = norm64(grads["0.bias"]), norm64(grads["0.bias"] * 1.25)
+    assert (f"rank 1 differs from rank 0 first at param:0.bias grad_outputs[0] (step 0, pass 0): "
+            f"norm {a:.5g} vs {b:.5g} (rel 0.2)") in result.output
+
+
+def test_cli_ranks(recorded):
+    n_params = len(list(make_model().parameters()))
+    result = invoke("ranks", recorded, "job", "--step", 1)
+    assert result.exit_code == 0, result.output
+    assert f"ranks differ at step 1: 1 of {n_params} parameter gradients differ (ranks 0, 1)" in result.output
+    _, grads = twin(1)
+    a, b = norm64(grads["0.bias"]), norm64(grads["0.bias"] * 1.25)
+    assert f"  0.bias: rank 1 differs from rank 0: norm {a:.5g} vs {b:.5g} (rel 0.2)" in result.output
+    con = sqlite3.connect(recorded)
+    try:
+        missing = con.execute("SELECT COUNT(*) FROM tensors WHERE role = 2 AND status = 0 AND checksum IS NULL "
+                              "AND step_id IN (SELECT st.id FROM steps st JOIN runs r ON r.id = st.run_id "
+                              "WHERE r.name = 'agree' AND st.step = 0)").fetchone()[0]
+    finally:
+        con.close()
+    result = invoke("ranks", recorded, "agree", "--step", 0)
+    assert result.exit_code == 0, result.output
+    if missing == 0:
+        assert f"ranks agree at step 0: all {n_params} parameter gradients bitwise equal" in result.output
+    else:
+        assert f"ranks agree at step 0: all {n_params} parameter gradients have equal statistics" in result.output
+    result = invoke("ranks", recorded, "base")  # one rank: nothing to compare
+    assert result.exit_code == 0 and f"only rank 0 recorded step {STEPS - 1} of run 'base'" in result.output
+
+
+def test_cli_errors_are_one_line(recorded, tmp_path):
+    assert_one_line_error(invoke("diff", recorded, "base", "nope"), "no run named 'nope'")
+    assert_one_line_error(invoke("diff", recorded, "base", "scaled", "--step-a", 9), "has no step 9")
+    assert_one_line_error(invoke("ranks", recorded, "nope"), "no run named 'nope'")
+    assert_one_line_error(invoke("ranks", recorded, "job", "--step", 9), "has no step 9")
+    assert_one_line_error(invoke("diff", tmp_path / "missing.db", "a", "b"), "no gradstore database")
+    usage = invoke("diff", recorded, "base", "scaled", "--rtol", "-1")
+    assert usage.exit_code == 2 and "Traceback" not in usage.output

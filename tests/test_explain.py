@@ -1,0 +1,325 @@
+"""gradstore.explain (live and recorded), gradstore.saved and gradstore.frames, checked against plain PyTorch:
+what the hooks receive is observed with plain node hooks, saved tensors are read with the public `_saved_*`
+getters, statistics are recomputed with torch, module names come from the model's structure."""
+import math
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import gradstore
+from gradstore import _apply_hook, saved
+from gradstore.cli import main
+from gradstore.errors import UnknownNode
+from gradstore.explain import Explanation, RecordedExplanation
+from gradstore.frames import FrameTracker
+
+FREED = "Trying to backward through the graph a second time"
+
+
+class Scale(torch.autograd.Function):
+    """y = k * x * w with a non-tensor argument k; saves x and w, keeps k on ctx."""
+
+    @staticmethod
+    def forward(ctx, x, k, w):
+        ctx.save_for_backward(x, w)
+        ctx.k = k
+        return x * k * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * ctx.k * w, None, (g * ctx.k * x).sum(0)
+
+
+def _observe(node):
+    """What plain hooks on `node` receive during a backward: (grad_outputs, grad_inputs) lists."""
+    seen = {}
+
+    def pre(gos):
+        seen.setdefault("out", [None if g is None else g.clone() for g in gos])
+
+    def post(gis, gos):
+        seen.setdefault("in", [None if g is None else g.clone() for g in gis])
+
+    node.register_prehook(pre)
+    node.register_hook(post)
+    return seen
+
+
+# ---- private PyTorch APIs these modules rely on (fail loudly when PyTorch changes them) ----------------------------
+def test_private_node_apis_explain_and_saved_rely_on():
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 5, requires_grad=True)
+    out = x @ w
+    node = out.grad_fn
+    (meta,) = node._input_metadata
+    assert list(meta.shape) == [3, 5] and meta.dtype == torch.float32 and meta.device.type == "cpu"
+    assert node._raw_saved_self.data is not None and node._raw_saved_self.unpack_hook is None
+    assert torch.equal(node._raw_saved_self.data, x.detach())
+    out.sum().backward()
+    assert node._raw_saved_self.data is None  # freed: no data, and the getter raises
+    with pytest.raises(RuntimeError, match=FREED):
+        node._saved_self
+    y = Scale.apply(x, 2.0, torch.ones(4, requires_grad=True))
+    fn = y.grad_fn
+    assert isinstance(fn, torch.autograd.function.BackwardCFunction) and fn._forward_cls is Scale
+    assert len(fn._raw_saved_tensors) == 2 and vars(fn) == {"k": 2.0}
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match=FREED):
+        fn._raw_saved_tensors
+
+
+# ---- explain: a live node ----------------------------------------------------------------------------------------
+def test_explain_matmul_node_against_plain_hooks_and_getters():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 5)  # needs no gradient: grad_inputs[1] is None
+    out = x @ w
+    node = out.grad_fn
+    e = gradstore.explain(node)
+    assert isinstance(e, Explanation)
+    assert (e.name, e.kind) == ("MmBackward0", "function")
+    assert [s.shape for s in e.grad_outputs] == [tuple(out.shape)]
+    assert [(g.slot, g.needs_grad, g.input_nr) for g in e.grad_inputs] == [
+        (i, nxt is not None, nr) for i, (nxt, nr) in enumerate(node.next_functions)]
+    assert [g.needs_grad for g in e.grad_inputs] == [True, False]
+    # MmBackward0 keeps self only to compute mat2's gradient: w needs none, so _saved_self is undefined (None)
+    assert node._saved_self is None and isinstance(node._saved_mat2, torch.Tensor)
+    assert [(s.name, s.shape) for s in e.saved] == [("_saved_mat2", (4, 5)), ("_saved_self", None)]
+    for s in e.saved[:1]:
+        t = getattr(node, s.name).detach().double()
+        assert s.shape == tuple(t.shape) and s.dtype == "float32"
+        assert math.isclose(s.stats["norm"], float(torch.linalg.vector_norm(t)), rel_tol=1e-9)
+        assert math.isclose(s.stats["min"], float(t.min())) and math.isclose(s.stats["max"], float(t.max()))
+        assert math.isclose(s.stats["std"], float(t.std()), rel_tol=1e-9)
+    assert e.saved_bytes == 4 * 5 * 4
+    assert dict(e.values)["_saved_self_sym_sizes"] == (3, 4)
+    assert e.replayable and not e.freed
+    text = str(e)
+    assert "MmBackward0" in text and "_saved_mat2" in text and "re-runnable now: yes" in text and repr(e) == text
+    assert "<table>" in e._repr_html_()
+
+    seen = _observe(node)
+    out.sum().backward()
+    assert len(seen["out"]) == len(e.grad_outputs) and seen["out"][0].shape == out.shape
+    assert len(seen["in"]) == len(e.grad_inputs) and seen["in"][1] is None
+    after = gradstore.explain(node)
+    assert after.freed and not after.replayable and "retain_graph=True" in after.reason
+    assert after.saved == [] and "freed by a backward pass" in str(after)
+
+
+def test_explain_scalar_state_of_mean_over_dim():
+    x = torch.randn(2, 3, requires_grad=True)
+    node = x.mean(dim=1, keepdim=True).grad_fn
+    values = dict(gradstore.explain(node).values)
+    assert values["_saved_dim"] == node._saved_dim == (1,)
+    assert values["_saved_keepdim"] is True and values["_saved_self_sym_numel"] == x.numel()
+
+
+def test_explain_custom_function_saved_tensors_and_ctx():
+    x = torch.randn(5, 3, requires_grad=True)
+    w = torch.full((3,), 2.0, requires_grad=True)
+    y = Scale.apply(x, 3.0, w)
+    e = gradstore.explain(y.grad_fn)
+    assert (e.name, e.kind) == ("ScaleBackward", "custom_function")
+    assert e.forward_args == (True, False, True) == tuple(y.grad_fn.needs_input_grad)
+    assert len(e.grad_inputs) == len(y.grad_fn.next_functions) == 2  # the float k has no slot
+    assert [s.name for s in e.saved] == ["saved_tensors[0]", "saved_tensors[1]"]
+    assert e.saved[1].stats["mean"] == 2.0 and e.saved[1].stats["std"] == 0.0
+    assert ("ctx.k", 3.0) in e.values
+    seen = _observe(y.grad_fn)
+    y.sum().backward()
+    assert len(seen["in"]) == 2  # what the hook got: one per next_functions slot
+    assert gradstore.explain(y.grad_fn).freed
+
+
+def test_explain_accumulate_grad_and_module_keys():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    with gradstore.track_modules(model) as tracker:
+        loss = model(torch.randn(5, 4)).sum()
+    addmm = loss.grad_fn.next_functions[0][0]
+    assert addmm.name() == "AddmmBackward0"
+    e = gradstore.explain(addmm, model=model, owner=tracker, root=loss)
+    assert (e.key, e.module) == ("2/AddmmBackward0#0", "2")
+    bias_acc = addmm.next_functions[0][0]
+    assert bias_acc.variable is model[2].bias
+    a = gradstore.explain(bias_acc, model=model, owner=tracker, root=loss)
+    assert (a.kind, a.key, a.param, a.module) == ("accumulate_grad", "param:2.bias", "2.bias", "2")
+    assert a.grad_inputs == [] and a.variable == ((1,), "float32", False)
+    assert not a.replayable and "AccumulateGrad" in a.reason
+    seen = _observe(bias_acc)
+    loss.backward()
+    assert seen["in"] == []  # an AccumulateGrad's hook gets grad_inputs == ()
+    assert "grad_inputs == ()" in str(a)
+
+
+def test_explain_reports_in_place_modification_without_unpacking_hooks():
+    x = torch.randn(4, requires_grad=True)
+    h = x * 1
+    node = h.sin().grad_fn
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        node._saved_self
+    (item,) = gradstore.explain(node).saved
+    assert "modified in place" in item.note
+
+
+# ---- saved.py ---------------------------------------------------------------------------------------------------
+def test_saved_tensors_reads_without_unpack_hooks_and_flags_packed():
+    calls = []
+
+    def pack(t):
+        calls.append("pack")
+        return t.clone()
+
+    def unpack(t):
+        calls.append("unpack")
+        return t
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y = x.exp()
+    calls.clear()
+    got = saved.saved_tensors(y.grad_fn)
+    assert calls == []  # no unpack hook ran
+    assert [n for n, _ in got] == ["_saved_result"] and got.packed == ("_saved_result",)
+    assert torch.equal(got[0][1], torch.exp(x.detach()))
+
+
+def test_saved_tensors_inside_hooks_after_free_lists_optionals_and_bytes():
+    x = torch.randn(4, 3, requires_grad=True)
+    y = x.exp()
+    inside = []
+    node = y.grad_fn
+    handles = [node.register_prehook(lambda gos: inside.append(len(saved.saved_tensors(node)))),
+               node.register_hook(lambda gis, gos: inside.append(len(saved.saved_tensors(node))))]
+    y.sum().backward()
+    for h in handles:
+        h.remove()  # the hooks refer to the node: a cycle through C++ that gc cannot see
+    assert inside == [1, 1]  # alive in the node's own prehook and hook of a pass without retain_graph
+    freed = saved.saved_tensors(y.grad_fn)
+    assert freed == [] and freed.freed and saved.is_freed(y.grad_fn)
+
+    idx = torch.tensor([0, 2])
+    g = x[idx]
+    (name, t), = saved.saved_tensors(g.grad_fn)
+    assert name == "_saved_indices[0]" and torch.equal(t, idx)
+    g.sum().backward()
+    assert saved.saved_tensors(g.grad_fn).freed  # a saved list raises once freed: caught
+
+    ln = torch.nn.functional.layer_norm(x, (3,))  # no weight, no bias: optional tensors are None
+    got = dict(saved.saved_tensors(ln.grad_fn))
+    assert got["_saved_weight"] is None and got["_saved_bias"] is None
+    assert torch.equal(got["_saved_input"], x.detach())
+
+    sq = x * x  # saves the same tensor as self and other
+    assert [n for n, _ in saved.saved_tensors(sq.grad_fn)] == ["_saved_other", "_saved_self"]
+    assert saved.saved_bytes(sq.grad_fn) == x.numel() * 4
+    assert saved.saved_bytes(sq.grad_fn, distinct=False) == 2 * x.numel() * 4
+    assert saved.saved_tensors(torch.autograd.graph.get_gradient_edge(x).node) == []
+
+
+def test_saved_fallback_on_public_getters(monkeypatch):
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp()
+    got = saved._by_getters(y.grad_fn, ["_saved_result"])
+    assert [n for n, _ in got] == ["_saved_result"] and torch.allclose(got[0][1], x.detach().exp())
+    y.sum().backward()
+    assert saved._by_getters(y.grad_fn, ["_saved_result"]).freed
+    assert saved._HAS_RAW  # this PyTorch has the holders; without them saved_tensors takes the getters:
+    z = (x * 3).sin()
+    w = x * x
+    raw = [(saved.saved_tensors(n), saved.saved_values(n)) for n in (z.grad_fn, w.grad_fn)]
+    monkeypatch.setattr(saved, "_HAS_RAW", False)
+    for node, (tensors, values) in zip((z.grad_fn, w.grad_fn), raw):
+        fallback = saved.saved_tensors(node)
+        assert [n for n, _ in fallback] == [n for n, _ in tensors]
+        assert all(torch.equal(a.detach(), b.detach()) for (_, a), (_, b) in zip(fallback, tensors))
+        assert saved.saved_values(node) == values
+
+
+def test_saved_tensors_is_cheap():
+    import time
+
+    x = torch.randn(8, 8, requires_grad=True)
+    node = (x @ x).grad_fn
+    saved.saved_tensors(node)
+    t = time.perf_counter()
+    for _ in range(2000):
+        saved.saved_tensors(node)
+    per_call = (time.perf_counter() - t) / 2000
+    assert per_call < 100e-6, per_call  # a few µs measured; generous bound for a loaded CI machine
+
+
+# ---- explain: a recorded node -------------------------------------------------------------------------------------
+def test_explain_recorded_node_and_cli(db):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    x = torch.randn(5, 4)
+    with gradstore.record("r", db=db, model=model):
+        model(x).sum().backward()
+    e = gradstore.explain(db, "r", "2/AddmmBackward0#0")
+    assert isinstance(e, RecordedExplanation)
+    assert (e.name, e.kind, e.module, e.step, e.rank) == ("AddmmBackward0", "function", "2", 0, 0)
+    assert list(e.edges_in["src"]) == ["SumBackward0#0"]
+    assert dict(zip(e.edges_out["src_slot"], e.edges_out["dst"])) == {
+        0: "param:2.bias", 1: "1/TanhBackward0#0", 2: "2/TBackward0#0"}
+    rows = {(r["role"], r["slot"]): r for r in e.tensors.to_dict("records")}
+    # d(sum)/d(out) is ones(5, 1); the bias gradient is its column sum, 5
+    assert math.isclose(rows[("grad_output", 0)]["norm"], math.sqrt(5), rel_tol=1e-6)
+    assert math.isclose(rows[("grad_input", 0)]["norm"], 5.0, rel_tol=1e-6)
+    first = gradstore.explain(db, "r", "0/AddmmBackward0#0")
+    assert dict(zip(first.edges_out["src_slot"], first.edges_out["dst"])) == {0: "param:0.bias", 2: "0/TBackward0#0"}
+    assert {(r["role"], r["slot"]): r["status"] for r in first.tensors.to_dict("records")}[("grad_input", 1)] == "none"
+    assert "grad_outputs come from" in str(e) and "<table" in e._repr_html_()
+    with pytest.raises(UnknownNode, match="AddmmBackward0"):
+        gradstore.explain(db, "r", "AddmmBackward0#9")
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["explain", db, "r", "2/AddmmBackward0#0", "--step", "0"])
+    assert result.exit_code == 0, result.output
+    assert "2/AddmmBackward0#0 in run 'r'" in result.output and "grad_inputs[2] -> 2/TBackward0#0" in result.output
+    bad = runner.invoke(main, ["explain", db, "r", "nope#0"])
+    assert bad.exit_code == 1 and bad.output.count("\n") == 1 and "no node 'nope#0'" in bad.output
+
+
+# ---- frames.py -----------------------------------------------------------------------------------------------------
+def test_frame_tracker_names_the_user_line_of_each_node():
+    here = __file__.rstrip("c")
+    x = torch.randn(4, 3, requires_grad=True)
+    lin = torch.nn.Linear(3, 2)
+    tracker = FrameTracker()
+    with tracker:
+        y = lin(x); line_lin = sys._getframe().f_lineno  # noqa: E702
+        z = Scale.apply(y, 2.0, torch.ones(2)); line_fn = sys._getframe().f_lineno  # noqa: E702
+        w = (z * 3).sum(); line_w = sys._getframe().f_lineno  # noqa: E702
+    outside = x.exp()
+    fn = "test_frame_tracker_names_the_user_line_of_each_node"
+    assert tracker.owner_frame(y.grad_fn._sequence_nr()) == f"{here}:{line_lin} in {fn}"  # inside nn.Linear
+    assert tracker.owner_frame(z.grad_fn._sequence_nr()) == f"{here}:{line_fn} in {fn}"  # custom Function.apply
+    assert tracker.owner_frame(w.grad_fn._sequence_nr()) == f"{here}:{line_w} in {fn}"
+    assert tracker.owner_frame(w.grad_fn.next_functions[0][0]._sequence_nr()) == f"{here}:{line_w} in {fn}"
+    assert tracker.owner_frame(outside.grad_fn._sequence_nr()) is None
+    acc = torch.autograd.graph.get_gradient_edge(x).node
+    assert tracker.owner_frame(acc._sequence_nr()) is None
+    assert tracker.site(y.grad_fn._sequence_nr()) == (here, line_lin, fn)
+    assert not _apply_hook.active() and not tracker.active  # Function.apply is restored
+    assert torch._C._len_torch_function_stack() == 0
+    tracker.clear()
+    assert len(tracker) == 0
+
+    tracker.install()
+    try:
+        v = x.sin(); line_v = sys._getframe().f_lineno  # noqa: E702
+    finally:
+        tracker.remove()
+        tracker.remove()  # twice is fine
+    assert tracker.owner_frame(v.grad_fn._sequence_nr()) == f"{here}:{line_v} in {fn}"
+    with tracker:
+        with tracker.paused():
+            p = x.cos()
+        q = x.tan()
+    assert tracker.owner_frame(p.grad_fn._sequence_nr()) is None and tracker.owner_frame(q.grad_fn._sequence_nr())

@@ -1,0 +1,182 @@
+"""`gradstore merge OUT IN...` (gradstore.merge.merge): per-rank files joined into one database.
+
+Rank 0 records into a.db and rank 1 into b.db (gradstore.recorder._rank_and_world_size monkeypatched to (0, 2)
+and (1, 2)); each step has two micro-batches, and rank 1 scales parameter 0.bias's gradient by 1.25. Row counts
+are taken with plain sqlite3 on the files; query results on the merged file must equal those on the sources.
+"""
+import sqlite3
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+from click.testing import CliRunner
+
+import gradstore
+from gradstore import recorder
+from gradstore.cli import main
+from gradstore.merge import MergeConflict, merge
+
+STEPS = 3
+TABLES = ("steps", "passes", "calls", "tensors")
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+
+
+def record_rank(db, rank, monkeypatch, run="job"):
+    monkeypatch.setattr(recorder, "_rank_and_world_size", lambda: (rank, 2))
+    model = make_model()
+    handle = model[0].bias.register_hook(lambda g: g * 1.25) if rank == 1 else None
+    g = torch.Generator().manual_seed(1)
+    with gradstore.record(run, db=db, model=model) as rec:
+        for i in range(STEPS):
+            for _ in range(2):  # micro-batches: two passes per step
+                model(torch.randn(3, 4, generator=g)).pow(2).mean().backward()
+            model.zero_grad()
+            if i < STEPS - 1:
+                rec.step()
+    if handle is not None:
+        handle.remove()
+
+
+def count(path, table, rank=None):
+    """Rows of `table` (of the steps of `rank`), counted with plain sqlite3."""
+    con = sqlite3.connect(path)
+    try:
+        if table == "steps":
+            sql, args = "SELECT COUNT(*) FROM steps WHERE (? IS NULL OR rank = ?)", (rank, rank)
+        else:
+            sql = (f"SELECT COUNT(*) FROM {table} x JOIN steps st ON st.id = x.step_id "
+                   "WHERE (? IS NULL OR st.rank = ?)")
+            args = (rank, rank)
+        return con.execute(sql, args).fetchone()[0]
+    finally:
+        con.close()
+
+
+def scalar(path, sql):
+    con = sqlite3.connect(path)
+    try:
+        return con.execute(sql).fetchone()[0]
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    d = tmp_path_factory.mktemp("merge")
+    a, b = str(d / "a.db"), str(d / "b.db")
+    mp = pytest.MonkeyPatch()
+    try:
+        record_rank(a, 0, mp)
+        record_rank(b, 1, mp)
+    finally:
+        mp.undo()
+    gradstore.open(a).close()  # waits for this process's writers
+    gradstore.open(b).close()
+    return a, b
+
+
+def canonical(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows in a fixed order (ties in a query's ORDER BY may come out in either order)."""
+    return df.sort_values(list(df.columns), na_position="first").reset_index(drop=True)
+
+
+def test_merge_counts_every_row_and_queries_agree(sources, tmp_path):
+    a, b = sources
+    out = str(tmp_path / "out.db")
+    reports = merge(out, [a, b])
+    assert [r.source for r in reports] == [a, b]
+    assert (reports[0].runs_created, reports[1].runs_matched) == (["job"], ["job"])
+    for rank, src, report in ((0, a, reports[0]), (1, b, reports[1])):
+        for table in TABLES:
+            assert count(out, table, rank) == count(src, table) > 0, (table, rank)
+        assert (report.steps, report.passes, report.calls, report.tensors) == tuple(count(src, t) for t in TABLES)
+        assert report.ranks == [rank]
+    for table in TABLES:
+        assert count(out, table) == count(a, table) + count(b, table)
+    # nodes matched by key, edges de-duplicated: the two ranks ran the same graph
+    assert scalar(out, "SELECT COUNT(*) FROM nodes") == scalar(a, "SELECT COUNT(*) FROM nodes")
+    assert scalar(out, "SELECT COUNT(*) FROM edges") == scalar(a, "SELECT COUNT(*) FROM edges")
+    assert (reports[1].nodes, reports[1].edges) == (0, 0)
+    with gradstore.open(out) as merged, gradstore.open(a) as sa, gradstore.open(b) as sb:
+        assert merged.runs().set_index("run").loc["job", "world_size"] == 2
+        for rank, src in ((0, sa), (1, sb)):
+            for name in ("steps", "passes", "calls", "tensors", "param_grads", "grad_norms"):
+                got = getattr(merged, name)("job", rank=rank)
+                want = getattr(src, name)("job", rank=rank)
+                pd.testing.assert_frame_equal(canonical(got), canonical(want), obj=f"{name} rank {rank}")
+            got = merged.history("job", key="0/AddmmBackward0#0", rank=rank)
+            pd.testing.assert_frame_equal(canonical(got), canonical(src.history("job", key="0/AddmmBackward0#0")))
+        pd.testing.assert_frame_equal(canonical(merged.nodes("job")), canonical(sa.nodes("job")))
+        pd.testing.assert_frame_equal(canonical(merged.edges("job")), canonical(sb.edges("job")))
+        # what merging is for: the ranks side by side
+        bad = merged.rank_divergence("job")
+        assert list(zip(bad.step, bad.param)) == [(s, "0.bias") for s in range(STEPS)]
+
+
+def test_merge_again_is_a_conflict_unless_skipped(sources, tmp_path):
+    a, b = sources
+    out = str(tmp_path / "out.db")
+    merge(out, [a])
+    before = {t: count(out, t) for t in TABLES}
+    with pytest.raises(MergeConflict, match=r"run 'job' rank 0 step 0 of .*a\.db is already in .*out\.db "
+                                            r"\(and 2 more steps\); nothing was merged"):
+        merge(out, [b, a])  # b would merge, then a conflicts: one transaction, so b is not kept either
+    assert {t: count(out, t) for t in TABLES} == before
+    reports = merge(out, [a, b], skip_existing=True)
+    assert reports[0].skipped == [("job", 0, s) for s in range(STEPS)] and reports[0].steps == 0
+    assert reports[1].steps == STEPS and not reports[1].skipped
+    for table in TABLES:
+        assert count(out, table) == count(a, table) + count(b, table)
+
+
+def test_merge_refuses_bad_inputs_and_leaves_no_new_file(sources, tmp_path):
+    a, b = sources
+    with pytest.raises(gradstore.GradstoreError, match="into itself"):
+        merge(a, [b, a])
+    with pytest.raises(gradstore.GradstoreError, match="given twice"):
+        merge(str(tmp_path / "o.db"), [a, a])
+    with pytest.raises(gradstore.DatabaseNotFound):
+        merge(str(tmp_path / "o.db"), [str(tmp_path / "missing.db")])
+    copy = str(tmp_path / "copy.db")  # the same steps under another path (sqlite3's backup: WAL included)
+    src, dst = sqlite3.connect(a), sqlite3.connect(copy)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    out = tmp_path / "new.db"
+    with pytest.raises(MergeConflict):
+        merge(str(out), [a, copy])
+    assert not out.exists()
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(x) for x in args], catch_exceptions=False)
+
+
+def test_cli_merge(sources, tmp_path):
+    a, b = sources
+    out = tmp_path / "cli.db"
+    result = invoke("merge", out, a, b)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith(f"{a}: run 'job' (new): {STEPS} steps of rank 0, {count(a, 'passes')} passes, "
+                               f"{count(a, 'calls')} calls, {count(a, 'tensors')} tensors")
+    assert lines[1].startswith(f"{b}: run 'job': {STEPS} steps of rank 1")
+    assert lines[-1] == f"merged 2 databases into {out}"
+    again = invoke("merge", out, b)
+    assert again.exit_code == 1 and "Traceback" not in again.output
+    errors = again.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("Error: run 'job' rank 1 step 0")
+    assert "--skip-existing" in errors[0]
+    skipped = invoke("merge", out, b, "--skip-existing")
+    assert skipped.exit_code == 0 and f"{STEPS} steps already in {out} skipped" in skipped.output
+    usage = invoke("merge", out)
+    assert usage.exit_code == 2
+    ranks = invoke("ranks", out, "job", "--step", 0)
+    assert "ranks differ at step 0: 1 of 4 parameter gradients differ (ranks 0, 1)" in ranks.output

@@ -1,0 +1,300 @@
+"""gradstore.replay, replay_check and verify against plain PyTorch: replayed grad_inputs equal what plain node
+hooks saw and the closed-form gradients; no replay touches .grad; verify's numbers agree with hand-computed
+directional derivatives, a backward that ignores its gradient is flagged with its module."""
+import math
+
+import pandas as pd
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import gradstore
+from gradstore.errors import ReplayError, SavedTensorsFreed
+
+
+def _observe(node):
+    seen = {}
+
+    def pre(gos):
+        seen.setdefault("out", tuple(None if g is None else g.clone() for g in gos))
+
+    def post(gis, gos):
+        seen.setdefault("in", tuple(None if g is None else g.clone() for g in gis))
+
+    node.register_prehook(pre)
+    node.register_hook(post)
+    return seen
+
+
+class Mixed(torch.autograd.Function):
+    """forward(t, k, y): t a tensor that needs no gradient, k a float, y a tensor that does."""
+
+    @staticmethod
+    def forward(ctx, t, k, y):
+        ctx.save_for_backward(y)
+        ctx.k = k
+        return t * k + y * y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * ctx.k, None, 2 * g * y  # a value for t although it needs none: the engine passes it on
+
+
+class Noisy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 + torch.rand_like(g) * 1e-3  # nondeterministic backward
+
+
+class Reentrant(torch.autograd.Function):
+    """A backward that runs a backward pass of its own."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xx = x.detach().requires_grad_()
+            (d,) = torch.autograd.grad((xx * xx).sum(), xx)
+        return g * d
+
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return scale * x ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * ctx.scale * 3 * x ** 2, None
+
+
+class IgnoresGrad(torch.autograd.Function):
+    """tanh whose backward returns the local derivative only: it ignores the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.tanh()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 1 - x.tanh() ** 2
+
+
+class RandomMask(torch.autograd.Function):
+    """Dropout-like: draws random numbers in forward; correct backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = (torch.rand_like(x) > 0.3).to(x.dtype)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask
+
+
+class Act(torch.nn.Module):
+    def forward(self, x):
+        return IgnoresGrad.apply(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.act = Act()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return Cube.apply(self.act(self.fc(x)), 0.5).mul(self.w).sum()
+
+
+# ---- replay -------------------------------------------------------------------------------------------------------
+def test_replay_builtin_node_equals_hooks_and_closed_form():
+    torch.manual_seed(0)
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, 2, requires_grad=True)
+    out = a @ b
+    node = out.grad_fn
+    seen = _observe(node)
+    g = torch.randn(3, 2)
+    out.backward(g, retain_graph=True)
+    grads = gradstore.replay(node, seen["out"])
+    assert isinstance(grads, tuple) and len(grads) == 2
+    assert torch.equal(grads[0], seen["in"][0]) and torch.equal(grads[1], seen["in"][1])
+    assert torch.allclose(grads[0], g @ b.detach().T) and torch.allclose(grads[1], a.detach().T @ g)
+    grad_a = a.grad.clone()
+    gradstore.replay(node, g)  # a single tensor is accepted
+    assert torch.equal(a.grad, grad_a)  # no side effect on .grad
+
+
+def test_replay_sums_broadcast_gradients_like_the_engine():
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(2, 3, requires_grad=True)
+    out = a + b
+    seen = _observe(out.grad_fn)
+    out.sum().backward(retain_graph=True)
+    direct = out.grad_fn(torch.ones(2, 3))
+    assert direct[0].shape == (2, 3)  # the node's own output is not yet reduced...
+    grads = gradstore.replay(out.grad_fn, torch.ones(2, 3))
+    assert grads[0].shape == (3,) and torch.equal(grads[0], seen["in"][0])  # ...what the hook saw is
+
+
+def test_replay_after_free_accumulate_grad_and_wrong_arity():
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp()
+    y.sum().backward()
+    with pytest.raises(SavedTensorsFreed, match="retain_graph=True"):
+        gradstore.replay(y.grad_fn, torch.ones(3))
+    acc = y.grad_fn.next_functions[0][0]
+    before = x.grad.clone()
+    with pytest.raises(ReplayError, match="AccumulateGrad"):
+        gradstore.replay(acc, torch.ones(3))
+    assert torch.equal(x.grad, before)
+    z = x * 2
+    with pytest.raises(ReplayError, match="1 forward output"):
+        gradstore.replay(z.grad_fn, (torch.ones(3), torch.ones(3)))
+
+
+def test_replay_custom_function_drops_non_tensor_arguments():
+    t = torch.randn(3)
+    y = torch.randn(3, requires_grad=True)
+    out = Mixed.apply(t, 2.0, y)
+    node = out.grad_fn
+    assert len(node.next_functions) == 2  # t and y have slots; the float has none
+    seen = _observe(node)
+    g = torch.randn(3)
+    out.backward(g, retain_graph=True)
+    grads = gradstore.replay(node, g)
+    assert len(grads) == len(seen["in"]) == 2
+    assert torch.equal(grads[0], seen["in"][0]) and torch.equal(grads[0], g * 2.0)
+    assert torch.equal(grads[1], seen["in"][1]) and torch.allclose(grads[1], 2 * g * y.detach())
+    assert len(node.apply(g)) == 3  # backward itself returns one value per forward argument
+
+
+def test_replay_refuses_a_backward_that_starts_its_own_pass():
+    x = torch.randn(3, requires_grad=True)
+    out = Reentrant.apply(x)
+    with pytest.raises(ReplayError, match="backward pass of its own"):
+        gradstore.replay(out.grad_fn, torch.ones(3))
+    out.sum().backward()  # the guard is gone: the real pass still works
+    assert torch.allclose(x.grad, 2 * x.detach())
+
+
+# ---- replay_check ---------------------------------------------------------------------------------------------------
+def test_replay_check_deterministic_nodes_and_reasons():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    x = torch.randn(5, 4)
+    with gradstore.track_modules(model) as tracker:
+        h = model(x)
+    loss = Noisy.apply(h).pow(2).mean()
+    df = gradstore.replay_check(loss, model=model, owner=tracker)
+    rows = df.set_index("key")
+    for key in ("MeanBackward0#0", "PowBackward0#0", "1/TanhBackward0#0", "0/AddmmBackward0#0", "0/TBackward0#0"):
+        r = rows.loc[key]
+        assert r["ran"] and r["replayable"] and bool(r["equal"]) and r["max_abs_diff"] == 0.0, key
+    noisy = rows.loc["NoisyBackward#0"]
+    assert noisy["replayable"] and not bool(noisy["equal"]) and 0 < noisy["max_abs_diff"] < 1e-3
+    for key in ("param:0.weight", "param:0.bias"):
+        assert not rows.loc[key, "replayable"] and "AccumulateGrad" in rows.loc[key, "reason"]
+    assert rows.loc["0/AddmmBackward0#0", "slot_max_abs_diff"] == (0.0, None, 0.0)  # x needs no gradient
+    assert all(p.grad is None for p in model.parameters())  # the check touched no .grad
+    loss.backward()  # the graph is still alive; gradients as plain torch gives them
+    assert model[0].weight.grad is not None
+
+
+def test_replay_check_with_reentrant_checkpoint_restores_grads():
+    torch.manual_seed(0)
+    inner = torch.nn.Linear(3, 3)
+    outer = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    loss = checkpoint(inner, outer(x), use_reentrant=True).sum()
+    outer.weight.grad = torch.ones_like(outer.weight)
+    held = outer.weight.grad
+    df = gradstore.replay_check(loss, model=[inner, outer]).set_index("name")
+    ck = df.loc["CheckpointFunctionBackward"]
+    assert not ck["replayable"] and "backward pass of its own" in ck["reason"]
+    assert inner.weight.grad is None and inner.bias.grad is None  # reached only by the nested pass: restored
+    assert outer.weight.grad is held and torch.equal(held, torch.ones_like(held))  # restored in place
+    assert bool(df.loc["AddmmBackward0", "equal"])
+
+
+# ---- verify -------------------------------------------------------------------------------------------------------------
+def test_verify_flags_a_backward_that_ignores_its_gradient_with_its_module():
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(5, 4)
+    rng = torch.get_rng_state()
+    df = gradstore.verify(net, x)
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's RNG state is left as it was
+    assert all(p.grad is None for p in net.parameters())
+    by_name = {name: g for name, g in df.groupby("name")}
+    cube = by_name["CubeBackward"]
+    assert list(cube["slot"]) == [0] and list(cube["arg"]) == [0]  # the float scale gets no slot
+    assert bool(cube["ok"].all()) and cube["rel_error"].max() < 1e-6
+    bad = by_name["IgnoresGradBackward"]
+    assert list(bad["module"]) == ["act"] and not bool(bad["ok"].any()) and bad["rel_error"].min() > 0.1
+
+
+def test_verify_numbers_match_a_hand_computed_directional_derivative():
+    torch.manual_seed(0)
+    x = torch.randn(4, requires_grad=True)
+    with gradstore.verify.capture():
+        y = Cube.apply(x, 0.5)
+    df = gradstore.verify(y, seed=3)
+    (row,) = df.to_dict("records")
+    # the same random projections, drawn as verify draws them: v for the output, then u for the input
+    gen = torch.Generator().manual_seed(3)
+    v = torch.randn(4, dtype=torch.float64, generator=gen)
+    u = torch.randn(4, dtype=torch.float64, generator=gen)
+    x64 = x.detach().double()
+    exact = float((v * 0.5 * 3 * x64 ** 2 * u).sum())  # v^T J u with J = diag(1.5 x^2)
+    assert math.isclose(row["analytic"], exact, rel_tol=1e-12)
+    assert math.isclose(row["numerical"], exact, rel_tol=1e-7)
+    assert row["ok"] and row["rel_error"] < 1e-7
+
+
+def test_verify_capture_required_random_forward_and_no_custom_nodes():
+    torch.manual_seed(0)
+    x = torch.randn(6, requires_grad=True)
+    y = Cube.apply(x, 1.0)  # outside any capture
+    (row,) = gradstore.verify(y).to_dict("records")
+    assert pd.isna(row["ok"]) and "outside gradstore.verify.capture" in row["reason"]
+    with gradstore.verify.capture() as cap:
+        z = RandomMask.apply(x)
+    assert len(cap) == 1
+    ok = gradstore.verify(z, capture=cap)
+    assert bool(ok["ok"].all())  # the same random mask in every evaluation
+    empty = gradstore.verify(x.exp())
+    assert empty.empty and list(empty.columns)[:4] == ["key", "name", "module", "function"]
+    with pytest.raises(gradstore.VerifyUsageError):
+        gradstore.verify(torch.ones(2))
+
+
+def test_verify_and_replay_check_skip_a_backward_that_runs_its_own_pass():
+    x = torch.randn(3, requires_grad=True)
+    with gradstore.verify.capture():
+        y = Reentrant.apply(x)
+    (row,) = gradstore.verify(y).to_dict("records")
+    assert pd.isna(row["ok"]) and "nested backward pass" in row["reason"]
+    df = gradstore.replay_check(y.sum()).set_index("name")
+    assert not df.loc["ReentrantBackward", "replayable"] and df.loc["SumBackward0", "replayable"]
+    assert x.grad is None
