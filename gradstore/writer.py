@@ -29,7 +29,7 @@ from sqlalchemy.exc import DBAPIError
 from . import schema as s
 from .database import ensure_schema, make_engine
 from .passes import PassRecord
-from .schema import KIND, ROLE
+from .schema import KIND
 from .stats import ROW_COLUMNS
 
 _CHUNK = 500  # keys per IN (...) list

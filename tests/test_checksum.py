@@ -1,9 +1,10 @@
-"""stats.checksum: a 64-bit checksum of a tensor's bytes that makes a bitwise comparison across ranks exact."""
+"""gradstore.checksum: a 64-bit checksum of a tensor's bytes that makes a bitwise comparison across ranks exact."""
 import numpy as np
 import pytest
 import torch
 
 import gradstore
+from gradstore import checksum as checksum_module
 from gradstore import stats
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -15,10 +16,10 @@ def _reference(t: torch.Tensor) -> int:
     ints = {2: np.int16, 4: np.int32, 8: np.int64}[t.element_size()]
     x = t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
     x = x.reshape(-1).astype(ints).astype(np.int64).view(np.uint64)
-    c = stats._CSUM_CHUNK
-    block = stats._multipliers(torch.device("cpu")).numpy().view(np.uint64)
+    c = checksum_module._CSUM_CHUNK
+    block = checksum_module._multipliers(torch.device("cpu")).numpy().view(np.uint64)
     i = np.arange(x.size)
-    k = np.array([stats._factor(int(b)) for b in range(x.size // c + 1)], dtype=np.int64).view(np.uint64)
+    k = np.array([checksum_module._factor(int(b)) for b in range(x.size // c + 1)], dtype=np.int64).view(np.uint64)
     with np.errstate(over="ignore"):
         m = block[i % c] * k[i // c]
         total = int(np.sum(x * m, dtype=np.uint64))
@@ -35,49 +36,49 @@ def _bump(t: torch.Tensor, i: int, direction: float) -> None:
 def test_equal_tensors_equal_checksums_and_any_change_differs(dtype):
     g = torch.Generator().manual_seed(0)
     t = torch.randn(37, 53, generator=g).to(dtype)
-    c = stats.checksum(t)
+    c = checksum_module.checksum(t)
     assert isinstance(c, int) and -(1 << 63) <= c < (1 << 63)
-    assert stats.checksum(t.clone()) == c
-    assert stats.checksum(t.t().contiguous().t()) == c  # same values, other strides: same checksum
+    assert checksum_module.checksum(t.clone()) == c
+    assert checksum_module.checksum(t.t().contiguous().t()) == c  # same values, other strides: same checksum
 
     one_ulp = t.clone()
     _bump(one_ulp, 100, +1)
-    assert not torch.equal(one_ulp, t) and stats.checksum(one_ulp) != c
+    assert not torch.equal(one_ulp, t) and checksum_module.checksum(one_ulp) != c
 
     swapped = t.clone().view(-1)
     assert swapped[3] != swapped[1500]
     swapped[[3, 1500]] = swapped[[1500, 3]]
     assert sorted(swapped.tolist()) == sorted(t.view(-1).tolist())  # same multiset, same sum
-    assert stats.checksum(swapped.view(37, 53)) != c
+    assert checksum_module.checksum(swapped.view(37, 53)) != c
 
     cancel = t.clone()  # +1 ulp at one place, -1 ulp at another: statistics barely move, bytes differ
     _bump(cancel, 10, +1)
     _bump(cancel, 20, -1)
-    assert stats.checksum(cancel) != c
+    assert checksum_module.checksum(cancel) != c
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_the_formula_across_chunks_and_non_contiguous_input(dtype):
-    n = stats._CSUM_CHUNK
+    n = checksum_module._CSUM_CHUNK
     g = torch.Generator().manual_seed(1)
     t = torch.randn(3, n // 2 + 7, generator=g).to(dtype)  # spans two chunk boundaries at odd offsets
-    assert stats.checksum(t) == _reference(t)
+    assert checksum_module.checksum(t) == _reference(t)
     nc = t.t().contiguous().t()  # a transposed copy: non-contiguous, same values
-    assert not nc.is_contiguous() and stats.checksum(nc) == stats.checksum(t)
+    assert not nc.is_contiguous() and checksum_module.checksum(nc) == checksum_module.checksum(t)
     wide = torch.randn(2, n + 5, generator=g).to(dtype).t()  # rows longer than a chunk, non-contiguous
-    assert stats.checksum(wide) == _reference(wide)
+    assert checksum_module.checksum(wide) == _reference(wide)
     step = torch.randn(40, 30, generator=g).to(dtype)[::3, 1::2]  # a strided slice
-    assert stats.checksum(step) == _reference(step) == stats.checksum(step.contiguous())
+    assert checksum_module.checksum(step) == _reference(step) == checksum_module.checksum(step.contiguous())
 
 
 def test_edge_cases():
-    assert stats.checksum(None) is None
-    assert stats.checksum(torch.zeros(0)) == 0
-    assert stats.checksum(torch.zeros(5)) == 0  # all-zero bytes
-    assert stats.checksum(torch.tensor(1.5)) == _reference(torch.tensor(1.5).reshape(1))
-    assert stats.checksum(torch.zeros(3).to_sparse()) is None
+    assert checksum_module.checksum(None) is None
+    assert checksum_module.checksum(torch.zeros(0)) == 0
+    assert checksum_module.checksum(torch.zeros(5)) == 0  # all-zero bytes
+    assert checksum_module.checksum(torch.tensor(1.5)) == _reference(torch.tensor(1.5).reshape(1))
+    assert checksum_module.checksum(torch.zeros(3).to_sparse()) is None
     # -0.0 == 0.0 numerically but not bitwise
-    assert stats.checksum(torch.tensor([0.0, -0.0])) != stats.checksum(torch.zeros(2))
+    assert checksum_module.checksum(torch.tensor([0.0, -0.0])) != checksum_module.checksum(torch.zeros(2))
 
 
 def test_param_grad_rows_store_the_checksum_and_other_rows_do_not(db):
@@ -85,7 +86,7 @@ def test_param_grad_rows_store_the_checksum_and_other_rows_do_not(db):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     with gradstore.record("c", db=db, model=model):
         model(torch.randn(5, 4)).sum().backward()
-    want = {f"param:{n}": stats.checksum(p.grad) for n, p in model.named_parameters()}
+    want = {f"param:{n}": checksum_module.checksum(p.grad) for n, p in model.named_parameters()}
     with gradstore.open(db) as store, store.engine.connect() as conn:
         from sqlalchemy import text
 
@@ -107,7 +108,7 @@ def test_checksums_left_on_the_device_travel_with_the_statistics_in_one_transfer
     b = stats.measure(plain)
     c = stats.measure(plain.double(), checksum=True)
     assert isinstance(a.vec, torch.Tensor)
-    want_a, want_c = stats.checksum(with_nan), stats.checksum(plain.double())
+    want_a, want_c = checksum_module.checksum(with_nan), checksum_module.checksum(plain.double())
     a.checksum = torch.tensor(want_a)  # as a device would leave it: a 0-d int64 tensor
     c.vec = torch.tensor(c.vec, dtype=torch.float64)  # and its statistics: a float64 tensor
     c.checksum = torch.tensor(want_c)

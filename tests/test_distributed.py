@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradstore
-from gradstore import stats
+from gradstore.checksum import checksum as checksum_of
 from _procs import run_distributed
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -110,7 +110,7 @@ def test_plain_ddp_ranks_record_local_grads_and_agree_after_the_all_reduce(tmp_p
         rows = _param_rows(db, "ddp", step)
         assert set(rows) == {(r, p) for r in (0, 1) for p in params}
         for p in params:
-            want = stats.checksum(_t(r0["final"][step][p]))
+            want = checksum_of(_t(r0["final"][step][p]))
             assert rows[(0, p)][0] == rows[(1, p)][0] == want  # bitwise equal across ranks
             assert rows[(0, p)][1:] == rows[(1, p)][1:]  # and every statistic with it
             assert math.isclose(rows[(0, p)][3], float(_t(r0["final"][step][p]).double().norm()), rel_tol=1e-9)
@@ -165,7 +165,7 @@ def test_ddp_bypassed_forward_rank_divergence_names_the_data_dependent_params(tm
     rows = _param_rows(db, "bypass", 0)
     for rank, r in ((0, r0), (1, r1)):
         for p, g in r["final"].items():
-            assert rows[(rank, p)][0] == stats.checksum(_t(g))
+            assert rows[(rank, p)][0] == checksum_of(_t(g))
     found = {p for (p,) in _sql(db, """
         SELECT n.param FROM tensors t JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id
         JOIN nodes n ON n.id = t.node_id
@@ -321,8 +321,8 @@ def test_tensor_parallel_missing_all_reduce_is_found_at_f(tmp_path):
     for run, r_differ in (("tp", set()), ("tp-buggy", {"inp.weight", "inp.bias"})):
         rows = _param_rows(db, run, 0)
         for p in ("inp.weight", "inp.bias", "b2"):
-            assert rows[(0, p)][0] == stats.checksum(_t(r0[run][p]))
-            assert rows[(1, p)][0] == stats.checksum(_t(r1[run][p]))
+            assert rows[(0, p)][0] == checksum_of(_t(r0[run][p]))
+            assert rows[(1, p)][0] == checksum_of(_t(r1[run][p]))
         assert {p for p in ("inp.weight", "inp.bias", "b2") if rows[(0, p)][0] != rows[(1, p)][0]} == r_differ
     # first divergence, execution order: the buggy run against the correct one, on each rank, is f's grad_input
     for rank in (0, 1):
@@ -420,5 +420,5 @@ def test_ddp_locally_unused_param_has_a_param_grad_but_no_local_call(tmp_path):
     assert (0, "param:head_a.weight") not in called and (1, "param:head_a.weight") in called
     rows = _param_rows(db, "unused", 0)
     for p in r0["final"]:  # every parameter has a final .grad on both ranks, bitwise equal
-        assert rows[(0, p)][0] == rows[(1, p)][0] == stats.checksum(_t(r0["final"][p]))
+        assert rows[(0, p)][0] == rows[(1, p)][0] == checksum_of(_t(r0["final"][p]))
         assert rows[(1, p)][1] == 0  # status ok

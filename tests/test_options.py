@@ -2,7 +2,6 @@
 queue (wait / drop), and the reuse of one reduction for a gradient seen twice."""
 import math
 
-import pandas as pd
 import pytest
 import torch
 import torch.nn as nn

@@ -17,7 +17,8 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import text
 
 import gradstore
-from gradstore import database, queries, recorder, schema, stats
+from gradstore.checksum import checksum as checksum_of
+from gradstore import database, queries, recorder, schema
 
 # columns that hold wall-clock times or durations: they differ between any two recordings
 VOLATILE = re.compile(r"(^|_)(created_at|finished_at|started_at|ended_at|duration|start|setup|finish|waited)"
@@ -131,7 +132,7 @@ def test_helpers_on_postgresql_return_what_was_recorded(pg_url, monkeypatch):
                 JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id
                 WHERE r.name = 'a' AND st.rank = 0 AND st.step = 1 AND t.role = 2""")).all())
             meta = conn.execute(text("SELECT meta FROM runs WHERE name = 'b'")).scalar()
-    assert checksums == {n: stats.checksum(g) for n, g in grads.items()}  # BIGINT keeps all 64 bits
+    assert checksums == {n: checksum_of(g) for n, g in grads.items()}  # BIGINT keeps all 64 bits
     assert meta == {"seed": 2}
 
 
