@@ -78,21 +78,28 @@ class Gradstore(Config):
     spare core.
     """
 
-    def __init__(self, bench: Bench, db: Path, level: str, every: int = 1, name: str | None = None):
+    def __init__(self, bench: Bench, db: Path, level: str, every: int = 1, name: str | None = None,
+                 **options):
         super().__init__(bench)
         self.db = Path(db)
         self.level = level
         self.every = every
-        self.name = name or f"gradstore {level}" + (f", every={every}" if every > 1 else "")
+        self.options = options  # more record() arguments, e.g. frames=True
+        self.name = name or (f"gradstore {level}" + (f", every={every}" if every > 1 else "")
+                             + "".join(f", {k}={v}" for k, v in options.items()))
         self.run = self.name.replace(" ", "-").replace(",", "").replace("=", "")
         self.steps_per_slot = every
         base = GRADSTORE_RECORDS.get(level, level)
         self.records = base if every == 1 else f"as {level}, on 1 step in {every} (the others run with no hooks); " \
                                                f"time: mean over a {every}-step slot"
+        if options.get("frames"):
+            self.records = f"as {level}, and the user-code line that created each node (frames=True)"
+        if options.get("saved"):
+            self.records = f"as {level}, and the statistics of every saved tensor of every node (saved=True)"
         self.note = ""
 
     def kwargs(self) -> dict:
-        kw = {"stats": self.level}
+        kw = {"stats": self.level, **self.options}
         if self.every != 1:
             kw["every"] = self.every
         return kw

@@ -117,6 +117,7 @@ def main(argv=None) -> int:
                 Gradstore(bench, d / "params.db", "params"),
                 Gradstore(bench, d / "shape.db", "shape"),
                 Gradstore(bench, d / "every.db", "full", every=a.every),
+                Gradstore(bench, d / "frames.db", "full", frames=True),
                 AnomalyMode(bench),
                 HandHooks(bench)]
 

@@ -185,6 +185,9 @@ def run(steps: int, rows_per_step: int, repeats: int = 3) -> dict:
         meta["cached"] = True
         log(f"scale: reusing {path.relative_to(CACHE_DIR.parent.parent)}")
     else:
+        for stale in CACHE_DIR.glob(f"scale-*-{steps}x{rows_per_step}-g*.*"):  # other schema or generator
+            if stale.stem != path.stem:
+                stale.unlink(missing_ok=True)
         log(f"scale: generating {steps} steps x ~{rows_per_step} tensor rows into {path.name} (minutes)")
         with tempfile.TemporaryDirectory(prefix="gradstore-scale-") as tmp:
             meta = generate(path, steps, rows_per_step, Path(tmp))

@@ -41,10 +41,11 @@ class Options:
     queue_rows: int = 500_000
     saved: bool = False
     frames: bool = False
+    checksum: bool | None = None
 
     @classmethod
     def make(cls, stats="full", every=1, steps=None, modules=None, params=None, on_full="wait",
-             queue_rows=500_000, saved=False, frames=False) -> "Options":
+             queue_rows=500_000, saved=False, frames=False, checksum=None) -> "Options":
         """Validate user arguments; raises RecordUsageError naming the argument and what it accepts."""
         if stats not in LEVELS:
             raise RecordUsageError(f"record(stats=...) is one of {', '.join(map(repr, LEVELS))}, got {stats!r}")
@@ -68,8 +69,10 @@ class Options:
         if saved and stats in ("params", "shape"):
             raise RecordUsageError(f"record(saved=True) measures saved tensors in node hooks; stats={stats!r} "
                                    "records no node statistics: use stats='full' or 'health'")
+        if checksum is not None and not isinstance(checksum, bool):
+            raise RecordUsageError(f"record(checksum=...) is True, False or None (automatic), got {checksum!r}")
         return cls(stats, every, steps, _globs(modules, "modules"), _globs(params, "params"), on_full, queue_rows,
-                   saved, frames)
+                   saved, frames, checksum)
 
     def wants_step(self, step: int) -> bool:
         """True when step number `step` is to be recorded (every= and steps=)."""

@@ -89,6 +89,13 @@ class StepState:
         self.active.clear()
 
 
+def _world_size() -> int:
+    """`torch.distributed.get_world_size()` when a process group is initialised, else 1."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 _ROLE_OUT, _ROLE_IN, _ROLE_PARAM, _ROLE_SAVED = "grad_output", "grad_input", "param_grad", "saved"
 
 
@@ -240,6 +247,10 @@ class PassRecorder:
             param_keys: list[str] = []
             if ok and rec.kind == "backward" and rec.parent_pass is None:
                 opts = self.options
+                # checksums make a bitwise comparison across ranks exact: taken when there are ranks to compare
+                # (or checksum=True), never at 'shape'
+                take_checksum = opts.param_level != "shape" and (
+                    opts.checksum if opts.checksum is not None else _world_size() > 1)
                 for name, p in self.params:
                     module = name.rsplit(".", 1)[0] if "." in name else ""
                     if not getattr(p, "requires_grad", False) or not self._wanted(module, name):
@@ -247,8 +258,8 @@ class PassRecorder:
                     key = f"param:{name}"
                     param_nodes[key] = NodeInfo(key, "AccumulateGrad", "accumulate_grad", module, name)
                     param_keys.append(key)
-                    level = opts.param_level  # checksum: a bitwise comparison across ranks (not at 'shape')
-                    self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad, level, checksum=level != "shape")))
+                    level = opts.param_level
+                    self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad, level, checksum=take_checksum)))
             rows = to_rows([m for _, _, _, m in self.measured])
             infos = self.infos
             walked = {i.key for i in infos}

@@ -82,6 +82,8 @@ class record:
             'saved', slot = position in `gradstore.saved_tensors(node)`), measured in the node's prehook.
         frames: note, for each forward op, the user-code frame that created its node ('file:line in
             function', in nodes.frame; a `torch.overrides.TorchFunctionMode`, about 4 µs per op).
+        checksum: store a 64-bit checksum of each param_grad (tensors.checksum) for exact bitwise comparison
+            across ranks; None (default) takes it when torch.distributed runs with world_size > 1.
     Raises:
         RecordUsageError: a bad argument, or a scope opened inside another.
         SchemaTooNew: the database was written by a newer gradstore.
@@ -92,14 +94,15 @@ class record:
     def __init__(self, run: str, db: str | Path = DEFAULT_DB, model: nn.Module | list | dict | None = None,
                  meta: dict | None = None, *, stats: str = "full", every: int = 1, steps=None, modules=None,
                  params=None, on_full: str = "wait", queue_rows: int = 500_000, saved: bool = False,
-                 frames: bool = False):
+                 frames: bool = False, checksum: bool | None = None):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
         models = _named_models(model)
         if meta is not None and not isinstance(meta, dict):
             raise RecordUsageError(f"record(meta=...) takes a dict, got {type(meta).__name__}")
         self.options = Options.make(stats=stats, every=every, steps=steps, modules=modules, params=params,
-                                    on_full=on_full, queue_rows=queue_rows, saved=saved, frames=frames)
+                                    on_full=on_full, queue_rows=queue_rows, saved=saved, frames=frames,
+                                    checksum=checksum)
         self.run = run
         self.db = db
         self.models = models

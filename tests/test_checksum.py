@@ -84,14 +84,29 @@ def test_edge_cases():
 def test_param_grad_rows_store_the_checksum_and_other_rows_do_not(db):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
-    with gradstore.record("c", db=db, model=model):
+    with gradstore.record("c", db=db, model=model, checksum=True):
+        model(torch.randn(5, 4)).sum().backward()
+    with gradstore.record("auto", db=db, model=model):  # one process, no ranks to compare: none by default
+        model(torch.randn(5, 4)).sum().backward()
+    auto = gradstore.open(db).tensors("auto", role="param_grad")
+    assert len(auto) == 4
+    with gradstore.open(db) as store, store.engine.connect() as conn:
+        from sqlalchemy import text
+
+        assert conn.execute(text("SELECT COUNT(*) FROM tensors t JOIN steps s ON s.id = t.step_id JOIN runs r "
+                                 "ON r.id = s.run_id WHERE r.name = 'auto' AND t.checksum IS NOT NULL")).scalar() == 0
+    model.zero_grad()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    with gradstore.record("c2", db=db, model=model, checksum=True):
         model(torch.randn(5, 4)).sum().backward()
     want = {f"param:{n}": checksum_module.checksum(p.grad) for n, p in model.named_parameters()}
     with gradstore.open(db) as store, store.engine.connect() as conn:
         from sqlalchemy import text
 
         rows = conn.execute(text(
-            "SELECT n.key, t.role, t.checksum FROM tensors t JOIN nodes n ON n.id = t.node_id")).all()
+            "SELECT n.key, t.role, t.checksum FROM tensors t JOIN nodes n ON n.id = t.node_id "
+            "JOIN steps s ON s.id = t.step_id JOIN runs r ON r.id = s.run_id WHERE r.name = 'c2'")).all()
     got = {key: c for key, role, c in rows if role == 2}
     assert got == want and len(set(want.values())) == 4
     assert all(c is None for _, role, c in rows if role != 2)

@@ -34,7 +34,7 @@ def _record(db, monkeypatch) -> dict:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
         gen = torch.Generator().manual_seed(seed)
-        with gradstore.record(run, db=db, model=model, meta={"seed": seed}) as rec:
+        with gradstore.record(run, db=db, model=model, meta={"seed": seed}, checksum=True) as rec:
             for step in range(2):
                 x = torch.randn(5, 4, generator=gen)
                 if run == "b" and step == 1:
