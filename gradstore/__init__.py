@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     DatabaseNotFound,
+    DatabaseUnavailable,
     GradstoreError,
     QueryParameterError,
     RecordUsageError,
@@ -28,7 +29,7 @@ from .saved import saved_bytes, saved_tensors  # noqa: E402
 from .verify import verify  # noqa: E402
 
 __all__ = [
-    "record", "open", "Store", "GradstoreError", "DatabaseNotFound", "SchemaTooNew", "UnknownRun",
+    "record", "open", "Store", "GradstoreError", "DatabaseNotFound", "DatabaseUnavailable", "SchemaTooNew", "UnknownRun",
     "UnknownQuery", "QueryParameterError", "RecordUsageError", "__version__",
     "explain", "Explanation", "RecordedExplanation", "track_modules", "replay", "replay_check", "verify",
     "saved_tensors", "saved_bytes", "FrameTracker", "ReplayError", "SavedTensorsFreed", "UnknownNode",

@@ -405,7 +405,7 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, str]:
 
 def _list_queries() -> None:
     for q in named_queries.available().values():
-        click.echo(f"{q.name:<16}{q.title}")
+        click.echo(f"{q.name:<20} {q.title}")
         if q.params:
             click.echo(f"{'':<16}-p " + "  -p ".join(f"{p}=..." for p in q.params))
 
@@ -620,11 +620,12 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
     only_a, only_b = int((table["side"] == "a").sum()), int((table["side"] == "b").sum())
     click.echo(f"Compared {label_a} with {label_b}: {len(table):,} gradients aligned by node key, role, slot and "
                f"occurrence; {n_diff:,} differ bitwise, {only_a:,} only in {label_a}, {only_b:,} only in {label_b}.")
-    tolerance = f" within rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
+    tolerance = f"rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
     if first.empty:
         click.echo(f"no divergence: {label_b} agrees with {label_a} on every gradient"
-                   + (tolerance or " (bitwise-identical statistics)"))
+                   + (f" within {tolerance}" if tolerance else " (bitwise-identical statistics)"))
         return
+    tolerance = f" beyond {tolerance}" if tolerance else ""
     several = len(ranks) > 1
     for (_, rows) in first.groupby([first["rank_a"].fillna(-1), first["rank_b"].fillna(-1)], sort=True):
         r = rows.iloc[0]

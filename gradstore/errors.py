@@ -9,6 +9,10 @@ class DatabaseNotFound(GradstoreError):
     """A database file that should exist for reading does not."""
 
 
+class DatabaseUnavailable(GradstoreError):
+    """The database cannot be opened for recording (bad path, unreachable server)."""
+
+
 class SchemaTooNew(GradstoreError):
     """The database was written by a newer gradstore than the one installed."""
 

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 
 from .errors import QueryParameterError, UnknownQuery
 from .resources import queries_dir
+from .schema import ROLES
 
 _PARAM_RE = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 _HEADER_RE = re.compile(r"^--\s*(title|description|param\s+\w+)\s*:\s*(.*)$")
@@ -72,10 +73,37 @@ def get(name: str) -> Query:
     return _parse(path)
 
 
+# parameters that the SQL casts to a number: checked here, since CAST('abc' AS INTEGER) is 0 in SQLite
+_INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b"}
+_REAL_PARAMS = {"rtol", "atol"}
+
+
+_CHOICES = {"role": ROLES, "by": ("node", "module")}
+
+
+def _typed(query: str, param: str, value):
+    """`value` as the number the query expects (int or float) or unchanged; raises QueryParameterError."""
+    if value is not None and param in _CHOICES and value not in _CHOICES[param]:
+        raise QueryParameterError(f"query {query!r}: parameter {param} is one of "
+                                  f"{', '.join(_CHOICES[param])}, got {value!r}")
+    if value is None or param not in _INTEGER_PARAMS | _REAL_PARAMS:
+        return value
+    try:
+        if param in _INTEGER_PARAMS:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        return float(value)
+    except (TypeError, ValueError):
+        kind = "a whole number" if param in _INTEGER_PARAMS else "a number"
+        raise QueryParameterError(f"query {query!r}: parameter {param} takes {kind}, got {value!r}") from None
+
+
 def run(engine: Engine, name: str, params: dict | None = None) -> pd.DataFrame:
     """Run the named query on `engine` and return a pandas DataFrame (columns as the SQL names them).
 
-    Raises QueryParameterError for a parameter the query does not declare (naming the ones it does).
+    Raises QueryParameterError for a parameter the query does not declare (naming the ones it does), or a
+    rank, step or tolerance that is not a number.
     """
     q = get(name)
     params = dict(params or {})
@@ -84,6 +112,6 @@ def run(engine: Engine, name: str, params: dict | None = None) -> pd.DataFrame:
         raise QueryParameterError(
             f"query {name!r} has no parameter {', '.join(sorted(unknown))}; "
             f"its parameters: {', '.join(q.params) or 'none'}")
-    bound = {p: params.get(p) for p in q.params}
+    bound = {p: _typed(name, p, params.get(p)) for p in q.params}
     with engine.connect() as conn:
         return pd.read_sql(text(q.sql.rstrip().rstrip(";")), conn, params=bound)

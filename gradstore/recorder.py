@@ -208,6 +208,12 @@ class record:
             if run_status is not None:
                 self._writer.set_run_status(self.run_id, run_status, time.time())
             return
+        if exc is None and not state.records and not state.faults:
+            # no backward pass ran (the empty step after a loop's last rec.step(), an eval-only call): nothing
+            # to record; only the run's status may change
+            if run_status is not None:
+                self._writer.set_run_status(self.run_id, run_status, time.time())
+            return
         status, error = "ok", None
         if exc is not None:
             status = "error"

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from . import schema as s
 from .database import ensure_schema, make_engine
+from .errors import DatabaseUnavailable
 from .passes import PassRecord
 from .schema import KIND
 from .stats import ROW_COLUMNS
@@ -90,7 +91,14 @@ class Writer:
         self.db = db
         self.pid = os.getpid()
         self.engine = make_engine(db, immediate=True)
-        ensure_schema(self.engine, str(db))
+        try:
+            ensure_schema(self.engine, str(db))
+        except SQLAlchemyError as exc:
+            self.engine.dispose()
+            cause = getattr(exc, "orig", None) or exc
+            raise DatabaseUnavailable(
+                f"cannot open the gradstore database {db}: {cause}; check that the directory exists and is "
+                "writable (or, for a URL, that the server is reachable)") from None
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         self.rows_written = 0
@@ -371,10 +379,13 @@ def flush_pending(db) -> None:
 
 @atexit.register
 def _flush_all() -> None:
+    """At exit: write what is pending, then close the connections (SQLite folds its WAL file back into the
+    database when the last connection closes, so the .db file alone holds the record)."""
     for w in list(_writers.values()):
         try:
             if w.pid == os.getpid():
                 w.flush()
+                w.engine.dispose()
         except Exception:
             pass
 

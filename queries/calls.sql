@@ -15,5 +15,5 @@ WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
   AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
   AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
-       OR n.module LIKE CAST(:module AS TEXT) || '.%')
+       OR SUBSTR(n.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.')
 ORDER BY r.id, st.step, st.rank, c.seq;

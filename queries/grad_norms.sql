@@ -21,7 +21,7 @@ WHERE t.role IN (0, 1)
       SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
       WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
         AND (CAST(:module AS TEXT) IS NULL OR n2.module = CAST(:module AS TEXT)
-             OR n2.module LIKE CAST(:module AS TEXT) || '.%'))
+             OR SUBSTR(n2.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.'))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
   AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
 GROUP BY r.id, r.name, st.rank, st.step,

@@ -27,7 +27,7 @@ WHERE t.node_id IN (  -- the run's matching nodes first: an index lookup, not a 
         AND (CAST(:key AS TEXT) IS NULL OR n2.key = CAST(:key AS TEXT))
         AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT))
         AND (CAST(:module AS TEXT) IS NULL OR n2.module = CAST(:module AS TEXT)
-             OR n2.module LIKE CAST(:module AS TEXT) || '.%'))
+             OR SUBSTR(n2.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.'))
   AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
 ORDER BY r.id, st.step, st.rank, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot;

@@ -8,5 +8,5 @@ JOIN runs r ON r.id = n.run_id
 JOIN kinds k ON k.id = n.kind
 WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
   AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
-       OR n.module LIKE CAST(:module AS TEXT) || '.%')
+       OR SUBSTR(n.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.')
 ORDER BY r.id, n.id;

@@ -59,3 +59,31 @@ def test_unknown_query_and_parameter_are_named(recorded):
         store.query("runs", colour="red")
     with pytest.raises(gradstore.UnknownRun, match="runs: q"):
         store.steps("nope")
+
+
+def test_numbers_and_choices_are_checked_not_cast_to_zero(recorded):
+    store = gradstore.open(recorded)
+    with pytest.raises(gradstore.QueryParameterError, match="step takes a whole number, got 'abc'"):
+        store.steps("q", step="abc")  # CAST('abc' AS INTEGER) would silently be step 0
+    with pytest.raises(gradstore.QueryParameterError, match="role is one of grad_output, grad_input"):
+        store.tensors("q", role="grad_inputs")
+    assert list(store.steps("q", step="1").step) == [1]  # a number given as text (the CLI's -p) is fine
+
+
+def test_module_filter_is_exact_on_names_and_keeps_submodules(db):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"blocks_0": torch.nn.Linear(2, 2), "blocks": torch.nn.ModuleList(
+        [torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())])})
+    with gradstore.record("m", db=db, model=model):
+        x = torch.randn(3, 2)
+        (model["blocks_0"](x).sum() + model["blocks"][0](x).sum()).backward()
+    nodes = gradstore.open(db).nodes("m", module="blocks.0")
+    assert set(nodes.module) == {"blocks.0.0", "blocks.0.1"}  # the submodules of blocks.0 (a Sequential: no op of its own)
+    assert gradstore.open(db).nodes("m", module="BLOCKS.0").empty  # names are case-sensitive
+    assert set(gradstore.open(db).nodes("m", module="blocks_0").module) == {"blocks_0"}  # '_' is no wildcard
+
+
+def test_a_database_that_cannot_be_opened_is_one_clear_error(tmp_path):
+    with pytest.raises(gradstore.DatabaseUnavailable, match="check that the directory exists"):
+        with gradstore.record("r", db=str(tmp_path / "no" / "such" / "dir.db")):
+            pass
