@@ -90,7 +90,7 @@ def _when(ts) -> str:
 
 
 def _module_label(module) -> str:
-    return module if isinstance(module, str) and module else "(outside any module)"
+    return module if isinstance(module, str) and module else "(top level: the model itself or no module)"
 
 
 def _queries_path_hint(name: str) -> str:
