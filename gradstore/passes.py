@@ -138,8 +138,8 @@ class PassRecorder:
         self.infos: list[NodeInfo] = []
         roots = roots_of(outputs)
         self.record.roots = len(roots)
-        step.active.append(self)
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
+            step.active.append(self)
             self.record.setup = time.perf_counter() - self.t0
             return
         self.walk = walk(roots)
@@ -155,6 +155,7 @@ class PassRecorder:
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
                         step.known[id(node)] = (node, self.infos[i]) + step.known[id(node)][2:]
+        step.active.append(self)
         try:
             for i, node in enumerate(self.walk.nodes):
                 if not self._wanted(self.infos[i].module, self.infos[i].param):
