@@ -280,16 +280,9 @@ def track_modules(model):
     Args: model: nn.Module (or a list/dict of them, prefixed as in record). Yields gradstore.modules.ModuleTracker.
     Relies on global module forward hooks and the private sequence counter (gradstore._torch_private).
     """
-    from .modules import ModuleTracker, qualified_names
+    from .modules import ModuleTracker, named_models, qualified_names
 
-    if isinstance(model, torch.nn.Module):
-        pairs = [("", model)]
-    elif isinstance(model, dict):
-        pairs = [(str(k), m) for k, m in model.items()]
-    else:
-        pairs = [(str(i), m) for i, m in enumerate(model)]
-    if len(pairs) == 1:
-        pairs = [("", pairs[0][1])]
+    pairs = named_models(model)
     tracker = ModuleTracker(qualified_names(pairs))
 
     @contextmanager

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from . import _torch_private as tp
+from .errors import RecordUsageError
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -105,3 +106,24 @@ class ModuleTracker:
             return ""
         i = bisect.bisect_right(self._seqs, sequence_nr) - 1
         return self._owners[i] if i >= 0 else ""
+
+
+def named_models(model) -> list[tuple[str, nn.Module]]:
+    """`model=` (an nn.Module, or a list or dict of them) as (prefix, module) pairs: one model gets no prefix;
+    several are prefixed by their dict key or list position, so that two models' names never collide.
+    Raises RecordUsageError for anything else."""
+    if model is None:
+        return []
+    if isinstance(model, nn.Module):
+        pairs = [("", model)]
+    elif isinstance(model, dict):
+        pairs = [(str(k), m) for k, m in model.items()]
+    elif isinstance(model, (list, tuple)):
+        pairs = [(str(i), m) for i, m in enumerate(model)]
+    else:
+        raise RecordUsageError(f"record(model=...) takes an nn.Module, a list or a dict of them, got {type(model).__name__}")
+    for name, m in pairs:
+        if not isinstance(m, nn.Module):
+            raise RecordUsageError(
+                f"record(model=...) takes an nn.Module, a list or a dict of them; {name or 'it'} is {type(m).__name__}")
+    return [("", pairs[0][1])] if len(pairs) == 1 else pairs

@@ -17,7 +17,7 @@ from . import intercept
 from . import schema as s
 from .errors import RecordUsageError
 from .frames import FrameTracker
-from .modules import ModuleTracker, named_parameters, qualified_names
+from .modules import ModuleTracker, named_models, named_parameters, qualified_names
 from .options import Options
 from .passes import PassRecorder, StepState
 from .writer import StepBatch, writer_for
@@ -97,7 +97,7 @@ class record:
                  frames: bool = False, checksum: bool | None = None):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
-        models = _named_models(model)
+        models = named_models(model)
         if meta is not None and not isinstance(meta, dict):
             raise RecordUsageError(f"record(meta=...) takes a dict, got {type(meta).__name__}")
         self.options = Options.make(stats=stats, every=every, steps=steps, modules=modules, params=params,
@@ -204,13 +204,9 @@ class record:
 
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
         state, self._state = self._state, None
-        if state is None:  # an unsampled step: nothing recorded; only the run's status may change
-            if run_status is not None:
-                self._writer.set_run_status(self.run_id, run_status, time.time())
-            return
-        if exc is None and not state.records and not state.faults:
-            # no backward pass ran (the empty step after a loop's last rec.step(), an eval-only call): nothing
-            # to record; only the run's status may change
+        # an unsampled step, or one in which no backward pass ran (the empty step after a loop's last
+        # rec.step(), an eval-only call): nothing to record; only the run's status may change
+        if state is None or (exc is None and not state.records and not state.faults):
             if run_status is not None:
                 self._writer.set_run_status(self.run_id, run_status, time.time())
             return
@@ -308,26 +304,6 @@ class record:
         """Block until every recorded step is in the database."""
         if self._writer is not None:
             self._writer.flush()
-
-
-def _named_models(model) -> list[tuple[str, nn.Module]]:
-    """record(model=...) as (prefix, module) pairs: one model gets no prefix; several are prefixed by their
-    dict key or list position, so that two models' parameters never share a name."""
-    if model is None:
-        return []
-    if isinstance(model, nn.Module):
-        pairs = [("", model)]
-    elif isinstance(model, dict):
-        pairs = [(str(k), m) for k, m in model.items()]
-    elif isinstance(model, (list, tuple)):
-        pairs = [(str(i), m) for i, m in enumerate(model)]
-    else:
-        raise RecordUsageError(f"record(model=...) takes an nn.Module, a list or a dict of them, got {type(model).__name__}")
-    for name, m in pairs:
-        if not isinstance(m, nn.Module):
-            raise RecordUsageError(
-                f"record(model=...) takes an nn.Module, a list or a dict of them; {name or 'it'} is {type(m).__name__}")
-    return [("", pairs[0][1])] if len(pairs) == 1 else pairs
 
 
 def _module_arguments(signature, args, kwargs) -> list[tuple[str, nn.Module]]:

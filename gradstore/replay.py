@@ -349,16 +349,9 @@ def _owner_fn(owner):
 def _param_names(model) -> dict[int, str]:
     if model is None:
         return {}
-    from .modules import named_parameters
+    from .modules import named_models, named_parameters
 
-    if isinstance(model, torch.nn.Module):
-        pairs = [("", model)]
-    elif isinstance(model, dict):
-        pairs = [(str(k), m) for k, m in model.items()]
-    else:
-        pairs = [(str(i), m) for i, m in enumerate(model)]
-    if len(pairs) == 1:
-        pairs = [("", pairs[0][1])]
+    pairs = named_models(model)
     return {id(p): n for n, p in named_parameters(pairs)}
 
 
