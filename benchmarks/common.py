@@ -126,6 +126,13 @@ def git_state() -> str:
         return "unknown"
 
 
+def _kernel_status() -> str:
+    from gradstore import kernel
+
+    kernel.load()
+    return kernel.status()
+
+
 def environment() -> dict:
     """Machine and versions, for the head of RESULTS.md."""
     import sqlite3
@@ -143,6 +150,7 @@ def environment() -> dict:
         "gradstore": f"{gradstore.__version__} (git {git_state()})",
         "sqlite": sqlite3.sqlite_version,
         "platform": platform.platform(),
+        "reduction kernel": _kernel_status(),
     }
     for mod in ("transformers", "sqlalchemy", "torchlens"):
         try:

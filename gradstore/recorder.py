@@ -13,7 +13,7 @@ import torch.nn as nn
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from . import intercept
+from . import intercept, kernel
 from . import schema as s
 from .errors import RecordUsageError
 from .frames import FrameTracker
@@ -124,6 +124,8 @@ class record:
         """Find or create the run row (several ranks may race to create it) and the next step number."""
         self.rank, world_size = _rank_and_world_size()
         self._writer = writer_for(self.db)
+        if self.options.stats != "shape":
+            kernel.load()  # built (first time on this machine) now, not inside the first backward pass
         self._writer.flush()  # earlier scopes of this process may still be writing this run's steps
         engine = self._writer.engine
         by_name = select(s.runs.c.id, s.runs.c.world_size).where(s.runs.c.name == self.run)

@@ -6,11 +6,12 @@ object) and a grad_input that is the same memory as one of the node's grad_outpu
 ViewBackward0, TBackward0 of a contiguous gradient, ...) reuse the earlier result with their own shape.
 
 Where the reductions run:
-- CPU tensors (no device to synchronise with): a fast path for all-finite tensors, results read on the spot.
-  full:   float64-accumulated sum (NumPy's pairwise summation, exact to float64 rounding), min and max
-          (torch.aminmax), sum of squares (float32 norms of 1024-element rows combined in float64), zero count;
-          std from the sum of squares, recomputed in float64 around the mean when the mean dominates.
-  health: min and max (torch.aminmax propagates NaN and Inf, so it is also the finiteness check) and norm.
+- CPU tensors (no device to synchronise with): the fused kernel (gradstore.kernel, one pass over the memory
+  of a dense float32/float64 gradient, float64 accumulation) gives the sum, the sum of squares, min, max
+  and the zero count (`full`) or the sum of squares, min and max (`health`); finite sums mean no NaN and no
+  Inf, and the results are read on the spot. std comes from the sum of squares, recomputed around the mean
+  (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and torch
+  (a float64-accumulated sum, torch.aminmax, float32 row norms combined in float64, a zero count).
   A tensor that holds NaN or Inf takes the masked path, which counts them exactly.
 - Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
   device until `to_rows` copies each device's stack to the host once per pass.
@@ -21,6 +22,7 @@ leaves mean, std and zeros NULL; `shape` records dtype, shape and numel only.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import weakref
 from dataclasses import dataclass, replace
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from . import kernel
 from .checksum import _checksum
 from .schema import DTYPE, STATUS
 
@@ -125,8 +128,48 @@ def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
     return float(rows.dot(rows) + tail.dot(tail))
 
 
+_KERNEL_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_OUT = ctypes.c_double * 5
+
+
+def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
+    """The kernel's one pass: host floats for an all-finite tensor, else the masked path's tensor."""
+    if x.dtype not in _KERNEL_SUFFIX:  # float16, bfloat16, float8: widened once (exact), then one pass
+        x = x.float() if x.is_floating_point() else x.double()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if not _dense(x):  # a dense tensor in any dimension order is the same multiset of elements as its memory
+        x = x.contiguous()
+    suffix, n, out, ptr = _KERNEL_SUFFIX[x.dtype], x.numel(), _OUT(), x.data_ptr()
+    if level != "full":
+        k.health[suffix](ptr, n, out)
+        sumsq, mn, mx = out[0], out[1], out[2]
+        if not math.isfinite(sumsq):  # NaN or Inf somewhere (or a float64 square past 1.8e308)
+            return _masked(x, level)
+        return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
+    k.full[suffix](ptr, n, out)
+    s, sumsq, mn, mx, zeros = out[0], out[1], out[2], out[3], out[4]
+    if not (math.isfinite(s) and math.isfinite(sumsq)):
+        return _masked(x, level)
+    mean = s / n
+    m2 = sumsq - s * mean
+    if mn == mx:
+        m2 = 0.0
+    elif m2 < 1e-4 * s * mean:  # the mean dominates: sumsq - s*mean cancels; redo around the mean
+        m2 = k.m2[suffix](ptr, n, mean)
+    return (0.0, 0.0, 0.0, zeros, float(n), math.sqrt(sumsq), mn, mx, mean, max(m2, 0.0))
+
+
 def _cpu(x: torch.Tensor, level: str):
     """CPU reductions: host floats for an all-finite tensor, else the masked path's tensor."""
+    k = kernel.load()
+    if k is not None:
+        return _fused(k, x, level)
+    return _cpu_numpy(x, level)
+
+
+def _cpu_numpy(x: torch.Tensor, level: str):
+    """`_cpu` without the kernel: NumPy and torch reductions, several passes."""
     if x.dtype not in _NUMPY_DTYPES:
         x = x.float() if x.is_floating_point() else x.double()
     n = x.numel()
@@ -170,7 +213,8 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
             statistics and stores no checksum.
     Returns:
         `Measured`; a tensor that cannot be measured is status 'skipped' with the reason.
-    Relies on: `Tensor.detach`, `Tensor.numpy` (CPU), `torch.aminmax`, `torch.linalg.vector_norm`.
+    Relies on: `Tensor.detach`, `Tensor.data_ptr` and the fused kernel (CPU; else `Tensor.numpy`,
+        `torch.aminmax`), `torch.linalg.vector_norm` (other devices, and tensors holding NaN or Inf).
     """
     if t is None:
         return NONE

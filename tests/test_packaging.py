@@ -26,6 +26,7 @@ def test_wheel_contains_migrations_and_queries(wheel):
     assert "gradstore/migrations/versions/0001_initial.py" in names
     for sql in (ROOT / "queries").glob("*.sql"):
         assert f"gradstore/queries/{sql.name}" in names
+    assert "gradstore/kernels/reduce.c" in names  # the fused reduction kernel's source, built on first use
     assert any(n.endswith("entry_points.txt") for n in names)
 
 
@@ -39,11 +40,13 @@ def test_installed_wheel_finds_its_own_resources_and_creates_a_database(wheel, t
         "with gradstore.record('w', db='w.db'):\n"
         "    torch.ones(3, requires_grad=True).exp().sum().backward()\n"
         "print(len(gradstore.open('w.db').calls('w')))\n"
+        "import gradstore.kernel as k; print(k.SOURCE.is_file())\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                           env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
-    mig, qry, ncalls = proc.stdout.split()
+    mig, qry, ncalls, source = proc.stdout.split()
     assert Path(mig) == site / "gradstore" / "migrations"
     assert Path(qry) == site / "gradstore" / "queries"
     assert int(ncalls) == 3  # SumBackward0, ExpBackward0, AccumulateGrad
+    assert source == "True"

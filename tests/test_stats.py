@@ -10,13 +10,23 @@ import pytest
 import torch
 
 import gradstore
-from gradstore import stats
+from gradstore import kernel, stats
 from gradstore.schema import DTYPES, STATUSES
 
 INF = math.inf
 NAN = math.nan
 RTOL = 1e-6
 ATOL_AT_ZERO = 1e-12  # used only where the true value is exactly 0
+
+
+@pytest.fixture(autouse=True, params=["kernel", "numpy"])
+def reductions(request, monkeypatch):
+    """Every test runs twice: CPU statistics from the fused kernel, and from the NumPy/torch fallback."""
+    if request.param == "numpy":
+        monkeypatch.setattr(kernel, "load", lambda: None)
+    elif kernel.load() is None:
+        pytest.skip(f"the fused kernel is not available here: {kernel.status()}")
+    return request.param
 
 
 # ---- the independent reference --------------------------------------------------------------------------------
