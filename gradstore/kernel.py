@@ -21,20 +21,27 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "reduce.c"
 ABI_VERSION = 1
 _FLAGS = ("-O3", "-fPIC", "-shared", "-Wno-psabi")
+SPLIT = 1 << 19  # elements per share below which a tensor is reduced on the calling thread alone
+_OUT = ctypes.c_double * 5
 _lock = threading.Lock()
 _state: dict = {}  # "lib": Kernel | None once tried; "error": why there is none
 
 
 class Kernel:
-    """The loaded shared library's functions, typed for ctypes.
+    """The loaded shared library, typed for ctypes.
 
-    Each takes a data pointer (`Tensor.data_ptr()`) to `n` contiguous float32 (`*_f32`) or float64
-    (`*_f64`) values; ctypes releases the GIL for the call.
+    `full`, `health` and `m2` take a data pointer (`Tensor.data_ptr()`) to `n` contiguous values, float32
+    (suffix 'f32') or float64 ('f64'). ctypes releases the GIL for each call. A large tensor is split into
+    equal shares reduced at once on up to `torch.get_num_threads()` threads (the caller's and a small pool),
+    as torch's own reductions would be; the shares' results are combined exactly (sums added, min of mins).
     """
 
     def __init__(self, lib: ctypes.CDLL):
@@ -47,10 +54,69 @@ class Kernel:
                 fn.argtypes, fn.restype = (ptr, n, out), None
             m2 = getattr(lib, f"gs_m2_{suffix}")
             m2.argtypes, m2.restype = (ptr, n, ctypes.c_double), ctypes.c_double
-        self.full = {"f32": lib.gs_full_f32, "f64": lib.gs_full_f64}
-        self.health = {"f32": lib.gs_health_f32, "f64": lib.gs_health_f64}
-        self.m2 = {"f32": lib.gs_m2_f32, "f64": lib.gs_m2_f64}
+        self._fn = {(name, sfx): getattr(lib, f"gs_{name}_{sfx}")
+                    for name in ("full", "health", "m2") for sfx in ("f32", "f64")}
         self.lib = lib
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._pool_pid = os.getpid()
+
+    def _shares(self, ptr: int, n: int, itemsize: int) -> list[tuple[int, int]]:
+        """(pointer, length) of the shares `n` elements are reduced in: one below 2 * SPLIT elements or at one
+        torch thread; else up to torch.get_num_threads(), each a multiple of 16 elements (the vector width)."""
+        parts = min(torch.get_num_threads(), n // SPLIT)
+        if parts < 2:
+            return [(ptr, n)]
+        size = -(-n // parts)
+        size += -size % 16
+        return [(ptr + i * itemsize, min(size, n - i)) for i in range(0, n, size)]
+
+    def _map(self, call, shares):
+        """call(pointer, length) for every share: the first on this thread, the others on the pool."""
+        if len(shares) == 1:
+            return [call(*shares[0])]
+        pool = self._pool
+        if pool is None or self._pool_size < len(shares) - 1 or self._pool_pid != os.getpid():
+            # a forked child inherits the pool object but not its threads: it makes its own
+            pool = self._pool = ThreadPoolExecutor(len(shares) - 1, thread_name_prefix="gradstore-reduce")
+            self._pool_size, self._pool_pid = len(shares) - 1, os.getpid()
+        futures = [pool.submit(call, *share) for share in shares[1:]]
+        first = call(*shares[0])
+        return [first] + [f.result() for f in futures]
+
+    def full(self, suffix: str, ptr: int, n: int, itemsize: int) -> tuple[float, float, float, float, float]:
+        """(sum, sum of squares, min, max, zero count) of n values, accumulated in float64."""
+        fn = self._fn["full", suffix]
+
+        def call(p, m):
+            out = _OUT()
+            fn(p, m, out)
+            return out[0], out[1], out[2], out[3], out[4]
+
+        parts = self._map(call, self._shares(ptr, n, itemsize))
+        if len(parts) == 1:
+            return parts[0]
+        return (sum(p[0] for p in parts), sum(p[1] for p in parts), min(p[2] for p in parts),
+                max(p[3] for p in parts), sum(p[4] for p in parts))
+
+    def health(self, suffix: str, ptr: int, n: int, itemsize: int) -> tuple[float, float, float]:
+        """(sum of squares, min, max) of n values, accumulated in float64."""
+        fn = self._fn["health", suffix]
+
+        def call(p, m):
+            out = _OUT()
+            fn(p, m, out)
+            return out[0], out[1], out[2]
+
+        parts = self._map(call, self._shares(ptr, n, itemsize))
+        if len(parts) == 1:
+            return parts[0]
+        return sum(p[0] for p in parts), min(p[1] for p in parts), max(p[2] for p in parts)
+
+    def m2(self, suffix: str, ptr: int, n: int, itemsize: int, mean: float) -> float:
+        """Sum of squared differences of n values from `mean`, in float64."""
+        fn = self._fn["m2", suffix]
+        return sum(self._map(lambda p, m: fn(p, m, mean), self._shares(ptr, n, itemsize)))
 
 
 def _cache_dir() -> Path:

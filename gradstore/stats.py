@@ -22,7 +22,6 @@ leaves mean, std and zeros NULL; `shape` records dtype, shape and numel only.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import weakref
 from dataclasses import dataclass, replace
@@ -129,7 +128,6 @@ def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
 
 
 _KERNEL_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_OUT = ctypes.c_double * 5
 
 
 def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
@@ -140,15 +138,13 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
         x = x.resolve_neg()
     if not _dense(x):  # a dense tensor in any dimension order is the same multiset of elements as its memory
         x = x.contiguous()
-    suffix, n, out, ptr = _KERNEL_SUFFIX[x.dtype], x.numel(), _OUT(), x.data_ptr()
+    suffix, n, ptr, size = _KERNEL_SUFFIX[x.dtype], x.numel(), x.data_ptr(), x.element_size()
     if level != "full":
-        k.health[suffix](ptr, n, out)
-        sumsq, mn, mx = out[0], out[1], out[2]
+        sumsq, mn, mx = k.health(suffix, ptr, n, size)
         if not math.isfinite(sumsq):  # NaN or Inf somewhere (or a float64 square past 1.8e308)
             return _masked(x, level)
         return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
-    k.full[suffix](ptr, n, out)
-    s, sumsq, mn, mx, zeros = out[0], out[1], out[2], out[3], out[4]
+    s, sumsq, mn, mx, zeros = k.full(suffix, ptr, n, size)
     if not (math.isfinite(s) and math.isfinite(sumsq)):
         return _masked(x, level)
     mean = s / n
@@ -156,7 +152,7 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
     if mn == mx:
         m2 = 0.0
     elif m2 < 1e-4 * s * mean:  # the mean dominates: sumsq - s*mean cancels; redo around the mean
-        m2 = k.m2[suffix](ptr, n, mean)
+        m2 = k.m2(suffix, ptr, n, size, mean)
     return (0.0, 0.0, 0.0, zeros, float(n), math.sqrt(sumsq), mn, mx, mean, max(m2, 0.0))
 
 

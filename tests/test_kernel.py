@@ -153,3 +153,26 @@ def test_built_once_then_reused_from_the_cache(tmp_path):
     assert second.stdout.splitlines()[0] == f"loaded {built[0]}"
     assert built[0].stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [built[0].name]  # no temporary file left behind
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 3])
+def test_large_tensors_split_across_torch_threads_give_the_same_statistics(threads, monkeypatch):
+    monkeypatch.setattr(kernel, "SPLIT", 1000)  # a tensor this size is split into `threads` shares, the last one shorter
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        k = kernel.load()
+        t = torch.randn(10_007, generator=torch.Generator().manual_seed(4), dtype=torch.float64) + 0.25
+        t[::5] = 0.0
+        t[1234], t[9999] = -7.5, 8.5  # the extremes in different shares
+        shares = k._shares(t.data_ptr(), t.numel(), t.element_size())
+        assert len(shares) == threads and sum(n for _, n in shares) == t.numel()
+        assert all(n % 16 == 0 for _, n in shares[:-1])
+        assert_close(got(t), expected(t), rtol=1e-12)
+        h = got(t, "health")
+        assert (h["min"], h["max"]) == (-7.5, 8.5)
+        assert k.m2("f64", t.data_ptr(), t.numel(), 8, 0.25) == pytest.approx(float(((t - 0.25) ** 2).sum()),
+                                                                              rel=1e-12)
+    finally:
+        torch.set_num_threads(before)
