@@ -87,6 +87,10 @@ class Kernel:
     def full(self, suffix: str, ptr: int, n: int, itemsize: int) -> tuple[float, float, float, float, float]:
         """(sum, sum of squares, min, max, zero count) of n values, accumulated in float64."""
         fn = self._fn["full", suffix]
+        if n < 2 * SPLIT:  # the common case: one share, no pool
+            out = _OUT()
+            fn(ptr, n, out)
+            return out[0], out[1], out[2], out[3], out[4]
 
         def call(p, m):
             out = _OUT()
@@ -102,6 +106,10 @@ class Kernel:
     def health(self, suffix: str, ptr: int, n: int, itemsize: int) -> tuple[float, float, float]:
         """(sum of squares, min, max) of n values, accumulated in float64."""
         fn = self._fn["health", suffix]
+        if n < 2 * SPLIT:
+            out = _OUT()
+            fn(ptr, n, out)
+            return out[0], out[1], out[2]
 
         def call(p, m):
             out = _OUT()
