@@ -316,6 +316,11 @@ def render(results: dict) -> str:
 
     L += summary(results)
 
+    red = results.get("reductions")
+    if red and "rows" in red:
+        from .reductions import render as render_reductions
+
+        L += render_reductions(red)
     p = results.get("profile")
     if p:
         L += ["## Where the time goes: cProfile of `gradstore full` steps (1 thread), top by own time", "",

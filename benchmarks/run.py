@@ -21,7 +21,8 @@ from pathlib import Path
 
 from .common import BENCH_DIR, REFERENCE, TINY, Bench, Worker, environment, log, median, quiet
 
-SECTIONS = ["step", "torchlens", "counts", "writer", "outside", "profile", "rss", "depth", "scale"]
+SECTIONS = ["step", "torchlens", "counts", "reductions", "writer", "outside", "profile", "rss", "depth",
+            "scale"]
 
 
 def parse_args(argv=None):
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     quiet()
     import torch
 
-    from . import extras, scale, writer_bench
+    from . import extras, reductions, scale, writer_bench
     from .configs import AnomalyMode, Gradstore, HandHooks, NoRecording
     from .report import render
     from .timing import interleaved, summarize
@@ -161,6 +162,9 @@ def main(argv=None) -> int:
             return {name: _safe(lambda c=c: extras.counts_from_store(c.db, c.run)) for name, c in counted.items()}
 
         _section(results, "counts", counts_section)
+
+    if "reductions" in a.sections:
+        _section(results, "reductions", lambda: reductions.run(3 if a.quick else 15))
 
     if "writer" in a.sections:
         _section(results, "writer", lambda: writer_bench.run(Bench(spec), work, a.writer_steps,

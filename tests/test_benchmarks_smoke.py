@@ -25,7 +25,7 @@ def test_benchmark_command_runs_end_to_end_in_quick_mode(tmp_path):
 
     report = out.read_text()
     for heading in ("## Machine", "## Step time, 1 thread", "## Writer", "## Peak RSS",
-                    "## Overhead against depth", "## Issue 3's targets"):
+                    "## Overhead against depth", "## Reductions per element", "## Issue 3's targets"):
         assert heading in report, f"{heading!r} missing from the report:\n{report}"
     for row in ("`none`", "`gradstore full`", "`gradstore health`", "`gradstore params`", "`gradstore shape`",
                 "`gradstore full, every=10`", "`detect_anomaly(check_nan=True)`", "`hand-written hooks (.item())`",
