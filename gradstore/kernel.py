@@ -1,9 +1,9 @@
 """The fused CPU reduction kernel (gradstore/kernels/reduce.c): built on first use, loaded with ctypes.
 
 One pass over a gradient's memory gives its float64 sum, sum of squares, min, max and zero count (`full`),
-or its sum of squares, min and max (`health`): about 0.17 and 0.12 ns per float32 element on one core of
-the reference machine, against ~1.2 ns for the separate NumPy/torch reductions it replaces
-(benchmarks/README.md). The source is compiled the first time a process needs it, with the C compiler
+or its sum of squares, min and max (`health`): about 0.15 and 0.12 ns per float32 element on one core of
+the reference machine (AVX-512; 0.23 and 0.18 built for AVX2 only), against ~0.7 and ~0.25 ns for the
+NumPy/torch reductions it replaces (`python -m benchmarks.run --sections reductions`). The source is compiled the first time a process needs it, with the C compiler
 found in `$CC` or as `cc`, for this machine's CPU (`-march=native`), into a cache directory
 (`$GRADSTORE_CACHE_DIR`, else `$XDG_CACHE_HOME/gradstore`, else `~/.cache/gradstore`), under a name that
 hashes the source, the compiler and the CPU, so a shared home directory never hands one machine another's
