@@ -3,11 +3,12 @@
 One pass over a gradient's memory gives its float64 sum, sum of squares, min, max and zero count (`full`),
 or its sum of squares, min and max (`health`): about 0.15 and 0.12 ns per float32 element on one core of
 the reference machine (AVX-512; 0.23 and 0.18 built for AVX2 only), against ~0.7 and ~0.25 ns for the
-NumPy/torch reductions it replaces (`python -m benchmarks.run --sections reductions`). The source is compiled the first time a process needs it, with the C compiler
-found in `$CC` or as `cc`, for this machine's CPU (`-march=native`), into a cache directory
-(`$GRADSTORE_CACHE_DIR`, else `$XDG_CACHE_HOME/gradstore`, else `~/.cache/gradstore`), under a name that
-hashes the source, the compiler and the CPU, so a shared home directory never hands one machine another's
-build. Where nothing can be built (no compiler, a read-only cache) gradstore warns once and measures with
+NumPy/torch reductions it replaces (`python -m benchmarks.run --sections reductions`).
+
+The source is compiled the first time a process needs it, with the C compiler found in `$CC` or as `cc`, for
+this machine's CPU (`-march=native`), into a cache directory (`$GRADSTORE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/gradstore`, else `~/.cache/gradstore`), under a name that hashes the source, the compiler
+command and version, and the CPU, so a shared home directory never hands one machine another's build. Where nothing can be built (no compiler, a read-only cache) gradstore warns once and measures with
 NumPy and torch instead: same statistics, slower. `GRADSTORE_KERNEL=0` turns the kernel off.
 """
 from __future__ import annotations
@@ -201,7 +202,8 @@ def _load() -> Kernel:
     if cc is not None:
         proc = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
         version = proc.stdout.splitlines()[0] if proc.stdout else ""
-    digest = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_signature().encode(),
+    digest = hashlib.sha256(b"\0".join([source, " ".join(cc or []).encode(), version.encode(),
+                                        _cpu_signature().encode(),
                                         " ".join(_FLAGS).encode(), platform.platform().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"reduce-{digest}{'.dll' if os.name == 'nt' else '.so'}"
     if not target.exists():
@@ -218,8 +220,3 @@ def status() -> str:
     lib = _state["lib"]
     return f"loaded {lib.lib._name}" if lib is not None else f"not available: {_state['error']}"
 
-
-def _reset_for_tests() -> None:
-    """Forget the loaded kernel so the next `load()` tries again (tests of the fallback path)."""
-    with _lock:
-        _state.clear()
