@@ -1,5 +1,6 @@
 """Schema revisions: creation through Alembic, upgrade of older files, refusal of newer ones, and agreement
 between migrations/ and gradstore/schema.py."""
+import math
 import shutil
 import sqlite3
 from pathlib import Path
@@ -21,12 +22,15 @@ def _revision(path):
 
 def test_new_database_is_created_at_head_by_alembic(db):
     before, after = database.upgrade(db)
-    assert (before, after) == (None, "0001")
-    assert _revision(db) == "0001"
+    assert (before, after) == (None, "0002")
+    assert _revision(db) == "0002"
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         roles = [r[0] for r in conn.execute("SELECT name FROM roles ORDER BY id")]
-    assert {"runs", "steps", "passes", "nodes", "edges", "calls", "tensors", "alembic_version"} <= tables
+        views = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='view'")}
+    assert {"runs", "steps", "passes", "nodes", "edges", "calls", "tensor_data", "tensor_notes", "layouts",
+            "alembic_version"} <= tables
+    assert views == {"tensors"}
     assert roles == ["grad_output", "grad_input", "param_grad", "saved"]
 
 
@@ -61,7 +65,7 @@ def test_database_at_base_revision_is_upgraded_on_record(db):
 
     with gradstore.record("r", db=db):
         torch.ones(2, requires_grad=True).sum().backward()
-    assert _revision(db) == "0001"
+    assert _revision(db) == database.head_revision() == "0002"
 
 
 def test_newer_revision_is_refused_with_upgrade_advice(db):
@@ -85,3 +89,67 @@ def test_foreign_sqlite_file_is_refused(db):
         conn.execute("CREATE TABLE something (x)")
     with pytest.raises(gradstore.GradstoreError, match="not a gradstore database"):
         gradstore.open(db)
+
+
+_TENSOR_COLUMNS = ("id, step_id, pass_id, call_id, node_id, role, slot, status, reason, dtype, shape, numel, norm, "
+                   "min, max, mean, std, nan, posinf, neginf, zeros, checksum")
+
+
+def _rows_0001(path):
+    with sqlite3.connect(path) as conn:
+        return conn.execute(f"SELECT {_TENSOR_COLUMNS} FROM tensors ORDER BY id").fetchall()
+
+
+def test_upgrade_0001_to_0002_keeps_every_tensor_value(tmp_path):
+    """The committed 0001 file, upgraded: the tensors view gives back every row and column exactly (floats
+    bit for bit, NULLs as NULLs), and the rows are stored compactly as 0002 describes."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0001.db", path)
+    before = _rows_0001(path)
+    assert len(before) > 20 and any(r[21] is not None for r in before)  # checksums to carry over
+    assert database.upgrade(path) == ("0001", "0002")
+    after = _rows_0001(path)  # now read through the view
+    assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in before]
+    with sqlite3.connect(path) as conn:
+        data = conn.execute("SELECT id, pass_id, call_id, norm, layout_id FROM tensor_data ORDER BY id").fetchall()
+        notes = conn.execute("SELECT id, reason, checksum FROM tensor_notes ORDER BY id").fetchall()
+        layouts = conn.execute("SELECT dtype, shape, numel FROM layouts").fetchall()
+        kind = conn.execute("SELECT type FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
+    assert kind == "view"
+    by_id = {r[0]: r for r in before}
+    # pass_id is stored only for rows without a call; every other row's comes from its call
+    assert all((p is None) == (c is not None) for _, p, c, _, _ in data)
+    # norm is stored unless sqrt((n - 1) std^2 + n mean^2) over the n finite elements gives it bit for bit
+    for tid, _, _, norm, _ in data:
+        old = by_id[tid]
+        numel, nan, posinf, neginf, mean, std = old[11], old[17], old[18], old[19], old[15], old[16]
+        n = numel - nan - posinf - neginf if numel is not None and nan is not None else 0
+        derived = (std is not None and mean is not None and n > 0
+                   and math.sqrt((n - 1) * std * std + n * mean * mean) == old[12])
+        assert (norm is None) == (derived or old[12] is None)
+        assert derived or repr(norm) == repr(old[12])
+    assert sum(r[3] is None and by_id[r[0]][12] is not None for r in data) > 0  # some norms are derived
+    assert notes == [(r[0], r[8], r[21]) for r in before if r[8] is not None or r[21] is not None]
+    assert sorted(layouts, key=repr) == sorted({(r[9], r[10], r[11]) for r in before if r[11] is not None}, key=repr)
+
+
+def test_downgrade_0002_to_0001_restores_the_table(tmp_path):
+    from alembic import command
+
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0001.db", path)
+    before = _rows_0001(path)
+    database.upgrade(path)
+    engine = database.make_engine(path)
+    with engine.begin() as conn:
+        command.downgrade(database._alembic_config(conn), "0001")
+    engine.dispose()
+    assert _revision(path) == "0001"
+    with sqlite3.connect(path) as conn:
+        kind = conn.execute("SELECT type FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
+        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
+                                               "AND tbl_name = 'tensors'")}
+    assert kind == "table" and {"ix_tensors_step_id", "ix_tensors_node_id", "ix_tensors_nonfinite"} <= indexes
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]
+    assert database.upgrade(path) == ("0001", "0002")  # and up again
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]
