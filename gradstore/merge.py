@@ -263,7 +263,8 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
     notes = {}
     for chunk in _stream(src, s.tensor_notes):
         notes.update((r["id"], r) for r in chunk)
-    for rows in _stream(src, s.tensor_data, order_by=(s.tensor_data.c.step_id, s.tensor_data.c.id)):
+    td = s.tensor_data.c
+    for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
         rows = [r for r in rows if r["step_id"] in step_map]
         new_ids = _reserve_tensor_ids(dst, len(rows))
         new_notes = []

@@ -166,12 +166,14 @@ calls = Table(
 # ---- tensors: a compact table, a side table and a view ------------------------------------------------------
 # `tensors` (what every query reads) is a VIEW with the columns of revision 0001; the rows live in three tables:
 #   layouts: one row per distinct (dtype, shape, numel), shared by every run;
-#   tensor_data: one row per gradient, clustered by (step_id, id) (SQLite: WITHOUT ROWID, so the table itself
-#     is the by-step index); `norm` is NULL where SQRT((n - 1) * std * std + n * mean * mean) over the n finite
+#   tensor_data: one row per gradient, clustered by (step_id, node_id, id) (SQLite: WITHOUT ROWID): the table
+#     itself is the index by step and, within a step, by node, so it needs no other index, and a step's rows are
+#     appended at its end (a per-node index would dirty a page per node at every step commit); `norm` is NULL where SQRT((n - 1) * std * std + n * mean * mean) over the n finite
 #     elements gives the measured norm bit for bit (the writer checks; the view computes it);
 #   tensor_notes: the rare columns, `reason` (skipped rows) and `checksum` (param_grad rows), by tensor id.
 # Tensor ids increase with step_id (every gradstore writer allocates them so): on SQLite the next id is found from
-# the last step's rows (see `next_tensor_id`); on PostgreSQL it comes from the column's sequence.
+# the last step's rows; on PostgreSQL it comes from the column's sequence. A query by node reads fast when it also
+# names the steps (`step_id IN (...)`): then each (step, node) is one seek in the table.
 layouts = Table(
     "layouts",
     metadata,
@@ -204,8 +206,7 @@ tensor_data = Table(
     Column("posinf", Integer),
     Column("neginf", Integer),
     Column("zeros", Integer),
-    PrimaryKeyConstraint("step_id", "id"),
-    Index("ix_tensor_data_node_id", "node_id"),
+    PrimaryKeyConstraint("step_id", "node_id", "id"),
     sqlite_with_rowid=False,
 )
 # first_nonfinite reads only the rows that hold NaN or Inf: a partial index keeps that lookup small

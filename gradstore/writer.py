@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import operator
 import os
 import threading
 import time
@@ -36,6 +37,7 @@ from .schema import KIND
 # tensor_data's columns in the order the writer builds its rows
 TENSOR_DATA_COLUMNS = ("step_id", "id", "pass_id", "call_id", "node_id", "role", "slot", "status", "layout_id",
                        "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
+_BY_NODE = operator.itemgetter(TENSOR_DATA_COLUMNS.index("node_id"))
 
 _CHUNK = 500  # keys per IN (...) list
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
@@ -109,6 +111,8 @@ class Writer:
         self._node_ids: dict[tuple[int, str], int] = {}
         self._edges: set[tuple] = set()  # (run_id, (src key, src_slot, dst key, dst_slot)) already stored
         self._layout_ids: dict[tuple, int] = {}  # (dtype, shape, numel) -> layouts.id
+        self._tensor_next: tuple[int, int] | None = None  # SQLite: (step_id it wrote last, next tensor id)
+        self._tensor_next_pending: tuple[int, int] | None = None  # the same, once this transaction commits
         self._pending: deque = deque()
         self._pending_rows = 0
         self._busy = False
@@ -144,6 +148,7 @@ class Writer:
         self._node_ids = {}  # the parent may have been inside a step transaction that is yet to commit
         self._edges = set()
         self._layout_ids = {}
+        self._tensor_next = self._tensor_next_pending = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
 
@@ -253,6 +258,7 @@ class Writer:
         built once; a driver error is re-raised as SQLAlchemy's DBAPIError, so that `_retrying` sees it."""
         added: list = []
         dbapi_error = self.engine.dialect.loaded_dbapi.Error
+        self._tensor_next_pending = None
         try:
             with self.engine.begin() as conn:
                 cur = conn.connection.cursor()
@@ -265,7 +271,10 @@ class Writer:
                     ) from exc
                 finally:
                     cur.close()
+            if self._tensor_next_pending is not None:
+                self._tensor_next = self._tensor_next_pending
         except BaseException:
+            self._tensor_next = None
             for cache, key in added:
                 if isinstance(cache, set):
                     cache.discard(key)
@@ -351,17 +360,25 @@ class Writer:
         executemany and referenced at once; returns a range (SQLite) or a list (PostgreSQL).
 
         SQLite: this transaction holds the database's write lock (BEGIN IMMEDIATE), so max(id) + 1 ... are ours;
-        tensor ids increase with step_id, so the largest is in the last step (two index seeks, no scan).
+        tensor ids increase with step_id, so the largest is in the last step: when that step is the one this
+        writer wrote last, its own counter is right (one index seek checks it); else the step's rows are read.
         PostgreSQL: from the column's sequence (a concurrent writer may interleave, so not consecutive)."""
         if self._pg:
             seq = "tensor_data_id_seq" if table == "tensor_data" else "calls_id_seq"
             cur.execute(f"SELECT nextval('{seq}') FROM generate_series(1, %s)", (int(n),))
             return [r[0] for r in cur.fetchall()]
         if table == "tensor_data":
-            cur.execute("SELECT MAX(id) FROM tensor_data WHERE step_id = (SELECT MAX(step_id) FROM tensor_data)")
+            # the counter this writer kept holds while the last step with tensor rows is still its own
+            cur.execute("SELECT MAX(step_id) FROM tensor_data")
+            last_step = cur.fetchone()[0]
+            if self._tensor_next is not None and self._tensor_next[0] == last_step:
+                top = self._tensor_next[1] - 1
+            else:
+                cur.execute("SELECT MAX(id) FROM tensor_data WHERE step_id = ?", (last_step,))
+                top = cur.fetchone()[0] or 0
         else:
             cur.execute(f"SELECT MAX(id) FROM {table}")
-        top = cur.fetchone()[0] or 0
+            top = cur.fetchone()[0] or 0
         return range(top + 1, top + 1 + n)
 
     def _write_calls_and_tensors(self, conn, cur, b: StepBatch, step_id: int, pass_ids: list[int],
@@ -402,6 +419,9 @@ class Writer:
                         notes.append((tid, reason, csum))
             if unknown:
                 self._fill_layouts(conn, b, rows, unknown, added)
+            if not self._pg:
+                self._tensor_next_pending = (step_id, tid + 1)
+            rows.sort(key=_BY_NODE)  # the table's order within the step: pages fill up as they are appended
             cur.executemany(self._tensor_insert, rows)
             if notes:
                 cur.executemany(self._note_insert, notes)

@@ -14,6 +14,10 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
           WHERE n2.param IS NOT NULL
             AND (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT)))
       AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+      AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
+          SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
+          WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+            AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
 ), g AS (
     SELECT tid, sid, run_id, step, rank, node_id FROM latest_rows WHERE latest = 1
 ), ref AS (  -- the reference rank of each step: the lowest that recorded it
@@ -111,8 +115,8 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
     FROM pairs pr
     JOIN runs r ON r.id = pr.run_id
     JOIN nodes n ON n.id = pr.node_id
-    LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.id = pr.a_tid
-    LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.id = pr.b_tid
+    LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.node_id = pr.node_id AND ta.id = pr.a_tid
+    LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.node_id = pr.node_id AND tb.id = pr.b_tid
     LEFT JOIN statuses sua ON sua.id = ta.status
     LEFT JOIN statuses sub ON sub.id = tb.status
 )

@@ -7,7 +7,8 @@ Create Date: 2026-11-30
 What changes on disk (the `tensors` view keeps every column of revision 0001, with the same values):
 - layouts (id, dtype, shape, numel): one row per distinct triple, shared by every run; tensor_data.layout_id
   points to it (NULL where all three are NULL);
-- tensor_data: the statistics, clustered by (step_id, id) (SQLite: WITHOUT ROWID, so no separate step index);
+- tensor_data: the statistics, clustered by (step_id, node_id, id) (SQLite: WITHOUT ROWID; no other index but
+  the partial one of non-finite rows: the table is the index by step, and by node within a step);
   pass_id only where the row has no call (param_grad rows) or the call's pass differs; norm NULL where the
   view's SQRT((n - 1) * std * std + n * mean * mean) over the n finite elements gives it bit for bit;
 - tensor_notes (id, reason, checksum): the two rarely set columns, only for rows that have one.
@@ -81,7 +82,7 @@ def upgrade() -> None:
         sa.Column("posinf", sa.Integer),
         sa.Column("neginf", sa.Integer),
         sa.Column("zeros", sa.Integer),
-        sa.PrimaryKeyConstraint("step_id", "id", name="pk_tensor_data"),
+        sa.PrimaryKeyConstraint("step_id", "node_id", "id", name="pk_tensor_data"),
         sqlite_with_rowid=False,
     )
     op.create_table(
@@ -110,13 +111,12 @@ def upgrade() -> None:
                     THEN NULL ELSE t.norm END,
                t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros
         FROM tensors t
-        ORDER BY t.step_id, t.id""")
+        ORDER BY t.step_id, t.node_id, t.id""")
     op.execute("INSERT INTO tensor_notes (id, reason, checksum) SELECT id, reason, checksum FROM tensors "
                "WHERE reason IS NOT NULL OR checksum IS NOT NULL")
     if pg:
         op.execute("SELECT setval('tensor_data_id_seq', COALESCE((SELECT MAX(id) FROM tensor_data), 0) + 1, false)")
     op.drop_table("tensors")  # with its indexes
-    op.create_index("ix_tensor_data_node_id", "tensor_data", ["node_id"])
     op.create_index("ix_tensor_data_nonfinite", "tensor_data", ["step_id"], sqlite_where=sa.text(_NONFINITE),
                     postgresql_where=sa.text(_NONFINITE))
     op.execute(_VIEW)
