@@ -1,5 +1,6 @@
 """Schema revisions: creation through Alembic, upgrade of older files, refusal of newer ones, and agreement
 between migrations/ and gradstore/schema.py."""
+import json
 import math
 import shutil
 import sqlite3
@@ -153,3 +154,49 @@ def test_downgrade_0002_to_0001_restores_the_table(tmp_path):
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]
     assert database.upgrade(path) == ("0001", "0002")  # and up again
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]
+
+
+def test_upgrade_0001_to_0002_on_postgresql_keeps_every_tensor_value(pg_url):
+    """The committed 0001 file's rows, loaded into a PostgreSQL schema at revision 0001 and upgraded: the view
+    gives every value back, and recording goes on in the upgraded database with fresh tensor ids."""
+    import torch
+    from alembic import command
+    from sqlalchemy import MetaData, text
+
+    asset = sqlite3.connect(ASSETS / "rev0001.db")
+    asset.row_factory = sqlite3.Row
+    before = _rows_0001(ASSETS / "rev0001.db")
+    engine = database.make_engine(pg_url)
+    with engine.begin() as conn:
+        command.upgrade(database._alembic_config(conn), "0001")
+    old = MetaData()
+    old.reflect(engine)
+    with engine.begin() as conn:
+        for table in ("runs", "steps", "passes", "nodes", "edges", "calls", "tensors"):
+            rows = [dict(r) for r in asset.execute(f"SELECT * FROM {table} ORDER BY id")]
+            if table == "runs":
+                for r in rows:
+                    r["meta"] = None if r["meta"] is None else json.loads(r["meta"])
+            conn.execute(old.tables[table].insert(), rows)
+            # what gradstore's own inserts would have left: the id sequences past the copied rows
+            conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
+                              f"(SELECT MAX(id) FROM {table}))"))
+    asset.close()
+    engine.dispose()
+    assert database.upgrade(pg_url) == ("0001", "0002")
+    engine = database.make_engine(pg_url)
+    with engine.connect() as conn:
+        after = [tuple(r) for r in conn.execute(text(f"SELECT {_TENSOR_COLUMNS} FROM tensors ORDER BY id"))]
+        stored_norms = conn.execute(text("SELECT COUNT(norm) FROM tensor_data")).scalar()
+        run = conn.execute(text("SELECT name FROM runs")).scalar()
+    assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in before]
+    assert stored_norms < sum(r[12] is not None for r in before)  # some norms are derived by the view
+    x = torch.linspace(-1, 1, 7, requires_grad=True)
+    with gradstore.record(run, db=pg_url):
+        (x * 3).sum().backward()
+    with engine.connect() as conn:
+        new = conn.execute(text("SELECT t.id, t.norm FROM tensors t JOIN steps st ON st.id = t.step_id "
+                                "WHERE st.step = (SELECT MAX(step) FROM steps) ORDER BY t.id")).all()
+    engine.dispose()
+    assert new and min(r[0] for r in new) > max(r[0] for r in before)
+    assert math.sqrt(7 * 9.0) in [r[1] for r in new]  # the grad_input of MulBackward0: 3 in each of 7 slots
