@@ -24,7 +24,7 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -349,8 +349,10 @@ class Writer:
         lay = s.layouts.c
         for i in range(0, len(rows), _CHUNK):
             chunk = rows[i:i + _CHUNK]
-            shapes = sorted({r[1] for r in chunk})
-            for lid, d, sh, n in conn.execute(select(lay.id, lay.dtype, lay.shape, lay.numel).where(lay.shape.in_(shapes))):
+            shapes = sorted({r[1] for r in chunk if r[1] is not None})
+            found = conn.execute(select(lay.id, lay.dtype, lay.shape, lay.numel).where(
+                or_(lay.shape.in_(shapes), lay.shape.is_(None))))
+            for lid, d, sh, n in found:
                 if (d, sh, n) in triples:
                     self._layout_ids[(d, sh, n)] = lid
                     added.append((self._layout_ids, (d, sh, n)))
