@@ -108,7 +108,7 @@ class Writer:
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         self.rows_written = 0
-        self._node_ids: dict[tuple[int, str], int] = {}
+        self._node_ids: dict[int, dict[str, int]] = {}  # run id -> node key -> nodes.id
         self._edges: set[tuple] = set()  # (run_id, (src key, src_slot, dst key, dst_slot)) already stored
         self._layout_ids: dict[tuple, int] = {}  # (dtype, shape, numel) -> layouts.id
         self._tensor_next: tuple[int, int] | None = None  # SQLite: (step_id it wrote last, next tensor id)
@@ -302,11 +302,12 @@ class Writer:
             cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
 
     def _write_nodes(self, conn, b: StepBatch, added: list) -> None:
-        ids, run_id = self._node_ids, b.run_id
+        run_id = b.run_id
+        ids = self._node_ids.setdefault(run_id, {})
         new = {}
         for p in b.passes:
             for n in p.nodes:
-                if (run_id, n.key) not in ids:
+                if n.key not in ids:
                     new[n.key] = n
         if not new:
             return
@@ -319,8 +320,8 @@ class Writer:
             rows = conn.execute(select(s.nodes.c.key, s.nodes.c.id).where(
                 s.nodes.c.run_id == run_id, s.nodes.c.key.in_(chunk)))
             for key, node_id in rows:
-                ids[(run_id, key)] = node_id
-                added.append((ids, (run_id, key)))
+                ids[key] = node_id
+                added.append((ids, key))
 
     def _write_edges(self, conn, b: StepBatch, added: list) -> None:
         seen, run_id = self._edges, b.run_id
@@ -331,8 +332,8 @@ class Writer:
                     new[(run_id, e)] = None
         if not new:
             return
-        ids = self._node_ids
-        rows = sorted((ids[(run_id, src)], slot, ids[(run_id, dst)], dslot) for _, (src, slot, dst, dslot) in new)
+        ids = self._node_ids[run_id]
+        rows = sorted((ids[src], slot, ids[dst], dslot) for _, (src, slot, dst, dslot) in new)
         conn.execute(_insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]), [
             {"run_id": run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3], "first_step": b.step}
             for e in rows])
@@ -385,44 +386,54 @@ class Writer:
 
     def _write_calls_and_tensors(self, conn, cur, b: StepBatch, step_id: int, pass_ids: list[int],
                                  added: list) -> None:
-        node_ids, run_id = self._node_ids, b.run_id
+        # the per-row loops run on the writer thread with the GIL held: locals only, no call per row but the
+        # dict lookups, the norm test and the tuple
+        node_id = self._node_ids[b.run_id]
         n_calls = sum(len(p.calls) for p in b.passes)
         call_of: dict = {}
         if n_calls:
-            cids = iter(self._reserve_ids(cur, "calls", n_calls))
+            cids = self._reserve_ids(cur, "calls", n_calls)
             call_rows = []
+            k = 0
             for p, pass_id in zip(b.passes, pass_ids):
                 for key, seq, start, dur in p.calls:
-                    cid = call_of[seq] = next(cids)
-                    call_rows.append((cid, step_id, pass_id, node_ids[(run_id, key)], seq, start, dur))
+                    cid = call_of[seq] = cids[k]
+                    k += 1
+                    call_rows.append((cid, step_id, pass_id, node_id[key], seq, start, dur))
             cur.executemany(self._call_insert, call_rows)
         n_tensors = sum(len(p.tensors) for p in b.passes)
         if n_tensors:
-            tids = iter(self._reserve_ids(cur, "tensor_data", n_tensors))
-            layouts = self._layout_ids
+            tids = self._reserve_ids(cur, "tensor_data", n_tensors)
+            layout = self._layout_ids.get
             rows, notes, unknown = [], [], []
+            append = rows.append
             sqrt = math.sqrt
+            k = 0
             for p, pass_id in zip(b.passes, pass_ids):
                 for (key, seq, role, slot, status, reason, dtype, shape, numel, norm, mn, mx, mean, std, nan, pinf,
                      ninf, zeros, csum) in p.tensors:
-                    tid = next(tids)
-                    lay = layouts.get((dtype, shape, numel))
+                    tid = tids[k]
+                    lay = layout((dtype, shape, numel))
                     if lay is None and (dtype is not None or shape is not None or numel is not None):
-                        unknown.append(len(rows))
+                        unknown.append(k)
                     if std is not None and mean is not None and norm is not None and numel is not None:
                         # stored as NULL where the tensors view's expression gives it back bit for bit
                         n = numel - nan - pinf - ninf
                         if n > 0 and sqrt((n - 1) * std * std + n * mean * mean) == norm:
                             norm = None
-                    rows.append((step_id, tid, pass_id if seq is None else None,
-                                 call_of[seq] if seq is not None else None, node_ids[(run_id, key)], role, slot,
-                                 status, lay, norm, mn, mx, mean, std, nan, pinf, ninf, zeros))
+                    if seq is None:
+                        append((step_id, tid, pass_id, None, node_id[key], role, slot, status, lay, norm, mn, mx,
+                                mean, std, nan, pinf, ninf, zeros))
+                    else:
+                        append((step_id, tid, None, call_of[seq], node_id[key], role, slot, status, lay, norm, mn,
+                                mx, mean, std, nan, pinf, ninf, zeros))
                     if reason is not None or csum is not None:
                         notes.append((tid, reason, csum))
+                    k += 1
             if unknown:
                 self._fill_layouts(conn, b, rows, unknown, added)
             if not self._pg:
-                self._tensor_next_pending = (step_id, tid + 1)
+                self._tensor_next_pending = (step_id, tids[-1] + 1)
             rows.sort(key=_BY_NODE)  # the table's order within the step: pages fill up as they are appended
             cur.executemany(self._tensor_insert, rows)
             if notes:
