@@ -159,8 +159,7 @@ calls = Table(
     Column("seq", Integer, nullable=False),  # execution order within the step
     Column("start", Float, nullable=False),  # seconds since the pass started
     Column("duration", Float),  # seconds; NULL when the hook after the node never fired
-    Index("ix_calls_pass_seq", "pass_id", "seq"),
-    Index("ix_calls_step_id", "step_id"),
+    Index("ix_calls_pass_seq", "pass_id", "seq"),  # a step's calls: through its passes (no step_id index)
 )
 
 # ---- tensors: a compact table, a side table and a view ------------------------------------------------------

@@ -116,7 +116,9 @@ def test_upgrade_0001_to_0002_keeps_every_tensor_value(tmp_path):
         notes = conn.execute("SELECT id, reason, checksum FROM tensor_notes ORDER BY id").fetchall()
         layouts = conn.execute("SELECT dtype, shape, numel FROM layouts").fetchall()
         kind = conn.execute("SELECT type FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
-    assert kind == "view"
+        call_indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
+                                                    "AND tbl_name = 'calls'")}
+    assert kind == "view" and call_indexes == {"ix_calls_pass_seq"}
     by_id = {r[0]: r for r in before}
     # pass_id is stored only for rows without a call; every other row's comes from its call
     assert all((p is None) == (c is not None) for _, p, c, _, _ in data)
@@ -150,7 +152,10 @@ def test_downgrade_0002_to_0001_restores_the_table(tmp_path):
         kind = conn.execute("SELECT type FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
         indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
                                                "AND tbl_name = 'tensors'")}
+        call_indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
+                                                    "AND tbl_name = 'calls'")}
     assert kind == "table" and {"ix_tensors_step_id", "ix_tensors_node_id", "ix_tensors_nonfinite"} <= indexes
+    assert call_indexes == {"ix_calls_pass_seq", "ix_calls_step_id"}
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]
     assert database.upgrade(path) == ("0001", "0002")  # and up again
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]

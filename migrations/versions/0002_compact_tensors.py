@@ -11,7 +11,8 @@ What changes on disk (the `tensors` view keeps every column of revision 0001, wi
   the partial one of non-finite rows: the table is the index by step, and by node within a step);
   pass_id only where the row has no call (param_grad rows) or the call's pass differs; norm NULL where the
   view's SQRT((n - 1) * std * std + n * mean * mean) over the n finite elements gives it bit for bit;
-- tensor_notes (id, reason, checksum): the two rarely set columns, only for rows that have one.
+- tensor_notes (id, reason, checksum): the two rarely set columns, only for rows that have one;
+- calls loses its index on step_id: a step's calls are found through its passes (ix_calls_pass_seq).
 
 Upgrade copies every row (in SQL, so the derivability test runs in the engine that later derives the norm).
 Downgrade rebuilds the 0001 table from the view.
@@ -120,9 +121,11 @@ def upgrade() -> None:
     op.create_index("ix_tensor_data_nonfinite", "tensor_data", ["step_id"], sqlite_where=sa.text(_NONFINITE),
                     postgresql_where=sa.text(_NONFINITE))
     op.execute(_VIEW)
+    op.drop_index("ix_calls_step_id", table_name="calls")
 
 
 def downgrade() -> None:
+    op.create_index("ix_calls_step_id", "calls", ["step_id"])
     op.create_table(
         "tensors_0001",
         sa.Column("id", sa.Integer, primary_key=True),
