@@ -8,7 +8,7 @@ warning and counted in `Writer.errors`; it never raises into training.
 Many writers, one database: every rank (process) has its own Writer. On SQLite each step transaction starts
 with BEGIN IMMEDIATE (the file's write lock, waited for up to the busy timeout), so id reservation and the
 whole step are one writer's at a time; on PostgreSQL ids come from sequences and rows of shared tables (nodes,
-edges) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
+edges, layouts) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
 PostgreSQL deadlock or serialization failure) is retried whole. A forked child gets fresh writers: the
 parent's queue, thread and connections are not its own.
 """
@@ -367,8 +367,8 @@ class Writer:
         writer wrote last, its own counter is right (one index seek checks it); else the step's rows are read.
         PostgreSQL: from the column's sequence (a concurrent writer may interleave, so not consecutive)."""
         if self._pg:
-            seq = "tensor_data_id_seq" if table == "tensor_data" else "calls_id_seq"
-            cur.execute(f"SELECT nextval('{seq}') FROM generate_series(1, %s)", (int(n),))
+            seq = "'tensor_data_id_seq'" if table == "tensor_data" else f"pg_get_serial_sequence('{table}', 'id')"
+            cur.execute(f"SELECT nextval({seq}) FROM generate_series(1, %s)", (int(n),))
             return [r[0] for r in cur.fetchall()]
         if table == "tensor_data":
             # the counter this writer kept holds while the last step with tensor rows is still its own
