@@ -421,12 +421,13 @@ class Writer:
                         n = numel - nan - pinf - ninf
                         if n > 0 and sqrt((n - 1) * std * std + n * mean * mean) == norm:
                             norm = None
-                    if seq is None:
+                    cid = call_of.get(seq)  # None for param_grad rows (and a row whose call was not kept)
+                    if cid is None:  # no call to take the pass from: the row names its pass
                         append((step_id, tid, pass_id, None, node_id[key], role, slot, status, lay, norm, mn, mx,
                                 mean, std, nan, pinf, ninf, zeros))
                     else:
-                        append((step_id, tid, None, call_of[seq], node_id[key], role, slot, status, lay, norm, mn,
-                                mx, mean, std, nan, pinf, ninf, zeros))
+                        append((step_id, tid, None, cid, node_id[key], role, slot, status, lay, norm, mn, mx, mean,
+                                std, nan, pinf, ninf, zeros))
                     if reason is not None or csum is not None:
                         notes.append((tid, reason, csum))
                     k += 1
