@@ -260,12 +260,13 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
     report.calls = len(call_map)
 
     layout_map = _merge_layouts(src, dst)
-    notes = {}
-    for chunk in _stream(src, s.tensor_notes):
-        notes.update((r["id"], r) for r in chunk)
-    td = s.tensor_data.c
+    td, tn = s.tensor_data.c, s.tensor_notes.c
     for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
         rows = [r for r in rows if r["step_id"] in step_map]
+        notes = {}  # this chunk's reasons and checksums
+        for ids in _chunks([r["id"] for r in rows], _IN):
+            notes.update((r["id"], r) for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(
+                tn.id.in_(ids))).mappings())
         new_ids = _reserve_tensor_ids(dst, len(rows))
         new_notes = []
         for r, new_id in zip(rows, new_ids):
