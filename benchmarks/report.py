@@ -213,7 +213,9 @@ def render(results: dict) -> str:
                          f"{b['file_bytes_per_tensor_row']:.1f}", f"≤ {BYTES_PER_ROW}",
                          at_most(b["file_bytes_per_tensor_row"], BYTES_PER_ROW, " B", "{:.1f}")]]
                 if b.get("tensors_bytes_per_row") is not None:
-                    rows.append([f"`tensors` table + its indexes ({', '.join(b.get('tensor_indexes', []))}) / tensor rows",
+                    tables = ", ".join(f"`{t}`" for t in b.get("tensor_tables", {"tensors": 0}))
+                    rows.append([f"tensor rows' tables ({tables}) + their indexes "
+                                 f"({', '.join(b.get('tensor_indexes', []))}) / tensor rows",
                                  f"{b['tensors_bytes_per_row']:.1f} (table {b['tensors_table_bytes'] / b['tensor_rows']:.1f}"
                                  f" + indexes {b['tensors_index_bytes'] / b['tensor_rows']:.1f})", f"≤ {BYTES_PER_ROW}",
                                  at_most(b["tensors_bytes_per_row"], BYTES_PER_ROW, " B", "{:.1f}")])

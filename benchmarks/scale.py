@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .common import CACHE_DIR, ModelSpec, log, run_worker
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 RUN = "scale"
 TEMPLATE_SPEC = ModelSpec(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=16, batch=2, seq=16)
 
@@ -90,7 +90,7 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
     conn.execute("PRAGMA cache_size = -262144")  # 256 MiB
     conn.execute("ATTACH DATABASE ? AS tpl", (str(tpl),))
     t_calls = conn.execute("SELECT COUNT(*), MIN(id) FROM tpl.calls").fetchone()
-    t_tensors = conn.execute("SELECT COUNT(*), MIN(id) FROM tpl.tensors").fetchone()
+    t_tensors = conn.execute("SELECT COUNT(*), MIN(id) FROM tpl.tensor_data").fetchone()
     n_calls, calls_min = t_calls
     n_tensors, tensors_min = t_tensors
     (n_passes,) = conn.execute("SELECT COUNT(*) FROM tpl.passes").fetchone()
@@ -98,7 +98,7 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
         raise RuntimeError(f"template step has {n_passes} passes, expected 1")
 
     conn.execute("BEGIN")
-    for table in ("runs", "nodes", "edges"):
+    for table in ("runs", "nodes", "edges", "layouts"):
         cols = ",".join(f'"{c}"' for c in _cols(conn, table))
         conn.execute(f"INSERT INTO main.{table} ({cols}) SELECT {cols} FROM tpl.{table}")
     conn.execute("UPDATE main.runs SET status = 'finished', finished_at = created_at + ?", (steps * 1.0,))
@@ -116,11 +116,14 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
     call_sql = insert_sql("calls", {"id": f"id - {calls_min} + 1 + :step * {n_calls}", "step_id": ":step + 1",
                                     "pass_id": ":step + 1"})
     stat = {c: f"{c} * :f" for c in ("norm", "min", "max", "mean", "std")}
-    tensor_sql = insert_sql("tensors", {
-        "id": f"id - {tensors_min} + 1 + :step * {n_tensors}", "step_id": ":step + 1", "pass_id": ":step + 1",
+    tensor_id = f"id - {tensors_min} + 1 + :step * {n_tensors}"
+    tensor_sql = insert_sql("tensor_data", {
+        "id": tensor_id, "step_id": ":step + 1",
+        "pass_id": "CASE WHEN pass_id IS NULL THEN NULL ELSE :step + 1 END",
         "call_id": f"CASE WHEN call_id IS NULL THEN NULL ELSE call_id - {calls_min} + 1 + :step * {n_calls} END",
         **stat,
     })
+    note_sql = insert_sql("tensor_notes", {"id": tensor_id})
     t0 = time.perf_counter()
     conn.execute("BEGIN")
     for s in range(steps):
@@ -129,6 +132,7 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
         conn.execute(pass_sql, {"step": s})
         conn.execute(call_sql, {"step": s})
         conn.execute(tensor_sql, p)
+        conn.execute(note_sql, p)
         if (s + 1) % 100 == 0:
             conn.execute("COMMIT")
             conn.execute("BEGIN")
@@ -147,7 +151,11 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
         bad += [(step, r[0]) for r in rows]
     conn.execute("BEGIN")
     for step, tid in bad:
-        conn.execute("UPDATE tensors SET nan = MAX(numel / 10, 1), posinf = 1 WHERE id = ?", (tid,))
+        # the norm is stored first: the view derives a NULL one from the finite count, which changes here
+        conn.execute("UPDATE tensor_data SET norm = (SELECT v.norm FROM tensors v WHERE v.step_id = ? AND v.id = ?) "
+                     "WHERE step_id = ? AND id = ?", (step + 1, tid, step + 1, tid))
+        conn.execute("UPDATE tensor_data SET nan = MAX((SELECT l.numel FROM layouts l WHERE l.id = layout_id) / 10, 1), "
+                     "posinf = 1 WHERE step_id = ? AND id = ?", (step + 1, tid))
         conn.execute("UPDATE steps SET status = 'nonfinite' WHERE id = ?", (step + 1,))
     conn.execute("COMMIT")
     conn.execute("DETACH DATABASE tpl")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sqlite3
 import time
@@ -115,6 +116,15 @@ def _tensor_row(t) -> dict:
     return {"key": key, "seq": seq, "role": role, "slot": slot, **dict(zip(ROW_COLUMNS, rest))}
 
 
+def _derivable_norm(row: dict) -> bool:
+    """The writer's test: the tensors view gives this norm back bit for bit from numel, counts, mean, std."""
+    norm, mean, std, numel = row["norm"], row["mean"], row["std"], row["numel"]
+    if norm is None or mean is None or std is None or numel is None:
+        return False
+    n = numel - row["nan"] - row["posinf"] - row["neginf"]
+    return n > 0 and math.sqrt((n - 1) * std * std + n * mean * mean) == norm
+
+
 def raw_executemany(batch, db: Path, n: int) -> dict:
     """The same rows (steps, passes, calls, tensors of n steps), built as tuples beforehand (untimed), then
     one sqlite3.executemany per table in one WAL transaction (timed); ids assigned in Python. Schema from
@@ -147,15 +157,28 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
     node_id = {k: i for i, k in enumerate(keys, start=1)}
 
     step_cols, pass_cols = _columns(s.steps), _columns(s.passes)
-    call_cols, tensor_cols = _columns(s.calls), _columns(s.tensors)
+    call_cols, tensor_cols = _columns(s.calls), _columns(s.tensor_data)
 
     def sql(table, cols):
         return f"INSERT INTO {table} ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})"
 
     step_sql, pass_sql = sql("steps", step_cols), sql("passes", pass_cols)
-    call_sql, tensor_sql = sql("calls", call_cols), sql("tensors", tensor_cols)
-    # the rows are built first, untimed: the timed part is sqlite3 itself, the ceiling for any writer
-    rows = {"steps": [], "passes": [], "calls": [], "tensors": []}
+    call_sql, tensor_sql = sql("calls", call_cols), sql("tensor_data", tensor_cols)
+    note_sql = sql("tensor_notes", ("id", "reason", "checksum"))
+    # layouts, like nodes, exist after a run's first step: inserted untimed
+    layouts = {}
+    for p in batch.passes:
+        for t in p.tensors:
+            row = _tensor_row(t)
+            if row["dtype"] is not None or row["shape"] is not None or row["numel"] is not None:
+                layouts.setdefault((row["dtype"], row["shape"], row["numel"]), len(layouts) + 1)
+    conn.execute("BEGIN")
+    conn.executemany("INSERT INTO layouts (id, dtype, shape, numel) VALUES (?, ?, ?, ?)",
+                     [(i, *k) for k, i in layouts.items()])
+    conn.execute("COMMIT")
+    # the rows are built first, untimed: the timed part is sqlite3 itself, the ceiling for any writer. They are
+    # the rows the writer stores: pass_id only on rows without a call, norm NULL where the view derives it.
+    rows = {"steps": [], "passes": [], "calls": [], "tensors": [], "notes": []}
     pass_id = call_id = tensor_id = 0
     for step in range(1, n + 1):
         b = batch
@@ -182,8 +205,14 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
             for t in p.tensors:
                 tensor_id += 1
                 row = _tensor_row(t)
-                row.update(id=tensor_id, step_id=step, pass_id=pass_id, node_id=node_id[row["key"]],
+                if row["reason"] is not None or row["checksum"] is not None:
+                    rows["notes"].append((tensor_id, row["reason"], row["checksum"]))
+                if _derivable_norm(row):
+                    row["norm"] = None
+                row.update(id=tensor_id, step_id=step, pass_id=pass_id if row["seq"] is None else None,
+                           node_id=node_id[row["key"]],
                            call_id=seq_to_call.get(row["seq"]) if row["seq"] is not None else None,
+                           layout_id=layouts.get((row["dtype"], row["shape"], row["numel"])),
                            role=ROLE[row["role"]] if isinstance(row["role"], str) else row["role"])
                 rows["tensors"].append(tuple(row.get(c) for c in tensor_cols))
     t0 = time.perf_counter()
@@ -192,6 +221,7 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
     conn.executemany(pass_sql, rows["passes"])
     conn.executemany(call_sql, rows["calls"])
     conn.executemany(tensor_sql, rows["tensors"])
+    conn.executemany(note_sql, rows["notes"])
     conn.execute("COMMIT")
     total = time.perf_counter() - t0
     conn.close()
@@ -212,16 +242,22 @@ def bytes_per_row(db: Path) -> dict:
            "file_bytes_per_tensor_row": size / rows if rows else None}
     try:
         per = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall())
-        idx = [r[0] for r in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tensors'")]
-        call_idx = [r[0] for r in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'")]
-        tensors_bytes = per.get("tensors", 0) + sum(per.get(i, 0) for i in idx)
-        calls_bytes = per.get("calls", 0) + sum(per.get(i, 0) for i in call_idx)
-        out.update(tensors_table_bytes=per.get("tensors", 0), tensors_index_bytes=sum(per.get(i, 0) for i in idx),
-                   tensors_bytes_per_row=tensors_bytes / rows if rows else None,
+
+        def indexes(table):
+            return [r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (table,))]
+
+        # the tensor rows' storage: tensor_data (the by-step index itself: WITHOUT ROWID) with its indexes, and
+        # the small tables it refers to (tensor_notes: reasons and checksums; layouts: dtype, shape, numel)
+        tables = [t for t in ("tensor_data", "tensor_notes", "layouts") if t in per] or ["tensors"]
+        idx = [i for t in tables for i in indexes(t)]
+        table_bytes = sum(per.get(t, 0) for t in tables)
+        index_bytes = sum(per.get(i, 0) for i in idx)
+        calls_bytes = per.get("calls", 0) + sum(per.get(i, 0) for i in indexes("calls"))
+        out.update(tensors_table_bytes=table_bytes, tensors_index_bytes=index_bytes,
+                   tensors_bytes_per_row=(table_bytes + index_bytes) / rows if rows else None,
                    calls_bytes_per_tensor_row=calls_bytes / rows if rows else None,
-                   tensor_indexes=idx)
+                   tensor_tables={t: per.get(t, 0) for t in tables}, tensor_indexes=idx)
     except sqlite3.OperationalError as exc:  # sqlite built without dbstat
         out["dbstat"] = f"unavailable: {exc}"
     conn.close()

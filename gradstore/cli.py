@@ -126,9 +126,11 @@ def _counts(store: Store, run: str, step: int | None = None, rank: int | None = 
             for name, table in (("nodes", s.nodes), ("edges", s.edges)):
                 counts[name] = conn.execute(select(func.count()).select_from(table, s.runs).where(
                     table.c.run_id == s.runs.c.id, s.runs.c.name == run)).scalar()
-        for name, table in (("calls", s.calls), ("tensors", s.tensors)):
-            counts[name] = conn.execute(step_filter(select(func.count()).select_from(
-                table.join(s.steps, table.c.step_id == s.steps.c.id), s.runs))).scalar()
+        counts["calls"] = conn.execute(step_filter(select(func.count()).select_from(  # through passes: indexed
+            s.calls.join(s.passes, s.calls.c.pass_id == s.passes.c.id).join(s.steps, s.passes.c.step_id == s.steps.c.id),
+            s.runs))).scalar()
+        counts["tensors"] = conn.execute(step_filter(select(func.count()).select_from(
+            s.tensors.join(s.steps, s.tensors.c.step_id == s.steps.c.id), s.runs))).scalar()
     return counts
 
 

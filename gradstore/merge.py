@@ -126,9 +126,9 @@ def _insert_returning_ids(dst, table, rows: list[dict]) -> list[int]:
     return ids
 
 
-def _stream(src, table, where=None):
-    """The rows of `table` (as dicts) in id order, `_CHUNK` at a time."""
-    q = select(table).order_by(table.c.id)
+def _stream(src, table, where=None, order_by=None):
+    """The rows of `table` (as dicts) in id order (or `order_by`), `_CHUNK` at a time."""
+    q = select(table).order_by(*(order_by if order_by is not None else (table.c.id,)))
     if where is not None:
         q = q.where(where)
     result = src.execute(q, execution_options={"yield_per": _CHUNK}).mappings()
@@ -259,17 +259,59 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
         call_map.update(zip(src_ids, _insert_returning_ids(dst, s.calls, rows)))
     report.calls = len(call_map)
 
-    for rows in _stream(src, s.tensors):
+    layout_map = _merge_layouts(src, dst)
+    td, tn = s.tensor_data.c, s.tensor_notes.c
+    for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
         rows = [r for r in rows if r["step_id"] in step_map]
-        for r in rows:
-            del r["id"]
+        notes = {}  # this chunk's reasons and checksums
+        for ids in _chunks([r["id"] for r in rows], _IN):
+            notes.update((r["id"], r) for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(
+                tn.id.in_(ids))).mappings())
+        new_ids = _reserve_tensor_ids(dst, len(rows))
+        new_notes = []
+        for r, new_id in zip(rows, new_ids):
+            note = notes.get(r["id"])
+            if note is not None:
+                new_notes.append({"id": new_id, "reason": note["reason"], "checksum": note["checksum"]})
+            r["id"] = new_id
             r["step_id"] = step_map[r["step_id"]]
             r["node_id"] = node_map[r["node_id"]]
             if r["pass_id"] is not None:
                 r["pass_id"] = pass_map[r["pass_id"]]
             if r["call_id"] is not None:
                 r["call_id"] = call_map[r["call_id"]]
+            if r["layout_id"] is not None:
+                r["layout_id"] = layout_map[r["layout_id"]]
         if rows:
-            dst.execute(insert(s.tensors), rows)
+            dst.execute(insert(s.tensor_data), rows)
+        if new_notes:
+            dst.execute(insert(s.tensor_notes), new_notes)
         report.tensors += len(rows)
     return report
+
+
+def _merge_layouts(src, dst) -> dict[int, int]:
+    """Source layouts id -> OUT's id for the same (dtype, shape, numel), adding the ones OUT lacks."""
+    lay = s.layouts.c
+    have = {(d, sh, n): lid for lid, d, sh, n in dst.execute(select(lay.id, lay.dtype, lay.shape, lay.numel))}
+    out = {}
+    for lid, d, sh, n in src.execute(select(lay.id, lay.dtype, lay.shape, lay.numel).order_by(lay.id)):
+        if (d, sh, n) not in have:
+            have[(d, sh, n)] = dst.execute(insert(s.layouts).returning(lay.id),
+                                           {"dtype": d, "shape": sh, "numel": n}).scalar_one()
+        out[lid] = have[(d, sh, n)]
+    return out
+
+
+def _reserve_tensor_ids(dst, n: int) -> list[int]:
+    """`n` fresh tensor ids in OUT, increasing (tensor ids increase with step_id; see gradstore.schema):
+    SQLite: after the largest id, which is in the last step (OUT's write lock is held: the merge has written);
+    PostgreSQL: from the sequence."""
+    if n == 0:
+        return []
+    if dst.dialect.name == "postgresql":
+        return list(dst.exec_driver_sql(
+            f"SELECT nextval('tensor_data_id_seq') FROM generate_series(1, {int(n)})").scalars())
+    top = dst.exec_driver_sql(
+        "SELECT MAX(id) FROM tensor_data WHERE step_id = (SELECT MAX(step_id) FROM tensor_data)").scalar() or 0
+    return list(range(top + 1, top + 1 + n))

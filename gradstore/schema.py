@@ -17,10 +17,14 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
+    Sequence,
     String,
     Table,
     Text,
     UniqueConstraint,
+    column,
+    table,
     text,
 )
 
@@ -155,26 +159,44 @@ calls = Table(
     Column("seq", Integer, nullable=False),  # execution order within the step
     Column("start", Float, nullable=False),  # seconds since the pass started
     Column("duration", Float),  # seconds; NULL when the hook after the node never fired
-    Index("ix_calls_pass_seq", "pass_id", "seq"),
-    Index("ix_calls_step_id", "step_id"),
+    Index("ix_calls_pass_seq", "pass_id", "seq"),  # a step's calls: through its passes (no step_id index)
 )
 
-tensors = Table(
-    "tensors",
+# ---- tensors: a compact table, a side table and a view ------------------------------------------------------
+# `tensors` (what every query reads) is a VIEW with the columns of revision 0001; the rows live in three tables:
+#   layouts: one row per distinct (dtype, shape, numel), shared by every run;
+#   tensor_data: one row per gradient, clustered by (step_id, node_id, id) (SQLite: WITHOUT ROWID): the table
+#     itself is the index by step and, within a step, by node, so it needs no other index, and a step's rows are
+#     appended at its end (a per-node index would dirty a page per node at every step commit); `norm` is NULL where SQRT((n - 1) * std * std + n * mean * mean) over the n finite
+#     elements gives the measured norm bit for bit (the writer checks; the view computes it);
+#   tensor_notes: the rare columns, `reason` (skipped rows) and `checksum` (param_grad rows), by tensor id.
+# Tensor ids increase with step_id (every gradstore writer allocates them so): on SQLite the next id is found from
+# the last step's rows; on PostgreSQL it comes from the column's sequence. A query by node reads fast when it also
+# names the steps (`step_id IN (...)`): then each (step, node) is one seek in the table.
+layouts = Table(
+    "layouts",
     metadata,
     Column("id", Integer, primary_key=True),
+    Column("dtype", Integer),
+    Column("shape", String(255)),  # comma-separated sizes, '' for a 0-d tensor
+    Column("numel", BigInteger),
+    UniqueConstraint("dtype", "shape", "numel"),
+)
+
+tensor_data = Table(
+    "tensor_data",
+    metadata,
     Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
-    Column("pass_id", Integer, ForeignKey("passes.id")),
+    # PostgreSQL: from this sequence (SQLAlchemy inserts call it; the writer reserves blocks); SQLite: given
+    Column("id", Integer, Sequence("tensor_data_id_seq"), nullable=False, autoincrement=False),
+    Column("pass_id", Integer, ForeignKey("passes.id")),  # param_grad rows; NULL: the pass of the row's call
     Column("call_id", Integer, ForeignKey("calls.id")),  # NULL for param_grad rows
     Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
     Column("role", Integer, nullable=False),
     Column("slot", Integer, nullable=False),
     Column("status", Integer, nullable=False),
-    Column("reason", Text),
-    Column("dtype", Integer),
-    Column("shape", String(255)),  # comma-separated sizes, '' for a 0-d tensor
-    Column("numel", Integer),
-    Column("norm", Float),
+    Column("layout_id", Integer, ForeignKey("layouts.id")),  # dtype, shape, numel; NULL when none is known
+    Column("norm", Float),  # NULL where the view derives it exactly (see above) or where it is absent
     Column("min", Float),
     Column("max", Float),
     Column("mean", Float),
@@ -183,10 +205,42 @@ tensors = Table(
     Column("posinf", Integer),
     Column("neginf", Integer),
     Column("zeros", Integer),
-    Column("checksum", BigInteger),  # param_grad rows: a 64-bit checksum of the bytes (bitwise comparison)
-    Index("ix_tensors_step_id", "step_id", "call_id"),
-    Index("ix_tensors_node_id", "node_id"),
+    PrimaryKeyConstraint("step_id", "node_id", "id"),
+    sqlite_with_rowid=False,
 )
 # first_nonfinite reads only the rows that hold NaN or Inf: a partial index keeps that lookup small
 NONFINITE = "nan + posinf + neginf > 0"
-Index("ix_tensors_nonfinite", tensors.c.step_id, sqlite_where=text(NONFINITE), postgresql_where=text(NONFINITE))
+Index("ix_tensor_data_nonfinite", tensor_data.c.step_id, sqlite_where=text(NONFINITE),
+      postgresql_where=text(NONFINITE))
+
+tensor_notes = Table(
+    "tensor_notes",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("reason", Text),  # why a row is skipped
+    Column("checksum", BigInteger),  # param_grad rows: a 64-bit checksum of the bytes (bitwise comparison)
+)
+
+# n, the finite elements, and the norm derived from mean and std (in this order of operations: the writer checks
+# the same expression in Python, IEEE double arithmetic either way)
+_NUMEL = "(SELECT l.numel FROM layouts l WHERE l.id = t.layout_id)"
+_NFINITE = f"({_NUMEL} - t.nan - t.posinf - t.neginf)"
+TENSORS_VIEW_COLUMNS = ("id", "step_id", "pass_id", "call_id", "node_id", "role", "slot", "status", "reason",
+                        "dtype", "shape", "numel", "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf",
+                        "zeros", "checksum")
+TENSORS_VIEW = f"""CREATE VIEW tensors AS
+SELECT t.id, t.step_id,
+       COALESCE(t.pass_id, (SELECT c.pass_id FROM calls c WHERE c.id = t.call_id)) AS pass_id,
+       t.call_id, t.node_id, t.role, t.slot, t.status,
+       (SELECT x.reason FROM tensor_notes x WHERE x.id = t.id) AS reason,
+       (SELECT l.dtype FROM layouts l WHERE l.id = t.layout_id) AS dtype,
+       (SELECT l.shape FROM layouts l WHERE l.id = t.layout_id) AS shape,
+       {_NUMEL} AS numel,
+       COALESCE(t.norm, SQRT(({_NFINITE} - 1) * t.std * t.std + {_NFINITE} * t.mean * t.mean)) AS norm,
+       t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros,
+       (SELECT x.checksum FROM tensor_notes x WHERE x.id = t.id) AS checksum
+FROM tensor_data t"""
+
+# the view for SQLAlchemy Core (select only; not part of `metadata`, so Alembic's comparison leaves it alone)
+tensors = table("tensors", *(column(c) for c in TENSORS_VIEW_COLUMNS))
+

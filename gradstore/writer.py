@@ -8,13 +8,15 @@ warning and counted in `Writer.errors`; it never raises into training.
 Many writers, one database: every rank (process) has its own Writer. On SQLite each step transaction starts
 with BEGIN IMMEDIATE (the file's write lock, waited for up to the busy timeout), so id reservation and the
 whole step are one writer's at a time; on PostgreSQL ids come from sequences and rows of shared tables (nodes,
-edges) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
+edges, layouts) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
 PostgreSQL deadlock or serialization failure) is retried whole. A forked child gets fresh writers: the
 parent's queue, thread and connections are not its own.
 """
 from __future__ import annotations
 
 import atexit
+import math
+import operator
 import os
 import threading
 import time
@@ -22,7 +24,7 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -31,7 +33,11 @@ from .database import ensure_schema, make_engine
 from .errors import DatabaseUnavailable
 from .passes import PassRecord
 from .schema import KIND
-from .stats import ROW_COLUMNS
+
+# tensor_data's columns in the order the writer builds its rows
+TENSOR_DATA_COLUMNS = ("step_id", "id", "pass_id", "call_id", "node_id", "role", "slot", "status", "layout_id",
+                       "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
+_BY_NODE = operator.itemgetter(TENSOR_DATA_COLUMNS.index("node_id"))
 
 _CHUNK = 500  # keys per IN (...) list
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
@@ -102,17 +108,31 @@ class Writer:
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         self.rows_written = 0
-        self._node_ids: dict[tuple[int, str], int] = {}
-        self._edges: set[tuple[int, int, int, int]] = set()
+        self._node_ids: dict[int, dict[str, int]] = {}  # run id -> node key -> nodes.id
+        self._edges: set[tuple] = set()  # (run_id, (src key, src_slot, dst key, dst_slot)) already stored
+        self._layout_ids: dict[tuple, int] = {}  # (dtype, shape, numel) -> layouts.id
+        self._tensor_next: tuple[int, int] | None = None  # SQLite: (step_id it wrote last, next tensor id)
+        self._tensor_next_pending: tuple[int, int] | None = None  # the same, once this transaction commits
         self._pending: deque = deque()
         self._pending_rows = 0
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
-        self._tensor_insert = self._driver_insert(
-            "tensors", ("step_id", "pass_id", "call_id", "node_id", "role", "slot", *ROW_COLUMNS))
+        self._pg = self.engine.dialect.name == "postgresql"
+        # statements built once, run with the driver's cursor (execute / executemany)
+        returning = " RETURNING id" if self._pg else ""
+        self._step_insert = self._driver_insert("steps", (
+            "run_id", "rank", "step", "started_at", "ended_at", "status", "error", "passes", "level", "dropped",
+            "waited")) + returning
+        self._pass_insert = self._driver_insert("passes", (
+            "step_id", "pass", "parent_pass", "parent_seq", "kind", "create_graph", "retain_graph", "roots",
+            "inputs", "nodes", "started_at", "duration", "setup", "finish")) + returning
         self._call_insert = self._driver_insert(
             "calls", ("id", "step_id", "pass_id", "node_id", "seq", "start", "duration"))
+        self._tensor_insert = self._driver_insert("tensor_data", TENSOR_DATA_COLUMNS)
+        self._note_insert = self._driver_insert("tensor_notes", ("id", "reason", "checksum"))
+        mark = "%s" if self._pg else "?"
+        self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
         self._thread.start()
 
@@ -127,6 +147,8 @@ class Writer:
         self._closed = False
         self._node_ids = {}  # the parent may have been inside a step transaction that is yet to commit
         self._edges = set()
+        self._layout_ids = {}
+        self._tensor_next = self._tensor_next_pending = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
 
@@ -230,104 +252,207 @@ class Writer:
 
     def write(self, b: StepBatch) -> None:
         """Write one step and everything in it in one transaction (called on the writer thread). The caches of
-        node ids and edges learn this step's additions only when the transaction commits."""
-        added_nodes: list = []
-        added_edges: list = []
+        node ids, edges and layouts learn this step's additions only when the transaction commits.
+
+        The hot inserts (steps, passes, calls, tensor rows) go through the driver's own cursor with statements
+        built once; a driver error is re-raised as SQLAlchemy's DBAPIError, so that `_retrying` sees it."""
+        added: list = []
+        dbapi_error = self.engine.dialect.loaded_dbapi.Error
+        self._tensor_next_pending = None
         try:
             with self.engine.begin() as conn:
-                self._write_step(conn, b, added_nodes, added_edges)
+                cur = conn.connection.cursor()
+                try:
+                    self._write_step(conn, cur, b, added)
+                except dbapi_error as exc:
+                    raise DBAPIError.instance(
+                        None, None, exc, dbapi_error, dialect=self.engine.dialect,
+                        connection_invalidated=self.engine.dialect.is_disconnect(exc, conn.connection, cur),
+                    ) from exc
+                finally:
+                    cur.close()
+            if self._tensor_next_pending is not None:
+                self._tensor_next = self._tensor_next_pending
         except BaseException:
-            for k in added_nodes:
-                self._node_ids.pop(k, None)
-            self._edges.difference_update(added_edges)
+            self._tensor_next = None
+            for cache, key in added:
+                if isinstance(cache, set):
+                    cache.discard(key)
+                else:
+                    cache.pop(key, None)
             raise
 
-    def _write_step(self, conn, b: StepBatch, added_nodes: list, added_edges: list) -> None:
-        step_id = conn.execute(insert(s.steps).returning(s.steps.c.id), {
-            "run_id": b.run_id, "rank": b.rank, "step": b.step, "started_at": b.started_at,
-            "ended_at": b.ended_at, "status": b.status, "error": b.error, "passes": len(b.passes),
-            "level": b.level, "dropped": b.dropped, "waited": b.waited,
-        }).scalar_one()
-        self._write_nodes(conn, b, added_nodes)
-        self._write_edges(conn, b, added_edges)
+    def _insert_id(self, cur, sql: str, row: tuple) -> int:
+        """Insert one row, return its new id (SQLite: lastrowid; PostgreSQL: RETURNING id)."""
+        cur.execute(sql, row)
+        return cur.fetchone()[0] if self._pg else cur.lastrowid
+
+    def _write_step(self, conn, cur, b: StepBatch, added: list) -> None:
+        step_id = self._insert_id(cur, self._step_insert, (
+            b.run_id, b.rank, b.step, b.started_at, b.ended_at, b.status, b.error, len(b.passes), b.level,
+            b.dropped, b.waited))
+        self._write_nodes(conn, b, added)
+        self._write_edges(conn, b, added)
         if b.passes:
-            pass_ids = conn.execute(
-                insert(s.passes).returning(s.passes.c.id, sort_by_parameter_order=True),
-                [{"step_id": step_id, "pass": p.number, "parent_pass": p.parent_pass,
-                  "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
-                  "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
-                  "nodes": p.reachable, "started_at": p.started_at, "duration": p.duration,
-                  "setup": p.setup, "finish": p.finish}
-                 for p in b.passes],
-            ).scalars().all()
-            self._write_calls_and_tensors(conn, b, step_id, pass_ids)
+            pass_ids = [self._insert_id(cur, self._pass_insert, (
+                step_id, p.number, p.parent_pass, p.parent_seq, p.kind, int(p.create_graph), int(p.retain_graph),
+                p.roots, p.inputs, p.reachable, p.started_at, p.duration, p.setup, p.finish)) for p in b.passes]
+            self._write_calls_and_tensors(conn, cur, b, step_id, pass_ids, added)
         if b.run_status is not None:
-            conn.execute(update(s.runs).where(s.runs.c.id == b.run_id).values(
-                status=b.run_status, finished_at=b.ended_at))
+            cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
 
     def _write_nodes(self, conn, b: StepBatch, added: list) -> None:
+        run_id = b.run_id
+        ids = self._node_ids.setdefault(run_id, {})
         new = {}
         for p in b.passes:
             for n in p.nodes:
-                if (b.run_id, n.key) not in self._node_ids:
+                if n.key not in ids:
                     new[n.key] = n
         if not new:
             return
         keys = sorted(new)  # one order for every writer: concurrent inserts of shared keys cannot deadlock
         conn.execute(_insert_ignore(self.engine, s.nodes, ["run_id", "key"]), [
-            {"run_id": b.run_id, "key": k, "name": new[k].name, "kind": KIND[new[k].kind], "module": new[k].module,
+            {"run_id": run_id, "key": k, "name": new[k].name, "kind": KIND[new[k].kind], "module": new[k].module,
              "param": new[k].param, "frame": new[k].frame, "first_step": b.step} for k in keys])
         for i in range(0, len(keys), _CHUNK):
             chunk = keys[i:i + _CHUNK]
             rows = conn.execute(select(s.nodes.c.key, s.nodes.c.id).where(
-                s.nodes.c.run_id == b.run_id, s.nodes.c.key.in_(chunk)))
+                s.nodes.c.run_id == run_id, s.nodes.c.key.in_(chunk)))
             for key, node_id in rows:
-                self._node_ids[(b.run_id, key)] = node_id
-                added.append((b.run_id, key))
+                ids[key] = node_id
+                added.append((ids, key))
 
     def _write_edges(self, conn, b: StepBatch, added: list) -> None:
-        ids = self._node_ids
+        seen, run_id = self._edges, b.run_id
         new = {}
         for p in b.passes:
-            for src, slot, dst, dslot in p.edges:
-                e = (ids[(b.run_id, src)], slot, ids[(b.run_id, dst)], dslot)
-                if e not in self._edges:
-                    new[e] = None
-        if new:
-            edges = sorted(new)
-            conn.execute(_insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]), [
-                {"run_id": b.run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3],
-                 "first_step": b.step} for e in edges])
-            self._edges.update(edges)
-            added.extend(edges)
+            for e in p.edges:
+                if (run_id, e) not in seen:
+                    new[(run_id, e)] = None
+        if not new:
+            return
+        ids = self._node_ids[run_id]
+        rows = sorted((ids[src], slot, ids[dst], dslot) for _, (src, slot, dst, dslot) in new)
+        conn.execute(_insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]), [
+            {"run_id": run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3], "first_step": b.step}
+            for e in rows])
+        for key in new:
+            seen.add(key)
+            added.append((seen, key))
 
-    def _reserve_ids(self, conn, table: str, n: int) -> list[int]:
-        """`n` fresh primary keys for `table`, so that rows can be inserted with the driver's executemany and
-        referenced at once. SQLite: after this transaction's first write it holds the database's write lock,
-        so max(id) + 1 ... is ours. PostgreSQL: taken from the column's sequence."""
-        if self.engine.dialect.name == "postgresql":
-            return list(conn.exec_driver_sql(
-                f"SELECT nextval(pg_get_serial_sequence('{table}', 'id')) FROM generate_series(1, {int(n)})"
-            ).scalars())
-        top = conn.exec_driver_sql(f"SELECT COALESCE(MAX(id), 0) FROM {table}").scalar()
-        return list(range(top + 1, top + 1 + n))
+    def _write_layouts(self, conn, triples: set, added: list) -> None:
+        """Give each (dtype, shape, numel) in `triples` its layouts id (inserted when new, sorted: one order
+        for every writer) in self._layout_ids."""
+        rows = sorted(triples, key=lambda k: (k[0] if k[0] is not None else -1, k[1] or "", k[2] or 0))
+        conn.execute(_insert_ignore(self.engine, s.layouts, ["dtype", "shape", "numel"]),
+                     [{"dtype": d, "shape": sh, "numel": n} for d, sh, n in rows])
+        lay = s.layouts.c
+        for i in range(0, len(rows), _CHUNK):
+            chunk = rows[i:i + _CHUNK]
+            shapes = sorted({r[1] for r in chunk if r[1] is not None})
+            found = conn.execute(select(lay.id, lay.dtype, lay.shape, lay.numel).where(
+                or_(lay.shape.in_(shapes), lay.shape.is_(None))))
+            for lid, d, sh, n in found:
+                if (d, sh, n) in triples:
+                    self._layout_ids[(d, sh, n)] = lid
+                    added.append((self._layout_ids, (d, sh, n)))
 
-    def _write_calls_and_tensors(self, conn, b: StepBatch, step_id: int, pass_ids: list[int]) -> None:
-        ids = self._node_ids
-        run_id = b.run_id
-        call_rows = [(step_id, pass_id, ids[(run_id, key)], seq, start, dur)
-                     for p, pass_id in zip(b.passes, pass_ids) for key, seq, start, dur in p.calls]
-        call_ids = {}
-        if call_rows:
-            reserved = self._reserve_ids(conn, "calls", len(call_rows))
-            call_ids = {row[3]: cid for row, cid in zip(call_rows, reserved)}
-            conn.exec_driver_sql(self._call_insert, [(cid,) + row for cid, row in zip(reserved, call_rows)])
-        # the driver's executemany: the hot inserts skip SQLAlchemy's per-row processing (3x the rows/s)
-        tensor_rows = [(step_id, pass_id, call_ids.get(t[1]), ids[(run_id, t[0])]) + t[2:]
-                       for p, pass_id in zip(b.passes, pass_ids) for t in p.tensors]
-        if tensor_rows:
-            conn.exec_driver_sql(self._tensor_insert, tensor_rows)
-        self.rows_written += len(tensor_rows) + len(call_rows)
+    def _reserve_ids(self, cur, table: str, n: int):
+        """`n` fresh ids for `table` (calls or tensor_data), so that rows can be inserted with the driver's
+        executemany and referenced at once; returns a range (SQLite) or a list (PostgreSQL).
+
+        SQLite: this transaction holds the database's write lock (BEGIN IMMEDIATE), so max(id) + 1 ... are ours;
+        tensor ids increase with step_id, so the largest is in the last step: when that step is the one this
+        writer wrote last, its own counter is right (one index seek checks it); else the step's rows are read.
+        PostgreSQL: from the column's sequence (a concurrent writer may interleave, so not consecutive)."""
+        if self._pg:
+            seq = "'tensor_data_id_seq'" if table == "tensor_data" else f"pg_get_serial_sequence('{table}', 'id')"
+            cur.execute(f"SELECT nextval({seq}) FROM generate_series(1, %s)", (int(n),))
+            return [r[0] for r in cur.fetchall()]
+        if table == "tensor_data":
+            # the counter this writer kept holds while the last step with tensor rows is still its own
+            cur.execute("SELECT MAX(step_id) FROM tensor_data")
+            last_step = cur.fetchone()[0]
+            if self._tensor_next is not None and self._tensor_next[0] == last_step:
+                top = self._tensor_next[1] - 1
+            else:
+                cur.execute("SELECT MAX(id) FROM tensor_data WHERE step_id = ?", (last_step,))
+                top = cur.fetchone()[0] or 0
+        else:
+            cur.execute(f"SELECT MAX(id) FROM {table}")
+            top = cur.fetchone()[0] or 0
+        return range(top + 1, top + 1 + n)
+
+    def _write_calls_and_tensors(self, conn, cur, b: StepBatch, step_id: int, pass_ids: list[int],
+                                 added: list) -> None:
+        # the per-row loops run on the writer thread with the GIL held: locals only, no call per row but the
+        # dict lookups, the norm test and the tuple
+        node_id = self._node_ids[b.run_id]
+        n_calls = sum(len(p.calls) for p in b.passes)
+        call_of: dict = {}
+        if n_calls:
+            cids = self._reserve_ids(cur, "calls", n_calls)
+            call_rows = []
+            k = 0
+            for p, pass_id in zip(b.passes, pass_ids):
+                for key, seq, start, dur in p.calls:
+                    cid = call_of[seq] = cids[k]
+                    k += 1
+                    call_rows.append((cid, step_id, pass_id, node_id[key], seq, start, dur))
+            cur.executemany(self._call_insert, call_rows)
+        n_tensors = sum(len(p.tensors) for p in b.passes)
+        if n_tensors:
+            tids = self._reserve_ids(cur, "tensor_data", n_tensors)
+            layout = self._layout_ids.get
+            rows, notes, unknown = [], [], []
+            append = rows.append
+            sqrt = math.sqrt
+            k = 0
+            for p, pass_id in zip(b.passes, pass_ids):
+                for (key, seq, role, slot, status, reason, dtype, shape, numel, norm, mn, mx, mean, std, nan, pinf,
+                     ninf, zeros, csum) in p.tensors:
+                    tid = tids[k]
+                    lay = layout((dtype, shape, numel))
+                    if lay is None and (dtype is not None or shape is not None or numel is not None):
+                        unknown.append(k)
+                    if std is not None and mean is not None and norm is not None and numel is not None:
+                        # stored as NULL where the tensors view's expression gives it back bit for bit
+                        n = numel - nan - pinf - ninf
+                        if n > 0 and sqrt((n - 1) * std * std + n * mean * mean) == norm:
+                            norm = None
+                    cid = call_of.get(seq)  # None for param_grad rows (and a row whose call was not kept)
+                    if cid is None:  # no call to take the pass from: the row names its pass
+                        append((step_id, tid, pass_id, None, node_id[key], role, slot, status, lay, norm, mn, mx,
+                                mean, std, nan, pinf, ninf, zeros))
+                    else:
+                        append((step_id, tid, None, cid, node_id[key], role, slot, status, lay, norm, mn, mx, mean,
+                                std, nan, pinf, ninf, zeros))
+                    if reason is not None or csum is not None:
+                        notes.append((tid, reason, csum))
+                    k += 1
+            if unknown:
+                self._fill_layouts(conn, b, rows, unknown, added)
+            if not self._pg:
+                self._tensor_next_pending = (step_id, tids[-1] + 1)
+            rows.sort(key=_BY_NODE)  # the table's order within the step: pages fill up as they are appended
+            cur.executemany(self._tensor_insert, rows)
+            if notes:
+                cur.executemany(self._note_insert, notes)
+        self.rows_written += n_tensors + n_calls
+
+    def _fill_layouts(self, conn, b: StepBatch, rows: list, unknown: list[int], added: list) -> None:
+        """Insert the layouts the rows at `unknown` need and put their ids in those rows (a new shape: rare)."""
+        triples = {}
+        flat = [t for p in b.passes for t in p.tensors]
+        for i in unknown:
+            t = flat[i]
+            triples[(t[6], t[7], t[8])] = None
+        self._write_layouts(conn, set(triples), added)
+        for i in unknown:
+            t = flat[i]
+            r = rows[i]
+            rows[i] = r[:8] + (self._layout_ids[(t[6], t[7], t[8])],) + r[9:]
 
 
 # ---- one writer per database per process ------------------------------------------------------------------

@@ -16,4 +16,9 @@ WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
   AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
   AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
        OR SUBSTR(n.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.')
+  AND c.pass_id IN (  -- the matching steps' passes first: the calls' (pass_id, seq) index, not a scan
+      SELECT p2.id FROM passes p2 JOIN steps st2 ON st2.id = p2.step_id JOIN runs r2 ON r2.id = st2.run_id
+      WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+        AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER))
+        AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
 ORDER BY r.id, st.step, st.rank, c.seq;

@@ -14,7 +14,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
            COALESCE(CAST(:rank_a AS INTEGER), CAST(:rank_b AS INTEGER)) AS rank_a,
            COALESCE(CAST(:rank_b AS INTEGER), CAST(:rank_a AS INTEGER)) AS rank_b
 ), a AS (  -- side a's gradients, with their position in execution order
-    SELECT t.id AS tid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
+    SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
                               ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
            COALESCE(c.seq, (SELECT MAX(c2.seq) FROM calls c2 WHERE c2.pass_id = t.pass_id), -1) AS ord,
@@ -31,7 +31,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
             AND (prm.step_a IS NULL OR st2.step = prm.step_a)
             AND (prm.rank_a IS NULL OR st2.rank = prm.rank_a))
 ), b AS (  -- side b's gradients, with their position in execution order
-    SELECT t.id AS tid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
+    SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
                               ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
            COALESCE(c.seq, (SELECT MAX(c2.seq) FROM calls c2 WHERE c2.pass_id = t.pass_id), -1) AS ord,
@@ -48,14 +48,14 @@ WITH prm AS (  -- a NULL side takes the other side's value
             AND (prm.step_b IS NULL OR st2.step = prm.step_b)
             AND (prm.rank_b IS NULL OR st2.rank = prm.rank_b))
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable)
-    SELECT a.tid AS a_tid, b.tid AS b_tid, a.occurrence, a.ord AS a_ord, b.ord AS b_ord
+    SELECT a.sid AS a_sid, a.nid AS a_nid, a.tid AS a_tid, b.sid AS b_sid, b.nid AS b_nid, b.tid AS b_tid, a.occurrence, a.ord AS a_ord, b.ord AS b_ord
     FROM a CROSS JOIN prm
     LEFT JOIN b ON b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
         AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
         AND (prm.step_a IS NOT NULL OR b.step = a.step)
         AND (prm.rank_a IS NOT NULL OR b.rank = a.rank)
     UNION ALL
-    SELECT NULL, b.tid, b.occurrence, NULL, b.ord
+    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, b.ord
     FROM b CROSS JOIN prm
     WHERE NOT EXISTS (SELECT 1 FROM a WHERE b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
                                          AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
@@ -133,8 +133,8 @@ SELECT ra.name AS run_a,
        ta.checksum AS checksum_a,
        tb.checksum AS checksum_b
 FROM pairs pr
-LEFT JOIN tensors ta ON ta.id = pr.a_tid
-LEFT JOIN tensors tb ON tb.id = pr.b_tid
+LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.node_id = pr.a_nid AND ta.id = pr.a_tid
+LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.node_id = pr.b_nid AND tb.id = pr.b_tid
 LEFT JOIN steps sa ON sa.id = ta.step_id
 LEFT JOIN steps sb ON sb.id = tb.step_id
 LEFT JOIN runs ra ON ra.id = sa.run_id

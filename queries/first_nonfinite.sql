@@ -20,7 +20,7 @@ SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, 
        ro.name AS role, t.slot, t.numel, t.nan, t.posinf, t.neginf, t.norm, t.min, t.max
 FROM ranked
 JOIN calls c ON c.id = ranked.call_id
-JOIN tensors t ON t.step_id = c.step_id AND t.call_id = c.id
+JOIN tensors t ON t.step_id = c.step_id AND t.node_id = c.node_id AND t.call_id = c.id
 JOIN passes p ON p.id = c.pass_id
 JOIN steps st ON st.id = c.step_id
 JOIN runs r ON r.id = st.run_id

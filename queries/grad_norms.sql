@@ -24,6 +24,11 @@ WHERE t.role IN (0, 1)
              OR SUBSTR(n2.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.'))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
   AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+  AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
+      SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
+      WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+        AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER))
+        AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
 GROUP BY r.id, r.name, st.rank, st.step,
          CASE WHEN COALESCE(CAST(:by AS TEXT), 'node') = 'module' THEN NULL ELSE n.key END, n.module
 ORDER BY r.id, st.step, st.rank, n.module, key;

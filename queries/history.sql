@@ -30,4 +30,8 @@ WHERE t.node_id IN (  -- the run's matching nodes first: an index lookup, not a 
              OR SUBSTR(n2.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.'))
   AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+  AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
+      SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
+      WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+        AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER)))
 ORDER BY r.id, st.step, st.rank, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot;

@@ -26,6 +26,11 @@ FROM (
             AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT)))
       AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
       AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+      AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
+          SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
+          WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+            AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER))
+            AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
 ) AS last_pass
 WHERE latest = 1
 ORDER BY run_order, step, rank, node_order;

@@ -3,7 +3,7 @@
 -- param run: run name; NULL for every run
 -- param step: step number; NULL for every step
 WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
-    SELECT t.id AS tid, st.run_id, st.step, st.rank, t.node_id,
+    SELECT t.id AS tid, t.step_id AS sid, st.run_id, st.step, st.rank, t.node_id,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
@@ -14,8 +14,12 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
           WHERE n2.param IS NOT NULL
             AND (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT)))
       AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+      AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
+          SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
+          WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+            AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
 ), g AS (
-    SELECT tid, run_id, step, rank, node_id FROM latest_rows WHERE latest = 1
+    SELECT tid, sid, run_id, step, rank, node_id FROM latest_rows WHERE latest = 1
 ), ref AS (  -- the reference rank of each step: the lowest that recorded it
     SELECT st.run_id, st.step, MIN(st.rank) AS rank
     FROM steps st JOIN runs r ON r.id = st.run_id
@@ -27,12 +31,12 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
     FROM steps st JOIN ref ON ref.run_id = st.run_id AND ref.step = st.step
     WHERE st.rank > ref.rank
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable)
-    SELECT o.run_id, o.step, o.rank_a, o.rank_b, ga.node_id, ga.tid AS a_tid, gb.tid AS b_tid
+    SELECT o.run_id, o.step, o.rank_a, o.rank_b, ga.node_id, ga.sid AS a_sid, ga.tid AS a_tid, gb.sid AS b_sid, gb.tid AS b_tid
     FROM other_ranks o
     JOIN g ga ON ga.run_id = o.run_id AND ga.step = o.step AND ga.rank = o.rank_a
     LEFT JOIN g gb ON gb.run_id = o.run_id AND gb.step = o.step AND gb.rank = o.rank_b AND gb.node_id = ga.node_id
     UNION ALL
-    SELECT o.run_id, o.step, o.rank_a, o.rank_b, gb.node_id, NULL, gb.tid
+    SELECT o.run_id, o.step, o.rank_a, o.rank_b, gb.node_id, NULL, NULL, gb.sid, gb.tid
     FROM other_ranks o
     JOIN g gb ON gb.run_id = o.run_id AND gb.step = o.step AND gb.rank = o.rank_b
     WHERE NOT EXISTS (SELECT 1 FROM g ga WHERE ga.run_id = o.run_id AND ga.step = o.step AND ga.rank = o.rank_a
@@ -111,8 +115,8 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
     FROM pairs pr
     JOIN runs r ON r.id = pr.run_id
     JOIN nodes n ON n.id = pr.node_id
-    LEFT JOIN tensors ta ON ta.id = pr.a_tid
-    LEFT JOIN tensors tb ON tb.id = pr.b_tid
+    LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.node_id = pr.node_id AND ta.id = pr.a_tid
+    LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.node_id = pr.node_id AND tb.id = pr.b_tid
     LEFT JOIN statuses sua ON sua.id = ta.status
     LEFT JOIN statuses sub ON sub.id = tb.status
 )

@@ -21,5 +21,10 @@ WHERE t.role = 3 AND t.status <> 1
   AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
   AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+  AND t.step_id IN (  -- the matching steps first: the table's own (step_id, id) order, not a scan
+      SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
+      WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+        AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER))
+        AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
 GROUP BY r.id, r.name, st.rank, st.step, n.module
 ORDER BY r.id, st.step, st.rank, bytes DESC;

@@ -20,6 +20,11 @@ LEFT JOIN calls c ON c.id = t.call_id
 WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
   AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+  AND t.step_id IN (  -- the matching steps first: the table's own (step_id, id) order, not a scan
+      SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
+      WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
+        AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER))
+        AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
   AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
   AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
        OR SUBSTR(n.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.')

@@ -187,13 +187,13 @@ def test_queries_listing():
     assert "-p module=" in invoke("queries", "-v").output
 
 
-def test_db_upgrade_creates_revision_0001(db):
+def test_db_upgrade_creates_the_newest_revision(db):
     result = invoke("db", "upgrade", db)
     assert result.exit_code == 0, result.output
-    assert "0001" in result.output
-    assert sql_count(db, "SELECT version_num FROM alembic_version") == "0001"
+    assert "0002" in result.output
+    assert sql_count(db, "SELECT version_num FROM alembic_version") == "0002"
     again = invoke("db", "upgrade", db)
-    assert again.exit_code == 0 and "already at schema revision 0001" in again.output
+    assert again.exit_code == 0 and "already at schema revision 0002" in again.output
     assert_one_line_error(invoke("db", "upgrade", Path(db).parent / "no" / "such" / "dir.db"), "database error")
 
 

@@ -329,9 +329,11 @@ def test_rank_divergence_uses_checksums_where_both_ranks_have_them(tmp_path, mon
     con = sqlite3.connect(db)
     try:
         def set_checksum(rank, param, value):
-            con.execute("UPDATE tensors SET checksum = ? WHERE role = 2 AND id IN (SELECT t.id FROM tensors t "
+            # checksums live in tensor_notes (the tensors view reads them from there)
+            con.execute("INSERT INTO tensor_notes (id, checksum) SELECT t.id, ? FROM tensors t "
                         "JOIN steps st ON st.id = t.step_id JOIN nodes n ON n.id = t.node_id "
-                        "WHERE st.rank = ? AND n.param = ? AND st.step = 0)", (value, rank, param))
+                        "WHERE t.role = 2 AND st.rank = ? AND n.param = ? AND st.step = 0 "
+                        "ON CONFLICT (id) DO UPDATE SET checksum = excluded.checksum", (value, rank, param))
         for rank in (0, 1):
             for param in ("0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"):
                 set_checksum(rank, param, 11)

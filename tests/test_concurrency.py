@@ -162,11 +162,11 @@ def test_a_transient_failure_retries_the_whole_step(db, monkeypatch):
     original = writer.Writer._write_calls_and_tensors
     failures = []
 
-    def flaky(self, conn, b, step_id, pass_ids):
+    def flaky(self, conn, cur, b, step_id, pass_ids, added):
         if not failures:
             failures.append(step_id)
             raise OperationalError("INSERT INTO calls ...", {}, Exception("database is locked"))
-        return original(self, conn, b, step_id, pass_ids)
+        return original(self, conn, cur, b, step_id, pass_ids, added)
 
     monkeypatch.setattr(writer.Writer, "_write_calls_and_tensors", flaky)
     with gradstore.record("flaky", db=db, model=model):
@@ -180,6 +180,36 @@ def test_a_transient_failure_retries_the_whole_step(db, monkeypatch):
         assert conn.execute(text("SELECT COUNT(*) FROM nodes")).scalar() == plain["nodes"]
         assert conn.execute(text("""SELECT COUNT(*) FROM tensors t JOIN nodes n ON n.id = t.node_id""")).scalar() \
             == plain["slots"] + plain["params"]
+
+
+def test_a_driver_error_from_the_raw_cursor_is_retried_too(db, monkeypatch):
+    """The hot inserts run on the driver's cursor: its own "database is locked" (sqlite3.OperationalError, not
+    SQLAlchemy's) is transient too, and the layouts the failed try cached are forgotten."""
+    import sqlite3
+
+    if "://" in db:
+        pytest.skip("raises SQLite's own driver error")
+    model = _model()
+    original = writer.Writer._write_calls_and_tensors
+    failures = []
+
+    def flaky(self, conn, cur, b, step_id, pass_ids, added):
+        original(self, conn, cur, b, step_id, pass_ids, added)  # layouts inserted and cached, then the failure
+        if not failures:
+            failures.append(len(self._layout_ids))
+            raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(writer.Writer, "_write_calls_and_tensors", flaky)
+    with gradstore.record("flaky-driver", db=db, model=model):
+        model(torch.randn(4, FEATURES)).pow(2).mean().backward()
+    w = writer.writer_for(db)
+    assert failures[0] > 0 and w.retries == 1 and w.errors == []
+    plain = _plain_counts(model, torch.randn(4, FEATURES))
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0] == 1
+        assert conn.execute("SELECT COUNT(*) FROM tensors").fetchone()[0] == plain["slots"] + plain["params"]
+        stored = {tuple(r) for r in conn.execute("SELECT dtype, shape, numel FROM layouts")}
+    assert set(w._layout_ids) == stored  # the retry re-inserted what the rolled-back try had cached
 
 
 def test_a_lasting_failure_is_reported_not_retried_forever(db, monkeypatch):

@@ -26,10 +26,14 @@ def test_readme_setup_command_pins_torch_and_runs_the_demo():
 def test_readme_documents_every_table_and_column():
     from gradstore import schema
 
-    for table in ("runs", "steps", "passes", "nodes", "edges", "calls", "tensors"):
-        assert f"**{table}**" in README
-        for col in schema.metadata.tables[table].columns:
-            assert f"`{col.name}`" in README, f"{table}.{col.name} is not described in README.md"
+    tables = {name: [c.name for c in schema.metadata.tables[name].columns]
+              for name in ("runs", "steps", "passes", "nodes", "edges", "calls", "layouts", "tensor_data",
+                           "tensor_notes")}
+    tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)  # the view
+    for table, columns in tables.items():
+        assert f"**{table}**" in README, f"table {table} is not described in README.md"
+        for col in columns:
+            assert f"`{col}`" in README, f"{table}.{col} is not described in README.md"
 
 
 def test_readme_names_the_query_helpers():

@@ -840,3 +840,60 @@ def test_model_dict_names_each_model(db):
     nodes = gradstore.open(db).nodes("dict")
     assert {"param:student.weight", "param:teacher.bias", "student/AddmmBackward0#0",
             "teacher/AddmmBackward0#0"} <= set(nodes.key)
+
+
+# ---- storage: what the writer was handed is what the tensors view gives back --------------------------------
+# numpy's warning when gradstore.stats sums a gradient that holds NaN (the value this test wants)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning")
+def test_tensors_view_gives_back_every_recorded_value_bit_for_bit(db, monkeypatch):
+    """Every tensor row the recorder handed the writer (its PassRecords, captured at Writer.submit) comes back
+    from the `tensors` view with the same values, floats compared bit for bit: norms the view derives from mean
+    and std, shapes and dtypes from `layouts`, checksums from `tensor_notes`, the pass of a call's row from the
+    call. The step holds NaN, +Inf and -Inf gradients, a 0-d tensor, an empty one, a None slot and checksums."""
+    from sqlalchemy import text
+
+    from gradstore import stats, writer
+
+    handed = []
+    original = writer.Writer.submit
+
+    def submit(self, batch, *args, **kwargs):
+        handed.append(batch)
+        return original(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(writer.Writer, "submit", submit)
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3)
+    x = torch.randn(4, 5)
+    bad = torch.tensor([0.0, -0.0, -1.0, 4.0]).requires_grad_()  # sqrt's gradient 0.5 / sqrt: inf, -inf, nan
+    empty = torch.zeros(0, requires_grad=True)
+    with gradstore.record("view", db=db, model=lin, checksum=True) as rec:
+        for i in range(2):  # two steps: the second one's node, edge and layout ids come from the writer's caches
+            y = lin(x).pow(2).mean() + bad.sqrt().sum() + empty.sum() + torch.tensor(2.0, requires_grad=True) * 3
+            y.backward()
+            if i == 0:
+                rec.step()
+    want = {}
+    for b in handed:
+        for p in b.passes:
+            for t in p.tensors:
+                want[(b.step, p.number, t[0], t[1], t[2], t[3])] = dict(zip(stats.ROW_COLUMNS, t[4:]))
+    assert want
+    cols = ", ".join(f"t.{c}" for c in stats.ROW_COLUMNS)
+    with gradstore.open(db) as store, store.engine.connect() as conn:
+        got = conn.execute(text(f"""
+            SELECT st.step, p.pass, n.key, c.seq, t.role, t.slot, {cols}
+            FROM tensors t JOIN steps st ON st.id = t.step_id JOIN passes p ON p.id = t.pass_id
+            JOIN nodes n ON n.id = t.node_id LEFT JOIN calls c ON c.id = t.call_id""")).all()
+        derived = conn.execute(text("SELECT COUNT(*) FROM tensor_data WHERE norm IS NULL")).scalar()
+    assert len(got) == len(want)
+    for r in got:
+        row = dict(zip(stats.ROW_COLUMNS, r[6:]))
+        assert {k: repr(v) for k, v in row.items()} == {k: repr(v) for k, v in want[tuple(r[:6])].items()}, r[:6]
+    values = list(want.values())
+    assert sum(v["nan"] or 0 for v in values) > 0 and sum(v["posinf"] or 0 for v in values) > 0
+    assert sum(v["neginf"] or 0 for v in values) > 0
+    assert any(v["shape"] == "" for v in values) and any(v["numel"] == 0 for v in values)
+    assert any(v["status"] == 1 for v in values)  # x needs no gradient: a None slot of AddmmBackward0
+    assert any(v["checksum"] is not None for v in values)
+    assert 0 < derived < sum(v["norm"] is not None for v in values)  # some norms stored, some derived
