@@ -10,6 +10,7 @@ to lists. They return None, so they never change a gradient. PyTorch's node hook
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import threading
 import time
 import warnings
@@ -19,8 +20,8 @@ from . import _torch_private as tp
 from .graph import NodeInfo, describe, roots_of, walk
 from .options import Options
 from .saved import saved_tensors
-from .schema import ROLE
-from .stats import NONFINITE_COLUMNS, Measured, Measurer, measure, to_rows
+from .rows import LazyRows, call_rows, edge_rows, tensor_rows
+from .stats import NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, to_rows
 
 
 @dataclass
@@ -136,6 +137,8 @@ class PassRecorder:
         self.handles = []
         self.walk = None
         self.infos: list[NodeInfo] = []
+        self._node_of = None
+        self._trusted: list[bool] = []
         roots = roots_of(outputs)
         self.record.roots = len(roots)
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
@@ -155,14 +158,19 @@ class PassRecorder:
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
                         step.known[id(node)] = (node, self.infos[i]) + step.known[id(node)][2:]
+        self._node_of = self.walk.nodes if options.saved else None
+        # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
+        self._trusted = [info.kind in ("function", "accumulate_grad") for info in self.infos]
+        filtered = options.modules is not None or options.params is not None
         step.active.append(self)
         try:
+            prehook, hook = self._prehook, self._hook  # one bound method each; a partial per node adds the index
+            handles = self.handles
             for i, node in enumerate(self.walk.nodes):
-                if not self._wanted(self.infos[i].module, self.infos[i].param):
+                if filtered and not self._wanted(self.infos[i].module, self.infos[i].param):
                     continue
-                pre, post = self._hooks(i)
-                self.handles.append(node.register_prehook(pre))
-                self.handles.append(node.register_hook(post))
+                handles.append(node.register_prehook(partial(prehook, i)))
+                handles.append(node.register_hook(partial(hook, i)))
         except BaseException:
             for h in self.handles:
                 h.remove()
@@ -185,51 +193,48 @@ class PassRecorder:
             self.task = tid
         return tid == self.task
 
-    def _hooks(self, i: int):
-        measure_one = self.measurer
-        measured = self.measured
-        node = self.walk.nodes[i] if self.options.saved else None
-        # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
-        trusted = self.infos[i].kind in ("function", "accumulate_grad")
+    def _prehook(self, i: int, grad_outputs):
+        """Node i's prehook: a call starts; measure its grad_outputs (and saved tensors with saved=True)."""
+        try:
+            if not self._mine():
+                return None
+            measure_one = self.measurer
+            measured = self.measured
+            ms = [measure_one(g) for g in grad_outputs]
+            call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
+            for slot, m in enumerate(ms):
+                measured.append((call, _ROLE_OUT, slot, m))
+            if self._node_of is not None:  # record(saved=True): what the node keeps for its backward, alive here
+                for slot, (_name, t) in enumerate(saved_tensors(self._node_of[i])):
+                    measured.append((call, _ROLE_SAVED, slot, measure_one(t)))
+            self.open[i] = call
+            self.step.open_stack().append((self.record.number, call[1]))
+            call[2] = time.perf_counter() - self.t0
+            self.calls.append(call)
+        except Exception as exc:
+            self.step.fault("prehook", exc)
+        return None
 
-        def prehook(grad_outputs):
-            try:
-                if not self._mine():
-                    return None
-                ms = [measure_one(g) for g in grad_outputs]
-                call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
-                for slot, m in enumerate(ms):
-                    measured.append((call, _ROLE_OUT, slot, m))
-                if node is not None:  # record(saved=True): what the node keeps for its backward, still alive here
-                    for slot, (_name, t) in enumerate(saved_tensors(node)):
-                        measured.append((call, _ROLE_SAVED, slot, measure_one(t)))
-                self.open[i] = call
-                self.step.open_stack().append((self.record.number, call[1]))
-                call[2] = time.perf_counter() - self.t0
-                self.calls.append(call)
-            except Exception as exc:
-                self.step.fault("prehook", exc)
-            return None
-
-        def hook(grad_inputs, grad_outputs):
-            try:
-                t = time.perf_counter() - self.t0
-                if not self._mine():
-                    return None
-                call = self.open.pop(i, None)
-                if call is None:
-                    return None
-                call[3] = t - call[2]
-                stack = self.step.open_stack()
-                if stack and stack[-1] == (self.record.number, call[1]):
-                    stack.pop()
-                for slot, m in enumerate(measure_one.grad_inputs(grad_inputs, grad_outputs, call[4], call[5], trusted)):
-                    measured.append((call, _ROLE_IN, slot, m))
-            except Exception as exc:
-                self.step.fault("hook", exc)
-            return None
-
-        return prehook, hook
+    def _hook(self, i: int, grad_inputs, grad_outputs):
+        """Node i's hook: the call ends; measure its grad_inputs."""
+        try:
+            t = time.perf_counter() - self.t0
+            if not self._mine():
+                return None
+            call = self.open.pop(i, None)
+            if call is None:
+                return None
+            call[3] = t - call[2]
+            stack = self.step.open_stack()
+            if stack and stack[-1] == (self.record.number, call[1]):
+                stack.pop()
+            measured = self.measured
+            for slot, m in enumerate(self.measurer.grad_inputs(grad_inputs, grad_outputs, call[4], call[5],
+                                                               self._trusted[i])):
+                measured.append((call, _ROLE_IN, slot, m))
+        except Exception as exc:
+            self.step.fault("hook", exc)
+        return None
 
     # ---- after the engine returns ------------------------------------------------------------------------
     def finish(self, ok: bool) -> PassRecord:
@@ -261,20 +266,24 @@ class PassRecorder:
                     param_keys.append(key)
                     level = opts.param_level
                     self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad, level, checksum=take_checksum)))
-            rows = to_rows([m for _, _, _, m in self.measured])
             infos = self.infos
-            walked = {i.key for i in infos}
+            measured = self.measured
+            calls = self.calls
+            walked = {i.key for i in infos} if param_nodes else ()
             rec.nodes = list(infos) + [n for k, n in param_nodes.items() if k not in walked]
             if self.walk is not None:
-                rec.edges = [(infos[s].key, slot, infos[d].key, dslot) for s, slot, d, dslot in self.walk.edges]
-            rec.calls = [(infos[c[0]].key, c[1], c[2], c[3]) for c in self.calls]
-            keys = iter(param_keys)
-            tensors = []
-            for (call, role, slot, _), row in zip(self.measured, rows):
-                head = (next(keys), None) if call is None else (infos[call[0]].key, call[1])
-                tensors.append(head + (ROLE[role], slot) + row)
-            rec.tensors = tensors
-            rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+                edges = self.walk.edges
+                rec.edges = LazyRows(len(edges), lambda: edge_rows(edges, infos))
+            rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
+            if needs_transfer([m for _, _, _, m in measured]):
+                # results left in tensors (a device, or a non-finite CPU tensor): the pass's one host copy now,
+                # while the tensors are this pass's; the rows are then built from host values
+                rows = to_rows([m for _, _, _, m in measured])
+                rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+                rec.tensors = LazyRows(len(rows), lambda: tensor_rows(measured, infos, param_keys, rows))
+            else:  # host values only: the rows are built where they are first read (the writer thread)
+                rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
+                rec.tensors = LazyRows(len(measured), lambda: tensor_rows(measured, infos, param_keys))
             rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
         except Exception as exc:
             self.step.fault("end of pass", exc)
@@ -283,6 +292,7 @@ class PassRecorder:
             if self in self.step.active:
                 self.step.active.remove(self)
             self.walk = None
+            self._node_of = None
             self.measured = []
             self.calls = []
             self.measurer.clear()
