@@ -111,11 +111,13 @@ class PassRecorder:
         params: [(qualified name, Parameter)] of the recorded models.
         options: gradstore.options.Options (level, filters, saved=).
         frame_of: sequence_nr -> 'file:line in function' or None (record(frames=True)), else None.
+        owner_key: `ModuleTracker.signature()` of the tracker behind `owner` (lets `describe` reuse the keys
+            of an earlier pass over a graph of the same signature), or None.
     """
 
     def __init__(self, step: StepState, outputs, kind: str, create_graph: bool, retain_graph: bool,
                  inputs: int | None, owner, params: list[tuple[str, object]], options: Options,
-                 frame_of=None):
+                 frame_of=None, owner_key: tuple | None = None):
         self.step = step
         self.params = params
         self.options = options
@@ -149,7 +151,7 @@ class PassRecorder:
         self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
-        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope)
+        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope, owner_key)
         if frame_of is not None:
             for i, node in enumerate(self.walk.nodes):
                 info = self.infos[i]
