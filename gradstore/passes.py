@@ -21,7 +21,8 @@ from .graph import NodeInfo, describe, roots_of, walk
 from .options import Options
 from .saved import saved_tensors
 from .rows import LazyRows, call_rows, edge_rows, tensor_rows
-from .stats import NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, to_rows
+from .stats import (NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, shape_only,
+                    to_rows)
 
 
 @dataclass
@@ -97,6 +98,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+_task_id = tp.current_graph_task_id
 _ROLE_OUT, _ROLE_IN, _ROLE_PARAM, _ROLE_SAVED = "grad_output", "grad_input", "param_grad", "saved"
 
 
@@ -136,6 +138,7 @@ class PassRecorder:
         self.calls: list[list] = []  # [node index, seq, start, duration, grad_outputs' Measured, versions]
         self.measured: list[tuple[list | None, str, int, Measured]] = []  # (call, role, slot, Measured)
         self.measurer = Measurer(options.node_level or "full")
+        self._shape_only = self.measurer.shape_only
         self.handles = []
         self.walk = None
         self.infos: list[NodeInfo] = []
@@ -186,24 +189,29 @@ class PassRecorder:
         return opts.wants_module(module) and (param is None or opts.wants_param(param))
 
     # ---- the hot path ----------------------------------------------------------------------------------
-    def _mine(self) -> bool:
-        """True when the hook fires for this pass's own graph task (a nested pass shares AccumulateGrad nodes)."""
-        tid = tp.current_graph_task_id()
-        if self.task is None:
-            if any(p.task == tid for p in self.step.active if p is not self):
-                return False
-            self.task = tid
-        return tid == self.task
+    # a hook is this pass's when it fires for the pass's own graph task (a nested pass shares AccumulateGrad
+    # nodes): `tid == self.task`, or `_claim(tid)` at the pass's first hook
+    def _claim(self, tid: int) -> bool:
+        """The first hook of the pass: take graph task `tid` as this pass's unless another active pass has it."""
+        if self.task is not None or any(p.task == tid for p in self.step.active if p is not self):
+            return False
+        self.task = tid
+        return True
 
     def _prehook(self, i: int, grad_outputs):
         """Node i's prehook: a call starts; measure its grad_outputs (and saved tensors with saved=True)."""
         try:
-            if not self._mine():
+            tid = _task_id()
+            if tid != self.task and not self._claim(tid):
                 return None
             measure_one = self.measurer
             measured = self.measured
-            ms = [measure_one(g) for g in grad_outputs]
-            call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
+            if self._shape_only:  # no reductions: nothing to reuse, no versions to note
+                ms = [shape_only(g) for g in grad_outputs]
+                call = [i, self.step.next_seq(), 0.0, None, ms, None]
+            else:
+                ms = [measure_one(g) for g in grad_outputs]
+                call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
             for slot, m in enumerate(ms):
                 measured.append((call, _ROLE_OUT, slot, m))
             if self._node_of is not None:  # record(saved=True): what the node keeps for its backward, alive here
@@ -221,7 +229,8 @@ class PassRecorder:
         """Node i's hook: the call ends; measure its grad_inputs."""
         try:
             t = time.perf_counter() - self.t0
-            if not self._mine():
+            tid = _task_id()
+            if tid != self.task and not self._claim(tid):
                 return None
             call = self.open.pop(i, None)
             if call is None:
