@@ -71,22 +71,24 @@ class Walk:
 def walk(roots: list) -> Walk:
     """Visit every Node reachable from `roots` once; O(nodes + edges)."""
     w = Walk()
+    index = w.index
+    nodes = w.nodes
+    nexts_of = []  # each visited node's next_functions, read once
     stack = list(reversed(roots))
-    pending_edges = []
     while stack:
         node = stack.pop()
-        if id(node) in w.index:
+        if id(node) in index:
             continue
-        w.index[id(node)] = len(w.nodes)
-        w.nodes.append(node)
+        index[id(node)] = len(nodes)
+        nodes.append(node)
         nexts = node.next_functions
-        for slot, (nxt, input_nr) in enumerate(nexts):
-            if nxt is not None:
-                pending_edges.append((node, slot, nxt, input_nr))
+        nexts_of.append(nexts)
         for nxt, _ in reversed(nexts):
-            if nxt is not None and id(nxt) not in w.index:
+            if nxt is not None and id(nxt) not in index:
                 stack.append(nxt)
-    w.edges = [(w.index[id(s)], slot, w.index[id(d)], dslot) for s, slot, d, dslot in pending_edges]
+    w.edges = [(src, slot, index[id(nxt)], input_nr)
+               for src, nexts in enumerate(nexts_of)
+               for slot, (nxt, input_nr) in enumerate(nexts) if nxt is not None]
     return w
 
 

@@ -1,8 +1,10 @@
-"""One backward pass: walk its graph, hang a prehook and a hook on every Node, and turn what they saw into
-plain rows when the engine returns.
+"""One backward pass: walk its graph, hang a prehook and a hook on every Node, and hand what they saw to the
+step when the engine returns (the rows themselves are built where they are first read, normally on the
+writer thread: gradstore.rows).
 
-The hooks (the hot path) only measure tensors (gradstore.stats, reductions left on the device) and append
-to lists. They return None, so they never change a gradient. PyTorch's node hook signatures:
+The hooks (the hot path) only measure tensors (gradstore.stats, reductions left on the device; at level
+'shape' just the dtype and size) and append to lists. Each is one bound method shared by the pass, with the
+node's index bound by a `functools.partial`. They return None, so they never change a gradient. PyTorch's node hook signatures:
   prehook(grad_outputs)            -> gradients w.r.t. the forward op's outputs, flowing in
   hook(grad_inputs, grad_outputs)  -> grad_inputs: gradients w.r.t. the forward op's inputs, flowing out
 (`torch.autograd.graph.Node.register_prehook` / `register_hook`).
@@ -30,7 +32,11 @@ class PassRecord:
     """Everything recorded about one pass, as plain data for the writer.
 
     calls: (node key, seq, start seconds since pass start, duration seconds or None);
-    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS).
+    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS);
+    edges: (src key, src slot, dst key, dst slot).
+    At the end of a pass, calls, tensors and edges are `gradstore.rows.LazyRows`: their length is known at
+    once, the tuples are built on first read (by the writer, on its thread). Any of them may be replaced by a
+    plain list.
     reachable: how many nodes the walk reached from the roots (`nodes` also lists the AccumulateGrad nodes of
     parameters the pass did not reach, for their param_grad rows).
     """
