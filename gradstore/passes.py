@@ -282,7 +282,8 @@ class PassRecorder:
                     param_nodes[key] = NodeInfo(key, "AccumulateGrad", "accumulate_grad", module, name)
                     param_keys.append(key)
                     level = opts.param_level
-                    self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad, level, checksum=take_checksum)))
+                    m = shape_only(p.grad) if level == "shape" else measure(p.grad, level, checksum=take_checksum)
+                    self.measured.append((None, _ROLE_PARAM, 0, m))
             infos = self.infos
             measured = self.measured
             calls = self.calls
@@ -297,7 +298,8 @@ class PassRecorder:
                 # while the tensors are this pass's; the rows are then built from host values
                 rows = to_rows([m for _, _, _, m in measured])
                 rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
-                rec.tensors = LazyRows(len(rows), lambda: tensor_rows(measured, infos, param_keys, rows))
+                heads = [(c, role, slot, None) for c, role, slot, _ in measured]  # no device tensor kept
+                rec.tensors = LazyRows(len(rows), lambda: tensor_rows(heads, infos, param_keys, rows))
             else:  # host values only: the rows are built where they are first read (the writer thread)
                 rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
                 rec.tensors = LazyRows(len(measured), lambda: tensor_rows(measured, infos, param_keys))

@@ -150,3 +150,35 @@ def test_pass_record_rows_wait_for_the_writer(level, tmp_path):
         assert pg.loc["bias", "norm"] == pytest.approx(math.sqrt(2) * 5)  # d sum / d bias = 5 per output
     else:
         assert pd.isna(pg.loc["bias", "norm"])  # shape: no statistics
+
+
+def test_results_left_in_tensors_are_copied_at_the_end_of_the_pass(tmp_path):
+    """A non-finite CPU gradient takes the masked path (a tensor of results): the pass makes its host copy at
+    once (so the pass knows it is non-finite; the row tuples still wait for the writer), the step is
+    'nonfinite', and the stored counts are the tensor's own."""
+    import gradstore.writer as gw
+
+    seen = []
+    original = gw.Writer.submit
+
+    def submit(self, batch, *a, **kw):
+        seen.extend((p.tensors.built, p.nonfinite) for p in batch.passes)
+        return original(self, batch, *a, **kw)
+
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    holder = torch.nn.Module()
+    holder.w = w
+    scale = torch.tensor([math.inf, 1.0, math.nan])
+    gw.Writer.submit = submit
+    try:
+        with gradstore.record("masked", db=str(tmp_path / "g.db"), model=holder):
+            (w * scale).sum().backward()
+    finally:
+        gw.Writer.submit = original
+    assert seen == [(False, True)]
+    store = gradstore.open(str(tmp_path / "g.db"))
+    assert list(store.steps("masked").status) == ["nonfinite"]
+    pg = store.tensors("masked", role="param_grad").iloc[0]
+    grad = w.grad  # [inf, 1, nan]
+    assert (pg.nan, pg.posinf, pg.neginf) == (int(grad.isnan().sum()), int(grad.isposinf().sum()), 0)
+    assert pg["min"] == pg["max"] == 1.0 and pg["shape"] == "3"
