@@ -115,17 +115,17 @@ def _signature(w: Walk, param_names: dict[int, str], owner_key: tuple) -> tuple:
     and its sequence_nr relative to the first module boundary; and the module boundaries (`owner_key`, see
     `ModuleTracker.signature`), relative to the same base, on which `owner` depends."""
     base = owner_key[0]
-    parts = []
-    append = parts.append
+    parts = []  # three items per node, flat: one tuple in all rather than one per node
+    extend = parts.extend
     sequence_nr = tp.sequence_nr
     for node in w.nodes:
         name = node.name()
         if name.endswith(ACCUMULATE_GRAD):
             var = getattr(node, "variable", None)
-            append((name, type(node), param_names.get(id(var)) if var is not None else None))
+            extend((name, type(node), param_names.get(id(var)) if var is not None else None))
         else:
             seq = sequence_nr(node)
-            append((name, type(node), seq - base if seq >= 0 else None))
+            extend((name, type(node), seq - base if seq >= 0 else None))
     return tuple(parts), owner_key[1]
 
 
