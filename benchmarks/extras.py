@@ -70,6 +70,8 @@ def _timed(owner, attr: str, sink: dict, key: str, cpu: dict | None = None):
 
 
 WRITER_ROWS = "rows built on the writer thread (not on the training thread)"
+PARAM_STATS = "↳ of which parameter-gradient statistics (`measure`, the reductions)"
+RELEASE = "↳ of which the graph's release (the `none` step frees it too, when the loss dies)"
 
 
 def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None, stats: str = "full") -> dict:
@@ -96,9 +98,12 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None,
                                    cpu))
         stack.enter_context(_timed(passes.PassRecorder, "finish", totals,
                                    "end of pass (hook removal, parameter-gradient statistics, transfer)", cpu))
+        stack.enter_context(_timed(passes, "measure", totals, PARAM_STATS, cpu))
         stack.enter_context(_timed(passes, "to_rows", totals,
                                    "↳ of which `to_rows` (host transfer of device-resident results)", cpu))
         stack.enter_context(_timed(recorder.record, "_end_step", totals, "end of step (hand-off to writer)", cpu))
+        if hasattr(passes, "StepState"):
+            stack.enter_context(_timed(passes.StepState, "release", totals, RELEASE, cpu))
         for name in ("tensor_rows", "call_rows", "edge_rows"):  # built lazily, where first read
             if hasattr(passes, name):
                 stack.enter_context(_timed(passes, name, writer, WRITER_ROWS))
@@ -108,7 +113,7 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None,
             per_step.append(time.perf_counter() - t0)
             rec.flush()
     missing = totals.pop("missing", []) + writer.pop("missing", [])
-    order = ["scope entry", "pass start", "end of pass", "↳", "end of step"]
+    order = ["scope entry", "pass start", "end of pass", "↳ of which parameter", "↳ of which `to_rows`", "end of step", "↳ of which the graph"]
     parts = {k: totals[k] / steps for k in sorted(totals, key=lambda k: next(
         (i for i, o in enumerate(order) if k.startswith(o)), len(order)))}
     out = {"parts_s": parts, "cpu_s": {k: cpu.get(k, 0.0) / steps for k in parts}, "missing": missing,
