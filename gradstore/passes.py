@@ -243,9 +243,13 @@ class PassRecorder:
                 return None
             call[3] = t - call[2]
             stack = self.step.open_stack()
-            if stack and stack[-1] == (self.record.number, call[1]):
+            if stack and stack[-1][1] == call[1] and stack[-1][0] == self.record.number:
                 stack.pop()
             measured = self.measured
+            if self._shape_only:  # no reductions: each grad_input's dtype and size
+                for slot, g in enumerate(grad_inputs):
+                    measured.append((call, _ROLE_IN, slot, shape_only(g)))
+                return None
             for slot, m in enumerate(self.measurer.grad_inputs(grad_inputs, grad_outputs, call[4], call[5],
                                                                self._trusted[i])):
                 measured.append((call, _ROLE_IN, slot, m))
