@@ -182,3 +182,25 @@ def test_results_left_in_tensors_are_copied_at_the_end_of_the_pass(tmp_path):
     grad = w.grad  # [inf, 1, nan]
     assert (pg.nan, pg.posinf, pg.neginf) == (int(grad.isnan().sum()), int(grad.isposinf().sum()), 0)
     assert pg["min"] == pg["max"] == 1.0 and pg["shape"] == "3"
+
+
+def test_shape_level_rows_match_the_full_levels_dtype_shape_and_numel(tmp_path):
+    """The same step recorded at 'shape' (shape_only on the hot path) and at 'full' (measure): every tensor row
+    has the same node, call, role, slot, status, dtype, shape and numel; and the shapes are the tensors' own."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    x = torch.randn(5, 4)
+    cols = ["key", "seq", "role", "slot", "status", "dtype", "shape", "numel"]
+    got = {}
+    for level in ("shape", "full"):
+        db = str(tmp_path / f"{level}.db")
+        with gradstore.record(level, db=db, model=model, stats=level):
+            (model(x).double() ** 2).sum().backward()
+        t = gradstore.open(db).tensors(level)
+        got[level] = sorted(tuple(str(v) for v in row) for row in t[cols].itertuples(index=False))
+        model.zero_grad(set_to_none=True)
+    assert got["shape"] == got["full"] and len(got["shape"]) > 20
+    rows = {(r[0], r[2]): r for r in got["shape"]}
+    assert rows[("param:0.weight", "param_grad")][5:] == ("float32", "3,4", "12.0")
+    assert rows[("param:2.bias", "param_grad")][5:] == ("float32", "2", "2.0")
+    assert any(r[4] == "none" for r in got["shape"])  # x needs no gradient: a None grad_input slot
