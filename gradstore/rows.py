@@ -9,6 +9,7 @@ on the writer thread.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Callable
 
@@ -26,13 +27,14 @@ class LazyRows(Sequence):
     Compares equal to a list with the same items. Thread-safe: concurrent first reads build once.
     """
 
-    __slots__ = ("_len", "_build", "_rows", "_lock")
+    __slots__ = ("_len", "_build", "_rows", "_lock", "fault")
 
     def __init__(self, length: int, build: Callable[[], list]):
         self._len = length
         self._build = build
         self._rows: list | None = None
         self._lock = threading.Lock()
+        self.fault: str | None = None
 
     @classmethod
     def of(cls, rows: list) -> "LazyRows":
@@ -42,14 +44,21 @@ class LazyRows(Sequence):
         return lazy
 
     def rows(self) -> list:
-        """The built rows (a list; built now if they were not yet)."""
+        """The built rows (a list; built now if they were not yet). A fault while building them (a recorder
+        bug) never reaches the writer: it is warned about, and the rows are an empty list (`fault` holds
+        the text), so the step's other rows are still written. `len()` stays the count given at creation
+        (the writer's queue counts a step's rows on submit and again when it is written)."""
         rows = self._rows
         if rows is None:
             with self._lock:
                 if self._rows is None:
-                    built = self._build()
-                    if len(built) != self._len:  # a bug in the caller's count: trust the rows
-                        self._len = len(built)
+                    try:
+                        built = self._build()
+                    except Exception as exc:
+                        self.fault = f"{type(exc).__name__}: {exc}"[:500]
+                        warnings.warn(f"gradstore: recorder fault (rows not built): {self.fault}", RuntimeWarning,
+                                      stacklevel=2)
+                        built = []
                     self._rows, self._build = built, None
                 rows = self._rows
         return rows

@@ -204,3 +204,13 @@ def test_shape_level_rows_match_the_full_levels_dtype_shape_and_numel(tmp_path):
     assert rows[("param:0.weight", "param_grad")][5:] == ("float32", "3,4", "12.0")
     assert rows[("param:2.bias", "param_grad")][5:] == ("float32", "2", "2.0")
     assert any(r[4] == "none" for r in got["shape"])  # x needs no gradient: a None grad_input slot
+
+
+def test_lazy_rows_fault_is_an_empty_list_and_a_warning():
+    def broken():
+        raise KeyError("no such node")
+
+    lazy = grows.LazyRows(3, broken)
+    with pytest.warns(RuntimeWarning, match="rows not built"):
+        assert list(lazy) == []
+    assert len(lazy) == 3 and "KeyError" in lazy.fault  # the writer's queue accounting sees the same count
