@@ -44,7 +44,9 @@ def counts_from_store(db: Path, run: str) -> dict:
 
 # ---- the training thread outside the hooks -----------------------------------------------------------------
 @contextlib.contextmanager
-def _timed(owner, attr: str, sink: dict, key: str):
+def _timed(owner, attr: str, sink: dict, key: str, cpu: dict | None = None):
+    """Wrap owner.attr with a timer adding wall seconds to sink[key] (and the calling thread's CPU seconds to
+    cpu[key]: wall minus CPU is time the thread waited, for the GIL or a core)."""
     fn = getattr(owner, attr, None)
     if fn is None:
         sink.setdefault("missing", []).append(f"{owner.__name__}.{attr}")
@@ -52,11 +54,13 @@ def _timed(owner, attr: str, sink: dict, key: str):
         return
 
     def wrapper(*a, **kw):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*a, **kw)
         finally:
             sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
+            if cpu is not None:
+                cpu[key] = cpu.get(key, 0.0) + time.thread_time() - c0
 
     setattr(owner, attr, wrapper)
     try:
@@ -65,37 +69,56 @@ def _timed(owner, attr: str, sink: dict, key: str):
         setattr(owner, attr, fn)
 
 
-def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None) -> dict:
-    """Time spent by the training thread in gradstore code that is not a hook, per step (stats=full):
+WRITER_ROWS = "rows built on the writer thread (not on the training thread)"
+PARAM_STATS = "↳ of which parameter-gradient statistics (`measure`, the reductions)"
+RELEASE = "↳ of which the graph's release (the `none` step frees it too, when the loss dies)"
+
+
+def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None, stats: str = "full") -> dict:
+    """Time spent by the training thread in gradstore code that is not a hook, per step (stats=`stats`):
     scope entry (decorator), pass start (graph walk, hook registration), end of pass (hook removal,
-    parameter gradients, the one host transfer, rows; `to_rows` also on its own), end of step (StepBatch,
-    hand-off to the writer)."""
+    parameter gradients, the host transfer where results are in device tensors: `to_rows` also on its
+    own), end of step (StepBatch, hand-off to the writer); with the training thread's CPU seconds of each
+    (`cpu_s`; wall minus CPU: waits for the GIL or a core). Also, apart: the rows the writer thread builds
+    (`writer_rows_s`, not training-thread time)."""
     import gradstore
     from gradstore import passes, recorder
 
-    rec = gradstore.record("outside-hooks", db=str(db), model=bench.model)
+    rec = gradstore.record("outside-hooks", db=str(db), model=bench.model, stats=stats)
     fn = rec(train_step)
     fn(bench.model, bench)  # warm-up
     rec.flush()
     totals: dict = {}
+    cpu: dict = {}
+    writer: dict = {}
     per_step = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_timed(recorder.record, "_enter", totals, "scope entry"))
-        stack.enter_context(_timed(passes.PassRecorder, "__init__", totals, "pass start (walk, register hooks)"))
+        stack.enter_context(_timed(recorder.record, "_enter", totals, "scope entry", cpu))
+        stack.enter_context(_timed(passes.PassRecorder, "__init__", totals, "pass start (walk, register hooks)",
+                                   cpu))
         stack.enter_context(_timed(passes.PassRecorder, "finish", totals,
-                                   "end of pass (hook removal, parameter-gradient statistics, transfer, rows)"))
-        stack.enter_context(_timed(passes, "to_rows", totals, "↳ of which `to_rows` (the host transfer, rows)"))
-        stack.enter_context(_timed(recorder.record, "_end_step", totals, "end of step (hand-off to writer)"))
+                                   "end of pass (hook removal, parameter-gradient statistics, transfer)", cpu))
+        stack.enter_context(_timed(passes, "measure", totals, PARAM_STATS, cpu))
+        stack.enter_context(_timed(passes, "to_rows", totals,
+                                   "↳ of which `to_rows` (host transfer of device-resident results)", cpu))
+        stack.enter_context(_timed(recorder.record, "_end_step", totals, "end of step (hand-off to writer)", cpu))
+        if hasattr(passes, "StepState"):
+            stack.enter_context(_timed(passes.StepState, "release", totals, RELEASE, cpu))
+        for name in ("tensor_rows", "call_rows", "edge_rows"):  # built lazily, where first read
+            if hasattr(passes, name):
+                stack.enter_context(_timed(passes, name, writer, WRITER_ROWS))
         for _ in range(steps):
             t0 = time.perf_counter()
             fn(bench.model, bench)
             per_step.append(time.perf_counter() - t0)
             rec.flush()
-    missing = totals.pop("missing", [])
-    order = ["scope entry", "pass start", "end of pass", "↳", "end of step"]
+    missing = totals.pop("missing", []) + writer.pop("missing", [])
+    order = ["scope entry", "pass start", "end of pass", "↳ of which parameter", "↳ of which `to_rows`", "end of step", "↳ of which the graph"]
     parts = {k: totals[k] / steps for k in sorted(totals, key=lambda k: next(
         (i for i, o in enumerate(order) if k.startswith(o)), len(order)))}
-    out = {"parts_s": parts, "missing": missing, "step_s": median(per_step), "none_step_s": none_step_s}
+    out = {"parts_s": parts, "cpu_s": {k: cpu.get(k, 0.0) / steps for k in parts}, "missing": missing,
+           "step_s": median(per_step), "none_step_s": none_step_s, "stats": stats,
+           "writer_rows_s": writer.get(WRITER_ROWS, 0.0) / steps}
     handoff = sum(v for k, v in parts.items() if k.startswith(("end of pass", "end of step")))
     if none_step_s:
         out["handoff_fraction"] = handoff / none_step_s

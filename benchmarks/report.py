@@ -5,6 +5,7 @@ from __future__ import annotations
 RATIO_TARGETS = {"full": 1.10, "health": 1.05, "params": 1.02, "shape": 1.02}
 WRITER_ROWS_PER_S = 150_000
 HANDOFF_FRACTION = 0.02
+WRITER_ROWS_LABEL = "(rows built on the writer thread, not on the training thread)"
 BYTES_PER_ROW = 80
 QUERY_S = 1.0
 OPEN_S = 0.2
@@ -228,7 +229,7 @@ def render(results: dict) -> str:
 
     o = results.get("outside")
     if o:
-        L += ["## The training thread outside the hooks (full, 1 thread)", ""]
+        L += [f"## The training thread outside the hooks ({o.get('stats', 'full')}, 1 thread)", ""]
         if "error" in o:
             L += [f"n/a: {o['error']}", ""]
         else:
@@ -236,15 +237,22 @@ def render(results: dict) -> str:
                   f"per step, and as a share of the `none` step ({_ms(o.get('none_step_s'))} ms). "
                   "Issue 3's ≤ 2 % is for the end-of-pass transfer and the hand-off (the two `end of` rows); "
                   "`end of pass` also holds the statistics of the parameter gradients (reductions, done there "
-                  "rather than in a hook), so the bold row is an upper bound on transfer + hand-off.", ""]
-            rows = [[k, f"{v * 1e3:.2f}", f"{100 * o.get('fractions', {}).get(k, 0):.2f} %"]
+                  "rather than in a hook), so the bold row is an upper bound on transfer + hand-off. "
+                  "*of which CPU*: the training thread's CPU time in that part; the rest it waited (for the GIL, "
+                  "which the woken writer thread may take, or for a core). The rows themselves are built on the "
+                  "writer thread, where they are first read: shown apart, not training-thread time.", ""]
+            cpu = o.get("cpu_s", {})
+            rows = [[k, f"{v * 1e3:.2f}", f"{cpu[k] * 1e3:.2f}" if k in cpu else "",
+                     f"{100 * o.get('fractions', {}).get(k, 0):.2f} %"]
                     for k, v in o["parts_s"].items()]
             if o.get("handoff_fraction") is not None:
                 rows.append(["**end of pass + end of step**",
-                             f"{1e3 * o['handoff_fraction'] * o['none_step_s']:.2f}",
+                             f"{1e3 * o['handoff_fraction'] * o['none_step_s']:.2f}", "",
                              f"{100 * o['handoff_fraction']:.2f} % — target ≤ 2 %: "
                              + at_most(100 * o["handoff_fraction"], 100 * HANDOFF_FRACTION, " %")])
-            L += _table(["part", "ms / step", "share of the none step"], rows)
+            if o.get("writer_rows_s") is not None:
+                rows.append([WRITER_ROWS_LABEL, f"{o['writer_rows_s'] * 1e3:.2f}", "", ""])
+            L += _table(["part", "ms / step", "of which CPU (ms)", "share of the none step"], rows)
             if o.get("missing"):
                 L += ["", "Not found (renamed?): " + ", ".join(o["missing"])]
             L.append("")

@@ -71,22 +71,24 @@ class Walk:
 def walk(roots: list) -> Walk:
     """Visit every Node reachable from `roots` once; O(nodes + edges)."""
     w = Walk()
+    index = w.index
+    nodes = w.nodes
+    nexts_of = []  # each visited node's next_functions, read once
     stack = list(reversed(roots))
-    pending_edges = []
     while stack:
         node = stack.pop()
-        if id(node) in w.index:
+        if id(node) in index:
             continue
-        w.index[id(node)] = len(w.nodes)
-        w.nodes.append(node)
+        index[id(node)] = len(nodes)
+        nodes.append(node)
         nexts = node.next_functions
-        for slot, (nxt, input_nr) in enumerate(nexts):
-            if nxt is not None:
-                pending_edges.append((node, slot, nxt, input_nr))
+        nexts_of.append(nexts)
         for nxt, _ in reversed(nexts):
-            if nxt is not None and id(nxt) not in w.index:
+            if nxt is not None and id(nxt) not in index:
                 stack.append(nxt)
-    w.edges = [(w.index[id(s)], slot, w.index[id(d)], dslot) for s, slot, d, dslot in pending_edges]
+    w.edges = [(src, slot, index[id(nxt)], input_nr)
+               for src, nexts in enumerate(nexts_of)
+               for slot, (nxt, input_nr) in enumerate(nexts) if nxt is not None]
     return w
 
 
@@ -102,8 +104,33 @@ class NodeInfo:
     frame: str | None = None  # 'file:line in function' of the user code that created it (record(frames=True))
 
 
+_MEMO: dict = {}  # signature of a fresh pass -> (its NodeInfos, its key scope as items)
+_MEMO_SIZE = 32
+
+
+def _signature(w: Walk, param_names: dict[int, str], owner_key: tuple) -> tuple:
+    """Everything `describe` reads of a fresh pass (none of its nodes known, no parent scope), as a hashable value that
+    holds no graph object: per node in walk order its raw name and, for an AccumulateGrad node, the name of
+    its parameter (leaves are keyed by walk order, which the position gives), for any other node its class
+    and its sequence_nr relative to the first module boundary; and the module boundaries (`owner_key`, see
+    `ModuleTracker.signature`), relative to the same base, on which `owner` depends."""
+    base = owner_key[0]
+    parts = []  # three items per node, flat: one tuple in all rather than one per node
+    extend = parts.extend
+    sequence_nr = tp.sequence_nr
+    for node in w.nodes:
+        name = node.name()
+        if name.endswith(ACCUMULATE_GRAD):
+            var = getattr(node, "variable", None)
+            extend((name, type(node), param_names.get(id(var)) if var is not None else None))
+        else:
+            seq = sequence_nr(node)
+            extend((name, type(node), seq - base if seq >= 0 else None))
+    return tuple(parts), owner_key[1]
+
+
 def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple],
-             parent_scope: dict | None = None) -> list[NodeInfo]:
+             parent_scope: dict | None = None, owner_key: tuple | None = None) -> list[NodeInfo]:
     """Give every walked node a `NodeInfo`, with keys 'module/Name#ordinal' or 'param:qualified.name'.
 
     Args:
@@ -113,12 +140,26 @@ def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple
         known: id(node) -> (node, NodeInfo, scope) for nodes already keyed earlier in this step (a second
             pass over the same graph, double backward); updated in place.
         parent_scope: the key scope of the enclosing pass, for a nested pass (reentrant checkpoint).
+        owner_key: `ModuleTracker.signature()` of the tracker behind `owner`, or None. When given, a fresh
+            pass (none of its nodes known, no parent scope) whose graph has the same signature as an earlier one (the
+            same code, step after step) reuses that pass's NodeInfos: the same keys as computing them again.
     The ordinal of a node counts the nodes of the same name and module in forward order (`sequence_nr`,
     then walk order) within a key scope. A pass whose graph reuses nodes keyed earlier in this step (other
     than AccumulateGrad nodes: double backward, a second pass over a retained graph) continues their scope,
     and a nested pass continues its parent's; a fresh graph starts a new scope. So two different nodes of one
     graph lineage never share a key, while micro-batches and steps of the same code give the same keys.
     """
+    memo_key = None
+    if owner_key is not None and parent_scope is None and not any(id(n) in known for n in w.nodes):
+        memo_key = _signature(w, param_names, owner_key)
+        hit = _MEMO.get(memo_key)
+        if hit is not None:
+            cached, scope_items = hit
+            scope = dict(scope_items)
+            for node, info in zip(w.nodes, cached):
+                known[id(node)] = (node, info, scope)
+            w.scope = scope
+            return list(cached)
     infos: list[NodeInfo | None] = [None] * len(w.nodes)
     groups: dict[tuple[str, str], list[tuple[int, int]]] = {}
     scope = parent_scope
@@ -161,4 +202,8 @@ def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple
         if id(node) not in known:
             known[id(node)] = (node, infos[i], scope)
     w.scope = scope
+    if memo_key is not None:
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.clear()
+        _MEMO[memo_key] = (tuple(infos), tuple(scope.items()))
     return infos  # type: ignore[return-value]

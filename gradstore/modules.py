@@ -100,6 +100,16 @@ class ModuleTracker:
         self._seqs.clear()
         self._owners.clear()
 
+    def signature(self) -> tuple | None:
+        """What `owner` depends on, as (base, value): the module boundaries seen so far with their sequence
+        numbers relative to the first (`base`); two trackers with equal values give equal owners to sequence
+        numbers equal relative to their bases. None when the sequence counter is unreadable."""
+        if not tp.has_sequence_nr():
+            return None
+        seqs = self._seqs
+        base = seqs[0] if seqs else 0
+        return base, (tuple([s - base for s in seqs]), tuple(self._owners))
+
     def owner(self, sequence_nr: int) -> str:
         """Qualified name of the innermost module that was running when `sequence_nr` was handed out, or ''."""
         if sequence_nr < 0:

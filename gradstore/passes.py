@@ -1,8 +1,10 @@
-"""One backward pass: walk its graph, hang a prehook and a hook on every Node, and turn what they saw into
-plain rows when the engine returns.
+"""One backward pass: walk its graph, hang a prehook and a hook on every Node, and hand what they saw to the
+step when the engine returns (the rows themselves are built where they are first read, normally on the
+writer thread: gradstore.rows).
 
-The hooks (the hot path) only measure tensors (gradstore.stats, reductions left on the device) and append
-to lists. They return None, so they never change a gradient. PyTorch's node hook signatures:
+The hooks (the hot path) only measure tensors (gradstore.stats, reductions left on the device; at level
+'shape' just the dtype and size) and append to lists. Each is one bound method shared by the pass, with the
+node's index bound by a `functools.partial`. They return None, so they never change a gradient. PyTorch's node hook signatures:
   prehook(grad_outputs)            -> gradients w.r.t. the forward op's outputs, flowing in
   hook(grad_inputs, grad_outputs)  -> grad_inputs: gradients w.r.t. the forward op's inputs, flowing out
 (`torch.autograd.graph.Node.register_prehook` / `register_hook`).
@@ -10,6 +12,7 @@ to lists. They return None, so they never change a gradient. PyTorch's node hook
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import threading
 import time
 import warnings
@@ -19,8 +22,9 @@ from . import _torch_private as tp
 from .graph import NodeInfo, describe, roots_of, walk
 from .options import Options
 from .saved import saved_tensors
-from .schema import ROLE
-from .stats import NONFINITE_COLUMNS, Measured, Measurer, measure, to_rows
+from .rows import LazyRows, call_rows, edge_rows, tensor_rows
+from .stats import (NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, shape_only,
+                    to_rows)
 
 
 @dataclass
@@ -28,7 +32,11 @@ class PassRecord:
     """Everything recorded about one pass, as plain data for the writer.
 
     calls: (node key, seq, start seconds since pass start, duration seconds or None);
-    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS).
+    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS);
+    edges: (src key, src slot, dst key, dst slot).
+    At the end of a pass, calls, tensors and edges are `gradstore.rows.LazyRows`: their length is known at
+    once, the tuples are built on first read (by the writer, on its thread). Any of them may be replaced by a
+    plain list.
     reachable: how many nodes the walk reached from the roots (`nodes` also lists the AccumulateGrad nodes of
     parameters the pass did not reach, for their param_grad rows).
     """
@@ -96,6 +104,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+_task_id = tp.current_graph_task_id
 _ROLE_OUT, _ROLE_IN, _ROLE_PARAM, _ROLE_SAVED = "grad_output", "grad_input", "param_grad", "saved"
 
 
@@ -110,11 +119,13 @@ class PassRecorder:
         params: [(qualified name, Parameter)] of the recorded models.
         options: gradstore.options.Options (level, filters, saved=).
         frame_of: sequence_nr -> 'file:line in function' or None (record(frames=True)), else None.
+        owner_key: `ModuleTracker.signature()` of the tracker behind `owner` (lets `describe` reuse the keys
+            of an earlier pass over a graph of the same signature), or None.
     """
 
     def __init__(self, step: StepState, outputs, kind: str, create_graph: bool, retain_graph: bool,
                  inputs: int | None, owner, params: list[tuple[str, object]], options: Options,
-                 frame_of=None):
+                 frame_of=None, owner_key: tuple | None = None):
         self.step = step
         self.params = params
         self.options = options
@@ -133,9 +144,12 @@ class PassRecorder:
         self.calls: list[list] = []  # [node index, seq, start, duration, grad_outputs' Measured, versions]
         self.measured: list[tuple[list | None, str, int, Measured]] = []  # (call, role, slot, Measured)
         self.measurer = Measurer(options.node_level or "full")
+        self._shape_only = self.measurer.shape_only
         self.handles = []
         self.walk = None
         self.infos: list[NodeInfo] = []
+        self._node_of = None
+        self._trusted: list[bool] = []
         roots = roots_of(outputs)
         self.record.roots = len(roots)
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
@@ -146,7 +160,7 @@ class PassRecorder:
         self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
-        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope)
+        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope, owner_key)
         if frame_of is not None:
             for i, node in enumerate(self.walk.nodes):
                 info = self.infos[i]
@@ -155,14 +169,19 @@ class PassRecorder:
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
                         step.known[id(node)] = (node, self.infos[i]) + step.known[id(node)][2:]
+        self._node_of = self.walk.nodes if options.saved else None
+        # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
+        self._trusted = [info.kind in ("function", "accumulate_grad") for info in self.infos]
+        filtered = options.modules is not None or options.params is not None
         step.active.append(self)
         try:
+            prehook, hook = self._prehook, self._hook  # one bound method each; a partial per node adds the index
+            handles = self.handles
             for i, node in enumerate(self.walk.nodes):
-                if not self._wanted(self.infos[i].module, self.infos[i].param):
+                if filtered and not self._wanted(self.infos[i].module, self.infos[i].param):
                     continue
-                pre, post = self._hooks(i)
-                self.handles.append(node.register_prehook(pre))
-                self.handles.append(node.register_hook(post))
+                handles.append(node.register_prehook(partial(prehook, i)))
+                handles.append(node.register_hook(partial(hook, i)))
         except BaseException:
             for h in self.handles:
                 h.remove()
@@ -176,60 +195,67 @@ class PassRecorder:
         return opts.wants_module(module) and (param is None or opts.wants_param(param))
 
     # ---- the hot path ----------------------------------------------------------------------------------
-    def _mine(self) -> bool:
-        """True when the hook fires for this pass's own graph task (a nested pass shares AccumulateGrad nodes)."""
-        tid = tp.current_graph_task_id()
-        if self.task is None:
-            if any(p.task == tid for p in self.step.active if p is not self):
-                return False
-            self.task = tid
-        return tid == self.task
+    # a hook is this pass's when it fires for the pass's own graph task (a nested pass shares AccumulateGrad
+    # nodes): `tid == self.task`, or `_claim(tid)` at the pass's first hook
+    def _claim(self, tid: int) -> bool:
+        """The first hook of the pass: take graph task `tid` as this pass's unless another active pass has it."""
+        if self.task is not None or any(p.task == tid for p in self.step.active if p is not self):
+            return False
+        self.task = tid
+        return True
 
-    def _hooks(self, i: int):
-        measure_one = self.measurer
-        measured = self.measured
-        node = self.walk.nodes[i] if self.options.saved else None
-        # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
-        trusted = self.infos[i].kind in ("function", "accumulate_grad")
-
-        def prehook(grad_outputs):
-            try:
-                if not self._mine():
-                    return None
+    def _prehook(self, i: int, grad_outputs):
+        """Node i's prehook: a call starts; measure its grad_outputs (and saved tensors with saved=True)."""
+        try:
+            tid = _task_id()
+            if tid != self.task and not self._claim(tid):
+                return None
+            measure_one = self.measurer
+            measured = self.measured
+            if self._shape_only:  # no reductions: nothing to reuse, no versions to note
+                ms = [shape_only(g) for g in grad_outputs]
+                call = [i, self.step.next_seq(), 0.0, None, ms, None]
+            else:
                 ms = [measure_one(g) for g in grad_outputs]
                 call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
-                for slot, m in enumerate(ms):
-                    measured.append((call, _ROLE_OUT, slot, m))
-                if node is not None:  # record(saved=True): what the node keeps for its backward, still alive here
-                    for slot, (_name, t) in enumerate(saved_tensors(node)):
-                        measured.append((call, _ROLE_SAVED, slot, measure_one(t)))
-                self.open[i] = call
-                self.step.open_stack().append((self.record.number, call[1]))
-                call[2] = time.perf_counter() - self.t0
-                self.calls.append(call)
-            except Exception as exc:
-                self.step.fault("prehook", exc)
-            return None
+            for slot, m in enumerate(ms):
+                measured.append((call, _ROLE_OUT, slot, m))
+            if self._node_of is not None:  # record(saved=True): what the node keeps for its backward, alive here
+                for slot, (_name, t) in enumerate(saved_tensors(self._node_of[i])):
+                    measured.append((call, _ROLE_SAVED, slot, measure_one(t)))
+            self.open[i] = call
+            self.step.open_stack().append((self.record.number, call[1]))
+            call[2] = time.perf_counter() - self.t0
+            self.calls.append(call)
+        except Exception as exc:
+            self.step.fault("prehook", exc)
+        return None
 
-        def hook(grad_inputs, grad_outputs):
-            try:
-                t = time.perf_counter() - self.t0
-                if not self._mine():
-                    return None
-                call = self.open.pop(i, None)
-                if call is None:
-                    return None
-                call[3] = t - call[2]
-                stack = self.step.open_stack()
-                if stack and stack[-1] == (self.record.number, call[1]):
-                    stack.pop()
-                for slot, m in enumerate(measure_one.grad_inputs(grad_inputs, grad_outputs, call[4], call[5], trusted)):
-                    measured.append((call, _ROLE_IN, slot, m))
-            except Exception as exc:
-                self.step.fault("hook", exc)
-            return None
-
-        return prehook, hook
+    def _hook(self, i: int, grad_inputs, grad_outputs):
+        """Node i's hook: the call ends; measure its grad_inputs."""
+        try:
+            t = time.perf_counter() - self.t0
+            tid = _task_id()
+            if tid != self.task and not self._claim(tid):
+                return None
+            call = self.open.pop(i, None)
+            if call is None:
+                return None
+            call[3] = t - call[2]
+            stack = self.step.open_stack()
+            if stack and stack[-1][1] == call[1] and stack[-1][0] == self.record.number:
+                stack.pop()
+            measured = self.measured
+            if self._shape_only:  # no reductions: each grad_input's dtype and size
+                for slot, g in enumerate(grad_inputs):
+                    measured.append((call, _ROLE_IN, slot, shape_only(g)))
+                return None
+            for slot, m in enumerate(self.measurer.grad_inputs(grad_inputs, grad_outputs, call[4], call[5],
+                                                               self._trusted[i])):
+                measured.append((call, _ROLE_IN, slot, m))
+        except Exception as exc:
+            self.step.fault("hook", exc)
+        return None
 
     # ---- after the engine returns ------------------------------------------------------------------------
     def finish(self, ok: bool) -> PassRecord:
@@ -260,21 +286,27 @@ class PassRecorder:
                     param_nodes[key] = NodeInfo(key, "AccumulateGrad", "accumulate_grad", module, name)
                     param_keys.append(key)
                     level = opts.param_level
-                    self.measured.append((None, _ROLE_PARAM, 0, measure(p.grad, level, checksum=take_checksum)))
-            rows = to_rows([m for _, _, _, m in self.measured])
+                    m = shape_only(p.grad) if level == "shape" else measure(p.grad, level, checksum=take_checksum)
+                    self.measured.append((None, _ROLE_PARAM, 0, m))
             infos = self.infos
-            walked = {i.key for i in infos}
+            measured = self.measured
+            calls = self.calls
+            walked = {i.key for i in infos} if param_nodes else ()
             rec.nodes = list(infos) + [n for k, n in param_nodes.items() if k not in walked]
             if self.walk is not None:
-                rec.edges = [(infos[s].key, slot, infos[d].key, dslot) for s, slot, d, dslot in self.walk.edges]
-            rec.calls = [(infos[c[0]].key, c[1], c[2], c[3]) for c in self.calls]
-            keys = iter(param_keys)
-            tensors = []
-            for (call, role, slot, _), row in zip(self.measured, rows):
-                head = (next(keys), None) if call is None else (infos[call[0]].key, call[1])
-                tensors.append(head + (ROLE[role], slot) + row)
-            rec.tensors = tensors
-            rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+                edges = self.walk.edges
+                rec.edges = LazyRows(len(edges), lambda: edge_rows(edges, infos))
+            rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
+            if needs_transfer([m for _, _, _, m in measured]):
+                # results left in tensors (a device, or a non-finite CPU tensor): the pass's one host copy now,
+                # while the tensors are this pass's; the rows are then built from host values
+                rows = to_rows([m for _, _, _, m in measured])
+                rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+                heads = [(c, role, slot, None) for c, role, slot, _ in measured]  # no device tensor kept
+                rec.tensors = LazyRows(len(rows), lambda: tensor_rows(heads, infos, param_keys, rows))
+            else:  # host values only: the rows are built where they are first read (the writer thread)
+                rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
+                rec.tensors = LazyRows(len(measured), lambda: tensor_rows(measured, infos, param_keys))
             rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
         except Exception as exc:
             self.step.fault("end of pass", exc)
@@ -283,6 +315,7 @@ class PassRecorder:
             if self in self.step.active:
                 self.step.active.remove(self)
             self.walk = None
+            self._node_of = None
             self.measured = []
             self.calls = []
             self.measurer.clear()

@@ -236,7 +236,8 @@ class record:
             try:
                 p = PassRecorder(state, outputs, kind, create_graph, retain_graph, inputs,
                                  self._tracker.owner, self._params, self.options,
-                                 self._frames.owner_frame if self._frames is not None else None)
+                                 self._frames.owner_frame if self._frames is not None else None,
+                                 owner_key=self._tracker.signature())
             except Exception as exc:
                 state.fault("start of pass", exc)
         ok = False

@@ -64,11 +64,45 @@ class Measured:
 
 
 NONE = Measured("none")
+_DTYPE_CODES: dict = {}
 
 
 def dtype_code(dtype: torch.dtype) -> int:
     """Return the schema code of a torch dtype (0, 'other', for a dtype newer than the schema)."""
-    return DTYPE.get(str(dtype).removeprefix("torch."), 0)
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = DTYPE.get(str(dtype).removeprefix("torch."), 0)
+    return code
+
+
+# dtypes whose plain dense tensors `measure(t, "shape")` always records as 'ok' (real and not quantized)
+_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+_PLAIN_REAL_DTYPES = frozenset(
+    d for d in (getattr(torch, n, None) for n in DTYPE)
+    if isinstance(d, torch.dtype) and not d.is_complex and d not in _QUANTIZED)
+
+
+def shape_only(t: torch.Tensor | None):
+    """What `measure(t, "shape")` records, at the least cost on the hot path.
+
+    Args:
+        t: a tensor or None.
+    Returns:
+        `(dtype, torch.Size)` for a plain, dense (strided), real, non-quantized tensor that is not on the meta
+        device (what `to_rows` turns into an 'ok' row: dtype code, shape string, numel, no statistics);
+        otherwise exactly `measure(t, "shape")` (a `Measured`: NONE, or 'skipped' with the reason). Never
+        raises. Holds no reference to the tensor (a dtype and a tuple of ints).
+    """
+    if t is None:
+        return NONE
+    try:
+        if type(t) in _PLAIN_TENSOR_TYPES and t.layout is torch.strided and not t.is_meta:
+            dtype = t.dtype
+            if dtype in _PLAIN_REAL_DTYPES:
+                return (dtype, t.shape)
+    except Exception:
+        pass
+    return measure(t, "shape")
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -278,14 +312,20 @@ class Measurer:
 
     def __init__(self, level: str = "full"):
         self.level = level
+        self.shape_only = level == "shape"  # no reductions: nothing to reuse, `shape_only` for every tensor
         self._seen: dict[int, tuple] = {}
         self.measured = 0
         self.reused = 0
 
-    def __call__(self, t: torch.Tensor | None, fresh: bool = False) -> Measured:
-        """Measure `t`, or reuse the result for the same object at the same version (unless `fresh`)."""
+    def __call__(self, t: torch.Tensor | None, fresh: bool = False) -> Measured | tuple:
+        """Measure `t`, or reuse the result for the same object at the same version (unless `fresh`).
+
+        At level 'shape' the result is `shape_only(t)` (a `(dtype, torch.Size)` tuple or a `Measured`), which
+        `to_rows` turns into the same row as `measure(t, "shape")`."""
         if t is None:
             return NONE
+        if self.shape_only:
+            return shape_only(t)
         version = _version(t)
         hit = None if fresh else self._seen.get(id(t))
         # the same object at the same version: the engine accumulates gradients in place (InputBuffer), which
@@ -302,9 +342,11 @@ class Measurer:
                 pass
         return m
 
-    @staticmethod
-    def versions(tensors) -> list[int | None]:
-        """`Tensor._version` of each tensor (None for None or a tensor without a version counter)."""
+    def versions(self, tensors) -> list[int | None] | None:
+        """`Tensor._version` of each tensor (None for None or a tensor without a version counter); None at
+        level 'shape', where no result is reused."""
+        if self.shape_only:
+            return None
         return [_version(t) if t is not None else None for t in tensors]
 
     def grad_inputs(self, grad_inputs, grad_outputs, measured_outputs: list[Measured],
@@ -314,7 +356,10 @@ class Measurer:
 
         `trusted=False` (custom Functions and other user backward code) measures every grad_input afresh and
         replaces what was known of that tensor: user code can change a gradient in place without bumping its
-        version (`dist.all_reduce(grad)` in a Megatron-style backward, writes through `.data`)."""
+        version (`dist.all_reduce(grad)` in a Megatron-style backward, writes through `.data`).
+        At level 'shape' every grad_input is `shape_only(g)` (nothing is reduced, so nothing is reused)."""
+        if self.shape_only:
+            return [shape_only(g) for g in grad_inputs]
         if not trusted:
             return [self(g, fresh=True) for g in grad_inputs]
         out = []
@@ -364,14 +409,51 @@ ROW_COLUMNS = ("status", "reason", "dtype", "shape", "numel", "norm", "min", "ma
 NONFINITE_COLUMNS = (10, 11, 12)
 
 
-def to_rows(measured: list[Measured]) -> list[tuple]:
-    """Turn a pass's `Measured` list into row tuples (ROW_COLUMNS order), with one host copy per device
-    (statistics and checksums travel together: the float64 statistics as their int64 bit patterns).
+_SHAPE_STRINGS: dict = {}
+_STATUS_OK = STATUS["ok"]
+
+
+def _shape_row(dtype: torch.dtype, size: torch.Size) -> tuple:
+    """The row of a `shape_only` result: what `measure(t, "shape")` gives for that tensor."""
+    cached = _SHAPE_STRINGS.get(size)
+    if cached is None:
+        if len(_SHAPE_STRINGS) > 100_000:
+            _SHAPE_STRINGS.clear()
+        cached = _SHAPE_STRINGS[size] = (",".join(map(str, size)), math.prod(size))
+    shape, numel = cached
+    return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *(_EMPTY_STATS if numel == 0 else _NULL_STATS),
+            None)
+
+
+def needs_transfer(measured: list) -> bool:
+    """True when some result of `measured` still lives in a tensor (statistics or checksum left on a device,
+    or the masked path's tensor): `to_rows` has a host copy to make."""
+    for m in measured:
+        if type(m) is Measured and (isinstance(m.vec, torch.Tensor) or isinstance(m.checksum, torch.Tensor)):
+            return True
+    return False
+
+
+def any_nonfinite(measured: list) -> bool:
+    """True when a host-side result of `measured` counts a NaN or an infinity (results still in tensors are
+    not read: see `needs_transfer`)."""
+    for m in measured:
+        if type(m) is Measured and type(m.vec) is tuple and (m.vec[NAN] or m.vec[POSINF] or m.vec[NEGINF]):
+            return True
+    return False
+
+
+def to_rows(measured: list) -> list[tuple]:
+    """Turn a pass's results (`Measured`, or `shape_only`'s `(dtype, torch.Size)` tuples) into row tuples
+    (ROW_COLUMNS order), with one host copy per device (statistics and checksums travel together: the
+    float64 statistics as their int64 bit patterns).
 
     A fault in a transfer marks the affected rows skipped with the reason.
     """
     by_device: dict[torch.device, tuple[list[int], list[int]]] = {}
     for i, m in enumerate(measured):
+        if type(m) is tuple:
+            continue
         if isinstance(m.vec, torch.Tensor):
             by_device.setdefault(m.vec.device, ([], []))[0].append(i)
         if isinstance(m.checksum, torch.Tensor):
@@ -395,6 +477,9 @@ def to_rows(measured: list[Measured]) -> list[tuple]:
             failed.update(dict.fromkeys(vec_idx + sum_idx, f"{type(exc).__name__}: {exc}"[:500]))
     rows = []
     for i, m in enumerate(measured):
+        if type(m) is tuple:
+            rows.append(_shape_row(*m))
+            continue
         status, reason = m.status, m.reason
         values = host.get(i, m.vec if isinstance(m.vec, tuple) else None)
         csum = sums.get(i, m.checksum if isinstance(m.checksum, int) else None)

@@ -377,3 +377,50 @@ def test_ddp_wrapped_model_has_the_unwrapped_models_keys(db):
         b = store.param_grads("ddp").sort_values(["step", "param"]).reset_index(drop=True)
         assert list(a.param) == list(b.param) and len(a) == 2 * len(list(plain.parameters()))
         assert all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a.norm, b.norm))
+
+
+def _describe_twice(model, make_input, memo: bool):
+    """Key one pass of `model` per call, as the recorder does (tracker around forward); with or without the
+    memo. Returns the NodeInfos."""
+    from gradstore import graph
+    from gradstore.modules import ModuleTracker, named_parameters, qualified_names
+
+    tracker = ModuleTracker(qualified_names([("", model)]))
+    names = {id(p): n for n, p in named_parameters([("", model)])}
+    tracker.clear()
+    tracker.install()
+    try:
+        loss = model(make_input()).sum()
+    finally:
+        tracker.remove()
+    w = graph.walk([loss.grad_fn])
+    infos = graph.describe(w, tracker.owner, names, {}, None, tracker.signature() if memo else None)
+    return infos
+
+
+def test_describe_memo_gives_the_keys_computed_afresh():
+    """A graph with the signature of an earlier one reuses its keys: equal to keys computed without the memo,
+    and to the keys written down from the model's structure; a model whose module structure differs is keyed
+    afresh."""
+    from gradstore import graph
+
+    graph._MEMO.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    x = lambda: torch.randn(5, 4)  # noqa: E731
+    plain = _describe_twice(model, x, memo=False)
+    first = _describe_twice(model, x, memo=True)
+    assert len(graph._MEMO) == 1
+    second = _describe_twice(model, x, memo=True)
+    assert len(graph._MEMO) == 1
+    assert all(a is b for a, b in zip(first, second))  # the cached NodeInfos
+    assert first == plain == second
+    keys = {i.key for i in plain}
+    assert linear_keys("0") <= keys and linear_keys("2") <= keys and "1/ReluBackward0#0" in keys
+    assert param_keys(model) <= keys
+    # the same ops under other module names: a different signature, keys computed afresh
+    other = nn.Sequential(nn.Sequential(nn.Linear(4, 3), nn.ReLU()), nn.Linear(3, 2))
+    got = _describe_twice(other, x, memo=True)
+    assert len(graph._MEMO) == 2
+    assert got == _describe_twice(other, x, memo=False)
+    assert linear_keys("0.0") <= {i.key for i in got}
