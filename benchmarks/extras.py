@@ -75,7 +75,8 @@ RELEASE = "↳ of which the graph's release (the `none` step frees it too, when 
 
 
 def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None, stats: str = "full") -> dict:
-    """Time spent by the training thread in gradstore code that is not a hook, per step (stats=`stats`):
+    """Time spent by the training thread in gradstore code that is not a hook, per step (medians over `steps`
+    recorded steps; the means are kept in `parts_mean_s`) (stats=`stats`):
     scope entry (decorator), pass start (graph walk, hook registration), end of pass (hook removal,
     parameter gradients, the host transfer where results are in device tensors: `to_rows` also on its
     own), end of step (StepBatch, hand-off to the writer); with the training thread's CPU seconds of each
@@ -107,18 +108,29 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None,
         for name in ("tensor_rows", "call_rows", "edge_rows"):  # built lazily, where first read
             if hasattr(passes, name):
                 stack.enter_context(_timed(passes, name, writer, WRITER_ROWS))
+        steps_wall, steps_cpu, steps_writer = [], [], []
         for _ in range(steps):
+            before = (dict(totals), dict(cpu), dict(writer))
             t0 = time.perf_counter()
             fn(bench.model, bench)
             per_step.append(time.perf_counter() - t0)
             rec.flush()
+            for now, then, sink in zip((totals, cpu, writer), before, (steps_wall, steps_cpu, steps_writer)):
+                sink.append({k: v - then.get(k, 0.0) for k, v in now.items() if k != "missing"})
     missing = totals.pop("missing", []) + writer.pop("missing", [])
     order = ["scope entry", "pass start", "end of pass", "↳ of which parameter", "↳ of which `to_rows`", "end of step", "↳ of which the graph"]
-    parts = {k: totals[k] / steps for k in sorted(totals, key=lambda k: next(
+
+    def med(per: list[dict], key: str) -> float:
+        # the median step: a rare full garbage collection (100+ ms with transformers loaded) that happens to
+        # start inside one part of one step would otherwise stand for that part in every step
+        return median([d.get(key, 0.0) for d in per])
+
+    parts = {k: med(steps_wall, k) for k in sorted(totals, key=lambda k: next(
         (i for i, o in enumerate(order) if k.startswith(o)), len(order)))}
-    out = {"parts_s": parts, "cpu_s": {k: cpu.get(k, 0.0) / steps for k in parts}, "missing": missing,
+    out = {"parts_s": parts, "cpu_s": {k: med(steps_cpu, k) for k in parts}, "missing": missing,
            "step_s": median(per_step), "none_step_s": none_step_s, "stats": stats,
-           "writer_rows_s": writer.get(WRITER_ROWS, 0.0) / steps}
+           "writer_rows_s": med(steps_writer, WRITER_ROWS),
+           "parts_mean_s": {k: totals[k] / steps for k in parts}}
     handoff = sum(v for k, v in parts.items() if k.startswith(("end of pass", "end of step")))
     if none_step_s:
         out["handoff_fraction"] = handoff / none_step_s

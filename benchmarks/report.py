@@ -234,7 +234,9 @@ def render(results: dict) -> str:
             L += [f"n/a: {o['error']}", ""]
         else:
             L += [f"gradstore's own functions wrapped with timers over {o.get('steps', '?')} recorded steps; "
-                  f"per step, and as a share of the `none` step ({_ms(o.get('none_step_s'))} ms). "
+                  f"per step (the median step: a rare full garbage collection landing in one part of one step would "
+                  f"otherwise weigh on that part's mean), and as a share of the `none` step "
+                  f"({_ms(o.get('none_step_s'))} ms). "
                   "Issue 3's ≤ 2 % is for the end-of-pass transfer and the hand-off (the two `end of` rows); "
                   "`end of pass` also holds the statistics of the parameter gradients (reductions, done there "
                   "rather than in a hook), so the bold row is an upper bound on transfer + hand-off. "
