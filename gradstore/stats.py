@@ -8,8 +8,9 @@ ViewBackward0, TBackward0 of a contiguous gradient, ...) reuse the earlier resul
 Where the reductions run:
 - CPU tensors (no device to synchronise with): the fused kernel (gradstore.kernel, one pass over the memory
   of a dense float32/float64 gradient, float64 accumulation) gives the sum, the sum of squares, min, max
-  and the zero count (`full`) or the sum of squares, min and max (`health`); finite sums mean no NaN and no
-  Inf, and the results are read on the spot. std comes from the sum of squares, recomputed around the mean
+  and the zero count (`full`) or the sum of squares, min and max (`health`: a float32 gradient's squares are
+  added in float32 over short blocks, so its norm is within 5e-7 relative, not float64-exact); finite sums
+  mean no NaN and no Inf, and the results are read on the spot. std comes from the sum of squares, recomputed around the mean
   (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and torch
   (a float64-accumulated sum, torch.aminmax, float32 row norms combined in float64, a zero count).
   A tensor that holds NaN or Inf takes the masked path, which counts them exactly.
