@@ -12,7 +12,7 @@ Where the reductions run:
   added in float32 over short blocks, so its norm is within 5e-7 relative, not float64-exact); finite sums
   mean no NaN and no Inf, and the results are read on the spot. std comes from the sum of squares, recomputed around the mean
   (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and torch
-  (a float64-accumulated sum, torch.aminmax, float32 row norms combined in float64, a zero count).
+  (a float64-accumulated sum, torch.aminmax, float64 row norms, a zero count).
   A tensor that holds NaN or Inf takes the masked path, which counts them exactly.
 - Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
   device until `to_rows` copies each device's stack to the host once per pass.
@@ -148,16 +148,16 @@ def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
 
 
 def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
-    """Sum of squares accurate to ~1e-9 relative: float64 for small tensors; for large ones float32 norms of
-    1024-element rows (each exact to float32 rounding) squared and added in float64."""
+    """Sum of squares accumulated in float64 (to float64 rounding, as the kernel): a float64 dot product for
+    small tensors; for large ones float64 norms of 1024-element rows (torch's multi-threaded reduction),
+    squared and added."""
     n = x.numel()
     if n < _LARGE:
         a64 = a.astype(np.float64, copy=False).reshape(-1)
         return float(np.dot(a64, a64))
     flat = x.reshape(-1)
     k = n - n % _ROW
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # float16 rows would round to 1e-3
-    rows = torch.linalg.vector_norm(flat[:k].view(-1, _ROW), dim=1, dtype=acc).double()
+    rows = torch.linalg.vector_norm(flat[:k].view(-1, _ROW), dim=1, dtype=torch.float64)
     tail = flat[k:].double()
     return float(rows.dot(rows) + tail.dot(tail))
 

@@ -188,3 +188,19 @@ def test_health_norm_stays_within_its_bound_where_float32_rounding_adds_up():
         want = float(t.double().norm())
         assert got(t, "health")["norm"] == pytest.approx(want, rel=5e-7)
         assert got(t, "full")["norm"] == pytest.approx(want, rel=1e-10)  # float64 sums, 2x8 lanes in order
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [65_536, 300_007])
+def test_fallback_gives_the_kernels_values_at_full(n):
+    # without a compiler the NumPy/torch path must give the same statistics, float64-accumulated both ways
+    t = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 2 + 0.3
+    k = kernel.load()
+    fused, fallback = stats._fused(k, t, "full"), stats._cpu_numpy(t, "full")
+    exact = t.double()
+    assert fused[stats.NORM] == pytest.approx(float(exact.norm()), rel=1e-12)
+    assert fallback[stats.NORM] == pytest.approx(float(exact.norm()), rel=1e-12)
+    for i in (stats.MIN, stats.MAX, stats.ZEROS, stats.NFINITE):
+        assert fused[i] == fallback[i]
+    for i in (stats.MEAN, stats.M2):
+        assert fused[i] == pytest.approx(fallback[i], rel=1e-12)
