@@ -591,7 +591,7 @@ def _where(row, carried: set[str], several_ranks: bool) -> str:
 @main.command(short_help="Where two runs (or two steps or two ranks of one run) first part.")
 @click.argument("db")
 @click.argument("run_a")
-@click.argument("run_b")
+@click.argument("run_b", required=False)
 @click.option("--step-a", type=int, default=None, help="Side a's step (default: --step-b; neither: every step).")
 @click.option("--step-b", type=int, default=None, help="Side b's step (default: --step-a).")
 @click.option("--rank-a", type=int, default=None, help="Side a's rank (default: --rank-b; neither: every rank).")
@@ -604,10 +604,11 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
     """Compare run RUN_A with run RUN_B of database DB node by node (key, role, slot and occurrence) and print,
     in backward execution order, the first node whose gradients differ.
 
-    Two steps of one run: `gradstore diff DB RUN RUN --step-a 3 --step-b 4`; two ranks:
-    `gradstore diff DB RUN RUN --rank-a 0 --rank-b 1 --step-a 3`. Every aligned row: `gradstore query DB diff
+    RUN_B left out is RUN_A. Two steps of one run: `gradstore diff DB RUN --step-a 3 --step-b 4`; two ranks:
+    `gradstore diff DB RUN --rank-a 0 --rank-b 1 --step-a 3`. Every aligned row: `gradstore query DB diff
     -p run_a=... -p run_b=...`, or Store.diff in Python.
     """
+    run_b = run_a if run_b is None else run_b
     sides = dict(run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a, rank_b=rank_b)
     label_a, label_b, carried = _side_labels(**sides)
     with _store(db) as store:

@@ -382,6 +382,8 @@ def test_cli_diff_prints_the_first_divergence_in_words(recorded):
     assert "no divergence" in result.output and "within rtol=0.5" in result.output
     result = invoke("diff", recorded, "steps", "steps", "--step-a", 0, "--step-b", 1)
     assert "step 1 differs from step 0 first at 2/AddmmBackward0#0 grad_outputs[0] (pass 0)" in result.output
+    # RUN_B left out is RUN_A (the README's "a side argument left out takes the other side's value")
+    assert invoke("diff", recorded, "steps", "--step-a", 0, "--step-b", 1).output == result.output
 
 
 def test_cli_diff_two_ranks(recorded):
