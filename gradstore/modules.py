@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 
+import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -50,6 +51,13 @@ def named_parameters(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.
     return out
 
 
+def _compiling() -> bool:
+    """True while torch.compile traces (its compiled graph then runs as one CompiledFunctionBackward node, whose
+    owner is the module around the compiled call); `torch.compiler.is_compiling`, False where it is missing."""
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn()) if fn is not None else False
+
+
 class ModuleTracker:
     """Records module boundaries during forward and answers `owner(sequence_nr) -> qualified name`.
 
@@ -69,11 +77,15 @@ class ModuleTracker:
         return name if name is not None else f"<{type(module).__name__}>"
 
     def _pre(self, module, _args):
+        if _compiling():  # traced by torch.compile: a no-op, so the hook causes no graph break
+            return
         self._stack.append(self._name(module))
         self._seqs.append(tp.next_sequence_nr())
         self._owners.append(self._stack[-1])
 
     def _post(self, module, _args, _output):
+        if _compiling():
+            return
         if self._stack:
             self._stack.pop()
         self._seqs.append(tp.next_sequence_nr())

@@ -897,3 +897,27 @@ def test_tensors_view_gives_back_every_recorded_value_bit_for_bit(db, monkeypatc
     assert any(v["status"] == 1 for v in values)  # x needs no gradient: a None slot of AddmmBackward0
     assert any(v["checksum"] is not None for v in values)
     assert 0 < derived < sum(v["norm"] is not None for v in values)  # some norms stored, some derived
+
+
+def test_torch_compile_first_called_inside_a_recording_compiles_whole(tmp_path):
+    # gradstore's global module hooks are no-ops while torch.compile traces: no graph break, one compiled node
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    net(x).sum().backward()
+    eager = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    compiled = torch.compile(net, backend="aot_eager")
+    with gradstore.record("compiled", db=str(tmp_path / "c.db"), model=net):
+        out = compiled(x)
+        out.sum().backward()
+    assert dict(counters["graph_break"]) == {}
+    assert out.grad_fn.name() == "CompiledFunctionBackward"
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), eager))
+    calls = gradstore.open(str(tmp_path / "c.db")).calls("compiled")
+    assert "CompiledFunctionBackward" in set(calls["name"])
+    torch._dynamo.reset()
