@@ -2,7 +2,7 @@
 
 One pass over a gradient's memory gives its float64 sum, sum of squares, min, max and zero count (`full`),
 or its sum of squares, min and max (`health`): about 0.15 and 0.12 ns per float32 element on one core of
-the reference machine (AVX-512; 0.23 and 0.18 built for AVX2 only), against ~0.7 and ~0.25 ns for the
+the reference machine (AVX-512; 0.23 and 0.18 built for AVX2 only), against ~1.5 and ~0.5 ns for the
 NumPy/torch reductions it replaces (`python -m benchmarks.run --sections reductions`).
 
 The source is compiled the first time a process needs it, with the C compiler found in `$CC` or as `cc`, for

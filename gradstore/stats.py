@@ -12,7 +12,7 @@ Where the reductions run:
   added in float32 over short blocks, so its norm is within 5e-7 relative, not float64-exact); finite sums
   mean no NaN and no Inf, and the results are read on the spot. std comes from the sum of squares, recomputed around the mean
   (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and torch
-  (a float64-accumulated sum, torch.aminmax, float64 row norms, a zero count).
+  (a float64-accumulated sum, torch.aminmax, float64 dot products by chunks, a zero count).
   A tensor that holds NaN or Inf takes the masked path, which counts them exactly.
 - Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
   device until `to_rows` copies each device's stack to the host once per pass.
@@ -41,7 +41,7 @@ NAN, POSINF, NEGINF, ZEROS, NFINITE, NORM, MIN, MAX, MEAN, M2 = range(10)
 VEC_LEN = 10
 _ABSENT = math.nan
 _LARGE = 1 << 16  # above this many elements, torch's multi-threaded kernels beat NumPy's per-call advantage
-_ROW = 1024
+_CHUNK = 1 << 18  # elements per float64 copy in the fallback's sum of squares
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -148,18 +148,14 @@ def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
 
 
 def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
-    """Sum of squares accumulated in float64 (to float64 rounding, as the kernel): a float64 dot product for
-    small tensors; for large ones float64 norms of 1024-element rows (torch's multi-threaded reduction),
-    squared and added."""
-    n = x.numel()
-    if n < _LARGE:
-        a64 = a.astype(np.float64, copy=False).reshape(-1)
-        return float(np.dot(a64, a64))
-    flat = x.reshape(-1)
-    k = n - n % _ROW
-    rows = torch.linalg.vector_norm(flat[:k].view(-1, _ROW), dim=1, dtype=torch.float64)
-    tail = flat[k:].double()
-    return float(rows.dot(rows) + tail.dot(tail))
+    """Sum of squares accumulated in float64 (to float64 rounding, as the kernel): float64 dot products of
+    chunks of _CHUNK elements (a float64 copy of one chunk at a time bounds the extra memory)."""
+    flat = a.reshape(-1)
+    total = 0.0
+    for i in range(0, flat.size, _CHUNK):
+        c = flat[i:i + _CHUNK].astype(np.float64, copy=False)
+        total += float(np.dot(c, c))
+    return total
 
 
 _KERNEL_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
