@@ -48,15 +48,13 @@ class Kernel:
     def __init__(self, lib: ctypes.CDLL):
         if lib.gs_abi_version() != ABI_VERSION:
             raise OSError(f"kernel ABI {lib.gs_abi_version()} != {ABI_VERSION}")
-        ptr, n, out = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)
-        for suffix in ("f32", "f64"):
-            for name in ("full", "health"):
-                fn = getattr(lib, f"gs_{name}_{suffix}")
-                fn.argtypes, fn.restype = (ptr, n, out), None
-            m2 = getattr(lib, f"gs_m2_{suffix}")
-            m2.argtypes, m2.restype = (ptr, n, ctypes.c_double), ctypes.c_double
-        self._fn = {(name, sfx): getattr(lib, f"gs_{name}_{sfx}")
-                    for name in ("full", "health", "m2") for sfx in ("f32", "f64")}
+        ptr, n, out, real = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_double), ctypes.c_double
+        signatures = {"full": ((ptr, n, out), None), "health": ((ptr, n, out), None), "m2": ((ptr, n, real), real)}
+        self._fn = {}
+        for name, (argtypes, restype) in signatures.items():
+            for suffix in ("f32", "f64"):
+                fn = self._fn[name, suffix] = getattr(lib, f"gs_{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, restype
         self.lib = lib
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0

@@ -144,7 +144,6 @@ class PassRecorder:
         self.calls: list[list] = []  # [node index, seq, start, duration, grad_outputs' Measured, versions]
         self.measured: list[tuple[list | None, str, int, Measured]] = []  # (call, role, slot, Measured)
         self.measurer = Measurer(options.node_level or "full")
-        self._shape_only = self.measurer.shape_only
         self.handles = []
         self.walk = None
         self.infos: list[NodeInfo] = []
@@ -212,12 +211,8 @@ class PassRecorder:
                 return None
             measure_one = self.measurer
             measured = self.measured
-            if self._shape_only:  # no reductions: nothing to reuse, no versions to note
-                ms = [shape_only(g) for g in grad_outputs]
-                call = [i, self.step.next_seq(), 0.0, None, ms, None]
-            else:
-                ms = [measure_one(g) for g in grad_outputs]
-                call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
+            ms = [measure_one(g) for g in grad_outputs]  # at level shape: shape_only, no versions
+            call = [i, self.step.next_seq(), 0.0, None, ms, measure_one.versions(grad_outputs)]
             for slot, m in enumerate(ms):
                 measured.append((call, _ROLE_OUT, slot, m))
             if self._node_of is not None:  # record(saved=True): what the node keeps for its backward, alive here
@@ -246,10 +241,6 @@ class PassRecorder:
             if stack and stack[-1][1] == call[1] and stack[-1][0] == self.record.number:
                 stack.pop()
             measured = self.measured
-            if self._shape_only:  # no reductions: each grad_input's dtype and size
-                for slot, g in enumerate(grad_inputs):
-                    measured.append((call, _ROLE_IN, slot, shape_only(g)))
-                return None
             for slot, m in enumerate(self.measurer.grad_inputs(grad_inputs, grad_outputs, call[4], call[5],
                                                                self._trusted[i])):
                 measured.append((call, _ROLE_IN, slot, m))
