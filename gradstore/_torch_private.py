@@ -48,6 +48,18 @@ def current_graph_task_id() -> int:
     return _TASK_ID() if _TASK_ID is not None else -1
 
 
+def compiled_autograd_active() -> bool:
+    """True when compiled autograd (torch._dynamo.compiled_autograd) is on or running: it traces node hooks,
+    which only Python hooks support. Reads its module's flags `compiled_autograd_enabled` and
+    `in_compiled_autograd_region` (private) when the module is imported, else False."""
+    import sys
+
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is None:
+        return False
+    return bool(getattr(ca, "compiled_autograd_enabled", False) or getattr(ca, "in_compiled_autograd_region", False))
+
+
 # The engine entry point that `Tensor.backward`, `torch.autograd.backward` and `torch.autograd.grad` all reach,
 # and the module attributes it is bound under.
 ENGINE_ENTRY_OWNERS = (torch.autograd.graph, torch.autograd)

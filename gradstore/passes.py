@@ -3,8 +3,10 @@ step when the engine returns (the rows themselves are built where they are first
 writer thread: gradstore.rows).
 
 The hooks (the hot path) only measure tensors (gradstore.stats, reductions left on the device; at level
-'shape' just the dtype and size) and append to lists. Each is one bound method shared by the pass, with the
-node's index bound by a `functools.partial`. They return None, so they never change a gradient. PyTorch's node hook signatures:
+'shape' just the dtype and size) and append to lists. Where the C++ hooks are built (gradstore.native) they
+do this without entering Python, and record the same rows; else, and with `saved=True`, the Python hooks
+here do: each is one bound method shared by the pass, with the node's index bound by a
+`functools.partial`. Either kind returns its gradients unchanged. PyTorch's node hook signatures:
   prehook(grad_outputs)            -> gradients w.r.t. the forward op's outputs, flowing in
   hook(grad_inputs, grad_outputs)  -> grad_inputs: gradients w.r.t. the forward op's inputs, flowing out
 (`torch.autograd.graph.Node.register_prehook` / `register_hook`).
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from . import _torch_private as tp
 from .graph import NodeInfo, describe, roots_of, walk
 from .options import Options
+from . import native as native_hooks
+from .native import LEVEL_CODES
 from .saved import saved_tensors
 from .rows import LazyRows, call_rows, edge_rows, tensor_rows
 from .stats import (NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, shape_only,
@@ -65,9 +69,14 @@ class PassRecord:
 
 class StepState:
     """What the passes of one step share: the call counter, the pass counter, the keys already given to
-    Node objects in this step, the passes still running, and the finished records."""
+    Node objects in this step, the passes still running, and the finished records.
 
-    def __init__(self):
+    native: the gradstore.native module when this step's passes may hook in C++ (the call counter then lives
+    there, shared by C++ and Python hooks), else None."""
+
+    def __init__(self, native=None):
+        self.native = native
+        self.native_step = native.step() if native is not None else None
         self._seq = itertools.count()  # next() is atomic under the GIL: hooks may fire on device threads
         self.pass_count = 0
         self.known: dict[int, tuple] = {}
@@ -77,7 +86,18 @@ class StepState:
         self.faults: list[str] = []
 
     def next_seq(self) -> int:
+        if self.native_step is not None:
+            return self.native.next_seq(self.native_step)
         return next(self._seq)
+
+    def open_call(self) -> tuple[int, int] | None:
+        """(pass number, seq) of the innermost call open on this thread (its node is running), or None."""
+        if self.native_step is not None:
+            top = self.native.open_top(self.native_step)
+            if top is not None:
+                return top
+        stack = self.open_stack()
+        return stack[-1] if stack else None
 
     def open_stack(self) -> list:
         stack = getattr(self.open_calls, "stack", None)
@@ -86,10 +106,18 @@ class StepState:
         return stack
 
     def fault(self, where: str, exc: BaseException) -> None:
-        msg = f"{where}: {type(exc).__name__}: {exc}"
+        self.fault_text(f"{where}: {type(exc).__name__}: {exc}")
+
+    def fault_text(self, msg: str) -> None:
+        """Note a recorder fault described by `msg` (warned about once per step)."""
         if not self.faults:
             warnings.warn(f"gradstore: recorder fault (training continues): {msg}", RuntimeWarning, stacklevel=3)
         self.faults.append(msg)
+
+    def native_level(self, level: str) -> bool:
+        """True when the C++ hooks can record a pass at `level` now (gradstore.native.available); never under
+        compiled autograd, which runs only the hooks it can trace (Python ones)."""
+        return native_hooks.available(level) is not None and not tp.compiled_autograd_active()
 
     def release(self) -> None:
         """Drop every reference to graph objects (end of step)."""
@@ -130,10 +158,10 @@ class PassRecorder:
         self.params = params
         self.options = options
         parent = step.active[-1] if step.active else None
-        open_calls = step.open_stack()
+        open_call = step.open_call() if parent else None
         self.record = PassRecord(
             number=step.pass_count, parent_pass=parent.record.number if parent else None,
-            parent_seq=open_calls[-1][1] if (parent and open_calls) else None, kind=kind,
+            parent_seq=open_call[1] if open_call else None, kind=kind,
             create_graph=bool(create_graph), retain_graph=bool(retain_graph), roots=0, inputs=inputs,
             started_at=time.time(),
         )
@@ -149,6 +177,7 @@ class PassRecorder:
         self.infos: list[NodeInfo] = []
         self._node_of = None
         self._trusted: list[bool] = []
+        self.native = None  # the C++ hooks' pass (gradstore.native) when they record this pass
         roots = roots_of(outputs)
         self.record.roots = len(roots)
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
@@ -173,6 +202,16 @@ class PassRecorder:
         self._trusted = [info.kind in ("function", "accumulate_grad") for info in self.infos]
         filtered = options.modules is not None or options.params is not None
         step.active.append(self)
+        level = options.node_level or "full"
+        if step.native is not None and not options.saved and step.native_level(level):
+            try:
+                wanted = [self._wanted(i.module, i.param) for i in self.infos] if filtered else None
+                self.native = step.native.install(step.native_step, self.record.number, LEVEL_CODES[level],
+                                                  list(self.walk.nodes), self._trusted, wanted)
+                self.record.setup = time.perf_counter() - self.t0
+                return
+            except Exception as exc:  # e.g. a node type the C++ hooks do not know: the Python hooks instead
+                step.fault("C++ hooks (the Python hooks record this pass)", exc)
         try:
             prehook, hook = self._prehook, self._hook  # one bound method each; a partial per node adds the index
             handles = self.handles
@@ -255,6 +294,11 @@ class PassRecorder:
         rec = self.record
         t_end = time.perf_counter()
         try:
+            native = None
+            if self.native is not None:  # the C++ hooks come off first, whatever happens next
+                native = self.step.native.finish(self.native)
+                for text in native[5]:
+                    self.step.fault_text(text)
             for h in self.handles:
                 h.remove()
             self.handles.clear()
@@ -287,18 +331,10 @@ class PassRecorder:
             if self.walk is not None:
                 edges = self.walk.edges
                 rec.edges = LazyRows(len(edges), lambda: edge_rows(edges, infos))
-            rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
-            if needs_transfer([m for _, _, _, m in measured]):
-                # results left in tensors (a device, or a non-finite CPU tensor): the pass's one host copy now,
-                # while the tensors are this pass's; the rows are then built from host values
-                rows = to_rows([m for _, _, _, m in measured])
-                rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
-                heads = [(c, role, slot, None) for c, role, slot, _ in measured]  # no device tensor kept
-                rec.tensors = LazyRows(len(rows), lambda: tensor_rows(heads, infos, param_keys, rows))
-            else:  # host values only: the rows are built where they are first read (the writer thread)
-                rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
-                rec.tensors = LazyRows(len(measured), lambda: tensor_rows(measured, infos, param_keys))
-            rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
+            if native is not None:
+                self._native_rows(native, param_keys)
+            else:
+                self._python_rows(param_keys)
         except Exception as exc:
             self.step.fault("end of pass", exc)
         finally:
@@ -307,9 +343,54 @@ class PassRecorder:
                 self.step.active.remove(self)
             self.walk = None
             self._node_of = None
+            self.native = None
             self.measured = []
             self.calls = []
             self.measurer.clear()
             self.open.clear()
             self.step.records.append(rec)
         return rec
+
+    def _python_rows(self, param_keys: list[str]) -> None:
+        """The record's calls and tensors from the Python hooks' lists (and the parameter gradients)."""
+        rec, infos, calls, measured = self.record, self.infos, self.calls, self.measured
+        rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
+        if needs_transfer([m for _, _, _, m in measured]):
+            # results left in tensors (a device, or a non-finite CPU tensor): the pass's one host copy now,
+            # while the tensors are this pass's; the rows are then built from host values
+            rows = to_rows([m for _, _, _, m in measured])
+            rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+            heads = [(c, role, slot, None) for c, role, slot, _ in measured]  # no device tensor kept
+            rec.tensors = LazyRows(len(rows), lambda: tensor_rows(heads, infos, param_keys, rows))
+        else:  # host values only: the rows are built where they are first read (the writer thread)
+            rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
+            rec.tensors = LazyRows(len(measured), lambda: tensor_rows(measured, infos, param_keys))
+        rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
+
+    def _native_rows(self, native: tuple, param_keys: list[str]) -> None:
+        """The record's calls and tensors from the C++ hooks' pass (`native`: what its finish() returned), then
+        the parameter gradients measured here; the Python measurements the hooks handed over are copied to
+        the host now if they hold device tensors, like every pass's."""
+        rec, infos, cap = self.record, self.infos, self.native
+        calls, count, fallbacks, rec.measured, rec.reused, _faults = native
+        rec.calls = LazyRows(len(calls), lambda: [(infos[i].key, seq, start, dur) for i, seq, start, dur in calls])
+        handed = [m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
+                  for m in fallbacks]
+        params = self.measured  # (None, 'param_grad', 0, Measured): nothing else is measured in Python here
+        results = handed + [m for _, _, _, m in params]
+        rows = None
+        if needs_transfer(results):
+            rows = to_rows(results)
+            rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+            params = [(c, role, slot, None) for c, role, slot, _ in params]  # no device tensor kept
+        else:
+            rec.nonfinite = any_nonfinite(results)
+        module = self.step.native
+
+        def build() -> list:
+            host = rows if rows is not None else to_rows(results)
+            keys = [info.key for info in infos]
+            return (module.rows(cap, keys, host[:len(handed)])
+                    + tensor_rows(params, infos, param_keys, host[len(handed):]))
+
+        rec.tensors = LazyRows(count + len(params), build)

@@ -13,7 +13,7 @@ import torch.nn as nn
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from . import intercept, kernel
+from . import intercept, kernel, native
 from . import schema as s
 from .errors import RecordUsageError
 from .frames import FrameTracker
@@ -126,6 +126,7 @@ class record:
         self._writer = writer_for(self.db)
         if self.options.stats != "shape":
             kernel.load()  # built (first time on this machine) now, not inside the first backward pass
+        native.load()  # loaded now; or its first build starts, in the background
         self._writer.flush()  # earlier scopes of this process may still be writing this run's steps
         engine = self._writer.engine
         by_name = select(s.runs.c.id, s.runs.c.world_size).where(s.runs.c.name == self.run)
@@ -190,7 +191,8 @@ class record:
         self._step_number = self._next_step
         self._next_step += 1
         if self.options.wants_step(self._step_number):
-            self._state = StepState()
+            # the C++ hooks when built (the first build runs in the background: Python hooks meanwhile)
+            self._state = StepState(None if self.options.saved else native.load())
             self._tracker.clear()
             self._tracker.install()
             if self._frames is not None:

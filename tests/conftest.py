@@ -33,6 +33,23 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend", BACKENDS, indirect=True)
 
 
+def pytest_configure(config):
+    """Build (or load) gradstore's C++ hooks before any test records, so that every test records with them
+    where they can be built (their first build otherwise runs in the background and the first steps of a
+    process use the Python hooks). tests/test_native.py compares them with the Python hooks."""
+    from gradstore import native
+
+    native.load(wait=True)
+
+
+@pytest.fixture
+def python_hooks(monkeypatch):
+    """Record with the Python hooks (gradstore.passes) even where the C++ hooks are built."""
+    from gradstore import native
+
+    monkeypatch.setattr(native, "available", lambda level: None)
+
+
 @pytest.fixture
 def backend(request):
     """'sqlite' (the default) or 'postgresql' (parametrized in BACKEND_MODULES)."""

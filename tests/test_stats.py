@@ -392,7 +392,7 @@ def test_pipeline_nan_inf_values_are_not_stored_as_statistics(db):
     assert all(pd.isna(pg[k]) for k in ("min", "max", "mean", "std"))  # SQL NULL
 
 
-def test_pipeline_measure_fault_does_not_stop_training(db, monkeypatch):
+def test_pipeline_measure_fault_does_not_stop_training(db, monkeypatch, python_hooks):
     def broken(x, level="full"):
         raise RuntimeError("reduction exploded")
 
