@@ -1,0 +1,295 @@
+"""The C++ node hooks (gradstore.native) record exactly what the Python hooks (gradstore.passes) record.
+
+Each case runs the same seeded computation twice, once with each kind of hook, and compares every tensor
+row (statistics bit for bit), every call (order and node) and every pass (nesting); the gradients and
+parameters must also be bit-identical to a run without gradstore. The cases cover what the C++ side hands
+to Python (NaN/Inf, float16, non-dense gradients, a user Function, a tensor split across threads) and what
+it keeps for itself (dense float32/float64 CPU gradients, reuse of one result for the same memory).
+"""
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+
+import gradstore
+from gradstore import kernel, native, passes
+
+pytestmark = pytest.mark.skipif(native.load(wait=True) is None, reason=f"C++ hooks: {native.status()}")
+
+TENSOR_ROWS = """
+SELECT st.step, p.pass, c.seq, n.key, t.role, t.slot, t.status, t.reason, t.dtype, t.shape, t.numel,
+       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.checksum
+FROM tensors t JOIN steps st ON st.id = t.step_id JOIN passes p ON p.id = t.pass_id
+JOIN nodes n ON n.id = t.node_id LEFT JOIN calls c ON c.id = t.call_id
+ORDER BY st.step, t.id"""
+CALLS = """
+SELECT st.step, p.pass, c.seq, n.key, c.duration IS NULL FROM calls c JOIN passes p ON p.id = c.pass_id
+JOIN steps st ON st.id = p.step_id JOIN nodes n ON n.id = c.node_id ORDER BY st.step, c.seq"""
+PASSES = """
+SELECT st.step, p.pass, p.parent_pass, p.parent_seq, p.kind, p.create_graph, p.retain_graph, p.roots, p.nodes
+FROM passes p
+JOIN steps st ON st.id = p.step_id ORDER BY st.step, p.pass"""
+
+
+def record_both(tmp_path, monkeypatch, make, run, steps=2, **options):
+    """Record `steps` calls of run(state) with the Python hooks and with the C++ hooks, each from make() (a
+    fresh seeded state). Returns {'python'|'native': (tensor rows, calls, passes, state)} and checks that
+    the C++ hooks recorded every pass of the 'native' run (and none of the 'python' one)."""
+    out = {}
+    installs = []
+    real = native.available
+
+    for mode in ("python", "native"):
+        with monkeypatch.context() as m:
+            if mode == "python":
+                m.setattr(native, "available", lambda level: None)
+            else:
+                m.setattr(native, "available", lambda level: (installs.append(level), real(level))[1])
+            state = make()
+            db = str(tmp_path / f"{mode}.db")
+            with gradstore.record(mode, db=db, model=state["model"], **options) as rec:
+                for i in range(steps):
+                    run(state)
+                    if i + 1 < steps:
+                        rec.step()
+        con = sqlite3.connect(db)
+        out[mode] = (con.execute(TENSOR_ROWS).fetchall(), con.execute(CALLS).fetchall(),
+                     con.execute(PASSES).fetchall(), state)
+        errors = con.execute("SELECT error FROM steps WHERE error IS NOT NULL").fetchall()
+        con.close()
+        assert errors == [], errors
+    if options.get("stats", "full") != "params":
+        assert installs, "the C++ hooks were never asked for"
+    return out
+
+
+def assert_same(out):
+    py, nat = out["python"], out["native"]
+    assert len(py[0]) > 0
+    assert nat[2] == py[2]  # passes: nesting, node and call counts
+    assert nat[1] == py[1]  # calls: order, node, whether the hook after the node fired
+    for a, b in zip(py[0], nat[0]):
+        assert a == b
+    assert len(nat[0]) == len(py[0])
+
+
+def plain_run(state):
+    """Forward, backward and an SGD step; the loss and gradients are kept in the state for comparisons."""
+    model, x = state["model"], state["x"]
+    loss = state["loss_fn"](model, x)
+    loss.backward()
+    state.setdefault("grads", []).append([p.grad.clone() for p in model.parameters()])
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+            p.grad = None
+
+
+def mlp_state(dtype=torch.float32, loss_fn=None):
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(dtype)
+        x = torch.randn(4, 16, dtype=dtype)
+        return {"model": model, "x": x, "loss_fn": loss_fn or (lambda m, x: m(x).pow(2).mean())}
+    return make
+
+
+@pytest.mark.parametrize("stats", ["full", "health", "shape", "params"])
+def test_mlp_rows_equal_and_gradients_untouched(tmp_path, monkeypatch, stats):
+    out = record_both(tmp_path, monkeypatch, mlp_state(), plain_run, stats=stats)
+    assert_same(out)
+    plain = mlp_state()()
+    for _ in range(2):
+        plain_run(plain)
+    for recorded in (out["python"][3], out["native"][3]):
+        for ga, gb in zip(plain["grads"], recorded["grads"]):
+            assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+        assert all(torch.equal(a, b) for a, b in zip(plain["model"].parameters(), recorded["model"].parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_float64_and_bfloat16(tmp_path, monkeypatch, dtype):
+    assert_same(record_both(tmp_path, monkeypatch, mlp_state(dtype), plain_run))
+
+
+def test_nonfinite_gradients_take_the_python_path(tmp_path, monkeypatch):
+    """A gradient holding NaN or Inf: the exact counts come from the masked path, via the fallback."""
+    def loss_fn(m, x):
+        y = m(x)
+        return (y * torch.tensor([float("nan"), float("inf"), 1, 1, 1, 1, 1, -float("inf")])).sum()
+
+    out = record_both(tmp_path, monkeypatch, mlp_state(loss_fn=loss_fn), plain_run)
+    assert_same(out)
+    rows = out["native"][0]
+    assert any(r[16] and r[16] > 0 for r in rows) and any(r[17] and r[17] > 0 for r in rows)
+
+
+class Scale(torch.autograd.Function):
+    """A user Function whose backward changes the incoming gradient in place through .data (no version bump)
+    and returns a non-dense view: the C++ hooks must measure its grad_inputs afresh."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        g.data.mul_(2.0)  # invisible to the version counter
+        wide = torch.cat([g, g], dim=-1)
+        return wide[..., ::2] * 1.5  # every other column: a non-dense gradient
+
+
+def test_custom_function_and_non_dense_gradients(tmp_path, monkeypatch):
+    def loss_fn(m, x):
+        h = m[0](x)
+        h = Scale.apply(h)
+        return m[2](m[1](h)).pow(2).mean() + h.t().sum() * 0.5
+
+    out = record_both(tmp_path, monkeypatch, mlp_state(loss_fn=loss_fn), plain_run)
+    assert_same(out)
+    keys = {r[3] for r in out["native"][0]}
+    assert any(k.startswith("ScaleBackward") for k in keys)
+
+
+def test_reentrant_checkpoint_nested_passes(tmp_path, monkeypatch):
+    def loss_fn(m, x):
+        h = cp.checkpoint(m[0], x, use_reentrant=True)
+        return m[2](m[1](h)).pow(2).mean()
+
+    make = mlp_state(loss_fn=lambda m, x: loss_fn(m, x.requires_grad_()))
+    out = record_both(tmp_path, monkeypatch, make, plain_run)
+    assert_same(out)
+    nested = [p for p in out["native"][2] if p[2] is not None]
+    assert nested and all(p[3] is not None for p in nested)  # the call the nested pass ran inside
+
+
+def test_double_backward_and_retained_graph(tmp_path, monkeypatch):
+    def run(state):
+        model, x = state["model"], state["x"]
+        loss = model(x).pow(2).mean()
+        (g,) = torch.autograd.grad(loss, [model[0].weight], create_graph=True)
+        penalty = g.pow(2).sum()
+        penalty.backward(retain_graph=True)
+        penalty.backward()  # the same graph again: the first pass's hooks are gone, the second's fire
+        state.setdefault("grads", []).append([p.grad.clone() for p in model.parameters()])
+        for p in model.parameters():
+            p.grad = None
+
+    out = record_both(tmp_path, monkeypatch, mlp_state(), run)
+    assert_same(out)
+    assert len({p[1] for p in out["native"][2]}) == 3  # three passes per step
+
+
+def test_module_filter(tmp_path, monkeypatch):
+    out = record_both(tmp_path, monkeypatch, mlp_state(), plain_run, modules="2")
+    assert_same(out)
+    everything = record_both(tmp_path / "all", monkeypatch, mlp_state(), plain_run) \
+        if not (tmp_path / "all").mkdir() else None
+    assert 0 < len(out["native"][1]) < len(everything["native"][1])
+
+
+def test_large_gradient_split_across_threads(tmp_path, monkeypatch):
+    """At 2 torch threads a gradient of >= 2 * kernel.SPLIT elements is reduced in shares (in Python)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def make():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(1024, 1100)
+            return {"model": model, "x": torch.randn(2, 1024), "loss_fn": lambda m, x: m(x).sum()}
+
+        out = record_both(tmp_path, monkeypatch, make, plain_run, steps=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert_same(out)
+    assert any(r[10] >= 2 * kernel.SPLIT for r in out["native"][0] if r[10])
+
+
+def test_gpt2_rows_equal(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+
+    def make():
+        torch.manual_seed(3)
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        ids = torch.randint(0, 100, (2, 16))
+        return {"model": model, "x": ids, "loss_fn": lambda m, x: m(input_ids=x, labels=x).loss}
+
+    for stats in ("full", "shape"):
+        (tmp_path / stats).mkdir()
+        assert_same(record_both(tmp_path / stats, monkeypatch, make, plain_run, stats=stats))
+
+
+def test_python_measurement_fault_is_a_skipped_row(tmp_path, monkeypatch):
+    """A fault in the measurement the C++ hooks hand to Python (here: every bfloat16 tensor) leaves a
+    skipped row with the reason; training and the other rows go on."""
+    from gradstore import stats
+
+    real = stats.measure
+
+    def broken(t, level="full", checksum=False):
+        if t.dtype == torch.bfloat16:
+            raise RuntimeError("measurement exploded")
+        return real(t, level, checksum)
+
+    monkeypatch.setattr(stats, "measure", broken)
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    db = str(tmp_path / "f.db")
+    with gradstore.record("f", db=db, model=model):
+        (model(x).to(torch.bfloat16).float().sum()).backward()
+    assert model.weight.grad is not None
+    with gradstore.open(db) as store:
+        t = store.tensors("f")
+    bad = t[t.status == "skipped"]
+    assert len(bad) > 0 and bad.reason.str.contains("the tensor could not be").all()
+    assert (t[t.dtype == "float32"].status == "ok").all()
+
+
+def test_not_built_without_a_compiler(tmp_path, python_hooks):
+    """No C++ compiler: one warning, and the Python hooks record (a fresh process and cache directory)."""
+    script = textwrap.dedent(f"""
+        import warnings, torch, gradstore
+        from gradstore import native
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as w:
+            torch.manual_seed(0)
+            m = torch.nn.Linear(3, 2)
+            with gradstore.record("r", db={str(tmp_path / 'x.db')!r}, model=m):
+                m(torch.ones(1, 3)).sum().backward()
+            native.load(wait=True)
+        print(native.status())
+        print(sum("C++ node hooks" in str(x.message) for x in w))
+    """)
+    env = dict(os.environ, CXX="/nonexistent/c++", GRADSTORE_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    status, warned = proc.stdout.split("\n")[:2]
+    assert status.startswith("not available:") and "no C++ compiler" in status
+    assert int(warned) == 1
+    torch.manual_seed(0)  # the same step here, with the Python hooks (the fixture)
+    m = torch.nn.Linear(3, 2)
+    with gradstore.record("r", db=str(tmp_path / "y.db"), model=m):
+        m(torch.ones(1, 3)).sum().backward()
+    with sqlite3.connect(tmp_path / "x.db") as a, sqlite3.connect(tmp_path / "y.db") as b:
+        assert a.execute(TENSOR_ROWS).fetchall() == b.execute(TENSOR_ROWS).fetchall()
+
+
+def test_turned_off(tmp_path):
+    env = dict(os.environ, GRADSTORE_NATIVE="0")
+    proc = subprocess.run([sys.executable, "-c", "from gradstore import native; native.load(); print(native.status())"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.stdout.strip() == "not available: turned off (GRADSTORE_NATIVE=0)"
+
+
+def test_step_state_counts_calls_in_cpp():
+    state = passes.StepState(native.load(wait=True))
+    assert [state.next_seq() for _ in range(3)] == [0, 1, 2]
+    assert state.open_call() is None
