@@ -133,6 +133,13 @@ def _kernel_status() -> str:
     return kernel.status()
 
 
+def _native_status() -> str:
+    from gradstore import native
+
+    native.load(wait=True)  # built now if needed: never in the middle of a timed configuration
+    return native.status()
+
+
 def environment() -> dict:
     """Machine and versions, for the head of RESULTS.md."""
     import sqlite3
@@ -151,6 +158,7 @@ def environment() -> dict:
         "sqlite": sqlite3.sqlite_version,
         "platform": platform.platform(),
         "reduction kernel": _kernel_status(),
+        "C++ node hooks": _native_status(),
     }
     for mod in ("transformers", "sqlalchemy", "torchlens"):
         try:

@@ -44,8 +44,9 @@ from . import kernel
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 1
-_FLAGS = ("-O2", "-fPIC", "-shared", "-std=c++17", "-w")
+ABI_VERSION = 2
+_FLAGS = ("-O2", "-fPIC", "-shared", "-w")
+_STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
 _state: dict = {}  # "module": the module or None once settled; "error": why none; "thread": a build running
 LEVEL_CODES = {"shape": 0, "health": 1, "full": 2}
@@ -62,10 +63,10 @@ def _torch_dirs() -> tuple[list[str], str]:
     return [str(inc), str(inc / "torch" / "csrc" / "api" / "include")], str(root / "lib")
 
 
-def _command(cxx: list[str], out: str) -> list[str]:
+def _command(cxx: list[str], out: str, standard: str) -> list[str]:
     incs, libdir = _torch_dirs()
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    cmd = [*cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{sysconfig.get_paths()['include']}"]
+    cmd = [*cxx, *_FLAGS, standard, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{sysconfig.get_paths()['include']}"]
     cmd += [f"-I{d}" for d in incs]
     cmd += ["-o", out, str(SOURCE), f"-L{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
     cmd += ["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [f"-Wl,-rpath,{libdir}"]
@@ -91,10 +92,14 @@ def _build(cxx: list[str], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise OSError(f"{' '.join(cxx)} failed: {proc.stderr.strip()[-600:]}")
-        os.replace(tmp, target)
+        errors = []
+        for standard in _STANDARDS:
+            proc = subprocess.run(_command(cxx, tmp, standard), capture_output=True, text=True, timeout=600)
+            if proc.returncode == 0:
+                os.replace(tmp, target)
+                return
+            errors.append(proc.stderr.strip()[-600:])
+        raise OSError(f"{' '.join(cxx)} failed: {errors[-1]}")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -125,6 +130,16 @@ def _fallback(t, level: int):
     return measure(t, "full" if level == 2 else "health")
 
 
+def _reuse(m, t):
+    """A grad_input `t` that is the same memory as a grad_output whose Python measurement is `m`: `m` with t's
+    shape where it holds statistics, else None (as gradstore.stats.Measurer.grad_inputs)."""
+    from .stats import Measured
+
+    if type(m) is Measured and m.status == "ok" and m.vec is not None:
+        return Measured(m.status, m.reason, m.dtype, ",".join(map(str, t.shape)), m.numel, m.vec, m.checksum)
+    return None
+
+
 def _init(module) -> None:
     from .schema import ROLE, STATUS
     from .stats import _PLAIN_REAL_DTYPES, dtype_code
@@ -135,7 +150,7 @@ def _init(module) -> None:
     if k is not None:
         names = ("gs_full_f32", "gs_full_f64", "gs_health_f32", "gs_health_f64", "gs_m2_f32", "gs_m2_f64")
         ptrs = [ctypes.cast(getattr(k.lib, n), ctypes.c_void_p).value for n in names]
-    module.init(codes, *ptrs, _fallback, torch.Tensor, torch.nn.Parameter, kernel.SPLIT, STATUS["ok"],
+    module.init(codes, *ptrs, _fallback, _reuse, torch.Tensor, torch.nn.Parameter, kernel.SPLIT, STATUS["ok"],
                 STATUS["none"], ROLE["grad_output"], ROLE["grad_input"])
     _state["kernel"] = k is not None
 

@@ -35,7 +35,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 1;
+constexpr int ABI = 2;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -48,6 +48,7 @@ struct Globals {
   m2_fn m2[2] = {nullptr, nullptr};
   int16_t dtype_code[256];  // ScalarType -> schema dtype code of a plain real dtype; -1: ask Python
   PyObject* fallback = nullptr;  // fallback(tensor, level) -> the Python measurement (never raises)
+  PyObject* reuse = nullptr;  // reuse(measurement, tensor) -> the measurement with the tensor's shape, or None
   PyObject* plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
   int64_t split = 1 << 19;
   // row codes: STATUS ok / none, ROLE grad_output / grad_input
@@ -198,6 +199,25 @@ Result python_measure(const at::Tensor& t, Level level) {
   }
   PyGILState_Release(g);
   return r;
+}
+
+// a grad_input that is the same memory as a grad_output Python measured (r, a copy of that result): r becomes
+// that measurement with g's shape (gradstore.stats.Measurer.grad_inputs); false where it holds no statistics
+bool python_reuse(Result& r, const at::Tensor& g) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* obj = THPVariable_Wrap(g);
+  PyObject* out = obj ? PyObject_CallFunction(G.reuse, "OO", r.py, obj) : nullptr;
+  Py_XDECREF(obj);
+  bool ok = out != nullptr && out != Py_None;
+  if (out == nullptr) PyErr_Clear();
+  if (ok) {
+    Py_DECREF(r.py);
+    r.py = out;
+  } else {
+    Py_XDECREF(out);
+  }
+  PyGILState_Release(gil);
+  return ok;
 }
 
 // the kernel's statistics of a dense float32/float64 CPU tensor with numel > 0; false: not all finite
@@ -410,10 +430,13 @@ struct PostHook : torch::autograd::FunctionPostHook {
           if (!go.defined() || versions[s] < 0 || version_of(go) != versions[s] || !same_memory(g, go)) continue;
           std::unique_lock<std::mutex> lock(p.mu);
           const Result& mo = p.entries[outs[s]].r;
-          if (mo.kind != K_STATS) continue;
+          if (mo.kind != K_STATS && mo.kind != K_PY) continue;
           Result r(mo);
+          lock.unlock();
+          if (r.kind == K_PY && !python_reuse(r, g)) continue;  // the Python result holds no statistics
           auto sz = g.sizes();
           r.sizes.assign(sz.begin(), sz.end());
+          lock.lock();
           p.reused++;
           rs.push_back(std::move(r));
           done = true;
@@ -481,11 +504,11 @@ Node* node_of(PyObject* o) {
 }
 
 PyObject* py_init(PyObject*, PyObject* args) {
-  PyObject *codes, *fallback, *tensor_type, *param_type;
+  PyObject *codes, *fallback, *reuse, *tensor_type, *param_type;
   unsigned long long f32, f64, h32, h64, m32, m64;
   long long split;
   long ok, none, r_out, r_in;
-  if (!PyArg_ParseTuple(args, "OKKKKKKOOOLllll", &codes, &f32, &f64, &h32, &h64, &m32, &m64, &fallback,
+  if (!PyArg_ParseTuple(args, "OKKKKKKOOOOLllll", &codes, &f32, &f64, &h32, &h64, &m32, &m64, &fallback, &reuse,
                         &tensor_type, &param_type, &split, &ok, &none, &r_out, &r_in))
     return nullptr;
   PyObject* seq = PySequence_Fast(codes, "dtype codes: a sequence of (scalar type, code)");
@@ -509,6 +532,9 @@ PyObject* py_init(PyObject*, PyObject* args) {
   Py_XINCREF(fallback);
   Py_XDECREF(G.fallback);
   G.fallback = fallback;
+  Py_XINCREF(reuse);
+  Py_XDECREF(G.reuse);
+  G.reuse = reuse;
   Py_XINCREF(tensor_type);
   Py_XINCREF(param_type);
   G.plain[0] = tensor_type;
