@@ -293,3 +293,34 @@ def test_step_state_counts_calls_in_cpp():
     state = passes.StepState(native.load(wait=True))
     assert [state.next_seq() for _ in range(3)] == [0, 1, 2]
     assert state.open_call() is None
+
+
+def test_compiled_autograd_gets_the_python_hooks(tmp_path):
+    """Compiled autograd traces node hooks and can trace only Python ones: under it the pass is recorded by
+    the Python hooks, with no fault, and the gradient is the one compiled autograd gives unrecorded."""
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+
+    def run(record: bool):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        x = torch.randn(2, 4)
+        db = str(tmp_path / "ca.db")
+        scope = gradstore.record("ca", db=db, model=m) if record else None
+        if scope is not None:
+            scope.__enter__()
+        try:
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                m(x).sum().backward()
+        finally:
+            if scope is not None:
+                scope.__exit__(None, None, None)
+        return m.weight.grad.clone(), db
+
+    plain, _ = run(False)
+    recorded, db = run(True)
+    assert torch.equal(plain, recorded)
+    with gradstore.open(db) as store:
+        steps = store.steps("ca")
+        t = store.tensors("ca")
+    assert list(steps.status) == ["ok"] and steps.error.isna().all()
+    assert len(t) > 0 and (t.status == "ok").any()
