@@ -79,14 +79,16 @@ class Gradstore(Config):
     """
 
     def __init__(self, bench: Bench, db: Path, level: str, every: int = 1, name: str | None = None,
-                 **options):
+                 python_hooks: bool = False, **options):
         super().__init__(bench)
+        self.python_hooks = python_hooks  # the Python hooks even where the C++ ones are built (a comparison)
         self.db = Path(db)
         self.level = level
         self.every = every
         self.options = options  # more record() arguments, e.g. frames=True
         self.name = name or (f"gradstore {level}" + (f", every={every}" if every > 1 else "")
-                             + "".join(f", {k}={v}" for k, v in options.items()))
+                             + "".join(f", {k}={v}" for k, v in options.items())
+                             + (", Python hooks" if python_hooks else ""))
         self.run = self.name.replace(" ", "-").replace(",", "").replace("=", "")
         self.steps_per_slot = every
         base = GRADSTORE_RECORDS.get(level, level)
@@ -96,6 +98,9 @@ class Gradstore(Config):
             self.records = f"as {level}, and the user-code line that created each node (frames=True)"
         if options.get("saved"):
             self.records = f"as {level}, and the statistics of every saved tensor of every node (saved=True)"
+        if python_hooks:
+            self.records = (f"as {level}, recorded by the Python hooks (as with GRADSTORE_NATIVE=0): "
+                            "the same rows, for comparison with the C++ hooks")
         self.note = ""
 
     def kwargs(self) -> dict:
@@ -126,6 +131,16 @@ class Gradstore(Config):
         self.fn = self.recorder(train_step)
 
     def step(self):
+        if self.python_hooks:
+            from gradstore import native
+
+            available, native.available = native.available, lambda level: None
+            try:
+                for _ in range(self.every):
+                    self.fn(self.bench.model, self.bench)
+            finally:
+                native.available = available
+            return
         for _ in range(self.every):
             self.fn(self.bench.model, self.bench)
 

@@ -119,6 +119,8 @@ def main(argv=None) -> int:
                 Gradstore(bench, d / "shape.db", "shape"),
                 Gradstore(bench, d / "every.db", "full", every=a.every),
                 Gradstore(bench, d / "frames.db", "full", frames=True),
+                Gradstore(bench, d / "full-py.db", "full", python_hooks=True),
+                Gradstore(bench, d / "shape-py.db", "shape", python_hooks=True),
                 AnomalyMode(bench),
                 HandHooks(bench)]
 
