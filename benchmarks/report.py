@@ -220,8 +220,12 @@ def render(results: dict) -> str:
                                  f"{b['tensors_bytes_per_row']:.1f} (table {b['tensors_table_bytes'] / b['tensor_rows']:.1f}"
                                  f" + indexes {b['tensors_index_bytes'] / b['tensor_rows']:.1f})", f"≤ {BYTES_PER_ROW}",
                                  at_most(b["tensors_bytes_per_row"], BYTES_PER_ROW, " B", "{:.1f}")])
-                    rows.append(["`calls` table + its indexes / tensor rows", f"{b['calls_bytes_per_tensor_row']:.1f}",
-                                 "", ""])
+                    calls_table = b.get("calls_table", "calls")
+                    calls_idx = ", ".join(b.get("calls_indexes", [])) or "none"
+                    per_call = (f" ({b['calls_bytes_per_tensor_row'] * b['tensor_rows'] / b['calls']:.1f} per call)"
+                                if b.get("calls") else "")
+                    rows.append([f"`{calls_table}` table + its indexes ({calls_idx}) / tensor rows",
+                                 f"{b['calls_bytes_per_tensor_row']:.1f}{per_call}", "", ""])
                 else:
                     rows.append(["dbstat", b.get("dbstat", "?"), "", ""])
                 L += _table(["measure", "bytes per tensor row", "target", "verdict"], rows)

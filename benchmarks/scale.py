@@ -89,7 +89,7 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
     conn.execute("PRAGMA synchronous = OFF")
     conn.execute("PRAGMA cache_size = -262144")  # 256 MiB
     conn.execute("ATTACH DATABASE ? AS tpl", (str(tpl),))
-    t_calls = conn.execute("SELECT COUNT(*), MIN(id) FROM tpl.calls").fetchone()
+    t_calls = conn.execute("SELECT COUNT(*), MIN(id) FROM tpl.call_data").fetchone()
     t_tensors = conn.execute("SELECT COUNT(*), MIN(id) FROM tpl.tensor_data").fetchone()
     n_calls, calls_min = t_calls
     n_tensors, tensors_min = t_tensors
@@ -112,9 +112,10 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
 
     step_sql = insert_sql("steps", {"id": ":step + 1", "step": ":step", "started_at": "started_at + :step",
                                     "ended_at": "ended_at + :step", "status": "'ok'"})
-    pass_sql = insert_sql("passes", {"id": ":step + 1", "step_id": ":step + 1", "started_at": "started_at + :step"})
-    call_sql = insert_sql("calls", {"id": f"id - {calls_min} + 1 + :step * {n_calls}", "step_id": ":step + 1",
-                                    "pass_id": ":step + 1"})
+    call_id = f"- {calls_min} + 1 + :step * {n_calls}"  # a step's calls: the template's ids, shifted
+    pass_sql = insert_sql("passes", {"id": ":step + 1", "step_id": ":step + 1", "started_at": "started_at + :step",
+                                     "first_call": f"first_call {call_id}", "last_call": f"last_call {call_id}"})
+    call_sql = insert_sql("call_data", {"id": f"id {call_id}", "pass_id": ":step + 1"})
     stat = {c: f"{c} * :f" for c in ("norm", "min", "max", "mean", "std")}
     tensor_id = f"id - {tensors_min} + 1 + :step * {n_tensors}"
     tensor_sql = insert_sql("tensor_data", {

@@ -157,13 +157,13 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
     node_id = {k: i for i, k in enumerate(keys, start=1)}
 
     step_cols, pass_cols = _columns(s.steps), _columns(s.passes)
-    call_cols, tensor_cols = _columns(s.calls), _columns(s.tensor_data)
+    call_cols, tensor_cols = _columns(s.call_data), _columns(s.tensor_data)
 
     def sql(table, cols):
         return f"INSERT INTO {table} ({','.join(cols)}) VALUES ({','.join('?' * len(cols))})"
 
     step_sql, pass_sql = sql("steps", step_cols), sql("passes", pass_cols)
-    call_sql, tensor_sql = sql("calls", call_cols), sql("tensor_data", tensor_cols)
+    call_sql, tensor_sql = sql("call_data", call_cols), sql("tensor_data", tensor_cols)
     note_sql = sql("tensor_notes", ("id", "reason", "checksum"))
     # layouts, like nodes, exist after a run's first step: inserted untimed
     layouts = {}
@@ -177,7 +177,8 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
                      [(i, *k) for k, i in layouts.items()])
     conn.execute("COMMIT")
     # the rows are built first, untimed: the timed part is sqlite3 itself, the ceiling for any writer. They are
-    # the rows the writer stores: pass_id only on rows without a call, norm NULL where the view derives it.
+    # the rows the writer stores: pass_id only on rows without a call, norm NULL where the view derives it;
+    # calls with times in integer nanoseconds, each pass naming its calls' id range.
     rows = {"steps": [], "passes": [], "calls": [], "tensors": [], "notes": []}
     pass_id = call_id = tensor_id = 0
     for step in range(1, n + 1):
@@ -188,20 +189,23 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
         }, b))
         for p in b.passes:
             pass_id += 1
+            n_calls = len(p.calls)
             rows["passes"].append(_row(s.passes, pass_cols, {
                 "id": pass_id, "step_id": step, "pass": p.number, "parent_pass": p.parent_pass,
                 "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
                 "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
                 "nodes": getattr(p, "reachable", len(p.nodes)), "started_at": p.started_at,
-                "duration": p.duration,
+                "duration": p.duration, "first_call": call_id + 1 if n_calls else None,
+                "last_call": call_id + n_calls if n_calls else None,
             }, p))
             seq_to_call = {}
             for key, seq, start, dur in p.calls:
                 call_id += 1
                 seq_to_call[seq] = call_id
-                rows["calls"].append(tuple({"id": call_id, "step_id": step, "pass_id": pass_id,
-                                            "node_id": node_id[key], "seq": seq, "start": start,
-                                            "duration": dur}.get(c) for c in call_cols))
+                rows["calls"].append(tuple({"id": call_id, "pass_id": pass_id, "node_id": node_id[key], "seq": seq,
+                                            "start_ns": round(start * 1e9),
+                                            "duration_ns": None if dur is None else round(dur * 1e9)}.get(c)
+                                           for c in call_cols))
             for t in p.tensors:
                 tensor_id += 1
                 row = _tensor_row(t)
@@ -253,10 +257,12 @@ def bytes_per_row(db: Path) -> dict:
         idx = [i for t in tables for i in indexes(t)]
         table_bytes = sum(per.get(t, 0) for t in tables)
         index_bytes = sum(per.get(i, 0) for i in idx)
-        calls_bytes = per.get("calls", 0) + sum(per.get(i, 0) for i in indexes("calls"))
+        calls_table = "call_data" if "call_data" in per else "calls"  # the calls' rows (a table before 0003)
+        calls_bytes = per.get(calls_table, 0) + sum(per.get(i, 0) for i in indexes(calls_table))
         out.update(tensors_table_bytes=table_bytes, tensors_index_bytes=index_bytes,
                    tensors_bytes_per_row=(table_bytes + index_bytes) / rows if rows else None,
-                   calls_bytes_per_tensor_row=calls_bytes / rows if rows else None,
+                   calls_bytes_per_tensor_row=calls_bytes / rows if rows else None, calls_table=calls_table,
+                   calls_indexes=indexes(calls_table),
                    tensor_tables={t: per.get(t, 0) for t in tables}, tensor_indexes=idx)
     except sqlite3.OperationalError as exc:  # sqlite built without dbstat
         out["dbstat"] = f"unavailable: {exc}"

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import click
 import pandas as pd
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import __version__
@@ -126,9 +126,10 @@ def _counts(store: Store, run: str, step: int | None = None, rank: int | None = 
             for name, table in (("nodes", s.nodes), ("edges", s.edges)):
                 counts[name] = conn.execute(select(func.count()).select_from(table, s.runs).where(
                     table.c.run_id == s.runs.c.id, s.runs.c.name == run)).scalar()
-        counts["calls"] = conn.execute(step_filter(select(func.count()).select_from(  # through passes: indexed
-            s.calls.join(s.passes, s.calls.c.pass_id == s.passes.c.id).join(s.steps, s.passes.c.step_id == s.steps.c.id),
-            s.runs))).scalar()
+        pass_calls = and_(s.calls.c.id.between(s.passes.c.first_call, s.passes.c.last_call),  # an id range
+                          s.calls.c.pass_id == s.passes.c.id)
+        counts["calls"] = conn.execute(step_filter(select(func.count()).select_from(
+            s.passes.join(s.steps, s.passes.c.step_id == s.steps.c.id).join(s.calls, pass_calls), s.runs))).scalar()
         counts["tensors"] = conn.execute(step_filter(select(func.count()).select_from(
             s.tensors.join(s.steps, s.tensors.c.step_id == s.steps.c.id), s.runs))).scalar()
     return counts

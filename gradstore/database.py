@@ -109,11 +109,13 @@ def ensure_schema(engine: Engine, db_label: str = "the database") -> str:
 
     head = head_revision()
     for attempt in range(5):
-        current = current_revision(engine)
-        _check_known(current, db_label)
-        if current == head:
-            return head
         try:
+            # reading the revision connects, and a new connection sets WAL mode: SQLite can answer "database is
+            # locked" there at once (no busy wait) while another process creates the file, so it is retried too
+            current = current_revision(engine)
+            _check_known(current, db_label)
+            if current == head:
+                return head
             with engine.begin() as conn:
                 if conn.dialect.name == "postgresql":
                     # one migrating process at a time; the others then find the schema at head (Alembic reads

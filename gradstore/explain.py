@@ -439,12 +439,8 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
         edges_in = edges[edges["dst"] == key][cols].reset_index(drop=True)
         edges_out = edges[edges["src"] == key][cols].sort_values("src_slot").reset_index(drop=True)
         module = n["module"] if isinstance(n["module"], str) else ""
-        calls = store.calls(run=run, module=module or None)
+        calls = store.calls(run=run, step=step, rank=rank, module=module or None)  # a step given: its calls only
         calls = calls[calls["key"] == key]
-        if step is not None:
-            calls = calls[calls["step"] == step]
-        if rank is not None:
-            calls = calls[calls["rank"] == rank]
         tensors = calls.iloc[0:0]
         chosen_step = chosen_rank = None
         if not calls.empty:

@@ -8,7 +8,7 @@ the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank
 - steps are appended per (run, rank, step); one that OUT already holds is an error (`MergeConflict`, naming
   it), or is skipped with its passes, calls and tensors when `skip_existing=True`;
 - nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated;
-- passes, calls and tensors are copied with remapped ids.
+- passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range).
 
 Everything goes through SQLAlchemy Core on the `gradstore.schema` tables, so OUT and the inputs may be
 SQLite files or database URLs. The whole merge is one transaction on OUT: an error leaves OUT as it was (a
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 
 from . import schema as s
 from .database import ensure_schema, is_url, make_engine, open_existing
@@ -244,20 +244,29 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
         rows = [r for r in rows if r["step_id"] in step_map]
         for r in rows:
             r["step_id"] = step_map[r["step_id"]]
+            r["first_call"] = r["last_call"] = None  # set below, from the calls' new ids
         src_ids = [r.pop("id") for r in rows]
         pass_map.update(zip(src_ids, _insert_returning_ids(dst, s.passes, rows)))
     report.passes = len(pass_map)
 
     call_map: dict[int, int] = {}
-    for rows in _stream(src, s.calls):
-        rows = [r for r in rows if r["step_id"] in step_map]
+    ranges: dict[int, list[int]] = {}  # OUT's pass id -> [first_call, last_call]
+    for rows in _stream(src, s.call_data):  # in id order: each pass's calls stay consecutive
+        rows = [r for r in rows if r["pass_id"] in pass_map]
         for r in rows:
-            r["step_id"] = step_map[r["step_id"]]
             r["pass_id"] = pass_map[r["pass_id"]]
             r["node_id"] = node_map[r["node_id"]]
         src_ids = [r.pop("id") for r in rows]
-        call_map.update(zip(src_ids, _insert_returning_ids(dst, s.calls, rows)))
+        new_ids = _insert_returning_ids(dst, s.call_data, rows)
+        call_map.update(zip(src_ids, new_ids))
+        for r, cid in zip(rows, new_ids):
+            lo_hi = ranges.setdefault(r["pass_id"], [cid, cid])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], cid), max(lo_hi[1], cid)
     report.calls = len(call_map)
+    if ranges:
+        dst.execute(update(s.passes).where(s.passes.c.id == bindparam("pid")).values(
+            first_call=bindparam("lo"), last_call=bindparam("hi")),
+            [{"pid": pid, "lo": lo, "hi": hi} for pid, (lo, hi) in ranges.items()])
 
     layout_map = _merge_layouts(src, dst)
     td, tn = s.tensor_data.c, s.tensor_notes.c

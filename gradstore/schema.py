@@ -4,7 +4,8 @@ This module is the runtime view of the schema. Alembic revisions under migration
 frozen copies of the tables they create (so an old revision never changes when this file does);
 tests/test_migrations.py checks that the two agree.
 
-Units: every `*_at` column is seconds since the Unix epoch (float); every duration is seconds (float).
+Units: every `*_at` column is seconds since the Unix epoch (float); every duration is seconds (float), but for
+call_data's start_ns and duration_ns: integer nanoseconds, which the `calls` view gives as seconds (ns / 1e9).
 """
 from __future__ import annotations
 
@@ -118,6 +119,9 @@ passes = Table(
     Column("duration", Float),
     Column("setup", Float),  # seconds before the engine ran: graph walk, keys, hook registration
     Column("finish", Float),  # seconds after it returned: hook removal, param grads, host transfer, rows
+    # the lowest and highest id of the pass's calls (NULL: no calls); see call_data below
+    Column("first_call", Integer),
+    Column("last_call", Integer),
     UniqueConstraint("step_id", "pass"),
 )
 
@@ -149,18 +153,38 @@ edges = Table(
     UniqueConstraint("src", "src_slot", "dst", "dst_slot"),
 )
 
-calls = Table(
-    "calls",
+# ---- calls: a compact table and a view ---------------------------------------------------------------------
+# `calls` (what every query reads) is a VIEW with the columns of revisions 0001-0002; the rows live in call_data:
+#   start and duration as INTEGER nanoseconds (SQLite stores a small integer in 1 to 6 bytes, a REAL in 8); the
+#     view gives seconds, start_ns / 1e9 in double precision (time.perf_counter's resolution is 1 ns);
+#   no step_id: the view takes it from the call's pass;
+#   no index but the id (the rowid on SQLite): the writer gives each pass's calls consecutive ids, and the pass
+#     records the range (passes.first_call, passes.last_call), so a pass's or a step's calls are
+#     `c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id`, one range of the table (the pass_id test
+#     keeps the lookup exact where two writers' ids interleave, as PostgreSQL's sequence allows; the unary +
+#     keeps SQLite's planner on the range rather than a scan of every call).
+call_data = Table(
+    "call_data",
     metadata,
     Column("id", Integer, primary_key=True),
-    Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
     Column("pass_id", Integer, ForeignKey("passes.id"), nullable=False),
     Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
     Column("seq", Integer, nullable=False),  # execution order within the step
-    Column("start", Float, nullable=False),  # seconds since the pass started
-    Column("duration", Float),  # seconds; NULL when the hook after the node never fired
-    Index("ix_calls_pass_seq", "pass_id", "seq"),  # a step's calls: through its passes (no step_id index)
+    Column("start_ns", BigInteger, nullable=False),  # nanoseconds since the pass started
+    Column("duration_ns", BigInteger),  # nanoseconds; NULL when the hook after the node never fired
 )
+
+# seconds from nanoseconds in IEEE double arithmetic on both engines (PostgreSQL reads a bare 1e9 as NUMERIC)
+_NS = "CAST(1000000000 AS DOUBLE PRECISION)"
+CALLS_VIEW_COLUMNS = ("id", "step_id", "pass_id", "node_id", "seq", "start", "duration")
+CALLS_VIEW = f"""CREATE VIEW calls AS
+SELECT c.id, (SELECT p.step_id FROM passes p WHERE p.id = c.pass_id) AS step_id, c.pass_id, c.node_id, c.seq,
+       c.start_ns / {_NS} AS start, c.duration_ns / {_NS} AS duration
+FROM call_data c"""
+
+# the view for SQLAlchemy Core (select only; not part of `metadata`, so Alembic's comparison leaves it alone)
+calls = table("calls", *(column(c) for c in CALLS_VIEW_COLUMNS))
+
 
 # ---- tensors: a compact table, a side table and a view ------------------------------------------------------
 # `tensors` (what every query reads) is a VIEW with the columns of revision 0001; the rows live in three tables:
@@ -190,7 +214,7 @@ tensor_data = Table(
     # PostgreSQL: from this sequence (SQLAlchemy inserts call it; the writer reserves blocks); SQLite: given
     Column("id", Integer, Sequence("tensor_data_id_seq"), nullable=False, autoincrement=False),
     Column("pass_id", Integer, ForeignKey("passes.id")),  # param_grad rows; NULL: the pass of the row's call
-    Column("call_id", Integer, ForeignKey("calls.id")),  # NULL for param_grad rows
+    Column("call_id", Integer, ForeignKey("call_data.id")),  # NULL for param_grad rows
     Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
     Column("role", Integer, nullable=False),
     Column("slot", Integer, nullable=False),
@@ -230,7 +254,7 @@ TENSORS_VIEW_COLUMNS = ("id", "step_id", "pass_id", "call_id", "node_id", "role"
                         "zeros", "checksum")
 TENSORS_VIEW = f"""CREATE VIEW tensors AS
 SELECT t.id, t.step_id,
-       COALESCE(t.pass_id, (SELECT c.pass_id FROM calls c WHERE c.id = t.call_id)) AS pass_id,
+       COALESCE(t.pass_id, (SELECT c.pass_id FROM call_data c WHERE c.id = t.call_id)) AS pass_id,
        t.call_id, t.node_id, t.role, t.slot, t.status,
        (SELECT x.reason FROM tensor_notes x WHERE x.id = t.id) AS reason,
        (SELECT l.dtype FROM layouts l WHERE l.id = t.layout_id) AS dtype,

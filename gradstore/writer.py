@@ -126,9 +126,9 @@ class Writer:
             "waited")) + returning
         self._pass_insert = self._driver_insert("passes", (
             "step_id", "pass", "parent_pass", "parent_seq", "kind", "create_graph", "retain_graph", "roots",
-            "inputs", "nodes", "started_at", "duration", "setup", "finish")) + returning
+            "inputs", "nodes", "started_at", "duration", "setup", "finish", "first_call", "last_call")) + returning
         self._call_insert = self._driver_insert(
-            "calls", ("id", "step_id", "pass_id", "node_id", "seq", "start", "duration"))
+            "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns"))
         self._tensor_insert = self._driver_insert("tensor_data", TENSOR_DATA_COLUMNS)
         self._note_insert = self._driver_insert("tensor_notes", ("id", "reason", "checksum"))
         mark = "%s" if self._pg else "?"
@@ -294,10 +294,18 @@ class Writer:
         self._write_nodes(conn, b, added)
         self._write_edges(conn, b, added)
         if b.passes:
-            pass_ids = [self._insert_id(cur, self._pass_insert, (
-                step_id, p.number, p.parent_pass, p.parent_seq, p.kind, int(p.create_graph), int(p.retain_graph),
-                p.roots, p.inputs, p.reachable, p.started_at, p.duration, p.setup, p.finish)) for p in b.passes]
-            self._write_calls_and_tensors(conn, cur, b, step_id, pass_ids, added)
+            # call ids first: each pass row records the id range of its calls (passes.first_call, last_call)
+            n_calls = sum(len(p.calls) for p in b.passes)
+            call_ids = self._reserve_ids(cur, "call_data", n_calls) if n_calls else []
+            pass_ids, k = [], 0
+            for p in b.passes:
+                ids = call_ids[k:k + len(p.calls)]
+                k += len(p.calls)
+                pass_ids.append(self._insert_id(cur, self._pass_insert, (
+                    step_id, p.number, p.parent_pass, p.parent_seq, p.kind, int(p.create_graph),
+                    int(p.retain_graph), p.roots, p.inputs, p.reachable, p.started_at, p.duration, p.setup,
+                    p.finish, min(ids) if ids else None, max(ids) if ids else None)))
+            self._write_calls_and_tensors(conn, cur, b, step_id, pass_ids, call_ids, added)
         if b.run_status is not None:
             cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
 
@@ -359,7 +367,7 @@ class Writer:
                     added.append((self._layout_ids, (d, sh, n)))
 
     def _reserve_ids(self, cur, table: str, n: int):
-        """`n` fresh ids for `table` (calls or tensor_data), so that rows can be inserted with the driver's
+        """`n` fresh ids for `table` (call_data or tensor_data), so that rows can be inserted with the driver's
         executemany and referenced at once; returns a range (SQLite) or a list (PostgreSQL).
 
         SQLite: this transaction holds the database's write lock (BEGIN IMMEDIATE), so max(id) + 1 ... are ours;
@@ -384,22 +392,23 @@ class Writer:
             top = cur.fetchone()[0] or 0
         return range(top + 1, top + 1 + n)
 
-    def _write_calls_and_tensors(self, conn, cur, b: StepBatch, step_id: int, pass_ids: list[int],
+    def _write_calls_and_tensors(self, conn, cur, b: StepBatch, step_id: int, pass_ids: list[int], cids,
                                  added: list) -> None:
         # the per-row loops run on the writer thread with the GIL held: locals only, no call per row but the
-        # dict lookups, the norm test and the tuple
+        # dict lookups, the norm test, the rounding and the tuple
         node_id = self._node_ids[b.run_id]
-        n_calls = sum(len(p.calls) for p in b.passes)
+        n_calls = len(cids)
         call_of: dict = {}
         if n_calls:
-            cids = self._reserve_ids(cur, "calls", n_calls)
             call_rows = []
             k = 0
             for p, pass_id in zip(b.passes, pass_ids):
+                # cids[k:k + len(p.calls)] are this pass's (its first_call..last_call); times in integer ns
                 for key, seq, start, dur in p.calls:
                     cid = call_of[seq] = cids[k]
                     k += 1
-                    call_rows.append((cid, step_id, pass_id, node_id[key], seq, start, dur))
+                    call_rows.append((cid, pass_id, node_id[key], seq, round(start * 1e9),
+                                      None if dur is None else round(dur * 1e9)))
             cur.executemany(self._call_insert, call_rows)
         n_tensors = sum(len(p.tensors) for p in b.passes)
         if n_tensors:

@@ -17,7 +17,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
                               ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
-           COALESCE(c.seq, (SELECT MAX(c2.seq) FROM calls c2 WHERE c2.pass_id = t.pass_id), -1) AS ord,
+           c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
@@ -34,7 +34,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
                               ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
-           COALESCE(c.seq, (SELECT MAX(c2.seq) FROM calls c2 WHERE c2.pass_id = t.pass_id), -1) AS ord,
+           c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
@@ -47,16 +47,28 @@ WITH prm AS (  -- a NULL side takes the other side's value
           WHERE (prm.run_b IS NULL OR r2.name = prm.run_b)
             AND (prm.step_b IS NULL OR st2.step = prm.step_b)
             AND (prm.rank_b IS NULL OR st2.rank = prm.rank_b))
+), ends AS (  -- the last seq of each pass with param_grad rows, which sort after their pass's calls
+    SELECT p.id AS pid, MAX(c.seq) AS seq
+    FROM passes p
+    -- a pass's calls: the id range first_call..last_call (unary + keeps SQLite's planner on that range)
+    JOIN calls c ON c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id
+    WHERE p.id IN (SELECT pid FROM a WHERE seq IS NULL UNION SELECT pid FROM b WHERE seq IS NULL)
+    GROUP BY p.id
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable)
-    SELECT a.sid AS a_sid, a.nid AS a_nid, a.tid AS a_tid, b.sid AS b_sid, b.nid AS b_nid, b.tid AS b_tid, a.occurrence, a.ord AS a_ord, b.ord AS b_ord
+    SELECT a.sid AS a_sid, a.nid AS a_nid, a.tid AS a_tid, b.sid AS b_sid, b.nid AS b_nid, b.tid AS b_tid, a.occurrence,
+           COALESCE(a.seq, ea.seq, -1) AS a_ord,
+           CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, -1) END AS b_ord
     FROM a CROSS JOIN prm
     LEFT JOIN b ON b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
         AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
         AND (prm.step_a IS NOT NULL OR b.step = a.step)
         AND (prm.rank_a IS NOT NULL OR b.rank = a.rank)
+    LEFT JOIN ends ea ON ea.pid = a.pid AND a.seq IS NULL
+    LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
     UNION ALL
-    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, b.ord
+    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, COALESCE(b.seq, eb.seq, -1)
     FROM b CROSS JOIN prm
+    LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
     WHERE NOT EXISTS (SELECT 1 FROM a WHERE b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
                                          AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
                                          AND (prm.step_a IS NOT NULL OR b.step = a.step)

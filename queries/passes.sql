@@ -5,7 +5,7 @@
 -- param step: step number; NULL for every step
 SELECT r.name AS run, st.rank, st.step, p.pass, p.kind, p.parent_pass, p.parent_seq,
        p.create_graph, p.retain_graph, p.roots, p.inputs, p.nodes,
-       (SELECT COUNT(*) FROM calls c WHERE c.pass_id = p.id) AS calls,
+       (SELECT COUNT(*) FROM calls c WHERE c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id) AS calls,
        p.started_at, p.duration, p.setup, p.finish
 FROM passes p
 JOIN steps st ON st.id = p.step_id

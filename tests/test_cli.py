@@ -190,10 +190,10 @@ def test_queries_listing():
 def test_db_upgrade_creates_the_newest_revision(db):
     result = invoke("db", "upgrade", db)
     assert result.exit_code == 0, result.output
-    assert "0002" in result.output
-    assert sql_count(db, "SELECT version_num FROM alembic_version") == "0002"
+    assert "0003" in result.output
+    assert sql_count(db, "SELECT version_num FROM alembic_version") == "0003"
     again = invoke("db", "upgrade", db)
-    assert again.exit_code == 0 and "already at schema revision 0002" in again.output
+    assert again.exit_code == 0 and "already at schema revision 0003" in again.output
     assert_one_line_error(invoke("db", "upgrade", Path(db).parent / "no" / "such" / "dir.db"), "database error")
 
 

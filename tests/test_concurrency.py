@@ -162,11 +162,11 @@ def test_a_transient_failure_retries_the_whole_step(db, monkeypatch):
     original = writer.Writer._write_calls_and_tensors
     failures = []
 
-    def flaky(self, conn, cur, b, step_id, pass_ids, added):
+    def flaky(self, conn, cur, b, step_id, *rest):
         if not failures:
             failures.append(step_id)
-            raise OperationalError("INSERT INTO calls ...", {}, Exception("database is locked"))
-        return original(self, conn, cur, b, step_id, pass_ids, added)
+            raise OperationalError("INSERT INTO call_data ...", {}, Exception("database is locked"))
+        return original(self, conn, cur, b, step_id, *rest)
 
     monkeypatch.setattr(writer.Writer, "_write_calls_and_tensors", flaky)
     with gradstore.record("flaky", db=db, model=model):
@@ -193,8 +193,8 @@ def test_a_driver_error_from_the_raw_cursor_is_retried_too(db, monkeypatch):
     original = writer.Writer._write_calls_and_tensors
     failures = []
 
-    def flaky(self, conn, cur, b, step_id, pass_ids, added):
-        original(self, conn, cur, b, step_id, pass_ids, added)  # layouts inserted and cached, then the failure
+    def flaky(self, *args):
+        original(self, *args)  # layouts inserted and cached, then the failure
         if not failures:
             failures.append(len(self._layout_ids))
             raise sqlite3.OperationalError("database is locked")

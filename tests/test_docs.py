@@ -27,9 +27,10 @@ def test_readme_documents_every_table_and_column():
     from gradstore import schema
 
     tables = {name: [c.name for c in schema.metadata.tables[name].columns]
-              for name in ("runs", "steps", "passes", "nodes", "edges", "calls", "layouts", "tensor_data",
+              for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data",
                            "tensor_notes")}
-    tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)  # the view
+    tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
+    tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)
     for table, columns in tables.items():
         assert f"**{table}**" in README, f"table {table} is not described in README.md"
         for col in columns:

@@ -21,17 +21,29 @@ def _revision(path):
         return conn.execute("SELECT version_num FROM alembic_version").fetchone()[0]
 
 
+def _migrate(db, revision: str, down: bool = False) -> None:
+    """Upgrade (or downgrade) the database at `db` (path or URL) to `revision` exactly, as Alembic does."""
+    from alembic import command
+
+    engine = database.make_engine(db)
+    try:
+        with engine.begin() as conn:
+            (command.downgrade if down else command.upgrade)(database._alembic_config(conn), revision)
+    finally:
+        engine.dispose()
+
+
 def test_new_database_is_created_at_head_by_alembic(db):
     before, after = database.upgrade(db)
-    assert (before, after) == (None, "0002")
-    assert _revision(db) == "0002"
+    assert (before, after) == (None, "0003")
+    assert _revision(db) == "0003"
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         roles = [r[0] for r in conn.execute("SELECT name FROM roles ORDER BY id")]
         views = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='view'")}
-    assert {"runs", "steps", "passes", "nodes", "edges", "calls", "tensor_data", "tensor_notes", "layouts",
+    assert {"runs", "steps", "passes", "nodes", "edges", "call_data", "tensor_data", "tensor_notes", "layouts",
             "alembic_version"} <= tables
-    assert views == {"tensors"}
+    assert views == {"tensors", "calls"}
     assert roles == ["grad_output", "grad_input", "param_grad", "saved"]
 
 
@@ -66,7 +78,7 @@ def test_database_at_base_revision_is_upgraded_on_record(db):
 
     with gradstore.record("r", db=db):
         torch.ones(2, requires_grad=True).sum().backward()
-    assert _revision(db) == database.head_revision() == "0002"
+    assert _revision(db) == database.head_revision() == "0003"
 
 
 def test_newer_revision_is_refused_with_upgrade_advice(db):
@@ -108,7 +120,8 @@ def test_upgrade_0001_to_0002_keeps_every_tensor_value(tmp_path):
     shutil.copy(ASSETS / "rev0001.db", path)
     before = _rows_0001(path)
     assert len(before) > 20 and any(r[21] is not None for r in before)  # checksums to carry over
-    assert database.upgrade(path) == ("0001", "0002")
+    _migrate(path, "0002")
+    assert _revision(path) == "0002"
     after = _rows_0001(path)  # now read through the view
     assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in before]
     with sqlite3.connect(path) as conn:
@@ -137,16 +150,11 @@ def test_upgrade_0001_to_0002_keeps_every_tensor_value(tmp_path):
 
 
 def test_downgrade_0002_to_0001_restores_the_table(tmp_path):
-    from alembic import command
-
     path = tmp_path / "old.db"
     shutil.copy(ASSETS / "rev0001.db", path)
     before = _rows_0001(path)
-    database.upgrade(path)
-    engine = database.make_engine(path)
-    with engine.begin() as conn:
-        command.downgrade(database._alembic_config(conn), "0001")
-    engine.dispose()
+    _migrate(path, "0002")
+    _migrate(path, "0001", down=True)
     assert _revision(path) == "0001"
     with sqlite3.connect(path) as conn:
         kind = conn.execute("SELECT type FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
@@ -157,23 +165,18 @@ def test_downgrade_0002_to_0001_restores_the_table(tmp_path):
     assert kind == "table" and {"ix_tensors_step_id", "ix_tensors_node_id", "ix_tensors_nonfinite"} <= indexes
     assert call_indexes == {"ix_calls_pass_seq", "ix_calls_step_id"}
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]
-    assert database.upgrade(path) == ("0001", "0002")  # and up again
+    _migrate(path, "0002")  # and up again
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]
 
 
-def test_upgrade_0001_to_0002_on_postgresql_keeps_every_tensor_value(pg_url):
-    """The committed 0001 file's rows, loaded into a PostgreSQL schema at revision 0001 and upgraded: the view
-    gives every value back, and recording goes on in the upgraded database with fresh tensor ids."""
-    import torch
-    from alembic import command
+def _load_0001_into_postgresql(pg_url) -> None:
+    """The committed 0001 file's rows, loaded into a PostgreSQL schema at revision 0001."""
     from sqlalchemy import MetaData, text
 
     asset = sqlite3.connect(ASSETS / "rev0001.db")
     asset.row_factory = sqlite3.Row
-    before = _rows_0001(ASSETS / "rev0001.db")
+    _migrate(pg_url, "0001")
     engine = database.make_engine(pg_url)
-    with engine.begin() as conn:
-        command.upgrade(database._alembic_config(conn), "0001")
     old = MetaData()
     old.reflect(engine)
     with engine.begin() as conn:
@@ -188,20 +191,181 @@ def test_upgrade_0001_to_0002_on_postgresql_keeps_every_tensor_value(pg_url):
                               f"(SELECT MAX(id) FROM {table}))"))
     asset.close()
     engine.dispose()
-    assert database.upgrade(pg_url) == ("0001", "0002")
+
+
+def test_upgrade_0001_to_head_on_postgresql_keeps_every_tensor_and_call_value(pg_url):
+    """The committed 0001 file's rows, loaded into PostgreSQL and upgraded: the views give every value back
+    (call times to the nearest nanosecond), and recording goes on with fresh tensor and call ids."""
+    import torch
+    from sqlalchemy import text
+
+    before = _rows_0001(ASSETS / "rev0001.db")
+    calls_before = _calls(ASSETS / "rev0001.db")
+    _load_0001_into_postgresql(pg_url)
+    assert database.upgrade(pg_url) == ("0001", "0003")
     engine = database.make_engine(pg_url)
     with engine.connect() as conn:
         after = [tuple(r) for r in conn.execute(text(f"SELECT {_TENSOR_COLUMNS} FROM tensors ORDER BY id"))]
         stored_norms = conn.execute(text("SELECT COUNT(norm) FROM tensor_data")).scalar()
         run = conn.execute(text("SELECT name FROM runs")).scalar()
+        calls_after = _calls(conn)
+        ranges = conn.execute(text("SELECT id, first_call, last_call FROM passes ORDER BY id")).all()
     assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in before]
     assert stored_norms < sum(r[12] is not None for r in before)  # some norms are derived by the view
+    assert [tuple(map(repr, r)) for r in calls_after] == [tuple(map(repr, r)) for r in _ns_rounded(calls_before)]
+    assert [tuple(r) for r in ranges] == _id_ranges(calls_before)
     x = torch.linspace(-1, 1, 7, requires_grad=True)
     with gradstore.record(run, db=pg_url):
         (x * 3).sum().backward()
     with engine.connect() as conn:
         new = conn.execute(text("SELECT t.id, t.norm FROM tensors t JOIN steps st ON st.id = t.step_id "
                                 "WHERE st.step = (SELECT MAX(step) FROM steps) ORDER BY t.id")).all()
+        new_calls = conn.execute(text("SELECT c.id, c.seq, p.first_call, p.last_call FROM calls c "
+                                      "JOIN passes p ON p.id = c.pass_id JOIN steps st ON st.id = c.step_id "
+                                      "WHERE st.step = (SELECT MAX(step) FROM steps) ORDER BY c.id")).all()
     engine.dispose()
     assert new and min(r[0] for r in new) > max(r[0] for r in before)
     assert math.sqrt(7 * 9.0) in [r[1] for r in new]  # the grad_input of MulBackward0: 3 in each of 7 slots
+    # SumBackward0, MulBackward0, AccumulateGrad: fresh ids after the copied ones, the pass's id range
+    ids = [r[0] for r in new_calls]
+    assert [r[1] for r in new_calls] == [0, 1, 2] and min(ids) > max(r[0] for r in calls_before)
+    assert {(r[2], r[3]) for r in new_calls} == {(min(ids), max(ids))}
+
+
+def test_calls_down_to_0002_and_up_again_on_postgresql(pg_url):
+    """On PostgreSQL too: 0003 -> 0002 rebuilds the calls table from the view's values, and 0002 -> 0003 gives
+    the same nanoseconds back."""
+    from sqlalchemy import inspect, text
+
+    _load_0001_into_postgresql(pg_url)
+    _migrate(pg_url, "0002")
+    engine = database.make_engine(pg_url)
+    with engine.connect() as conn:
+        before = _calls(conn)
+    _migrate(pg_url, "0003")
+    with engine.connect() as conn:
+        view = _calls(conn)
+    _migrate(pg_url, "0002", down=True)
+    with engine.connect() as conn:
+        restored = _calls(conn)
+        tables = set(inspect(conn).get_table_names())
+        views = set(inspect(conn).get_view_names())
+        indexes = {i["name"] for i in inspect(conn).get_indexes("calls")}
+        fks = {(f["referred_table"], tuple(f["constrained_columns"]))
+               for f in inspect(conn).get_foreign_keys("tensor_data")}
+        pass_columns = {c["name"] for c in inspect(conn).get_columns("passes")}
+    assert "calls" in tables and "call_data" not in tables and views == {"tensors"}
+    assert indexes == {"ix_calls_pass_seq"}
+    assert ("calls", ("call_id",)) in fks and not {"first_call", "last_call"} & pass_columns
+    assert [tuple(map(repr, r)) for r in view] == [tuple(map(repr, r)) for r in _ns_rounded(before)]
+    assert [tuple(map(repr, r)) for r in restored] == [tuple(map(repr, r)) for r in view]
+    _migrate(pg_url, "0003")
+    with engine.connect() as conn:
+        again = _calls(conn)
+        top = conn.execute(text("SELECT nextval(pg_get_serial_sequence('call_data', 'id'))")).scalar()
+    engine.dispose()
+    assert [tuple(map(repr, r)) for r in again] == [tuple(map(repr, r)) for r in view]
+    assert top > max(r[0] for r in view)  # new calls get fresh ids
+
+
+# ---- revision 0003: calls ---------------------------------------------------------------------------------
+_CALL_COLUMNS = "id, step_id, pass_id, node_id, seq, start, duration"
+
+
+def _calls(source) -> list[tuple]:
+    """Every row of `calls` (the table before 0003, the view since), by id, from a SQLite path or a connection."""
+    if isinstance(source, (str, Path)):
+        with sqlite3.connect(source) as conn:
+            return conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY id").fetchall()
+    from sqlalchemy import text
+
+    return [tuple(r) for r in source.execute(text(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY id"))]
+
+
+def _ns_rounded(rows) -> list[tuple]:
+    """Calls rows of revision 0002 as 0003 gives them back: start and duration to the nearest nanosecond."""
+    return [(i, st, p, n, q, round(s * 1e9) / 1e9, None if d is None else round(d * 1e9) / 1e9)
+            for i, st, p, n, q, s, d in rows]
+
+
+def _id_ranges(rows) -> list[tuple]:
+    """(pass id, lowest call id, highest call id) per pass of the calls `rows`, by pass id."""
+    ids: dict[int, list[int]] = {}
+    for r in rows:
+        ids.setdefault(r[2], []).append(r[0])
+    return [(p, min(v), max(v)) for p, v in sorted(ids.items())]
+
+
+def test_upgrade_0002_to_0003_keeps_every_call_value(tmp_path):
+    """calls becomes a view over call_data: the same ids, steps, passes, nodes and seqs; start and duration
+    stored as integer nanoseconds and read back as round(x * 1e9) / 1e9; each pass records its calls' id
+    range; the tensors are untouched; and recording goes on in the upgraded file."""
+    import torch
+
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0001.db", path)
+    _migrate(path, "0002")
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE calls SET duration = NULL WHERE id = 3")  # a call whose hook never fired
+    before, tensors = _calls(path), _rows_0001(path)
+    assert len(before) == 20 and len({r[1] for r in before}) == 2 and [r[6] for r in before].count(None) == 1
+    assert database.upgrade(path) == ("0002", "0003")
+    after = _calls(path)
+    assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in _ns_rounded(before)]
+    assert any(repr(a[5]) != repr(b[5]) for a, b in zip(after, before))  # the unit did change
+    with sqlite3.connect(path) as conn:
+        stored = conn.execute("SELECT id, pass_id, node_id, seq, start_ns, duration_ns FROM call_data "
+                              "ORDER BY id").fetchall()
+        ranges = conn.execute("SELECT id, first_call, last_call FROM passes ORDER BY id").fetchall()
+        kinds = dict(conn.execute("SELECT name, type FROM sqlite_master WHERE name IN ('calls', 'call_data')"))
+        indexes = conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
+                               "AND tbl_name = 'call_data'").fetchall()
+        fks = {(r[2], r[3]) for r in conn.execute("PRAGMA foreign_key_list(tensor_data)")}
+    assert stored == [(i, p, n, q, round(s * 1e9), None if d is None else round(d * 1e9))
+                      for i, _, p, n, q, s, d in before]
+    assert ranges == _id_ranges(before)
+    assert kinds == {"calls": "view", "call_data": "table"} and indexes == []
+    assert ("call_data", "call_id") in fks
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors]
+    x = torch.linspace(-1, 1, 7, requires_grad=True)
+    with gradstore.record("asset-run", db=str(path)):
+        (x * 3).sum().backward()
+    with gradstore.open(path) as store:
+        new = store.calls("asset-run", step=2)
+        old = store.calls("asset-run", step=1)
+    assert list(new["name"]) == ["SumBackward0", "MulBackward0", "AccumulateGrad"]
+    assert len(old) == sum(r[1] == before[-1][1] for r in before)
+    with sqlite3.connect(path) as conn:
+        (lo, hi), = conn.execute("SELECT first_call, last_call FROM passes WHERE id = (SELECT MAX(id) FROM passes)")
+    assert (lo, hi) == (before[-1][0] + 1, before[-1][0] + 3)
+
+
+def test_downgrade_0003_to_0002_restores_the_calls_table(tmp_path):
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0001.db", path)
+    _migrate(path, "0002")
+    tensors = _rows_0001(path)
+    database.upgrade(path)
+    view = _calls(path)
+    _migrate(path, "0002", down=True)
+    assert _revision(path) == "0002"
+    with sqlite3.connect(path) as conn:
+        kinds = dict(conn.execute("SELECT name, type FROM sqlite_master WHERE name IN ('calls', 'call_data')"))
+        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
+                                               "AND tbl_name = 'calls'")}
+        fks = {(r[2], r[3]) for r in conn.execute("PRAGMA foreign_key_list(tensor_data)")}
+        pass_columns = {r[1] for r in conn.execute("PRAGMA table_info(passes)")}
+    assert kinds == {"calls": "table"} and indexes == {"ix_calls_pass_seq"}
+    assert ("calls", "call_id") in fks and not {"first_call", "last_call"} & pass_columns
+    assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in view]  # bit for bit
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors]
+    assert database.upgrade(path) == ("0002", "0003")  # and up again: the same nanoseconds
+    assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in view]
+
+
+def test_views_are_the_runtime_definitions(db):
+    """The views a new database gets are the ones gradstore.schema documents (SQLite keeps their text)."""
+    database.upgrade(db)
+    with sqlite3.connect(db) as conn:
+        views = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'view'"))
+    assert views == {"calls": schema.CALLS_VIEW, "tensors": schema.TENSORS_VIEW}

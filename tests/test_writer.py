@@ -1,5 +1,5 @@
-"""The writer on hand-built steps: what it stores in tensor_data, tensor_notes and layouts, and what the
-`tensors` view gives back (schema 0002)."""
+"""The writer on hand-built steps: what it stores in call_data, tensor_data, tensor_notes and layouts, and what
+the `calls` and `tensors` views give back (schema 0003)."""
 import math
 import sqlite3
 import time
@@ -42,15 +42,21 @@ def writer(tmp_path):
     w.close()
 
 
-def _batch(run_id, step, tensors, calls):
-    p = PassRecord(number=0, parent_pass=None, parent_seq=None, kind="backward", create_graph=False,
+def _pass(number, tensors, calls):
+    p = PassRecord(number=number, parent_pass=None, parent_seq=None, kind="backward", create_graph=False,
                    retain_graph=False, roots=1, inputs=None, started_at=time.time(), duration=0.01)
     p.nodes = [NodeInfo("f/MulBackward0#0", "MulBackward0", "function", "f", None),
                NodeInfo("param:w", "AccumulateGrad", "accumulate_grad", "", "w")]
     p.edges = [("f/MulBackward0#0", 0, "param:w", 0)]
     p.calls, p.tensors, p.reachable = calls, tensors, 2
+    return p
+
+
+def _batch(run_id, step, tensors, calls, more_passes=()):
+    """A step of one pass (`tensors`, `calls`), and more passes given as (tensors, calls)."""
+    passes = [_pass(0, tensors, calls)] + [_pass(i, t, c) for i, (t, c) in enumerate(more_passes, start=1)]
     return StepBatch(run_id=run_id, rank=0, step=step, started_at=time.time(), ended_at=time.time(), status="ok",
-                     error=None, passes=[p])
+                     error=None, passes=passes)
 
 
 def _read(path, step):
@@ -111,3 +117,78 @@ def test_a_new_shape_in_a_later_step_gets_its_layout(writer):
         assert conn.execute("SELECT COUNT(*) FROM layouts").fetchone()[0] == 2
         ids = [r[0] for r in conn.execute("SELECT id FROM tensor_data ORDER BY step_id, id")]
     assert ids == [1, 2, 3]  # tensor ids increase with the step, from the writer's own counter
+
+
+def test_calls_are_stored_in_nanoseconds_and_read_back_in_seconds(writer):
+    """call_data keeps round(seconds * 1e9); the calls view gives ns / 1e9, the step of the call's pass, and
+    each pass records its calls' id range."""
+    w, run_id, path = writer
+    mul, acc = "f/MulBackward0#0", "param:w"
+    step0 = [(mul, 0, 0.000123456789, 0.0000015004), (acc, 1, 0.25, None)]  # a hook that never fired: None
+    step1 = [(mul, 0, 1.5e-9, 2.4999e-9), (acc, 1, 3.0000000005, 7e-6)]  # ties and sub-ns digits round
+    second = [(mul, 2, 0.0, 0.001), (acc, 3, 0.002, 0.0001)]  # step 1's second pass
+    w.write(_batch(run_id, 0, [], step0))
+    w.write(_batch(run_id, 1, [], step1, more_passes=[([], second)]))
+    with sqlite3.connect(path) as conn:
+        stored = conn.execute("SELECT c.id, st.step, p.pass, c.seq, c.start_ns, c.duration_ns FROM call_data c "
+                              "JOIN passes p ON p.id = c.pass_id JOIN steps st ON st.id = p.step_id "
+                              "ORDER BY c.id").fetchall()
+        view = conn.execute("SELECT c.id, st.step, c.seq, c.start, c.duration FROM calls c "
+                            "JOIN steps st ON st.id = c.step_id ORDER BY c.id").fetchall()
+        ranges = conn.execute("SELECT st.step, p.pass, p.first_call, p.last_call FROM passes p "
+                              "JOIN steps st ON st.id = p.step_id ORDER BY p.id").fetchall()
+    assert [r[1:] for r in stored] == [
+        (0, 0, 0, 123457, 1500), (0, 0, 1, 250000000, None),
+        (1, 0, 0, 2, 2), (1, 0, 1, 3000000000, 7000),  # ties (1.5 ns, 3000000000.5 ns): half to even
+        (1, 1, 2, 0, 1000000), (1, 1, 3, 2000000, 100000)]
+    assert [r[0] for r in stored] == [1, 2, 3, 4, 5, 6]
+    assert view == [(i, step, seq, ns / 1e9, None if dur is None else dur / 1e9)
+                    for i, step, _, seq, ns, dur in stored]
+    assert view[0][3:] == (0.000123457, 1.5e-06) and view[3][3] == 3.0
+    assert ranges == [(0, 0, 1, 2), (1, 0, 3, 4), (1, 1, 5, 6)]
+
+
+def test_a_step_s_calls_are_found_when_two_writers_ids_interleave(writer):
+    """PostgreSQL's sequence can hand two concurrent writers interleaved ids: a pass's range then holds the
+    other pass's calls too, and the queries keep only the pass's own (pass_id)."""
+    w, run_id, path = writer
+    w.write(_batch(run_id, 0, [], [("f/MulBackward0#0", 0, 0.0, 0.001)]))
+    w.write(_batch(run_id, 1, [], [("f/MulBackward0#0", 0, 0.0, 0.001)]))
+    with sqlite3.connect(path) as conn:  # re-number as interleaved: step 0 gets ids 10, 12, 14; step 1 11, 13
+        (p0, p1) = [r[0] for r in conn.execute("SELECT id FROM passes ORDER BY id")]
+        node = conn.execute("SELECT id FROM nodes WHERE key = 'f/MulBackward0#0'").fetchone()[0]
+        conn.execute("DELETE FROM call_data")
+        conn.executemany("INSERT INTO call_data (id, pass_id, node_id, seq, start_ns, duration_ns) "
+                         "VALUES (?, ?, ?, ?, ?, ?)",
+                         [(10, p0, node, 0, 100, 1), (11, p1, node, 0, 200, 2), (12, p0, node, 1, 300, 3),
+                          (13, p1, node, 1, 400, 4), (14, p0, node, 2, 500, 5)])
+        conn.execute("UPDATE passes SET first_call = 10, last_call = 14 WHERE id = ?", (p0,))
+        conn.execute("UPDATE passes SET first_call = 11, last_call = 13 WHERE id = ?", (p1,))
+    import gradstore
+
+    with gradstore.open(path) as store:
+        c0, c1 = store.calls("hand", step=0), store.calls("hand", step=1)
+        passes = store.passes("hand")
+    assert list(c0["seq"]) == [0, 1, 2] and list(c0["start"]) == [1e-7, 3e-7, 5e-7]
+    assert list(c1["seq"]) == [0, 1] and list(c1["start"]) == [2e-7, 4e-7]
+    assert list(passes["calls"]) == [3, 2]
+
+
+def test_a_call_row_takes_about_24_bytes(writer):
+    """The point of revision 0003: a call row in about 24 bytes (dbstat, after VACUUM), no index, where 0002
+    took about 49 (REAL seconds, a step_id, and the (pass_id, seq) index)."""
+    w, run_id, path = writer
+    mul, acc = "f/MulBackward0#0", "param:w"
+    steps = 200
+    for step in range(steps):  # 300 calls a step, times as a pass gives them: ~0.5 s of starts, ~µs durations
+        calls = [(mul if i % 2 else acc, i, 0.0016 * i + 1e-7 * step, 0.000012 + 1e-9 * i) for i in range(300)]
+        w.write(_batch(run_id, step, [], calls))
+    w.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("VACUUM")
+        n = conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
+        per = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name"))
+        indexes = conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
+                               "AND tbl_name = 'call_data'").fetchall()
+    assert n == 300 * steps and indexes == []
+    assert per["call_data"] / n < 26
