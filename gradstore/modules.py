@@ -10,6 +10,7 @@ are not tensors, where walking back from module outputs is not.
 from __future__ import annotations
 
 import bisect
+import threading
 
 import torch
 import torch.nn as nn
@@ -62,11 +63,14 @@ class ModuleTracker:
     """Records module boundaries during forward and answers `owner(sequence_nr) -> qualified name`.
 
     Use `install()` / `remove()` around the recorded scope; `clear()` between steps. Modules outside the
-    given models are named by their class, in angle brackets ('<Linear>').
+    given models are named by their class, in angle brackets ('<Linear>'). Only modules run on the thread
+    that created the tracker count: the sequence counter is per thread, so another thread's forward would
+    interleave numbers that do not belong to this one's.
     """
 
     def __init__(self, names: dict[int, str]):
         self.names = names
+        self._thread = threading.get_ident()
         self._seqs: list[int] = []
         self._owners: list[str] = []
         self._stack: list[str] = []
@@ -77,14 +81,14 @@ class ModuleTracker:
         return name if name is not None else f"<{type(module).__name__}>"
 
     def _pre(self, module, _args):
-        if _compiling():  # traced by torch.compile: a no-op, so the hook causes no graph break
+        if _compiling() or threading.get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
             return
         self._stack.append(self._name(module))
         self._seqs.append(tp.next_sequence_nr())
         self._owners.append(self._stack[-1])
 
     def _post(self, module, _args, _output):
-        if _compiling():
+        if _compiling() or threading.get_ident() != self._thread:
             return
         if self._stack:
             self._stack.pop()

@@ -13,8 +13,9 @@ non-dense layout, one holding NaN or Inf, one large enough to be split across th
 
 Build: the C++ compiler in `$CXX` (else `c++`), against the installed torch's headers and libraries, into the
 cache directory of gradstore.kernel, under a name that hashes the source, the compiler, torch's version and
-build, and Python's. The first build takes about 15 s on one core; it runs in a background thread, and
-passes use the Python hooks until it is done (same rows). `GRADSTORE_NATIVE=0` turns the C++ hooks off;
+build, and Python's. The first build takes about 15 s on one core; it runs in a child process watched by a
+background thread, and passes use the Python hooks until it is done (same rows); a process that ends sooner
+leaves the child to finish the build for the next one. `GRADSTORE_NATIVE=0` turns the C++ hooks off;
 `load(wait=True)` builds in the calling thread.
 
 Relies on PyTorch's C++ autograd API (torch/csrc/autograd: Node::add_pre_hook, add_post_hook, del_post_hook,
@@ -44,7 +45,7 @@ from . import kernel
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 2
+ABI_VERSION = 3
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
@@ -86,23 +87,62 @@ def _target(cxx: list[str] | None) -> Path:
     return kernel._cache_dir() / f"hooks-{digest}{suffix}"
 
 
+# The build runs in a child Python process that compiles into a temporary file and renames it into place: a
+# process that records for less time than the build takes (a short script, the demo) exits without waiting,
+# and the child still finishes the build for the next process. A lock file (the target's name + '.lock',
+# holding the builder's pid) keeps concurrent processes from compiling the same build twice.
+_BUILDER = """
+import os, subprocess, sys, json
+commands, tmp, target, lock = json.loads(sys.argv[1])
+errors = []
+try:
+    for cmd in commands:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0:
+            os.replace(tmp, target)
+            break
+        errors.append(proc.stderr.strip()[-600:])
+    else:
+        sys.stderr.write(errors[-1] if errors else 'no command')
+        sys.exit(1)
+finally:
+    for path in (tmp, lock):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+"""
+_LOCK_STALE_S = 900  # a lock older than this is a crashed build's
+
+
 def _build(cxx: list[str], target: Path) -> None:
-    """Compile SOURCE into `target` atomically (a concurrent build by another process is harmless)."""
+    """Compile SOURCE into `target` atomically, in a child process that completes even if this one exits.
+    Waits for it (or for another process's build of the same target) and raises OSError when it failed."""
+    import json
+    import time
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+    lock = Path(str(target) + ".lock")
     try:
-        errors = []
-        for standard in _STANDARDS:
-            proc = subprocess.run(_command(cxx, tmp, standard), capture_output=True, text=True, timeout=600)
-            if proc.returncode == 0:
-                os.replace(tmp, target)
-                return
-            errors.append(proc.stderr.strip()[-600:])
-        raise OSError(f"{' '.join(cxx)} failed: {errors[-1]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # another process is building it: wait for its result
+        while lock.exists() and time.time() - lock.stat().st_mtime < _LOCK_STALE_S:
+            time.sleep(0.5)
+        if target.exists():
+            return
+        try:
+            lock.unlink()
+        except OSError:
+            pass
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    tmp = tempfile.mktemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    args = json.dumps([[_command(cxx, tmp, std) for std in _STANDARDS], tmp, str(target), str(lock)])
+    proc = subprocess.run([sys.executable, "-c", _BUILDER, args], capture_output=True, text=True,
+                          start_new_session=True)
+    if proc.returncode != 0 or not target.exists():
+        raise OSError(f"{' '.join(cxx)} failed: {proc.stderr.strip()[-600:]}")
 
 
 def _import(path: Path):
@@ -172,10 +212,8 @@ def _settle(wait: bool):
     with _lock:
         _state["module"], _state["error"] = module, error
         _state.pop("thread", None)
-    if error is not None and not wait:
-        warnings.warn(f"gradstore: the C++ node hooks are not available ({error}); the Python hooks record "
-                      "the same rows, slower. Set GRADSTORE_NATIVE=0 to silence this.", RuntimeWarning,
-                      stacklevel=2)
+        if error is not None and not wait:
+            _state["warn"] = error  # said by the next load() on a caller's thread, not from the build thread
 
 
 def load(wait: bool = False):
@@ -194,6 +232,12 @@ def load(wait: bool = False):
                 _state.clear()
                 _state.update(keep, pid=os.getpid())
     if "module" in _state:
+        if "warn" in _state:
+            error = _state.pop("warn", None)
+            if error is not None:
+                warnings.warn(f"gradstore: the C++ node hooks are not available ({error}); the Python hooks "
+                              "record the same rows, slower. Set GRADSTORE_NATIVE=0 to silence this.",
+                              RuntimeWarning, stacklevel=3)
         return _state["module"]
     if os.environ.get("GRADSTORE_NATIVE", "1") == "0":
         with _lock:
@@ -240,6 +284,8 @@ def status() -> str:
     """'loaded <path>', 'building', 'not available: <why>' or 'not loaded yet'."""
     if "thread" in _state:
         return "building"
+    if "module" not in _state and os.environ.get("GRADSTORE_NATIVE", "1") == "0":
+        return "not available: turned off (GRADSTORE_NATIVE=0)"
     if "module" not in _state:
         return "not loaded yet"
     module = _state["module"]

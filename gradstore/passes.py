@@ -177,6 +177,7 @@ class PassRecorder:
         self.infos: list[NodeInfo] = []
         self._node_of = None
         self._trusted: list[bool] = []
+        self._claimable: list[bool] = []
         self.native = None  # the C++ hooks' pass (gradstore.native) when they record this pass
         roots = roots_of(outputs)
         self.record.roots = len(roots)
@@ -201,13 +202,18 @@ class PassRecorder:
         # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
         self._trusted = [info.kind in ("function", "accumulate_grad") for info in self.infos]
         filtered = options.modules is not None or options.params is not None
+        wanted = [self._wanted(i.module, i.param) for i in self.infos] if filtered else None
+        # where the pass's graph task is first seen (see `_claim`): its roots, or any node if no root is hooked
+        root_ids = {id(r) for r in roots}
+        self._claimable = [id(n) in root_ids for n in self.walk.nodes]
+        if not any(c and (wanted is None or w) for c, w in zip(self._claimable, wanted or self._claimable)):
+            self._claimable = [True] * len(self._claimable)
         step.active.append(self)
         level = options.node_level or "full"
         if step.native is not None and not options.saved and step.native_level(level):
             try:
-                wanted = [self._wanted(i.module, i.param) for i in self.infos] if filtered else None
                 self.native = step.native.install(step.native_step, self.record.number, LEVEL_CODES[level],
-                                                  list(self.walk.nodes), self._trusted, wanted)
+                                                  list(self.walk.nodes), self._trusted, self._claimable, wanted)
                 self.record.setup = time.perf_counter() - self.t0
                 return
             except Exception as exc:  # e.g. a node type the C++ hooks do not know: the Python hooks instead
@@ -216,7 +222,7 @@ class PassRecorder:
             prehook, hook = self._prehook, self._hook  # one bound method each; a partial per node adds the index
             handles = self.handles
             for i, node in enumerate(self.walk.nodes):
-                if filtered and not self._wanted(self.infos[i].module, self.infos[i].param):
+                if wanted is not None and not wanted[i]:
                     continue
                 handles.append(node.register_prehook(partial(prehook, i)))
                 handles.append(node.register_hook(partial(hook, i)))
@@ -233,11 +239,13 @@ class PassRecorder:
         return opts.wants_module(module) and (param is None or opts.wants_param(param))
 
     # ---- the hot path ----------------------------------------------------------------------------------
-    # a hook is this pass's when it fires for the pass's own graph task (a nested pass shares AccumulateGrad
-    # nodes): `tid == self.task`, or `_claim(tid)` at the pass's first hook
-    def _claim(self, tid: int) -> bool:
-        """The first hook of the pass: take graph task `tid` as this pass's unless another active pass has it."""
-        if self.task is not None or any(p.task == tid for p in self.step.active if p is not self):
+    # a hook is this pass's when it fires for the pass's own graph task (a nested pass, or another thread's,
+    # shares AccumulateGrad nodes): `tid == self.task`, or `_claim(tid, i)` at the pass's first hook
+    def _claim(self, tid: int, i: int) -> bool:
+        """The first hook of the pass: take graph task `tid` as this pass's when it fires on one of the pass's
+        roots (node i) and no other active pass has that task."""
+        if (self.task is not None or not self._claimable[i]
+                or any(p.task == tid for p in self.step.active if p is not self)):
             return False
         self.task = tid
         return True
@@ -246,7 +254,7 @@ class PassRecorder:
         """Node i's prehook: a call starts; measure its grad_outputs (and saved tensors with saved=True)."""
         try:
             tid = _task_id()
-            if tid != self.task and not self._claim(tid):
+            if tid != self.task and not self._claim(tid, i):
                 return None
             measure_one = self.measurer
             measured = self.measured
@@ -270,7 +278,7 @@ class PassRecorder:
         try:
             t = time.perf_counter() - self.t0
             tid = _task_id()
-            if tid != self.task and not self._claim(tid):
+            if tid != self.task and not self._claim(tid, i):
                 return None
             call = self.open.pop(i, None)
             if call is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import socket
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -112,6 +113,7 @@ class record:
         self._next_step: int | None = None
         self._writer = None
         self._state: StepState | None = None
+        self._thread: int | None = None
         self._tracker: ModuleTracker | None = None
         self._frames: FrameTracker | None = None
         self._params: list = []
@@ -164,6 +166,7 @@ class record:
         _open_scope = self
         models = self.models or models
         self._params = named_parameters(models)
+        self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
         self._tracker = ModuleTracker(qualified_names(models))
         self._frames = FrameTracker() if self.options.frames else None
         self._begin_step()
@@ -171,6 +174,7 @@ class record:
     def _exit(self, exc: BaseException | None, run_status: str | None) -> None:
         try:
             self._end_step(exc, run_status)
+            native.load()  # says now, on this thread, if the C++ hooks' background build failed
         finally:
             intercept.deactivate(self)
             if self._frames is not None:
@@ -234,6 +238,13 @@ class record:
         """Run one engine call with recording around it; the engine's result or exception passes through."""
         state = self._state
         p = None
+        if state is not None and threading.get_ident() != self._thread and state.open_call() is None:
+            # a pass of another thread (not one nested in a node running on that thread, as a reentrant
+            # checkpoint's on a device thread): its forward's modules were not tracked either
+            state.fault_text(f"a backward pass on thread {threading.current_thread().name!r} was not recorded: a "
+                             "recording follows the thread that entered it; record other threads' models in "
+                             "their own process (one run, one rank each), or join the threads first")
+            state = None
         if state is not None:
             try:
                 p = PassRecorder(state, outputs, kind, create_graph, retain_graph, inputs,

@@ -324,3 +324,50 @@ def test_compiled_autograd_gets_the_python_hooks(tmp_path):
         t = store.tensors("ca")
     assert list(steps.status) == ["ok"] and steps.error.isna().all()
     assert len(t) > 0 and (t.status == "ok").any()
+
+
+THREADS = """
+import sys, threading, torch, gradstore
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(12)])
+stop = threading.Event()
+
+def other():  # another thread: backward passes through the same parameters' AccumulateGrad nodes
+    x = torch.randn(4, 32)
+    while not stop.is_set():
+        model(x).sum().backward()
+
+t = threading.Thread(target=other, name="other")
+t.start()
+try:
+    with gradstore.record("t", db=sys.argv[1], model=model, stats=sys.argv[2]) as rec:
+        x = torch.randn(4, 32)
+        for i in range(int(sys.argv[3])):
+            model(x).sum().backward()
+            rec.step()
+finally:
+    stop.set()
+    t.join()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("stats", ["full", "shape"])
+def test_another_thread_backward_on_the_same_model(tmp_path, stats):
+    """Another thread runs backward passes through the same model during a recording: no crash (the C++ hooks
+    never change a Node's hook list while the other thread's engine may read it); that thread's passes are
+    not recorded, and the steps say so; the recording thread's passes are recorded with the right modules."""
+    db = str(tmp_path / "t.db")
+    proc = subprocess.run([sys.executable, "-c", THREADS, db, stats, "150"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
+    con = sqlite3.connect(db)
+    passes = con.execute("SELECT p.parent_pass, count(*) FROM passes p GROUP BY p.step_id").fetchall()
+    assert passes and all(parent is None and n == 1 for parent, n in passes)  # one pass per step, its own
+    errors = [e for (e,) in con.execute("SELECT error FROM steps WHERE error IS NOT NULL")]
+    assert errors and all("on thread 'other' was not recorded" in e for e in errors)
+    # every Linear's AddmmBackward0 belongs to its own module, once per step
+    modules = con.execute("SELECT n.module, count(*) FROM calls c JOIN nodes n ON n.id = c.node_id "
+                          "WHERE n.name = 'AddmmBackward0' GROUP BY n.module").fetchall()
+    steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
+    assert sorted(modules) == sorted((str(i), steps) for i in range(12))

@@ -35,7 +35,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 2;
+constexpr int ABI = 3;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -109,6 +109,7 @@ struct Memo {
 };
 
 struct Pass;
+struct Dispatch;
 
 struct Step {
   std::mutex mu;
@@ -133,14 +134,14 @@ struct Pass {
   int64_t task = -1;
   std::chrono::steady_clock::time_point t0;
   std::vector<char> trusted;
+  std::vector<char> claimable;  // the pass's roots: where its graph task is first seen
   std::vector<int32_t> open;  // node index -> open call index, -1 none
   std::vector<Call> calls;
   std::vector<Entry> entries;
   std::unordered_map<c10::TensorImpl*, Memo> seen;
   int64_t measured = 0, reused = 0;
   std::vector<std::string> faults;
-  std::vector<std::pair<c10::intrusive_ptr<Node>, torch::autograd::FunctionPreHook*>> pre;
-  std::vector<std::pair<c10::intrusive_ptr<Node>, uintptr_t>> post;
+  std::vector<std::pair<c10::intrusive_ptr<Node>, std::shared_ptr<Dispatch>>> hooked;
 
   double now() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -334,9 +335,12 @@ bool same_memory(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // ---- the graph task a hook fires for --------------------------------------------------------------------------
-bool accept(Pass& p) {
+// a pass takes the graph task of the first hook that fires on one of its roots (`claimable`): a hook that fires
+// for a shared Node (a parameter's AccumulateGrad) in another thread's backward never makes it that pass's
+bool accept(Pass& p, int32_t node) {
   int64_t tid = torch::autograd::get_current_graph_task_id();
   if (p.claimed.load(std::memory_order_acquire)) return p.task == tid;
+  if (!p.claimable[node]) return false;
   std::lock_guard<std::mutex> g(p.step->mu);
   if (p.claimed.load(std::memory_order_relaxed)) return p.task == tid;
   for (Pass* o : p.step->active)
@@ -352,15 +356,11 @@ std::string what_of(const std::exception& e) {
   return s.substr(0, std::min(cut, (size_t)400));
 }
 
-struct PreHook : torch::autograd::FunctionPreHook {
-  std::shared_ptr<Pass> pass;
-  int32_t node;
-  PreHook(std::shared_ptr<Pass> p, int32_t i) : pass(std::move(p)), node(i) {}
-  variable_list operator()(const variable_list& grads) override {
-    Pass& p = *pass;
-    if (!p.active.load(std::memory_order_relaxed)) return grads;
+// node `node` of pass p is about to run: a call starts; its grad_outputs are measured
+void pre_call(Pass& p, int32_t node, const variable_list& grads) {
+    if (!p.active.load(std::memory_order_relaxed)) return;
     try {
-      if (!accept(p)) return grads;
+      if (!accept(p, node)) return;
       std::vector<Result> rs;
       rs.reserve(grads.size());
       for (const auto& g : grads) rs.push_back(p.level == SHAPE ? measure(g, SHAPE, p) : measure_once(g, p, false));
@@ -384,27 +384,21 @@ struct PreHook : torch::autograd::FunctionPreHook {
       std::lock_guard<std::mutex> lock(p.mu);
       p.faults.push_back("prehook: " + what_of(e));
     }
-    return grads;
-  }
-};
+}
 
-struct PostHook : torch::autograd::FunctionPostHook {
-  std::shared_ptr<Pass> pass;
-  int32_t node;
-  PostHook(std::shared_ptr<Pass> p, int32_t i) : pass(std::move(p)), node(i) {}
-  variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
-    Pass& p = *pass;
-    if (!p.active.load(std::memory_order_relaxed)) return grad_inputs;
+// node `node` of pass p has run: the call ends; its grad_inputs are measured
+void post_call(Pass& p, int32_t node, const variable_list& grad_inputs, const variable_list& grad_outputs) {
+    if (!p.active.load(std::memory_order_relaxed)) return;
     try {
       double t = p.now();
-      if (!accept(p)) return grad_inputs;
+      if (!accept(p, node)) return;
       int32_t ci;
       std::vector<int32_t> outs;
       std::vector<int64_t> versions;
       {
         std::lock_guard<std::mutex> lock(p.mu);
         ci = p.open[node];
-        if (ci < 0) return grad_inputs;
+        if (ci < 0) return;
         p.open[node] = -1;
         Call& c = p.calls[ci];
         c.dur = t - c.start;
@@ -455,9 +449,61 @@ struct PostHook : torch::autograd::FunctionPostHook {
       std::lock_guard<std::mutex> lock(p.mu);
       p.faults.push_back("hook: " + what_of(e));
     }
+}
+
+// ---- the hooks on a Node ---------------------------------------------------------------------------------------
+// A Node gets one gradstore prehook and one hook for its lifetime, added the first time a pass hooks it; passes
+// register with them and unregister when they finish. A Node's hook lists are read by the engine without a lock
+// (another thread may be running a backward pass through a shared AccumulateGrad node), so they are appended
+// to once per Node, like torch's own Python hooks, and never shrunk; what changes per pass is this list,
+// under its own mutex.
+struct Dispatch {
+  std::mutex mu;
+  std::vector<std::pair<std::shared_ptr<Pass>, int32_t>> passes;  // (pass, the node's index in its walk)
+  std::vector<std::pair<std::shared_ptr<Pass>, int32_t>> snapshot() {
+    std::lock_guard<std::mutex> g(mu);
+    return passes;
+  }
+};
+
+struct DispatchPre : torch::autograd::FunctionPreHook {
+  std::shared_ptr<Dispatch> d;
+  explicit DispatchPre(std::shared_ptr<Dispatch> d) : d(std::move(d)) {}
+  variable_list operator()(const variable_list& grads) override {
+    for (auto& [pass, i] : d->snapshot()) pre_call(*pass, i, grads);
+    return grads;  // the same tensors: never a changed gradient
+  }
+};
+
+struct DispatchPost : torch::autograd::FunctionPostHook {
+  std::shared_ptr<Dispatch> d;
+  explicit DispatchPost(std::shared_ptr<Dispatch> d) : d(std::move(d)) {}
+  variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
+    for (auto& [pass, i] : d->snapshot()) post_call(*pass, i, grad_inputs, grad_outputs);
     return grad_inputs;
   }
 };
+
+std::mutex g_install;  // serialises the first hooking of Nodes (two passes may hook one Node at once)
+
+std::shared_ptr<Dispatch> dispatch_of(Node* node) {  // caller holds g_install
+  for (const auto& h : node->pre_hooks())
+    if (auto* dp = dynamic_cast<DispatchPre*>(h.get())) return dp->d;
+  auto d = std::make_shared<Dispatch>();
+  node->add_pre_hook(std::make_unique<DispatchPre>(d));
+  node->add_post_hook(std::make_unique<DispatchPost>(d));
+  return d;
+}
+
+void unregister(Pass& p) {  // the pass leaves every Node's dispatch list (its hooks stay, empty for it)
+  std::vector<std::pair<c10::intrusive_ptr<Node>, std::shared_ptr<Dispatch>>> hooked;
+  hooked.swap(p.hooked);
+  for (auto& [node, d] : hooked) {
+    std::lock_guard<std::mutex> g(d->mu);
+    auto& v = d->passes;
+    v.erase(std::remove_if(v.begin(), v.end(), [&](const auto& x) { return x.first.get() == &p; }), v.end());
+  }
+}
 
 // ---- Python objects --------------------------------------------------------------------------------------------
 const char* STEP = "gradstore.native.Step";
@@ -475,18 +521,7 @@ void pass_free(PyObject* cap) {
     auto& a = p.step->active;
     a.erase(std::remove(a.begin(), a.end(), &p), a.end());
   }
-  // break the hooks' references to the pass if finish() never ran (it removes the hooks)
-  std::vector<std::pair<c10::intrusive_ptr<Node>, torch::autograd::FunctionPreHook*>> pre;
-  std::vector<std::pair<c10::intrusive_ptr<Node>, uintptr_t>> post;
-  pre.swap(p.pre);
-  post.swap(p.post);
-  for (auto& [node, hook] : pre) {
-    auto& v = node->pre_hooks();
-    v.erase(std::remove_if(v.begin(), v.end(), [&](const auto& h) { return h.get() == hook; }), v.end());
-  }
-  for (auto& [node, key] : post) node->del_post_hook(key);
-  pre.clear();
-  post.clear();
+  unregister(p);  // if finish() never ran: the Nodes' hooks drop their references to the pass
   delete sp;
 }
 
@@ -574,12 +609,12 @@ PyObject* py_open_top(PyObject*, PyObject* cap) {
   Py_RETURN_NONE;
 }
 
-// install(step, pass number, level, nodes, trusted, wanted) -> Pass: hooks on every wanted node
+// install(step, pass number, level, nodes, trusted, claimable, wanted) -> Pass: hooks on every wanted node
 PyObject* py_install(PyObject*, PyObject* args) {
-  PyObject *scap, *nodes, *trusted, *wanted;
+  PyObject *scap, *nodes, *trusted, *claimable, *wanted;
   int number, level;
-  if (!PyArg_ParseTuple(args, "OiiO!O!O", &scap, &number, &level, &PyList_Type, &nodes, &PyList_Type, &trusted,
-                        &wanted))
+  if (!PyArg_ParseTuple(args, "OiiO!O!O!O", &scap, &number, &level, &PyList_Type, &nodes, &PyList_Type, &trusted,
+                        &PyList_Type, &claimable, &wanted))
     return nullptr;
   auto* s = step_of(scap);
   if (s == nullptr) return nullptr;
@@ -605,7 +640,11 @@ PyObject* py_install(PyObject*, PyObject* args) {
   p.level = (Level)level;
   p.open.assign(n, -1);
   p.trusted.resize(n);
-  for (Py_ssize_t i = 0; i < n; ++i) p.trusted[i] = PyObject_IsTrue(PyList_GET_ITEM(trusted, i)) ? 1 : 0;
+  p.claimable.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    p.trusted[i] = PyObject_IsTrue(PyList_GET_ITEM(trusted, i)) ? 1 : 0;
+    p.claimable[i] = PyObject_IsTrue(PyList_GET_ITEM(claimable, i)) ? 1 : 0;
+  }
   p.t0 = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> g(p.step->mu);
@@ -618,15 +657,16 @@ PyObject* py_install(PyObject*, PyObject* args) {
     return nullptr;
   }
   try {
+    std::lock_guard<std::mutex> g(g_install);
     for (Py_ssize_t i = 0; i < n; ++i) {
       Node* node = targets[i];
       if (node == nullptr) continue;
-      c10::intrusive_ptr<Node> strong = c10::intrusive_ptr<Node>::reclaim_copy(node);
-      auto pre = std::make_unique<PreHook>(pass, (int32_t)i);
-      auto* raw = pre.get();
-      node->add_pre_hook(std::move(pre));
-      p.pre.emplace_back(strong, raw);
-      p.post.emplace_back(strong, node->add_post_hook(std::make_unique<PostHook>(pass, (int32_t)i)));
+      auto d = dispatch_of(node);
+      {
+        std::lock_guard<std::mutex> dg(d->mu);
+        d->passes.emplace_back(pass, (int32_t)i);
+      }
+      p.hooked.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(node), std::move(d));
     }
   } catch (const std::exception& e) {
     Py_DECREF(cap);  // removes what was added
@@ -648,14 +688,7 @@ PyObject* py_finish(PyObject*, PyObject* cap) {
     auto& a = p.step->active;
     a.erase(std::remove(a.begin(), a.end(), &p), a.end());
   }
-  for (auto& [node, hook] : p.pre) {
-    auto& v = node->pre_hooks();
-    auto* h = hook;
-    v.erase(std::remove_if(v.begin(), v.end(), [h](const auto& x) { return x.get() == h; }), v.end());
-  }
-  for (auto& [node, key] : p.post) node->del_post_hook(key);
-  p.pre.clear();
-  p.post.clear();
+  unregister(p);
   t_open.erase(std::remove_if(t_open.begin(), t_open.end(),
                               [&](const Open& o) { return o.step == p.step.get() && o.pass == p.number; }),
                t_open.end());
