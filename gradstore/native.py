@@ -137,6 +137,12 @@ def _build(cxx: list[str], target: Path) -> None:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     os.write(fd, str(os.getpid()).encode())
     os.close(fd)
+    for stale in target.parent.glob("hooks-*.tmp"):  # a build killed before it could clean up
+        try:
+            if time.time() - stale.stat().st_mtime > _LOCK_STALE_S:
+                stale.unlink()
+        except OSError:
+            pass
     tmp = tempfile.mktemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     args = json.dumps([[_command(cxx, tmp, std) for std in _STANDARDS], tmp, str(target), str(lock)])
     proc = subprocess.run([sys.executable, "-c", _BUILDER, args], capture_output=True, text=True,
@@ -216,6 +222,15 @@ def _settle(wait: bool):
             _state["warn"] = error  # said by the next load() on a caller's thread, not from the build thread
 
 
+def _user_stacklevel() -> int:
+    """The `stacklevel` (for a warning raised by this module's caller) of the first frame outside gradstore."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def load(wait: bool = False):
     """The hooks module, or None while it is being built or where it cannot be (see `status()`).
 
@@ -237,7 +252,7 @@ def load(wait: bool = False):
             if error is not None:
                 warnings.warn(f"gradstore: the C++ node hooks are not available ({error}); the Python hooks "
                               "record the same rows, slower. Set GRADSTORE_NATIVE=0 to silence this.",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=_user_stacklevel())
         return _state["module"]
     if os.environ.get("GRADSTORE_NATIVE", "1") == "0":
         with _lock:

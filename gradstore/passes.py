@@ -109,7 +109,9 @@ class StepState:
         self.fault_text(f"{where}: {type(exc).__name__}: {exc}")
 
     def fault_text(self, msg: str) -> None:
-        """Note a recorder fault described by `msg` (warned about once per step)."""
+        """Note a recorder fault described by `msg` (warned about once per step; the same text is kept once)."""
+        if msg in self.faults:
+            return
         if not self.faults:
             warnings.warn(f"gradstore: recorder fault (training continues): {msg}", RuntimeWarning, stacklevel=3)
         self.faults.append(msg)

@@ -267,13 +267,15 @@ def test_not_built_without_a_compiler(tmp_path, python_hooks):
             native.load(wait=True)
         print(native.status())
         print(sum("C++ node hooks" in str(x.message) for x in w))
+        print([x.filename for x in w if "C++ node hooks" in str(x.message)][0])
     """)
     env = dict(os.environ, CXX="/nonexistent/c++", GRADSTORE_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    status, warned = proc.stdout.split("\n")[:2]
+    status, warned, where = proc.stdout.split("\n")[:3]
     assert status.startswith("not available:") and "no C++ compiler" in status
     assert int(warned) == 1
+    assert where == "<string>"  # the user's code (here the -c script), not gradstore's or threading's
     torch.manual_seed(0)  # the same step here, with the Python hooks (the fixture)
     m = torch.nn.Linear(3, 2)
     with gradstore.record("r", db=str(tmp_path / "y.db"), model=m):
