@@ -334,8 +334,6 @@ class PassRecorder:
                     m = shape_only(p.grad) if level == "shape" else measure(p.grad, level, checksum=take_checksum)
                     self.measured.append((None, _ROLE_PARAM, 0, m))
             infos = self.infos
-            measured = self.measured
-            calls = self.calls
             walked = {i.key for i in infos} if param_nodes else ()
             rec.nodes = list(infos) + [n for k, n in param_nodes.items() if k not in walked]
             if self.walk is not None:
