@@ -286,7 +286,10 @@ def load(wait: bool = False):
 
 
 def available(level: str):
-    """The module when C++ hooks can record at `level` ('shape', 'health', 'full') now, else None."""
+    """The hooks module when the C++ hooks can record at `level` now, else None.
+
+    Args: level (str): 'shape', 'health' or 'full'. Returns: the extension module or None (not built yet, not
+    buildable, turned off, or a statistics level without the reduction kernel). Never raises."""
     module = load()
     if module is None:
         return None

@@ -381,7 +381,7 @@ class PassRecorder:
         the host now if they hold device tensors, like every pass's."""
         rec, infos, cap = self.record, self.infos, self.native
         calls, count, fallbacks, rec.measured, rec.reused, _faults = native
-        rec.calls = LazyRows(len(calls), lambda: [(infos[i].key, seq, start, dur) for i, seq, start, dur in calls])
+        rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
         handed = [m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
                   for m in fallbacks]
         params = self.measured  # (None, 'param_grad', 0, Measured): nothing else is measured in Python here

@@ -111,7 +111,8 @@ def tensor_rows(measured: list, infos: list[NodeInfo], param_keys: list[str], ro
 
 
 def call_rows(calls: list, infos: list[NodeInfo]) -> list[tuple]:
-    """The calls rows of one pass: (node key, seq, start s, duration s or None) from the hooks' call lists."""
+    """The calls rows of one pass: (node key, seq, start s, duration s or None) from the hooks' calls, each a
+    sequence starting (node index, seq, start, duration): the Python hooks' call lists or the C++ hooks' tuples."""
     return [(infos[c[0]].key, c[1], c[2], c[3]) for c in calls]
 
 

@@ -222,7 +222,7 @@ bool python_reuse(Result& r, const at::Tensor& g) {
 }
 
 // the kernel's statistics of a dense float32/float64 CPU tensor with numel > 0; false: not all finite
-bool kernel_stats(const at::Tensor& t, Level level, Pass& p, Result& r) {
+bool kernel_stats(const at::Tensor& t, Level level, Result& r) {
   int k = t.scalar_type() == at::kFloat ? 0 : 1;
   const void* ptr = t.const_data_ptr();
   int64_t n = r.numel;
@@ -248,12 +248,11 @@ bool kernel_stats(const at::Tensor& t, Level level, Pass& p, Result& r) {
   }
   double vals[10] = {0.0, 0.0, 0.0, zeros, (double)n, std::sqrt(sumsq), mn, mx, mean, std::max(m2, 0.0)};
   std::copy(vals, vals + 10, v);
-  (void)p;
   return true;
 }
 
 // what gradstore.stats.measure (level health/full) or shape_only (level shape) records for t
-Result measure(const at::Tensor& t, Level level, Pass& p) {
+Result measure(const at::Tensor& t, Level level) {
   Result r;
   if (!t.defined()) return r;  // K_NONE: the slot held None
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -276,7 +275,7 @@ Result measure(const at::Tensor& t, Level level, Pass& p) {
         int k = st == at::kFloat ? 0 : 1;
         bool have = level == FULL ? G.full[k] != nullptr : G.health[k] != nullptr;
         if (have && (r.numel < 2 * G.split || at::get_num_threads() <= 1)) {
-          if (kernel_stats(t, level, p, r)) {
+          if (kernel_stats(t, level, r)) {
             r.kind = K_STATS;
             return r;
           }
@@ -308,7 +307,7 @@ Result measure_once(const at::Tensor& t, Pass& p, bool fresh) {
       return copy;
     }
   }
-  Result r = measure(t, p.level, p);
+  Result r = measure(t, p.level);
   std::unique_lock<std::mutex> lock(p.mu);
   p.measured++;
   return r;
@@ -363,7 +362,7 @@ void pre_call(Pass& p, int32_t node, const variable_list& grads) {
       if (!accept(p, node)) return;
       std::vector<Result> rs;
       rs.reserve(grads.size());
-      for (const auto& g : grads) rs.push_back(p.level == SHAPE ? measure(g, SHAPE, p) : measure_once(g, p, false));
+      for (const auto& g : grads) rs.push_back(p.level == SHAPE ? measure(g, SHAPE) : measure_once(g, p, false));
       std::lock_guard<std::mutex> lock(p.mu);
       Call c;
       c.node = node;
@@ -414,7 +413,7 @@ void post_call(Pass& p, int32_t node, const variable_list& grad_inputs, const va
       rs.reserve(grad_inputs.size());
       for (const auto& g : grad_inputs) {
         if (p.level == SHAPE || !trusted || !g.defined()) {
-          rs.push_back(p.level == SHAPE || !g.defined() ? measure(g, p.level, p) : measure_once(g, p, true));
+          rs.push_back(p.level == SHAPE || !g.defined() ? measure(g, p.level) : measure_once(g, p, true));
           continue;
         }
         bool done = false;
@@ -460,9 +459,10 @@ void post_call(Pass& p, int32_t node, const variable_list& grad_inputs, const va
 struct Dispatch {
   std::mutex mu;
   std::vector<std::pair<std::shared_ptr<Pass>, int32_t>> passes;  // (pass, the node's index in its walk)
-  std::vector<std::pair<std::shared_ptr<Pass>, int32_t>> snapshot() {
+  // a copy to call without the lock (a pass may finish meanwhile); usually one pass: no allocation
+  c10::SmallVector<std::pair<std::shared_ptr<Pass>, int32_t>, 2> snapshot() {
     std::lock_guard<std::mutex> g(mu);
-    return passes;
+    return c10::SmallVector<std::pair<std::shared_ptr<Pass>, int32_t>, 2>(passes.begin(), passes.end());
   }
 };
 
@@ -757,7 +757,6 @@ PyObject* py_rows(PyObject*, PyObject* args) {
   PyObject* out = PyList_New((Py_ssize_t)p.entries.size());
   if (out == nullptr) return nullptr;
   Py_ssize_t next_fb = 0;
-  std::unordered_map<std::string, PyObject*> shapes;  // borrowed from rows already built
   for (size_t i = 0; i < p.entries.size(); ++i) {
     const Entry& e = p.entries[i];
     const Call& c = p.calls[e.call];
@@ -806,7 +805,6 @@ PyObject* py_rows(PyObject*, PyObject* args) {
     for (int k = 0; k < 4; ++k) PyTuple_SET_ITEM(row, k, head[k]);
     PyList_SET_ITEM(out, i, row);
   }
-  (void)shapes;
   return out;
 }
 
