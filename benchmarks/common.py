@@ -29,7 +29,7 @@ class ModelSpec:
     batch: int = 8
     seq: int = 128
 
-    def with_layers(self, n_layer: int) -> "ModelSpec":
+    def with_layers(self, n_layer: int) -> ModelSpec:
         return replace(self, n_layer=n_layer)
 
     def describe(self) -> str:
@@ -42,7 +42,7 @@ class ModelSpec:
         return ["--spec", json.dumps(asdict(self))]
 
     @staticmethod
-    def from_json(text: str) -> "ModelSpec":
+    def from_json(text: str) -> ModelSpec:
         return ModelSpec(**json.loads(text))
 
 
@@ -127,14 +127,14 @@ def git_state() -> str:
 
 
 def _kernel_status() -> str:
-    from gradstore import kernel
+    from gradstore.recording import kernel
 
     kernel.load()
     return kernel.status()
 
 
 def _native_status() -> str:
-    from gradstore import native
+    from gradstore.recording import native
 
     native.load(wait=True)  # built now if needed: never in the middle of a timed configuration
     return native.status()

@@ -132,7 +132,7 @@ class Gradstore(Config):
 
     def step(self):
         if self.python_hooks:
-            from gradstore import native
+            from gradstore.recording import native
 
             available, native.available = native.available, lambda level: None
             try:
@@ -202,10 +202,10 @@ class HandHooks(Config):
             seen.add(id(node))
             nodes.append(node)  # hold AccumulateGrad nodes, or their hooks are lost
 
-            def pre(grad_outputs, name=node.name()):
+            def pre(grad_outputs, name=node.name()):  # noqa: B008 - bound per node
                 rows.append((name, "out", [_item_stats(g) for g in grad_outputs]))
 
-            def post(grad_inputs, grad_outputs, name=node.name()):
+            def post(grad_inputs, grad_outputs, name=node.name()):  # noqa: B008 - bound per node
                 rows.append((name, "in", [_item_stats(g) for g in grad_inputs]))
 
             handles.append(node.register_prehook(pre))

@@ -83,7 +83,7 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None,
     (`cpu_s`; wall minus CPU: waits for the GIL or a core). Also, apart: the rows the writer thread builds
     (`writer_rows_s`, not training-thread time)."""
     import gradstore
-    from gradstore import passes, recorder
+    from gradstore.recording import passes, recorder
 
     rec = gradstore.record("outside-hooks", db=str(db), model=bench.model, stats=stats)
     fn = rec(train_step)
@@ -118,7 +118,8 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None,
             for now, then, sink in zip((totals, cpu, writer), before, (steps_wall, steps_cpu, steps_writer)):
                 sink.append({k: v - then.get(k, 0.0) for k, v in now.items() if k != "missing"})
     missing = totals.pop("missing", []) + writer.pop("missing", [])
-    order = ["scope entry", "pass start", "end of pass", "↳ of which parameter", "↳ of which `to_rows`", "end of step", "↳ of which the graph"]
+    order = ["scope entry", "pass start", "end of pass", "↳ of which parameter", "↳ of which `to_rows`", "end of step",
+             "↳ of which the graph"]
 
     def med(per: list[dict], key: str) -> float:
         # the median step: a rare full garbage collection (100+ ms with transformers loaded) that happens to

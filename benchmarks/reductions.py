@@ -17,7 +17,7 @@ def run(repeats: int = 15) -> dict:
 
     Returns {"threads", "kernel": kernel.status(), "rows": [{"numel", method: ns per element, ...}]}.
     """
-    from gradstore import kernel, stats
+    from gradstore.recording import kernel, stats
 
     k = kernel.load()
     methods = {"torch.sum": lambda x: x.sum()}

@@ -45,7 +45,8 @@ def at_least(value, target, unit: str = "") -> str:
         return "not measured"
     if value >= target:
         return f"met ({value:,.0f}{unit} ≥ {target:,.0f}{unit})"
-    return f"**missed** by {target - value:,.0f}{unit} ({value:,.0f}{unit} is {100 * value / target:.0f} % of {target:,.0f}{unit})"
+    return (f"**missed** by {target - value:,.0f}{unit} "
+            f"({value:,.0f}{unit} is {100 * value / target:.0f} % of {target:,.0f}{unit})")
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -181,7 +182,8 @@ def render(results: dict) -> str:
                 continue
             roles = ", ".join(f"{k} {v:,}" for k, v in c.get("tensor_rows_by_role", {}).items())
             rows.append([f"`{name}`", _n(c.get("nodes")), _n(c.get("calls")), _n(c.get("tensor_rows")), roles])
-        L += _table(["configuration", "nodes / step", "calls / step", "tensor rows / step", "tensor rows by role"], rows)
+        L += _table(["configuration", "nodes / step", "calls / step", "tensor rows / step", "tensor rows by role"],
+                    rows)
         L.append("")
 
     w = results.get("writer")
@@ -217,7 +219,8 @@ def render(results: dict) -> str:
                     tables = ", ".join(f"`{t}`" for t in b.get("tensor_tables", {"tensors": 0}))
                     rows.append([f"tensor rows' tables ({tables}) + their indexes "
                                  f"({', '.join(b.get('tensor_indexes', []))}) / tensor rows",
-                                 f"{b['tensors_bytes_per_row']:.1f} (table {b['tensors_table_bytes'] / b['tensor_rows']:.1f}"
+                                 f"{b['tensors_bytes_per_row']:.1f} "
+                                 f"(table {b['tensors_table_bytes'] / b['tensor_rows']:.1f}"
                                  f" + indexes {b['tensors_index_bytes'] / b['tensor_rows']:.1f})", f"≤ {BYTES_PER_ROW}",
                                  at_most(b["tensors_bytes_per_row"], BYTES_PER_ROW, " B", "{:.1f}")])
                     calls_table = b.get("calls_table", "calls")
@@ -273,7 +276,8 @@ def render(results: dict) -> str:
                    "(`5 > /proc/self/clear_refs`) once imports and the model are in place, and read after the steps "
                    "from VmHWM in /proc/self/status. `ru_maxrss` is not used: in a child of the (large) harness "
                    "process it reports the parent's RSS carried over fork + exec (ru_maxrss in these workers: "
-                   f"{_n(median_or(r.get('ru_maxrss_none') or []) / 1024)} / {_n(median_or(r.get('ru_maxrss_full') or []) / 1024)} MiB)"
+                   f"{_n(median_or(r.get('ru_maxrss_none') or []) / 1024)} / "
+                   f"{_n(median_or(r.get('ru_maxrss_full') or []) / 1024)} MiB)"
                    if r.get("source") == "VmHWM" else
                    "ru_maxrss over the process's life (the peak could not be reset here, so imports count)")
             L += [f"Fresh processes, {r.get('steps', '?')} reference steps each, without and with recording side by "
@@ -372,14 +376,16 @@ def summary(results: dict) -> list[str]:
         if e["status"] != "ok":
             rows.append([f"`{level}` step ratio, 1 thread", f"≤ {t:.2f}", e["status"], "not measured"])
         else:
-            rows.append([f"`{level}` step ratio, 1 thread", f"≤ {t:.2f}", _x(e.get("ratio")), ratio_verdict(e.get("ratio"), t)])
+            rows.append([f"`{level}` step ratio, 1 thread", f"≤ {t:.2f}", _x(e.get("ratio")),
+                         ratio_verdict(e.get("ratio"), t)])
     w = results.get("writer") or {}
     if "writer_tensor_rows_per_s" in w:
         rows.append(["writer, tensor rows/s", f"≥ {WRITER_ROWS_PER_S:,}", f"{w['writer_tensor_rows_per_s']:,.0f}",
                      at_least(w["writer_tensor_rows_per_s"], WRITER_ROWS_PER_S)])
         b = w.get("bytes", {})
         if b:
-            rows.append(["bytes per tensor row (whole file)", f"≤ {BYTES_PER_ROW}", f"{b['file_bytes_per_tensor_row']:.1f}",
+            rows.append(["bytes per tensor row (whole file)", f"≤ {BYTES_PER_ROW}",
+                         f"{b['file_bytes_per_tensor_row']:.1f}",
                          at_most(b["file_bytes_per_tensor_row"], BYTES_PER_ROW, " B", "{:.1f}")])
     o = results.get("outside") or {}
     if o.get("handoff_fraction") is not None:

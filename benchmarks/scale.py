@@ -4,7 +4,7 @@
 Generation is fast and realistic: one step of a real GPT-2 (tiny widths, as many layers as it takes to
 reach the rows per step asked for) is recorded by gradstore into a template database; its nodes and edges
 are copied once and its step (passes, calls, tensors) is copied once per step with `INSERT ... SELECT` in
-raw sqlite3, statistics scaled per step, into a schema created by `gradstore.database.ensure_schema`. A few
+raw sqlite3, statistics scaled per step, into a schema created by `gradstore.store.database.ensure_schema`. A few
 rows late in the run are made non-finite. The result is cached under benchmarks/.cache/ (keyed by schema
 revision, size and generator version) and reused by later runs.
 """
@@ -30,6 +30,7 @@ def _record_template(n_layer: int, db: Path) -> int:
     import torch
 
     import gradstore
+
     from .common import Bench, train_step
 
     torch.set_num_threads(1)
@@ -45,8 +46,8 @@ def _record_template(n_layer: int, db: Path) -> int:
 
 
 def _schema_tag() -> str:
-    from gradstore import schema as s
-    from gradstore.database import head_revision
+    from gradstore.store import schema as s
+    from gradstore.store.database import head_revision
 
     cols = ";".join(f"{t.name}:{','.join(c.name for c in t.columns)}:"
                     + ",".join(sorted(f"{i.name}({','.join(c.name for c in i.columns)})" for i in t.indexes))
@@ -64,7 +65,7 @@ def _cols(conn, table: str, schema: str = "main") -> list[str]:
 
 def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
     """Build the database at `path` (through a temporary file, renamed when complete)."""
-    from gradstore.database import ensure_schema, make_engine
+    from gradstore.store.database import ensure_schema, make_engine
 
     t_start = time.perf_counter()
     # 1. how many layers give `rows_per_step`: rows(n) is linear in n
@@ -155,8 +156,8 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
         # the norm is stored first: the view derives a NULL one from the finite count, which changes here
         conn.execute("UPDATE tensor_data SET norm = (SELECT v.norm FROM tensors v WHERE v.step_id = ? AND v.id = ?) "
                      "WHERE step_id = ? AND id = ?", (step + 1, tid, step + 1, tid))
-        conn.execute("UPDATE tensor_data SET nan = MAX((SELECT l.numel FROM layouts l WHERE l.id = layout_id) / 10, 1), "
-                     "posinf = 1 WHERE step_id = ? AND id = ?", (step + 1, tid))
+        conn.execute("UPDATE tensor_data SET nan = MAX((SELECT l.numel FROM layouts l WHERE l.id = layout_id) / 10, "
+                     "1), posinf = 1 WHERE step_id = ? AND id = ?", (step + 1, tid))
         conn.execute("UPDATE steps SET status = 'nonfinite' WHERE id = ?", (step + 1,))
     conn.execute("COMMIT")
     conn.execute("DETACH DATABASE tpl")

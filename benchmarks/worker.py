@@ -39,6 +39,7 @@ def rss(args) -> dict:
     import torch
 
     import gradstore  # imported in both cases: the difference is the recording, not the import
+
     from .common import Bench, train_step
 
     torch.set_num_threads(args.threads)

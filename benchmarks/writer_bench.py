@@ -1,4 +1,4 @@
-"""The writer: rows/s through the real `gradstore.writer.Writer.write` against raw `sqlite3.executemany` of
+"""The writer: rows/s through the real `gradstore.store.writer.Writer.write` against raw `sqlite3.executemany` of
 the same rows in one WAL transaction (same run, same machine), and bytes per tensor row on disk."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .common import Bench, log, median, train_step
 @contextlib.contextmanager
 def capture_batches(store: list):
     """Keep a reference to every StepBatch handed to a Writer (the real one still writes it)."""
-    from gradstore import writer as gw
+    from gradstore.store import writer as gw
 
     original = gw.Writer.submit
 
@@ -57,7 +57,7 @@ def _count(batch) -> tuple[int, int, int]:
 def _new_run(engine, name: str) -> int:
     from sqlalchemy import insert
 
-    from gradstore import schema as s
+    from gradstore.store import schema as s
 
     with engine.begin() as conn:
         return conn.execute(insert(s.runs).returning(s.runs.c.id), {
@@ -67,7 +67,7 @@ def _new_run(engine, name: str) -> int:
 
 def through_writer(batch, db: Path, n: int) -> dict:
     """Write the batch n+1 times (as steps 0..n) through Writer.write; step 0 (new nodes and edges) untimed."""
-    from gradstore.writer import Writer
+    from gradstore.store.writer import Writer
 
     w = Writer(str(db))
     try:
@@ -107,10 +107,10 @@ def _row(table, cols: list[str], given: dict, source=None) -> tuple:
 
 def _tensor_row(t) -> dict:
     """A PassRecord tensor entry as a dict: a dict already (key, seq, role, slot, columns), or a tuple
-    (key, seq, role, slot, *gradstore.stats.ROW_COLUMNS)."""
+    (key, seq, role, slot, *gradstore.recording.stats.ROW_COLUMNS)."""
     if isinstance(t, dict):
         return dict(t)
-    from gradstore.stats import ROW_COLUMNS
+    from gradstore.recording.stats import ROW_COLUMNS
 
     key, seq, role, slot, *rest = t
     return {"key": key, "seq": seq, "role": role, "slot": slot, **dict(zip(ROW_COLUMNS, rest))}
@@ -129,9 +129,9 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
     """The same rows (steps, passes, calls, tensors of n steps), built as tuples beforehand (untimed), then
     one sqlite3.executemany per table in one WAL transaction (timed); ids assigned in Python. Schema from
     gradstore (ensure_schema), nodes inserted untimed."""
-    from gradstore import schema as s
-    from gradstore.database import ensure_schema, make_engine
-    from gradstore.schema import ROLE
+    from gradstore.store import schema as s
+    from gradstore.store.database import ensure_schema, make_engine
+    from gradstore.store.schema import ROLE
 
     engine = make_engine(str(db))
     ensure_schema(engine, str(db))

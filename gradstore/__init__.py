@@ -1,7 +1,5 @@
 """gradstore: record every autograd node event and gradient statistic of a PyTorch backward pass into a
 database, and read it back as pandas DataFrames."""
-__version__ = "0.1.0"
-
 from .errors import (  # noqa: E402
     DatabaseNotFound,
     DatabaseUnavailable,
@@ -16,21 +14,19 @@ from .errors import (  # noqa: E402
     UnknownRun,
     VerifyUsageError,
 )
-from .recorder import record  # noqa: E402
-from .store import Store, open  # noqa: E402
-
-# explain / replay / verify: the functions shadow their modules' names on the package (import the modules
-# with `from gradstore.explain import Explanation`, which goes through sys.modules)
-from .explain import Explanation, RecordedExplanation, track_modules  # noqa: E402
-from .explain import explain  # noqa: E402
-from .frames import FrameTracker  # noqa: E402
-from .replay import replay, replay_check  # noqa: E402
-from .saved import saved_bytes, saved_tensors  # noqa: E402
-from .verify import verify  # noqa: E402
+from .inspect.context import track_modules  # noqa: E402
+from .inspect.explain import Explanation, RecordedExplanation, explain  # noqa: E402
+from .inspect.replay import replay, replay_check  # noqa: E402
+from .inspect.verify import verify  # noqa: E402
+from .recording.frames import FrameTracker  # noqa: E402
+from .recording.recorder import record  # noqa: E402
+from .recording.saved import saved_bytes, saved_tensors  # noqa: E402
+from .store.reader import Store, open  # noqa: E402
+from .version import __version__  # noqa: E402
 
 __all__ = [
-    "record", "open", "Store", "GradstoreError", "DatabaseNotFound", "DatabaseUnavailable", "SchemaTooNew", "UnknownRun",
-    "UnknownQuery", "QueryParameterError", "RecordUsageError", "__version__",
+    "record", "open", "Store", "GradstoreError", "DatabaseNotFound", "DatabaseUnavailable", "SchemaTooNew",
+    "UnknownRun", "UnknownQuery", "QueryParameterError", "RecordUsageError", "__version__",
     "explain", "Explanation", "RecordedExplanation", "track_modules", "replay", "replay_check", "verify",
     "saved_tensors", "saved_bytes", "FrameTracker", "ReplayError", "SavedTensorsFreed", "UnknownNode",
     "VerifyUsageError",

@@ -27,12 +27,12 @@ import pandas as pd
 from sqlalchemy import and_, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import __version__
-from . import queries as named_queries
-from . import schema as s
 from .errors import GradstoreError
-from .recorder import DEFAULT_DB
-from .store import Store
+from .store import queries as named_queries
+from .store import schema as s
+from .store.database import DEFAULT_DB
+from .store.reader import Store
+from .version import __version__
 
 # ---- errors: one line, non-zero exit ---------------------------------------------------------------------
 
@@ -76,7 +76,7 @@ def _table(df: pd.DataFrame, empty: str = "  (none)") -> str:
     if df.empty:
         return empty
     df = df.copy()
-    for col in df.columns[df.dtypes == object]:
+    for col in df.columns[df.dtypes == object]:  # noqa: E721 - pandas dtypes compare with ==
         df[col] = df[col].map(lambda v: "-" if v is None or (isinstance(v, float) and pd.isna(v)) else v)
     text = df.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.6g}")
     return "\n".join("  " + line for line in text.splitlines())
@@ -470,7 +470,7 @@ def explain(db, run, key, step, rank):
     KEY is a node key as `gradstore query DB nodes -p run=RUN` lists it, e.g. 'fc/AddmmBackward0#0' or
     'param:fc.weight'.
     """
-    from .explain import explain_recorded
+    from .inspect.explain import explain_recorded
 
     with _store(db) as store:
         click.echo(str(explain_recorded(store, run, key, step=step, rank=rank)))
@@ -485,7 +485,7 @@ def db():
 @click.argument("db_path", metavar="DB")
 def upgrade(db_path):
     """Upgrade database DB to the newest schema revision, creating it (and its file) when new."""
-    from .database import upgrade as upgrade_db
+    from .store.database import upgrade as upgrade_db
 
     before, after = upgrade_db(db_path)
     if before == after:
@@ -707,7 +707,7 @@ def merge(out, inputs, skip_existing):
     per (run, rank, step), nodes matched by key, edges de-duplicated, passes, calls and tensors copied. One
     transaction: on an error (a step OUT already holds, without --skip-existing) OUT is left as it was.
     """
-    from .merge import merge as merge_databases
+    from .store.merge import merge as merge_databases
 
     reports = merge_databases(out, list(inputs), skip_existing=skip_existing)
     for r in reports:

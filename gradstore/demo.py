@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .recorder import DEFAULT_DB, record
+from .recording.recorder import record
+from .store.database import DEFAULT_DB
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Alembic environment for gradstore.
 
-gradstore builds the Alembic Config in code (gradstore/database.py) and passes its own connection through
+gradstore builds the Alembic Config in code (gradstore/store/database.py) and passes its own connection through
 `config.attributes["connection"]`; `alembic -c ...` from a shell works too, given `sqlalchemy.url`.
 """
 from alembic import context

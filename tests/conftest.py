@@ -37,15 +37,15 @@ def pytest_configure(config):
     """Build (or load) gradstore's C++ hooks before any test records, so that every test records with them
     where they can be built (their first build otherwise runs in the background and the first steps of a
     process use the Python hooks). tests/test_native.py compares them with the Python hooks."""
-    from gradstore import native
+    from gradstore.recording import native
 
     native.load(wait=True)
 
 
 @pytest.fixture
 def python_hooks(monkeypatch):
-    """Record with the Python hooks (gradstore.passes) even where the C++ hooks are built."""
-    from gradstore import native
+    """Record with the Python hooks (gradstore.recording.passes) even where the C++ hooks are built."""
+    from gradstore.recording import native
 
     monkeypatch.setattr(native, "available", lambda level: None)
 
@@ -63,7 +63,7 @@ def pg_database():
     from sqlalchemy import create_engine, make_url, text
     from sqlalchemy.pool import NullPool
 
-    from gradstore import writer
+    from gradstore.store import writer
 
     base = make_url(PG_URL)
     name = f"gs_test_{uuid.uuid4().hex[:16]}"
@@ -90,7 +90,7 @@ def pg_schema(database_url: str):
     from sqlalchemy import create_engine, make_url, text
     from sqlalchemy.pool import NullPool
 
-    from gradstore import writer
+    from gradstore.store import writer
 
     name = f"s_{uuid.uuid4().hex[:16]}"
     admin = create_engine(database_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)

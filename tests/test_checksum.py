@@ -1,11 +1,12 @@
-"""gradstore.checksum: a 64-bit checksum of a tensor's bytes that makes a bitwise comparison across ranks exact."""
+"""gradstore.recording.checksum: a 64-bit checksum of a tensor's bytes that makes a bitwise comparison across ranks
+exact."""
 import numpy as np
 import pytest
 import torch
 
 import gradstore
-from gradstore import checksum as checksum_module
-from gradstore import stats
+from gradstore.recording import checksum as checksum_module
+from gradstore.recording import stats
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 

@@ -22,8 +22,8 @@ import torch.nn as nn
 from click.testing import CliRunner
 
 import gradstore
-from gradstore import recorder
 from gradstore.cli import main
+from gradstore.recording import recorder
 
 STEPS = 2
 

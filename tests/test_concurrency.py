@@ -9,12 +9,13 @@ import multiprocessing as mp
 import pytest
 import torch
 import torch.nn as nn
+from _procs import run_processes
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 import gradstore
-from gradstore import recorder, writer
-from _procs import run_processes
+from gradstore.recording import recorder
+from gradstore.store import writer
 
 N_PROCS = 4
 FEATURES = 6

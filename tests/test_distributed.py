@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _procs import run_distributed
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradstore
-from gradstore.checksum import checksum as checksum_of
-from _procs import run_distributed
+from gradstore.recording.checksum import checksum as checksum_of
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

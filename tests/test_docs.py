@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from gradstore import queries
+from gradstore.store import queries
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -24,7 +24,7 @@ def test_readme_setup_command_pins_torch_and_runs_the_demo():
 
 
 def test_readme_documents_every_table_and_column():
-    from gradstore import schema
+    from gradstore.store import schema
 
     tables = {name: [c.name for c in schema.metadata.tables[name].columns]
               for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data",

@@ -1,12 +1,12 @@
-"""docs/autograd_hooks.md is what `python -m gradstore.docs_page` generates from fresh recordings (so it cannot go
-stale), and the facts it states hold in plain PyTorch, recomputed here without gradstore."""
+"""docs/autograd_hooks.md is what `python -m gradstore.inspect.docs_page` generates from fresh recordings (so it
+cannot go stale), and the facts it states hold in plain PyTorch, recomputed here without gradstore."""
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from gradstore import docs_page
+from gradstore.inspect import docs_page
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "autograd_hooks.md"
@@ -19,7 +19,7 @@ def page():
 
 def test_committed_page_is_what_the_generator_writes(page):
     fresh = docs_page.render()
-    assert fresh == page, "docs/autograd_hooks.md is stale: run `python -m gradstore.docs_page` and commit it"
+    assert fresh == page, "docs/autograd_hooks.md is stale: run `python -m gradstore.inspect.docs_page` and commit it"
 
 
 def test_generator_check_mode(tmp_path):

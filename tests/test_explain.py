@@ -1,6 +1,6 @@
-"""gradstore.explain (live and recorded), gradstore.saved and gradstore.frames, checked against plain PyTorch:
-what the hooks receive is observed with plain node hooks, saved tensors are read with the public `_saved_*`
-getters, statistics are recomputed with torch, module names come from the model's structure."""
+"""gradstore.explain (live and recorded), gradstore.recording.saved and gradstore.recording.frames, checked against
+plain PyTorch: what the hooks receive is observed with plain node hooks, saved tensors are read with the public
+`_saved_*` getters, statistics are recomputed with torch, module names come from the model's structure."""
 import math
 import sys
 
@@ -9,11 +9,12 @@ import torch
 from click.testing import CliRunner
 
 import gradstore
-from gradstore import _apply_hook, saved
 from gradstore.cli import main
 from gradstore.errors import UnknownNode
-from gradstore.explain import Explanation, RecordedExplanation
-from gradstore.frames import FrameTracker
+from gradstore.inspect.explain import Explanation, RecordedExplanation
+from gradstore.recording import function_apply as _apply_hook
+from gradstore.recording import saved
+from gradstore.recording.frames import FrameTracker
 
 FREED = "Trying to backward through the graph a second time"
 

@@ -1,4 +1,4 @@
-"""The fused CPU reduction kernel (gradstore.kernel): its values against plain float64 PyTorch, every path
+"""The fused CPU reduction kernel (gradstore.recording.kernel): its values against plain float64 PyTorch, every path
 into it (dtypes, tails, memory layouts, cancellation), and what happens where it cannot be built."""
 import math
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gradstore import kernel, stats
+from gradstore.recording import kernel, stats
 
 needs_kernel = pytest.mark.skipif(kernel.load() is None, reason=f"no fused kernel here: {kernel.status()}")
 
@@ -120,7 +120,7 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=300)
 
 
-PROBE = ("import torch, gradstore.kernel as k, gradstore.stats as s; "
+PROBE = ("import torch, gradstore.recording.kernel as k, gradstore.recording.stats as s; "
          "r = s.to_dicts([s.measure(torch.tensor([3.0, 4.0, 0.0]))])[0]; "
          "print(k.status()); print(r['norm'], r['zeros'])")
 
@@ -159,7 +159,8 @@ def test_built_once_then_reused_from_the_cache(tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("threads", [2, 3])
 def test_large_tensors_split_across_torch_threads_give_the_same_statistics(threads, monkeypatch):
-    monkeypatch.setattr(kernel, "SPLIT", 1000)  # a tensor this size is split into `threads` shares, the last one shorter
+    # a tensor this size is split into `threads` shares, the last one shorter
+    monkeypatch.setattr(kernel, "SPLIT", 1000)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

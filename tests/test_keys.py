@@ -382,8 +382,8 @@ def test_ddp_wrapped_model_has_the_unwrapped_models_keys(db):
 def _describe_twice(model, make_input, memo: bool):
     """Key one pass of `model` per call, as the recorder does (tracker around forward); with or without the
     memo. Returns the NodeInfos."""
-    from gradstore import graph
-    from gradstore.modules import ModuleTracker, named_parameters, qualified_names
+    from gradstore.recording import graph
+    from gradstore.recording.modules import ModuleTracker, named_parameters, qualified_names
 
     tracker = ModuleTracker(qualified_names([("", model)]))
     names = {id(p): n for n, p in named_parameters([("", model)])}
@@ -402,7 +402,7 @@ def test_describe_memo_gives_the_keys_computed_afresh():
     """A graph with the signature of an earlier one reuses its keys: equal to keys computed without the memo,
     and to the keys written down from the model's structure; a model whose module structure differs is keyed
     afresh."""
-    from gradstore import graph
+    from gradstore.recording import graph
 
     graph._MEMO.clear()
     torch.manual_seed(0)

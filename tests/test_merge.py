@@ -1,6 +1,6 @@
-"""`gradstore merge OUT IN...` (gradstore.merge.merge): per-rank files joined into one database.
+"""`gradstore merge OUT IN...` (gradstore.store.merge.merge): per-rank files joined into one database.
 
-Rank 0 records into a.db and rank 1 into b.db (gradstore.recorder._rank_and_world_size monkeypatched to (0, 2)
+Rank 0 records into a.db and rank 1 into b.db (gradstore.recording.recorder._rank_and_world_size monkeypatched to (0, 2)
 and (1, 2)); each step has two micro-batches, and rank 1 scales parameter 0.bias's gradient by 1.25. Row counts
 are taken with plain sqlite3 on the files; query results on the merged file must equal those on the sources.
 """
@@ -13,9 +13,9 @@ import torch.nn as nn
 from click.testing import CliRunner
 
 import gradstore
-from gradstore import recorder
 from gradstore.cli import main
-from gradstore.merge import MergeConflict, merge
+from gradstore.recording import recorder
+from gradstore.store.merge import MergeConflict, merge
 
 STEPS = 3
 TABLES = ("steps", "passes", "calls", "tensors")

@@ -1,5 +1,5 @@
 """Schema revisions: creation through Alembic, upgrade of older files, refusal of newer ones, and agreement
-between migrations/ and gradstore/schema.py."""
+between migrations/ and gradstore/store/schema.py."""
 import json
 import math
 import shutil
@@ -11,7 +11,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 import gradstore
-from gradstore import database, schema
+from gradstore.store import database, schema
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -364,7 +364,7 @@ def test_downgrade_0003_to_0002_restores_the_calls_table(tmp_path):
 
 
 def test_views_are_the_runtime_definitions(db):
-    """The views a new database gets are the ones gradstore.schema documents (SQLite keeps their text)."""
+    """The views a new database gets are the ones gradstore.store.schema documents (SQLite keeps their text)."""
     database.upgrade(db)
     with sqlite3.connect(db) as conn:
         views = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'view'"))

@@ -1,4 +1,5 @@
-"""The C++ node hooks (gradstore.native) record exactly what the Python hooks (gradstore.passes) record.
+"""The C++ node hooks (gradstore.recording.native) record exactly what the Python hooks
+(gradstore.recording.passes) record.
 
 Each case runs the same seeded computation twice, once with each kind of hook, and compares every tensor
 row (statistics bit for bit), every call (order and node) and every pass (nesting); the gradients and
@@ -17,7 +18,7 @@ import torch
 import torch.utils.checkpoint as cp
 
 import gradstore
-from gradstore import kernel, native, passes
+from gradstore.recording import kernel, native, passes
 
 pytestmark = pytest.mark.skipif(native.load(wait=True) is None, reason=f"C++ hooks: {native.status()}")
 
@@ -230,7 +231,7 @@ def test_gpt2_rows_equal(tmp_path, monkeypatch):
 def test_python_measurement_fault_is_a_skipped_row(tmp_path, monkeypatch):
     """A fault in the measurement the C++ hooks hand to Python (here: every bfloat16 tensor) leaves a
     skipped row with the reason; training and the other rows go on."""
-    from gradstore import stats
+    from gradstore.recording import stats
 
     real = stats.measure
 
@@ -257,7 +258,7 @@ def test_not_built_without_a_compiler(tmp_path, python_hooks):
     """No C++ compiler: one warning, and the Python hooks record (a fresh process and cache directory)."""
     script = textwrap.dedent(f"""
         import warnings, torch, gradstore
-        from gradstore import native
+        from gradstore.recording import native
         warnings.simplefilter("always")
         with warnings.catch_warnings(record=True) as w:
             torch.manual_seed(0)
@@ -286,7 +287,8 @@ def test_not_built_without_a_compiler(tmp_path, python_hooks):
 
 def test_turned_off(tmp_path):
     env = dict(os.environ, GRADSTORE_NATIVE="0")
-    proc = subprocess.run([sys.executable, "-c", "from gradstore import native; native.load(); print(native.status())"],
+    probe = "from gradstore.recording import native; native.load(); print(native.status())"
+    proc = subprocess.run([sys.executable, "-c", probe],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.stdout.strip() == "not available: turned off (GRADSTORE_NATIVE=0)"
 

@@ -7,8 +7,9 @@ import torch
 import torch.nn as nn
 
 import gradstore
-from gradstore import stats
-from gradstore.writer import StepBatch, writer_for
+from gradstore.recording import stats
+from gradstore.records import StepBatch
+from gradstore.store.writer import writer_for
 
 
 class Net(nn.Module):
@@ -141,7 +142,7 @@ def test_bad_options_are_named(db, kw, match):
 
 
 def _batch(run_id, step, n_tensors):
-    from gradstore.passes import PassRecord
+    from gradstore.records import PassRecord
 
     p = PassRecord(number=0, parent_pass=None, parent_seq=None, kind="backward", create_graph=False,
                    retain_graph=False, roots=1, inputs=None, started_at=0.0)

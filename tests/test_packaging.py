@@ -26,7 +26,7 @@ def test_wheel_contains_migrations_and_queries(wheel):
     assert "gradstore/migrations/versions/0001_initial.py" in names
     for sql in (ROOT / "queries").glob("*.sql"):
         assert f"gradstore/queries/{sql.name}" in names
-    assert "gradstore/kernels/reduce.c" in names  # the fused reduction kernel's source, built on first use
+    assert "gradstore/recording/kernels/reduce.c" in names  # the fused reduction kernel's source, built on first use
     assert any(n.endswith("entry_points.txt") for n in names)
 
 
@@ -35,12 +35,12 @@ def test_installed_wheel_finds_its_own_resources_and_creates_a_database(wheel, t
     zipfile.ZipFile(wheel).extractall(site)
     script = (
         "import gradstore, torch\n"
-        "from gradstore.resources import migrations_dir, queries_dir\n"
+        "from gradstore.store.resources import migrations_dir, queries_dir\n"
         "print(migrations_dir()); print(queries_dir())\n"
         "with gradstore.record('w', db='w.db'):\n"
         "    torch.ones(3, requires_grad=True).exp().sum().backward()\n"
         "print(len(gradstore.open('w.db').calls('w')))\n"
-        "import gradstore.kernel as k; print(k.SOURCE.is_file())\n"
+        "import gradstore.recording.kernel as k; print(k.SOURCE.is_file())\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                           env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})

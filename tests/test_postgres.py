@@ -17,8 +17,9 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import text
 
 import gradstore
-from gradstore.checksum import checksum as checksum_of
-from gradstore import database, queries, recorder, schema
+from gradstore.recording import recorder
+from gradstore.recording.checksum import checksum as checksum_of
+from gradstore.store import database, queries, schema
 
 # columns that hold wall-clock times or durations: they differ between any two recordings
 VOLATILE = re.compile(r"(^|_)(created_at|finished_at|started_at|ended_at|duration|start|setup|finish|waited)"

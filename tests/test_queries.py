@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gradstore
-from gradstore import queries
+from gradstore.store import queries
 
 
 @pytest.fixture
@@ -78,7 +78,8 @@ def test_module_filter_is_exact_on_names_and_keeps_submodules(db):
         x = torch.randn(3, 2)
         (model["blocks_0"](x).sum() + model["blocks"][0](x).sum()).backward()
     nodes = gradstore.open(db).nodes("m", module="blocks.0")
-    assert set(nodes.module) == {"blocks.0.0", "blocks.0.1"}  # the submodules of blocks.0 (a Sequential: no op of its own)
+    # the submodules of blocks.0 (a Sequential: no op of its own)
+    assert set(nodes.module) == {"blocks.0.0", "blocks.0.1"}
     assert gradstore.open(db).nodes("m", module="BLOCKS.0").empty  # names are case-sensitive
     assert set(gradstore.open(db).nodes("m", module="blocks_0").module) == {"blocks_0"}  # '_' is no wildcard
 

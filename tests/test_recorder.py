@@ -18,9 +18,9 @@ from torch.autograd import backward as early_backward  # bound before any record
 from torch.utils.checkpoint import checkpoint
 
 import gradstore
-import gradstore._torch_private as tp
-from gradstore import intercept
-from gradstore import passes as gs_passes
+import gradstore.recording.torch_private as tp
+from gradstore.recording import intercept
+from gradstore.recording import passes as gs_passes
 
 ORIGINAL_ENGINE_ENTRY = torch.autograd.graph._engine_run_backward
 
@@ -312,7 +312,7 @@ def test_autograd_grad_runs_no_accumulate_grad(db):
 def test_accumulation_same_keys_each_micro_batch(db):
     m = _model()
     with gradstore.record("accum", db=db, model=m) as rec:
-        for step in range(2):
+        for _step in range(2):
             for _ in range(3):
                 m(torch.randn(2, 4)).pow(2).sum().backward()
             m.zero_grad()
@@ -843,7 +843,7 @@ def test_model_dict_names_each_model(db):
 
 
 # ---- storage: what the writer was handed is what the tensors view gives back --------------------------------
-# numpy's warning when gradstore.stats sums a gradient that holds NaN (the value this test wants)
+# numpy's warning when gradstore.recording.stats sums a gradient that holds NaN (the value this test wants)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning")
 def test_tensors_view_gives_back_every_recorded_value_bit_for_bit(db, monkeypatch):
     """Every tensor row the recorder handed the writer (its PassRecords, captured at Writer.submit) comes back
@@ -852,7 +852,8 @@ def test_tensors_view_gives_back_every_recorded_value_bit_for_bit(db, monkeypatc
     call. The step holds NaN, +Inf and -Inf gradients, a 0-d tensor, an empty one, a None slot and checksums."""
     from sqlalchemy import text
 
-    from gradstore import stats, writer
+    from gradstore.recording import stats
+    from gradstore.store import writer
 
     handed = []
     original = writer.Writer.submit

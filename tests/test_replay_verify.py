@@ -237,7 +237,7 @@ def test_replay_check_with_reentrant_checkpoint_restores_grads():
     assert bool(df.loc["AddmmBackward0", "equal"])
 
 
-# ---- verify -------------------------------------------------------------------------------------------------------------
+# ---- verify ---------------------------------------------------------------------------------------------------------
 def test_verify_flags_a_backward_that_ignores_its_gradient_with_its_module():
     torch.manual_seed(0)
     net = Net()

@@ -1,4 +1,4 @@
-"""The shape level's hot-path results (stats.shape_only) and the pass rows built lazily (gradstore.rows):
+"""The shape level's hot-path results (stats.shape_only) and the pass rows built lazily (gradstore.recording.rows):
 the same rows, values checked against what is computed here from the tensors themselves."""
 import math
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import gradstore
-from gradstore import rows as grows
-from gradstore import stats
-from gradstore.schema import DTYPES, ROLE, STATUSES
+from gradstore.recording import rows as grows
+from gradstore.recording import stats
+from gradstore.store.schema import DTYPES, ROLE, STATUSES
 
 
 class MyTensor(torch.Tensor):
@@ -101,8 +101,8 @@ def test_lazy_rows_builds_once_on_first_read():
 
 
 def test_tensor_rows_keys_roles_and_values():
-    infos = [gradstore.graph.NodeInfo("m/AddBackward0#0", "AddBackward0", "function", "m", None),
-             gradstore.graph.NodeInfo("param:w", "AccumulateGrad", "accumulate_grad", "", "w")]
+    infos = [gradstore.records.NodeInfo("m/AddBackward0#0", "AddBackward0", "function", "m", None),
+             gradstore.records.NodeInfo("param:w", "AccumulateGrad", "accumulate_grad", "", "w")]
     call0, call1 = [0, 7, 0.1, 0.2], [1, 8, 0.3, None]
     g = torch.tensor([3.0, 4.0])
     measured = [(call0, "grad_output", 0, stats.measure(g)), (call1, "grad_input", 1, stats.shape_only(g)),
@@ -122,7 +122,7 @@ def test_tensor_rows_keys_roles_and_values():
 def test_pass_record_rows_wait_for_the_writer(level, tmp_path):
     """At the end of a pass the rows are not built yet (on CPU, all finite); the writer builds them, and the
     stored shapes are the tensors' own."""
-    import gradstore.writer as gw
+    import gradstore.store.writer as gw
 
     seen = []
     original = gw.Writer.submit
@@ -156,7 +156,7 @@ def test_results_left_in_tensors_are_copied_at_the_end_of_the_pass(tmp_path):
     """A non-finite CPU gradient takes the masked path (a tensor of results): the pass makes its host copy at
     once (so the pass knows it is non-finite; the row tuples still wait for the writer), the step is
     'nonfinite', and the stored counts are the tensor's own."""
-    import gradstore.writer as gw
+    import gradstore.store.writer as gw
 
     seen = []
     original = gw.Writer.submit

@@ -1,4 +1,4 @@
-"""Gradient statistics (gradstore.stats.measure / to_rows) against plain float64 PyTorch.
+"""Gradient statistics (gradstore.recording.stats.measure / to_rows) against plain float64 PyTorch.
 
 Every expected value is computed here, independently, from the tensor's values converted to float64:
 norm, min, max, mean, std (Bessel) over the finite elements; exact nan / +inf / -inf / zero counts.
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import gradstore
-from gradstore import kernel, stats
-from gradstore.schema import DTYPES, STATUSES
+from gradstore.recording import kernel, stats
+from gradstore.store.schema import DTYPES, STATUSES
 
 INF = math.inf
 NAN = math.nan
@@ -144,7 +144,8 @@ def test_one_finite_element_among_nonfinite(dtype):
 def test_single_element(dtype):
     t = torch.tensor([-3.0], dtype=dtype)
     row = assert_matches(t)
-    assert (row["shape"], row["numel"], row["norm"], row["min"], row["max"], row["mean"]) == ("1", 1, 3.0, -3.0, -3.0, -3.0)
+    assert ((row["shape"], row["numel"], row["norm"], row["min"], row["max"], row["mean"])
+            == ("1", 1, 3.0, -3.0, -3.0, -3.0))
     assert row["std"] is None
 
 

@@ -1,9 +1,9 @@
-"""The private PyTorch APIs gradstore leans on (gradstore/_torch_private.py). If one of these fails after a
+"""The private PyTorch APIs gradstore leans on (gradstore/recording/torch_private.py). If one of these fails after a
 PyTorch upgrade, module attribution, nested-pass separation or interception needs its fallback checked."""
 import torch
 import torch.autograd.graph
 
-from gradstore import _torch_private as tp
+from gradstore.recording import torch_private as tp
 
 
 def test_sequence_counter_is_readable_and_counts_nodes():
@@ -36,3 +36,9 @@ def test_graph_task_id_outside_and_inside_a_pass():
 def test_engine_entry_point_is_bound_under_both_names():
     assert tp.engine_entry_available()
     assert torch.autograd._engine_run_backward is torch.autograd.graph._engine_run_backward
+
+
+def test_cxx11_abi_flag_is_exposed():
+    # the C++ hooks are compiled with -D_GLIBCXX_USE_CXX11_ABI=<this>; a build against the wrong ABI fails to load
+    assert hasattr(torch._C, "_GLIBCXX_USE_CXX11_ABI")
+    assert tp.cxx11_abi() is bool(torch._C._GLIBCXX_USE_CXX11_ABI)

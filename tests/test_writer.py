@@ -7,10 +7,9 @@ import time
 import pytest
 from sqlalchemy import insert
 
-from gradstore import schema as s
-from gradstore.graph import NodeInfo
-from gradstore.passes import PassRecord
-from gradstore.writer import StepBatch, Writer
+from gradstore.records import NodeInfo, PassRecord, StepBatch
+from gradstore.store import schema as s
+from gradstore.store.writer import Writer
 
 COLUMNS = ("call_id", "pass_id", "role", "slot", "status", "reason", "dtype", "shape", "numel", "norm", "min", "max",
            "mean", "std", "nan", "posinf", "neginf", "zeros", "checksum")
@@ -18,7 +17,7 @@ COLUMNS = ("call_id", "pass_id", "role", "slot", "status", "reason", "dtype", "s
 
 def _stats(values):
     """(numel, norm, min, max, mean, std, nan, posinf, neginf, zeros) of a list of finite floats, as
-    gradstore.stats computes them: float64, std Bessel-corrected."""
+    gradstore.recording.stats computes them: float64, std Bessel-corrected."""
     n = len(values)
     mean = math.fsum(values) / n
     m2 = math.fsum((v - mean) ** 2 for v in values)

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-30
 
-A frozen copy: this file must not import gradstore.schema, so that it keeps creating exactly this revision
+A frozen copy: this file must not import gradstore.store.schema, so that it keeps creating exactly this revision
 when the runtime schema moves on.
 """
 import sqlalchemy as sa

@@ -17,7 +17,7 @@ What changes on disk (the `tensors` view keeps every column of revision 0001, wi
 Upgrade copies every row (in SQL, so the derivability test runs in the engine that later derives the norm).
 Downgrade rebuilds the 0001 table from the view.
 
-A frozen copy: this file must not import gradstore.schema.
+A frozen copy: this file must not import gradstore.store.schema.
 """
 import sqlalchemy as sa
 from alembic import op

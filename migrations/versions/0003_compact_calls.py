@@ -22,7 +22,7 @@ start and duration are the nanosecond-rounded seconds) with its index, and drops
 On SQLite the tables are renamed so that tensor_data's REFERENCES clause follows them (SQLite >= 3.26 rewrites
 it on ALTER TABLE ... RENAME); on PostgreSQL that foreign key is dropped and created again.
 
-A frozen copy: this file must not import gradstore.schema.
+A frozen copy: this file must not import gradstore.store.schema.
 """
 import sqlalchemy as sa
 from alembic import op

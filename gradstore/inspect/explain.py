@@ -1,0 +1,465 @@
+"""Explain one autograd node: what its hooks receive, what state it holds, whether it can be re-run.
+
+`explain(grad_fn)` reads a live `torch.autograd.graph.Node`; `explain(db, run, key)` reads what a gradstore
+recording knows about a node (`gradstore explain DB RUN KEY` on the command line). Both return objects that
+print as plain text in a terminal (`str`, `repr`) and as HTML tables in a notebook (`_repr_html_`), and keep
+everything as plain attributes.
+
+The answers, in PyTorch's words:
+- `node.register_prehook(fn)` calls `fn(grad_outputs)`: one entry per output of the forward op (the
+  gradient flowing in; None for an output that got no gradient). `Node._input_metadata` (private) gives the
+  shape, dtype and device of each.
+- `node.register_hook(fn)` calls `fn(grad_inputs, grad_outputs)`: grad_inputs has one entry per
+  `node.next_functions` slot, i.e. per tensor input of the forward op; `next_functions[i] == (None, 0)`
+  means that input needs no gradient and its entry is None (or not propagated). AccumulateGrad has no
+  next_functions: its hook gets `grad_inputs == ()`.
+- Neither hook receives saved tensors. Those are the node's `_saved_*` attributes (gradstore.recording.saved).
+"""
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import UnknownNode
+from ..recording import torch_private as tp
+from ..recording.graph import describe, node_kind, node_name, walk
+from ..recording.saved import FREED_MESSAGE, is_custom, saved_bytes, saved_tensors, saved_values
+from ..recording.stats import ROW_COLUMNS, measure, to_rows
+from ..store.reader import Store
+from .context import owner_fn, param_names
+from .replay import output_metadata, replayable
+
+STAT_COLUMNS = ("norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
+
+
+# ---- plain data ----------------------------------------------------------------------------------------------
+@dataclass
+class GradOutputSlot:
+    """One entry of the node's grad_outputs (what its prehook receives): the gradient w.r.t. forward output
+    `slot`, of this shape (tuple of ints), dtype and device."""
+
+    slot: int
+    shape: tuple | None
+    dtype: str | None
+    device: str | None
+
+
+@dataclass
+class GradInputSlot:
+    """One entry of the node's grad_inputs (what its hook receives first): the gradient w.r.t. the forward
+    op's input `slot`. It flows into `input_nr` of the node `next_name` (its key `next_key`); `needs_grad`
+    False (next_functions[slot] is (None, 0)) means no gradient is needed: the entry is None or dropped."""
+
+    slot: int
+    next_name: str | None
+    next_key: str | None
+    input_nr: int
+    needs_grad: bool
+
+
+@dataclass
+class SavedItem:
+    """One tensor the node holds for its backward: name ('_saved_self', 'saved_tensors[0]', 'ctx.w'),
+    shape, dtype, device, bytes (numel × element size), stats (norm, min, max, mean, std, nan, posinf,
+    neginf, zeros: gradstore.recording.stats), note (e.g. 'modified in place since saved', 'packed by a
+    saved_tensors_hooks pack hook'). A None tensor (optional input not given) has shape None."""
+
+    name: str
+    shape: tuple | None
+    dtype: str | None
+    device: str | None
+    bytes: int
+    stats: dict = field(default_factory=dict)
+    note: str | None = None
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _shape(shape) -> str:
+    if shape is None:
+        return "?"
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _dtype(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _stats_text(stats: dict) -> str:
+    if not stats:
+        return ""
+    parts = [f"{k} {_fmt(stats.get(k))}" for k in ("norm", "min", "max", "mean", "std")]
+    bad = [f"{k} {stats[k]}" for k in ("nan", "posinf", "neginf") if stats.get(k)]
+    return "  ".join(parts + bad)
+
+
+def _table_html(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+@dataclass
+class Explanation:
+    """What a live autograd node is, receives and holds. Print it (terminal) or show it (notebook).
+
+    Attributes:
+        name: `node.name()` without 'torch::autograd::' (e.g. 'MmBackward0', 'AccumulateGrad', 'MyFnBackward').
+        kind: function / accumulate_grad / custom_function / compiled / other (gradstore.recording.graph.node_kind).
+        key: the key gradstore would record ('module/Name#ordinal', 'param:fc.weight'); the ordinal is exact
+            when `root=` is the pass's root and module attribution is given (`owner=`), else relative.
+        module: the owning module's qualified name ('' when unknown or outside any module).
+        param: the parameter's qualified name for an AccumulateGrad of a named parameter, else None.
+        sequence_nr: the node's forward creation number (private `_sequence_nr`; -1 unknown; 2**64-1 for
+            AccumulateGrad).
+        grad_outputs: [GradOutputSlot], one per forward output (None when this PyTorch hides it).
+        grad_inputs: [GradInputSlot], one per next_functions entry.
+        saved: [SavedItem]; values: [(name, value)] non-tensor saved state (dims, sizes, scalars, ctx attrs).
+        saved_bytes: bytes held by the saved tensors (distinct memory blocks).
+        freed: the pass released the saved tensors; replayable / reason: whether gradstore.replay can re-run
+            it now, and why not.
+        variable: for AccumulateGrad, (shape, dtype, has .grad) of the leaf; forward_args: for a custom
+            Function, ctx.needs_input_grad (one per forward argument); metadata: keys of `node.metadata`.
+    """
+
+    name: str
+    kind: str
+    key: str
+    module: str
+    param: str | None
+    sequence_nr: int
+    grad_outputs: list[GradOutputSlot] | None
+    grad_inputs: list[GradInputSlot]
+    saved: list[SavedItem]
+    values: list[tuple[str, object]]
+    saved_bytes: int
+    freed: bool
+    replayable: bool
+    reason: str | None
+    variable: tuple | None = None
+    forward_args: tuple | None = None
+    metadata: list[str] = field(default_factory=list)
+
+    # ---- text ------------------------------------------------------------------------------------------------
+    def _header(self) -> str:
+        where = f"module {self.module!r}" if self.module else "module: (unknown or outside any module)"
+        seq = "AccumulateGrad (no number)" if self.sequence_nr == tp.ACCUMULATE_GRAD_SEQUENCE_NR else self.sequence_nr
+        return f"{self.name} ({self.kind})  key {self.key}  {where}  sequence_nr {seq}"
+
+    def lines(self) -> list[str]:
+        """The explanation as lines of text."""
+        out = [self._header()]
+        if self.param:
+            out.append(f"  accumulates the gradient of parameter {self.param}")
+        if self.variable is not None:
+            shape, dtype, has_grad = self.variable
+            out.append(f"  leaf tensor {_shape(shape)} {dtype}; .grad is {'set' if has_grad else 'None'}")
+        if self.grad_outputs is None:
+            out.append("prehook(grad_outputs): one gradient per forward output (this PyTorch hides how many)")
+        else:
+            n = len(self.grad_outputs)
+            what = "the gradient of the leaf, which it adds into .grad" if self.kind == "accumulate_grad" \
+                else "gradients w.r.t. the forward op's outputs, flowing in; None for an output that got none"
+            out.append(f"prehook(grad_outputs) receives {n} tensor{'s' if n != 1 else ''}: {what}")
+            for s in self.grad_outputs:
+                out.append(f"  grad_outputs[{s.slot}]  {_shape(s.shape)} {s.dtype} {s.device}")
+        n = len(self.grad_inputs)
+        if self.kind == "accumulate_grad":
+            out.append("hook(grad_inputs, grad_outputs) receives grad_inputs == (): a leaf has no inputs")
+        else:
+            out.append(f"hook(grad_inputs, grad_outputs) receives {n} grad_input{'s' if n != 1 else ''} "
+                       "(gradients w.r.t. the forward op's inputs, flowing out; one per next_functions entry) "
+                       "and grad_outputs again")
+        for g in self.grad_inputs:
+            if g.needs_grad:
+                out.append(f"  grad_inputs[{g.slot}] -> {g.next_key or g.next_name} grad_outputs[{g.input_nr}]")
+            else:
+                out.append(f"  grad_inputs[{g.slot}]  None: that input needs no gradient (next_functions "
+                           f"[{g.slot}] is (None, 0))")
+        if self.forward_args is not None:
+            out.append(f"  ctx.needs_input_grad {self.forward_args} (one per forward argument; backward returns "
+                       "one value per argument, None for non-tensor ones)")
+        state = "freed by a backward pass" if self.freed else f"{len(self.saved)} tensor(s), {self.saved_bytes:,} bytes"
+        out.append(f"saved for backward (not passed to either hook): {state}")
+        for s in self.saved:
+            if s.shape is None:
+                out.append(f"  {s.name}  None")
+                continue
+            note = f"  [{s.note}]" if s.note else ""
+            out.append(f"  {s.name}  {_shape(s.shape)} {s.dtype} {s.device}  {_stats_text(s.stats)}{note}")
+        for name, value in self.values:
+            out.append(f"  {name} = {value!r}")
+        if self.metadata:
+            out.append(f"node.metadata keys: {', '.join(self.metadata)}")
+        if self.replayable:
+            out.append("re-runnable now: yes. gradstore.replay(node, grad_outputs) returns grad_inputs "
+                       "(no hook runs, no .grad changes)")
+        else:
+            out.append(f"re-runnable now: no. {self.reason}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        parts = [f"<p><b>{html.escape(self.name)}</b> ({html.escape(self.kind)}) key <code>{html.escape(self.key)}"
+                 f"</code> module <code>{html.escape(self.module or '-')}</code></p>"]
+        if self.grad_outputs is not None:
+            parts.append("<p>prehook(grad_outputs): one per forward output</p>")
+            parts.append(_table_html(["slot", "shape", "dtype", "device"],
+                                     [[s.slot, _shape(s.shape), s.dtype, s.device] for s in self.grad_outputs]))
+        parts.append("<p>hook(grad_inputs, grad_outputs): grad_inputs one per next_functions entry</p>")
+        parts.append(_table_html(["slot", "flows into", "input_nr", "needs grad"],
+                                 [[g.slot, g.next_key or g.next_name, g.input_nr, g.needs_grad]
+                                  for g in self.grad_inputs]))
+        state = "freed" if self.freed else f"{self.saved_bytes:,} bytes"
+        parts.append(f"<p>saved for backward: {html.escape(state)}</p>")
+        parts.append(_table_html(["name", "shape", "dtype", *STAT_COLUMNS, "note"],
+                                 [[s.name, _shape(s.shape) if s.shape is not None else None, s.dtype,
+                                   *[s.stats.get(c) for c in STAT_COLUMNS], s.note] for s in self.saved]
+                                 + [[n, repr(v), None, *[None] * len(STAT_COLUMNS), None] for n, v in self.values]))
+        parts.append(f"<p>re-runnable now: {'yes' if self.replayable else 'no: ' + html.escape(self.reason or '')}</p>")
+        return "<div>" + "".join(parts) + "</div>"
+
+
+# ---- the live node ---------------------------------------------------------------------------------------------
+def _saved_items(node, stats: bool) -> tuple[list[SavedItem], bool, int]:
+    saved = saved_tensors(node)
+    items = []
+    measured = []
+    for name, t in saved:
+        if t is None:
+            items.append(SavedItem(name, None, None, None, 0))
+            continue
+        note = []
+        if name in saved.packed:
+            note.append("held as packed by a saved_tensors_hooks pack hook")
+        elif not is_custom(node) and name.startswith("_saved_") and "[" not in name:
+            raw = getattr(node, "_raw" + name, None)
+            if raw is not None and getattr(raw, "unpack_hook", None) is None:
+                try:  # no unpack hook: the getter has no side effect; it checks the version counter
+                    getattr(node, name)
+                except RuntimeError as exc:
+                    if "modified by an inplace operation" in str(exc):
+                        note.append("modified in place since it was saved: the backward would raise")
+                    elif FREED_MESSAGE not in str(exc):
+                        note.append(f"unpacking raises: {str(exc)[:120]}")
+        item = SavedItem(name, tuple(t.shape), _dtype(t.dtype), str(t.device), saved_bytes([(name, t)]),
+                         note="; ".join(note) or None)
+        items.append(item)
+        measured.append((item, measure(t) if stats else None))
+    if stats and measured:
+        rows = to_rows([m for _, m in measured])
+        for (item, _), row in zip(measured, rows):
+            if not isinstance(row, dict):  # to_rows gives tuples in ROW_COLUMNS order (dicts before)
+                row = dict(zip(ROW_COLUMNS, row))
+            item.stats = {c: row[c] for c in STAT_COLUMNS}
+    return items, saved.freed, saved_bytes(saved)
+
+
+def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = True) -> Explanation:
+    """Explain a live autograd node (see `explain`)."""
+    if isinstance(grad_fn, torch.Tensor):  # a tensor: its grad_fn, or a leaf's AccumulateGrad
+        if grad_fn.grad_fn is not None:
+            grad_fn = grad_fn.grad_fn
+        elif grad_fn.requires_grad:
+            grad_fn = torch.autograd.graph.get_gradient_edge(grad_fn).node
+    if not isinstance(grad_fn, torch.autograd.graph.Node) and not hasattr(grad_fn, "next_functions"):
+        raise TypeError(f"explain takes an autograd Node (a tensor's .grad_fn), got {type(grad_fn).__name__}; "
+                        "for a leaf tensor use torch.autograd.graph.get_gradient_edge(t).node")
+    roots = [root] if root is not None else [grad_fn]
+    roots = [r.grad_fn if isinstance(r, torch.Tensor) else r for r in roots]
+    w = walk(roots)
+    if id(grad_fn) not in w.index:
+        w = walk([grad_fn])
+    infos = describe(w, owner_fn(owner), param_names(model), {})
+    info = infos[w.index[id(grad_fn)]]
+    key_of = {id(n): infos[i].key for i, n in enumerate(w.nodes)}
+    name = node_name(grad_fn)
+    kind = node_kind(grad_fn, name)
+    meta = output_metadata(grad_fn)
+    grad_outputs = None if meta is None else [
+        GradOutputSlot(i, m["shape"], _dtype(m["dtype"]), None if m["device"] is None else str(m["device"]))
+        for i, m in enumerate(meta)]
+    grad_inputs = [GradInputSlot(i, node_name(nxt) if nxt is not None else None,
+                                 key_of.get(id(nxt)) if nxt is not None else None, input_nr, nxt is not None)
+                   for i, (nxt, input_nr) in enumerate(grad_fn.next_functions)]
+    items, freed, nbytes = _saved_items(grad_fn, stats)
+    ok, reason = replayable(grad_fn)
+    variable = None
+    if kind == "accumulate_grad":
+        var = getattr(grad_fn, "variable", None)
+        if var is not None:
+            variable = (tuple(var.shape), _dtype(var.dtype), var.grad is not None)
+    forward_args = None
+    if is_custom(grad_fn):
+        try:
+            forward_args = tuple(grad_fn.needs_input_grad)
+        except Exception:
+            forward_args = None
+    try:
+        metadata = [str(k) for k in grad_fn.metadata]
+    except Exception:
+        metadata = []
+    return Explanation(name=name, kind=kind, key=info.key, module=info.module, param=info.param,
+                       sequence_nr=tp.sequence_nr(grad_fn), grad_outputs=grad_outputs, grad_inputs=grad_inputs,
+                       saved=items, values=saved_values(grad_fn), saved_bytes=nbytes, freed=freed, replayable=ok,
+                       reason=reason, variable=variable, forward_args=forward_args, metadata=metadata)
+
+
+# ---- a recorded node -----------------------------------------------------------------------------------------
+@dataclass
+class RecordedExplanation:
+    """What a gradstore database knows about one node of a run.
+
+    Attributes: run, key, name, kind, module, param, first_step; edges_in / edges_out: DataFrames (src, src_slot,
+    dst, dst_slot): who sends gradients into this node's grad_outputs and where its grad_inputs go; step and
+    rank: the step shown; calls: DataFrame of its calls in that step (pass, seq, start, duration in s);
+    tensors: DataFrame of its gradient statistics in that step (pass, seq, role grad_output / grad_input /
+    saved, slot, status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros).
+    """
+
+    run: str
+    key: str
+    name: str
+    kind: str
+    module: str
+    param: str | None
+    first_step: int
+    step: int | None
+    rank: int | None
+    edges_in: object
+    edges_out: object
+    calls: object
+    tensors: object
+
+    def lines(self) -> list[str]:
+        where = f"module {self.module!r}" if self.module else "outside any module"
+        out = [f"{self.key} in run {self.run!r}: {self.name} ({self.kind}), {where}, first seen at step "
+               f"{self.first_step}" + (f", parameter {self.param}" if self.param else "")]
+        out.append(f"grad_outputs come from ({len(self.edges_in)} edge(s)):")
+        for r in self.edges_in.itertuples():
+            out.append(f"  {r.src} grad_inputs[{r.src_slot}] -> grad_outputs[{r.dst_slot}]")
+        out.append(f"grad_inputs go to ({len(self.edges_out)} edge(s)):")
+        for r in self.edges_out.itertuples():
+            out.append(f"  grad_inputs[{r.src_slot}] -> {r.dst} grad_outputs[{r.dst_slot}]")
+        if self.step is None:
+            out.append("no recorded call of this node")
+            return out
+        out.append(f"step {self.step}, rank {self.rank}: {len(self.calls)} call(s)")
+        for c in self.calls.to_dict("records"):
+            dur = c["duration"]
+            dur = "-" if dur is None or dur != dur else f"{dur * 1e6:.1f} us"
+            out.append(f"  pass {c['pass']} seq {c['seq']}  duration {dur}")
+            rows = self.tensors[(self.tensors["seq"] == c["seq"]) & (self.tensors["pass"] == c["pass"])]
+            for t in rows.to_dict("records"):
+                if t["status"] != "ok":
+                    reason = f" ({t['reason']})" if isinstance(t.get("reason"), str) else ""
+                    out.append(f"    {t['role']}[{t['slot']}]  {t['status']}{reason}")
+                    continue
+                stats = {k: (None if isinstance(t.get(k), float) and math.isnan(t[k]) else t.get(k))
+                         for k in STAT_COLUMNS}  # NULL (not computed) comes back as NaN
+                out.append(f"    {t['role']}[{t['slot']}]  ({t['shape']}) {t['dtype']}  {_stats_text(stats)}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        head = (f"<p><b>{html.escape(self.key)}</b>: {html.escape(self.name)} ({html.escape(self.kind)}), module "
+                f"<code>{html.escape(self.module or '-')}</code>, step {self.step}</p>")
+        return ("<div>" + head + "<p>edges in</p>" + self.edges_in.to_html(index=False)
+                + "<p>edges out</p>" + self.edges_out.to_html(index=False)
+                + "<p>gradients</p>" + self.tensors.to_html(index=False) + "</div>")
+
+
+def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int | None = None) -> RecordedExplanation:
+    """Explain node `key` of run `run` from a database (path, URL or an open gradstore Store).
+
+    Args:
+        step: the step whose calls and gradients to show (default: the last step in which the node ran).
+        rank: the rank (default: the lowest rank with a call of the node).
+    Raises: DatabaseNotFound, UnknownRun, UnknownNode (naming keys that are close).
+    """
+
+    store = db if isinstance(db, Store) else Store(db)
+    try:
+        nodes = store.nodes(run=run)
+        hit = nodes[nodes["key"] == key]
+        if hit.empty:
+            close = [k for k in nodes["key"] if key.split("#")[0].split("/")[-1] in k][:10]
+            hint = f"; similar keys: {', '.join(close)}" if close else f"; the run has {len(nodes)} node(s)"
+            raise UnknownNode(f"no node {key!r} in run {run!r}{hint} "
+                              f"(list them: gradstore query DB nodes -p run={run})")
+        n = hit.iloc[0]
+        edges = store.edges(run=run)
+        cols = ["src", "src_slot", "dst", "dst_slot"]
+        edges_in = edges[edges["dst"] == key][cols].reset_index(drop=True)
+        edges_out = edges[edges["src"] == key][cols].sort_values("src_slot").reset_index(drop=True)
+        module = n["module"] if isinstance(n["module"], str) else ""
+        calls = store.calls(run=run, step=step, rank=rank, module=module or None)  # a step given: its calls only
+        calls = calls[calls["key"] == key]
+        tensors = calls.iloc[0:0]
+        chosen_step = chosen_rank = None
+        if not calls.empty:
+            chosen_step = int(step if step is not None else calls["step"].max())
+            calls = calls[calls["step"] == chosen_step]
+            chosen_rank = int(rank if rank is not None else calls["rank"].min())
+            calls = calls[calls["rank"] == chosen_rank].sort_values("seq").reset_index(drop=True)
+            tensors = store.tensors(run=run, step=chosen_step, rank=chosen_rank, module=module or None)
+            tensors = tensors[(tensors["key"] == key) & tensors["seq"].notna()].reset_index(drop=True)
+        param = n["param"] if isinstance(n["param"], str) else None
+        return RecordedExplanation(run=run, key=key, name=n["name"], kind=n["kind"], module=module, param=param,
+                                   first_step=int(n["first_step"]), step=chosen_step, rank=chosen_rank,
+                                   edges_in=edges_in, edges_out=edges_out,
+                                   calls=calls[["pass", "seq", "start", "duration"]] if not calls.empty else calls,
+                                   tensors=tensors)
+    finally:
+        if store is not db:
+            store.close()
+
+
+def explain(grad_fn_or_db, run: str | None = None, key: str | None = None, *, model=None, owner=None, root=None,
+            step: int | None = None, rank: int | None = None, stats: bool = True):
+    """Explain an autograd node: what its prehook and hook receive, what it saved, whether it can be re-run.
+
+    Two forms:
+        gradstore.explain(loss.grad_fn)                          a live node -> Explanation
+        gradstore.explain("grads.db", "run-name", "fc/AddmmBackward0#0", step=3)
+                                                                 a recorded node -> RecordedExplanation
+    Args (live form):
+        grad_fn_or_db: a `torch.autograd.graph.Node`, or a tensor (its grad_fn; a leaf's AccumulateGrad).
+        model: nn.Module (or list/dict) naming parameters ('param:fc.weight' keys, `param`).
+        owner: callable sequence_nr -> module name, or an object with `.owner` (the tracker of
+            `gradstore.track_modules(model)`, a `gradstore.verify.capture(model)`): names `module`.
+        root: the pass's root (loss tensor or its grad_fn), so the key's ordinal counts as gradstore records it.
+        stats: compute statistics of each saved tensor (gradstore.recording.stats.measure, float64; one pass over each).
+    Args (recorded form): db path / URL / Store, run name, node key, step (default: last step it ran), rank.
+    Returns: `Explanation` / `RecordedExplanation`: `print()` it, or display it in a notebook.
+    Raises: TypeError for something that is not a Node (or a tensor that needs no gradient); DatabaseNotFound,
+        UnknownRun, UnknownNode.
+    Side effects: none. Saved tensors are read without unpack hooks; a built-in node's version check
+    (modified in place?) runs only where no unpack hook is set.
+    """
+
+    if isinstance(grad_fn_or_db, (str, Path, Store)):
+        if run is None or key is None:
+            raise TypeError("explain(db, run, key): the recorded form needs a run name and a node key")
+        return explain_recorded(grad_fn_or_db, run, key, step=step, rank=rank)
+    return explain_node(grad_fn_or_db, model=model, owner=owner, root=root, stats=stats)

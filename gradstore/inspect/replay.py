@@ -1,0 +1,433 @@
+"""Re-run one autograd Node's backward on given grad_outputs, and check a whole pass for determinism.
+
+What PyTorch does (torch 2.13, measured; tests/test_replay_verify.py checks each point):
+- Calling a built-in node, `node(*grad_outputs)`, runs its backward formula and returns its grad_inputs (a
+  Tensor when there is one, else a tuple). A custom Function's node is not callable: `node.apply(*grad_outputs)`
+  runs the user's `backward(ctx, *grad_outputs)`, which returns one entry per *forward argument* (None for
+  non-tensor arguments); the engine drops the entries of non-tensor arguments, so grad_inputs has one entry per
+  `next_functions` slot.
+- A direct call runs no hook (neither the node's prehooks/hooks nor tensor hooks) and changes no `.grad`:
+  nothing but the returned tensors. It works while the node's saved tensors are alive: inside the node's own
+  hooks, after a pass with `retain_graph=True`, or before any pass. After a pass without it, unpacking a saved
+  tensor raises RuntimeError 'Trying to backward through the graph a second time'.
+- AccumulateGrad is the exception: calling it adds its grad_output into the leaf's `.grad`. It is never replayed.
+- A custom Function whose backward starts a backward pass of its own (the reentrant
+  `torch.utils.checkpoint.CheckpointFunction`) would accumulate into `.grad` again: replay blocks any backward
+  pass started during a replay and reports it.
+- Before post hooks see grad_inputs, the engine's `validate_outputs` sums a broadcast gradient to the next
+  node's input shape and casts it to that input's dtype and device; replay does the same, so a replay's
+  grad_inputs compare with what a hook saw.
+
+Private PyTorch APIs (fallbacks in parentheses): `Node._input_metadata` (shape, dtype, device of each forward
+output; without it None grad_outputs are passed as they are and grad_inputs are not validated),
+`torch.autograd.graph._engine_run_backward` / `torch.autograd._engine_run_backward` (the nested-backward
+guard; without them no guard), `BackwardCFunction.needs_input_grad` (public ctx attribute).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pandas as pd
+import torch
+
+from ..errors import ReplayError, SavedTensorsFreed
+from ..recording.graph import describe, node_kind, node_name, walk
+from ..recording.saved import is_custom, saved_tensors
+from .capture import captured
+from .context import owner_fn, param_names
+from .guard import NESTED_NAMES, REASON_NESTED, NestedBackward, no_nested_backward
+
+RETAIN_ADVICE = ("run the backward pass with retain_graph=True (loss.backward(retain_graph=True), "
+                 "torch.autograd.grad(..., retain_graph=True)), or replay before the pass, or inside the node's "
+                 "own hooks")
+REASON_ACCUMULATE = ("AccumulateGrad has no backward to replay: calling it adds its grad_output into the leaf's "
+                     ".grad (a side effect)")
+REASON_FREED = "its saved tensors were freed by a backward pass without retain_graph=True"
+REASON_NOT_RUN = "it did not run in the pass (no gradient reached it, or it was not needed)"
+
+
+# ---- node structure ------------------------------------------------------------------------------------------
+def output_metadata(node) -> list[dict] | None:
+    """One dict per forward output of `node` (= per grad_output its prehook receives): shape (tuple of ints),
+    dtype (torch.dtype), device (torch.device). None when this PyTorch has no `Node._input_metadata`.
+    Relies on: `Node._input_metadata` (private)."""
+    try:
+        metas = node._input_metadata
+    except Exception:
+        return None
+    out = []
+    for m in metas:
+        try:
+            out.append({"shape": tuple(int(s) for s in m.shape), "dtype": m.dtype, "device": m.device})
+        except Exception:  # nested tensors and symbolic sizes
+            out.append({"shape": None, "dtype": getattr(m, "dtype", None), "device": getattr(m, "device", None)})
+    return out
+
+
+def replayable(node) -> tuple[bool, str | None]:
+    """(True, None) when `replay(node, ...)` can run now without side effects, else (False, reason).
+
+    Side-effect free. A custom Function's backward may still fail when run (its error is then the reason
+    replay_check reports).
+    """
+    name = node_name(node)
+    kind = node_kind(node, name)
+    if kind == "accumulate_grad":
+        return False, REASON_ACCUMULATE
+    if name in NESTED_NAMES:
+        return False, REASON_NESTED
+    if saved_tensors(node).freed:
+        return False, REASON_FREED
+    return True, None
+
+
+# ---- replay ---------------------------------------------------------------------------------------------------
+def _as_tuple(value) -> tuple:
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, list):
+        return tuple(value)
+    return (value,)
+
+
+def _custom_grad_inputs(node, raw: tuple, tensor_args: list[bool] | None = None) -> tuple:
+    """Map a custom Function's backward result (one entry per forward argument) to grad_inputs (one per
+    next_functions slot), dropping the entries of non-tensor arguments as the engine does.
+
+    Args:
+        tensor_args: which forward arguments were tensors, when known (gradstore.verify.capture records it).
+    Without it: the entries dropped must be None (the engine enforces that for non-tensor arguments) and
+    must not need a gradient; every consistent choice is tried and must give the same grad_inputs, else
+    ReplayError (pass the Function's forward through gradstore.verify.capture()).
+    """
+    nexts = node.next_functions
+    n = len(nexts)
+    if len(raw) == n:
+        return raw
+    if tensor_args is None:  # a forward run inside gradstore.verify.capture() knows its arguments
+        call = captured(node)
+        tensor_args = call.tensor_args if call is not None else None
+    if tensor_args is not None and len(tensor_args) == len(raw):
+        return tuple(g for g, is_tensor in zip(raw, tensor_args) if is_tensor)
+    if len(raw) < n:
+        raise ReplayError(f"{node_name(node)}.backward returned {len(raw)} values for {n} grad_inputs")
+    try:
+        needs = tuple(node.needs_input_grad)
+    except Exception:
+        needs = (False,) * len(raw)
+    if len(needs) != len(raw):
+        needs = (False,) * len(raw)
+    wanted = [nxt is not None for nxt, _ in nexts]
+    droppable = [i for i, g in enumerate(raw) if g is None and not needs[i]]
+    results = set()
+    mapped = None
+    for drop in itertools.islice(itertools.combinations(droppable, len(raw) - n), 10_000):
+        keep = [i for i in range(len(raw)) if i not in drop]
+        if [needs[i] for i in keep] != wanted:
+            continue
+        cand = tuple(raw[i] for i in keep)
+        results.add(tuple(id(g) for g in cand))
+        mapped = cand
+        if len(results) > 1:
+            break
+    if len(results) != 1:
+        raise ReplayError(
+            f"{node_name(node)}: cannot tell which of its {len(raw)} forward arguments were tensors; run the "
+            "forward inside gradstore.verify.capture() so that replay knows")
+    return mapped
+
+
+def _validate(node, grads: tuple) -> tuple:
+    """What the engine's validate_outputs does before post hooks: sum a broadcast gradient to the next node's
+    input shape, cast to its dtype and device. Slots without a next node are left as they are."""
+    out = []
+    for g, (nxt, input_nr) in zip(grads, node.next_functions):
+        if g is None or nxt is None:
+            out.append(g)
+            continue
+        meta = output_metadata(nxt)
+        if meta is None or input_nr >= len(meta) or meta[input_nr]["shape"] is None:
+            out.append(g)
+            continue
+        m = meta[input_nr]
+        if tuple(g.shape) != m["shape"]:
+            try:
+                g = g.sum_to_size(m["shape"])
+            except RuntimeError as exc:
+                raise ReplayError(f"{node_name(node)}: grad_input shape {tuple(g.shape)} does not fit the "
+                                  f"next node's input shape {m['shape']}: {exc}") from None
+        if g.dtype != m["dtype"] and m["dtype"] is not None:
+            g = g.to(m["dtype"])
+        if m["device"] is not None and g.device != m["device"]:
+            g = g.to(m["device"])
+        out.append(g)
+    out.extend(grads[len(out):])
+    return tuple(out)
+
+
+def _materialize(node, grad_outputs: tuple) -> tuple:
+    """A custom Function sees zeros where an output got no gradient (the engine materializes them unless
+    ctx.set_materialize_grads(False)); built-in nodes take None as an undefined tensor."""
+    if not is_custom(node) or all(g is not None for g in grad_outputs):
+        return grad_outputs
+    meta = output_metadata(node)
+    if meta is None:
+        return grad_outputs
+    return tuple(torch.zeros(m["shape"], dtype=m["dtype"], device=m["device"]) if g is None and m["shape"] is not None
+                 else g for g, m in zip(grad_outputs, meta))
+
+
+def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: list[bool] | None = None) -> tuple:
+    """Re-run one node's backward on `grad_outputs` and return its grad_inputs.
+
+    Args:
+        grad_fn: a `torch.autograd.graph.Node` (a tensor's `grad_fn`, or one reached via `next_functions`).
+        grad_outputs: a Tensor or a sequence with one entry per forward output of the node (Tensor of that
+            output's shape, or None for an output that got no gradient): what the node's prehook receives.
+        create_graph: record the backward's own graph (for higher-order gradients); default off (no_grad).
+        tensor_args: for a custom Function, which forward arguments were tensors (only needed when its
+            forward mixes non-tensor and non-differentiable tensor arguments; gradstore.verify.capture knows).
+    Returns:
+        tuple of grad_inputs, one per `grad_fn.next_functions` slot (None where that input needs no gradient
+        or the backward returned None), validated as the engine does (summed to shape, cast to dtype).
+    Raises:
+        SavedTensorsFreed: a backward pass already freed the node's saved tensors (the message says to use
+            retain_graph=True).
+        ReplayError: AccumulateGrad (no backward to replay: it would add into .grad); a backward that starts a
+            nested backward pass (reentrant checkpoint); a wrong number of grad_outputs.
+        Whatever the node's backward raises for bad inputs (RuntimeError).
+    Side effects: none (no hook runs, no .grad changes).
+    """
+    name = node_name(grad_fn)
+    ok, reason = replayable(grad_fn)
+    if not ok:
+        if reason == REASON_FREED:
+            raise SavedTensorsFreed(f"cannot replay {name}: {reason}; {RETAIN_ADVICE}")
+        raise ReplayError(f"cannot replay {name}: {reason}")
+    if isinstance(grad_outputs, torch.Tensor) or grad_outputs is None:
+        grad_outputs = (grad_outputs,)
+    grad_outputs = tuple(grad_outputs)
+    meta = output_metadata(grad_fn)
+    if meta is not None and len(meta) != len(grad_outputs):
+        raise ReplayError(f"{name} has {len(meta)} forward output(s), so replay takes {len(meta)} grad_outputs "
+                          f"(None for an unused output); got {len(grad_outputs)}")
+    grad_outputs = _materialize(grad_fn, grad_outputs)
+    try:
+        with torch.set_grad_enabled(create_graph), no_nested_backward():
+            if is_custom(grad_fn):
+                raw = _as_tuple(grad_fn.apply(*grad_outputs))
+                grads = _custom_grad_inputs(grad_fn, raw, tensor_args)
+            else:
+                grads = _as_tuple(grad_fn(*grad_outputs))
+    except NestedBackward:
+        raise ReplayError(f"cannot replay {name}: {REASON_NESTED}") from None
+    except RuntimeError as exc:
+        if "Trying to backward through the graph a second time" in str(exc):
+            raise SavedTensorsFreed(f"cannot replay {name}: {REASON_FREED}; {RETAIN_ADVICE}") from None
+        raise
+    return _validate(grad_fn, grads)
+
+
+# ---- determinism check ---------------------------------------------------------------------------------------
+def compare(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = 1e-5,
+            atol: float = 1e-8) -> tuple[bool, bool, float | None]:
+    """(bitwise equal, close, max abs difference) of two gradients.
+
+    Bitwise: same dtype, shape and bits (NaN payloads included). close: `torch.allclose(a, b, rtol, atol,
+    equal_nan=True)`. max abs difference: over elements, in float64; NaN at the same place in both counts as
+    0, Inf in one only as inf; None when both are None; inf for a None against a tensor or a shape mismatch.
+    """
+    if a is None and b is None:
+        return True, True, None
+    if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+        return False, False, math.inf
+    a, b = a.detach(), b.detach()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.numel() == 0:
+        return True, True, 0.0
+    if a.is_floating_point():
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        equal = torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+        close = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        x, y = a.double(), b.double()
+        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        diff = torch.where(same, torch.zeros((), dtype=torch.float64, device=x.device), (x - y).abs())
+        diff = torch.nan_to_num(diff, nan=math.inf)
+        return bool(equal), bool(close), float(diff.max())
+    equal = torch.equal(a, b)
+    diff = float((a.double() - b.double()).abs().max()) if not a.dtype == torch.bool else float(not equal)
+    return equal, equal, diff
+
+
+def _roots(loss_or_roots) -> list[torch.Tensor]:
+    if isinstance(loss_or_roots, torch.Tensor):
+        roots = [loss_or_roots]
+    else:
+        roots = list(loss_or_roots)
+    if not roots or not all(isinstance(r, torch.Tensor) for r in roots):
+        raise ReplayError("replay_check takes a tensor (the loss) or a list of tensors")
+    if not any(r.grad_fn is not None for r in roots):
+        raise ReplayError("replay_check: none of the tensors has a grad_fn (nothing to check); compute them "
+                          "with gradients enabled from tensors that require grad")
+    return roots
+
+
+def _clone(t):
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+
+def _modules_in(value) -> list:
+    """nn.Modules a checkpointed function refers to: a module, a bound method of one, a functools.partial."""
+    if isinstance(value, torch.nn.Module):
+        return [value]
+    owner = getattr(value, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return [owner]
+    inner = getattr(value, "func", None)
+    if inner is not None and inner is not value:
+        return _modules_in(inner) + [m for a in getattr(value, "args", ()) for m in _modules_in(a)]
+    return []
+
+
+def _restore_set(nodes, leaves, model) -> list:
+    """Tensors whose .grad a backward over `nodes` may change: the graph's leaves, the parameters of `model`,
+    and those of modules a reentrant checkpoint node holds (its nested pass reaches them)."""
+    out, seen = [], set()
+
+    def add(t):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+
+    for v in leaves:
+        add(v)
+    models = [] if model is None else ([model] if isinstance(model, torch.nn.Module) else
+                                       list(model.values()) if isinstance(model, dict) else list(model))
+    for n in nodes:
+        if node_name(n) in NESTED_NAMES:
+            try:
+                attrs = vars(n)
+            except TypeError:
+                attrs = {}
+            for value in attrs.values():
+                models.extend(_modules_in(value))
+    for m in models:
+        for p in m.parameters():
+            add(p)
+    return out
+
+
+def replay_check(loss_or_roots, grad_outputs=None, *, model=None, owner=None, rtol: float = 1e-5,
+                 atol: float = 1e-8, via: str | None = None) -> pd.DataFrame:
+    """Run one backward pass over a live graph, capture every node's grad_outputs and grad_inputs, then replay
+    each node on its captured grad_outputs and compare the result with what the pass produced.
+
+    Args:
+        loss_or_roots: a tensor (the loss) or a list of tensors whose graphs to check. The graph must be alive
+            (no backward pass without retain_graph ran over it yet); it stays alive afterwards.
+        grad_outputs: gradients for the roots (as `torch.autograd.backward`); default ones for each root.
+        model: nn.Module (or list/dict of them) naming parameters in keys ('param:fc.weight').
+        owner: callable sequence_nr -> module name (or an object with `.owner`, such as the ModuleTracker of
+            `gradstore.track_modules(model)`, or a `gradstore.verify.capture(model)`), for module and keys.
+        rtol, atol: tolerances of the `close` column (torch.allclose).
+        via: 'grad' (torch.autograd.grad with inputs= every leaf: no .grad, no leaf hook is touched; the
+            AccumulateGrad nodes do not run) or 'backward' (torch.autograd.backward with retain_graph; every
+            leaf's .grad is restored afterwards, and those of the parameters of `model` and of the modules a
+            reentrant checkpoint runs; tensor and post-accumulate hooks on leaves do fire). Default: 'grad', or
+            'backward' when the graph holds a reentrant checkpoint (which refuses .grad()); then a tensor
+            reached only inside the checkpoint that is none of those keeps the extra gradient.
+    Returns:
+        DataFrame, one row per node in walk order: key, name, kind, module, ran (the node ran in the pass),
+        replayable (bool), reason (why not; None when replayed), grad_inputs (number of slots),
+        max_abs_diff (float, max over slots; NaN when not replayed), slot_max_abs_diff (tuple, per slot; None
+        for a slot that is None in both), equal (bitwise, all slots; <NA> when not replayed), close.
+    Raises:
+        ReplayError: no tensor with a grad_fn; a bad argument.
+    Cost: one backward pass, one replay per node, and a copy of every gradient (grad_outputs and grad_inputs)
+    held until the comparison ends.
+    """
+    roots = _roots(loss_or_roots)
+    if grad_outputs is None:
+        grad_outputs = [torch.ones_like(r) for r in roots]
+    elif isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = [grad_outputs]
+    w = walk([r.grad_fn for r in roots if r.grad_fn is not None])
+    infos = describe(w, owner_fn(owner), param_names(model), {})
+    captured_out: dict[int, tuple] = {}
+    captured_in: dict[int, tuple] = {}
+    handles = []
+
+    def hooks(i):
+        def pre(gos):
+            captured_out.setdefault(i, tuple(_clone(g) for g in gos))
+
+        def post(gis, _gos):
+            captured_in.setdefault(i, tuple(_clone(g) for g in gis))
+
+        return pre, post
+
+    leaves = [n.variable for n in w.nodes if node_kind(n, node_name(n)) == "accumulate_grad"
+              and getattr(n, "variable", None) is not None]
+    if via is None:
+        via = "backward" if (not leaves or any(node_name(n) in NESTED_NAMES for n in w.nodes)) else "grad"
+    if via not in ("grad", "backward"):
+        raise ReplayError(f"replay_check(via=...) is 'grad' or 'backward', got {via!r}")
+    try:
+        for i, node in enumerate(w.nodes):
+            pre, post = hooks(i)
+            handles.append(node.register_prehook(pre))
+            handles.append(node.register_hook(post))
+        used = [(r, g) for r, g in zip(roots, grad_outputs) if r.grad_fn is not None or r.requires_grad]
+        if via == "grad":
+            torch.autograd.grad([r for r, _ in used], leaves, [g for _, g in used], retain_graph=True,
+                                allow_unused=True)
+        else:
+            before = [(v, v.grad, v.grad.detach().clone() if v.grad is not None else None)
+                      for v in _restore_set(w.nodes, leaves, model)]
+            try:
+                torch.autograd.backward([r for r, _ in used], [g for _, g in used], retain_graph=True)
+            finally:
+                with torch.no_grad():
+                    for v, obj, saved in before:
+                        if obj is not None and v.grad is obj:
+                            obj.copy_(saved)  # in place: whoever holds the .grad tensor sees it restored
+                        else:
+                            v.grad = saved
+    finally:
+        for h in handles:
+            h.remove()
+
+    rows = []
+    for i, node in enumerate(w.nodes):
+        info = infos[i]
+        ran = i in captured_out and i in captured_in
+        ok, reason = replayable(node)
+        row = {"key": info.key, "name": info.name, "kind": info.kind, "module": info.module, "ran": ran,
+               "replayable": False, "reason": reason, "grad_inputs": len(node.next_functions),
+               "max_abs_diff": math.nan, "slot_max_abs_diff": None, "equal": pd.NA, "close": pd.NA}
+        if ok and not ran:
+            row["reason"] = REASON_NOT_RUN
+        elif ok:
+            try:
+                again = replay(node, tuple(_clone(g) for g in captured_out[i]))
+            except ReplayError as exc:
+                row["reason"] = str(exc)
+            except Exception as exc:  # a custom backward that cannot run twice
+                row["reason"] = f"its backward raised on replay: {type(exc).__name__}: {exc}"[:500]
+            else:
+                seen = captured_in[i]
+                results = [compare(a, b, rtol, atol) for a, b in itertools.zip_longest(seen, again)]
+                diffs = tuple(r[2] for r in results)
+                finite = [d for d in diffs if d is not None]
+                row.update(replayable=True, reason=None, slot_max_abs_diff=diffs,
+                           max_abs_diff=max(finite) if finite else 0.0,
+                           equal=all(r[0] for r in results), close=all(r[1] for r in results))
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=["key", "name", "kind", "module", "ran", "replayable", "reason", "grad_inputs",
+                                     "max_abs_diff", "slot_max_abs_diff", "equal", "close"])
+    df["reason"] = df["reason"].astype(object).where(df["reason"].notna(), None)
+    df["equal"] = df["equal"].astype("boolean")
+    df["close"] = df["close"].astype("boolean")
+    return df

@@ -1,0 +1,198 @@
+"""The graph walk: from a backward pass's roots along `next_functions` to every reachable Node, and keys.
+
+Facts this relies on (torch.autograd.graph.Node):
+- `node.next_functions[i] == (next_node, input_nr)`: slot i of this node's grad_inputs flows into slot
+  `input_nr` of next_node's grad_outputs; next_node is None where that input needs no gradient.
+- `node.name()` is 'torch::autograd::AccumulateGrad' for a leaf's accumulator, '<Class>Backward' for a custom
+  `torch.autograd.Function`, 'CompiledFunctionBackward' for a `torch.compile` region.
+- The Python object of a Node is the same object for as long as someone holds it, so `id()` identifies it
+  while the walk holds every node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from ..records import NodeInfo
+from . import torch_private as tp
+
+ACCUMULATE_GRAD = "AccumulateGrad"
+
+
+def node_name(node) -> str:
+    """`node.name()` with the C++ namespace dropped ('torch::autograd::AccumulateGrad' -> 'AccumulateGrad')."""
+    return node.name().rsplit("::", 1)[-1]
+
+
+def node_kind(node, name: str) -> str:
+    """One of schema.KINDS: accumulate_grad, compiled, custom_function, function (built-in) or other."""
+    if name == ACCUMULATE_GRAD:
+        return "accumulate_grad"
+    if name == "CompiledFunctionBackward":
+        return "compiled"
+    if isinstance(node, BackwardCFunction):
+        return "custom_function"
+    if isinstance(node, torch.autograd.graph.Node):
+        return "function"
+    return "other"
+
+
+def roots_of(outputs) -> list:
+    """The graph roots of a pass: for each output tensor its `grad_fn` (or a leaf's AccumulateGrad, via
+    `torch.autograd.graph.get_gradient_edge`); for a `GradientEdge` its node. Tensors that need no gradient
+    are left out."""
+    roots = []
+    for out in outputs:
+        node = None
+        if isinstance(out, torch.Tensor):
+            if out.grad_fn is not None:
+                node = out.grad_fn
+            elif out.requires_grad:
+                node = torch.autograd.graph.get_gradient_edge(out).node
+        else:
+            node = getattr(out, "node", None)
+        if node is not None:
+            roots.append(node)
+    return roots
+
+
+@dataclass
+class Walk:
+    """The reachable graph of one pass. nodes: Node objects in walk order (depth-first from the roots, in
+    `next_functions` order); edges: (src index, src slot, dst index, dst slot)."""
+
+    nodes: list = field(default_factory=list)
+    edges: list[tuple[int, int, int, int]] = field(default_factory=list)
+    index: dict[int, int] = field(default_factory=dict)
+    scope: dict | None = None  # set by describe: (module, name) -> highest ordinal given in this key scope
+
+
+def walk(roots: list) -> Walk:
+    """Visit every Node reachable from `roots` once; O(nodes + edges)."""
+    w = Walk()
+    index = w.index
+    nodes = w.nodes
+    nexts_of = []  # each visited node's next_functions, read once
+    stack = list(reversed(roots))
+    while stack:
+        node = stack.pop()
+        if id(node) in index:
+            continue
+        index[id(node)] = len(nodes)
+        nodes.append(node)
+        nexts = node.next_functions
+        nexts_of.append(nexts)
+        for nxt, _ in reversed(nexts):
+            if nxt is not None and id(nxt) not in index:
+                stack.append(nxt)
+    w.edges = [(src, slot, index[id(nxt)], input_nr)
+               for src, nexts in enumerate(nexts_of)
+               for slot, (nxt, input_nr) in enumerate(nexts) if nxt is not None]
+    return w
+
+
+_MEMO: dict = {}  # signature of a fresh pass -> (its NodeInfos, its key scope as items)
+_MEMO_SIZE = 32
+
+
+def _signature(w: Walk, param_names: dict[int, str], owner_key: tuple) -> tuple:
+    """Everything `describe` reads of a fresh pass (none of its nodes known, no parent scope), as a hashable value that
+    holds no graph object: per node in walk order its raw name and, for an AccumulateGrad node, the name of
+    its parameter (leaves are keyed by walk order, which the position gives), for any other node its class
+    and its sequence_nr relative to the first module boundary; and the module boundaries (`owner_key`, see
+    `ModuleTracker.signature`), relative to the same base, on which `owner` depends."""
+    base = owner_key[0]
+    parts = []  # three items per node, flat: one tuple in all rather than one per node
+    extend = parts.extend
+    sequence_nr = tp.sequence_nr
+    for node in w.nodes:
+        name = node.name()
+        if name.endswith(ACCUMULATE_GRAD):
+            var = getattr(node, "variable", None)
+            extend((name, type(node), param_names.get(id(var)) if var is not None else None))
+        else:
+            seq = sequence_nr(node)
+            extend((name, type(node), seq - base if seq >= 0 else None))
+    return tuple(parts), owner_key[1]
+
+
+def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple],
+             parent_scope: dict | None = None, owner_key: tuple | None = None) -> list[NodeInfo]:
+    """Give every walked node a `NodeInfo`, with keys 'module/Name#ordinal' or 'param:qualified.name'.
+
+    Args:
+        w: the walk; `w.scope` is set to the key scope this pass used.
+        owner: callable sequence_nr -> module qualified name ('' outside any module).
+        param_names: id(parameter) -> qualified name.
+        known: id(node) -> (node, NodeInfo, scope) for nodes already keyed earlier in this step (a second
+            pass over the same graph, double backward); updated in place.
+        parent_scope: the key scope of the enclosing pass, for a nested pass (reentrant checkpoint).
+        owner_key: `ModuleTracker.signature()` of the tracker behind `owner`, or None. When given, a fresh
+            pass (none of its nodes known, no parent scope) whose graph has the same signature as an earlier one (the
+            same code, step after step) reuses that pass's NodeInfos: the same keys as computing them again.
+    The ordinal of a node counts the nodes of the same name and module in forward order (`sequence_nr`,
+    then walk order) within a key scope. A pass whose graph reuses nodes keyed earlier in this step (other
+    than AccumulateGrad nodes: double backward, a second pass over a retained graph) continues their scope,
+    and a nested pass continues its parent's; a fresh graph starts a new scope. So two different nodes of one
+    graph lineage never share a key, while micro-batches and steps of the same code give the same keys.
+    """
+    memo_key = None
+    if owner_key is not None and parent_scope is None and not any(id(n) in known for n in w.nodes):
+        memo_key = _signature(w, param_names, owner_key)
+        hit = _MEMO.get(memo_key)
+        if hit is not None:
+            cached, scope_items = hit
+            scope = dict(scope_items)
+            for node, info in zip(w.nodes, cached):
+                known[id(node)] = (node, info, scope)
+            w.scope = scope
+            return list(cached)
+    infos: list[NodeInfo | None] = [None] * len(w.nodes)
+    groups: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    scope = parent_scope
+    leaf_ordinal = 0
+    for i, node in enumerate(w.nodes):
+        hit = known.get(id(node))
+        if hit is not None:
+            infos[i] = hit[1]
+            if hit[1].kind != "accumulate_grad":
+                if scope is None:
+                    scope = hit[2]
+                elif hit[2] is not scope:
+                    for base, ordinal in hit[2].items():
+                        scope[base] = max(scope.get(base, -1), ordinal)
+            continue
+        name = node_name(node)
+        kind = node_kind(node, name)
+        if kind == "accumulate_grad":
+            var = getattr(node, "variable", None)
+            pname = param_names.get(id(var)) if var is not None else None
+            if pname is not None:
+                module = pname.rsplit(".", 1)[0] if "." in pname else ""
+                infos[i] = NodeInfo(f"param:{pname}", name, kind, module, pname)
+                continue
+            # a leaf that is not a named parameter (an input with requires_grad): keyed by walk order
+            groups.setdefault(("", name), []).append((-1, leaf_ordinal, i))
+            leaf_ordinal += 1
+            continue
+        seq = tp.sequence_nr(node)
+        groups.setdefault((owner(seq), name), []).append((seq, i, i))
+    if scope is None:
+        scope = {}
+    for (module, name), members in groups.items():
+        start = scope.get((module, name), -1) + 1
+        prefix = f"{module}/" if module else ""
+        for ordinal, (_, _, i) in enumerate(sorted(members), start=start):
+            infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, node_kind(w.nodes[i], name), module, None)
+        scope[(module, name)] = start + len(members) - 1
+    for i, node in enumerate(w.nodes):
+        if id(node) not in known:
+            known[id(node)] = (node, infos[i], scope)
+    w.scope = scope
+    if memo_key is not None:
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.clear()
+        _MEMO[memo_key] = (tuple(infos), tuple(scope.items()))
+    return infos  # type: ignore[return-value]

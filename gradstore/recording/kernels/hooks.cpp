@@ -1,0 +1,830 @@
+// gradstore's node hooks in C++: a prehook and a hook on every autograd Node of a pass, recording each call
+// (order, start, duration) and each gradient (dtype, shape, and at 'health'/'full' the fused kernel's
+// statistics) without entering Python. Built and loaded by gradstore/recording/native.py, which documents the contract;
+// gradstore/recording/passes.py drives it. What the hooks here cannot measure themselves (a tensor subclass, a device
+// tensor, float16, a non-dense layout, NaN or Inf, a tensor large enough to split across threads) they hand to
+// the Python measurement (`fallback`, with the GIL), so every row equals what the Python hooks would record.
+//
+// The hooks return their gradients unchanged (the same tensors): recording never changes a gradient.
+// PyTorch API used (torch/csrc/autograd): Node::add_pre_hook / pre_hooks() / add_post_hook / del_post_hook,
+// FunctionPreHook / FunctionPostHook, get_current_graph_task_id(), THPCppFunction / THPFunction (the Python
+// grad_fn objects' Node), THPVariable_Wrap; c10: TensorImpl::pyobj_slot(), version_counter().
+#include <Python.h>
+
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+constexpr int ABI = 3;
+enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
+enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
+enum Role : int8_t { R_OUT = 0, R_IN = 1 };
+
+typedef void (*stat_fn)(const void*, int64_t, double*);
+typedef double (*m2_fn)(const void*, int64_t, double);
+
+struct Globals {
+  stat_fn full[2] = {nullptr, nullptr}, health[2] = {nullptr, nullptr};  // [0] float32, [1] float64
+  m2_fn m2[2] = {nullptr, nullptr};
+  int16_t dtype_code[256];  // ScalarType -> schema dtype code of a plain real dtype; -1: ask Python
+  PyObject* fallback = nullptr;  // fallback(tensor, level) -> the Python measurement (never raises)
+  PyObject* reuse = nullptr;  // reuse(measurement, tensor) -> the measurement with the tensor's shape, or None
+  PyObject* plain[2] = {nullptr, nullptr};  // torch.Tensor, torch.nn.Parameter
+  int64_t split = 1 << 19;
+  // row codes: STATUS ok / none, ROLE grad_output / grad_input
+  long status_ok = 0, status_none = 0, role_code[2] = {0, 0};
+  bool ready = false;
+} G;
+
+struct Result {
+  Kind kind = K_NONE;
+  int16_t dtype = 0;
+  int64_t numel = 0;
+  c10::SmallVector<int64_t, 5> sizes;
+  double vec[10];
+  PyObject* py = nullptr;  // K_PY: owned reference
+  Result() = default;
+  Result(const Result& o) : kind(o.kind), dtype(o.dtype), numel(o.numel), sizes(o.sizes), py(o.py) {
+    std::copy(o.vec, o.vec + 10, vec);
+    if (py) {
+      PyGILState_STATE g = PyGILState_Ensure();
+      Py_INCREF(py);
+      PyGILState_Release(g);
+    }
+  }
+  Result(Result&& o) noexcept : kind(o.kind), dtype(o.dtype), numel(o.numel), sizes(std::move(o.sizes)), py(o.py) {
+    std::copy(o.vec, o.vec + 10, vec);
+    o.py = nullptr;
+  }
+  Result& operator=(const Result&) = delete;
+  ~Result() {
+    if (py) {
+      PyGILState_STATE g = PyGILState_Ensure();
+      Py_DECREF(py);
+      PyGILState_Release(g);
+    }
+  }
+};
+
+struct Entry {
+  int32_t call;
+  Role role;
+  int32_t slot;
+  Result r;
+};
+
+struct Call {
+  int32_t node;
+  int64_t seq;
+  double start = 0, dur = 0;
+  bool ended = false;
+  std::vector<int32_t> outs;  // entry index of each grad_output
+  std::vector<int64_t> versions;  // each grad_output's version counter when measured, -1: none
+};
+
+struct Memo {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  uint32_t version;
+  int32_t entry;
+};
+
+struct Pass;
+struct Dispatch;
+
+struct Step {
+  std::mutex mu;
+  std::atomic<int64_t> seq{0};
+  std::vector<Pass*> active;
+};
+
+struct Open {
+  Step* step;
+  int pass;
+  int64_t seq;
+};
+thread_local std::vector<Open> t_open;  // this thread's open calls (innermost last), across steps
+
+struct Pass {
+  std::shared_ptr<Step> step;
+  int number = 0;
+  Level level = FULL;
+  std::mutex mu;
+  std::atomic<bool> active{true};
+  std::atomic<bool> claimed{false};
+  int64_t task = -1;
+  std::chrono::steady_clock::time_point t0;
+  std::vector<char> trusted;
+  std::vector<char> claimable;  // the pass's roots: where its graph task is first seen
+  std::vector<int32_t> open;  // node index -> open call index, -1 none
+  std::vector<Call> calls;
+  std::vector<Entry> entries;
+  std::unordered_map<c10::TensorImpl*, Memo> seen;
+  int64_t measured = 0, reused = 0;
+  std::vector<std::string> faults;
+  std::vector<std::pair<c10::intrusive_ptr<Node>, std::shared_ptr<Dispatch>>> hooked;
+
+  double now() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+// ---- measuring one tensor ------------------------------------------------------------------------------------
+bool plain_type(c10::TensorImpl* impl) {
+  if (impl->is_python_dispatch()) return false;
+  PyObject* obj = impl->pyobj_slot()->load_pyobj();
+  if (obj == nullptr) return true;  // no Python object yet: it would be a torch.Tensor
+  PyObject* type = (PyObject*)Py_TYPE(obj);
+  return type == G.plain[0] || type == G.plain[1];
+}
+
+bool dense(const at::Tensor& t) {  // the elements fill one gap-free block, in some dimension order
+  if (t.is_contiguous()) return true;
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  auto sizes = t.sizes();
+  auto strides = t.strides();
+  for (size_t d = 0; d < sizes.size(); ++d)
+    if (sizes[d] != 1) dims.emplace_back(strides[d], sizes[d]);
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (auto& [stride, size] : dims) {
+    if (stride != expected) return false;
+    expected *= size;
+  }
+  return true;
+}
+
+void set_shape(Result& r, const at::Tensor& t, int16_t code) {
+  r.dtype = code;
+  auto s = t.sizes();
+  r.sizes.assign(s.begin(), s.end());
+  r.numel = t.numel();
+}
+
+Result python_measure(const at::Tensor& t, Level level) {
+  Result r;
+  r.kind = K_PY;
+  PyGILState_STATE g = PyGILState_Ensure();
+  PyObject* obj = THPVariable_Wrap(t);
+  if (obj != nullptr) {
+    r.py = PyObject_CallFunction(G.fallback, "Oi", obj, (int)level);
+    Py_DECREF(obj);
+  }
+  if (r.py == nullptr) {  // a fault in the fallback itself: ask it for a skipped row saying so
+    PyErr_Clear();
+    r.py = PyObject_CallFunction(G.fallback, "si", "gradstore: the tensor could not be handed to Python", (int)level);
+    if (r.py == nullptr) {
+      PyErr_Clear();
+      r.py = Py_None;
+      Py_INCREF(r.py);
+    }
+  }
+  PyGILState_Release(g);
+  return r;
+}
+
+// a grad_input that is the same memory as a grad_output Python measured (r, a copy of that result): r becomes
+// that measurement with g's shape (gradstore.recording.stats.Measurer.grad_inputs); false where it holds no statistics
+bool python_reuse(Result& r, const at::Tensor& g) {
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* obj = THPVariable_Wrap(g);
+  PyObject* out = obj ? PyObject_CallFunction(G.reuse, "OO", r.py, obj) : nullptr;
+  Py_XDECREF(obj);
+  bool ok = out != nullptr && out != Py_None;
+  if (out == nullptr) PyErr_Clear();
+  if (ok) {
+    Py_DECREF(r.py);
+    r.py = out;
+  } else {
+    Py_XDECREF(out);
+  }
+  PyGILState_Release(gil);
+  return ok;
+}
+
+// the kernel's statistics of a dense float32/float64 CPU tensor with numel > 0; false: not all finite
+bool kernel_stats(const at::Tensor& t, Level level, Result& r) {
+  int k = t.scalar_type() == at::kFloat ? 0 : 1;
+  const void* ptr = t.const_data_ptr();
+  int64_t n = r.numel;
+  double out[5];
+  double* v = r.vec;
+  if (level == HEALTH) {
+    G.health[k](ptr, n, out);
+    if (!std::isfinite(out[0])) return false;
+    double nan = std::nan("");
+    double vals[10] = {0.0, 0.0, 0.0, nan, (double)n, std::sqrt(out[0]), out[1], out[2], nan, nan};
+    std::copy(vals, vals + 10, v);
+    return true;
+  }
+  G.full[k](ptr, n, out);
+  double s = out[0], sumsq = out[1], mn = out[2], mx = out[3], zeros = out[4];
+  if (!(std::isfinite(s) && std::isfinite(sumsq))) return false;
+  double mean = s / n;
+  double m2 = sumsq - s * mean;
+  if (mn == mx) {
+    m2 = 0.0;
+  } else if (m2 < 1e-4 * s * mean) {  // the mean dominates: sumsq - s*mean cancels; redo around the mean
+    m2 = G.m2[k](ptr, n, mean);
+  }
+  double vals[10] = {0.0, 0.0, 0.0, zeros, (double)n, std::sqrt(sumsq), mn, mx, mean, std::max(m2, 0.0)};
+  std::copy(vals, vals + 10, v);
+  return true;
+}
+
+// what gradstore.recording.stats.measure (level health/full) or shape_only (level shape) records for t
+Result measure(const at::Tensor& t, Level level) {
+  Result r;
+  if (!t.defined()) return r;  // K_NONE: the slot held None
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (plain_type(impl) && t.layout() == at::kStrided && !t.is_meta()) {
+    auto st = t.scalar_type();
+    int16_t code = G.dtype_code[(int)st & 0xff];
+    if (code >= 0) {
+      if (level == SHAPE) {
+        r.kind = K_SHAPE;
+        set_shape(r, t, code);
+        return r;
+      }
+      if ((st == at::kFloat || st == at::kDouble) && t.device().is_cpu() && !t.is_neg() && !t.is_conj() &&
+          dense(t)) {
+        set_shape(r, t, code);
+        if (r.numel == 0) {
+          r.kind = K_SHAPE;  // 'ok', empty: norm 0, zero counts
+          return r;
+        }
+        int k = st == at::kFloat ? 0 : 1;
+        bool have = level == FULL ? G.full[k] != nullptr : G.health[k] != nullptr;
+        if (have && (r.numel < 2 * G.split || at::get_num_threads() <= 1)) {
+          if (kernel_stats(t, level, r)) {
+            r.kind = K_STATS;
+            return r;
+          }
+        }
+      }
+    }
+  }
+  return python_measure(t, level);
+}
+
+int64_t version_of(const at::Tensor& t) {
+  if (!t.defined()) return -1;
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (impl->is_inference()) return -1;
+  return impl->version_counter().current_version();
+}
+
+// the pass's one result per distinct gradient: an object seen before at the same version reuses its entry
+Result measure_once(const at::Tensor& t, Pass& p, bool fresh) {
+  if (!t.defined()) return Result();
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  int64_t version = version_of(t);
+  if (!fresh && version >= 0) {
+    std::unique_lock<std::mutex> lock(p.mu);
+    auto it = p.seen.find(impl);
+    if (it != p.seen.end() && !it->second.ref.expired() && it->second.version == (uint32_t)version) {
+      p.reused++;
+      Result copy(p.entries[it->second.entry].r);
+      return copy;
+    }
+  }
+  Result r = measure(t, p.level);
+  std::unique_lock<std::mutex> lock(p.mu);
+  p.measured++;
+  return r;
+}
+
+void remember(Pass& p, const at::Tensor& t, int32_t entry) {  // caller holds p.mu
+  if (!t.defined()) return;
+  int64_t version = version_of(t);
+  if (version < 0) return;
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  p.seen.insert_or_assign(impl, Memo{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+                                     (uint32_t)version, entry});
+}
+
+bool same_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined()) return false;
+  if (a.layout() != at::kStrided || b.layout() != at::kStrided) return false;
+  if (a.unsafeGetTensorImpl()->has_storage() == false || b.unsafeGetTensorImpl()->has_storage() == false)
+    return false;
+  if (a.const_data_ptr() != b.const_data_ptr()) return false;
+  if (!plain_type(a.unsafeGetTensorImpl()) || !plain_type(b.unsafeGetTensorImpl())) return false;
+  return a.scalar_type() == b.scalar_type() && a.device() == b.device() && a.numel() == b.numel() &&
+         a.numel() > 0 && dense(a) && dense(b);
+}
+
+// ---- the graph task a hook fires for --------------------------------------------------------------------------
+// a pass takes the graph task of the first hook that fires on one of its roots (`claimable`): a hook that fires
+// for a shared Node (a parameter's AccumulateGrad) in another thread's backward never makes it that pass's
+bool accept(Pass& p, int32_t node) {
+  int64_t tid = torch::autograd::get_current_graph_task_id();
+  if (p.claimed.load(std::memory_order_acquire)) return p.task == tid;
+  if (!p.claimable[node]) return false;
+  std::lock_guard<std::mutex> g(p.step->mu);
+  if (p.claimed.load(std::memory_order_relaxed)) return p.task == tid;
+  for (Pass* o : p.step->active)
+    if (o != &p && o->claimed.load(std::memory_order_relaxed) && o->task == tid) return false;
+  p.task = tid;
+  p.claimed.store(true, std::memory_order_release);
+  return true;
+}
+
+std::string what_of(const std::exception& e) {
+  std::string s = e.what();
+  auto cut = s.find('\n');
+  return s.substr(0, std::min(cut, (size_t)400));
+}
+
+// node `node` of pass p is about to run: a call starts; its grad_outputs are measured
+void pre_call(Pass& p, int32_t node, const variable_list& grads) {
+    if (!p.active.load(std::memory_order_relaxed)) return;
+    try {
+      if (!accept(p, node)) return;
+      std::vector<Result> rs;
+      rs.reserve(grads.size());
+      for (const auto& g : grads) rs.push_back(p.level == SHAPE ? measure(g, SHAPE) : measure_once(g, p, false));
+      std::lock_guard<std::mutex> lock(p.mu);
+      Call c;
+      c.node = node;
+      c.seq = p.step->seq.fetch_add(1);
+      int32_t ci = (int32_t)p.calls.size();
+      for (size_t s = 0; s < grads.size(); ++s) {
+        int32_t e = (int32_t)p.entries.size();
+        p.entries.push_back(Entry{ci, R_OUT, (int32_t)s, std::move(rs[s])});
+        c.outs.push_back(e);
+        c.versions.push_back(p.level == SHAPE ? -1 : version_of(grads[s]));
+        if (p.level != SHAPE && !(p.entries[e].r.kind == K_NONE)) remember(p, grads[s], e);
+      }
+      p.open[node] = ci;
+      t_open.push_back(Open{p.step.get(), p.number, c.seq});
+      c.start = p.now();
+      p.calls.push_back(std::move(c));
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(p.mu);
+      p.faults.push_back("prehook: " + what_of(e));
+    }
+}
+
+// node `node` of pass p has run: the call ends; its grad_inputs are measured
+void post_call(Pass& p, int32_t node, const variable_list& grad_inputs, const variable_list& grad_outputs) {
+    if (!p.active.load(std::memory_order_relaxed)) return;
+    try {
+      double t = p.now();
+      if (!accept(p, node)) return;
+      int32_t ci;
+      std::vector<int32_t> outs;
+      std::vector<int64_t> versions;
+      {
+        std::lock_guard<std::mutex> lock(p.mu);
+        ci = p.open[node];
+        if (ci < 0) return;
+        p.open[node] = -1;
+        Call& c = p.calls[ci];
+        c.dur = t - c.start;
+        c.ended = true;
+        if (!t_open.empty() && t_open.back().seq == c.seq && t_open.back().pass == p.number &&
+            t_open.back().step == p.step.get())
+          t_open.pop_back();
+        outs = c.outs;
+        versions = c.versions;
+      }
+      bool trusted = p.trusted[node];
+      std::vector<Result> rs;
+      rs.reserve(grad_inputs.size());
+      for (const auto& g : grad_inputs) {
+        if (p.level == SHAPE || !trusted || !g.defined()) {
+          rs.push_back(p.level == SHAPE || !g.defined() ? measure(g, p.level) : measure_once(g, p, true));
+          continue;
+        }
+        bool done = false;
+        // a grad_input that is the same memory as an unmodified grad_output: that output's statistics
+        for (size_t s = 0; s < grad_outputs.size() && s < outs.size(); ++s) {
+          const at::Tensor& go = grad_outputs[s];
+          if (!go.defined() || versions[s] < 0 || version_of(go) != versions[s] || !same_memory(g, go)) continue;
+          std::unique_lock<std::mutex> lock(p.mu);
+          const Result& mo = p.entries[outs[s]].r;
+          if (mo.kind != K_STATS && mo.kind != K_PY) continue;
+          Result r(mo);
+          lock.unlock();
+          if (r.kind == K_PY && !python_reuse(r, g)) continue;  // the Python result holds no statistics
+          auto sz = g.sizes();
+          r.sizes.assign(sz.begin(), sz.end());
+          lock.lock();
+          p.reused++;
+          rs.push_back(std::move(r));
+          done = true;
+          break;
+        }
+        if (!done) rs.push_back(measure_once(g, p, false));
+      }
+      std::lock_guard<std::mutex> lock(p.mu);
+      for (size_t s = 0; s < rs.size(); ++s) {
+        int32_t e = (int32_t)p.entries.size();
+        bool was_none = rs[s].kind == K_NONE;
+        p.entries.push_back(Entry{ci, R_IN, (int32_t)s, std::move(rs[s])});
+        if (p.level != SHAPE && !was_none) remember(p, grad_inputs[s], e);
+      }
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(p.mu);
+      p.faults.push_back("hook: " + what_of(e));
+    }
+}
+
+// ---- the hooks on a Node ---------------------------------------------------------------------------------------
+// A Node gets one gradstore prehook and one hook for its lifetime, added the first time a pass hooks it; passes
+// register with them and unregister when they finish. A Node's hook lists are read by the engine without a lock
+// (another thread may be running a backward pass through a shared AccumulateGrad node), so they are appended
+// to once per Node, like torch's own Python hooks, and never shrunk; what changes per pass is this list,
+// under its own mutex.
+struct Dispatch {
+  std::mutex mu;
+  std::vector<std::pair<std::shared_ptr<Pass>, int32_t>> passes;  // (pass, the node's index in its walk)
+  // a copy to call without the lock (a pass may finish meanwhile); usually one pass: no allocation
+  c10::SmallVector<std::pair<std::shared_ptr<Pass>, int32_t>, 2> snapshot() {
+    std::lock_guard<std::mutex> g(mu);
+    return c10::SmallVector<std::pair<std::shared_ptr<Pass>, int32_t>, 2>(passes.begin(), passes.end());
+  }
+};
+
+struct DispatchPre : torch::autograd::FunctionPreHook {
+  std::shared_ptr<Dispatch> d;
+  explicit DispatchPre(std::shared_ptr<Dispatch> d) : d(std::move(d)) {}
+  variable_list operator()(const variable_list& grads) override {
+    for (auto& [pass, i] : d->snapshot()) pre_call(*pass, i, grads);
+    return grads;  // the same tensors: never a changed gradient
+  }
+};
+
+struct DispatchPost : torch::autograd::FunctionPostHook {
+  std::shared_ptr<Dispatch> d;
+  explicit DispatchPost(std::shared_ptr<Dispatch> d) : d(std::move(d)) {}
+  variable_list operator()(const variable_list& grad_inputs, const variable_list& grad_outputs) override {
+    for (auto& [pass, i] : d->snapshot()) post_call(*pass, i, grad_inputs, grad_outputs);
+    return grad_inputs;
+  }
+};
+
+std::mutex g_install;  // serialises the first hooking of Nodes (two passes may hook one Node at once)
+
+std::shared_ptr<Dispatch> dispatch_of(Node* node) {  // caller holds g_install
+  for (const auto& h : node->pre_hooks())
+    if (auto* dp = dynamic_cast<DispatchPre*>(h.get())) return dp->d;
+  auto d = std::make_shared<Dispatch>();
+  node->add_pre_hook(std::make_unique<DispatchPre>(d));
+  node->add_post_hook(std::make_unique<DispatchPost>(d));
+  return d;
+}
+
+void unregister(Pass& p) {  // the pass leaves every Node's dispatch list (its hooks stay, empty for it)
+  std::vector<std::pair<c10::intrusive_ptr<Node>, std::shared_ptr<Dispatch>>> hooked;
+  hooked.swap(p.hooked);
+  for (auto& [node, d] : hooked) {
+    std::lock_guard<std::mutex> g(d->mu);
+    auto& v = d->passes;
+    v.erase(std::remove_if(v.begin(), v.end(), [&](const auto& x) { return x.first.get() == &p; }), v.end());
+  }
+}
+
+// ---- Python objects --------------------------------------------------------------------------------------------
+const char* STEP = "gradstore.native.Step";
+const char* PASS = "gradstore.native.Pass";
+
+void step_free(PyObject* cap) { delete (std::shared_ptr<Step>*)PyCapsule_GetPointer(cap, STEP); }
+
+void pass_free(PyObject* cap) {
+  auto* sp = (std::shared_ptr<Pass>*)PyCapsule_GetPointer(cap, PASS);
+  if (sp == nullptr) return;
+  Pass& p = **sp;
+  p.active.store(false);
+  {
+    std::lock_guard<std::mutex> g(p.step->mu);
+    auto& a = p.step->active;
+    a.erase(std::remove(a.begin(), a.end(), &p), a.end());
+  }
+  unregister(p);  // if finish() never ran: the Nodes' hooks drop their references to the pass
+  delete sp;
+}
+
+std::shared_ptr<Step>* step_of(PyObject* o) {
+  return (std::shared_ptr<Step>*)PyCapsule_GetPointer(o, STEP);
+}
+std::shared_ptr<Pass>* pass_of(PyObject* o) {
+  return (std::shared_ptr<Pass>*)PyCapsule_GetPointer(o, PASS);
+}
+
+Node* node_of(PyObject* o) {
+  if (torch::autograd::THPCppFunction_Check(o)) return ((torch::autograd::THPCppFunction*)o)->cdata.get();
+  if (THPFunction_Check(o)) return ((THPFunction*)o)->cdata.get();
+  return nullptr;
+}
+
+PyObject* py_init(PyObject*, PyObject* args) {
+  PyObject *codes, *fallback, *reuse, *tensor_type, *param_type;
+  unsigned long long f32, f64, h32, h64, m32, m64;
+  long long split;
+  long ok, none, r_out, r_in;
+  if (!PyArg_ParseTuple(args, "OKKKKKKOOOOLllll", &codes, &f32, &f64, &h32, &h64, &m32, &m64, &fallback, &reuse,
+                        &tensor_type, &param_type, &split, &ok, &none, &r_out, &r_in))
+    return nullptr;
+  PyObject* seq = PySequence_Fast(codes, "dtype codes: a sequence of (scalar type, code)");
+  if (seq == nullptr) return nullptr;
+  std::fill(G.dtype_code, G.dtype_code + 256, (int16_t)-1);
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    int st, code;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "ii", &st, &code)) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    if (st >= 0 && st < 256) G.dtype_code[st] = (int16_t)code;
+  }
+  Py_DECREF(seq);
+  G.full[0] = (stat_fn)f32;
+  G.full[1] = (stat_fn)f64;
+  G.health[0] = (stat_fn)h32;
+  G.health[1] = (stat_fn)h64;
+  G.m2[0] = (m2_fn)m32;
+  G.m2[1] = (m2_fn)m64;
+  Py_XINCREF(fallback);
+  Py_XDECREF(G.fallback);
+  G.fallback = fallback;
+  Py_XINCREF(reuse);
+  Py_XDECREF(G.reuse);
+  G.reuse = reuse;
+  Py_XINCREF(tensor_type);
+  Py_XINCREF(param_type);
+  G.plain[0] = tensor_type;
+  G.plain[1] = param_type;
+  G.split = split;
+  G.status_ok = ok;
+  G.status_none = none;
+  G.role_code[R_OUT] = r_out;
+  G.role_code[R_IN] = r_in;
+  G.ready = true;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_scalar_type(PyObject*, PyObject* arg) {
+  if (!THPVariable_Check(arg)) {
+    PyErr_SetString(PyExc_TypeError, "scalar_type(tensor)");
+    return nullptr;
+  }
+  return PyLong_FromLong((long)THPVariable_Unpack(arg).scalar_type());
+}
+
+PyObject* py_step(PyObject*, PyObject*) {
+  return PyCapsule_New(new std::shared_ptr<Step>(std::make_shared<Step>()), STEP, step_free);
+}
+
+PyObject* py_next_seq(PyObject*, PyObject* cap) {
+  auto* s = step_of(cap);
+  if (s == nullptr) return nullptr;
+  return PyLong_FromLongLong((*s)->seq.fetch_add(1));
+}
+
+PyObject* py_open_top(PyObject*, PyObject* cap) {
+  auto* s = step_of(cap);
+  if (s == nullptr) return nullptr;
+  for (auto it = t_open.rbegin(); it != t_open.rend(); ++it)
+    if (it->step == s->get()) return Py_BuildValue("(iL)", it->pass, (long long)it->seq);
+  Py_RETURN_NONE;
+}
+
+// install(step, pass number, level, nodes, trusted, claimable, wanted) -> Pass: hooks on every wanted node
+PyObject* py_install(PyObject*, PyObject* args) {
+  PyObject *scap, *nodes, *trusted, *claimable, *wanted;
+  int number, level;
+  if (!PyArg_ParseTuple(args, "OiiO!O!O!O", &scap, &number, &level, &PyList_Type, &nodes, &PyList_Type, &trusted,
+                        &PyList_Type, &claimable, &wanted))
+    return nullptr;
+  auto* s = step_of(scap);
+  if (s == nullptr) return nullptr;
+  if (!G.ready) {
+    PyErr_SetString(PyExc_RuntimeError, "gradstore native hooks: init() was not called");
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(nodes);
+  std::vector<Node*> targets(n, nullptr);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (wanted != Py_None && !PyObject_IsTrue(PyList_GET_ITEM(wanted, i))) continue;
+    targets[i] = node_of(PyList_GET_ITEM(nodes, i));
+    if (targets[i] == nullptr) {
+      PyErr_Format(PyExc_TypeError, "node %zd is not an autograd Node (%s)", i,
+                   Py_TYPE(PyList_GET_ITEM(nodes, i))->tp_name);
+      return nullptr;
+    }
+  }
+  auto pass = std::make_shared<Pass>();
+  Pass& p = *pass;
+  p.step = *s;
+  p.number = number;
+  p.level = (Level)level;
+  p.open.assign(n, -1);
+  p.trusted.resize(n);
+  p.claimable.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    p.trusted[i] = PyObject_IsTrue(PyList_GET_ITEM(trusted, i)) ? 1 : 0;
+    p.claimable[i] = PyObject_IsTrue(PyList_GET_ITEM(claimable, i)) ? 1 : 0;
+  }
+  p.t0 = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> g(p.step->mu);
+    p.step->active.push_back(&p);
+  }
+  auto* holder = new std::shared_ptr<Pass>(pass);
+  PyObject* cap = PyCapsule_New(holder, PASS, pass_free);
+  if (cap == nullptr) {
+    delete holder;
+    return nullptr;
+  }
+  try {
+    std::lock_guard<std::mutex> g(g_install);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      Node* node = targets[i];
+      if (node == nullptr) continue;
+      auto d = dispatch_of(node);
+      {
+        std::lock_guard<std::mutex> dg(d->mu);
+        d->passes.emplace_back(pass, (int32_t)i);
+      }
+      p.hooked.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(node), std::move(d));
+    }
+  } catch (const std::exception& e) {
+    Py_DECREF(cap);  // removes what was added
+    PyErr_SetString(PyExc_RuntimeError, what_of(e).c_str());
+    return nullptr;
+  }
+  return cap;
+}
+
+// finish(pass) -> (calls [(node, seq, start, duration or None)], results count, fallbacks [objects], measured,
+// reused, faults [str]): the hooks are removed; the results stay in the pass for rows()
+PyObject* py_finish(PyObject*, PyObject* cap) {
+  auto* sp = pass_of(cap);
+  if (sp == nullptr) return nullptr;
+  Pass& p = **sp;
+  p.active.store(false);
+  {
+    std::lock_guard<std::mutex> g(p.step->mu);
+    auto& a = p.step->active;
+    a.erase(std::remove(a.begin(), a.end(), &p), a.end());
+  }
+  unregister(p);
+  t_open.erase(std::remove_if(t_open.begin(), t_open.end(),
+                              [&](const Open& o) { return o.step == p.step.get() && o.pass == p.number; }),
+               t_open.end());
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.seen.clear();
+  PyObject* calls = PyList_New((Py_ssize_t)p.calls.size());
+  for (size_t i = 0; i < p.calls.size(); ++i) {
+    const Call& c = p.calls[i];
+    PyObject* dur = c.ended ? PyFloat_FromDouble(c.dur) : (Py_INCREF(Py_None), Py_None);
+    PyList_SET_ITEM(calls, i, Py_BuildValue("(iLdN)", c.node, (long long)c.seq, c.start, dur));
+  }
+  PyObject* fallbacks = PyList_New(0);
+  for (const Entry& e : p.entries)
+    if (e.r.kind == K_PY) PyList_Append(fallbacks, e.r.py);
+  PyObject* faults = PyList_New(0);
+  for (const auto& f : p.faults) {
+    PyObject* s = PyUnicode_FromString(f.c_str());
+    PyList_Append(faults, s);
+    Py_DECREF(s);
+  }
+  return Py_BuildValue("(NnNLLN)", calls, (Py_ssize_t)p.entries.size(), fallbacks, (long long)p.measured,
+                       (long long)p.reused, faults);
+}
+
+PyObject* shape_string(const Result& r) {
+  std::string s;
+  for (size_t i = 0; i < r.sizes.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(r.sizes[i]);
+  }
+  return PyUnicode_FromStringAndSize(s.data(), (Py_ssize_t)s.size());
+}
+
+inline PyObject* none() {
+  Py_INCREF(Py_None);
+  return Py_None;
+}
+
+// the statistics columns of gradstore.recording.stats._derive (norm, min, max, mean, std, nan, posinf, neginf, zeros)
+void derive(const double* v, PyObject* row, int at) {
+  long long nfinite = (long long)v[4];
+  bool has = nfinite > 0;
+  double zeros = v[3], m2 = v[9];
+  PyTuple_SET_ITEM(row, at, PyFloat_FromDouble(v[5]));
+  PyTuple_SET_ITEM(row, at + 1, has ? PyFloat_FromDouble(v[6]) : none());
+  PyTuple_SET_ITEM(row, at + 2, has ? PyFloat_FromDouble(v[7]) : none());
+  PyTuple_SET_ITEM(row, at + 3, has && !std::isnan(v[8]) ? PyFloat_FromDouble(v[8]) : none());
+  PyTuple_SET_ITEM(row, at + 4, nfinite > 1 && !std::isnan(m2)
+                                    ? PyFloat_FromDouble(std::sqrt(std::max(m2, 0.0) / (double)(nfinite - 1)))
+                                    : none());
+  PyTuple_SET_ITEM(row, at + 5, PyLong_FromLongLong((long long)v[0]));
+  PyTuple_SET_ITEM(row, at + 6, PyLong_FromLongLong((long long)v[1]));
+  PyTuple_SET_ITEM(row, at + 7, PyLong_FromLongLong((long long)v[2]));
+  PyTuple_SET_ITEM(row, at + 8, std::isnan(zeros) ? none() : PyLong_FromLongLong((long long)zeros));
+}
+
+// rows(pass, keys, fallback_rows) -> [(node key, seq, role code, slot, *stats.ROW_COLUMNS)] in hook order;
+// fallback_rows: the ROW_COLUMNS tuples of finish()'s fallbacks, in order (gradstore.recording.stats.to_rows)
+PyObject* py_rows(PyObject*, PyObject* args) {
+  PyObject *cap, *keys, *fb;
+  if (!PyArg_ParseTuple(args, "OO!O!", &cap, &PyList_Type, &keys, &PyList_Type, &fb)) return nullptr;
+  auto* sp = pass_of(cap);
+  if (sp == nullptr) return nullptr;
+  Pass& p = **sp;
+  std::lock_guard<std::mutex> lock(p.mu);
+  PyObject* out = PyList_New((Py_ssize_t)p.entries.size());
+  if (out == nullptr) return nullptr;
+  Py_ssize_t next_fb = 0;
+  for (size_t i = 0; i < p.entries.size(); ++i) {
+    const Entry& e = p.entries[i];
+    const Call& c = p.calls[e.call];
+    PyObject* head[4] = {PyList_GET_ITEM(keys, c.node), PyLong_FromLongLong(c.seq),
+                         PyLong_FromLong(G.role_code[e.role]), PyLong_FromLong(e.slot)};
+    Py_INCREF(head[0]);
+    PyObject* row;
+    if (e.r.kind == K_PY) {
+      if (next_fb >= PyList_GET_SIZE(fb)) {
+        Py_DECREF(out);
+        PyErr_SetString(PyExc_ValueError, "rows(): fewer fallback rows than fallbacks");
+        for (auto* h : head) Py_DECREF(h);
+        return nullptr;
+      }
+      PyObject* tail = PyList_GET_ITEM(fb, next_fb++);
+      Py_ssize_t nt = PyTuple_Size(tail);
+      row = PyTuple_New(4 + nt);
+      for (Py_ssize_t k = 0; k < nt; ++k) {
+        PyObject* x = PyTuple_GET_ITEM(tail, k);
+        Py_INCREF(x);
+        PyTuple_SET_ITEM(row, 4 + k, x);
+      }
+    } else {
+      row = PyTuple_New(4 + 15);
+      if (e.r.kind == K_NONE) {
+        PyTuple_SET_ITEM(row, 4, PyLong_FromLong(G.status_none));
+        for (int k = 5; k < 19; ++k) PyTuple_SET_ITEM(row, k, none());
+      } else {
+        PyTuple_SET_ITEM(row, 4, PyLong_FromLong(G.status_ok));
+        PyTuple_SET_ITEM(row, 5, none());
+        PyTuple_SET_ITEM(row, 6, PyLong_FromLong(e.r.dtype));
+        PyTuple_SET_ITEM(row, 7, shape_string(e.r));
+        PyTuple_SET_ITEM(row, 8, PyLong_FromLongLong(e.r.numel));
+        if (e.r.kind == K_STATS) {
+          derive(e.r.vec, row, 9);
+        } else if (e.r.numel == 0) {  // _EMPTY_STATS
+          PyTuple_SET_ITEM(row, 9, PyFloat_FromDouble(0.0));
+          for (int k = 10; k < 14; ++k) PyTuple_SET_ITEM(row, k, none());
+          for (int k = 14; k < 18; ++k) PyTuple_SET_ITEM(row, k, PyLong_FromLong(0));
+        } else {
+          for (int k = 9; k < 18; ++k) PyTuple_SET_ITEM(row, k, none());
+        }
+        PyTuple_SET_ITEM(row, 18, none());  // checksum
+      }
+    }
+    for (int k = 0; k < 4; ++k) PyTuple_SET_ITEM(row, k, head[k]);
+    PyList_SET_ITEM(out, i, row);
+  }
+  return out;
+}
+
+PyObject* py_abi(PyObject*, PyObject*) { return PyLong_FromLong(ABI); }
+
+PyMethodDef methods[] = {
+    {"abi", py_abi, METH_NOARGS, "The ABI version of this build."},
+    {"init", py_init, METH_VARARGS, "Set the kernel entry points, dtype codes and the Python fallback."},
+    {"scalar_type", py_scalar_type, METH_O, "c10::ScalarType of a tensor, as an int."},
+    {"step", py_step, METH_NOARGS, "A new step: the call counter and the active passes."},
+    {"next_seq", py_next_seq, METH_O, "The step's next call number."},
+    {"open_top", py_open_top, METH_O, "(pass number, seq) of this thread's innermost open call, or None."},
+    {"install", py_install, METH_VARARGS, "Hook every wanted node of a pass."},
+    {"finish", py_finish, METH_O, "Remove the pass's hooks; its calls and fallbacks."},
+    {"rows", py_rows, METH_VARARGS, "The pass's tensor rows."},
+    {nullptr, nullptr, 0, nullptr}};
+
+struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradstore's node hooks in C++", -1,
+                             methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__gradstore_hooks(void) { return PyModule_Create(&module); }

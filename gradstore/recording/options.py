@@ -1,0 +1,103 @@
+"""What a recording records: statistics level, step sampling, module and parameter filters, back-pressure.
+
+Filters are applied before any reduction: a node that is not selected gets no hook at all.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from ..errors import RecordUsageError
+from .stats import LEVELS
+
+ON_FULL = ("wait", "drop")
+
+
+def _globs(value, what: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    try:
+        globs = tuple(value)
+    except TypeError:
+        globs = None
+    if not globs or not all(isinstance(g, str) and g for g in globs):
+        raise RecordUsageError(f"record({what}=...) takes a glob or a list of globs such as "
+                               f"'transformer.h.*.attn', got {value!r}")
+    return globs
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated recording options (see `gradstore.record` for their meaning)."""
+
+    stats: str = "full"
+    every: int = 1
+    steps: frozenset | range | None = None
+    modules: tuple[str, ...] | None = None
+    params: tuple[str, ...] | None = None
+    on_full: str = "wait"
+    queue_rows: int = 500_000
+    saved: bool = False
+    frames: bool = False
+    checksum: bool | None = None
+
+    @classmethod
+    def make(cls, stats="full", every=1, steps=None, modules=None, params=None, on_full="wait",
+             queue_rows=500_000, saved=False, frames=False, checksum=None) -> Options:
+        """Validate user arguments; raises RecordUsageError naming the argument and what it accepts."""
+        if stats not in LEVELS:
+            raise RecordUsageError(f"record(stats=...) is one of {', '.join(map(repr, LEVELS))}, got {stats!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise RecordUsageError(
+                f"record(every=...) takes a whole number >= 1 (record every Nth step), got {every!r}")
+        if steps is not None and not isinstance(steps, range):
+            try:
+                steps = frozenset(steps)
+            except TypeError:
+                raise RecordUsageError(
+                    f"record(steps=...) takes a range or a list of step numbers, got {steps!r}") from None
+            if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+                raise RecordUsageError(f"record(steps=...) takes step numbers >= 0, got {sorted(steps, key=str)!r}")
+        if on_full not in ON_FULL:
+            raise RecordUsageError(f"record(on_full=...) is 'wait' (the step waits for the writer) or 'drop' "
+                                   f"(rows are dropped and counted in steps.dropped), got {on_full!r}")
+        if isinstance(queue_rows, bool) or not isinstance(queue_rows, int) or queue_rows < 1:
+            raise RecordUsageError(f"record(queue_rows=...) takes a whole number >= 1, got {queue_rows!r}")
+        for name, flag in (("saved", saved), ("frames", frames)):
+            if not isinstance(flag, bool):
+                raise RecordUsageError(f"record({name}=...) is True or False, got {flag!r}")
+        if saved and stats in ("params", "shape"):
+            raise RecordUsageError(f"record(saved=True) measures saved tensors in node hooks; stats={stats!r} "
+                                   "records no node statistics: use stats='full' or 'health'")
+        if checksum is not None and not isinstance(checksum, bool):
+            raise RecordUsageError(f"record(checksum=...) is True, False or None (automatic), got {checksum!r}")
+        return cls(stats, every, steps, _globs(modules, "modules"), _globs(params, "params"), on_full, queue_rows,
+                   saved, frames, checksum)
+
+    def wants_step(self, step: int) -> bool:
+        """True when step number `step` is to be recorded (every= and steps=)."""
+        return step % self.every == 0 and (self.steps is None or step in self.steps)
+
+    def wants_module(self, module: str) -> bool:
+        """True when nodes owned by `module` are recorded: it or one of its parents matches a modules= glob."""
+        if self.modules is None:
+            return True
+        parts = module.split(".") if module else [""]
+        candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        return any(fnmatch.fnmatchcase(c, g) for c in candidates for g in self.modules)
+
+    def wants_param(self, name: str) -> bool:
+        """True when parameter `name` (qualified) is recorded: it matches a params= glob (all when None)."""
+        return self.params is None or any(fnmatch.fnmatchcase(name, g) for g in self.params)
+
+    @property
+    def node_level(self) -> str | None:
+        """Statistics level inside node hooks, or None when no node is hooked (stats='params')."""
+        return None if self.stats == "params" else self.stats
+
+    @property
+    def param_level(self) -> str:
+        """Statistics level of param_grad rows: all statistics except at stats='shape'/'health'."""
+        return "full" if self.stats == "params" else self.stats

@@ -1,0 +1,503 @@
+"""Statistics of one gradient tensor, at the recording level asked for, without holding the tensor.
+
+`Measurer` runs inside autograd hooks (the hot path). Each distinct gradient is reduced once per pass: a
+tensor object seen before in the pass (a node's grad_input is usually the next node's grad_output, the same
+object) and a grad_input that is the same memory as one of the node's grad_outputs (view-like nodes:
+ViewBackward0, TBackward0 of a contiguous gradient, ...) reuse the earlier result with their own shape.
+
+Where the reductions run:
+- CPU tensors (no device to synchronise with): the fused kernel (gradstore.recording.kernel, one pass over the memory
+  of a dense float32/float64 gradient, float64 accumulation) gives the sum, the sum of squares, min, max
+  and the zero count (`full`) or the sum of squares, min and max (`health`: a float32 gradient's squares are
+  added in float32 over short blocks, so its norm is within 5e-7 relative, not float64-exact); finite sums
+  mean no NaN and no Inf, and the results are read on the spot. std comes from the sum of squares, recomputed
+  around the mean (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and
+  torch (a float64-accumulated sum, torch.aminmax, float64 dot products by chunks, a zero count).
+  A tensor that holds NaN or Inf takes the masked path, which counts them exactly.
+- Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
+  device until `to_rows` copies each device's stack to the host once per pass.
+
+Statistics: norm, min, max, mean, std over the finite elements (std with Bessel's correction, as
+`torch.std`; NULL with fewer than two finite elements); nan, posinf, neginf, zeros exact counts. `health`
+leaves mean, std and zeros NULL; `shape` records dtype, shape and numel only.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..records import DTYPE, STATUS
+from . import kernel
+from .checksum import checksum_on_device
+
+LEVELS = ("full", "health", "params", "shape")
+
+# positions in the per-tensor vector of reductions; NaN marks "not computed at this level"
+NAN, POSINF, NEGINF, ZEROS, NFINITE, NORM, MIN, MAX, MEAN, M2 = range(10)
+VEC_LEN = 10
+_ABSENT = math.nan
+_LARGE = 1 << 16  # above this many elements, torch's multi-threaded kernels beat NumPy's per-call advantage
+_CHUNK = 1 << 18  # elements per float64 copy in the fallback's sum of squares
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+@dataclass(slots=True)
+class Measured:
+    """What is known about one tensor before the pass's host transfer.
+
+    status: 'ok', 'none' (the slot held None) or 'skipped' (`reason` says why); dtype: code from
+    schema.DTYPES; shape: comma-separated sizes; numel: element count; vec: a tuple of VEC_LEN host
+    floats, or a float64 tensor of shape (VEC_LEN,) still on the tensor's device, or None (nothing reduced).
+    """
+
+    status: str
+    reason: str | None = None
+    dtype: int | None = None
+    shape: str | None = None
+    numel: int | None = None
+    vec: tuple | torch.Tensor | None = None
+    checksum: int | torch.Tensor | None = None  # `checksum` of the bytes (param_grad rows): int or 0-d int64
+
+
+NONE = Measured("none")
+_DTYPE_CODES: dict = {}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Return the schema code of a torch dtype (0, 'other', for a dtype newer than the schema)."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = DTYPE.get(str(dtype).removeprefix("torch."), 0)
+    return code
+
+
+# dtypes whose plain dense tensors `measure(t, "shape")` always records as 'ok' (real and not quantized)
+_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+PLAIN_REAL_DTYPES = frozenset(
+    d for d in (getattr(torch, n, None) for n in DTYPE)
+    if isinstance(d, torch.dtype) and not d.is_complex and d not in _QUANTIZED)
+
+
+def shape_only(t: torch.Tensor | None):
+    """What `measure(t, "shape")` records, at the least cost on the hot path.
+
+    Args:
+        t: a tensor or None.
+    Returns:
+        `(dtype, torch.Size)` for a plain, dense (strided), real, non-quantized tensor that is not on the meta
+        device (what `to_rows` turns into an 'ok' row: dtype code, shape string, numel, no statistics);
+        otherwise exactly `measure(t, "shape")` (a `Measured`: NONE, or 'skipped' with the reason). Never
+        raises. Holds no reference to the tensor (a dtype and a tuple of ints).
+    """
+    if t is None:
+        return NONE
+    try:
+        if type(t) in _PLAIN_TENSOR_TYPES and t.layout is torch.strided and not t.is_meta:
+            dtype = t.dtype
+            if dtype in PLAIN_REAL_DTYPES:
+                return (dtype, t.shape)
+    except Exception:
+        pass
+    return measure(t, "shape")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return ",".join(map(str, t.shape))
+
+
+def _skip_reason(t: torch.Tensor) -> str | None:
+    if type(t) not in _PLAIN_TENSOR_TYPES:
+        return f"tensor subclass {type(t).__module__}.{type(t).__qualname__}: values not read"
+    if t.layout != torch.strided:
+        return f"layout {t.layout}: statistics are computed for dense (strided) tensors only"
+    if t.device.type == "meta":
+        return "meta tensor: it has no data"
+    if t.is_quantized:
+        return "quantized tensor: statistics are computed for plain tensors only"
+    if t.is_complex():
+        return f"complex dtype {t.dtype}: statistics are computed for real tensors only"
+    return None
+
+
+# ---- the reductions ------------------------------------------------------------------------------------------
+def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
+    """All reductions with exact non-finite counts, in float64, on x's device, with no branch on data."""
+    x = x.to(torch.float64)
+    finite = torch.isfinite(x)
+    nfinite = finite.sum(dtype=torch.float64)
+    nan = torch.isnan(x).sum(dtype=torch.float64)
+    posinf = (x == math.inf).sum(dtype=torch.float64)
+    neginf = (x == -math.inf).sum(dtype=torch.float64)
+    xz = torch.where(finite, x, 0.0)
+    norm = torch.linalg.vector_norm(xz)
+    mn = torch.where(finite, x, math.inf).amin()
+    mx = torch.where(finite, x, -math.inf).amax()
+    if level == "full":
+        zeros = (x == 0).sum(dtype=torch.float64)
+        mean = xz.sum() / nfinite
+        dev = torch.where(finite, x - mean, 0.0)
+        m2 = (dev * dev).sum()
+    else:
+        zeros = mean = m2 = torch.full((), _ABSENT, dtype=torch.float64, device=x.device)
+    return torch.stack([nan, posinf, neginf, zeros, nfinite, norm, mn, mx, mean, m2])
+
+
+def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
+    """Sum of squares accumulated in float64 (to float64 rounding, as the kernel): float64 dot products of
+    chunks of _CHUNK elements (a float64 copy of one chunk at a time bounds the extra memory)."""
+    flat = a.reshape(-1)
+    total = 0.0
+    for i in range(0, flat.size, _CHUNK):
+        c = flat[i:i + _CHUNK].astype(np.float64, copy=False)
+        total += float(np.dot(c, c))
+    return total
+
+
+_KERNEL_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_DTYPE_CODE = {dt: DTYPE[str(dt).removeprefix("torch.")] for dt in _KERNEL_SUFFIX}
+
+
+def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
+    """The kernel's one pass: host floats for an all-finite tensor, else the masked path's tensor."""
+    if x.dtype not in _KERNEL_SUFFIX:  # float16, bfloat16, float8: widened once (exact), then one pass
+        x = x.float() if x.is_floating_point() else x.double()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if not _dense(x):  # a dense tensor in any dimension order is the same multiset of elements as its memory
+        x = x.contiguous()
+    suffix, n, ptr, size = _KERNEL_SUFFIX[x.dtype], x.numel(), x.data_ptr(), x.element_size()
+    if level != "full":
+        sumsq, mn, mx = k.health(suffix, ptr, n, size)
+        if not math.isfinite(sumsq):  # NaN or Inf somewhere (or a float64 square past 1.8e308)
+            return _masked(x, level)
+        return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
+    s, sumsq, mn, mx, zeros = k.full(suffix, ptr, n, size)
+    if not (math.isfinite(s) and math.isfinite(sumsq)):
+        return _masked(x, level)
+    mean = s / n
+    m2 = sumsq - s * mean
+    if mn == mx:
+        m2 = 0.0
+    elif m2 < 1e-4 * s * mean:  # the mean dominates: sumsq - s*mean cancels; redo around the mean
+        m2 = k.m2(suffix, ptr, n, size, mean)
+    return (0.0, 0.0, 0.0, zeros, float(n), math.sqrt(sumsq), mn, mx, mean, max(m2, 0.0))
+
+
+def _cpu(x: torch.Tensor, level: str):
+    """CPU reductions: host floats for an all-finite tensor, else the masked path's tensor."""
+    k = kernel.load()
+    if k is not None:
+        return _fused(k, x, level)
+    return _cpu_numpy(x, level)
+
+
+def _cpu_numpy(x: torch.Tensor, level: str):
+    """`_cpu` without the kernel: NumPy and torch reductions, several passes."""
+    if x.dtype not in _NUMPY_DTYPES:
+        x = x.float() if x.is_floating_point() else x.double()
+    n = x.numel()
+    a = x.resolve_neg().numpy()
+    if level == "full":
+        s = float(np.add.reduce(a, axis=None, dtype=np.float64))
+        if not math.isfinite(s):
+            return _masked(x, level)
+    if n >= _LARGE:
+        mn_t, mx_t = torch.aminmax(x)
+        mn, mx = mn_t.item(), mx_t.item()
+    else:
+        mn, mx = a.min().item(), a.max().item()
+    if not (math.isfinite(mn) and math.isfinite(mx)):  # NaN propagates through min/max
+        return _masked(x, level)
+    sumsq = _sum_of_squares(x, a)
+    if level != "full":
+        return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
+    mean = s / n
+    zeros = n - int(np.count_nonzero(a)) if n < _LARGE else int(np.count_nonzero(a == 0))
+    m2 = max(sumsq - s * mean, 0.0)
+    if mn != mx and m2 < 1e-4 * s * mean:  # the mean dominates: sumsq - s*mean cancels; redo around the mean
+        d = a.astype(np.float64) - mean
+        m2 = float(np.dot(d.reshape(-1), d.reshape(-1)))
+    elif mn == mx:
+        m2 = 0.0
+    return (0.0, 0.0, 0.0, float(zeros), float(n), math.sqrt(sumsq), mn, mx, mean, m2)
+
+
+def _reduce(x: torch.Tensor, level: str = "full"):
+    """Reductions of a detached dense real tensor with numel > 0: host floats or a device tensor."""
+    return _cpu(x, level) if x.device.type == "cpu" else _masked(x, level)
+
+
+def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False) -> Measured:
+    """Measure one gradient at `level` ('full', 'health' or 'shape'); never raises.
+
+    Args:
+        t: any tensor (any shape, dtype, device, layout) or None.
+        checksum: also take `checksum(t)` (left on the device until `to_rows`); a fault there leaves the
+            statistics and stores no checksum.
+    Returns:
+        `Measured`; a tensor that cannot be measured is status 'skipped' with the reason.
+    Relies on: `Tensor.detach`, `Tensor.data_ptr` and the fused kernel (CPU; else `Tensor.numpy`,
+        `torch.aminmax`), `torch.linalg.vector_norm` (other devices, and tensors holding NaN or Inf).
+    """
+    if t is None:
+        return NONE
+    m = None
+    try:
+        if (not checksum and level != "shape" and type(t) is torch.Tensor and t.dtype in _KERNEL_SUFFIX
+                and t.is_cpu and t.layout is torch.strided):
+            # the common case, checked with the fewest calls: a plain dense float32/float64 CPU gradient
+            m = Measured("ok", None, _DTYPE_CODE[t.dtype], ",".join(map(str, t.shape)), t.numel())
+            if m.numel:
+                m.vec = _reduce(t.detach(), level)
+            return m
+        shape = _shape(t)
+        m = Measured("ok", dtype=dtype_code(t.dtype), shape=shape, numel=t.numel())
+        reason = _skip_reason(t)
+        if reason is not None:
+            m.status, m.reason = "skipped", reason
+            return m
+        if checksum:
+            try:
+                m.checksum = checksum_on_device(t)
+            except Exception:
+                m.checksum = None
+        if m.numel == 0 or level == "shape":
+            return m
+        m.vec = _reduce(t.detach(), level)  # detached: the masked path's torch ops record no graph
+        return m
+    except Exception as exc:  # a recorder fault must never reach the training code
+        reason = f"{type(exc).__name__}: {exc}"[:500]
+        if m is None:
+            return Measured("skipped", reason=reason)
+        return Measured("skipped", reason=reason, dtype=m.dtype, shape=m.shape, numel=m.numel)
+
+
+def _version(t) -> int | None:
+    """The tensor's version counter (bumped by every in-place change), or None when it has none."""
+    try:
+        return t._version
+    except Exception:  # inference tensors and some subclasses have no version counter
+        return None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when t's elements fill one gap-free, overlap-free block of memory (in any dimension order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a and b hold the same multiset of elements: the same dense block of memory (same start,
+    size and dtype), possibly in another order (a transpose or permute of a gradient)."""
+    return (type(a) in _PLAIN_TENSOR_TYPES and type(b) in _PLAIN_TENSOR_TYPES and a.layout == torch.strided
+            and b.layout == torch.strided and a.data_ptr() == b.data_ptr()  # the test that usually fails, early
+            and a.dtype == b.dtype and a.device == b.device and a.numel() == b.numel() and a.numel() > 0
+            and _dense(a) and _dense(b))
+
+
+class Measurer:
+    """Measures the gradients of one pass at one level, reducing each distinct gradient once.
+
+    `measured` and `reused` count reductions done and avoided (for benchmarks). Holds weak references
+    only: no gradient is kept alive.
+    """
+
+    def __init__(self, level: str = "full"):
+        self.level = level
+        self.shape_only = level == "shape"  # no reductions: nothing to reuse, `shape_only` for every tensor
+        self._seen: dict[int, tuple] = {}
+        self.measured = 0
+        self.reused = 0
+
+    def __call__(self, t: torch.Tensor | None, fresh: bool = False) -> Measured | tuple:
+        """Measure `t`, or reuse the result for the same object at the same version (unless `fresh`).
+
+        At level 'shape' the result is `shape_only(t)` (a `(dtype, torch.Size)` tuple or a `Measured`), which
+        `to_rows` turns into the same row as `measure(t, "shape")`."""
+        if t is None:
+            return NONE
+        if self.shape_only:
+            return shape_only(t)
+        version = _version(t)
+        hit = None if fresh else self._seen.get(id(t))
+        # the same object at the same version: the engine accumulates gradients in place (InputBuffer), which
+        # bumps the version, so a grad_input that later received a second contribution is measured again
+        if hit is not None and hit[0]() is t and hit[2] == version and version is not None:
+            self.reused += 1
+            return hit[1]
+        m = measure(t, self.level)
+        self.measured += 1
+        if version is not None:
+            try:
+                self._seen[id(t)] = (weakref.ref(t), m, version)
+            except TypeError:
+                pass
+        return m
+
+    def versions(self, tensors) -> list[int | None] | None:
+        """`Tensor._version` of each tensor (None for None or a tensor without a version counter); None at
+        level 'shape', where no result is reused."""
+        if self.shape_only:
+            return None
+        return [_version(t) if t is not None else None for t in tensors]
+
+    def grad_inputs(self, grad_inputs, grad_outputs, measured_outputs: list[Measured],
+                    output_versions: list[int | None], trusted: bool = True) -> list[Measured]:
+        """Measure a node's grad_inputs, reusing a grad_output's result where a grad_input is the same memory
+        and that grad_output was not modified since it was measured (same `_version`).
+
+        `trusted=False` (custom Functions and other user backward code) measures every grad_input afresh and
+        replaces what was known of that tensor: user code can change a gradient in place without bumping its
+        version (`dist.all_reduce(grad)` in a Megatron-style backward, writes through `.data`).
+        At level 'shape' every grad_input is `shape_only(g)` (nothing is reduced, so nothing is reused)."""
+        if self.shape_only:
+            return [shape_only(g) for g in grad_inputs]
+        if not trusted:
+            return [self(g, fresh=True) for g in grad_inputs]
+        out = []
+        for g in grad_inputs:
+            m = None
+            if g is not None:
+                for go, mo, v in zip(grad_outputs, measured_outputs, output_versions):
+                    if (go is not None and mo.status == "ok" and mo.vec is not None and v is not None
+                            and _version(go) == v and _same_memory(g, go)):
+                        m = Measured(mo.status, mo.reason, mo.dtype, _shape(g), mo.numel, mo.vec, mo.checksum)
+                        self.reused += 1
+                        break
+            out.append(m if m is not None else self(g))
+        return out
+
+    def clear(self) -> None:
+        """Forget the pass's tensors (end of pass)."""
+        self._seen.clear()
+
+
+# ---- host side ----------------------------------------------------------------------------------------------
+def _opt(v: float):
+    return None if v != v else v  # NaN marks "not computed"
+
+
+def _derive(v) -> tuple:
+    nfinite = int(v[NFINITE])
+    zeros, m2 = _opt(v[ZEROS]), _opt(v[M2])
+    has = nfinite > 0
+    return (
+        float(v[NORM]),
+        float(v[MIN]) if has else None,
+        float(v[MAX]) if has else None,
+        _opt(float(v[MEAN])) if has else None,
+        math.sqrt(max(m2, 0.0) / (nfinite - 1)) if (nfinite > 1 and m2 is not None) else None,
+        int(v[NAN]), int(v[POSINF]), int(v[NEGINF]),
+        int(zeros) if zeros is not None else None,
+    )
+
+
+_NULL_STATS = (None,) * 9
+_EMPTY_STATS = (0.0, None, None, None, None, 0, 0, 0, 0)
+
+# the columns of a row from `to_rows`, in order; NONFINITE_COLUMNS index the nan, posinf, neginf counts
+ROW_COLUMNS = ("status", "reason", "dtype", "shape", "numel", "norm", "min", "max", "mean", "std",
+               "nan", "posinf", "neginf", "zeros", "checksum")
+NONFINITE_COLUMNS = (10, 11, 12)
+
+
+_SHAPE_STRINGS: dict = {}
+_STATUS_OK = STATUS["ok"]
+
+
+def _shape_row(dtype: torch.dtype, size: torch.Size) -> tuple:
+    """The row of a `shape_only` result: what `measure(t, "shape")` gives for that tensor."""
+    cached = _SHAPE_STRINGS.get(size)
+    if cached is None:
+        if len(_SHAPE_STRINGS) > 100_000:
+            _SHAPE_STRINGS.clear()
+        cached = _SHAPE_STRINGS[size] = (",".join(map(str, size)), math.prod(size))
+    shape, numel = cached
+    return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *(_EMPTY_STATS if numel == 0 else _NULL_STATS),
+            None)
+
+
+def needs_transfer(measured: list) -> bool:
+    """True when some result of `measured` still lives in a tensor (statistics or checksum left on a device,
+    or the masked path's tensor): `to_rows` has a host copy to make."""
+    for m in measured:
+        if type(m) is Measured and (isinstance(m.vec, torch.Tensor) or isinstance(m.checksum, torch.Tensor)):
+            return True
+    return False
+
+
+def any_nonfinite(measured: list) -> bool:
+    """True when a host-side result of `measured` counts a NaN or an infinity (results still in tensors are
+    not read: see `needs_transfer`)."""
+    for m in measured:
+        if type(m) is Measured and type(m.vec) is tuple and (m.vec[NAN] or m.vec[POSINF] or m.vec[NEGINF]):
+            return True
+    return False
+
+
+def to_rows(measured: list) -> list[tuple]:
+    """Turn a pass's results (`Measured`, or `shape_only`'s `(dtype, torch.Size)` tuples) into row tuples
+    (ROW_COLUMNS order), with one host copy per device (statistics and checksums travel together: the
+    float64 statistics as their int64 bit patterns).
+
+    A fault in a transfer marks the affected rows skipped with the reason.
+    """
+    by_device: dict[torch.device, tuple[list[int], list[int]]] = {}
+    for i, m in enumerate(measured):
+        if type(m) is tuple:
+            continue
+        if isinstance(m.vec, torch.Tensor):
+            by_device.setdefault(m.vec.device, ([], []))[0].append(i)
+        if isinstance(m.checksum, torch.Tensor):
+            by_device.setdefault(m.checksum.device, ([], []))[1].append(i)
+    host: dict[int, list] = {}
+    sums: dict[int, int] = {}
+    failed: dict[int, str] = {}
+    for vec_idx, sum_idx in by_device.values():
+        try:
+            parts = []
+            if vec_idx:
+                parts.append(torch.stack([measured[i].vec for i in vec_idx]).view(torch.int64).reshape(-1))
+            if sum_idx:
+                parts.append(torch.stack([measured[i].checksum.reshape(()) for i in sum_idx]))
+            packed = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
+            nv = len(vec_idx) * VEC_LEN
+            if vec_idx:
+                host.update(zip(vec_idx, packed[:nv].view(torch.float64).reshape(-1, VEC_LEN).tolist()))
+            sums.update(zip(sum_idx, packed[nv:].tolist()))
+        except Exception as exc:
+            failed.update(dict.fromkeys(vec_idx + sum_idx, f"{type(exc).__name__}: {exc}"[:500]))
+    rows = []
+    for i, m in enumerate(measured):
+        if type(m) is tuple:
+            rows.append(_shape_row(*m))
+            continue
+        status, reason = m.status, m.reason
+        values = host.get(i, m.vec if isinstance(m.vec, tuple) else None)
+        csum = sums.get(i, m.checksum if isinstance(m.checksum, int) else None)
+        if i in failed:
+            status, reason, stats, csum = "skipped", failed[i], _NULL_STATS, None
+        elif values is not None:
+            stats = _derive(values)
+        elif status == "ok" and m.numel == 0:
+            stats = _EMPTY_STATS
+        else:
+            stats = _NULL_STATS
+        rows.append((STATUS[status], reason, m.dtype, m.shape, m.numel, *stats, csum))
+    return rows
+
+
+def to_dicts(measured: list[Measured]) -> list[dict]:
+    """`to_rows` as dicts keyed by ROW_COLUMNS (for reading, tests and notebooks)."""
+    return [dict(zip(ROW_COLUMNS, row)) for row in to_rows(measured)]

@@ -1,0 +1,326 @@
+"""`gradstore merge OUT IN...`: join per-rank or per-machine databases into one.
+
+Each rank (or machine) of a job can record into its own file; `merge` copies them into one database so that
+the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank_b=)`) see every rank:
+
+- runs are matched by name (created in OUT when missing; world_size becomes the largest of the two, status
+  the worst of error / running / finished, created_at the earliest, finished_at the latest);
+- steps are appended per (run, rank, step); one that OUT already holds is an error (`MergeConflict`, naming
+  it), or is skipped with its passes, calls and tensors when `skip_existing=True`;
+- nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated;
+- passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range).
+
+Everything goes through SQLAlchemy Core on the `gradstore.store.schema` tables, so OUT and the inputs may be
+SQLite files or database URLs. The whole merge is one transaction on OUT: an error leaves OUT as it was (a
+SQLite file that the merge itself created is removed again).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import bindparam, insert, select, update
+
+from ..errors import GradstoreError
+from . import schema as s
+from .database import ensure_schema, is_url, make_engine, open_existing
+from .writer import flush_pending
+
+_CHUNK = 5_000  # rows read, mapped and inserted at a time
+_IN = 500  # values per IN (...) list
+
+_STATUS_RANK = {"finished": 0, "running": 1, "error": 2}  # the merged run keeps the worst
+
+
+class MergeConflict(GradstoreError):
+    """A (run, rank, step) of an input database is already in the output database."""
+
+
+@dataclass
+class MergeReport:
+    """What one input contributed to the merged database.
+
+    source: the input (path or URL); runs_created / runs_matched: run names; steps, passes, calls, tensors:
+    rows copied; nodes, edges: rows added (the others matched rows already there); skipped: (run, rank,
+    step) left out because OUT had them (skip_existing=True).
+    """
+
+    source: str
+    runs_created: list[str] = field(default_factory=list)
+    runs_matched: list[str] = field(default_factory=list)
+    steps: int = 0
+    passes: int = 0
+    calls: int = 0
+    tensors: int = 0
+    nodes: int = 0
+    edges: int = 0
+    skipped: list[tuple[str, int, int]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+
+
+def _identity(db) -> str:
+    return str(db) if is_url(db) else str(Path(db).resolve())
+
+
+def merge(out: str | Path, inputs: list, *, skip_existing: bool = False) -> list[MergeReport]:
+    """Merge the gradstore databases `inputs` into `out` (created when missing); returns one MergeReport per
+    input, in order.
+
+    Raises:
+        GradstoreError: no input, an input named twice or equal to `out`.
+        DatabaseNotFound / GradstoreError / SchemaTooNew: an input that is missing or not a gradstore database.
+        MergeConflict: an input step (run, rank, step) that `out` already holds (also one merged from an
+            earlier input of the same call), unless `skip_existing`. Nothing is written then.
+    """
+    inputs = [str(i) for i in inputs]
+    if not inputs:
+        raise GradstoreError("merge needs at least one input database")
+    out_id = _identity(out)
+    seen: set[str] = set()
+    for db in inputs:
+        ident = _identity(db)
+        if ident == out_id:
+            raise GradstoreError(f"cannot merge {db} into itself: give a different output database")
+        if ident in seen:
+            raise GradstoreError(f"input {db} is given twice")
+        seen.add(ident)
+    for db in [out, *inputs]:
+        flush_pending(db)  # this process's own recording may still be writing
+    sources = []
+    try:
+        for db in inputs:
+            sources.append(open_existing(db))
+        created = not is_url(out) and not Path(out).exists()
+        target = make_engine(out)
+        try:
+            ensure_schema(target, str(out))
+            reports = []
+            with target.begin() as dst:
+                for db, engine in zip(inputs, sources):
+                    with engine.connect() as src:
+                        reports.append(_merge_one(src, dst, db, str(out), skip_existing))
+            return reports
+        except BaseException:
+            target.dispose()
+            if created:
+                for suffix in ("", "-wal", "-shm", "-journal"):
+                    Path(str(out) + suffix).unlink(missing_ok=True)
+            raise
+        finally:
+            target.dispose()
+    finally:
+        for engine in sources:
+            engine.dispose()
+
+
+def _chunks(rows, n=_CHUNK):
+    for i in range(0, len(rows), n):
+        yield rows[i:i + n]
+
+
+def _insert_returning_ids(dst, table, rows: list[dict]) -> list[int]:
+    """Insert `rows` and return their new ids in the same order (SQLAlchemy's portable insertmanyvalues)."""
+    ids: list[int] = []
+    for chunk in _chunks(rows):
+        ids.extend(dst.execute(insert(table).returning(table.c.id, sort_by_parameter_order=True), chunk).scalars())
+    return ids
+
+
+def _stream(src, table, where=None, order_by=None):
+    """The rows of `table` (as dicts) in id order (or `order_by`), `_CHUNK` at a time."""
+    q = select(table).order_by(*(order_by if order_by is not None else (table.c.id,)))
+    if where is not None:
+        q = q.where(where)
+    result = src.execute(q, execution_options={"yield_per": _CHUNK}).mappings()
+    for part in result.partitions(_CHUNK):
+        yield [dict(r) for r in part]
+
+
+def _merge_runs(src, dst, report: MergeReport) -> tuple[dict[int, int], dict[int, str]]:
+    run_map, names = {}, {}
+    for r in src.execute(select(s.runs).order_by(s.runs.c.id)).mappings():
+        names[r["id"]] = r["name"]
+        have = dst.execute(select(s.runs).where(s.runs.c.name == r["name"])).mappings().first()
+        if have is None:
+            values = {k: v for k, v in r.items() if k != "id"}
+            run_map[r["id"]] = dst.execute(insert(s.runs).returning(s.runs.c.id), values).scalar_one()
+            report.runs_created.append(r["name"])
+            continue
+        run_map[r["id"]] = have["id"]
+        report.runs_matched.append(r["name"])
+        status = max(have["status"], r["status"], key=lambda v: _STATUS_RANK.get(v, 1))
+        finished = [t for t in (have["finished_at"], r["finished_at"]) if t is not None]
+        dst.execute(update(s.runs).where(s.runs.c.id == have["id"]).values(
+            world_size=max(have["world_size"], r["world_size"]),
+            status=status,
+            created_at=min(have["created_at"], r["created_at"]),
+            finished_at=max(finished) if finished and status != "running" else None,
+            meta=have["meta"] if have["meta"] is not None else r["meta"],
+        ))
+    return run_map, names
+
+
+def _merge_steps(src, dst, run_map, names, db, out, skip_existing, report) -> dict[int, int]:
+    src_steps = list(src.execute(select(s.steps).order_by(s.steps.c.id)).mappings())
+    existing = set()
+    targets = sorted(set(run_map.values()))
+    for chunk in _chunks(targets, _IN):
+        existing.update(tuple(row) for row in dst.execute(
+            select(s.steps.c.run_id, s.steps.c.rank, s.steps.c.step).where(s.steps.c.run_id.in_(chunk))))
+    rows, src_ids, conflicts = [], [], []
+    for st in src_steps:
+        key = (run_map[st["run_id"]], st["rank"], st["step"])
+        if key in existing:
+            where = (names[st["run_id"]], st["rank"], st["step"])
+            (report.skipped if skip_existing else conflicts).append(where)
+            continue
+        values = {k: v for k, v in st.items() if k != "id"}
+        values["run_id"] = key[0]
+        rows.append(values)
+        src_ids.append(st["id"])
+    if conflicts:
+        run, rank, step = conflicts[0]
+        more = f" (and {len(conflicts) - 1} more steps)" if len(conflicts) > 1 else ""
+        raise MergeConflict(
+            f"run {run!r} rank {rank} step {step} of {db} is already in {out}{more}; nothing was merged. "
+            "Merge with --skip-existing (skip_existing=True) to leave such steps out")
+    new_ids = _insert_returning_ids(dst, s.steps, rows)
+    report.steps = len(new_ids)
+    report.ranks = sorted({r["rank"] for r in rows})
+    return dict(zip(src_ids, new_ids))
+
+
+def _merge_nodes(src, dst, run_map, report) -> dict[int, int]:
+    node_map: dict[int, int] = {}
+    for src_run, dst_run in run_map.items():
+        have = {key: (nid, first) for key, nid, first in dst.execute(
+            select(s.nodes.c.key, s.nodes.c.id, s.nodes.c.first_step).where(s.nodes.c.run_id == dst_run))}
+        new_rows, new_src = [], []
+        for n in src.execute(select(s.nodes).where(s.nodes.c.run_id == src_run).order_by(s.nodes.c.id)).mappings():
+            hit = have.get(n["key"])
+            if hit is None:
+                values = {k: v for k, v in n.items() if k != "id"}
+                values["run_id"] = dst_run
+                new_rows.append(values)
+                new_src.append(n["id"])
+                continue
+            node_map[n["id"]] = hit[0]
+            if n["first_step"] < hit[1]:
+                dst.execute(update(s.nodes).where(s.nodes.c.id == hit[0]).values(first_step=n["first_step"]))
+        node_map.update(zip(new_src, _insert_returning_ids(dst, s.nodes, new_rows)))
+        report.nodes += len(new_rows)
+    return node_map
+
+
+def _merge_edges(src, dst, run_map, node_map, report) -> None:
+    for src_run, dst_run in run_map.items():
+        have = {(a, a_slot, b, b_slot): (eid, first) for eid, a, a_slot, b, b_slot, first in dst.execute(
+            select(s.edges.c.id, s.edges.c.src, s.edges.c.src_slot, s.edges.c.dst, s.edges.c.dst_slot,
+                   s.edges.c.first_step).where(s.edges.c.run_id == dst_run))}
+        new_rows = []
+        for e in src.execute(select(s.edges).where(s.edges.c.run_id == src_run).order_by(s.edges.c.id)).mappings():
+            key = (node_map[e["src"]], e["src_slot"], node_map[e["dst"]], e["dst_slot"])
+            hit = have.get(key)
+            if hit is None:
+                new_rows.append({"run_id": dst_run, "src": key[0], "src_slot": key[1], "dst": key[2],
+                                 "dst_slot": key[3], "first_step": e["first_step"]})
+                have[key] = (None, e["first_step"])
+            elif hit[0] is not None and e["first_step"] < hit[1]:
+                dst.execute(update(s.edges).where(s.edges.c.id == hit[0]).values(first_step=e["first_step"]))
+        for chunk in _chunks(new_rows):
+            dst.execute(insert(s.edges), chunk)
+        report.edges += len(new_rows)
+
+
+def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
+    report = MergeReport(source=db)
+    run_map, names = _merge_runs(src, dst, report)
+    step_map = _merge_steps(src, dst, run_map, names, db, out, skip_existing, report)
+    node_map = _merge_nodes(src, dst, run_map, report)
+    _merge_edges(src, dst, run_map, node_map, report)
+
+    pass_map: dict[int, int] = {}
+    for rows in _stream(src, s.passes):
+        rows = [r for r in rows if r["step_id"] in step_map]
+        for r in rows:
+            r["step_id"] = step_map[r["step_id"]]
+            r["first_call"] = r["last_call"] = None  # set below, from the calls' new ids
+        src_ids = [r.pop("id") for r in rows]
+        pass_map.update(zip(src_ids, _insert_returning_ids(dst, s.passes, rows)))
+    report.passes = len(pass_map)
+
+    call_map: dict[int, int] = {}
+    ranges: dict[int, list[int]] = {}  # OUT's pass id -> [first_call, last_call]
+    for rows in _stream(src, s.call_data):  # in id order: each pass's calls stay consecutive
+        rows = [r for r in rows if r["pass_id"] in pass_map]
+        for r in rows:
+            r["pass_id"] = pass_map[r["pass_id"]]
+            r["node_id"] = node_map[r["node_id"]]
+        src_ids = [r.pop("id") for r in rows]
+        new_ids = _insert_returning_ids(dst, s.call_data, rows)
+        call_map.update(zip(src_ids, new_ids))
+        for r, cid in zip(rows, new_ids):
+            lo_hi = ranges.setdefault(r["pass_id"], [cid, cid])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], cid), max(lo_hi[1], cid)
+    report.calls = len(call_map)
+    if ranges:
+        dst.execute(update(s.passes).where(s.passes.c.id == bindparam("pid")).values(
+            first_call=bindparam("lo"), last_call=bindparam("hi")),
+            [{"pid": pid, "lo": lo, "hi": hi} for pid, (lo, hi) in ranges.items()])
+
+    layout_map = _merge_layouts(src, dst)
+    td, tn = s.tensor_data.c, s.tensor_notes.c
+    for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
+        rows = [r for r in rows if r["step_id"] in step_map]
+        notes = {}  # this chunk's reasons and checksums
+        for ids in _chunks([r["id"] for r in rows], _IN):
+            notes.update((r["id"], r) for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(
+                tn.id.in_(ids))).mappings())
+        new_ids = _reserve_tensor_ids(dst, len(rows))
+        new_notes = []
+        for r, new_id in zip(rows, new_ids):
+            note = notes.get(r["id"])
+            if note is not None:
+                new_notes.append({"id": new_id, "reason": note["reason"], "checksum": note["checksum"]})
+            r["id"] = new_id
+            r["step_id"] = step_map[r["step_id"]]
+            r["node_id"] = node_map[r["node_id"]]
+            if r["pass_id"] is not None:
+                r["pass_id"] = pass_map[r["pass_id"]]
+            if r["call_id"] is not None:
+                r["call_id"] = call_map[r["call_id"]]
+            if r["layout_id"] is not None:
+                r["layout_id"] = layout_map[r["layout_id"]]
+        if rows:
+            dst.execute(insert(s.tensor_data), rows)
+        if new_notes:
+            dst.execute(insert(s.tensor_notes), new_notes)
+        report.tensors += len(rows)
+    return report
+
+
+def _merge_layouts(src, dst) -> dict[int, int]:
+    """Source layouts id -> OUT's id for the same (dtype, shape, numel), adding the ones OUT lacks."""
+    lay = s.layouts.c
+    have = {(d, sh, n): lid for lid, d, sh, n in dst.execute(select(lay.id, lay.dtype, lay.shape, lay.numel))}
+    out = {}
+    for lid, d, sh, n in src.execute(select(lay.id, lay.dtype, lay.shape, lay.numel).order_by(lay.id)):
+        if (d, sh, n) not in have:
+            have[(d, sh, n)] = dst.execute(insert(s.layouts).returning(lay.id),
+                                           {"dtype": d, "shape": sh, "numel": n}).scalar_one()
+        out[lid] = have[(d, sh, n)]
+    return out
+
+
+def _reserve_tensor_ids(dst, n: int) -> list[int]:
+    """`n` fresh tensor ids in OUT, increasing (tensor ids increase with step_id; see gradstore.store.schema):
+    SQLite: after the largest id, which is in the last step (OUT's write lock is held: the merge has written);
+    PostgreSQL: from the sequence."""
+    if n == 0:
+        return []
+    if dst.dialect.name == "postgresql":
+        return list(dst.exec_driver_sql(
+            f"SELECT nextval('tensor_data_id_seq') FROM generate_series(1, {int(n)})").scalars())
+    top = dst.exec_driver_sql(
+        "SELECT MAX(id) FROM tensor_data WHERE step_id = (SELECT MAX(step_id) FROM tensor_data)").scalar() or 0
+    return list(range(top + 1, top + 1 + n))

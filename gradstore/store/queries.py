@@ -1,0 +1,117 @@
+"""Named SQL queries: one `NAME.sql` file each in queries/, with a header that documents it.
+
+Header format (the same file runs unchanged in `sqlite3`, where unbound parameters are NULL):
+
+    -- title: First non-finite gradient
+    -- description: ...
+    -- param run: run name; NULL for every run
+
+Parameters are written `:name` in the SQL; a parameter left out is NULL, which every query reads as "all".
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from ..errors import QueryParameterError, UnknownQuery
+from ..records import ROLES
+from .resources import queries_dir
+
+_PARAM_RE = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+_HEADER_RE = re.compile(r"^--\s*(title|description|param\s+\w+)\s*:\s*(.*)$")
+
+
+@dataclass(frozen=True)
+class Query:
+    """A named query: name, title, description, params (name -> description), sql text, path."""
+
+    name: str
+    title: str
+    description: str
+    params: dict[str, str]
+    sql: str
+    path: Path
+
+
+def _parse(path: Path) -> Query:
+    sql = path.read_text()
+    title, description, params = path.stem, "", {}
+    for line in sql.splitlines():
+        m = _HEADER_RE.match(line.strip())
+        if not m:
+            continue
+        field, value = m.group(1), m.group(2).strip()
+        if field == "title":
+            title = value
+        elif field == "description":
+            description = value
+        else:
+            params[field.split()[1]] = value
+    body = "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
+    used = set(_PARAM_RE.findall(body))
+    undocumented = used - set(params)
+    if undocumented:
+        raise QueryParameterError(f"{path} uses parameters {sorted(undocumented)} that its header does not declare")
+    return Query(path.stem, title, description, params, sql, path)
+
+
+def available() -> dict[str, Query]:
+    """Every query in queries/, by name (the file name without .sql)."""
+    return {p.stem: _parse(p) for p in sorted(queries_dir().glob("*.sql"))}
+
+
+def get(name: str) -> Query:
+    """The query called `name`. Raises UnknownQuery, naming the queries that exist."""
+    path = queries_dir() / f"{name}.sql"
+    if not re.fullmatch(r"\w+", name or "") or not path.is_file():
+        raise UnknownQuery(f"no query named {name!r}; available: {', '.join(available())}")
+    return _parse(path)
+
+
+# parameters that the SQL casts to a number: checked here, since CAST('abc' AS INTEGER) is 0 in SQLite
+_INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b"}
+_REAL_PARAMS = {"rtol", "atol"}
+
+
+_CHOICES = {"role": ROLES, "by": ("node", "module")}
+
+
+def _typed(query: str, param: str, value):
+    """`value` as the number the query expects (int or float) or unchanged; raises QueryParameterError."""
+    if value is not None and param in _CHOICES and value not in _CHOICES[param]:
+        raise QueryParameterError(f"query {query!r}: parameter {param} is one of "
+                                  f"{', '.join(_CHOICES[param])}, got {value!r}")
+    if value is None or param not in _INTEGER_PARAMS | _REAL_PARAMS:
+        return value
+    try:
+        if param in _INTEGER_PARAMS:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        return float(value)
+    except (TypeError, ValueError):
+        kind = "a whole number" if param in _INTEGER_PARAMS else "a number"
+        raise QueryParameterError(f"query {query!r}: parameter {param} takes {kind}, got {value!r}") from None
+
+
+def run(engine: Engine, name: str, params: dict | None = None) -> pd.DataFrame:
+    """Run the named query on `engine` and return a pandas DataFrame (columns as the SQL names them).
+
+    Raises QueryParameterError for a parameter the query does not declare (naming the ones it does), or a
+    rank, step or tolerance that is not a number.
+    """
+    q = get(name)
+    params = dict(params or {})
+    unknown = set(params) - set(q.params)
+    if unknown:
+        raise QueryParameterError(
+            f"query {name!r} has no parameter {', '.join(sorted(unknown))}; "
+            f"its parameters: {', '.join(q.params) or 'none'}")
+    bound = {p: _typed(name, p, params.get(p)) for p in q.params}
+    with engine.connect() as conn:
+        return pd.read_sql(text(q.sql.rstrip().rstrip(";")), conn, params=bound)

@@ -1,0 +1,508 @@
+"""The single writer: one thread per database that turns finished steps into rows, one transaction per step.
+
+Training code hands a `StepBatch` to `Writer.submit` and goes on; it never waits on the database except in
+`flush` (end of a recording scope, `gradstore.open` on the same database, interpreter exit, and the end of a
+`multiprocessing` child, which skips the interpreter's exit handlers). A write that fails is reported as a
+warning and counted in `Writer.errors`; it never raises into training.
+
+Many writers, one database: every rank (process) has its own Writer. On SQLite each step transaction starts
+with BEGIN IMMEDIATE (the file's write lock, waited for up to the busy timeout), so id reservation and the
+whole step are one writer's at a time; on PostgreSQL ids come from sequences and rows of shared tables (nodes,
+edges, layouts) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
+PostgreSQL deadlock or serialization failure) is retried whole. A forked child gets fresh writers: the
+parent's queue, thread and connections are not its own.
+"""
+from __future__ import annotations
+
+import atexit
+import math
+import operator
+import os
+import threading
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from ..errors import DatabaseUnavailable
+from ..records import KIND, StepBatch
+from . import schema as s
+from .database import ensure_schema, is_url, make_engine
+
+# tensor_data's columns in the order the writer builds its rows
+TENSOR_DATA_COLUMNS = ("step_id", "id", "pass_id", "call_id", "node_id", "role", "slot", "status", "layout_id",
+                       "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
+_BY_NODE = operator.itemgetter(TENSOR_DATA_COLUMNS.index("node_id"))
+
+_CHUNK = 500  # keys per IN (...) list
+_ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
+_TRANSIENT_PG = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+
+
+def _transient(exc: BaseException) -> bool:
+    """True for a failure that a retry of the whole transaction can cure: SQLite busy/locked, a PostgreSQL
+    deadlock or serialization failure, a dropped connection."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    orig = exc.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if code in _TRANSIENT_PG:
+        return True
+    text = str(orig).lower()
+    return "database is locked" in text or "database is busy" in text or "database table is locked" in text
+
+
+def _insert_ignore(engine: Engine, table, index_elements):
+    """INSERT that skips rows conflicting on `index_elements` (SQLite and PostgreSQL)."""
+    if engine.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    return dialect_insert(table).on_conflict_do_nothing(index_elements=index_elements)
+
+
+class Writer:
+    """Owns the write side of one database (SQLite path or URL). Thread-safe `submit`, `flush`, `close`."""
+
+    def __init__(self, db):
+        self.db = db
+        self.pid = os.getpid()
+        self.engine = make_engine(db, immediate=True)
+        try:
+            ensure_schema(self.engine, str(db))
+        except SQLAlchemyError as exc:
+            self.engine.dispose()
+            cause = getattr(exc, "orig", None) or exc
+            raise DatabaseUnavailable(
+                f"cannot open the gradstore database {db}: {cause}; check that the directory exists and is "
+                "writable (or, for a URL, that the server is reachable)") from None
+        self.retries = 0  # step transactions tried again after a transient failure
+        self.errors: list[str] = []
+        self.rows_written = 0
+        self._node_ids: dict[int, dict[str, int]] = {}  # run id -> node key -> nodes.id
+        self._edges: set[tuple] = set()  # (run_id, (src key, src_slot, dst key, dst_slot)) already stored
+        self._layout_ids: dict[tuple, int] = {}  # (dtype, shape, numel) -> layouts.id
+        self._tensor_next: tuple[int, int] | None = None  # SQLite: (step_id it wrote last, next tensor id)
+        self._tensor_next_pending: tuple[int, int] | None = None  # the same, once this transaction commits
+        self._pending: deque = deque()
+        self._pending_rows = 0
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._pg = self.engine.dialect.name == "postgresql"
+        # statements built once, run with the driver's cursor (execute / executemany)
+        returning = " RETURNING id" if self._pg else ""
+        self._step_insert = self._driver_insert("steps", (
+            "run_id", "rank", "step", "started_at", "ended_at", "status", "error", "passes", "level", "dropped",
+            "waited")) + returning
+        self._pass_insert = self._driver_insert("passes", (
+            "step_id", "pass", "parent_pass", "parent_seq", "kind", "create_graph", "retain_graph", "roots",
+            "inputs", "nodes", "started_at", "duration", "setup", "finish", "first_call", "last_call")) + returning
+        self._call_insert = self._driver_insert(
+            "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns"))
+        self._tensor_insert = self._driver_insert("tensor_data", TENSOR_DATA_COLUMNS)
+        self._note_insert = self._driver_insert("tensor_notes", ("id", "reason", "checksum"))
+        mark = "%s" if self._pg else "?"
+        self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
+        self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
+        self._thread.start()
+
+    def _after_fork_in_child(self) -> None:
+        """Make an inherited writer this process's own: the parent's pending steps stay the parent's, its
+        connections are left alone (not closed: they are the parent's), and a new thread starts on first use."""
+        self.pid = os.getpid()
+        self.engine.dispose(close=False)
+        self._pending = deque()
+        self._pending_rows = 0
+        self._busy = False
+        self._closed = False
+        self._node_ids = {}  # the parent may have been inside a step transaction that is yet to commit
+        self._edges = set()
+        self._layout_ids = {}
+        self._tensor_next = self._tensor_next_pending = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
+
+    def _running(self) -> bool:
+        """True when the writer thread is alive, starting it first in a forked child (call with _cond held)."""
+        if self._thread.ident is None and not self._closed:
+            self._thread.start()
+        return self._thread.is_alive()
+
+    def _driver_insert(self, table: str, columns) -> str:
+        mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
+        return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join([mark] * len(columns))})"
+
+    # ---- the calling side --------------------------------------------------------------------------------
+    def submit(self, batch: StepBatch, on_full: str = "wait", max_rows: int = 500_000) -> None:
+        """Queue a step for writing. When more than `max_rows` rows are already waiting: 'wait' blocks until
+        the writer catches up (the seconds go to batch.waited), 'drop' strips the step's calls and tensors
+        (their count goes to batch.dropped) and queues the rest. Never raises."""
+        n = batch.rows()
+        with self._cond:
+            self._running()
+            if self._pending_rows and self._pending_rows + n > max_rows:
+                if on_full == "drop":
+                    batch.dropped = n
+                    for p in batch.passes:
+                        p.calls, p.tensors = [], []
+                    n = 0
+                else:
+                    t0 = time.perf_counter()
+                    while self._pending_rows and self._pending_rows + n > max_rows and self._thread.is_alive():
+                        self._cond.wait(timeout=1.0)
+                    batch.waited = time.perf_counter() - t0
+            self._pending.append(batch)
+            self._pending_rows += n
+            self._cond.notify_all()
+
+    def set_run_status(self, run_id: int, status: str, at: float) -> None:
+        """Queue an update of a run's status (end of a scope whose last step was not sampled)."""
+        with self._cond:
+            self._running()
+            self._pending.append(("run_status", run_id, status, at))
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Block until every submitted step is written (or has failed and been reported)."""
+        with self._cond:
+            while (self._pending or self._busy) and self._running():
+                self._cond.wait(timeout=1.0)
+
+    def close(self) -> None:
+        """Flush, stop the thread and release the engine."""
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=60)
+        self.engine.dispose()
+
+    # ---- the writer thread -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                item = self._pending.popleft()
+                self._busy = True
+            try:
+                if isinstance(item, tuple):
+                    self._retrying(self._write_run_status, item)
+                else:
+                    self._retrying(self.write, item)
+            except Exception as exc:
+                msg = f"step {getattr(item, 'step', '?')}: {type(exc).__name__}: {exc}"
+                self.errors.append(msg)
+                warnings.warn(f"gradstore: could not write to {self.db}: {msg}", RuntimeWarning, stacklevel=1)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    if not isinstance(item, tuple):
+                        self._pending_rows -= item.rows()
+                    self._cond.notify_all()
+
+    def _retrying(self, write, item) -> None:
+        """Run one transaction, again (whole) after a transient failure, with a growing pause."""
+        for attempt in range(_ATTEMPTS):
+            try:
+                write(item)
+                return
+            except DBAPIError as exc:
+                if attempt == _ATTEMPTS - 1 or not _transient(exc):
+                    raise
+                self.retries += 1
+                time.sleep(min(0.05 * 2 ** attempt, 2.0))
+
+    def _write_run_status(self, item) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(s.runs).where(s.runs.c.id == item[1]).values(status=item[2], finished_at=item[3]))
+
+    def write(self, b: StepBatch) -> None:
+        """Write one step and everything in it in one transaction (called on the writer thread). The caches of
+        node ids, edges and layouts learn this step's additions only when the transaction commits.
+
+        The hot inserts (steps, passes, calls, tensor rows) go through the driver's own cursor with statements
+        built once; a driver error is re-raised as SQLAlchemy's DBAPIError, so that `_retrying` sees it."""
+        added: list = []
+        dbapi_error = self.engine.dialect.loaded_dbapi.Error
+        self._tensor_next_pending = None
+        try:
+            with self.engine.begin() as conn:
+                cur = conn.connection.cursor()
+                try:
+                    self._write_step(conn, cur, b, added)
+                except dbapi_error as exc:
+                    raise DBAPIError.instance(
+                        None, None, exc, dbapi_error, dialect=self.engine.dialect,
+                        connection_invalidated=self.engine.dialect.is_disconnect(exc, conn.connection, cur),
+                    ) from exc
+                finally:
+                    cur.close()
+            if self._tensor_next_pending is not None:
+                self._tensor_next = self._tensor_next_pending
+        except BaseException:
+            self._tensor_next = None
+            for cache, key in added:
+                if isinstance(cache, set):
+                    cache.discard(key)
+                else:
+                    cache.pop(key, None)
+            raise
+
+    def _insert_id(self, cur, sql: str, row: tuple) -> int:
+        """Insert one row, return its new id (SQLite: lastrowid; PostgreSQL: RETURNING id)."""
+        cur.execute(sql, row)
+        return cur.fetchone()[0] if self._pg else cur.lastrowid
+
+    def _write_step(self, conn, cur, b: StepBatch, added: list) -> None:
+        step_id = self._insert_id(cur, self._step_insert, (
+            b.run_id, b.rank, b.step, b.started_at, b.ended_at, b.status, b.error, len(b.passes), b.level,
+            b.dropped, b.waited))
+        self._write_nodes(conn, b, added)
+        self._write_edges(conn, b, added)
+        if b.passes:
+            # call ids first: each pass row records the id range of its calls (passes.first_call, last_call)
+            n_calls = sum(len(p.calls) for p in b.passes)
+            call_ids = self._reserve_ids(cur, "call_data", n_calls) if n_calls else []
+            pass_ids, k = [], 0
+            for p in b.passes:
+                ids = call_ids[k:k + len(p.calls)]
+                k += len(p.calls)
+                pass_ids.append(self._insert_id(cur, self._pass_insert, (
+                    step_id, p.number, p.parent_pass, p.parent_seq, p.kind, int(p.create_graph),
+                    int(p.retain_graph), p.roots, p.inputs, p.reachable, p.started_at, p.duration, p.setup,
+                    p.finish, min(ids) if ids else None, max(ids) if ids else None)))
+            self._write_calls_and_tensors(conn, cur, b, step_id, pass_ids, call_ids, added)
+        if b.run_status is not None:
+            cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
+
+    def _write_nodes(self, conn, b: StepBatch, added: list) -> None:
+        run_id = b.run_id
+        ids = self._node_ids.setdefault(run_id, {})
+        new = {}
+        for p in b.passes:
+            for n in p.nodes:
+                if n.key not in ids:
+                    new[n.key] = n
+        if not new:
+            return
+        keys = sorted(new)  # one order for every writer: concurrent inserts of shared keys cannot deadlock
+        conn.execute(_insert_ignore(self.engine, s.nodes, ["run_id", "key"]), [
+            {"run_id": run_id, "key": k, "name": new[k].name, "kind": KIND[new[k].kind], "module": new[k].module,
+             "param": new[k].param, "frame": new[k].frame, "first_step": b.step} for k in keys])
+        for i in range(0, len(keys), _CHUNK):
+            chunk = keys[i:i + _CHUNK]
+            rows = conn.execute(select(s.nodes.c.key, s.nodes.c.id).where(
+                s.nodes.c.run_id == run_id, s.nodes.c.key.in_(chunk)))
+            for key, node_id in rows:
+                ids[key] = node_id
+                added.append((ids, key))
+
+    def _write_edges(self, conn, b: StepBatch, added: list) -> None:
+        seen, run_id = self._edges, b.run_id
+        new = {}
+        for p in b.passes:
+            for e in p.edges:
+                if (run_id, e) not in seen:
+                    new[(run_id, e)] = None
+        if not new:
+            return
+        ids = self._node_ids[run_id]
+        rows = sorted((ids[src], slot, ids[dst], dslot) for _, (src, slot, dst, dslot) in new)
+        conn.execute(_insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]), [
+            {"run_id": run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3], "first_step": b.step}
+            for e in rows])
+        for key in new:
+            seen.add(key)
+            added.append((seen, key))
+
+    def _write_layouts(self, conn, triples: set, added: list) -> None:
+        """Give each (dtype, shape, numel) in `triples` its layouts id (inserted when new, sorted: one order
+        for every writer) in self._layout_ids."""
+        rows = sorted(triples, key=lambda k: (k[0] if k[0] is not None else -1, k[1] or "", k[2] or 0))
+        conn.execute(_insert_ignore(self.engine, s.layouts, ["dtype", "shape", "numel"]),
+                     [{"dtype": d, "shape": sh, "numel": n} for d, sh, n in rows])
+        lay = s.layouts.c
+        for i in range(0, len(rows), _CHUNK):
+            chunk = rows[i:i + _CHUNK]
+            shapes = sorted({r[1] for r in chunk if r[1] is not None})
+            found = conn.execute(select(lay.id, lay.dtype, lay.shape, lay.numel).where(
+                or_(lay.shape.in_(shapes), lay.shape.is_(None))))
+            for lid, d, sh, n in found:
+                if (d, sh, n) in triples:
+                    self._layout_ids[(d, sh, n)] = lid
+                    added.append((self._layout_ids, (d, sh, n)))
+
+    def _reserve_ids(self, cur, table: str, n: int):
+        """`n` fresh ids for `table` (call_data or tensor_data), so that rows can be inserted with the driver's
+        executemany and referenced at once; returns a range (SQLite) or a list (PostgreSQL).
+
+        SQLite: this transaction holds the database's write lock (BEGIN IMMEDIATE), so max(id) + 1 ... are ours;
+        tensor ids increase with step_id, so the largest is in the last step: when that step is the one this
+        writer wrote last, its own counter is right (one index seek checks it); else the step's rows are read.
+        PostgreSQL: from the column's sequence (a concurrent writer may interleave, so not consecutive)."""
+        if self._pg:
+            seq = "'tensor_data_id_seq'" if table == "tensor_data" else f"pg_get_serial_sequence('{table}', 'id')"
+            cur.execute(f"SELECT nextval({seq}) FROM generate_series(1, %s)", (int(n),))
+            return [r[0] for r in cur.fetchall()]
+        if table == "tensor_data":
+            # the counter this writer kept holds while the last step with tensor rows is still its own
+            cur.execute("SELECT MAX(step_id) FROM tensor_data")
+            last_step = cur.fetchone()[0]
+            if self._tensor_next is not None and self._tensor_next[0] == last_step:
+                top = self._tensor_next[1] - 1
+            else:
+                cur.execute("SELECT MAX(id) FROM tensor_data WHERE step_id = ?", (last_step,))
+                top = cur.fetchone()[0] or 0
+        else:
+            cur.execute(f"SELECT MAX(id) FROM {table}")
+            top = cur.fetchone()[0] or 0
+        return range(top + 1, top + 1 + n)
+
+    def _write_calls_and_tensors(self, conn, cur, b: StepBatch, step_id: int, pass_ids: list[int], cids,
+                                 added: list) -> None:
+        # the per-row loops run on the writer thread with the GIL held: locals only, no call per row but the
+        # dict lookups, the norm test, the rounding and the tuple
+        node_id = self._node_ids[b.run_id]
+        n_calls = len(cids)
+        call_of: dict = {}
+        if n_calls:
+            call_rows = []
+            k = 0
+            for p, pass_id in zip(b.passes, pass_ids):
+                # cids[k:k + len(p.calls)] are this pass's (its first_call..last_call); times in integer ns
+                for key, seq, start, dur in p.calls:
+                    cid = call_of[seq] = cids[k]
+                    k += 1
+                    call_rows.append((cid, pass_id, node_id[key], seq, round(start * 1e9),
+                                      None if dur is None else round(dur * 1e9)))
+            cur.executemany(self._call_insert, call_rows)
+        n_tensors = sum(len(p.tensors) for p in b.passes)
+        if n_tensors:
+            tids = self._reserve_ids(cur, "tensor_data", n_tensors)
+            layout = self._layout_ids.get
+            rows, notes, unknown = [], [], []
+            append = rows.append
+            sqrt = math.sqrt
+            k = 0
+            for p, pass_id in zip(b.passes, pass_ids):
+                for (key, seq, role, slot, status, reason, dtype, shape, numel, norm, mn, mx, mean, std, nan, pinf,
+                     ninf, zeros, csum) in p.tensors:
+                    tid = tids[k]
+                    lay = layout((dtype, shape, numel))
+                    if lay is None and (dtype is not None or shape is not None or numel is not None):
+                        unknown.append(k)
+                    if std is not None and mean is not None and norm is not None and numel is not None:
+                        # stored as NULL where the tensors view's expression gives it back bit for bit
+                        n = numel - nan - pinf - ninf
+                        if n > 0 and sqrt((n - 1) * std * std + n * mean * mean) == norm:
+                            norm = None
+                    cid = call_of.get(seq)  # None for param_grad rows (and a row whose call was not kept)
+                    if cid is None:  # no call to take the pass from: the row names its pass
+                        append((step_id, tid, pass_id, None, node_id[key], role, slot, status, lay, norm, mn, mx,
+                                mean, std, nan, pinf, ninf, zeros))
+                    else:
+                        append((step_id, tid, None, cid, node_id[key], role, slot, status, lay, norm, mn, mx, mean,
+                                std, nan, pinf, ninf, zeros))
+                    if reason is not None or csum is not None:
+                        notes.append((tid, reason, csum))
+                    k += 1
+            if unknown:
+                self._fill_layouts(conn, b, rows, unknown, added)
+            if not self._pg:
+                self._tensor_next_pending = (step_id, tids[-1] + 1)
+            rows.sort(key=_BY_NODE)  # the table's order within the step: pages fill up as they are appended
+            cur.executemany(self._tensor_insert, rows)
+            if notes:
+                cur.executemany(self._note_insert, notes)
+        self.rows_written += n_tensors + n_calls
+
+    def _fill_layouts(self, conn, b: StepBatch, rows: list, unknown: list[int], added: list) -> None:
+        """Insert the layouts the rows at `unknown` need and put their ids in those rows (a new shape: rare)."""
+        triples = {}
+        flat = [t for p in b.passes for t in p.tensors]
+        for i in unknown:
+            t = flat[i]
+            triples[(t[6], t[7], t[8])] = None
+        self._write_layouts(conn, set(triples), added)
+        for i in unknown:
+            t = flat[i]
+            r = rows[i]
+            rows[i] = r[:8] + (self._layout_ids[(t[6], t[7], t[8])],) + r[9:]
+
+
+# ---- one writer per database per process ------------------------------------------------------------------
+_writers: dict[str, Writer] = {}
+_writers_lock = threading.Lock()
+_exit_hook_pid: int | None = None
+
+
+def _db_id(db) -> str:
+    return str(db) if is_url(db) else str(Path(db).resolve())
+
+
+def writer_for(db) -> Writer:
+    """The process's Writer for `db` (created, with its schema ensured, on first use)."""
+    global _exit_hook_pid
+    key = _db_id(db)
+    with _writers_lock:
+        w = _writers.get(key)
+        if w is None:
+            w = _writers[key] = Writer(db)
+        if _exit_hook_pid != os.getpid():
+            # a multiprocessing child ends with os._exit, after its own finalizers but without atexit: flush there
+            import multiprocessing.util
+
+            multiprocessing.util.Finalize(None, _flush_all, exitpriority=100)
+            _exit_hook_pid = os.getpid()
+        return w
+
+
+def close_writer(db) -> None:
+    """Flush and close this process's writer for `db`, if it has one, and forget it (its connections are
+    released; a later recording into `db` starts a new writer)."""
+    with _writers_lock:
+        w = _writers.pop(_db_id(db), None)
+    if w is not None:
+        w.close()
+
+
+def flush_pending(db) -> None:
+    """Wait for this process's pending writes to `db`, if it has a writer for it."""
+    w = _writers.get(_db_id(db))
+    if w is not None:
+        w.flush()
+
+
+@atexit.register
+def _flush_all() -> None:
+    """At exit: write what is pending, then close the connections (SQLite folds its WAL file back into the
+    database when the last connection closes, so the .db file alone holds the record)."""
+    for w in list(_writers.values()):
+        try:
+            if w.pid == os.getpid():
+                w.flush()
+                w.engine.dispose()
+        except Exception:
+            pass
+
+
+def _after_fork_in_child() -> None:
+    global _writers_lock
+    _writers_lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+    for w in _writers.values():
+        w._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
