@@ -1,4 +1,5 @@
 """The reference step, the machine description and small helpers shared by every benchmark section."""
+
 from __future__ import annotations
 
 import datetime
@@ -33,9 +34,11 @@ class ModelSpec:
         return replace(self, n_layer=n_layer)
 
     def describe(self) -> str:
-        return (f"GPT2LMHeadModel(n_layer={self.n_layer}, n_embd={self.n_embd}, n_head={self.n_head}, "
-                f"vocab_size={self.vocab_size}, n_positions={self.n_positions}), batch {self.batch} x {self.seq} "
-                f"tokens, forward + backward + SGD step, CPU")
+        return (
+            f"GPT2LMHeadModel(n_layer={self.n_layer}, n_embd={self.n_embd}, n_head={self.n_head}, "
+            f"vocab_size={self.vocab_size}, n_positions={self.n_positions}), batch {self.batch} x {self.seq} "
+            f"tokens, forward + backward + SGD step, CPU"
+        )
 
     def to_args(self) -> list[str]:
         """Command-line form, for the subprocess workers."""
@@ -74,9 +77,15 @@ class Bench:
         quiet()
         self.spec = spec
         torch.manual_seed(seed)
-        cfg = GPT2Config(n_layer=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head,
-                         vocab_size=spec.vocab_size, n_positions=spec.n_positions,
-                         bos_token_id=0, eos_token_id=0)
+        cfg = GPT2Config(
+            n_layer=spec.n_layer,
+            n_embd=spec.n_embd,
+            n_head=spec.n_head,
+            vocab_size=spec.vocab_size,
+            n_positions=spec.n_positions,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         self.model = GPT2LMHeadModel(cfg)
         self.model.train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
@@ -117,10 +126,12 @@ def cpu_model() -> str:
 
 def git_state() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "gradstore"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "gradstore"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         return f"{head}{' + uncommitted changes in gradstore/' if dirty else ''}" if head else "unknown"
     except Exception:
         return "unknown"
@@ -178,9 +189,14 @@ class Worker:
 
     def __init__(self, args: list[str], timeout: float = 1800):
         self.timeout = timeout
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", *args], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.worker", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
 
     def result(self) -> dict:
         try:

@@ -5,6 +5,7 @@ alternatives a user has (anomaly mode, hand-written `.item()` hooks). TorchLens 
 A configuration has `setup()` (may raise NotAvailable), `step()` (timed), `after()` (untimed, returns
 extra measurements such as the writer's drain time) and `teardown()`.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -52,7 +53,7 @@ class NoRecording(Config):
 # ---- gradstore ---------------------------------------------------------------------------------------------
 GRADSTORE_RECORDS = {
     "full": "every node and call (order, duration); every grad_output and grad_input: dtype, shape, numel, "
-            "norm, min, max, mean, std, exact NaN/+Inf/-Inf/zero counts; parameter .grad; to SQLite",
+    "norm, min, max, mean, std, exact NaN/+Inf/-Inf/zero counts; parameter .grad; to SQLite",
     "health": "every node and call; norm, max-abs, non-finite counts of every gradient; to SQLite",
     "params": "parameter gradients only (full statistics); to SQLite",
     "shape": "every node and call; dtype and shape of every gradient, no reductions; to SQLite",
@@ -78,29 +79,45 @@ class Gradstore(Config):
     spare core.
     """
 
-    def __init__(self, bench: Bench, db: Path, level: str, every: int = 1, name: str | None = None,
-                 python_hooks: bool = False, **options):
+    def __init__(
+        self,
+        bench: Bench,
+        db: Path,
+        level: str,
+        every: int = 1,
+        name: str | None = None,
+        python_hooks: bool = False,
+        **options,
+    ):
         super().__init__(bench)
         self.python_hooks = python_hooks  # the Python hooks even where the C++ ones are built (a comparison)
         self.db = Path(db)
         self.level = level
         self.every = every
         self.options = options  # more record() arguments, e.g. frames=True
-        self.name = name or (f"gradstore {level}" + (f", every={every}" if every > 1 else "")
-                             + "".join(f", {k}={v}" for k, v in options.items())
-                             + (", Python hooks" if python_hooks else ""))
+        self.name = name or (
+            f"gradstore {level}"
+            + (f", every={every}" if every > 1 else "")
+            + "".join(f", {k}={v}" for k, v in options.items())
+            + (", Python hooks" if python_hooks else "")
+        )
         self.run = self.name.replace(" ", "-").replace(",", "").replace("=", "")
         self.steps_per_slot = every
         base = GRADSTORE_RECORDS.get(level, level)
-        self.records = base if every == 1 else f"as {level}, on 1 step in {every} (the others run with no hooks); " \
-                                               f"time: mean over a {every}-step slot"
+        self.records = (
+            base
+            if every == 1
+            else f"as {level}, on 1 step in {every} (the others run with no hooks); time: mean over a {every}-step slot"
+        )
         if options.get("frames"):
             self.records = f"as {level}, and the user-code line that created each node (frames=True)"
         if options.get("saved"):
             self.records = f"as {level}, and the statistics of every saved tensor of every node (saved=True)"
         if python_hooks:
-            self.records = (f"as {level}, recorded by the Python hooks (as with GRADSTORE_NATIVE=0): "
-                            "the same rows, for comparison with the C++ hooks")
+            self.records = (
+                f"as {level}, recorded by the Python hooks (as with GRADSTORE_NATIVE=0): "
+                "the same rows, for comparison with the C++ hooks"
+            )
         self.note = ""
 
     def kwargs(self) -> dict:
@@ -153,8 +170,10 @@ class Gradstore(Config):
 # ---- the alternatives ----------------------------------------------------------------------------------------
 class AnomalyMode(Config):
     name = "detect_anomaly(check_nan=True)"
-    records = "nothing stored: checks every node's outputs for NaN and raises at the first, with the forward " \
-              "traceback of the node that made it"
+    records = (
+        "nothing stored: checks every node's outputs for NaN and raises at the first, with the forward "
+        "traceback of the node that made it"
+    )
 
     def step(self):
         b = self.bench
@@ -186,9 +205,11 @@ def _item_stats(g):
 
 class HandHooks(Config):
     name = "hand-written hooks (.item())"
-    records = "the same 9 statistics (norm, min, max, mean, std, NaN, +Inf, -Inf, zeros) of every grad_output " \
-              "and grad_input of every node, one .item() each, via register_prehook/register_hook; kept in a " \
-              "Python list (no database, no keys, no module names)"
+    records = (
+        "the same 9 statistics (norm, min, max, mean, std, NaN, +Inf, -Inf, zeros) of every grad_output "
+        "and grad_input of every node, one .item() each, via register_prehook/register_hook; kept in a "
+        "Python list (no database, no keys, no module names)"
+    )
 
     def step(self):
         b = self.bench
@@ -218,4 +239,3 @@ class HandHooks(Config):
                 h.remove()
         b.finish()
         self.last_rows = len(rows)
-

@@ -1,5 +1,6 @@
 """Smaller sections: what a recorded step holds (from the store), where the training thread's time goes
 outside the hooks, a cProfile of the full level, peak RSS, and the overhead against model depth."""
+
 from __future__ import annotations
 
 import contextlib
@@ -95,13 +96,20 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None,
     per_step = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_timed(recorder.record, "_enter", totals, "scope entry", cpu))
-        stack.enter_context(_timed(passes.PassRecorder, "__init__", totals, "pass start (walk, register hooks)",
-                                   cpu))
-        stack.enter_context(_timed(passes.PassRecorder, "finish", totals,
-                                   "end of pass (hook removal, parameter-gradient statistics, transfer)", cpu))
+        stack.enter_context(_timed(passes.PassRecorder, "__init__", totals, "pass start (walk, register hooks)", cpu))
+        stack.enter_context(
+            _timed(
+                passes.PassRecorder,
+                "finish",
+                totals,
+                "end of pass (hook removal, parameter-gradient statistics, transfer)",
+                cpu,
+            )
+        )
         stack.enter_context(_timed(passes, "measure", totals, PARAM_STATS, cpu))
-        stack.enter_context(_timed(passes, "to_rows", totals,
-                                   "↳ of which `to_rows` (host transfer of device-resident results)", cpu))
+        stack.enter_context(
+            _timed(passes, "to_rows", totals, "↳ of which `to_rows` (host transfer of device-resident results)", cpu)
+        )
         stack.enter_context(_timed(recorder.record, "_end_step", totals, "end of step (hand-off to writer)", cpu))
         if hasattr(passes, "StepState"):
             stack.enter_context(_timed(passes.StepState, "release", totals, RELEASE, cpu))
@@ -118,20 +126,35 @@ def outside_hooks(bench: Bench, db: Path, steps: int, none_step_s: float | None,
             for now, then, sink in zip((totals, cpu, writer), before, (steps_wall, steps_cpu, steps_writer)):
                 sink.append({k: v - then.get(k, 0.0) for k, v in now.items() if k != "missing"})
     missing = totals.pop("missing", []) + writer.pop("missing", [])
-    order = ["scope entry", "pass start", "end of pass", "↳ of which parameter", "↳ of which `to_rows`", "end of step",
-             "↳ of which the graph"]
+    order = [
+        "scope entry",
+        "pass start",
+        "end of pass",
+        "↳ of which parameter",
+        "↳ of which `to_rows`",
+        "end of step",
+        "↳ of which the graph",
+    ]
 
     def med(per: list[dict], key: str) -> float:
         # the median step: a rare full garbage collection (100+ ms with transformers loaded) that happens to
         # start inside one part of one step would otherwise stand for that part in every step
         return median([d.get(key, 0.0) for d in per])
 
-    parts = {k: med(steps_wall, k) for k in sorted(totals, key=lambda k: next(
-        (i for i, o in enumerate(order) if k.startswith(o)), len(order)))}
-    out = {"parts_s": parts, "cpu_s": {k: med(steps_cpu, k) for k in parts}, "missing": missing,
-           "step_s": median(per_step), "none_step_s": none_step_s, "stats": stats,
-           "writer_rows_s": med(steps_writer, WRITER_ROWS),
-           "parts_mean_s": {k: totals[k] / steps for k in parts}}
+    parts = {
+        k: med(steps_wall, k)
+        for k in sorted(totals, key=lambda k: next((i for i, o in enumerate(order) if k.startswith(o)), len(order)))
+    }
+    out = {
+        "parts_s": parts,
+        "cpu_s": {k: med(steps_cpu, k) for k in parts},
+        "missing": missing,
+        "step_s": median(per_step),
+        "none_step_s": none_step_s,
+        "stats": stats,
+        "writer_rows_s": med(steps_writer, WRITER_ROWS),
+        "parts_mean_s": {k: totals[k] / steps for k in parts},
+    }
     handoff = sum(v for k, v in parts.items() if k.startswith(("end of pass", "end of step")))
     if none_step_s:
         out["handoff_fraction"] = handoff / none_step_s
@@ -166,13 +189,29 @@ def profile_full(bench: Bench, db: Path, steps: int, top: int = 18) -> str:
 def rss_jobs(spec: ModelSpec, steps: int, threads: int, dbdir: Path, i: int = 0) -> dict:
     """Start one pair of fresh processes, without and with recording (memory is per process, so they may run
     side by side)."""
-    return {mode: Worker(["rss", "--record", mode, "--steps", str(steps), "--threads", str(threads),
-                          "--db", str(Path(dbdir) / f"rss-{i}.db"), *spec.to_args()], timeout=900)
-            for mode in ("none", "full")}
+    return {
+        mode: Worker(
+            [
+                "rss",
+                "--record",
+                mode,
+                "--steps",
+                str(steps),
+                "--threads",
+                str(threads),
+                "--db",
+                str(Path(dbdir) / f"rss-{i}.db"),
+                *spec.to_args(),
+            ],
+            timeout=900,
+        )
+        for mode in ("none", "full")
+    }
 
 
-def peak_rss(spec: ModelSpec, steps: int, repeats: int, threads: int = 1, started: dict | None = None,
-             dbdir: Path | None = None) -> dict:
+def peak_rss(
+    spec: ModelSpec, steps: int, repeats: int, threads: int = 1, started: dict | None = None, dbdir: Path | None = None
+) -> dict:
     """Peak RSS of the training steps, without and with recording, in `repeats` pairs of fresh processes
     (the peak is reset after imports and model construction where Linux allows). `started`: a first pair
     already started by `rss_jobs` (with `dbdir`)."""
@@ -220,8 +259,14 @@ def depth_sweep(spec: ModelSpec, layers: list[int], rounds: int, warmup: int, wo
                 counts = counts_from_store(workdir / f"depth-{n}.db", cfgs[1].run)
             except Exception as exc:
                 counts = {"error": str(exc)}
-        out[n] = {"none_s": res["none"]["median_s"], "full_s": full.get("median_s"), "ratio": full.get("ratio"),
-                  "ratio_incl_write": full.get("ratio_incl_write"), "status": full["status"],
-                  "note": full.get("note", ""), **{k: counts.get(k) for k in ("nodes", "calls", "tensor_rows")}}
+        out[n] = {
+            "none_s": res["none"]["median_s"],
+            "full_s": full.get("median_s"),
+            "ratio": full.get("ratio"),
+            "ratio_incl_write": full.get("ratio_incl_write"),
+            "status": full["status"],
+            "note": full.get("note", ""),
+            **{k: counts.get(k) for k in ("nodes", "calls", "tensor_rows")},
+        }
         del bench
     return out

@@ -1,6 +1,7 @@
 """The statistics of one gradient, per element: gradstore's fused kernel against the NumPy/torch path it
 replaces (the fallback where no C compiler is available) and against one `torch.sum` (a single read of the
 data by torch's own vectorised reduction: the floor for anything that reads every element once)."""
+
 from __future__ import annotations
 
 import time
@@ -43,14 +44,18 @@ def run(repeats: int = 15) -> dict:
 def render(r: dict) -> list[str]:
     """The Markdown section for RESULTS.md."""
     methods = [m for m in r["rows"][0] if m != "numel"]
-    L = ["## Reductions per element (float32, " + f"{r['threads']} thread{'s' if r['threads'] > 1 else ''})", "",
-         "The statistics of one gradient tensor, ns per element, medians, methods interleaved (`python -m "
-         "benchmarks.run --sections reductions`). *kernel*: gradstore's fused one-pass C kernel "
-         f"({r['kernel']}); *numpy/torch*: the path used where it cannot be built; `torch.sum`: one read of the "
-         "data by torch, the floor for reading every element once.", "",
-         "| numel | " + " | ".join(methods) + " | fallback / kernel (full) |",
-         "|---" * (len(methods) + 2) + "|"]
+    L = [
+        "## Reductions per element (float32, " + f"{r['threads']} thread{'s' if r['threads'] > 1 else ''})",
+        "",
+        "The statistics of one gradient tensor, ns per element, medians, methods interleaved (`python -m "
+        "benchmarks.run --sections reductions`). *kernel*: gradstore's fused one-pass C kernel "
+        f"({r['kernel']}); *numpy/torch*: the path used where it cannot be built; `torch.sum`: one read of the "
+        "data by torch, the floor for reading every element once.",
+        "",
+        "| numel | " + " | ".join(methods) + " | fallback / kernel (full) |",
+        "|---" * (len(methods) + 2) + "|",
+    ]
     for row in r["rows"]:
-        speedup = (f"{row['numpy/torch full'] / row['kernel full']:.1f}×" if "kernel full" in row else "–")
+        speedup = f"{row['numpy/torch full'] / row['kernel full']:.1f}×" if "kernel full" in row else "–"
         L.append(f"| {row['numel']:,} | " + " | ".join(f"{row[m]:.3f}" for m in methods) + f" | {speedup} |")
     return L + [""]

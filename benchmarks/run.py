@@ -8,6 +8,7 @@
 
 See benchmarks/README.md for what each section measures and how.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,32 +22,49 @@ from pathlib import Path
 
 from .common import BENCH_DIR, REFERENCE, TINY, Bench, Worker, environment, log, median, quiet
 
-SECTIONS = ["step", "torchlens", "counts", "reductions", "writer", "outside", "profile", "rss", "depth",
-            "scale"]
+SECTIONS = ["step", "torchlens", "counts", "reductions", "writer", "outside", "profile", "rss", "depth", "scale"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="fast smoke mode: 3 rounds, 1 warm-up, 1 thread, small writer/RSS runs, no --scale")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fast smoke mode: 3 rounds, 1 warm-up, 1 thread, small writer/RSS runs, no --scale",
+    )
     p.add_argument("--tiny", action="store_true", help="a 1-layer toy GPT-2 instead of the reference model")
     p.add_argument("--threads", default=None, help="torch thread counts, comma-separated (default 1,2; --quick: 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 15; --quick: 3)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 3; --quick: 1)")
     p.add_argument("--every", type=int, default=10, help="N of the every=N configuration (default 10)")
     p.add_argument("--depth", default=None, help="n_layer values of the depth sweep (default 2,4,8,12)")
-    p.add_argument("--scale", dest="scale", action="store_true", default=None,
-                   help="run the 10M-row query section (default on, off with --quick)")
+    p.add_argument(
+        "--scale",
+        dest="scale",
+        action="store_true",
+        default=None,
+        help="run the 10M-row query section (default on, off with --quick)",
+    )
     p.add_argument("--no-scale", dest="scale", action="store_false")
     p.add_argument("--scale-steps", type=int, default=1000)
     p.add_argument("--scale-rows", type=int, default=10_000, help="tensor rows per generated step (default 10000)")
     p.add_argument("--writer-steps", type=int, default=None, help="steps written per writer round (default 200)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    p.add_argument("--from-json", default=None, metavar="RESULTS.json",
-                   help="measure nothing: re-render the report from the raw numbers of an earlier run")
-    p.add_argument("--out", default=str(BENCH_DIR / "RESULTS.md"), help="the Markdown report (default "
-                   "benchmarks/RESULTS.md); raw numbers go next to it as .json")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="RESULTS.json",
+        help="measure nothing: re-render the report from the raw numbers of an earlier run",
+    )
+    p.add_argument(
+        "--out",
+        default=str(BENCH_DIR / "RESULTS.md"),
+        help="the Markdown report (default benchmarks/RESULTS.md); raw numbers go next to it as .json",
+    )
     a = p.parse_args(argv)
     a.threads = [int(t) for t in (a.threads or ("1" if a.quick else "1,2")).split(",") if t]
     a.repeats = a.repeats or (3 if a.quick else 15)
@@ -100,29 +118,44 @@ def main(argv=None) -> int:
 
     spec = TINY if a.tiny else REFERENCE
     t_start = time.perf_counter()
-    command = "python -m benchmarks.run" + ("" if argv is None and len(sys.argv) <= 1 else
-                                            " " + shlex.join(sys.argv[1:] if argv is None else argv))
-    results = {"command": command, "args": {"threads": a.threads, "repeats": a.repeats, "warmup": a.warmup,
-                                            "every": a.every, "depth": a.depth, "quick": a.quick, "tiny": a.tiny,
-                                            "sections": a.sections},
-               "environment": environment(), "spec": spec.describe(), "notes": []}
+    command = "python -m benchmarks.run" + (
+        "" if argv is None and len(sys.argv) <= 1 else " " + shlex.join(sys.argv[1:] if argv is None else argv)
+    )
+    results = {
+        "command": command,
+        "args": {
+            "threads": a.threads,
+            "repeats": a.repeats,
+            "warmup": a.warmup,
+            "every": a.every,
+            "depth": a.depth,
+            "quick": a.quick,
+            "tiny": a.tiny,
+            "sections": a.sections,
+        },
+        "environment": environment(),
+        "spec": spec.describe(),
+        "notes": [],
+    }
     log(f"gradstore benchmarks: {spec.describe()}; sections {','.join(a.sections)}")
     tmp = tempfile.TemporaryDirectory(prefix="gradstore-bench-")
     work = Path(tmp.name)
 
     def configs(bench, d: Path):
         d.mkdir(parents=True, exist_ok=True)
-        return [NoRecording(bench),
-                Gradstore(bench, d / "full.db", "full"),
-                Gradstore(bench, d / "health.db", "health"),
-                Gradstore(bench, d / "params.db", "params"),
-                Gradstore(bench, d / "shape.db", "shape"),
-                Gradstore(bench, d / "every.db", "full", every=a.every),
-                Gradstore(bench, d / "frames.db", "full", frames=True),
-                Gradstore(bench, d / "full-py.db", "full", python_hooks=True),
-                Gradstore(bench, d / "shape-py.db", "shape", python_hooks=True),
-                AnomalyMode(bench),
-                HandHooks(bench)]
+        return [
+            NoRecording(bench),
+            Gradstore(bench, d / "full.db", "full"),
+            Gradstore(bench, d / "health.db", "health"),
+            Gradstore(bench, d / "params.db", "params"),
+            Gradstore(bench, d / "shape.db", "shape"),
+            Gradstore(bench, d / "every.db", "full", every=a.every),
+            Gradstore(bench, d / "frames.db", "full", frames=True),
+            Gradstore(bench, d / "full-py.db", "full", python_hooks=True),
+            Gradstore(bench, d / "shape-py.db", "shape", python_hooks=True),
+            AnomalyMode(bench),
+            HandHooks(bench),
+        ]
 
     results["step"], results["torchlens"] = {}, {}
     counted, tl_jobs, rss_started = {}, {}, None
@@ -131,8 +164,10 @@ def main(argv=None) -> int:
     tl_rounds, tl_warm = (1, 0) if a.quick else (min(a.repeats, 7), 1)
 
     def tl_job(t):
-        return Worker(["torchlens", "--threads", str(t), "--rounds", str(tl_rounds), "--warmup", str(tl_warm),
-                       *spec.to_args()], timeout=3600)
+        return Worker(
+            ["torchlens", "--threads", str(t), "--rounds", str(tl_rounds), "--warmup", str(tl_warm), *spec.to_args()],
+            timeout=3600,
+        )
 
     if a.quick:
         # --quick: the process-based sections start now and run alongside the rest (quick numbers are for
@@ -144,13 +179,15 @@ def main(argv=None) -> int:
     for t in a.threads:
         torch.set_num_threads(t)
         if "step" in a.sections:
+
             def step_section(t=t):
                 bench = Bench(spec)
                 cfgs = configs(bench, work / f"threads-{t}")
                 res = summarize(interleaved(cfgs, a.repeats, a.warmup, label=f"step, {t} thread(s)"))
                 if t == a.threads[0]:
-                    counted.update({c.name: c for c in cfgs if isinstance(c, Gradstore) and
-                                    res[c.name]["status"] == "ok"})
+                    counted.update(
+                        {c.name: c for c in cfgs if isinstance(c, Gradstore) and res[c.name]["status"] == "ok"}
+                    )
                 return res
 
             _section(results["step"], str(t), step_section)
@@ -160,6 +197,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads[0])
 
     if "counts" in a.sections and counted:
+
         def counts_section():
             return {name: _safe(lambda c=c: extras.counts_from_store(c.db, c.run)) for name, c in counted.items()}
 
@@ -169,8 +207,9 @@ def main(argv=None) -> int:
         _section(results, "reductions", lambda: reductions.run(3 if a.quick else 15))
 
     if "writer" in a.sections:
-        _section(results, "writer", lambda: writer_bench.run(Bench(spec), work, a.writer_steps,
-                                                              repeats=2 if a.quick else 3))
+        _section(
+            results, "writer", lambda: writer_bench.run(Bench(spec), work, a.writer_steps, repeats=2 if a.quick else 3)
+        )
 
     none_s = None
     first = results["step"].get(str(a.threads[0]), {})
@@ -178,6 +217,7 @@ def main(argv=None) -> int:
         none_s = first["none"].get("median_s")
     torch.set_num_threads(1)
     if "outside" in a.sections:
+
         def outside_section():
             bench = Bench(spec)
             base = none_s if a.threads[0] == 1 else None
@@ -189,7 +229,7 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     train_step(bench.model, bench)
                     ts.append(time.perf_counter() - t0)
-                base = median(ts[a.warmup:])
+                base = median(ts[a.warmup :])
             steps = 2 if a.quick else 8
             out = extras.outside_hooks(bench, work / "outside.db", steps, base)
             out["steps"] = steps
@@ -197,9 +237,9 @@ def main(argv=None) -> int:
 
         _section(results, "outside", outside_section)
     if "profile" in a.sections:
-        _section(results, "profile", lambda: extras.profile_full(Bench(spec), work / "profile.db",
-                                                                  1 if a.quick else 3))
+        _section(results, "profile", lambda: extras.profile_full(Bench(spec), work / "profile.db", 1 if a.quick else 3))
     if "rss" in a.sections:
+
         def rss_section():
             r = extras.peak_rss(spec, rss_steps, 1 if a.quick else 2, started=rss_started)
             r["steps"] = rss_steps
@@ -207,8 +247,11 @@ def main(argv=None) -> int:
 
         _section(results, "rss", rss_section)
     if "depth" in a.sections:
-        _section(results, "depth", lambda: extras.depth_sweep(spec, a.depth, max(2, a.repeats * 2 // 3),
-                                                               a.warmup, work / "depth"))
+        _section(
+            results,
+            "depth",
+            lambda: extras.depth_sweep(spec, a.depth, max(2, a.repeats * 2 // 3), a.warmup, work / "depth"),
+        )
     if "scale" in a.sections:
         _section(results, "scale", lambda: scale.run(a.scale_steps, a.scale_rows, repeats=3))
 
@@ -247,11 +290,14 @@ def _notes(results: dict) -> list[str]:
             f"Query database shape: issue 3 asks for 10 million tensor rows in 1,000 steps, i.e. ~10,000 rows per "
             f"step, so the generated step is that of a {m['n_layer']}-layer model ({m['calls_per_step']:,} calls); "
             "the reference step has ~721 rows and ~298 calls. For the other reading (reference-sized steps, "
-            "~14,000 of them) run `--scale-steps 14000 --scale-rows 721`.")
+            "~14,000 of them) run `--scale-steps 14000 --scale-rows 721`."
+        )
     if len(results.get("args", {}).get("threads", [])) > 1:
-        notes.append("With 2 torch threads on a 2-core machine shared with other jobs, every slot competes for "
-                     "the cores (OpenMP threads wait on each other); the 2-thread table moves far more between "
-                     "runs than the 1-thread one. Issue 3's ratio targets are for 1 thread.")
+        notes.append(
+            "With 2 torch threads on a 2-core machine shared with other jobs, every slot competes for "
+            "the cores (OpenMP threads wait on each other); the 2-thread table moves far more between "
+            "runs than the 1-thread one. Issue 3's ratio targets are for 1 thread."
+        )
     for t, res in results.get("step", {}).items():
         if not isinstance(res, dict) or "error" in res:
             continue

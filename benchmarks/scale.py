@@ -8,6 +8,7 @@ raw sqlite3, statistics scaled per step, into a schema created by `gradstore.sto
 rows late in the run are made non-finite. The result is cached under benchmarks/.cache/ (keyed by schema
 revision, size and generator version) and reused by later runs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,9 +50,11 @@ def _schema_tag() -> str:
     from gradstore.store import schema as s
     from gradstore.store.database import head_revision
 
-    cols = ";".join(f"{t.name}:{','.join(c.name for c in t.columns)}:"
-                    + ",".join(sorted(f"{i.name}({','.join(c.name for c in i.columns)})" for i in t.indexes))
-                    for t in s.metadata.sorted_tables)
+    cols = ";".join(
+        f"{t.name}:{','.join(c.name for c in t.columns)}:"
+        + ",".join(sorted(f"{i.name}({','.join(c.name for c in i.columns)})" for i in t.indexes))
+        for t in s.metadata.sorted_tables
+    )
     return f"r{head_revision()}-{hashlib.sha1(cols.encode()).hexdigest()[:8]}"
 
 
@@ -108,23 +111,45 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
     def insert_sql(table: str, overrides: dict) -> str:
         cols = _cols(conn, table)
         exprs = [overrides.get(c, f'"{c}"') for c in cols]
-        return (f"INSERT INTO main.{table} ({','.join(f'{chr(34)}{c}{chr(34)}' for c in cols)}) "
-                f"SELECT {','.join(exprs)} FROM tpl.{table}")
+        return (
+            f"INSERT INTO main.{table} ({','.join(f'{chr(34)}{c}{chr(34)}' for c in cols)}) "
+            f"SELECT {','.join(exprs)} FROM tpl.{table}"
+        )
 
-    step_sql = insert_sql("steps", {"id": ":step + 1", "step": ":step", "started_at": "started_at + :step",
-                                    "ended_at": "ended_at + :step", "status": "'ok'"})
+    step_sql = insert_sql(
+        "steps",
+        {
+            "id": ":step + 1",
+            "step": ":step",
+            "started_at": "started_at + :step",
+            "ended_at": "ended_at + :step",
+            "status": "'ok'",
+        },
+    )
     call_id = f"- {calls_min} + 1 + :step * {n_calls}"  # a step's calls: the template's ids, shifted
-    pass_sql = insert_sql("passes", {"id": ":step + 1", "step_id": ":step + 1", "started_at": "started_at + :step",
-                                     "first_call": f"first_call {call_id}", "last_call": f"last_call {call_id}"})
+    pass_sql = insert_sql(
+        "passes",
+        {
+            "id": ":step + 1",
+            "step_id": ":step + 1",
+            "started_at": "started_at + :step",
+            "first_call": f"first_call {call_id}",
+            "last_call": f"last_call {call_id}",
+        },
+    )
     call_sql = insert_sql("call_data", {"id": f"id {call_id}", "pass_id": ":step + 1"})
     stat = {c: f"{c} * :f" for c in ("norm", "min", "max", "mean", "std")}
     tensor_id = f"id - {tensors_min} + 1 + :step * {n_tensors}"
-    tensor_sql = insert_sql("tensor_data", {
-        "id": tensor_id, "step_id": ":step + 1",
-        "pass_id": "CASE WHEN pass_id IS NULL THEN NULL ELSE :step + 1 END",
-        "call_id": f"CASE WHEN call_id IS NULL THEN NULL ELSE call_id - {calls_min} + 1 + :step * {n_calls} END",
-        **stat,
-    })
+    tensor_sql = insert_sql(
+        "tensor_data",
+        {
+            "id": tensor_id,
+            "step_id": ":step + 1",
+            "pass_id": "CASE WHEN pass_id IS NULL THEN NULL ELSE :step + 1 END",
+            "call_id": f"CASE WHEN call_id IS NULL THEN NULL ELSE call_id - {calls_min} + 1 + :step * {n_calls} END",
+            **stat,
+        },
+    )
     note_sql = insert_sql("tensor_notes", {"id": tensor_id})
     t0 = time.perf_counter()
     conn.execute("BEGIN")
@@ -149,15 +174,23 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
     for step, count in ((first_bad_step, 3), (int(steps * 0.99), 2)):
         rows = conn.execute(
             "SELECT t.id FROM tensors t JOIN calls c ON c.id = t.call_id WHERE t.step_id = ? AND t.status = 0 "
-            "AND t.numel > 1 AND c.seq >= ? ORDER BY c.seq, t.id LIMIT ?", (step + 1, n_calls // 2, count)).fetchall()
+            "AND t.numel > 1 AND c.seq >= ? ORDER BY c.seq, t.id LIMIT ?",
+            (step + 1, n_calls // 2, count),
+        ).fetchall()
         bad += [(step, r[0]) for r in rows]
     conn.execute("BEGIN")
     for step, tid in bad:
         # the norm is stored first: the view derives a NULL one from the finite count, which changes here
-        conn.execute("UPDATE tensor_data SET norm = (SELECT v.norm FROM tensors v WHERE v.step_id = ? AND v.id = ?) "
-                     "WHERE step_id = ? AND id = ?", (step + 1, tid, step + 1, tid))
-        conn.execute("UPDATE tensor_data SET nan = MAX((SELECT l.numel FROM layouts l WHERE l.id = layout_id) / 10, "
-                     "1), posinf = 1 WHERE step_id = ? AND id = ?", (step + 1, tid))
+        conn.execute(
+            "UPDATE tensor_data SET norm = (SELECT v.norm FROM tensors v WHERE v.step_id = ? AND v.id = ?) "
+            "WHERE step_id = ? AND id = ?",
+            (step + 1, tid, step + 1, tid),
+        )
+        conn.execute(
+            "UPDATE tensor_data SET nan = MAX((SELECT l.numel FROM layouts l WHERE l.id = layout_id) / 10, "
+            "1), posinf = 1 WHERE step_id = ? AND id = ?",
+            (step + 1, tid),
+        )
         conn.execute("UPDATE steps SET status = 'nonfinite' WHERE id = ?", (step + 1,))
     conn.execute("COMMIT")
     conn.execute("DETACH DATABASE tpl")
@@ -165,9 +198,15 @@ def generate(path: Path, steps: int, rows_per_step: int, workdir: Path) -> dict:
     total_rows = conn.execute("SELECT COUNT(*) FROM tensors").fetchone()[0]
     conn.close()
     os.replace(tmp, path)
-    meta = {"n_layer": n_layer, "tensor_rows": total_rows, "tensor_rows_per_step": n_tensors,
-            "calls_per_step": n_calls, "steps": steps, "first_bad_step": first_bad_step,
-            "generate_s": time.perf_counter() - t_start}
+    meta = {
+        "n_layer": n_layer,
+        "tensor_rows": total_rows,
+        "tensor_rows_per_step": n_tensors,
+        "calls_per_step": n_calls,
+        "steps": steps,
+        "first_bad_step": first_bad_step,
+        "generate_s": time.perf_counter() - t_start,
+    }
     path.with_suffix(".meta").write_text(repr(meta))
     return meta
 
@@ -205,8 +244,9 @@ def run(steps: int, rows_per_step: int, repeats: int = 3) -> dict:
         log(f"scale: generated {meta['tensor_rows']:,} tensor rows in {meta['generate_s']:.0f} s")
     module = _module_with_nodes(path)
     log("scale: timing gradstore.open, first_nonfinite, grad_norms in a fresh process")
-    res = run_worker(["queries", "--db", str(path), "--run", RUN, "--module", module,
-                      "--repeats", str(repeats)], timeout=3600)
+    res = run_worker(
+        ["queries", "--db", str(path), "--run", RUN, "--module", module, "--repeats", str(repeats)], timeout=3600
+    )
     res.update(meta=meta, db=str(path), db_bytes=path.stat().st_size, module=module)
     if "first_nonfinite_step" in res:
         res["first_nonfinite_correct"] = res["first_nonfinite_step"] == meta["first_bad_step"]

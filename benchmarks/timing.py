@@ -2,6 +2,7 @@
 rounds, so that drift of the machine (other jobs, thermal, caches) falls on all of them alike. Reported:
 the median step time per configuration and its ratio to the median of the un-instrumented step measured
 in the same rounds."""
+
 from __future__ import annotations
 
 import gc
@@ -54,8 +55,11 @@ def interleaved(configs: list, rounds: int, warmup: int, label: str = "") -> dic
                 live.remove(c)
         if timed:
             base = median(out[configs[0].name]["times"])
-            log(f"{label} round {r - warmup + 1}/{rounds}: none {base * 1e3:.0f} ms" if base else
-                f"{label} round {r - warmup + 1}/{rounds}")
+            log(
+                f"{label} round {r - warmup + 1}/{rounds}: none {base * 1e3:.0f} ms"
+                if base
+                else f"{label} round {r - warmup + 1}/{rounds}"
+            )
         else:
             log(f"{label} warm-up round {r + 1}/{warmup}")
     for c in live:

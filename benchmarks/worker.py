@@ -1,14 +1,15 @@
 """Measurements that need a process of their own; each prints one JSON line.
 
-  python -m benchmarks.worker rss --record none|full --steps N --threads T --db PATH --spec JSON
-      peak RSS of a fresh process that runs N reference steps, with or without recording.
-  python -m benchmarks.worker torchlens --rounds R --warmup W --threads T --spec JSON
-      TorchLens's backward logging interleaved with the plain step. TorchLens wraps torch functions for the
-      whole process (they stay wrapped after the first trace), so it never shares a process with the
-      other configurations.
-  python -m benchmarks.worker queries --db PATH --run RUN --module MODULE --repeats N
-      gradstore.open, store.first_nonfinite(run), store.grad_norms(run, module=...) on a large database.
+python -m benchmarks.worker rss --record none|full --steps N --threads T --db PATH --spec JSON
+    peak RSS of a fresh process that runs N reference steps, with or without recording.
+python -m benchmarks.worker torchlens --rounds R --warmup W --threads T --spec JSON
+    TorchLens's backward logging interleaved with the plain step. TorchLens wraps torch functions for the
+    whole process (they stay wrapped after the first trace), so it never shares a process with the
+    other configurations.
+python -m benchmarks.worker queries --db PATH --run RUN --module MODULE --repeats N
+    gradstore.open, store.first_nonfinite(run), store.grad_norms(run, module=...) on a large database.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,9 +67,16 @@ def rss(args) -> dict:
     # after a fork from a big parent is the parent's RSS; VmHWM is this process's own peak.
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     hwm = _status_kib("VmHWM")
-    return {"record": args.record, "steps": args.steps, "peak_kib": hwm if (reset and hwm) else maxrss,
-            "peak_source": "VmHWM" if (reset and hwm) else "ru_maxrss", "ru_maxrss_kib": maxrss,
-            "vmhwm_kib": hwm, "setup_rss_kib": setup, "peak_reset_after_setup": reset}
+    return {
+        "record": args.record,
+        "steps": args.steps,
+        "peak_kib": hwm if (reset and hwm) else maxrss,
+        "peak_source": "VmHWM" if (reset and hwm) else "ru_maxrss",
+        "ru_maxrss_kib": maxrss,
+        "vmhwm_kib": hwm,
+        "setup_rss_kib": setup,
+        "peak_reset_after_setup": reset,
+    }
 
 
 def torchlens(args) -> dict:
@@ -93,8 +101,12 @@ def torchlens(args) -> dict:
         #   log = tl.trace(model, x, capture=tl.options.CaptureOptions(save_grads=True))
         #   log.log_backward(loss)
         kwargs = {} if save_activations else {"save": None}
-        log = tl.trace(bench.model, input_kwargs={"input_ids": bench.ids, "labels": bench.ids},
-                       capture=tl.options.CaptureOptions(save_grads=True), **kwargs)
+        log = tl.trace(
+            bench.model,
+            input_kwargs={"input_ids": bench.ids, "labels": bench.ids},
+            capture=tl.options.CaptureOptions(save_grads=True),
+            **kwargs,
+        )
         loss = log[log.output_layers[0]].out  # the model's first output: the loss
         log.log_backward(loss)
         bench.finish()
@@ -160,11 +172,21 @@ def queries(args) -> dict:
         gn = store.grad_norms(args.run, module=args.module)
         norms.append(time.perf_counter() - t0)
         store.close()
-        print(f"queries: open {opens[-1]:.3f} s, first_nonfinite {fnf[-1]:.3f} s, grad_norms {norms[-1]:.3f} s",
-              file=sys.stderr, flush=True)
-    out.update(open_s=median(opens), open_all_s=opens, first_nonfinite_s=median(fnf), first_nonfinite_all_s=fnf,
-               grad_norms_s=median(norms), grad_norms_all_s=norms, grad_norms_rows=len(gn),
-               first_nonfinite_rows=len(first))
+        print(
+            f"queries: open {opens[-1]:.3f} s, first_nonfinite {fnf[-1]:.3f} s, grad_norms {norms[-1]:.3f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    out.update(
+        open_s=median(opens),
+        open_all_s=opens,
+        first_nonfinite_s=median(fnf),
+        first_nonfinite_all_s=fnf,
+        grad_norms_s=median(norms),
+        grad_norms_all_s=norms,
+        grad_norms_rows=len(gn),
+        first_nonfinite_rows=len(first),
+    )
     if len(first):
         out["first_nonfinite_step"] = int(first["step"].iloc[0])
     return out

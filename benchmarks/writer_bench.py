@@ -1,5 +1,6 @@
 """The writer: rows/s through the real `gradstore.store.writer.Writer.write` against raw `sqlite3.executemany` of
 the same rows in one WAL transaction (same run, same machine), and bytes per tensor row on disk."""
+
 from __future__ import annotations
 
 import contextlib
@@ -60,9 +61,15 @@ def _new_run(engine, name: str) -> int:
     from gradstore.store import schema as s
 
     with engine.begin() as conn:
-        return conn.execute(insert(s.runs).returning(s.runs.c.id), {
-            "name": name, "status": "running", "created_at": time.time(), "world_size": 1,
-        }).scalar_one()
+        return conn.execute(
+            insert(s.runs).returning(s.runs.c.id),
+            {
+                "name": name,
+                "status": "running",
+                "created_at": time.time(),
+                "world_size": 1,
+            },
+        ).scalar_one()
 
 
 def through_writer(batch, db: Path, n: int) -> dict:
@@ -148,11 +155,11 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
             keys.setdefault(nd.key, nd)
     node_rows = []
     for i, (key, nd) in enumerate(keys.items(), start=1):
-        node_rows.append(_row(s.nodes, node_cols, {"id": i, "run_id": run_id, "key": key, "kind": 0,
-                                                   "first_step": 0}, nd))
+        node_rows.append(
+            _row(s.nodes, node_cols, {"id": i, "run_id": run_id, "key": key, "kind": 0, "first_step": 0}, nd)
+        )
     conn.execute("BEGIN")
-    conn.executemany(f"INSERT INTO nodes ({','.join(node_cols)}) VALUES ({','.join('?' * len(node_cols))})",
-                     node_rows)
+    conn.executemany(f"INSERT INTO nodes ({','.join(node_cols)}) VALUES ({','.join('?' * len(node_cols))})", node_rows)
     conn.execute("COMMIT")
     node_id = {k: i for i, k in enumerate(keys, start=1)}
 
@@ -173,8 +180,9 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
             if row["dtype"] is not None or row["shape"] is not None or row["numel"] is not None:
                 layouts.setdefault((row["dtype"], row["shape"], row["numel"]), len(layouts) + 1)
     conn.execute("BEGIN")
-    conn.executemany("INSERT INTO layouts (id, dtype, shape, numel) VALUES (?, ?, ?, ?)",
-                     [(i, *k) for k, i in layouts.items()])
+    conn.executemany(
+        "INSERT INTO layouts (id, dtype, shape, numel) VALUES (?, ?, ?, ?)", [(i, *k) for k, i in layouts.items()]
+    )
     conn.execute("COMMIT")
     # the rows are built first, untimed: the timed part is sqlite3 itself, the ceiling for any writer. They are
     # the rows the writer stores: pass_id only on rows without a call, norm NULL where the view derives it;
@@ -183,29 +191,68 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
     pass_id = call_id = tensor_id = 0
     for step in range(1, n + 1):
         b = batch
-        rows["steps"].append(_row(s.steps, step_cols, {
-            "id": step, "run_id": run_id, "rank": b.rank, "step": step, "started_at": b.started_at,
-            "ended_at": b.ended_at, "status": b.status, "error": b.error, "passes": len(b.passes),
-        }, b))
+        rows["steps"].append(
+            _row(
+                s.steps,
+                step_cols,
+                {
+                    "id": step,
+                    "run_id": run_id,
+                    "rank": b.rank,
+                    "step": step,
+                    "started_at": b.started_at,
+                    "ended_at": b.ended_at,
+                    "status": b.status,
+                    "error": b.error,
+                    "passes": len(b.passes),
+                },
+                b,
+            )
+        )
         for p in b.passes:
             pass_id += 1
             n_calls = len(p.calls)
-            rows["passes"].append(_row(s.passes, pass_cols, {
-                "id": pass_id, "step_id": step, "pass": p.number, "parent_pass": p.parent_pass,
-                "parent_seq": p.parent_seq, "kind": p.kind, "create_graph": int(p.create_graph),
-                "retain_graph": int(p.retain_graph), "roots": p.roots, "inputs": p.inputs,
-                "nodes": getattr(p, "reachable", len(p.nodes)), "started_at": p.started_at,
-                "duration": p.duration, "first_call": call_id + 1 if n_calls else None,
-                "last_call": call_id + n_calls if n_calls else None,
-            }, p))
+            rows["passes"].append(
+                _row(
+                    s.passes,
+                    pass_cols,
+                    {
+                        "id": pass_id,
+                        "step_id": step,
+                        "pass": p.number,
+                        "parent_pass": p.parent_pass,
+                        "parent_seq": p.parent_seq,
+                        "kind": p.kind,
+                        "create_graph": int(p.create_graph),
+                        "retain_graph": int(p.retain_graph),
+                        "roots": p.roots,
+                        "inputs": p.inputs,
+                        "nodes": getattr(p, "reachable", len(p.nodes)),
+                        "started_at": p.started_at,
+                        "duration": p.duration,
+                        "first_call": call_id + 1 if n_calls else None,
+                        "last_call": call_id + n_calls if n_calls else None,
+                    },
+                    p,
+                )
+            )
             seq_to_call = {}
             for key, seq, start, dur in p.calls:
                 call_id += 1
                 seq_to_call[seq] = call_id
-                rows["calls"].append(tuple({"id": call_id, "pass_id": pass_id, "node_id": node_id[key], "seq": seq,
-                                            "start_ns": round(start * 1e9),
-                                            "duration_ns": None if dur is None else round(dur * 1e9)}.get(c)
-                                           for c in call_cols))
+                rows["calls"].append(
+                    tuple(
+                        {
+                            "id": call_id,
+                            "pass_id": pass_id,
+                            "node_id": node_id[key],
+                            "seq": seq,
+                            "start_ns": round(start * 1e9),
+                            "duration_ns": None if dur is None else round(dur * 1e9),
+                        }.get(c)
+                        for c in call_cols
+                    )
+                )
             for t in p.tensors:
                 tensor_id += 1
                 row = _tensor_row(t)
@@ -213,11 +260,15 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
                     rows["notes"].append((tensor_id, row["reason"], row["checksum"]))
                 if _derivable_norm(row):
                     row["norm"] = None
-                row.update(id=tensor_id, step_id=step, pass_id=pass_id if row["seq"] is None else None,
-                           node_id=node_id[row["key"]],
-                           call_id=seq_to_call.get(row["seq"]) if row["seq"] is not None else None,
-                           layout_id=layouts.get((row["dtype"], row["shape"], row["numel"])),
-                           role=ROLE[row["role"]] if isinstance(row["role"], str) else row["role"])
+                row.update(
+                    id=tensor_id,
+                    step_id=step,
+                    pass_id=pass_id if row["seq"] is None else None,
+                    node_id=node_id[row["key"]],
+                    call_id=seq_to_call.get(row["seq"]) if row["seq"] is not None else None,
+                    layout_id=layouts.get((row["dtype"], row["shape"], row["numel"])),
+                    role=ROLE[row["role"]] if isinstance(row["role"], str) else row["role"],
+                )
                 rows["tensors"].append(tuple(row.get(c) for c in tensor_cols))
     t0 = time.perf_counter()
     conn.execute("BEGIN")
@@ -242,14 +293,20 @@ def bytes_per_row(db: Path) -> dict:
     rows = conn.execute("SELECT COUNT(*) FROM tensors").fetchone()[0]
     calls = conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
     size = os.path.getsize(db)
-    out = {"tensor_rows": rows, "calls": calls, "file_bytes": size,
-           "file_bytes_per_tensor_row": size / rows if rows else None}
+    out = {
+        "tensor_rows": rows,
+        "calls": calls,
+        "file_bytes": size,
+        "file_bytes_per_tensor_row": size / rows if rows else None,
+    }
     try:
         per = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall())
 
         def indexes(table):
-            return [r[0] for r in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (table,))]
+            return [
+                r[0]
+                for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (table,))
+            ]
 
         # the tensor rows' storage: tensor_data (the by-step index itself: WITHOUT ROWID) with its indexes, and
         # the small tables it refers to (tensor_notes: reasons and checksums; layouts: dtype, shape, numel)
@@ -259,11 +316,16 @@ def bytes_per_row(db: Path) -> dict:
         index_bytes = sum(per.get(i, 0) for i in idx)
         calls_table = "call_data" if "call_data" in per else "calls"  # the calls' rows (a table before 0003)
         calls_bytes = per.get(calls_table, 0) + sum(per.get(i, 0) for i in indexes(calls_table))
-        out.update(tensors_table_bytes=table_bytes, tensors_index_bytes=index_bytes,
-                   tensors_bytes_per_row=(table_bytes + index_bytes) / rows if rows else None,
-                   calls_bytes_per_tensor_row=calls_bytes / rows if rows else None, calls_table=calls_table,
-                   calls_indexes=indexes(calls_table),
-                   tensor_tables={t: per.get(t, 0) for t in tables}, tensor_indexes=idx)
+        out.update(
+            tensors_table_bytes=table_bytes,
+            tensors_index_bytes=index_bytes,
+            tensors_bytes_per_row=(table_bytes + index_bytes) / rows if rows else None,
+            calls_bytes_per_tensor_row=calls_bytes / rows if rows else None,
+            calls_table=calls_table,
+            calls_indexes=indexes(calls_table),
+            tensor_tables={t: per.get(t, 0) for t in tables},
+            tensor_indexes=idx,
+        )
     except sqlite3.OperationalError as exc:  # sqlite built without dbstat
         out["dbstat"] = f"unavailable: {exc}"
     conn.close()
@@ -275,8 +337,15 @@ def run(bench: Bench, workdir: Path, n: int, repeats: int = 3) -> dict:
     log("writer: recording one reference step to capture its StepBatch")
     batch = recorded_batch(bench, workdir / "capture.db")
     nodes, calls, tensors = _count(batch)
-    res = {"steps": n, "nodes_per_step": nodes, "calls_per_step": calls, "tensor_rows_per_step": tensors,
-           "writer_s": [], "raw_s": [], "writer_per_step_s": []}
+    res = {
+        "steps": n,
+        "nodes_per_step": nodes,
+        "calls_per_step": calls,
+        "tensor_rows_per_step": tensors,
+        "writer_s": [],
+        "raw_s": [],
+        "writer_per_step_s": [],
+    }
     for i in range(repeats):
         wdb, rdb = workdir / f"writer-{i}.db", workdir / f"raw-{i}.db"
         w = through_writer(batch, wdb, n)
@@ -284,8 +353,10 @@ def run(bench: Bench, workdir: Path, n: int, repeats: int = 3) -> dict:
         res["writer_s"].append(w["seconds"])
         res["writer_per_step_s"].append(w["per_step_s"])
         res["raw_s"].append(r["seconds"])
-        log(f"writer: round {i + 1}/{repeats}: Writer.write {n * tensors / w['seconds']:,.0f} tensor rows/s, "
-            f"raw executemany {n * tensors / r['seconds']:,.0f} tensor rows/s")
+        log(
+            f"writer: round {i + 1}/{repeats}: Writer.write {n * tensors / w['seconds']:,.0f} tensor rows/s, "
+            f"raw executemany {n * tensors / r['seconds']:,.0f} tensor rows/s"
+        )
         if i == repeats - 1:
             res["bytes"] = bytes_per_row(wdb)
             res["bytes_raw"] = bytes_per_row(rdb)

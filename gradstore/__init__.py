@@ -1,5 +1,6 @@
 """gradstore: record every autograd node event and gradient statistic of a PyTorch backward pass into a
 database, and read it back as pandas DataFrames."""
+
 from .errors import (  # noqa: E402
     DatabaseNotFound,
     DatabaseUnavailable,
@@ -25,9 +26,30 @@ from .store.reader import Store, open  # noqa: E402
 from .version import __version__  # noqa: E402
 
 __all__ = [
-    "record", "open", "Store", "GradstoreError", "DatabaseNotFound", "DatabaseUnavailable", "SchemaTooNew",
-    "UnknownRun", "UnknownQuery", "QueryParameterError", "RecordUsageError", "__version__",
-    "explain", "Explanation", "RecordedExplanation", "track_modules", "replay", "replay_check", "verify",
-    "saved_tensors", "saved_bytes", "FrameTracker", "ReplayError", "SavedTensorsFreed", "UnknownNode",
+    "record",
+    "open",
+    "Store",
+    "GradstoreError",
+    "DatabaseNotFound",
+    "DatabaseUnavailable",
+    "SchemaTooNew",
+    "UnknownRun",
+    "UnknownQuery",
+    "QueryParameterError",
+    "RecordUsageError",
+    "__version__",
+    "explain",
+    "Explanation",
+    "RecordedExplanation",
+    "track_modules",
+    "replay",
+    "replay_check",
+    "verify",
+    "saved_tensors",
+    "saved_bytes",
+    "FrameTracker",
+    "ReplayError",
+    "SavedTensorsFreed",
+    "UnknownNode",
     "VerifyUsageError",
 ]

@@ -1,4 +1,5 @@
 """`python -m gradstore ...`: the same command line as the `gradstore` script (gradstore.cli.main)."""
+
 from .cli import main
 
 if __name__ == "__main__":

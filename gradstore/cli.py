@@ -16,6 +16,7 @@ Every error gradstore raises on purpose (GradstoreError), a database error, and 
 as one line on stderr (`Error: ...`) with exit status 1 (2 for click's own usage errors), never a traceback.
 Relies on click >= 8.1 and pandas for the tables.
 """
+
 from __future__ import annotations
 
 import os
@@ -109,6 +110,7 @@ def _counts(store: Store, run: str, step: int | None = None, rank: int | None = 
     Counted with SQL COUNT(*) on the tables, so large runs are not loaded into memory. nodes and edges are
     per run (a graph node is stored once, the first time it is seen); with `step` they are left out.
     """
+
     def step_filter(q):
         q = q.where(s.steps.c.run_id == s.runs.c.id, s.runs.c.name == run)
         if step is not None:
@@ -120,18 +122,34 @@ def _counts(store: Store, run: str, step: int | None = None, rank: int | None = 
     counts = {}
     with store.engine.connect() as conn:
         counts["steps"] = conn.execute(step_filter(select(func.count()).select_from(s.steps, s.runs))).scalar()
-        counts["passes"] = conn.execute(step_filter(select(func.count()).select_from(
-            s.passes.join(s.steps, s.passes.c.step_id == s.steps.c.id), s.runs))).scalar()
+        counts["passes"] = conn.execute(
+            step_filter(
+                select(func.count()).select_from(s.passes.join(s.steps, s.passes.c.step_id == s.steps.c.id), s.runs)
+            )
+        ).scalar()
         if step is None:
             for name, table in (("nodes", s.nodes), ("edges", s.edges)):
-                counts[name] = conn.execute(select(func.count()).select_from(table, s.runs).where(
-                    table.c.run_id == s.runs.c.id, s.runs.c.name == run)).scalar()
-        pass_calls = and_(s.calls.c.id.between(s.passes.c.first_call, s.passes.c.last_call),  # an id range
-                          s.calls.c.pass_id == s.passes.c.id)
-        counts["calls"] = conn.execute(step_filter(select(func.count()).select_from(
-            s.passes.join(s.steps, s.passes.c.step_id == s.steps.c.id).join(s.calls, pass_calls), s.runs))).scalar()
-        counts["tensors"] = conn.execute(step_filter(select(func.count()).select_from(
-            s.tensors.join(s.steps, s.tensors.c.step_id == s.steps.c.id), s.runs))).scalar()
+                counts[name] = conn.execute(
+                    select(func.count())
+                    .select_from(table, s.runs)
+                    .where(table.c.run_id == s.runs.c.id, s.runs.c.name == run)
+                ).scalar()
+        pass_calls = and_(
+            s.calls.c.id.between(s.passes.c.first_call, s.passes.c.last_call),  # an id range
+            s.calls.c.pass_id == s.passes.c.id,
+        )
+        counts["calls"] = conn.execute(
+            step_filter(
+                select(func.count()).select_from(
+                    s.passes.join(s.steps, s.passes.c.step_id == s.steps.c.id).join(s.calls, pass_calls), s.runs
+                )
+            )
+        ).scalar()
+        counts["tensors"] = conn.execute(
+            step_filter(
+                select(func.count()).select_from(s.tensors.join(s.steps, s.tensors.c.step_id == s.steps.c.id), s.runs)
+            )
+        ).scalar()
     return counts
 
 
@@ -154,10 +172,15 @@ def _slowest_nodes(calls: pd.DataFrame, top: int) -> pd.DataFrame:
     g = calls.assign(module=calls["module"].map(_module_label)).groupby(["key", "module"], dropna=False)
     out = g["duration"].agg(calls="count", total="sum", mean="mean").reset_index()
     out = out.sort_values("total", ascending=False).head(top)
-    return pd.DataFrame({
-        "node": out["key"], "module": out["module"], "calls": out["calls"],
-        "total_ms": (out["total"] * 1e3).round(3), "mean_ms": (out["mean"] * 1e3).round(3),
-    })
+    return pd.DataFrame(
+        {
+            "node": out["key"],
+            "module": out["module"],
+            "calls": out["calls"],
+            "total_ms": (out["total"] * 1e3).round(3),
+            "mean_ms": (out["mean"] * 1e3).round(3),
+        }
+    )
 
 
 def _largest_module_norms(norms: pd.DataFrame, top: int) -> pd.DataFrame:
@@ -166,11 +189,15 @@ def _largest_module_norms(norms: pd.DataFrame, top: int) -> pd.DataFrame:
         return norms
     idx = norms.groupby("module", dropna=False)["grad_output_norm"].idxmax().dropna()
     best = norms.loc[idx].sort_values("grad_output_norm", ascending=False).head(top)
-    return pd.DataFrame({
-        "module": best["module"].map(_module_label), "step": best["step"],
-        "grad_output_norm": best["grad_output_norm"], "grad_input_norm": best["grad_input_norm"],
-        "nonfinite": best["nonfinite"],
-    })
+    return pd.DataFrame(
+        {
+            "module": best["module"].map(_module_label),
+            "step": best["step"],
+            "grad_output_norm": best["grad_output_norm"],
+            "grad_input_norm": best["grad_input_norm"],
+            "nonfinite": best["nonfinite"],
+        }
+    )
 
 
 def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> str | None:
@@ -186,10 +213,13 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
     lines = []
     for (rank, _), rows in bad.groupby(["rank", "seq"], sort=True):
         r = rows.iloc[0]
-        slots = "; ".join(f"{row.role}[{row.slot}]: {row.nan} nan, {row.posinf} +inf, {row.neginf} -inf"
-                          for row in rows.itertuples())
-        lines.append(f"First non-finite gradient (rank {rank}): step {r['step']}, pass {r['pass']}, seq {r['seq']}: "
-                     f"{r['key']} in {_module_label(r['module'])} ({slots})")
+        slots = "; ".join(
+            f"{row.role}[{row.slot}]: {row.nan} nan, {row.posinf} +inf, {row.neginf} -inf" for row in rows.itertuples()
+        )
+        lines.append(
+            f"First non-finite gradient (rank {rank}): step {r['step']}, pass {r['pass']}, seq {r['seq']}: "
+            f"{r['key']} in {_module_label(r['module'])} ({slots})"
+        )
     return "\n".join(lines)
 
 
@@ -209,15 +239,29 @@ def main():
 
 @main.command(short_help="Record a small built-in GPT's backward passes (a few seconds).")
 @click.option("--db", default=DEFAULT_DB, show_default=True, help="SQLite file (created if missing) or SQLAlchemy URL.")
-@click.option("--run", "run_name", default="demo", show_default=True,
-              help="Run name; recording into an existing run continues its step numbering.")
+@click.option(
+    "--run",
+    "run_name",
+    default="demo",
+    show_default=True,
+    help="Run name; recording into an existing run continues its step numbering.",
+)
 @click.option("--steps", default=3, show_default=True, type=click.IntRange(min=1), help="Training steps to record.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the weights and the synthetic tokens.")
-@click.option("--nan-step", type=click.IntRange(min=0), default=None,
-              help="Inject a NaN into the gradient at transformer.h.0.mlp.c_fc in this step (0-based) "
-                   "so that first_nonfinite has something to find.")
-@click.option("--top", default=5, show_default=True, type=click.IntRange(min=1),
-              help="Rows in the slowest-node and gradient-norm tables.")
+@click.option(
+    "--nan-step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Inject a NaN into the gradient at transformer.h.0.mlp.c_fc in this step (0-based) "
+    "so that first_nonfinite has something to find.",
+)
+@click.option(
+    "--top",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Rows in the slowest-node and gradient-norm tables.",
+)
 def demo(db, run_name, steps, seed, nan_step, top):
     """Train a small built-in GPT (2 layers, 64 wide) a few steps on random tokens and record every backward pass.
 
@@ -231,20 +275,27 @@ def demo(db, run_name, steps, seed, nan_step, top):
     losses = summary["losses"]
     first = summary["first_step"]
     last = first + steps - 1
-    click.echo(f"Recorded run {run_name!r} into {db}: steps {first}-{last} of a GPT ({cfg['n_layer']} layers, "
-               f"{cfg['n_head']} heads, {cfg['n_embd']} wide, vocab {cfg['vocab_size']}, seq {cfg['block_size']}, "
-               f"{summary['parameters']:,} parameters) in {summary['seconds']:.2f} s; "
-               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    click.echo(
+        f"Recorded run {run_name!r} into {db}: steps {first}-{last} of a GPT ({cfg['n_layer']} layers, "
+        f"{cfg['n_head']} heads, {cfg['n_embd']} wide, vocab {cfg['vocab_size']}, seq {cfg['block_size']}, "
+        f"{summary['parameters']:,} parameters) in {summary['seconds']:.2f} s; "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    )
     with _store(db) as store:
         click.echo(f"\nRows in run {run_name!r}" + (" (all its steps, not only these)" if first else "") + ":")
         click.echo(_counts_lines(_counts(store, run_name)))
         calls = store.calls(run=run_name)
-        click.echo(f"\nSlowest nodes (total backward time over steps {first}-{last}):" if not first else
-                   "\nSlowest nodes (total backward time over all steps of the run):")
+        click.echo(
+            f"\nSlowest nodes (total backward time over steps {first}-{last}):"
+            if not first
+            else "\nSlowest nodes (total backward time over all steps of the run):"
+        )
         click.echo(_table(_slowest_nodes(calls, top)))
         norms = store.grad_norms(run=run_name, by="module")
-        click.echo("\nLargest gradient norms by module (L2 norm of the grad_outputs flowing into the module's "
-                   "nodes, at the step where it peaked):")
+        click.echo(
+            "\nLargest gradient norms by module (L2 norm of the grad_outputs flowing into the module's "
+            "nodes, at the step where it peaked):"
+        )
         click.echo(_table(_largest_module_norms(norms, top)))
         bad = _first_nonfinite_line(store, run_name)
         if bad:
@@ -271,11 +322,19 @@ def runs(db):
     if df.empty:
         click.echo(f"no runs in {db}")
         return
-    out = pd.DataFrame({
-        "run": df["run"], "status": df["status"], "steps": df["steps"], "world_size": df["world_size"],
-        "created": df["created_at"].map(_when), "finished": df["finished_at"].map(_when),
-        "torch": df["torch_version"], "gradstore": df["gradstore_version"], "host": df["host"],
-    })
+    out = pd.DataFrame(
+        {
+            "run": df["run"],
+            "status": df["status"],
+            "steps": df["steps"],
+            "world_size": df["world_size"],
+            "created": df["created_at"].map(_when),
+            "finished": df["finished_at"].map(_when),
+            "torch": df["torch_version"],
+            "gradstore": df["gradstore_version"],
+            "host": df["host"],
+        }
+    )
     click.echo(_table(out))
 
 
@@ -289,9 +348,11 @@ def _limited(df: pd.DataFrame, limit: int) -> tuple[pd.DataFrame, str]:
 
 def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> None:
     r = store.query("runs", run=run).iloc[0]
-    click.echo(f"Run {run!r} in {db}: {r['status']}, world size {r['world_size']}, created {_when(r['created_at'])}, "
-               f"finished {_when(r['finished_at'])}; torch {r['torch_version']}, gradstore {r['gradstore_version']}, "
-               f"host {r['host']}")
+    click.echo(
+        f"Run {run!r} in {db}: {r['status']}, world size {r['world_size']}, created {_when(r['created_at'])}, "
+        f"finished {_when(r['finished_at'])}; torch {r['torch_version']}, gradstore {r['gradstore_version']}, "
+        f"host {r['host']}"
+    )
     click.echo(_counts_lines(_counts(store, run, rank=rank)))
     steps = store.steps(run=run, rank=rank)
     if steps.empty:
@@ -300,12 +361,18 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     passes = store.passes(run=run, rank=rank)
     per_step = passes.groupby(["rank", "step"]).agg(calls=("calls", "sum"), backward_s=("duration", "sum"))
     table = steps.join(per_step, on=["rank", "step"])
-    out = pd.DataFrame({
-        "step": table["step"], "rank": table["rank"], "status": table["status"], "passes": table["passes"],
-        "calls": table["calls"].fillna(0).astype(int), "step_s": table["duration"].round(4),
-        "backward_s": table["backward_s"].round(4),
-        "error": table["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:80]),
-    })
+    out = pd.DataFrame(
+        {
+            "step": table["step"],
+            "rank": table["rank"],
+            "status": table["status"],
+            "passes": table["passes"],
+            "calls": table["calls"].fillna(0).astype(int),
+            "step_s": table["duration"].round(4),
+            "backward_s": table["backward_s"].round(4),
+            "error": table["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:80]),
+        }
+    )
     counts = steps["status"].value_counts()
     click.echo("\nSteps (" + ", ".join(f"{n} {status}" for status, n in counts.items()) + "); times in seconds:")
     shown, more = _limited(out, limit)
@@ -326,38 +393,77 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     if steps.empty:
         known = store.steps(run=run, rank=rank)["step"]
         have = f"steps {known.min()}-{known.max()}" if len(known) else "no steps yet"
-        raise click.ClickException(f"run {run!r} has no step {step}" + (f" on rank {rank}" if rank is not None else "")
-                                   + f"; it has {have}")
+        raise click.ClickException(
+            f"run {run!r} has no step {step}" + (f" on rank {rank}" if rank is not None else "") + f"; it has {have}"
+        )
     click.echo(f"Step {step} of run {run!r} in {db}")
     click.echo(_counts_lines(_counts(store, run, step=step, rank=rank)))
-    out = pd.DataFrame({
-        "rank": steps["rank"], "status": steps["status"], "passes": steps["passes"],
-        "duration_s": steps["duration"].round(4),
-        "error": steps["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:100]),
-    })
+    out = pd.DataFrame(
+        {
+            "rank": steps["rank"],
+            "status": steps["status"],
+            "passes": steps["passes"],
+            "duration_s": steps["duration"].round(4),
+            "error": steps["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:100]),
+        }
+    )
     click.echo("\nStep:")
     click.echo(_table(out))
 
     passes = store.passes(run=run, rank=rank, step=step)
     click.echo("\nBackward passes (duration in seconds):")
-    click.echo(_table(passes[["rank", "pass", "kind", "parent_pass", "create_graph", "retain_graph", "roots",
-                              "nodes", "calls", "duration"]]))
+    click.echo(
+        _table(
+            passes[
+                [
+                    "rank",
+                    "pass",
+                    "kind",
+                    "parent_pass",
+                    "create_graph",
+                    "retain_graph",
+                    "roots",
+                    "nodes",
+                    "calls",
+                    "duration",
+                ]
+            ]
+        )
+    )
 
     calls = store.calls(run=run, rank=rank, step=step)
     click.echo(f"\nSlowest calls of {len(calls):,} (seq = execution order in the step):")
     slow = calls.sort_values("duration", ascending=False).head(limit)
-    click.echo(_table(pd.DataFrame({
-        "rank": slow["rank"], "pass": slow["pass"], "seq": slow["seq"], "node": slow["key"],
-        "module": slow["module"].map(_module_label), "duration_ms": (slow["duration"] * 1e3).round(3),
-    })))
+    click.echo(
+        _table(
+            pd.DataFrame(
+                {
+                    "rank": slow["rank"],
+                    "pass": slow["pass"],
+                    "seq": slow["seq"],
+                    "node": slow["key"],
+                    "module": slow["module"].map(_module_label),
+                    "duration_ms": (slow["duration"] * 1e3).round(3),
+                }
+            )
+        )
+    )
 
     tensors = store.tensors(run=run, rank=rank, step=step)
     click.echo(f"\nGradient statistics rows ({len(tensors):,}) by role and status:")
     if not tensors.empty:
         nonfinite = tensors["nan"].fillna(0) + tensors["posinf"].fillna(0) + tensors["neginf"].fillna(0)
-        by = tensors.assign(nonfinite=nonfinite).groupby(["role", "status"]).agg(
-            rows=("slot", "size"), elements=("numel", "sum"), nonfinite=("nonfinite", "sum"),
-            max_norm=("norm", "max")).reset_index()
+        by = (
+            tensors.assign(nonfinite=nonfinite)
+            .groupby(["role", "status"])
+            .agg(
+                rows=("slot", "size"),
+                elements=("numel", "sum"),
+                nonfinite=("nonfinite", "sum"),
+                max_norm=("norm", "max"),
+            )
+            .reset_index()
+        )
         by["elements"] = by["elements"].fillna(0).astype("int64")
         by["nonfinite"] = by["nonfinite"].astype("int64")
         click.echo(_table(by))
@@ -378,11 +484,14 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
 @main.command(short_help="Summarise a run, or one step of it (--step).")
 @click.argument("db")
 @click.argument("run")
-@click.option("--step", type=int, default=None,
-              help="Show this step (its passes, slowest calls and gradients) instead of the whole run.")
+@click.option(
+    "--step",
+    type=int,
+    default=None,
+    help="Show this step (its passes, slowest calls and gradients) instead of the whole run.",
+)
 @click.option("--rank", type=int, default=None, help="Only this rank (default: every rank).")
-@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1),
-              help="Most rows printed per table.")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(min=1), help="Most rows printed per table.")
 def show(db, run, step, rank, limit):
     """Summarise run RUN of database DB: its steps, or with --step one step's passes, slowest calls and gradients."""
     with _store(db) as store:
@@ -416,8 +525,14 @@ def _list_queries() -> None:
 @main.command(short_help="Run a named query; print a table or CSV.")
 @click.argument("db", required=False)
 @click.argument("name", required=False)
-@click.option("-p", "--param", "params", multiple=True, metavar="NAME=VALUE",
-              help="A query parameter, e.g. -p run=demo -p step=0; repeat for several. Left out means all.")
+@click.option(
+    "-p",
+    "--param",
+    "params",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A query parameter, e.g. -p run=demo -p step=0; repeat for several. Left out means all.",
+)
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV (header, no index) instead of a table.")
 @click.option("--list", "list_only", is_flag=True, help="List the named queries and exit (DB and NAME not needed).")
 def query(db, name, params, as_csv, list_only):
@@ -597,10 +712,20 @@ def _where(row, carried: set[str], several_ranks: bool) -> str:
 @click.option("--step-b", type=int, default=None, help="Side b's step (default: --step-a).")
 @click.option("--rank-a", type=int, default=None, help="Side a's rank (default: --rank-b; neither: every rank).")
 @click.option("--rank-b", type=int, default=None, help="Side b's rank (default: --rank-a).")
-@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Relative tolerance: a statistic differs when |a - b| > atol + rtol * max(|a|, |b|).")
-@click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Absolute tolerance (0 and 0: any difference, bitwise).")
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Relative tolerance: a statistic differs when |a - b| > atol + rtol * max(|a|, |b|).",
+)
+@click.option(
+    "--atol",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Absolute tolerance (0 and 0: any difference, bitwise).",
+)
 def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
     """Compare run RUN_A with run RUN_B of database DB node by node (key, role, slot and occurrence) and print,
     in backward execution order, the first node whose gradients differ.
@@ -622,32 +747,50 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
     both = table[table["side"] == "both"]
     n_diff = int((both["differs"] != "").sum())
     only_a, only_b = int((table["side"] == "a").sum()), int((table["side"] == "b").sum())
-    click.echo(f"Compared {label_a} with {label_b}: {len(table):,} gradients aligned by node key, role, slot and "
-               f"occurrence; {n_diff:,} differ bitwise, {only_a:,} only in {label_a}, {only_b:,} only in {label_b}.")
+    click.echo(
+        f"Compared {label_a} with {label_b}: {len(table):,} gradients aligned by node key, role, slot and "
+        f"occurrence; {n_diff:,} differ bitwise, {only_a:,} only in {label_a}, {only_b:,} only in {label_b}."
+    )
     tolerance = f"rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
     if first.empty:
-        click.echo(f"no divergence: {label_b} agrees with {label_a} on every gradient"
-                   + (f" within {tolerance}" if tolerance else " (bitwise-identical statistics)"))
+        click.echo(
+            f"no divergence: {label_b} agrees with {label_a} on every gradient"
+            + (f" within {tolerance}" if tolerance else " (bitwise-identical statistics)")
+        )
         return
     tolerance = f" beyond {tolerance}" if tolerance else ""
     several = len(ranks) > 1
-    for (_, rows) in first.groupby([first["rank_a"].fillna(-1), first["rank_b"].fillna(-1)], sort=True):
+    for _, rows in first.groupby([first["rank_a"].fillna(-1), first["rank_b"].fillna(-1)], sort=True):
         r = rows.iloc[0]
-        click.echo(f"{label_b} differs from {label_a}{tolerance} first at {r['key']} "
-                   f"{_slot_label(r['role'], r['slot'])} ({_where(r, carried, several)}): "
-                   f"{_difference_words(r, label_a, label_b)}")
+        click.echo(
+            f"{label_b} differs from {label_a}{tolerance} first at {r['key']} "
+            f"{_slot_label(r['role'], r['slot'])} ({_where(r, carried, several)}): "
+            f"{_difference_words(r, label_a, label_b)}"
+        )
         for _, other in rows.iloc[1:].iterrows():
-            click.echo(f"  also {_slot_label(other['role'], other['slot'])}: "
-                       f"{_difference_words(other, label_a, label_b)}")
+            click.echo(
+                f"  also {_slot_label(other['role'], other['slot'])}: {_difference_words(other, label_a, label_b)}"
+            )
 
 
 def _count_missing_checksums(store: Store, run: str, step: int) -> int:
     """Parameter gradients (.grad not None) at `step` of `run` recorded without a checksum."""
     with store.engine.connect() as conn:
-        return conn.execute(select(func.count()).select_from(
-            s.tensors.join(s.steps, s.tensors.c.step_id == s.steps.c.id).join(s.runs, s.steps.c.run_id == s.runs.c.id)
-        ).where(s.runs.c.name == run, s.steps.c.step == step, s.tensors.c.role == s.ROLE["param_grad"],
-                s.tensors.c.status == s.STATUS["ok"], s.tensors.c.checksum.is_(None))).scalar()
+        return conn.execute(
+            select(func.count())
+            .select_from(
+                s.tensors.join(s.steps, s.tensors.c.step_id == s.steps.c.id).join(
+                    s.runs, s.steps.c.run_id == s.runs.c.id
+                )
+            )
+            .where(
+                s.runs.c.name == run,
+                s.steps.c.step == step,
+                s.tensors.c.role == s.ROLE["param_grad"],
+                s.tensors.c.status == s.STATUS["ok"],
+                s.tensors.c.checksum.is_(None),
+            )
+        ).scalar()
 
 
 @main.command(short_help="Do the ranks' parameter gradients agree at a step?")
@@ -669,8 +812,14 @@ def ranks(db, run, step):
         store._check_step(run, step, None)
         ranks_at = sorted(int(r) for r in steps[steps["step"] == step]["rank"])
         absent = [r for r in range(world) if r not in ranks_at]
-        note = (f" (rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} of world size {world} "
-                f"did not record step {step}; merge their databases with `gradstore merge`)") if absent else ""
+        note = (
+            (
+                f" (rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} of world size {world} "
+                f"did not record step {step}; merge their databases with `gradstore merge`)"
+            )
+            if absent
+            else ""
+        )
         if len(ranks_at) < 2:
             click.echo(f"only rank {ranks_at[0]} recorded step {step} of run {run!r}: nothing to compare{note}")
             return
@@ -680,28 +829,38 @@ def ranks(db, run, step):
     rank_list = ", ".join(map(str, ranks_at))
     if bad.empty:
         if unchecked == 0:
-            click.echo(f"ranks agree at step {step}: all {n_params} parameter gradients bitwise equal "
-                       f"(ranks {rank_list}){note}")
+            click.echo(
+                f"ranks agree at step {step}: all {n_params} parameter gradients bitwise equal "
+                f"(ranks {rank_list}){note}"
+            )
         else:
-            click.echo(f"ranks agree at step {step}: all {n_params} parameter gradients have equal statistics "
-                       f"(ranks {rank_list}; no checksums recorded, so not a bitwise comparison){note}")
+            click.echo(
+                f"ranks agree at step {step}: all {n_params} parameter gradients have equal statistics "
+                f"(ranks {rank_list}; no checksums recorded, so not a bitwise comparison){note}"
+            )
         return
     params = list(dict.fromkeys(bad["param"]))
-    click.echo(f"ranks differ at step {step}: {len(params)} of {n_params} parameter gradients differ "
-               f"(ranks {rank_list}){note}")
+    click.echo(
+        f"ranks differ at step {step}: {len(params)} of {n_params} parameter gradients differ (ranks {rank_list}){note}"
+    )
     for _, r in bad.iterrows():
         a, b = f"rank {int(r['rank_a'])}", f"rank {int(r['rank_b'])}"
         click.echo(f"  {r['param']}: {b} differs from {a}: {_difference_words(r, a, b)}")
     first_b = int(bad["rank_b"].iloc[0])
-    click.echo(f"Node by node (each rank's local gradients, before any all-reduce): gradstore diff {db} {run} {run} "
-               f"--step-a {step} --rank-a {int(bad['rank_a'].iloc[0])} --rank-b {first_b}")
+    click.echo(
+        f"Node by node (each rank's local gradients, before any all-reduce): gradstore diff {db} {run} {run} "
+        f"--step-a {step} --rank-a {int(bad['rank_a'].iloc[0])} --rank-b {first_b}"
+    )
 
 
 @main.command(short_help="Join per-rank or per-machine databases into one.")
 @click.argument("out")
 @click.argument("inputs", nargs=-1, required=True, metavar="IN...")
-@click.option("--skip-existing", is_flag=True,
-              help="Leave out input steps (run, rank, step) that OUT already holds, instead of failing.")
+@click.option(
+    "--skip-existing",
+    is_flag=True,
+    help="Leave out input steps (run, rank, step) that OUT already holds, instead of failing.",
+)
 def merge(out, inputs, skip_existing):
     """Merge the gradstore databases IN... into OUT (created if missing): runs matched by name, steps appended
     per (run, rank, step), nodes matched by key, edges de-duplicated, passes, calls and tensors copied. One
@@ -713,8 +872,10 @@ def merge(out, inputs, skip_existing):
     for r in reports:
         runs = ", ".join([f"{n!r} (new)" for n in r.runs_created] + [repr(n) for n in r.runs_matched]) or "none"
         ranks_txt = f" of rank{'s' if len(r.ranks) > 1 else ''} {', '.join(map(str, r.ranks))}" if r.ranks else ""
-        line = (f"{r.source}: run {runs}: {r.steps:,} steps{ranks_txt}, {r.passes:,} passes, {r.calls:,} calls, "
-                f"{r.tensors:,} tensors; {r.nodes:,} new nodes, {r.edges:,} new edges")
+        line = (
+            f"{r.source}: run {runs}: {r.steps:,} steps{ranks_txt}, {r.passes:,} passes, {r.calls:,} calls, "
+            f"{r.tensors:,} tensors; {r.nodes:,} new nodes, {r.edges:,} new edges"
+        )
         if r.skipped:
             line += f"; {len(r.skipped):,} steps already in {out} skipped"
         click.echo(line)

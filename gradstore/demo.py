@@ -12,6 +12,7 @@ The model follows GPT-2's layout and module names, so recorded nodes read like a
 Training data are synthetic: uniform random token ids from a seeded `torch.Generator`, next-token targets.
 Nothing is downloaded. With the defaults the whole demo takes a few seconds on a laptop CPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -103,12 +104,14 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-            ln_f=nn.LayerNorm(cfg.n_embd),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd),
+            )
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying, as in GPT-2
         self.apply(self._init_weights)
@@ -152,9 +155,21 @@ def _poison_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def run_demo(db: str = DEFAULT_DB, run: str = "demo", steps: int = 3, seed: int = 0, *,
-             n_layer: int = 2, n_head: int = 4, n_embd: int = 64, vocab_size: int = 256, block_size: int = 32,
-             batch_size: int = 4, lr: float = 3e-4, nan_step: int | None = None) -> dict:
+def run_demo(
+    db: str = DEFAULT_DB,
+    run: str = "demo",
+    steps: int = 3,
+    seed: int = 0,
+    *,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_embd: int = 64,
+    vocab_size: int = 256,
+    block_size: int = 32,
+    batch_size: int = 4,
+    lr: float = 3e-4,
+    nan_step: int | None = None,
+) -> dict:
     """Build the demo GPT, train it `steps` steps on synthetic tokens with AdamW, recording each step.
 
     Each step (zero_grad, forward, loss.backward(), optimizer.step()) is one call of a function decorated
@@ -217,7 +232,12 @@ def run_demo(db: str = DEFAULT_DB, run: str = "demo", steps: int = 3, seed: int 
         state["handle"].remove()
         recorder.flush()
     return {
-        "db": str(db), "run": run, "steps": steps, "first_step": recorded_steps[0], "losses": losses,
-        "parameters": sum(p.numel() for p in model.parameters()), "config": asdict(cfg),
+        "db": str(db),
+        "run": run,
+        "steps": steps,
+        "first_step": recorded_steps[0],
+        "losses": losses,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "config": asdict(cfg),
         "seconds": time.perf_counter() - started,
     }

@@ -5,6 +5,7 @@ This is the seam between the training thread and storage. `gradstore.recording` 
 Both import this module; neither imports the other's internals through it. Nothing here holds a tensor or a
 graph object, and nothing here imports torch or SQLAlchemy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,11 +17,52 @@ STATUSES = ["ok", "none", "skipped"]
 KINDS = ["function", "accumulate_grad", "custom_function", "compiled", "other"]
 # torch dtypes as str(dtype) without the "torch." prefix, as of torch 2.13; code 0 is "other".
 DTYPES = [
-    "other", "bfloat16", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "complex128",
-    "complex32", "complex64", "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn",
-    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "int1", "int16", "int2", "int3",
-    "int32", "int4", "int5", "int6", "int64", "int7", "int8", "qint32", "qint8", "quint2x4", "quint4x2",
-    "quint8", "uint1", "uint16", "uint2", "uint3", "uint32", "uint4", "uint5", "uint6", "uint64", "uint7",
+    "other",
+    "bfloat16",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "bits8",
+    "bool",
+    "complex128",
+    "complex32",
+    "complex64",
+    "float16",
+    "float32",
+    "float4_e2m1fn_x2",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "int1",
+    "int16",
+    "int2",
+    "int3",
+    "int32",
+    "int4",
+    "int5",
+    "int6",
+    "int64",
+    "int7",
+    "int8",
+    "qint32",
+    "qint8",
+    "quint2x4",
+    "quint4x2",
+    "quint8",
+    "uint1",
+    "uint16",
+    "uint2",
+    "uint3",
+    "uint32",
+    "uint4",
+    "uint5",
+    "uint6",
+    "uint64",
+    "uint7",
     "uint8",
 ]
 ROLE = {name: i for i, name in enumerate(ROLES)}

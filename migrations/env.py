@@ -3,6 +3,7 @@
 gradstore builds the Alembic Config in code (gradstore/store/database.py) and passes its own connection through
 `config.attributes["connection"]`; `alembic -c ...` from a shell works too, given `sqlalchemy.url`.
 """
+
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
@@ -23,7 +24,8 @@ connection = config.attributes.get("connection")
 if connection is not None:
     _run(connection)
 else:
-    engine = engine_from_config(config.get_section(config.config_ini_section, {}), prefix="sqlalchemy.",
-                                poolclass=pool.NullPool)
+    engine = engine_from_config(
+        config.get_section(config.config_ini_section, {}), prefix="sqlalchemy.", poolclass=pool.NullPool
+    )
     with engine.connect() as conn:
         _run(conn)

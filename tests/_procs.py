@@ -5,6 +5,7 @@ process still running is killed.
 Results travel through a multiprocessing Queue as plain Python data (lists, numbers, strings): no tensor
 crosses a process boundary, so nothing depends on shared-memory file descriptors outliving the child.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -62,7 +63,8 @@ def run_processes(fn, n: int, *args, timeout: float = 90.0) -> list:
                         index, ok, payload = q.get(timeout=0.5)
                     except queue.Empty:
                         raise AssertionError(
-                            f"process {dead[0]} exited with code {procs[dead[0]].exitcode} without a result") from None
+                            f"process {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
+                        ) from None
                 else:
                     continue
             if not ok:
@@ -86,8 +88,9 @@ def run_processes(fn, n: int, *args, timeout: float = 90.0) -> list:
 def _distributed(rank, world_size, port, fn, args):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
     try:
         return fn(rank, *args)
     finally:

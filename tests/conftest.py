@@ -1,5 +1,6 @@
 """Shared fixtures: a fresh database per test (a SQLite path, or a fresh PostgreSQL schema for the `postgresql`
 backend), and frames printed in full on failure."""
+
 import contextlib
 import os
 import uuid
@@ -21,15 +22,21 @@ BACKEND_MODULES = {"test_recorder.py", "test_concurrency.py"}
 SQLITE_ONLY = {"test_memory_does_not_grow"}  # about the recorder's memory, not the database: once is enough
 BACKENDS = [
     pytest.param("sqlite", id="sqlite"),
-    pytest.param("postgresql", id="postgresql",
-                 marks=pytest.mark.skipif(not PG_URL, reason=f"{PG_URL_ENV} is not set (.ci/run starts a server)")),
+    pytest.param(
+        "postgresql",
+        id="postgresql",
+        marks=pytest.mark.skipif(not PG_URL, reason=f"{PG_URL_ENV} is not set (.ci/run starts a server)"),
+    ),
 ]
 
 
 def pytest_generate_tests(metafunc):
-    if (metafunc.definition.path.name in BACKEND_MODULES and "db" in metafunc.fixturenames
-            and metafunc.function.__name__ not in SQLITE_ONLY
-            and not any("backend" in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))):
+    if (
+        metafunc.definition.path.name in BACKEND_MODULES
+        and "db" in metafunc.fixturenames
+        and metafunc.function.__name__ not in SQLITE_ONLY
+        and not any("backend" in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))
+    ):
         metafunc.parametrize("backend", BACKENDS, indirect=True)
 
 

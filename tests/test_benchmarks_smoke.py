@@ -3,6 +3,7 @@
 A smoke test only: it proves that every section of the harness runs and writes its report. It asserts
 nothing about speed; the speed targets live in benchmarks/RESULTS.md, measured by the full run.
 """
+
 import json
 import subprocess
 import sys
@@ -19,17 +20,35 @@ def test_benchmark_command_runs_end_to_end_in_quick_mode(tmp_path):
     out = tmp_path / "RESULTS.md"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--tiny", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     report = out.read_text()
-    for heading in ("## Machine", "## Step time, 1 thread", "## Writer", "## Peak RSS",
-                    "## Overhead against depth", "## Reductions per element", "## Issue 3's targets"):
+    for heading in (
+        "## Machine",
+        "## Step time, 1 thread",
+        "## Writer",
+        "## Peak RSS",
+        "## Overhead against depth",
+        "## Reductions per element",
+        "## Issue 3's targets",
+    ):
         assert heading in report, f"{heading!r} missing from the report:\n{report}"
-    for row in ("`none`", "`gradstore full`", "`gradstore health`", "`gradstore params`", "`gradstore shape`",
-                "`gradstore full, every=10`", "`detect_anomaly(check_nan=True)`", "`hand-written hooks (.item())`",
-                "`torchlens"):
+    for row in (
+        "`none`",
+        "`gradstore full`",
+        "`gradstore health`",
+        "`gradstore params`",
+        "`gradstore shape`",
+        "`gradstore full, every=10`",
+        "`detect_anomaly(check_nan=True)`",
+        "`hand-written hooks (.item())`",
+        "`torchlens",
+    ):
         assert row in report, f"no row {row} in the step table:\n{report}"
 
     results = json.loads(out.with_suffix(".json").read_text())

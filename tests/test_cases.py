@@ -7,6 +7,7 @@ and checks the store against ground truth computed independently: with plain PyT
 Every test also runs the scenario without recording and checks that recording left every gradient
 bit-for-bit unchanged (`torch.equal`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -267,8 +268,9 @@ def test_case01_add_backward_grad_inputs_vs_outputs(db):
     # ground truth: the case's observing post-hook
     a, b, c, loss = _c01_build()
     seen = {}
-    c.grad_fn.register_hook(lambda gi, go: seen.update(
-        gi=[finite_stats(g) for g in gi], go=[finite_stats(g) for g in go]))
+    c.grad_fn.register_hook(
+        lambda gi, go: seen.update(gi=[finite_stats(g) for g in gi], go=[finite_stats(g) for g in go])
+    )
     loss.backward()
     assert (len(seen["gi"]), len(seen["go"])) == (2, 1)
     assert [s["norm"] for s in seen["go"] + seen["gi"]] == [6.0, 6.0, 6.0]  # 3 * sqrt(4), by hand
@@ -383,8 +385,9 @@ def _c02_body(w):
     w.register_hook(tensor_hook)
     y = w * 2
     acc = y.grad_fn.next_functions[0][0]
-    acc.register_prehook(lambda go: events.append(
-        f"AccumulateGrad_prehook({state()}, incoming[0]={go[0][0].item():.1f})"))
+    acc.register_prehook(
+        lambda go: events.append(f"AccumulateGrad_prehook({state()}, incoming[0]={go[0][0].item():.1f})")
+    )
     acc.register_hook(lambda gi, go: events.append(f"AccumulateGrad_posthook({state()}, len(grad_inputs)={len(gi)})"))
     w.register_post_accumulate_grad_hook(lambda p: events.append(f"post_accumulate_grad_hook({state()})"))
     y.grad_fn.register_prehook(lambda go: events.append("MulBackward0_prehook"))
@@ -398,8 +401,11 @@ def test_case02_leaf_hook_order_and_accumulate_grad_rows(db):
     # the documented order (by hand): node pre -> node post -> tensor hook -> AccumulateGrad pre
     # -> post-accumulate hook -> AccumulateGrad post
     assert plain_events == [
-        "MulBackward0_prehook", "MulBackward0_posthook", "tensor_hook_on_w(grad=None)",
-        "AccumulateGrad_prehook(grad=None, incoming[0]=4.0)", "post_accumulate_grad_hook(grad[0]=4.0)",
+        "MulBackward0_prehook",
+        "MulBackward0_posthook",
+        "tensor_hook_on_w(grad=None)",
+        "AccumulateGrad_prehook(grad=None, incoming[0]=4.0)",
+        "post_accumulate_grad_hook(grad[0]=4.0)",
         "AccumulateGrad_posthook(grad[0]=4.0, len(grad_inputs)=0)",
     ]
     rec_events, recorded = _c02_run(db=db, run="c02")
@@ -514,8 +520,9 @@ class C04Net(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.features = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(),
-                                      nn.Linear(4 * 6 * 6, 2))
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)
+        )
 
     def forward(self, x):
         return self.features(x)
@@ -556,7 +563,9 @@ class ReferenceOwners:
         # leaf is not created by the module that consumes it)
         self._inputs[id(mod)] = {
             t.grad_fn if t.grad_fn is not None else torch.autograd.graph.get_gradient_edge(t).node
-            for t in inp if isinstance(t, torch.Tensor) and t.requires_grad}
+            for t in inp
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        }
 
     def _post(self, mod, out, name):
         for fn in _owned_nodes(out.grad_fn, self._inputs.pop(id(mod), set())):
@@ -588,8 +597,13 @@ def test_case04_node_hook_recording_attributes_inplace_relu(db):
     names = param_names(net)
     expected = [(ref_label(c["node"], names), owners.of(c["node"])) for c in trace.calls]
     assert [e for e in expected if not e[0].startswith("param:")] == [
-        ("SumBackward0", ""), ("AddmmBackward0", "features.3"), ("TBackward0", "features.3"),
-        ("ViewBackward0", "features.2"), ("ReluBackward0", "features.1"), ("ConvolutionBackward0", "features.0")]
+        ("SumBackward0", ""),
+        ("AddmmBackward0", "features.3"),
+        ("TBackward0", "features.3"),
+        ("ViewBackward0", "features.2"),
+        ("ReluBackward0", "features.1"),
+        ("ConvolutionBackward0", "features.0"),
+    ]
 
     net = C04Net()
     with gradstore.record("c04", db=db, model=net):
@@ -600,7 +614,11 @@ def test_case04_node_hook_recording_attributes_inplace_relu(db):
     c = fr.calls_of()
     assert list(zip(fr.labels(), c.module)) == expected
     assert sorted(k for k in c.key if k.startswith("param:")) == [
-        "param:features.0.bias", "param:features.0.weight", "param:features.3.bias", "param:features.3.weight"]
+        "param:features.0.bias",
+        "param:features.0.weight",
+        "param:features.3.bias",
+        "param:features.3.weight",
+    ]
     pg = fr.param_grads.set_index("param").loc["features.0.weight"]
     assert_row_matches(pg, finite_stats(plain["features.0.weight"]))
 
@@ -701,6 +719,7 @@ def _c05_run(db=None, run=None, hook=None):
     xs = _c05_inputs()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+
         def module_hook(m, gi, go):
             seen.update(n=len(gi), norms=[g.norm().item() for g in gi])
 
@@ -748,8 +767,9 @@ def test_case05_adder_module_owns_two_add_nodes(db):
     root = fr.calls_of().iloc[0]
     assert root.key in mod_keys
     assert list(fr.rows(seq=root.seq, role="grad_output").norm) == [2.0]
-    outflow = [fr.rows(key=r.src, role="grad_input").set_index("slot").loc[r.src_slot, "norm"]
-               for r in leaving.itertuples()]
+    outflow = [
+        fr.rows(key=r.src, role="grad_input").set_index("slot").loc[r.src_slot, "norm"] for r in leaving.itertuples()
+    ]
     assert outflow == [2.0, 2.0, 2.0]
     leaf_rows = fr.tensors[fr.tensors.name == "AccumulateGrad"]
     assert list(leaf_rows.norm) == [2.0, 2.0, 2.0]
@@ -779,9 +799,11 @@ def _c06_run(input_requires_grad, db=None, run=None, trace=False):
     events = []
     fc.register_full_backward_pre_hook(lambda m, go: events.append(("pre_hook", m.weight.grad is None)))
     fc.register_full_backward_hook(
-        lambda m, gi, go: events.append(("full_hook", m.weight.grad is None, tuple(g is None for g in gi))))
+        lambda m, gi, go: events.append(("full_hook", m.weight.grad is None, tuple(g is None for g in gi)))
+    )
     fc.weight.register_post_accumulate_grad_hook(
-        lambda p: events.append(("post_accumulate", p.grad is None, round(p.grad.norm().item(), 4))))
+        lambda p: events.append(("post_accumulate", p.grad is None, round(p.grad.norm().item(), 4)))
+    )
     x = torch.ones(1, 4, requires_grad=input_requires_grad)
     tr = None
     with warnings.catch_warnings(record=True) as caught:
@@ -853,7 +875,7 @@ class DistHead(nn.Module):
         d.retain_grad()
         self.last_diff = d
         if self.mode == "manual":
-            return torch.sqrt((d ** 2).sum(dim=1))
+            return torch.sqrt((d**2).sum(dim=1))
         return torch.linalg.vector_norm(d, dim=1)
 
 
@@ -984,8 +1006,14 @@ def test_case08_normalize_at_zero_finite_but_huge(db):
     recorded, _ = run(True)
     assert_same_grads(plain, recorded)
     ref_names = [c["name"] for c in trace.calls]
-    assert ref_names == ["SumBackward0", "DivBackward0", "ExpandBackward0", "ClampMinBackward0",
-                         "LinalgVectorNormBackward0", "AccumulateGrad"]
+    assert ref_names == [
+        "SumBackward0",
+        "DivBackward0",
+        "ExpandBackward0",
+        "ClampMinBackward0",
+        "LinalgVectorNormBackward0",
+        "AccumulateGrad",
+    ]
     huge = _first(trace.calls, lambda c: any(g is not None and g.abs().max() > 1e6 for g in c["gi"]))
 
     fr = Frames(db, "c08-normalize")
@@ -1102,7 +1130,7 @@ def _c17_run(db=None, trace=False):
         s = out.sum()
         if trace:
             t1 = NodeTrace([s.grad_fn])
-        g, = torch.autograd.grad(s, x, create_graph=True)
+        (g,) = torch.autograd.grad(s, x, create_graph=True)
         after1 = net.disc[0].weight.grad is None
         if trace:
             net.ref_out_fn, net.ref_g_fn = out.grad_fn, g.grad_fn
@@ -1143,12 +1171,18 @@ def test_case17_gradient_penalty_create_graph(db):
     # the case's origin split, computed as the case does: 8 forward + 5 born in backward #1 + 2 penalty
     fwd = graph_nodes_of(net.ref_out_fn)
     born = graph_nodes_of(net.ref_g_fn) - fwd
-    origin = Counter("forward" if c["node"] in fwd else ("backward#1" if c["node"] in born else "penalty")
-                     for c in ref2)
+    origin = Counter(
+        "forward" if c["node"] in fwd else ("backward#1" if c["node"] in born else "penalty") for c in ref2
+    )
     assert origin == {"forward": 8, "backward#1": 5, "penalty": 2}
     later = {i for i, c in enumerate(ref2) if c["node"] not in fwd}
     assert sorted({ref2[i]["name"] for i in later}) == [
-        "MmBackward0", "PowBackward0", "SumBackward0", "TBackward0", "TanhBackwardBackward0"]
+        "MmBackward0",
+        "PowBackward0",
+        "SumBackward0",
+        "TBackward0",
+        "TanhBackwardBackward0",
+    ]
     assert all(owned(fr, pass_=1)[i][1] == "" for i in later)
     assert fr.labels(pass_=0).count("AccumulateGrad") == 0
     # None gradient is correct for disc.2.bias: status none; the others match .grad
@@ -1162,6 +1196,7 @@ def test_case17_nodes_of_both_passes_keep_distinct_keys(db):
     """Pass #2 runs nodes created by the forward, by pass #1 and by the penalty expression. The store must
     not merge two different autograd nodes of one step under one key (a merged key would say that pass #1's
     SumBackward0 ran again in pass #2, and grad_norms would mix their gradients)."""
+
     def ground_truth():
         _, _, t1, t2, _ = _c17_run(trace=True)
         n1, n2 = [c["node"] for c in t1.calls], [c["node"] for c in t2.calls]
@@ -1182,7 +1217,7 @@ def test_case17_without_create_graph_penalty_backward_raises_unchanged(db):
     def run():
         net = C17Net()
         x = _c17_x()
-        g, = torch.autograd.grad(net.disc(x).sum(), x)
+        (g,) = torch.autograd.grad(net.disc(x).sum(), x)
         info = (g.grad_fn, g.requires_grad)
         g.pow(2).sum().backward()
         return info
@@ -1386,11 +1421,27 @@ def test_case24_autograd_grad_and_backward_inputs(db):
     expected = [[ref_label(c["node"], names) for c in p_] for p_ in passes]
     # the case's event lists (node prehooks and tensor hooks), by hand
     ev = [e[1] if e[0] == "node" else f"tensor_hook({e[1]})" for e in ref["events"]]
-    assert ev == ["SumBackward0", "TanhBackward0", "AddmmBackward0", "TBackward0", "tensor_hook(weight)",
-                  "SumBackward0", "TanhBackward0", "AddmmBackward0", "TBackward0", "tensor_hook(weight)",
-                  "AccumulateGrad",
-                  "SumBackward0", "TanhBackward0", "AddmmBackward0", "tensor_hook(bias)", "AccumulateGrad",
-                  "TBackward0", "tensor_hook(weight)", "AccumulateGrad"]
+    assert ev == [
+        "SumBackward0",
+        "TanhBackward0",
+        "AddmmBackward0",
+        "TBackward0",
+        "tensor_hook(weight)",
+        "SumBackward0",
+        "TanhBackward0",
+        "AddmmBackward0",
+        "TBackward0",
+        "tensor_hook(weight)",
+        "AccumulateGrad",
+        "SumBackward0",
+        "TanhBackward0",
+        "AddmmBackward0",
+        "tensor_hook(bias)",
+        "AccumulateGrad",
+        "TBackward0",
+        "tensor_hook(weight)",
+        "AccumulateGrad",
+    ]
     assert expected[0] == ["SumBackward0", "TanhBackward0", "AddmmBackward0", "TBackward0"]
     assert expected[1] == expected[0] + ["param:lin.weight"]
     assert expected[2].index("param:lin.bias") < expected[2].index("TBackward0")

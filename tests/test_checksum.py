@@ -1,5 +1,6 @@
 """gradstore.recording.checksum: a 64-bit checksum of a tensor's bytes that makes a bitwise comparison across ranks
 exact."""
+
 import numpy as np
 import pytest
 import torch
@@ -30,7 +31,7 @@ def _reference(t: torch.Tensor) -> int:
 def _bump(t: torch.Tensor, i: int, direction: float) -> None:
     """Move element i (row-major) of t one ulp towards +-inf, in place."""
     flat = t.view(-1)
-    flat[i] = torch.nextafter(flat[i:i + 1], torch.tensor([direction * float("inf")], dtype=t.dtype))[0]
+    flat[i] = torch.nextafter(flat[i : i + 1], torch.tensor([direction * float("inf")], dtype=t.dtype))[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,8 +95,15 @@ def test_param_grad_rows_store_the_checksum_and_other_rows_do_not(db):
     with gradstore.open(db) as store, store.engine.connect() as conn:
         from sqlalchemy import text
 
-        assert conn.execute(text("SELECT COUNT(*) FROM tensors t JOIN steps s ON s.id = t.step_id JOIN runs r "
-                                 "ON r.id = s.run_id WHERE r.name = 'auto' AND t.checksum IS NOT NULL")).scalar() == 0
+        assert (
+            conn.execute(
+                text(
+                    "SELECT COUNT(*) FROM tensors t JOIN steps s ON s.id = t.step_id JOIN runs r "
+                    "ON r.id = s.run_id WHERE r.name = 'auto' AND t.checksum IS NOT NULL"
+                )
+            ).scalar()
+            == 0
+        )
     model.zero_grad()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
@@ -105,9 +113,12 @@ def test_param_grad_rows_store_the_checksum_and_other_rows_do_not(db):
     with gradstore.open(db) as store, store.engine.connect() as conn:
         from sqlalchemy import text
 
-        rows = conn.execute(text(
-            "SELECT n.key, t.role, t.checksum FROM tensors t JOIN nodes n ON n.id = t.node_id "
-            "JOIN steps s ON s.id = t.step_id JOIN runs r ON r.id = s.run_id WHERE r.name = 'c2'")).all()
+        rows = conn.execute(
+            text(
+                "SELECT n.key, t.role, t.checksum FROM tensors t JOIN nodes n ON n.id = t.node_id "
+                "JOIN steps s ON s.id = t.step_id JOIN runs r ON r.id = s.run_id WHERE r.name = 'c2'"
+            )
+        ).all()
     got = {key: c for key, role, c in rows if role == 2}
     assert got == want and len(set(want.values())) == 4
     assert all(c is None for _, role, c in rows if role != 2)

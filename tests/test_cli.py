@@ -1,5 +1,6 @@
 """The command line (gradstore.cli) through click's CliRunner: the demo's numbers agree with the database,
 the reading commands print what the Store returns, and every failure is one line and a non-zero exit."""
+
 import io
 import sqlite3
 import subprocess
@@ -89,9 +90,17 @@ def test_demo_model_reads_like_gpt2():
 
     model = GPT(GPTConfig())
     names = dict(model.named_modules())
-    for name in ("transformer.wte", "transformer.wpe", "transformer.h.0.ln_1", "transformer.h.0.attn.c_attn",
-                 "transformer.h.0.attn.c_proj", "transformer.h.1.mlp.c_fc", "transformer.h.1.mlp.c_proj",
-                 "transformer.ln_f", "lm_head"):
+    for name in (
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.h.0.ln_1",
+        "transformer.h.0.attn.c_attn",
+        "transformer.h.0.attn.c_proj",
+        "transformer.h.1.mlp.c_fc",
+        "transformer.h.1.mlp.c_proj",
+        "transformer.ln_f",
+        "lm_head",
+    ):
         assert name in names
     assert model.lm_head.weight is model.transformer.wte.weight
 
@@ -151,8 +160,10 @@ def test_query_table_and_csv_match_store_query(demo_db):
     assert table.output.splitlines()[0].split() == list(expected.columns)
     assert len(table.output.splitlines()) == len(expected) + 1
 
-    for name, params, exp in (("steps", ["-p", "run=demo"], expected),
-                              ("calls", ["-p", "run=demo", "-p", "step=1"], expected_calls)):
+    for name, params, exp in (
+        ("steps", ["-p", "run=demo"], expected),
+        ("calls", ["-p", "run=demo", "-p", "step=1"], expected_calls),
+    ):
         result = invoke("query", path, name, *params, "--csv")
         assert result.exit_code == 0, result.output
         got = pd.read_csv(io.StringIO(result.output))
@@ -219,7 +230,8 @@ def test_every_command_and_option_has_help():
 
 
 def test_python_dash_m_gradstore():
-    result = subprocess.run([sys.executable, "-m", "gradstore", "--version"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "gradstore", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert gradstore.__version__ in result.stdout

@@ -14,6 +14,7 @@ fixed inputs, with one deliberate change in some runs:
   parameter 0.bias by 1.25, so 0.bias is the only parameter whose final gradient differs across ranks.
 Expected values come from plain torch.autograd on a twin of the model, without gradstore.
 """
+
 import sqlite3
 
 import pytest
@@ -48,8 +49,10 @@ def norm64(t) -> float:
 
 def output_hook(module: nn.Module, fn):
     """Apply `fn` to the gradient flowing into `module`'s output (a tensor hook, registered at each forward)."""
+
     def forward_hook(_mod, _inp, out):
         out.register_hook(fn)
+
     return module.register_forward_hook(forward_hook)
 
 
@@ -112,8 +115,15 @@ def recorded(tmp_path_factory):
         perturbed[2].weight[0, 0] += 1e-3
     record(db, "perturbed", perturbed)
     # one run, three steps: step 1 alone has module 2's gradient scaled
-    record(db, "steps", make_model(), hook=lambda m: output_hook(m[2], lambda g: g * 1.5), steps=3, only_step=1,
-           same_input=True)
+    record(
+        db,
+        "steps",
+        make_model(),
+        hook=lambda m: output_hook(m[2], lambda g: g * 1.5),
+        steps=3,
+        only_step=1,
+        same_input=True,
+    )
     record_micro(db, "micro")
     record_micro(db, "micro_scaled", scaled_micro_batch=1)
     mp = pytest.MonkeyPatch()
@@ -154,16 +164,27 @@ def twin(step: int, scale_module2: float | None = None):
 
 # ---- diff and first_divergence between two runs ----------------------------------------------------------------
 DOWNSTREAM_OF_2 = {  # the nodes that receive module 2's gradient, in the graph of this model (param:* included)
-    "2/AddmmBackward0#0", "param:2.bias", "2/TBackward0#0", "param:2.weight", "1/TanhBackward0#0",
-    "0/AddmmBackward0#0", "param:0.bias", "0/TBackward0#0", "param:0.weight",
+    "2/AddmmBackward0#0",
+    "param:2.bias",
+    "2/TBackward0#0",
+    "param:2.weight",
+    "1/TanhBackward0#0",
+    "0/AddmmBackward0#0",
+    "param:0.bias",
+    "0/TBackward0#0",
+    "param:0.weight",
 }
 
 
 def test_first_divergence_points_at_the_scaled_node(store):
     first = store.first_divergence("base", "scaled")
     assert set(first.key) == {"2/AddmmBackward0#0"}
-    assert list(zip(first.role, first.slot)) == [("grad_output", 0), ("grad_input", 0), ("grad_input", 1),
-                                                 ("grad_input", 2)]
+    assert list(zip(first.role, first.slot)) == [
+        ("grad_output", 0),
+        ("grad_input", 0),
+        ("grad_input", 1),
+        ("grad_input", 2),
+    ]
     assert set(first.module) == {"2"} and set(first.side) == {"both"} and set(first.step_a) == {0}
     grads, _ = twin(0)
     out = first.iloc[0]
@@ -206,8 +227,10 @@ def test_diff_aligns_every_gradient_and_flags_exactly_the_changed_ones(store):
 
 def test_nan_injected_at_one_module(store):
     first = store.first_divergence("base", "nan")
-    assert list(zip(first.key, first.role, first.slot)) == [("1/TanhBackward0#0", "grad_output", 0),
-                                                            ("1/TanhBackward0#0", "grad_input", 0)]
+    assert list(zip(first.key, first.role, first.slot)) == [
+        ("1/TanhBackward0#0", "grad_output", 0),
+        ("1/TanhBackward0#0", "grad_input", 0),
+    ]
     out = first.iloc[0]
     assert (out.nan_a, out.nan_b) == (0, 1)
     assert "nan" in out.differs.split(",")
@@ -259,7 +282,8 @@ def test_micro_batches_are_aligned_by_occurrence(store):
     # parameters never
     pg = changed[changed.role == "param_grad"]
     assert sorted(zip(pg["pass_a"], pg.param)) == sorted(
-        (p, n) for p in (1, 2) for n in ("0.weight", "0.bias", "2.weight", "2.bias"))
+        (p, n) for p in (1, 2) for n in ("0.weight", "0.bias", "2.weight", "2.bias")
+    )
 
 
 def test_rows_only_in_one_side_are_flagged(store, recorded):
@@ -328,12 +352,17 @@ def test_rank_divergence_uses_checksums_where_both_ranks_have_them(tmp_path, mon
     record_rank(db, "r", 1, 2, monkeypatch)
     con = sqlite3.connect(db)
     try:
+
         def set_checksum(rank, param, value):
             # checksums live in tensor_notes (the tensors view reads them from there)
-            con.execute("INSERT INTO tensor_notes (id, checksum) SELECT t.id, ? FROM tensors t "
-                        "JOIN steps st ON st.id = t.step_id JOIN nodes n ON n.id = t.node_id "
-                        "WHERE t.role = 2 AND st.rank = ? AND n.param = ? AND st.step = 0 "
-                        "ON CONFLICT (id) DO UPDATE SET checksum = excluded.checksum", (value, rank, param))
+            con.execute(
+                "INSERT INTO tensor_notes (id, checksum) SELECT t.id, ? FROM tensors t "
+                "JOIN steps st ON st.id = t.step_id JOIN nodes n ON n.id = t.node_id "
+                "WHERE t.role = 2 AND st.rank = ? AND n.param = ? AND st.step = 0 "
+                "ON CONFLICT (id) DO UPDATE SET checksum = excluded.checksum",
+                (value, rank, param),
+            )
+
         for rank in (0, 1):
             for param in ("0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"):
                 set_checksum(rank, param, 11)
@@ -370,8 +399,10 @@ def test_cli_diff_prints_the_first_divergence_in_words(recorded):
     a, b = norm64(grads["2"]), norm64(grads["2"] * 1.5)
     result = invoke("diff", recorded, "base", "scaled")
     assert result.exit_code == 0, result.output
-    assert (f"run 'scaled' differs from run 'base' first at 2/AddmmBackward0#0 grad_outputs[0] (step 0, pass 0): "
-            f"norm {a:.5g} vs {b:.5g} (rel 0.33)") in result.output
+    assert (
+        f"run 'scaled' differs from run 'base' first at 2/AddmmBackward0#0 grad_outputs[0] (step 0, pass 0): "
+        f"norm {a:.5g} vs {b:.5g} (rel 0.33)"
+    ) in result.output
     assert "  also grad_inputs[2]: norm" in result.output
     result = invoke("diff", recorded, "base", "nan")
     assert "first at 1/TanhBackward0#0 grad_outputs[0] (step 0, pass 0)" in result.output
@@ -391,8 +422,10 @@ def test_cli_diff_two_ranks(recorded):
     result = invoke("diff", recorded, "job", "job", "--rank-a", 0, "--rank-b", 1, "--step-a", 0)
     assert result.exit_code == 0, result.output
     a, b = norm64(grads["0.bias"]), norm64(grads["0.bias"] * 1.25)
-    assert (f"rank 1 differs from rank 0 first at param:0.bias grad_outputs[0] (step 0, pass 0): "
-            f"norm {a:.5g} vs {b:.5g} (rel 0.2)") in result.output
+    assert (
+        f"rank 1 differs from rank 0 first at param:0.bias grad_outputs[0] (step 0, pass 0): "
+        f"norm {a:.5g} vs {b:.5g} (rel 0.2)"
+    ) in result.output
 
 
 def test_cli_ranks(recorded):
@@ -405,9 +438,11 @@ def test_cli_ranks(recorded):
     assert f"  0.bias: rank 1 differs from rank 0: norm {a:.5g} vs {b:.5g} (rel 0.2)" in result.output
     con = sqlite3.connect(recorded)
     try:
-        missing = con.execute("SELECT COUNT(*) FROM tensors WHERE role = 2 AND status = 0 AND checksum IS NULL "
-                              "AND step_id IN (SELECT st.id FROM steps st JOIN runs r ON r.id = st.run_id "
-                              "WHERE r.name = 'agree' AND st.step = 0)").fetchone()[0]
+        missing = con.execute(
+            "SELECT COUNT(*) FROM tensors WHERE role = 2 AND status = 0 AND checksum IS NULL "
+            "AND step_id IN (SELECT st.id FROM steps st JOIN runs r ON r.id = st.run_id "
+            "WHERE r.name = 'agree' AND st.step = 0)"
+        ).fetchone()[0]
     finally:
         con.close()
     result = invoke("ranks", recorded, "agree", "--step", 0)

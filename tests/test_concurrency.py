@@ -2,6 +2,7 @@
 different ranks) without errors or lost rows. Every row is counted and compared with what each process
 expected, counted independently with plain node hooks. Runs against SQLite and, where configured, PostgreSQL
 (tests/conftest.py: the `db` fixture)."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -68,9 +69,15 @@ def _writer_process(rank, db, barrier):
     model = _model()
     steps, passes = _rank_plan(rank)
     plain = _plain_counts(model, torch.randn(8, FEATURES))
-    expected = {"steps": steps, "passes": steps * passes, "calls": steps * passes * plain["calls"],
-                "tensors": steps * passes * (plain["slots"] + plain["params"]),
-                "param_rows": steps * passes * plain["params"], "nodes": plain["nodes"], "edges": plain["edges"]}
+    expected = {
+        "steps": steps,
+        "passes": steps * passes,
+        "calls": steps * passes * plain["calls"],
+        "tensors": steps * passes * (plain["slots"] + plain["params"]),
+        "param_rows": steps * passes * plain["params"],
+        "nodes": plain["nodes"],
+        "edges": plain["edges"],
+    }
 
     @gradstore.record("many", db=db, model=model)
     def train_step(batches):
@@ -107,22 +114,32 @@ def test_many_processes_record_one_run_without_errors_or_lost_rows(db):
             "calls": "SELECT st.rank, COUNT(*) FROM calls c JOIN steps st ON st.id = c.step_id GROUP BY st.rank",
             "tensors": "SELECT st.rank, COUNT(*) FROM tensors t JOIN steps st ON st.id = t.step_id GROUP BY st.rank",
             "param_rows": "SELECT st.rank, COUNT(*) FROM tensors t JOIN steps st ON st.id = t.step_id "
-                          "WHERE t.role = 2 GROUP BY st.rank",
+            "WHERE t.role = 2 GROUP BY st.rank",
         }.items():
             assert _count(conn, sql) == {rank: e[what] for rank, e in expected.items()}, what
         # nodes and edges belong to the run: every rank has the same graph, each is stored once
         assert conn.execute(text("SELECT COUNT(*) FROM nodes")).scalar() == expected[0]["nodes"]
         assert conn.execute(text("SELECT COUNT(*) FROM edges")).scalar() == expected[0]["edges"]
         # every reference resolves (SQLite does not enforce foreign keys)
-        assert conn.execute(text("""
+        assert (
+            conn.execute(
+                text("""
             SELECT COUNT(*) FROM tensors t LEFT JOIN nodes n ON n.id = t.node_id
             LEFT JOIN calls c ON c.id = t.call_id LEFT JOIN passes p ON p.id = t.pass_id
-            WHERE n.id IS NULL OR p.id IS NULL OR (t.call_id IS NOT NULL AND c.id IS NULL)""")).scalar() == 0
+            WHERE n.id IS NULL OR p.id IS NULL OR (t.call_id IS NOT NULL AND c.id IS NULL)""")
+            ).scalar()
+            == 0
+        )
         # calls are numbered 0, 1, ... within each step: none missing, none doubled
-        assert conn.execute(text("""
+        assert (
+            conn.execute(
+                text("""
             SELECT COUNT(*) FROM (SELECT step_id, COUNT(*) AS n, MIN(seq) AS lo, MAX(seq) AS hi
                                   FROM calls GROUP BY step_id) AS per_step
-            WHERE lo <> 0 OR hi <> n - 1""")).scalar() == 0
+            WHERE lo <> 0 OR hi <> n - 1""")
+            ).scalar()
+            == 0
+        )
 
 
 def _forked_child(rank, db):
@@ -146,12 +163,23 @@ def test_forked_child_of_a_recording_process_writes_its_own_steps(db):
     with gradstore.record("parent", db=db, model=model):
         model(torch.randn(4, FEATURES)).pow(2).mean().backward()
     with gradstore.open(db) as store, store.engine.connect() as conn:
-        steps = conn.execute(text("""SELECT r.name, st.rank, st.step FROM steps st JOIN runs r ON r.id = st.run_id
-                                     ORDER BY r.name, st.rank, st.step""")).all()
-        assert steps == [("children", 0, 0), ("children", 0, 1), ("children", 1, 0), ("children", 1, 1),
-                         ("parent", 0, 0), ("parent", 0, 1)]
-        calls = _count(conn, """SELECT st.rank, COUNT(*) FROM calls c JOIN steps st ON st.id = c.step_id
-                                JOIN runs r ON r.id = st.run_id WHERE r.name = 'children' GROUP BY st.rank""")
+        steps = conn.execute(
+            text("""SELECT r.name, st.rank, st.step FROM steps st JOIN runs r ON r.id = st.run_id
+                                     ORDER BY r.name, st.rank, st.step""")
+        ).all()
+        assert steps == [
+            ("children", 0, 0),
+            ("children", 0, 1),
+            ("children", 1, 0),
+            ("children", 1, 1),
+            ("parent", 0, 0),
+            ("parent", 0, 1),
+        ]
+        calls = _count(
+            conn,
+            """SELECT st.rank, COUNT(*) FROM calls c JOIN steps st ON st.id = c.step_id
+                                JOIN runs r ON r.id = st.run_id WHERE r.name = 'children' GROUP BY st.rank""",
+        )
         assert calls == {0: 2 * plain[0]["calls"], 1: 2 * plain[1]["calls"]}
 
 
@@ -179,8 +207,10 @@ def test_a_transient_failure_retries_the_whole_step(db, monkeypatch):
         assert conn.execute(text("SELECT COUNT(*) FROM steps")).scalar() == 1
         assert conn.execute(text("SELECT COUNT(*) FROM calls")).scalar() == plain["calls"]
         assert conn.execute(text("SELECT COUNT(*) FROM nodes")).scalar() == plain["nodes"]
-        assert conn.execute(text("""SELECT COUNT(*) FROM tensors t JOIN nodes n ON n.id = t.node_id""")).scalar() \
+        assert (
+            conn.execute(text("""SELECT COUNT(*) FROM tensors t JOIN nodes n ON n.id = t.node_id""")).scalar()
             == plain["slots"] + plain["params"]
+        )
 
 
 def test_a_driver_error_from_the_raw_cursor_is_retried_too(db, monkeypatch):
@@ -216,8 +246,11 @@ def test_a_driver_error_from_the_raw_cursor_is_retried_too(db, monkeypatch):
 def test_a_lasting_failure_is_reported_not_retried_forever(db, monkeypatch):
     model = _model()
     monkeypatch.setattr(writer, "_ATTEMPTS", 3)
-    monkeypatch.setattr(writer.Writer, "_write_calls_and_tensors", lambda *a: (_ for _ in ()).throw(
-        OperationalError("INSERT", {}, Exception("database is locked"))))
+    monkeypatch.setattr(
+        writer.Writer,
+        "_write_calls_and_tensors",
+        lambda *a: (_ for _ in ()).throw(OperationalError("INSERT", {}, Exception("database is locked"))),
+    )
     with pytest.warns(RuntimeWarning, match="could not write"):
         with gradstore.record("stuck", db=db, model=model):
             model(torch.randn(4, FEATURES)).pow(2).mean().backward()

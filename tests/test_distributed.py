@@ -6,6 +6,7 @@ exact. Each case computes what to expect in plain PyTorch, without gradstore, an
 
 The processes are forked (no re-import of torch) by tests/_procs.py, which kills them on failure or timeout.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -23,8 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradstore
 from gradstore.recording.checksum import checksum as checksum_of
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _dynamo_imported_before_fork():
@@ -42,11 +45,16 @@ def _sql(db, sql, *params):
 
 def _param_rows(db, run, step):
     """{(rank, param): (checksum, stats...)} of the param_grad rows of one step."""
-    rows = _sql(db, f"""
-        SELECT st.rank, n.param, t.checksum, {', '.join('t.' + c for c in STAT_COLUMNS)}
+    rows = _sql(
+        db,
+        f"""
+        SELECT st.rank, n.param, t.checksum, {", ".join("t." + c for c in STAT_COLUMNS)}
         FROM tensors t JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id
         JOIN nodes n ON n.id = t.node_id
-        WHERE r.name = ? AND st.step = ? AND t.role = 2""", run, step)
+        WHERE r.name = ? AND st.step = ? AND t.role = 2""",
+        run,
+        step,
+    )
     return {(r[0], r[1]): (r[2], *r[3:]) for r in rows}
 
 
@@ -99,7 +107,11 @@ def test_plain_ddp_ranks_record_local_grads_and_agree_after_the_all_reduce(tmp_p
     r0, r1 = run_distributed(_plain_ddp, db)
     assert _sql(db, "SELECT name, world_size FROM runs") == [("ddp", 2)]  # world_size found by itself
     assert sorted(_sql(db, "SELECT rank, step, status FROM steps")) == [
-        (0, 0, "ok"), (0, 1, "ok"), (1, 0, "ok"), (1, 1, "ok")]
+        (0, 0, "ok"),
+        (0, 1, "ok"),
+        (1, 0, "ok"),
+        (1, 1, "ok"),
+    ]
     params = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     for step in (0, 1):
         # the all-reduced gradient is the mean of the ranks' local gradients (computed in plain torch)
@@ -115,14 +127,19 @@ def test_plain_ddp_ranks_record_local_grads_and_agree_after_the_all_reduce(tmp_p
             assert rows[(0, p)][1:] == rows[(1, p)][1:]  # and every statistic with it
             assert math.isclose(rows[(0, p)][3], float(_t(r0["final"][step][p]).double().norm()), rel_tol=1e-9)
         # the nodes saw the local gradient: AccumulateGrad's grad_output is the rank's own, before the all-reduce
-        local = dict(_sql(db, """
+        local = dict(
+            _sql(
+                db,
+                """
             SELECT st.rank || ' ' || n.param, t.norm FROM tensors t JOIN steps st ON st.id = t.step_id
             JOIN nodes n ON n.id = t.node_id
-            WHERE st.step = ? AND t.role = 0 AND n.kind = 1""", step))
+            WHERE st.step = ? AND t.role = 0 AND n.kind = 1""",
+                step,
+            )
+        )
         for rank, r in ((0, r0), (1, r1)):
             for p in params:
-                assert math.isclose(local[f"{rank} {p}"], float(_t(r["local"][step][p]).double().norm()),
-                                    rel_tol=1e-9)
+                assert math.isclose(local[f"{rank} {p}"], float(_t(r["local"][step][p]).double().norm()), rel_tol=1e-9)
         assert local["0 fc1.weight"] != local["1 fc1.weight"]  # the ranks' data differ
     with gradstore.open(db) as store:
         if hasattr(store, "rank_divergence"):
@@ -166,11 +183,17 @@ def test_ddp_bypassed_forward_rank_divergence_names_the_data_dependent_params(tm
     for rank, r in ((0, r0), (1, r1)):
         for p, g in r["final"].items():
             assert rows[(rank, p)][0] == checksum_of(_t(g))
-    found = {p for (p,) in _sql(db, """
+    found = {
+        p
+        for (p,) in _sql(
+            db,
+            """
         SELECT n.param FROM tensors t JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id
         JOIN nodes n ON n.id = t.node_id
         WHERE r.name = 'bypass' AND st.step = 0 AND t.role = 2
-        GROUP BY n.param HAVING COUNT(DISTINCT t.checksum) > 1""")}
+        GROUP BY n.param HAVING COUNT(DISTINCT t.checksum) > 1""",
+        )
+    }
     assert found == differ
     with gradstore.open(db) as store:
         if hasattr(store, "rank_divergence"):  # the helper of issue 4 point 2, where present
@@ -222,10 +245,15 @@ D, H, OUT = 4, 8, 3
 
 def _full_weights():
     g = torch.Generator().manual_seed(0)
-    return {"inp.weight": torch.randn(D, D, generator=g) * 0.5, "inp.bias": torch.randn(D, generator=g) * 0.1,
-            "w1": torch.randn(H, D, generator=g) * 0.5, "b1": torch.randn(H, generator=g) * 0.1,
-            "w2": torch.randn(OUT, H, generator=g) * 0.5, "b2": torch.randn(OUT, generator=g) * 0.1,
-            "x": torch.randn(5, D, generator=g)}
+    return {
+        "inp.weight": torch.randn(D, D, generator=g) * 0.5,
+        "inp.bias": torch.randn(D, generator=g) * 0.1,
+        "w1": torch.randn(H, D, generator=g) * 0.5,
+        "b1": torch.randn(H, generator=g) * 0.1,
+        "w2": torch.randn(OUT, H, generator=g) * 0.5,
+        "b2": torch.randn(OUT, generator=g) * 0.1,
+        "x": torch.randn(5, D, generator=g),
+    }
 
 
 class TPModel(nn.Module):
@@ -282,12 +310,17 @@ def _reference_tp():
 
 def _call_rows(db, run, rank):
     """Node records of one rank's step 0 in execution order: [(seq, key, role, slot, stats...)]."""
-    return _sql(db, f"""
-        SELECT c.seq, n.key, t.role, t.slot, {', '.join('t.' + c for c in STAT_COLUMNS)}
+    return _sql(
+        db,
+        f"""
+        SELECT c.seq, n.key, t.role, t.slot, {", ".join("t." + c for c in STAT_COLUMNS)}
         FROM tensors t JOIN calls c ON c.id = t.call_id JOIN steps st ON st.id = t.step_id
         JOIN runs r ON r.id = st.run_id JOIN nodes n ON n.id = t.node_id
         WHERE r.name = ? AND st.rank = ? AND st.step = 0
-        ORDER BY c.seq, t.role, t.slot""", run, rank)
+        ORDER BY c.seq, t.role, t.slot""",
+        run,
+        rank,
+    )
 
 
 def _first_difference(a_rows, b_rows):
@@ -304,10 +337,17 @@ def test_tensor_parallel_missing_all_reduce_is_found_at_f(tmp_path):
     r0, r1 = run_distributed(_tensor_parallel, db)
     full, partial = _reference_tp()
     f_key = "CopyToTPBackward#0"
-    f_in = dict(((run, rank), (norm, mn, mx)) for run, rank, norm, mn, mx in _sql(db, """
+    f_in = dict(
+        ((run, rank), (norm, mn, mx))
+        for run, rank, norm, mn, mx in _sql(
+            db,
+            """
         SELECT r.name, st.rank, t.norm, t.min, t.max FROM tensors t JOIN calls c ON c.id = t.call_id
         JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id JOIN nodes n ON n.id = t.node_id
-        WHERE n.key = ? AND t.role = 1""", f_key))
+        WHERE n.key = ? AND t.role = 1""",
+            f_key,
+        )
+    )
     # with the all-reduce: f's grad_input is the full gradient on both ranks, bitwise the same
     assert f_in[("tp", 0)] == f_in[("tp", 1)]
     assert math.isclose(f_in[("tp", 0)][0], float(full.norm()), rel_tol=1e-5)
@@ -329,14 +369,16 @@ def test_tensor_parallel_missing_all_reduce_is_found_at_f(tmp_path):
         assert _first_difference(_call_rows(db, "tp-buggy", rank), _call_rows(db, "tp", rank)) == (f_key, 1, 0)
     # rank 0 against rank 1: the shards differ by design inside the MLP; the first record that agrees across
     # ranks with the all-reduce and differs without it is f's grad_input
-    agree = {(k, role, slot) for (_, k, role, slot, *a), (_, _, _, _, *b)
-             in zip(_call_rows(db, "tp", 0), _call_rows(db, "tp", 1)) if a == b}
+    agree = {
+        (k, role, slot)
+        for (_, k, role, slot, *a), (_, _, _, _, *b) in zip(_call_rows(db, "tp", 0), _call_rows(db, "tp", 1))
+        if a == b
+    }
     buggy = [row for row in _call_rows(db, "tp-buggy", 0) if tuple(row[1:4]) in agree]
     assert _first_difference(buggy, _call_rows(db, "tp-buggy", 1)) == (f_key, 1, 0)
     with gradstore.open(db) as store:
         if hasattr(store, "first_divergence"):  # the helper of issue 4 point 2, where present
-            frame = _call_first_divergence(store, run_a="tp", run_b="tp-buggy", rank_a=0, rank_b=0, step_a=0,
-                                           step_b=0)
+            frame = _call_first_divergence(store, run_a="tp", run_b="tp-buggy", rank_a=0, rank_b=0, step_a=0, step_b=0)
             if frame is not None:
                 assert list(frame["key"]) == [f_key] and list(frame["role"]) == ["grad_input"], frame
 
@@ -374,10 +416,13 @@ def test_in_place_all_reduce_in_a_custom_backward_is_recorded_after_the_all_redu
     db = str(tmp_path / "grads.db")
     g0, g1 = run_distributed(_in_place_all_reduce, db)
     assert g0 == g1 == [3.0, 3.0, 3.0]  # (1 + 2) on every element, on both ranks
-    rows = _sql(db, """
+    rows = _sql(
+        db,
+        """
         SELECT st.rank, t.role, t.min, t.max FROM tensors t JOIN calls c ON c.id = t.call_id
         JOIN steps st ON st.id = t.step_id JOIN nodes n ON n.id = t.node_id
-        WHERE n.key = 'CopyToTPInPlaceBackward#0' ORDER BY st.rank, t.role""")
+        WHERE n.key = 'CopyToTPInPlaceBackward#0' ORDER BY st.rank, t.role""",
+    )
     # grad_output: the rank's own (1 or 2); grad_input: what the node returned, the all-reduced sum (3)
     assert rows == [(0, 0, 1.0, 1.0), (0, 1, 3.0, 3.0), (1, 0, 2.0, 2.0), (1, 1, 3.0, 3.0)]
 
@@ -414,8 +459,14 @@ def test_ddp_locally_unused_param_has_a_param_grad_but_no_local_call(tmp_path):
     r0, r1 = run_distributed(_locally_unused, db)
     assert r1["local"]["head_b.weight"] is None and r1["final"]["head_b.weight"] is not None
     assert torch.allclose(_t(r1["final"]["head_b.weight"]), _t(r0["local"]["head_b.weight"]) / 2)
-    called = {(rank, key) for rank, key in _sql(db, """
-        SELECT st.rank, n.key FROM calls c JOIN steps st ON st.id = c.step_id JOIN nodes n ON n.id = c.node_id""")}
+    called = {
+        (rank, key)
+        for rank, key in _sql(
+            db,
+            """
+        SELECT st.rank, n.key FROM calls c JOIN steps st ON st.id = c.step_id JOIN nodes n ON n.id = c.node_id""",
+        )
+    }
     assert (1, "param:head_b.weight") not in called and (0, "param:head_b.weight") in called
     assert (0, "param:head_a.weight") not in called and (1, "param:head_a.weight") in called
     rows = _param_rows(db, "unused", 0)

@@ -1,4 +1,5 @@
 """README.md's promises: its test command is what CI runs, and every query and CLI command is documented."""
+
 import re
 from pathlib import Path
 
@@ -26,9 +27,10 @@ def test_readme_setup_command_pins_torch_and_runs_the_demo():
 def test_readme_documents_every_table_and_column():
     from gradstore.store import schema
 
-    tables = {name: [c.name for c in schema.metadata.tables[name].columns]
-              for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data",
-                           "tensor_notes")}
+    tables = {
+        name: [c.name for c in schema.metadata.tables[name].columns]
+        for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
+    }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
     tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)
     for table, columns in tables.items():

@@ -1,5 +1,6 @@
 """docs/autograd_hooks.md is what `python -m gradstore.inspect.docs_page` generates from fresh recordings (so it
 cannot go stale), and the facts it states hold in plain PyTorch, recomputed here without gradstore."""
+
 import math
 from pathlib import Path
 

@@ -1,6 +1,7 @@
 """gradstore.explain (live and recorded), gradstore.recording.saved and gradstore.recording.frames, checked against
 plain PyTorch: what the hooks receive is observed with plain node hooks, saved tensors are read with the public
 `_saved_*` getters, statistics are recomputed with torch, module names come from the model's structure."""
+
 import math
 import sys
 
@@ -84,7 +85,8 @@ def test_explain_matmul_node_against_plain_hooks_and_getters():
     assert (e.name, e.kind) == ("MmBackward0", "function")
     assert [s.shape for s in e.grad_outputs] == [tuple(out.shape)]
     assert [(g.slot, g.needs_grad, g.input_nr) for g in e.grad_inputs] == [
-        (i, nxt is not None, nr) for i, (nxt, nr) in enumerate(node.next_functions)]
+        (i, nxt is not None, nr) for i, (nxt, nr) in enumerate(node.next_functions)
+    ]
     assert [g.needs_grad for g in e.grad_inputs] == [True, False]
     # MmBackward0 keeps self only to compute mat2's gradient: w needs none, so _saved_self is undefined (None)
     assert node._saved_self is None and isinstance(node._saved_mat2, torch.Tensor)
@@ -195,8 +197,10 @@ def test_saved_tensors_inside_hooks_after_free_lists_optionals_and_bytes():
     y = x.exp()
     inside = []
     node = y.grad_fn
-    handles = [node.register_prehook(lambda gos: inside.append(len(saved.saved_tensors(node)))),
-               node.register_hook(lambda gis, gos: inside.append(len(saved.saved_tensors(node))))]
+    handles = [
+        node.register_prehook(lambda gos: inside.append(len(saved.saved_tensors(node)))),
+        node.register_hook(lambda gis, gos: inside.append(len(saved.saved_tensors(node)))),
+    ]
     y.sum().backward()
     for h in handles:
         h.remove()  # the hooks refer to the node: a cycle through C++ that gc cannot see
@@ -206,7 +210,7 @@ def test_saved_tensors_inside_hooks_after_free_lists_optionals_and_bytes():
 
     idx = torch.tensor([0, 2])
     g = x[idx]
-    (name, t), = saved.saved_tensors(g.grad_fn)
+    ((name, t),) = saved.saved_tensors(g.grad_fn)
     assert name == "_saved_indices[0]" and torch.equal(t, idx)
     g.sum().backward()
     assert saved.saved_tensors(g.grad_fn).freed  # a saved list raises once freed: caught
@@ -267,7 +271,10 @@ def test_explain_recorded_node_and_cli(db):
     assert (e.name, e.kind, e.module, e.step, e.rank) == ("AddmmBackward0", "function", "2", 0, 0)
     assert list(e.edges_in["src"]) == ["SumBackward0#0"]
     assert dict(zip(e.edges_out["src_slot"], e.edges_out["dst"])) == {
-        0: "param:2.bias", 1: "1/TanhBackward0#0", 2: "2/TBackward0#0"}
+        0: "param:2.bias",
+        1: "1/TanhBackward0#0",
+        2: "2/TBackward0#0",
+    }
     rows = {(r["role"], r["slot"]): r for r in e.tensors.to_dict("records")}
     # d(sum)/d(out) is ones(5, 1); the bias gradient is its column sum, 5
     assert math.isclose(rows[("grad_output", 0)]["norm"], math.sqrt(5), rel_tol=1e-6)
@@ -294,9 +301,9 @@ def test_frame_tracker_names_the_user_line_of_each_node():
     lin = torch.nn.Linear(3, 2)
     tracker = FrameTracker()
     with tracker:
-        y = lin(x); line_lin = sys._getframe().f_lineno  # noqa: E702
-        z = Scale.apply(y, 2.0, torch.ones(2)); line_fn = sys._getframe().f_lineno  # noqa: E702
-        w = (z * 3).sum(); line_w = sys._getframe().f_lineno  # noqa: E702
+        y = lin(x); line_lin = sys._getframe().f_lineno  # noqa: E702  # fmt: skip
+        z = Scale.apply(y, 2.0, torch.ones(2)); line_fn = sys._getframe().f_lineno  # noqa: E702  # fmt: skip
+        w = (z * 3).sum(); line_w = sys._getframe().f_lineno  # noqa: E702  # fmt: skip
     outside = x.exp()
     fn = "test_frame_tracker_names_the_user_line_of_each_node"
     assert tracker.owner_frame(y.grad_fn._sequence_nr()) == f"{here}:{line_lin} in {fn}"  # inside nn.Linear
@@ -314,7 +321,7 @@ def test_frame_tracker_names_the_user_line_of_each_node():
 
     tracker.install()
     try:
-        v = x.sin(); line_v = sys._getframe().f_lineno  # noqa: E702
+        v = x.sin(); line_v = sys._getframe().f_lineno  # noqa: E702  # fmt: skip
     finally:
         tracker.remove()
         tracker.remove()  # twice is fine

@@ -4,6 +4,7 @@ dropout on, against twin runs without gradstore from the same seed.
 Twin A: no hooks at all (values, for bit-identity and the param_grads statistics).
 Twin B: plain `Node.register_prehook` on every node reachable from the loss (which nodes the engine ran).
 """
+
 import math
 from collections import Counter
 
@@ -23,8 +24,16 @@ BATCH, SEQ = 2, 24
 
 def make_model():
     torch.manual_seed(SEED)
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64, bos_token_id=0,
-                     eos_token_id=0, attn_implementation="eager")  # dropout stays at its 0.1 defaults
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=500,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )  # dropout stays at its 0.1 defaults
     model = GPT2LMHeadModel(cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -95,6 +104,7 @@ def runs(tmp_path_factory):
         def prehook(name):
             def hook(grad_outputs):
                 counter[name] += 1
+
             return hook
 
         handles = [n.register_prehook(prehook(plain_name(n))) for n in nodes]
@@ -112,10 +122,23 @@ def runs(tmp_path_factory):
     recorded = [step(model, opt, ids) for ids in data]
     tied = model.lm_head.weight is model.transformer.wte.weight
     with gradstore.open(db) as store:
-        frames = {"steps": store.steps("gpt2"), "passes": store.passes("gpt2"), "calls": store.calls("gpt2"),
-                  "nodes": store.nodes("gpt2"), "param_grads": store.param_grads("gpt2")}
-    return {"plain": plain, "ran": ran, "reach": reach, "recorded": recorded, "names": names, "modules": modules,
-            "tied": tied, **frames}
+        frames = {
+            "steps": store.steps("gpt2"),
+            "passes": store.passes("gpt2"),
+            "calls": store.calls("gpt2"),
+            "nodes": store.nodes("gpt2"),
+            "param_grads": store.param_grads("gpt2"),
+        }
+    return {
+        "plain": plain,
+        "ran": ran,
+        "reach": reach,
+        "recorded": recorded,
+        "names": names,
+        "modules": modules,
+        "tied": tied,
+        **frames,
+    }
 
 
 def test_steps_and_passes(runs):
@@ -163,7 +186,8 @@ def test_every_node_has_its_owning_module(runs):
     assert len(fn[fn.name == "AddmmBackward0"]) == 8
     assert set(fn[fn.name == "EmbeddingBackward0"].module) == {"transformer.wte", "transformer.wpe"}
     assert set(fn[fn.name == "NativeLayerNormBackward0"].module) == {
-        n for n, m in runs["modules"].items() if isinstance(m, torch.nn.LayerNorm)}
+        n for n, m in runs["modules"].items() if isinstance(m, torch.nn.LayerNorm)
+    }
     # keys carry the module
     for _, r in fn.iterrows():
         assert r.key == (f"{r.module}/" if r.module else "") + f"{r['name']}#" + r.key.rsplit("#", 1)[1]
@@ -189,10 +213,17 @@ def test_every_parameter_is_named_once(runs):
 def _reference(g: torch.Tensor) -> dict:
     x = g.detach().to(torch.float64).reshape(-1)
     fin = x[torch.isfinite(x)]
-    return {"norm": float(torch.linalg.vector_norm(fin)), "min": float(fin.min()), "max": float(fin.max()),
-            "mean": float(fin.mean()), "std": float(fin.std()), "nan": int(torch.isnan(x).sum()),
-            "posinf": int((x == math.inf).sum()), "neginf": int((x == -math.inf).sum()),
-            "zeros": int((x == 0).sum())}
+    return {
+        "norm": float(torch.linalg.vector_norm(fin)),
+        "min": float(fin.min()),
+        "max": float(fin.max()),
+        "mean": float(fin.mean()),
+        "std": float(fin.std()),
+        "nan": int(torch.isnan(x).sum()),
+        "posinf": int((x == math.inf).sum()),
+        "neginf": int((x == -math.inf).sum()),
+        "zeros": int((x == 0).sum()),
+    }
 
 
 def test_param_grads_match_twin(runs):

@@ -1,5 +1,6 @@
 """The fused CPU reduction kernel (gradstore.recording.kernel): its values against plain float64 PyTorch, every path
 into it (dtypes, tails, memory layouts, cancellation), and what happens where it cannot be built."""
+
 import math
 import os
 import subprocess
@@ -15,17 +16,26 @@ needs_kernel = pytest.mark.skipif(kernel.load() is None, reason=f"no fused kerne
 
 def expected(t: torch.Tensor) -> dict:
     x = t.detach().to(torch.float64).reshape(-1)
-    return {"norm": float(x.norm()), "min": float(x.min()), "max": float(x.max()), "mean": float(x.mean()),
-            "std": float(x.std()) if x.numel() > 1 else None, "zeros": int((x == 0).sum()),
-            "nan": 0, "posinf": 0, "neginf": 0}
+    return {
+        "norm": float(x.norm()),
+        "min": float(x.min()),
+        "max": float(x.max()),
+        "mean": float(x.mean()),
+        "std": float(x.std()) if x.numel() > 1 else None,
+        "zeros": int((x == 0).sum()),
+        "nan": 0,
+        "posinf": 0,
+        "neginf": 0,
+    }
 
 
 def got(t: torch.Tensor, level: str = "full") -> dict:
     return stats.to_dicts([stats.measure(t, level)])[0]
 
 
-def assert_close(row: dict, want: dict, keys=("norm", "min", "max", "mean", "std", "zeros", "nan", "posinf",
-                                             "neginf"), rtol=1e-9):
+def assert_close(
+    row: dict, want: dict, keys=("norm", "min", "max", "mean", "std", "zeros", "nan", "posinf", "neginf"), rtol=1e-9
+):
     for k in keys:
         if want[k] is None:
             assert row[k] is None, k
@@ -39,7 +49,7 @@ def assert_close(row: dict, want: dict, keys=("norm", "min", "max", "mean", "std
 def test_every_tail_length(n, dtype):
     g = torch.Generator().manual_seed(n)
     t = torch.randn(n, generator=g, dtype=dtype) * 3 + 0.5
-    t[:: 7] = 0.0  # zeros at known places: every 7th element
+    t[::7] = 0.0  # zeros at known places: every 7th element
     assert_close(got(t), expected(t))
     h = got(t, "health")
     # health sums a float32 gradient's squares in float32 over blocks of 16 per lane: within 5e-7 relative
@@ -89,8 +99,9 @@ def test_mean_dominates_std_recomputed_around_the_mean():
     assert_close(got(t), want, rtol=1e-9)
     # by hand: offsets 0, 1e-3, 2e-3 appear 3334, 3333, 3333 times; mean offset 0.9999e-3,
     # variance (3333e-6 + 3333 * 4e-6) / 10000 - 0.9999e-3 ** 2 = 0.66670e-6, times 10000 / 9999 (Bessel)
-    assert want["std"] == pytest.approx(math.sqrt((3333e-6 + 3333 * 4e-6) / 10000 - 0.9999e-3 ** 2)
-                                        * math.sqrt(10000 / 9999), rel=1e-6)
+    assert want["std"] == pytest.approx(
+        math.sqrt((3333e-6 + 3333 * 4e-6) / 10000 - 0.9999e-3**2) * math.sqrt(10000 / 9999), rel=1e-6
+    )
 
 
 @needs_kernel
@@ -116,13 +127,20 @@ def test_float64_square_past_the_double_range_is_not_a_norm_of_inf_without_a_rea
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
 
 
-PROBE = ("import torch, gradstore.recording.kernel as k, gradstore.recording.stats as s; "
-         "r = s.to_dicts([s.measure(torch.tensor([3.0, 4.0, 0.0]))])[0]; "
-         "print(k.status()); print(r['norm'], r['zeros'])")
+PROBE = (
+    "import torch, gradstore.recording.kernel as k, gradstore.recording.stats as s; "
+    "r = s.to_dicts([s.measure(torch.tensor([3.0, 4.0, 0.0]))])[0]; "
+    "print(k.status()); print(r['norm'], r['zeros'])"
+)
 
 
 def test_without_a_compiler_it_warns_once_and_measures_the_same(tmp_path):
@@ -174,8 +192,7 @@ def test_large_tensors_split_across_torch_threads_give_the_same_statistics(threa
         assert_close(got(t), expected(t), rtol=1e-12)
         h = got(t, "health")
         assert (h["min"], h["max"]) == (-7.5, 8.5)
-        assert k.m2("f64", t.data_ptr(), t.numel(), 8, 0.25) == pytest.approx(float(((t - 0.25) ** 2).sum()),
-                                                                              rel=1e-12)
+        assert k.m2("f64", t.data_ptr(), t.numel(), 8, 0.25) == pytest.approx(float(((t - 0.25) ** 2).sum()), rel=1e-12)
     finally:
         torch.set_num_threads(before)
 
@@ -184,8 +201,11 @@ def test_large_tensors_split_across_torch_threads_give_the_same_statistics(threa
 def test_health_norm_stays_within_its_bound_where_float32_rounding_adds_up():
     # the worst case for float32 block sums: many equal values (every addition rounds the same way), and a
     # spread of magnitudes; the float64 reference is exact here
-    for t in (torch.full((1_000_003,), 0.1), torch.logspace(-20, 18, 1_000_000, dtype=torch.float32),
-              torch.randn(3_000_001, generator=torch.Generator().manual_seed(5)) * 1e-30):
+    for t in (
+        torch.full((1_000_003,), 0.1),
+        torch.logspace(-20, 18, 1_000_000, dtype=torch.float32),
+        torch.randn(3_000_001, generator=torch.Generator().manual_seed(5)) * 1e-30,
+    ):
         want = float(t.double().norm())
         assert got(t, "health")["norm"] == pytest.approx(want, rel=5e-7)
         assert got(t, "full")["norm"] == pytest.approx(want, rel=1e-10)  # float64 sums, 2x8 lanes in order

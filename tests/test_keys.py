@@ -9,6 +9,7 @@ plain `next_functions` walk. Which forward call an ordinal belongs to is checked
 key's node received has the norm of the gradient plain `torch.autograd.grad` gives for that call's output in a
 twin run without gradstore.
 """
+
 import contextlib
 import copy
 import math
@@ -228,8 +229,12 @@ class Ckpt(nn.Module):
 
 
 def block_keys(model) -> set[str]:
-    return (linear_keys("block.0") | {"block.1/TanhBackward0#0"} | linear_keys("block.2")
-            | {k for k in param_keys(model) if k.startswith("param:block.")})
+    return (
+        linear_keys("block.0")
+        | {"block.1/TanhBackward0#0"}
+        | linear_keys("block.2")
+        | {k for k in param_keys(model) if k.startswith("param:block.")}
+    )
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
@@ -316,10 +321,17 @@ def test_custom_function_nodes(db):
     with gradstore.open(db) as store:
         nodes = store.nodes("custom").set_index("key")
         for k in ("triple/TripleBackward#0", "triple/TripleBackward#1"):
-            assert (nodes.loc[k, "name"], nodes.loc[k, "kind"], nodes.loc[k, "module"]) == \
-                ("TripleBackward", "custom_function", "triple")
-        expected = LOSS_KEYS | linear_keys("lin") | {"TanhBackward0#0", "triple/TripleBackward#0",
-                                                     "triple/TripleBackward#1"} | param_keys(m)
+            assert (nodes.loc[k, "name"], nodes.loc[k, "kind"], nodes.loc[k, "module"]) == (
+                "TripleBackward",
+                "custom_function",
+                "triple",
+            )
+        expected = (
+            LOSS_KEYS
+            | linear_keys("lin")
+            | {"TanhBackward0#0", "triple/TripleBackward#0", "triple/TripleBackward#1"}
+            | param_keys(m)
+        )
         per_pass = keys_per_pass(store, "custom")
         assert sorted(per_pass) == [(0, 0), (1, 0)]
         assert all(set(v) == expected and len(v) == len(expected) for v in per_pass.values())

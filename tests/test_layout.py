@@ -4,6 +4,7 @@ never importing the hot path, and no public function hiding a submodule of the s
 Every import is read from the source with `ast`, including the ones inside functions (a lazy import closes a
 circle as surely as a top-level one), so the checks cover code that a test run might never execute.
 """
+
 import ast
 import importlib
 import pkgutil
@@ -36,7 +37,7 @@ def _resolve(importer: str, level: int, module: str | None) -> str:
         return module or ""
     package = importer if MODULES[importer].name == "__init__.py" else importer.rsplit(".", 1)[0]
     base = package.split(".")
-    base = base[:len(base) - (level - 1)]
+    base = base[: len(base) - (level - 1)]
     return ".".join(base + ([module] if module else []))
 
 
@@ -61,8 +62,9 @@ def _imports(name: str):
 
 
 def _graph() -> dict[str, set[str]]:
-    return {name: {target for target, _, _ in _imports(name) if _is_module(target) and target != name}
-            for name in MODULES}
+    return {
+        name: {target for target, _, _ in _imports(name) if _is_module(target) and target != name} for name in MODULES
+    }
 
 
 def test_folders_name_the_concerns():
@@ -88,7 +90,7 @@ def test_no_import_circles():
         path.append(n)
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                cycle = path[path.index(m):] + [m]
+                cycle = path[path.index(m) :] + [m]
                 pytest.fail("import circle: " + " -> ".join(cycle))
             if m not in state:
                 visit(m)
@@ -120,24 +122,37 @@ def test_no_private_name_crosses_modules():
                 base = _resolve(name, node.level, node.module)
                 aliases |= {a.asname or a.name for a in node.names if _is_module(f"{base}.{a.name}")}
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 found.append(f"{name}:{node.lineno} reads {node.value.id}.{node.attr}")
     assert found == [], "private names used across modules (promote them under a real name):\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("low, high", [
-    ("gradstore.store", "gradstore.recording"),  # storage never imports the hot path
-    ("gradstore.store", "gradstore.inspect"),
-    ("gradstore.recording", "gradstore.inspect"),  # the hot path does not lean on the one-node tools
-    ("gradstore.records", "gradstore."),  # the seam imports nothing of gradstore
-    ("gradstore.errors", "gradstore."),
-    ("gradstore.version", "gradstore."),
-])
+@pytest.mark.parametrize(
+    "low, high",
+    [
+        ("gradstore.store", "gradstore.recording"),  # storage never imports the hot path
+        ("gradstore.store", "gradstore.inspect"),
+        ("gradstore.recording", "gradstore.inspect"),  # the hot path does not lean on the one-node tools
+        ("gradstore.records", "gradstore."),  # the seam imports nothing of gradstore
+        ("gradstore.errors", "gradstore."),
+        ("gradstore.version", "gradstore."),
+    ],
+)
 def test_dependencies_run_one_way(low, high):
     graph = _graph()
-    wrong = sorted(f"{n} -> {m}" for n, deps in graph.items() if n == low or n.startswith(low + ".")
-                   for m in deps if m.startswith(high) and m != n)
+    wrong = sorted(
+        f"{n} -> {m}"
+        for n, deps in graph.items()
+        if n == low or n.startswith(low + ".")
+        for m in deps
+        if m.startswith(high) and m != n
+    )
     assert wrong == []
 
 
@@ -149,8 +164,13 @@ def test_private_torch_apis_live_in_one_module():
         if name in allowed:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch"
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 found.append(f"{name}:{node.lineno} torch.{node.attr}")
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 mod = node.module if isinstance(node, ast.ImportFrom) else None
@@ -173,11 +193,34 @@ def test_no_function_shadows_a_submodule():
 
 
 def test_the_public_api_is_kept():
-    names = {"record", "open", "Store", "explain", "Explanation", "RecordedExplanation", "track_modules", "replay",
-             "replay_check", "verify", "saved_tensors", "saved_bytes", "FrameTracker", "GradstoreError",
-             "DatabaseNotFound", "DatabaseUnavailable", "SchemaTooNew", "UnknownRun", "UnknownQuery",
-             "QueryParameterError", "RecordUsageError", "ReplayError", "SavedTensorsFreed", "UnknownNode",
-             "VerifyUsageError", "__version__"}
+    names = {
+        "record",
+        "open",
+        "Store",
+        "explain",
+        "Explanation",
+        "RecordedExplanation",
+        "track_modules",
+        "replay",
+        "replay_check",
+        "verify",
+        "saved_tensors",
+        "saved_bytes",
+        "FrameTracker",
+        "GradstoreError",
+        "DatabaseNotFound",
+        "DatabaseUnavailable",
+        "SchemaTooNew",
+        "UnknownRun",
+        "UnknownQuery",
+        "QueryParameterError",
+        "RecordUsageError",
+        "ReplayError",
+        "SavedTensorsFreed",
+        "UnknownNode",
+        "VerifyUsageError",
+        "__version__",
+    }
     assert names <= set(gradstore.__all__)
     assert all(hasattr(gradstore, n) for n in gradstore.__all__)
     assert callable(gradstore.explain) and callable(gradstore.verify.capture) and isinstance(gradstore.record, type)

@@ -4,6 +4,7 @@ Rank 0 records into a.db and rank 1 into b.db (gradstore.recording.recorder._ran
 and (1, 2)); each step has two micro-batches, and rank 1 scales parameter 0.bias's gradient by 1.25. Row counts
 are taken with plain sqlite3 on the files; query results on the merged file must equal those on the sources.
 """
+
 import sqlite3
 
 import pandas as pd
@@ -49,8 +50,7 @@ def count(path, table, rank=None):
         if table == "steps":
             sql, args = "SELECT COUNT(*) FROM steps WHERE (? IS NULL OR rank = ?)", (rank, rank)
         else:
-            sql = (f"SELECT COUNT(*) FROM {table} x JOIN steps st ON st.id = x.step_id "
-                   "WHERE (? IS NULL OR st.rank = ?)")
+            sql = f"SELECT COUNT(*) FROM {table} x JOIN steps st ON st.id = x.step_id WHERE (? IS NULL OR st.rank = ?)"
             args = (rank, rank)
         return con.execute(sql, args).fetchone()[0]
     finally:
@@ -123,8 +123,11 @@ def test_merge_again_is_a_conflict_unless_skipped(sources, tmp_path):
     out = str(tmp_path / "out.db")
     merge(out, [a])
     before = {t: count(out, t) for t in TABLES}
-    with pytest.raises(MergeConflict, match=r"run 'job' rank 0 step 0 of .*a\.db is already in .*out\.db "
-                                            r"\(and 2 more steps\); nothing was merged"):
+    with pytest.raises(
+        MergeConflict,
+        match=r"run 'job' rank 0 step 0 of .*a\.db is already in .*out\.db "
+        r"\(and 2 more steps\); nothing was merged",
+    ):
         merge(out, [b, a])  # b would merge, then a conflicts: one transaction, so b is not kept either
     assert {t: count(out, t) for t in TABLES} == before
     reports = merge(out, [a, b], skip_existing=True)
@@ -165,8 +168,10 @@ def test_cli_merge(sources, tmp_path):
     result = invoke("merge", out, a, b)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].startswith(f"{a}: run 'job' (new): {STEPS} steps of rank 0, {count(a, 'passes')} passes, "
-                               f"{count(a, 'calls')} calls, {count(a, 'tensors')} tensors")
+    assert lines[0].startswith(
+        f"{a}: run 'job' (new): {STEPS} steps of rank 0, {count(a, 'passes')} passes, "
+        f"{count(a, 'calls')} calls, {count(a, 'tensors')} tensors"
+    )
     assert lines[1].startswith(f"{b}: run 'job': {STEPS} steps of rank 1")
     assert lines[-1] == f"merged 2 databases into {out}"
     again = invoke("merge", out, b)

@@ -1,5 +1,6 @@
 """Schema revisions: creation through Alembic, upgrade of older files, refusal of newer ones, and agreement
 between migrations/ and gradstore/store/schema.py."""
+
 import json
 import math
 import shutil
@@ -41,8 +42,18 @@ def test_new_database_is_created_at_head_by_alembic(db):
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         roles = [r[0] for r in conn.execute("SELECT name FROM roles ORDER BY id")]
         views = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='view'")}
-    assert {"runs", "steps", "passes", "nodes", "edges", "call_data", "tensor_data", "tensor_notes", "layouts",
-            "alembic_version"} <= tables
+    assert {
+        "runs",
+        "steps",
+        "passes",
+        "nodes",
+        "edges",
+        "call_data",
+        "tensor_data",
+        "tensor_notes",
+        "layouts",
+        "alembic_version",
+    } <= tables
     assert views == {"tensors", "calls"}
     assert roles == ["grad_output", "grad_input", "param_grad", "saved"]
 
@@ -104,8 +115,10 @@ def test_foreign_sqlite_file_is_refused(db):
         gradstore.open(db)
 
 
-_TENSOR_COLUMNS = ("id, step_id, pass_id, call_id, node_id, role, slot, status, reason, dtype, shape, numel, norm, "
-                   "min, max, mean, std, nan, posinf, neginf, zeros, checksum")
+_TENSOR_COLUMNS = (
+    "id, step_id, pass_id, call_id, node_id, role, slot, status, reason, dtype, shape, numel, norm, "
+    "min, max, mean, std, nan, posinf, neginf, zeros, checksum"
+)
 
 
 def _rows_0001(path):
@@ -129,8 +142,9 @@ def test_upgrade_0001_to_0002_keeps_every_tensor_value(tmp_path):
         notes = conn.execute("SELECT id, reason, checksum FROM tensor_notes ORDER BY id").fetchall()
         layouts = conn.execute("SELECT dtype, shape, numel FROM layouts").fetchall()
         kind = conn.execute("SELECT type FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
-        call_indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
-                                                    "AND tbl_name = 'calls'")}
+        call_indexes = {
+            r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'")
+        }
     assert kind == "view" and call_indexes == {"ix_calls_pass_seq"}
     by_id = {r[0]: r for r in before}
     # pass_id is stored only for rows without a call; every other row's comes from its call
@@ -140,8 +154,12 @@ def test_upgrade_0001_to_0002_keeps_every_tensor_value(tmp_path):
         old = by_id[tid]
         numel, nan, posinf, neginf, mean, std = old[11], old[17], old[18], old[19], old[15], old[16]
         n = numel - nan - posinf - neginf if numel is not None and nan is not None else 0
-        derived = (std is not None and mean is not None and n > 0
-                   and math.sqrt((n - 1) * std * std + n * mean * mean) == old[12])
+        derived = (
+            std is not None
+            and mean is not None
+            and n > 0
+            and math.sqrt((n - 1) * std * std + n * mean * mean) == old[12]
+        )
         assert (norm is None) == (derived or old[12] is None)
         assert derived or repr(norm) == repr(old[12])
     assert sum(r[3] is None and by_id[r[0]][12] is not None for r in data) > 0  # some norms are derived
@@ -158,10 +176,12 @@ def test_downgrade_0002_to_0001_restores_the_table(tmp_path):
     assert _revision(path) == "0001"
     with sqlite3.connect(path) as conn:
         kind = conn.execute("SELECT type FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
-        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
-                                               "AND tbl_name = 'tensors'")}
-        call_indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
-                                                    "AND tbl_name = 'calls'")}
+        indexes = {
+            r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'tensors'")
+        }
+        call_indexes = {
+            r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'")
+        }
     assert kind == "table" and {"ix_tensors_step_id", "ix_tensors_node_id", "ix_tensors_nonfinite"} <= indexes
     assert call_indexes == {"ix_calls_pass_seq", "ix_calls_step_id"}
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in before]
@@ -187,8 +207,7 @@ def _load_0001_into_postgresql(pg_url) -> None:
                     r["meta"] = None if r["meta"] is None else json.loads(r["meta"])
             conn.execute(old.tables[table].insert(), rows)
             # what gradstore's own inserts would have left: the id sequences past the copied rows
-            conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
-                              f"(SELECT MAX(id) FROM {table}))"))
+            conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT MAX(id) FROM {table}))"))
     asset.close()
     engine.dispose()
 
@@ -218,11 +237,19 @@ def test_upgrade_0001_to_head_on_postgresql_keeps_every_tensor_and_call_value(pg
     with gradstore.record(run, db=pg_url):
         (x * 3).sum().backward()
     with engine.connect() as conn:
-        new = conn.execute(text("SELECT t.id, t.norm FROM tensors t JOIN steps st ON st.id = t.step_id "
-                                "WHERE st.step = (SELECT MAX(step) FROM steps) ORDER BY t.id")).all()
-        new_calls = conn.execute(text("SELECT c.id, c.seq, p.first_call, p.last_call FROM calls c "
-                                      "JOIN passes p ON p.id = c.pass_id JOIN steps st ON st.id = c.step_id "
-                                      "WHERE st.step = (SELECT MAX(step) FROM steps) ORDER BY c.id")).all()
+        new = conn.execute(
+            text(
+                "SELECT t.id, t.norm FROM tensors t JOIN steps st ON st.id = t.step_id "
+                "WHERE st.step = (SELECT MAX(step) FROM steps) ORDER BY t.id"
+            )
+        ).all()
+        new_calls = conn.execute(
+            text(
+                "SELECT c.id, c.seq, p.first_call, p.last_call FROM calls c "
+                "JOIN passes p ON p.id = c.pass_id JOIN steps st ON st.id = c.step_id "
+                "WHERE st.step = (SELECT MAX(step) FROM steps) ORDER BY c.id"
+            )
+        ).all()
     engine.dispose()
     assert new and min(r[0] for r in new) > max(r[0] for r in before)
     assert math.sqrt(7 * 9.0) in [r[1] for r in new]  # the grad_input of MulBackward0: 3 in each of 7 slots
@@ -251,8 +278,10 @@ def test_calls_down_to_0002_and_up_again_on_postgresql(pg_url):
         tables = set(inspect(conn).get_table_names())
         views = set(inspect(conn).get_view_names())
         indexes = {i["name"] for i in inspect(conn).get_indexes("calls")}
-        fks = {(f["referred_table"], tuple(f["constrained_columns"]))
-               for f in inspect(conn).get_foreign_keys("tensor_data")}
+        fks = {
+            (f["referred_table"], tuple(f["constrained_columns"]))
+            for f in inspect(conn).get_foreign_keys("tensor_data")
+        }
         pass_columns = {c["name"] for c in inspect(conn).get_columns("passes")}
     assert "calls" in tables and "call_data" not in tables and views == {"tensors"}
     assert indexes == {"ix_calls_pass_seq"}
@@ -284,8 +313,10 @@ def _calls(source) -> list[tuple]:
 
 def _ns_rounded(rows) -> list[tuple]:
     """Calls rows of revision 0002 as 0003 gives them back: start and duration to the nearest nanosecond."""
-    return [(i, st, p, n, q, round(s * 1e9) / 1e9, None if d is None else round(d * 1e9) / 1e9)
-            for i, st, p, n, q, s, d in rows]
+    return [
+        (i, st, p, n, q, round(s * 1e9) / 1e9, None if d is None else round(d * 1e9) / 1e9)
+        for i, st, p, n, q, s, d in rows
+    ]
 
 
 def _id_ranges(rows) -> list[tuple]:
@@ -314,15 +345,18 @@ def test_upgrade_0002_to_0003_keeps_every_call_value(tmp_path):
     assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in _ns_rounded(before)]
     assert any(repr(a[5]) != repr(b[5]) for a, b in zip(after, before))  # the unit did change
     with sqlite3.connect(path) as conn:
-        stored = conn.execute("SELECT id, pass_id, node_id, seq, start_ns, duration_ns FROM call_data "
-                              "ORDER BY id").fetchall()
+        stored = conn.execute(
+            "SELECT id, pass_id, node_id, seq, start_ns, duration_ns FROM call_data ORDER BY id"
+        ).fetchall()
         ranges = conn.execute("SELECT id, first_call, last_call FROM passes ORDER BY id").fetchall()
         kinds = dict(conn.execute("SELECT name, type FROM sqlite_master WHERE name IN ('calls', 'call_data')"))
-        indexes = conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
-                               "AND tbl_name = 'call_data'").fetchall()
+        indexes = conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'call_data'"
+        ).fetchall()
         fks = {(r[2], r[3]) for r in conn.execute("PRAGMA foreign_key_list(tensor_data)")}
-    assert stored == [(i, p, n, q, round(s * 1e9), None if d is None else round(d * 1e9))
-                      for i, _, p, n, q, s, d in before]
+    assert stored == [
+        (i, p, n, q, round(s * 1e9), None if d is None else round(d * 1e9)) for i, _, p, n, q, s, d in before
+    ]
     assert ranges == _id_ranges(before)
     assert kinds == {"calls": "view", "call_data": "table"} and indexes == []
     assert ("call_data", "call_id") in fks
@@ -336,7 +370,7 @@ def test_upgrade_0002_to_0003_keeps_every_call_value(tmp_path):
     assert list(new["name"]) == ["SumBackward0", "MulBackward0", "AccumulateGrad"]
     assert len(old) == sum(r[1] == before[-1][1] for r in before)
     with sqlite3.connect(path) as conn:
-        (lo, hi), = conn.execute("SELECT first_call, last_call FROM passes WHERE id = (SELECT MAX(id) FROM passes)")
+        ((lo, hi),) = conn.execute("SELECT first_call, last_call FROM passes WHERE id = (SELECT MAX(id) FROM passes)")
     assert (lo, hi) == (before[-1][0] + 1, before[-1][0] + 3)
 
 
@@ -351,8 +385,9 @@ def test_downgrade_0003_to_0002_restores_the_calls_table(tmp_path):
     assert _revision(path) == "0002"
     with sqlite3.connect(path) as conn:
         kinds = dict(conn.execute("SELECT name, type FROM sqlite_master WHERE name IN ('calls', 'call_data')"))
-        indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
-                                               "AND tbl_name = 'calls'")}
+        indexes = {
+            r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'")
+        }
         fks = {(r[2], r[3]) for r in conn.execute("PRAGMA foreign_key_list(tensor_data)")}
         pass_columns = {r[1] for r in conn.execute("PRAGMA table_info(passes)")}
     assert kinds == {"calls": "table"} and indexes == {"ix_calls_pass_seq"}

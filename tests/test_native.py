@@ -7,6 +7,7 @@ parameters must also be bit-identical to a run without gradstore. The cases cove
 to Python (NaN/Inf, float16, non-dense gradients, a user Function, a tensor split across threads) and what
 it keeps for itself (dense float32/float64 CPU gradients, reuse of one result for the same memory).
 """
+
 import os
 import sqlite3
 import subprocess
@@ -59,8 +60,12 @@ def record_both(tmp_path, monkeypatch, make, run, steps=2, **options):
                     if i + 1 < steps:
                         rec.step()
         con = sqlite3.connect(db)
-        out[mode] = (con.execute(TENSOR_ROWS).fetchall(), con.execute(CALLS).fetchall(),
-                     con.execute(PASSES).fetchall(), state)
+        out[mode] = (
+            con.execute(TENSOR_ROWS).fetchall(),
+            con.execute(CALLS).fetchall(),
+            con.execute(PASSES).fetchall(),
+            state,
+        )
         errors = con.execute("SELECT error FROM steps WHERE error IS NOT NULL").fetchall()
         con.close()
         assert errors == [], errors
@@ -97,6 +102,7 @@ def mlp_state(dtype=torch.float32, loss_fn=None):
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(dtype)
         x = torch.randn(4, 16, dtype=dtype)
         return {"model": model, "x": x, "loss_fn": loss_fn or (lambda m, x: m(x).pow(2).mean())}
+
     return make
 
 
@@ -120,6 +126,7 @@ def test_float64_and_bfloat16(tmp_path, monkeypatch, dtype):
 
 def test_nonfinite_gradients_take_the_python_path(tmp_path, monkeypatch):
     """A gradient holding NaN or Inf: the exact counts come from the masked path, via the fallback."""
+
     def loss_fn(m, x):
         y = m(x)
         return (y * torch.tensor([float("nan"), float("inf"), 1, 1, 1, 1, 1, -float("inf")])).sum()
@@ -189,8 +196,9 @@ def test_double_backward_and_retained_graph(tmp_path, monkeypatch):
 def test_module_filter(tmp_path, monkeypatch):
     out = record_both(tmp_path, monkeypatch, mlp_state(), plain_run, modules="2")
     assert_same(out)
-    everything = record_both(tmp_path / "all", monkeypatch, mlp_state(), plain_run) \
-        if not (tmp_path / "all").mkdir() else None
+    everything = (
+        record_both(tmp_path / "all", monkeypatch, mlp_state(), plain_run) if not (tmp_path / "all").mkdir() else None
+    )
     assert 0 < len(out["native"][1]) < len(everything["native"][1])
 
 
@@ -199,6 +207,7 @@ def test_large_gradient_split_across_threads(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+
         def make():
             torch.manual_seed(0)
             model = torch.nn.Linear(1024, 1100)
@@ -216,9 +225,18 @@ def test_gpt2_rows_equal(tmp_path, monkeypatch):
 
     def make():
         torch.manual_seed(3)
-        cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
-                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(
+            n_layer=1,
+            n_embd=32,
+            n_head=2,
+            vocab_size=100,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = transformers.GPT2LMHeadModel(cfg)
         ids = torch.randint(0, 100, (2, 16))
         return {"model": model, "x": ids, "loss_fn": lambda m, x: m(input_ids=x, labels=x).loss}
@@ -263,7 +281,7 @@ def test_not_built_without_a_compiler(tmp_path, python_hooks):
         with warnings.catch_warnings(record=True) as w:
             torch.manual_seed(0)
             m = torch.nn.Linear(3, 2)
-            with gradstore.record("r", db={str(tmp_path / 'x.db')!r}, model=m):
+            with gradstore.record("r", db={str(tmp_path / "x.db")!r}, model=m):
                 m(torch.ones(1, 3)).sum().backward()
             native.load(wait=True)
         print(native.status())
@@ -288,8 +306,7 @@ def test_not_built_without_a_compiler(tmp_path, python_hooks):
 def test_turned_off(tmp_path):
     env = dict(os.environ, GRADSTORE_NATIVE="0")
     probe = "from gradstore.recording import native; native.load(); print(native.status())"
-    proc = subprocess.run([sys.executable, "-c", probe],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert proc.stdout.strip() == "not available: turned off (GRADSTORE_NATIVE=0)"
 
 
@@ -362,8 +379,9 @@ def test_another_thread_backward_on_the_same_model(tmp_path, stats):
     never change a Node's hook list while the other thread's engine may read it); that thread's passes are
     not recorded, and the steps say so; the recording thread's passes are recorded with the right modules."""
     db = str(tmp_path / "t.db")
-    proc = subprocess.run([sys.executable, "-c", THREADS, db, stats, "150"], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", THREADS, db, stats, "150"], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
     con = sqlite3.connect(db)
     passes = con.execute("SELECT p.parent_pass, count(*) FROM passes p GROUP BY p.step_id").fetchall()
@@ -371,7 +389,9 @@ def test_another_thread_backward_on_the_same_model(tmp_path, stats):
     errors = [e for (e,) in con.execute("SELECT error FROM steps WHERE error IS NOT NULL")]
     assert errors and all("on thread 'other' was not recorded" in e for e in errors)
     # every Linear's AddmmBackward0 belongs to its own module, once per step
-    modules = con.execute("SELECT n.module, count(*) FROM calls c JOIN nodes n ON n.id = c.node_id "
-                          "WHERE n.name = 'AddmmBackward0' GROUP BY n.module").fetchall()
+    modules = con.execute(
+        "SELECT n.module, count(*) FROM calls c JOIN nodes n ON n.id = c.node_id "
+        "WHERE n.name = 'AddmmBackward0' GROUP BY n.module"
+    ).fetchall()
     steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
     assert sorted(modules) == sorted((str(i), steps) for i in range(12))

@@ -1,5 +1,6 @@
 """Recording controls: stats levels, every= / steps= sampling, modules= / params= filters, the bounded
 queue (wait / drop), and the reuse of one reduction for a gradient seen twice."""
+
 import math
 
 import pytest
@@ -131,11 +132,18 @@ def test_module_and_param_filters(db):
     assert (acc.name != "AccumulateGrad").sum() == len([n for n in _plain_calls() if "AccumulateGrad" not in n])
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"stats": "everything"}, "stats"), ({"every": 0}, "every"), ({"steps": "abc"}, "steps"),
-    ({"modules": 3}, "modules"), ({"params": [""]}, "params"), ({"on_full": "block"}, "on_full"),
-    ({"queue_rows": 0}, "queue_rows"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"stats": "everything"}, "stats"),
+        ({"every": 0}, "every"),
+        ({"steps": "abc"}, "steps"),
+        ({"modules": 3}, "modules"),
+        ({"params": [""]}, "params"),
+        ({"on_full": "block"}, "on_full"),
+        ({"queue_rows": 0}, "queue_rows"),
+    ],
+)
 def test_bad_options_are_named(db, kw, match):
     with pytest.raises(gradstore.RecordUsageError, match=match):
         gradstore.record("r", db=db, **kw)
@@ -144,10 +152,20 @@ def test_bad_options_are_named(db, kw, match):
 def _batch(run_id, step, n_tensors):
     from gradstore.records import PassRecord
 
-    p = PassRecord(number=0, parent_pass=None, parent_seq=None, kind="backward", create_graph=False,
-                   retain_graph=False, roots=1, inputs=None, started_at=0.0)
-    return StepBatch(run_id=run_id, rank=0, step=step, started_at=0.0, ended_at=0.0, status="ok", error=None,
-                     passes=[p]), p
+    p = PassRecord(
+        number=0,
+        parent_pass=None,
+        parent_seq=None,
+        kind="backward",
+        create_graph=False,
+        retain_graph=False,
+        roots=1,
+        inputs=None,
+        started_at=0.0,
+    )
+    return StepBatch(
+        run_id=run_id, rank=0, step=step, started_at=0.0, ended_at=0.0, status="ok", error=None, passes=[p]
+    ), p
 
 
 class _Stall:

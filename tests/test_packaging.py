@@ -1,4 +1,5 @@
 """The built wheel carries its migrations and queries, and gradstore finds them there (not in a checkout)."""
+
 import subprocess
 import sys
 import zipfile
@@ -13,8 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def wheel(tmp_path_factory):
     pytest.importorskip("hatchling")
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out), str(ROOT)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
     (path,) = out.glob("gradstore-*.whl")
     return path
 
@@ -42,8 +46,13 @@ def test_installed_wheel_finds_its_own_resources_and_creates_a_database(wheel, t
         "print(len(gradstore.open('w.db').calls('w')))\n"
         "import gradstore.recording.kernel as k; print(k.SOURCE.is_file())\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0, proc.stderr
     mig, qry, ncalls, source = proc.stdout.split()
     assert Path(mig) == site / "gradstore" / "migrations"

@@ -5,6 +5,7 @@ tests (tests/test_recorder.py) and the concurrency tests run against PostgreSQL 
 tests/conftest.py; this file checks what is PostgreSQL's own: the schema Alembic creates there, and every query
 file giving the same answer on PostgreSQL as on SQLite for the same recording.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,10 @@ from gradstore.recording.checksum import checksum as checksum_of
 from gradstore.store import database, queries, schema
 
 # columns that hold wall-clock times or durations: they differ between any two recordings
-VOLATILE = re.compile(r"(^|_)(created_at|finished_at|started_at|ended_at|duration|start|setup|finish|waited)"
-                      r"(_a|_b|_abs|_rel)?$")
+VOLATILE = re.compile(
+    r"(^|_)(created_at|finished_at|started_at|ended_at|duration|start|setup|finish|waited)"
+    r"(_a|_b|_abs|_rel)?$"
+)
 
 
 def _record(db, monkeypatch) -> dict:
@@ -53,9 +56,24 @@ def _bindings(store) -> dict:
     """Parameter values for every query: each with NULLs only, and with typical values for the parameters it
     declares (a query added later gets NULLs for the names this test does not know)."""
     key = store.nodes("a")["key"].iloc[2]
-    typical = {"run": "a", "run_a": "a", "run_b": "b", "step": 1, "step_a": 1, "step_b": 1, "rank": 0,
-               "rank_a": 0, "rank_b": 0, "module": "0", "param": "0.weight", "key": key, "role": "grad_input",
-               "by": "module", "rtol": 0.0, "atol": 0.0}
+    typical = {
+        "run": "a",
+        "run_a": "a",
+        "run_b": "b",
+        "step": 1,
+        "step_a": 1,
+        "step_b": 1,
+        "rank": 0,
+        "rank_a": 0,
+        "rank_b": 0,
+        "module": "0",
+        "param": "0.weight",
+        "key": key,
+        "role": "grad_input",
+        "by": "module",
+        "rtol": 0.0,
+        "atol": 0.0,
+    }
     out = {}
     for name, q in queries.available().items():
         out[(name, "null")] = {}
@@ -74,8 +92,10 @@ def _same(x, y) -> bool:
 
 def _rows(frame) -> list[list]:
     cols = [c for c in frame.columns if not VOLATILE.search(c)]
-    return [[None if v is None else (v.item() if hasattr(v, "item") else v) for v in row]
-            for row in frame[cols].astype(object).itertuples(index=False)]
+    return [
+        [None if v is None else (v.item() if hasattr(v, "item") else v) for v in row]
+        for row in frame[cols].astype(object).itertuples(index=False)
+    ]
 
 
 def test_every_query_file_answers_the_same_on_postgresql_as_on_sqlite(tmp_path, pg_url, monkeypatch):
@@ -100,17 +120,29 @@ def test_every_query_file_answers_the_same_on_postgresql_as_on_sqlite(tmp_path, 
             for i, (ra, rb) in enumerate(zip(rows_a, rows_b)):
                 bad = [(c, x, y) for c, x, y in zip(cols, ra, rb) if not _same(x, y)]
                 if bad and sorted(map(repr, rows_a)) == sorted(map(repr, rows_b)):
-                    differ.append(f"{name} ({kind} parameters): the same rows in another order (from row {i}): its "
-                                  "ORDER BY leaves ties, or sorts a NULL (first on SQLite, last on PostgreSQL: "
-                                  "write CASE WHEN x IS NULL THEN 1 ELSE 0 END, x)")
+                    differ.append(
+                        f"{name} ({kind} parameters): the same rows in another order (from row {i}): its "
+                        "ORDER BY leaves ties, or sorts a NULL (first on SQLite, last on PostgreSQL: "
+                        "write CASE WHEN x IS NULL THEN 1 ELSE 0 END, x)"
+                    )
                     break
                 if bad:
                     differ.append(f"{name} ({kind} parameters): row {i} differs (column, SQLite, PostgreSQL): {bad}")
                     break
         assert not differ, "\n".join(differ)
         # the recording gives every core query something to say (an empty answer would prove little)
-        assert {"runs", "steps", "passes", "nodes", "edges", "calls", "tensors", "grad_norms", "param_grads",
-                "first_nonfinite"} <= non_empty
+        assert {
+            "runs",
+            "steps",
+            "passes",
+            "nodes",
+            "edges",
+            "calls",
+            "tensors",
+            "grad_norms",
+            "param_grads",
+            "first_nonfinite",
+        } <= non_empty
 
 
 def test_helpers_on_postgresql_return_what_was_recorded(pg_url, monkeypatch):
@@ -128,10 +160,14 @@ def test_helpers_on_postgresql_return_what_was_recorded(pg_url, monkeypatch):
             assert math.isclose(pg.loc[name, "norm"], float(g.double().norm()), rel_tol=1e-12)
             assert pg.loc[name, "min"] == float(g.min()) and pg.loc[name, "max"] == float(g.max())
         with store.engine.connect() as conn:
-            checksums = dict(conn.execute(text("""
+            checksums = dict(
+                conn.execute(
+                    text("""
                 SELECT n.param, t.checksum FROM tensors t JOIN nodes n ON n.id = t.node_id
                 JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id
-                WHERE r.name = 'a' AND st.rank = 0 AND st.step = 1 AND t.role = 2""")).all())
+                WHERE r.name = 'a' AND st.rank = 0 AND st.step = 1 AND t.role = 2""")
+                ).all()
+            )
             meta = conn.execute(text("SELECT meta FROM runs WHERE name = 'b'")).scalar()
     assert checksums == {n: checksum_of(g) for n, g in grads.items()}  # BIGINT keeps all 64 bits
     assert meta == {"seed": 2}

@@ -1,5 +1,6 @@
 """queries/: every file documents itself, runs unchanged in the sqlite3 shell, and the pandas helper runs the
 very same file."""
+
 import io
 import shutil
 import subprocess
@@ -29,8 +30,18 @@ def recorded(db):
 
 def test_every_query_has_title_description_and_declared_parameters():
     found = queries.available()
-    assert {"runs", "steps", "passes", "nodes", "edges", "calls", "tensors", "grad_norms", "param_grads",
-            "first_nonfinite"} <= set(found)
+    assert {
+        "runs",
+        "steps",
+        "passes",
+        "nodes",
+        "edges",
+        "calls",
+        "tensors",
+        "grad_norms",
+        "param_grads",
+        "first_nonfinite",
+    } <= set(found)
     for q in found.values():
         assert q.title and q.title != q.name, q.path
         assert len(q.description) > 30, q.path
@@ -41,8 +52,9 @@ def test_every_query_has_title_description_and_declared_parameters():
 @pytest.mark.parametrize("name", sorted(queries.available()))
 def test_query_file_runs_as_is_in_sqlite3_and_matches_the_helper(recorded, name):
     q = queries.get(name)
-    proc = subprocess.run(["sqlite3", "-bail", "-csv", "-header", recorded], input=q.sql,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["sqlite3", "-bail", "-csv", "-header", recorded], input=q.sql, capture_output=True, text=True
+    )
     assert proc.returncode == 0 and not proc.stderr, proc.stderr
     store = gradstore.open(recorded)
     frame = store.query(name)
@@ -72,8 +84,12 @@ def test_numbers_and_choices_are_checked_not_cast_to_zero(recorded):
 
 def test_module_filter_is_exact_on_names_and_keeps_submodules(db):
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"blocks_0": torch.nn.Linear(2, 2), "blocks": torch.nn.ModuleList(
-        [torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())])})
+    model = torch.nn.ModuleDict(
+        {
+            "blocks_0": torch.nn.Linear(2, 2),
+            "blocks": torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())]),
+        }
+    )
     with gradstore.record("m", db=db, model=model):
         x = torch.randn(3, 2)
         (model["blocks_0"](x).sum() + model["blocks"][0](x).sum()).backward()

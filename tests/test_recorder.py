@@ -4,6 +4,7 @@ not run, edges, step status, bad input, hook removal, memory, resume, module dis
 Expected values come from hand calculation or from an independent twin run WITHOUT gradstore that counts node
 executions with plain `Node.register_prehook` hooks on every node reachable through `next_functions`.
 """
+
 import gc
 import math
 import os
@@ -71,6 +72,7 @@ class PlainObserver:
         def hook(grad_outputs):
             if self._stack and self._stack[-1] == index:
                 self.passes[index][name] += 1
+
         return hook
 
     def _observe(self, original, tensors, *args, **kwargs):
@@ -107,8 +109,12 @@ def late_bound_backward(*args, **kwargs):
 def read(db, run):
     with gradstore.open(db) as store:
         return {
-            "steps": store.steps(run), "passes": store.passes(run), "calls": store.calls(run),
-            "tensors": store.tensors(run), "nodes": store.nodes(run), "edges": store.edges(run),
+            "steps": store.steps(run),
+            "passes": store.passes(run),
+            "calls": store.calls(run),
+            "tensors": store.tensors(run),
+            "nodes": store.nodes(run),
+            "edges": store.edges(run),
             "param_grads": store.param_grads(run),
         }
 
@@ -344,8 +350,9 @@ def test_checkpoint_nested_pass_parent(db):
     # the nested pass runs inside the checkpoint call: its seqs come right after it
     assert inner.seq.min() == ck.seq.iloc[0] + 1
     assert set(inner.module) == {"2", "1", ""}  # Linear '2', Tanh '1' and the `* 2.0` of the lambda
-    assert Counter(inner.name) == Counter({"MulBackward0": 1, "AddmmBackward0": 1, "TBackward0": 1,
-                                           "TanhBackward0": 1, "AccumulateGrad": 3})
+    assert Counter(inner.name) == Counter(
+        {"MulBackward0": 1, "AddmmBackward0": 1, "TBackward0": 1, "TanhBackward0": 1, "AccumulateGrad": 3}
+    )
     assert {"param:2.weight", "param:2.bias"} <= set(inner.key)
     assert not {"param:2.weight", "param:2.bias"} & set(calls[calls["pass"] == 0].key)
     # the passes' node counts are the nodes reachable from their roots, also with model= given
@@ -392,8 +399,9 @@ def test_nodes_that_did_not_run(db, how):
     assert Counter(nodes[~nodes.key.isin(called)].name) == not_run
     assert Counter(nodes.name) == reach
     if how == "inputs":
-        assert Counter(f["calls"].name) == Counter({"AddBackward0": 1, "SumBackward0": 1, "MulBackward0": 1,
-                                                    "AccumulateGrad": 1})
+        assert Counter(f["calls"].name) == Counter(
+            {"AddBackward0": 1, "SumBackward0": 1, "MulBackward0": 1, "AccumulateGrad": 1}
+        )
         assert "ExpBackward0" in set(nodes.name) and "ExpBackward0" not in set(f["calls"].name)
 
 
@@ -420,18 +428,24 @@ def test_edges_match_next_functions(db):
     m = Params()
     x = torch.tensor([1.0, 2.0, 3.0])
     with gradstore.record("edges", db=db, model=m):
-        a1 = x * m.w          # MulBackward0#0
-        a2 = a1 * 2.0         # MulBackward0#1
-        a3 = a2 + m.b         # AddBackward0#0
-        a4 = a3.exp()         # ExpBackward0#0
-        s1 = a4.sum()         # SumBackward0#0
-        s2 = a3.sum()         # SumBackward0#1
-        z = s1 + s2           # AddBackward0#1
+        a1 = x * m.w  # MulBackward0#0
+        a2 = a1 * 2.0  # MulBackward0#1
+        a3 = a2 + m.b  # AddBackward0#0
+        a4 = a3.exp()  # ExpBackward0#0
+        s1 = a4.sum()  # SumBackward0#0
+        s2 = a3.sum()  # SumBackward0#1
+        z = s1 + s2  # AddBackward0#1
         z.backward()
     # keys by hand: ordinal = forward order among nodes of the same name
-    key = {a1.grad_fn: "MulBackward0#0", a2.grad_fn: "MulBackward0#1", a3.grad_fn: "AddBackward0#0",
-           a4.grad_fn: "ExpBackward0#0", s1.grad_fn: "SumBackward0#0", s2.grad_fn: "SumBackward0#1",
-           z.grad_fn: "AddBackward0#1"}
+    key = {
+        a1.grad_fn: "MulBackward0#0",
+        a2.grad_fn: "MulBackward0#1",
+        a3.grad_fn: "AddBackward0#0",
+        a4.grad_fn: "ExpBackward0#0",
+        s1.grad_fn: "SumBackward0#0",
+        s2.grad_fn: "SumBackward0#1",
+        z.grad_fn: "AddBackward0#1",
+    }
     params = {id(m.w): "param:w", id(m.b): "param:b"}
 
     def k(node):
@@ -589,8 +603,11 @@ class Flaky(torch.autograd.Function):
 
 def _global_module_hooks():
     mm = torch.nn.modules.module
-    return (len(mm._global_forward_hooks), len(mm._global_forward_pre_hooks),
-            len(getattr(mm, "_global_forward_hooks_always_called", {})))
+    return (
+        len(mm._global_forward_hooks),
+        len(mm._global_forward_pre_hooks),
+        len(getattr(mm, "_global_forward_hooks_always_called", {})),
+    )
 
 
 def _live(cls) -> int:
@@ -707,8 +724,10 @@ def _live_graph_objects() -> tuple[int, int]:
     """(autograd Nodes and PassRecorders alive, StepStates alive)."""
     gc.collect()
     objs = gc.get_objects()
-    return (sum(1 for o in objs if issubclass(type(o), (torch.autograd.graph.Node, gs_passes.PassRecorder))),
-            sum(1 for o in objs if issubclass(type(o), gs_passes.StepState)))
+    return (
+        sum(1 for o in objs if issubclass(type(o), (torch.autograd.graph.Node, gs_passes.PassRecorder))),
+        sum(1 for o in objs if issubclass(type(o), gs_passes.StepState)),
+    )
 
 
 @pytest.mark.parametrize("style", ["context", "decorator"])
@@ -838,8 +857,12 @@ def test_model_dict_names_each_model(db):
     with gradstore.record("dict", db=db, model={"student": a, "teacher": b}):
         (a(torch.ones(1, 3)).sum() + b(torch.ones(1, 3)).sum()).backward()
     nodes = gradstore.open(db).nodes("dict")
-    assert {"param:student.weight", "param:teacher.bias", "student/AddmmBackward0#0",
-            "teacher/AddmmBackward0#0"} <= set(nodes.key)
+    assert {
+        "param:student.weight",
+        "param:teacher.bias",
+        "student/AddmmBackward0#0",
+        "teacher/AddmmBackward0#0",
+    } <= set(nodes.key)
 
 
 # ---- storage: what the writer was handed is what the tensors view gives back --------------------------------
@@ -882,10 +905,12 @@ def test_tensors_view_gives_back_every_recorded_value_bit_for_bit(db, monkeypatc
     assert want
     cols = ", ".join(f"t.{c}" for c in stats.ROW_COLUMNS)
     with gradstore.open(db) as store, store.engine.connect() as conn:
-        got = conn.execute(text(f"""
+        got = conn.execute(
+            text(f"""
             SELECT st.step, p.pass, n.key, c.seq, t.role, t.slot, {cols}
             FROM tensors t JOIN steps st ON st.id = t.step_id JOIN passes p ON p.id = t.pass_id
-            JOIN nodes n ON n.id = t.node_id LEFT JOIN calls c ON c.id = t.call_id""")).all()
+            JOIN nodes n ON n.id = t.node_id LEFT JOIN calls c ON c.id = t.call_id""")
+        ).all()
         derived = conn.execute(text("SELECT COUNT(*) FROM tensor_data WHERE norm IS NULL")).scalar()
     assert len(got) == len(want)
     for r in got:

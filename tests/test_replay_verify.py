@@ -1,6 +1,7 @@
 """gradstore.replay, replay_check and verify against plain PyTorch: replayed grad_inputs equal what plain node
 hooks saw and the closed-form gradients; no replay touches .grad; verify's numbers agree with hand-computed
 directional derivatives, a backward that ignores its gradient is flagged with its module."""
+
 import math
 
 import pandas as pd
@@ -73,12 +74,12 @@ class Cube(torch.autograd.Function):
     def forward(ctx, x, scale):
         ctx.save_for_backward(x)
         ctx.scale = scale
-        return scale * x ** 3
+        return scale * x**3
 
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        return g * ctx.scale * 3 * x ** 2, None
+        return g * ctx.scale * 3 * x**2, None
 
 
 class IgnoresGrad(torch.autograd.Function):
@@ -266,7 +267,7 @@ def test_verify_numbers_match_a_hand_computed_directional_derivative():
     v = torch.randn(4, dtype=torch.float64, generator=gen)
     u = torch.randn(4, dtype=torch.float64, generator=gen)
     x64 = x.detach().double()
-    exact = float((v * 0.5 * 3 * x64 ** 2 * u).sum())  # v^T J u with J = diag(1.5 x^2)
+    exact = float((v * 0.5 * 3 * x64**2 * u).sum())  # v^T J u with J = diag(1.5 x^2)
     assert math.isclose(row["analytic"], exact, rel_tol=1e-12)
     assert math.isclose(row["numerical"], exact, rel_tol=1e-7)
     assert row["ok"] and row["rel_error"] < 1e-7

@@ -1,5 +1,6 @@
 """The shape level's hot-path results (stats.shape_only) and the pass rows built lazily (gradstore.recording.rows):
 the same rows, values checked against what is computed here from the tensors themselves."""
+
 import math
 
 import pandas as pd
@@ -21,10 +22,18 @@ def _quantized():
 
 
 PLAIN = [
-    torch.randn(3, 4), torch.randn(2, 3, 5).transpose(0, 2), torch.tensor(2.5), torch.zeros(0, 7),
-    torch.ones(4, dtype=torch.float16), torch.ones(2, 2, dtype=torch.bfloat16), torch.arange(6).reshape(2, 3),
-    torch.tensor([True, False]), torch.tensor([1.0, math.nan, math.inf]), torch.ones(1, 1, 1, 1, dtype=torch.float64),
-    torch.nn.Parameter(torch.randn(5)), torch.randn(8)[::2],
+    torch.randn(3, 4),
+    torch.randn(2, 3, 5).transpose(0, 2),
+    torch.tensor(2.5),
+    torch.zeros(0, 7),
+    torch.ones(4, dtype=torch.float16),
+    torch.ones(2, 2, dtype=torch.bfloat16),
+    torch.arange(6).reshape(2, 3),
+    torch.tensor([True, False]),
+    torch.tensor([1.0, math.nan, math.inf]),
+    torch.ones(1, 1, 1, 1, dtype=torch.float64),
+    torch.nn.Parameter(torch.randn(5)),
+    torch.randn(8)[::2],
 ]
 
 
@@ -46,14 +55,18 @@ def test_shape_only_plain_tensor_is_a_raw_tuple_with_the_same_row(t):
 
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:torch.quantize_per_tensor")
-@pytest.mark.parametrize("make", [
-    lambda: None,
-    lambda: torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([3.0, 1.0]), (3, 2)),
-    lambda: torch.zeros(2, 3, dtype=torch.complex64),
-    lambda: torch.empty(4, 5, device="meta"),
-    lambda: torch.ones(2, 2).as_subclass(MyTensor),
-    _quantized,
-], ids=["none", "sparse", "complex", "meta", "subclass", "quantized"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: None,
+        lambda: torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([3.0, 1.0]), (3, 2)),
+        lambda: torch.zeros(2, 3, dtype=torch.complex64),
+        lambda: torch.empty(4, 5, device="meta"),
+        lambda: torch.ones(2, 2).as_subclass(MyTensor),
+        _quantized,
+    ],
+    ids=["none", "sparse", "complex", "meta", "subclass", "quantized"],
+)
 def test_shape_only_other_tensors_are_measured_as_before(make):
     t = make()
     got = stats.shape_only(t)
@@ -101,19 +114,27 @@ def test_lazy_rows_builds_once_on_first_read():
 
 
 def test_tensor_rows_keys_roles_and_values():
-    infos = [gradstore.records.NodeInfo("m/AddBackward0#0", "AddBackward0", "function", "m", None),
-             gradstore.records.NodeInfo("param:w", "AccumulateGrad", "accumulate_grad", "", "w")]
+    infos = [
+        gradstore.records.NodeInfo("m/AddBackward0#0", "AddBackward0", "function", "m", None),
+        gradstore.records.NodeInfo("param:w", "AccumulateGrad", "accumulate_grad", "", "w"),
+    ]
     call0, call1 = [0, 7, 0.1, 0.2], [1, 8, 0.3, None]
     g = torch.tensor([3.0, 4.0])
-    measured = [(call0, "grad_output", 0, stats.measure(g)), (call1, "grad_input", 1, stats.shape_only(g)),
-                (None, "param_grad", 0, stats.measure(g))]
+    measured = [
+        (call0, "grad_output", 0, stats.measure(g)),
+        (call1, "grad_input", 1, stats.shape_only(g)),
+        (None, "param_grad", 0, stats.measure(g)),
+    ]
     got = grows.tensor_rows(measured, infos, ["param:w"])
-    assert [r[:4] for r in got] == [("m/AddBackward0#0", 7, ROLE["grad_output"], 0),
-                                    ("param:w", 8, ROLE["grad_input"], 1), ("param:w", None, ROLE["param_grad"], 0)]
+    assert [r[:4] for r in got] == [
+        ("m/AddBackward0#0", 7, ROLE["grad_output"], 0),
+        ("param:w", 8, ROLE["grad_input"], 1),
+        ("param:w", None, ROLE["param_grad"], 0),
+    ]
     assert got[0][4:] == got[2][4:]
     norm = got[0][4 + 5]
     assert norm == pytest.approx(5.0)
-    assert got[1][4 + 3: 4 + 6] == ("2", 2, None)
+    assert got[1][4 + 3 : 4 + 6] == ("2", 2, None)
     assert grows.call_rows([call0, call1], infos) == [("m/AddBackward0#0", 7, 0.1, 0.2), ("param:w", 8, 0.3, None)]
     assert grows.edge_rows([(0, 0, 1, 0)], infos) == [("m/AddBackward0#0", 0, "param:w", 0)]
 

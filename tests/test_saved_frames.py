@@ -1,5 +1,6 @@
 """record(saved=True): what each node keeps for its backward, and its memory per module;
 record(frames=True): the user-code line that created each node, shown by first_nonfinite."""
+
 import math
 
 import pytest

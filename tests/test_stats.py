@@ -3,6 +3,7 @@
 Every expected value is computed here, independently, from the tensor's values converted to float64:
 norm, min, max, mean, std (Bessel) over the finite elements; exact nan / +inf / -inf / zero counts.
 """
+
 import math
 
 import pandas as pd
@@ -117,12 +118,15 @@ def test_nonfinite_mixed_in(dtype):
     assert math.isfinite(row["norm"]) and math.isfinite(row["mean"]) and math.isfinite(row["std"])
 
 
-@pytest.mark.parametrize("values, counts", [
-    ([NAN, NAN, NAN], (3, 0, 0)),
-    ([INF, INF], (0, 2, 0)),
-    ([-INF], (0, 0, 1)),
-    ([NAN, INF, -INF, NAN], (2, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "values, counts",
+    [
+        ([NAN, NAN, NAN], (3, 0, 0)),
+        ([INF, INF], (0, 2, 0)),
+        ([-INF], (0, 0, 1)),
+        ([NAN, INF, -INF, NAN], (2, 1, 1)),
+    ],
+)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_no_finite_element(values, counts, dtype):
     t = torch.tensor(values, dtype=dtype)
@@ -144,8 +148,14 @@ def test_one_finite_element_among_nonfinite(dtype):
 def test_single_element(dtype):
     t = torch.tensor([-3.0], dtype=dtype)
     row = assert_matches(t)
-    assert ((row["shape"], row["numel"], row["norm"], row["min"], row["max"], row["mean"])
-            == ("1", 1, 3.0, -3.0, -3.0, -3.0))
+    assert (row["shape"], row["numel"], row["norm"], row["min"], row["max"], row["mean"]) == (
+        "1",
+        1,
+        3.0,
+        -3.0,
+        -3.0,
+        -3.0,
+    )
     assert row["std"] is None
 
 
@@ -175,10 +185,10 @@ def test_non_contiguous(dtype):
     base[5, 7] = NAN
     base[9, 2] = -INF
     views = [
-        base.t(),                      # transposed
-        base[::3, 1::4],               # strided slices
-        base[:, 5],                    # a column
-        base.t()[2:20:2],              # both
+        base.t(),  # transposed
+        base[::3, 1::4],  # strided slices
+        base[:, 5],  # a column
+        base.t()[2:20:2],  # both
         base.unsqueeze(0).expand(3, 40, 30),  # stride 0: every element counted three times
     ]
     for v in views:
@@ -265,8 +275,13 @@ def _quantized():
 
 
 SKIPPED = {
-    "sparse_coo": (lambda: torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([3.0, NAN]), (3, 2)),
-                   "float32", "3,2", 6, "layout"),
+    "sparse_coo": (
+        lambda: torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([3.0, NAN]), (3, 2)),
+        "float32",
+        "3,2",
+        6,
+        "layout",
+    ),
     "complex64": (lambda: torch.tensor([1 + 2j, NAN], dtype=torch.complex64), "complex64", "2", 2, "complex"),
     "complex128": (lambda: torch.zeros(2, 3, dtype=torch.complex128), "complex128", "2,3", 6, "complex"),
     "meta": (lambda: torch.empty(4, 5, device="meta"), "float32", "4,5", 20, "meta"),
@@ -320,8 +335,13 @@ def test_measure_fault_before_anything_is_known():
 
 def test_transfer_fault_marks_only_that_device_skipped():
     good = torch.tensor([1.0, 2.0, 3.0])
-    bad = stats.Measured("ok", dtype=stats.dtype_code(torch.float32), shape="3", numel=3,
-                         vec=torch.empty(stats.VEC_LEN, dtype=torch.float64, device="meta"))
+    bad = stats.Measured(
+        "ok",
+        dtype=stats.dtype_code(torch.float32),
+        shape="3",
+        numel=3,
+        vec=torch.empty(stats.VEC_LEN, dtype=torch.float64, device="meta"),
+    )
     rows = stats.to_dicts([stats.measure(good), bad, stats.measure(good)])
     assert STATUSES[rows[1]["status"]] == "skipped" and rows[1]["reason"]
     assert rows[1]["norm"] is None

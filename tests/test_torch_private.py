@@ -1,5 +1,6 @@
 """The private PyTorch APIs gradstore leans on (gradstore/recording/torch_private.py). If one of these fails after a
 PyTorch upgrade, module attribution, nested-pass separation or interception needs its fallback checked."""
+
 import torch
 import torch.autograd.graph
 

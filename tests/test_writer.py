@@ -1,5 +1,6 @@
 """The writer on hand-built steps: what it stores in call_data, tensor_data, tensor_notes and layouts, and what
 the `calls` and `tensors` views give back (schema 0003)."""
+
 import math
 import sqlite3
 import time
@@ -11,8 +12,27 @@ from gradstore.records import NodeInfo, PassRecord, StepBatch
 from gradstore.store import schema as s
 from gradstore.store.writer import Writer
 
-COLUMNS = ("call_id", "pass_id", "role", "slot", "status", "reason", "dtype", "shape", "numel", "norm", "min", "max",
-           "mean", "std", "nan", "posinf", "neginf", "zeros", "checksum")
+COLUMNS = (
+    "call_id",
+    "pass_id",
+    "role",
+    "slot",
+    "status",
+    "reason",
+    "dtype",
+    "shape",
+    "numel",
+    "norm",
+    "min",
+    "max",
+    "mean",
+    "std",
+    "nan",
+    "posinf",
+    "neginf",
+    "zeros",
+    "checksum",
+)
 
 
 def _stats(values):
@@ -21,31 +41,74 @@ def _stats(values):
     n = len(values)
     mean = math.fsum(values) / n
     m2 = math.fsum((v - mean) ** 2 for v in values)
-    return (n, math.sqrt(math.fsum(v * v for v in values)), min(values), max(values), mean,
-            math.sqrt(m2 / (n - 1)), 0, 0, 0, sum(v == 0 for v in values))
+    return (
+        n,
+        math.sqrt(math.fsum(v * v for v in values)),
+        min(values),
+        max(values),
+        mean,
+        math.sqrt(m2 / (n - 1)),
+        0,
+        0,
+        0,
+        sum(v == 0 for v in values),
+    )
 
 
 def _row(key, seq, role, slot, shape, values, status=0, reason=None, checksum=None):
     numel, norm, mn, mx, mean, std, nan, posinf, neginf, zeros = _stats(values)
-    return (key, seq, role, slot, status, reason, 12, shape, numel, norm, mn, mx, mean, std, nan, posinf, neginf,
-            zeros, checksum)
+    return (
+        key,
+        seq,
+        role,
+        slot,
+        status,
+        reason,
+        12,
+        shape,
+        numel,
+        norm,
+        mn,
+        mx,
+        mean,
+        std,
+        nan,
+        posinf,
+        neginf,
+        zeros,
+        checksum,
+    )
 
 
 @pytest.fixture
 def writer(tmp_path):
     w = Writer(str(tmp_path / "w.db"))
     with w.engine.begin() as conn:
-        run_id = conn.execute(insert(s.runs).returning(s.runs.c.id), {
-            "name": "hand", "status": "running", "created_at": time.time(), "world_size": 1}).scalar_one()
+        run_id = conn.execute(
+            insert(s.runs).returning(s.runs.c.id),
+            {"name": "hand", "status": "running", "created_at": time.time(), "world_size": 1},
+        ).scalar_one()
     yield w, run_id, str(tmp_path / "w.db")
     w.close()
 
 
 def _pass(number, tensors, calls):
-    p = PassRecord(number=number, parent_pass=None, parent_seq=None, kind="backward", create_graph=False,
-                   retain_graph=False, roots=1, inputs=None, started_at=time.time(), duration=0.01)
-    p.nodes = [NodeInfo("f/MulBackward0#0", "MulBackward0", "function", "f", None),
-               NodeInfo("param:w", "AccumulateGrad", "accumulate_grad", "", "w")]
+    p = PassRecord(
+        number=number,
+        parent_pass=None,
+        parent_seq=None,
+        kind="backward",
+        create_graph=False,
+        retain_graph=False,
+        roots=1,
+        inputs=None,
+        started_at=time.time(),
+        duration=0.01,
+    )
+    p.nodes = [
+        NodeInfo("f/MulBackward0#0", "MulBackward0", "function", "f", None),
+        NodeInfo("param:w", "AccumulateGrad", "accumulate_grad", "", "w"),
+    ]
     p.edges = [("f/MulBackward0#0", 0, "param:w", 0)]
     p.calls, p.tensors, p.reachable = calls, tensors, 2
     return p
@@ -54,8 +117,16 @@ def _pass(number, tensors, calls):
 def _batch(run_id, step, tensors, calls, more_passes=()):
     """A step of one pass (`tensors`, `calls`), and more passes given as (tensors, calls)."""
     passes = [_pass(0, tensors, calls)] + [_pass(i, t, c) for i, (t, c) in enumerate(more_passes, start=1)]
-    return StepBatch(run_id=run_id, rank=0, step=step, started_at=time.time(), ended_at=time.time(), status="ok",
-                     error=None, passes=passes)
+    return StepBatch(
+        run_id=run_id,
+        rank=0,
+        step=step,
+        started_at=time.time(),
+        ended_at=time.time(),
+        status="ok",
+        error=None,
+        passes=passes,
+    )
 
 
 def _read(path, step):
@@ -63,15 +134,20 @@ def _read(path, step):
         return conn.execute(
             f"SELECT n.key, c.seq, {', '.join('t.' + c for c in COLUMNS)} FROM tensors t "
             "JOIN nodes n ON n.id = t.node_id JOIN steps st ON st.id = t.step_id LEFT JOIN calls c ON c.id = t.call_id "
-            "WHERE st.step = ? ORDER BY t.id", (step,)).fetchall()
+            "WHERE st.step = ? ORDER BY t.id",
+            (step,),
+        ).fetchall()
 
 
 def test_rows_come_back_through_the_view_exactly(writer):
     w, run_id, path = writer
     a = [0.5, -1.25, 3.0, 0.0]  # values whose statistics are exact in float64
     b = [1e-3, 2e-3, -7e-3]
-    tensors = [_row("f/MulBackward0#0", 0, 0, 0, "4", a), _row("f/MulBackward0#0", 0, 1, 0, "3", b),
-               _row("param:w", None, 2, 0, "3", b, checksum=-1234567890123)]
+    tensors = [
+        _row("f/MulBackward0#0", 0, 0, 0, "4", a),
+        _row("f/MulBackward0#0", 0, 1, 0, "3", b),
+        _row("param:w", None, 2, 0, "3", b, checksum=-1234567890123),
+    ]
     w.write(_batch(run_id, 0, tensors, [("f/MulBackward0#0", 0, 0.0, 0.001)]))
     got = _read(path, 0)
     with sqlite3.connect(path) as conn:
@@ -106,11 +182,20 @@ def test_a_row_whose_call_was_not_kept_names_its_pass(writer):
 
 def test_a_new_shape_in_a_later_step_gets_its_layout(writer):
     w, run_id, path = writer
-    w.write(_batch(run_id, 0, [_row("f/MulBackward0#0", 0, 0, 0, "2", [1.0, 2.0])],
-                   [("f/MulBackward0#0", 0, 0.0, 0.001)]))
-    w.write(_batch(run_id, 1, [_row("f/MulBackward0#0", 0, 0, 0, "2", [1.0, 2.0]),
-                               _row("f/MulBackward0#0", 0, 1, 0, "1,3", [4.0, 5.0, 6.0])],
-                   [("f/MulBackward0#0", 0, 0.0, 0.001)]))
+    w.write(
+        _batch(run_id, 0, [_row("f/MulBackward0#0", 0, 0, 0, "2", [1.0, 2.0])], [("f/MulBackward0#0", 0, 0.0, 0.001)])
+    )
+    w.write(
+        _batch(
+            run_id,
+            1,
+            [
+                _row("f/MulBackward0#0", 0, 0, 0, "2", [1.0, 2.0]),
+                _row("f/MulBackward0#0", 0, 1, 0, "1,3", [4.0, 5.0, 6.0]),
+            ],
+            [("f/MulBackward0#0", 0, 0.0, 0.001)],
+        )
+    )
     assert [(r[9], r[10]) for r in _read(path, 1)] == [("2", 2), ("1,3", 3)]
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT COUNT(*) FROM layouts").fetchone()[0] == 2
@@ -129,20 +214,29 @@ def test_calls_are_stored_in_nanoseconds_and_read_back_in_seconds(writer):
     w.write(_batch(run_id, 0, [], step0))
     w.write(_batch(run_id, 1, [], step1, more_passes=[([], second)]))
     with sqlite3.connect(path) as conn:
-        stored = conn.execute("SELECT c.id, st.step, p.pass, c.seq, c.start_ns, c.duration_ns FROM call_data c "
-                              "JOIN passes p ON p.id = c.pass_id JOIN steps st ON st.id = p.step_id "
-                              "ORDER BY c.id").fetchall()
-        view = conn.execute("SELECT c.id, st.step, c.seq, c.start, c.duration FROM calls c "
-                            "JOIN steps st ON st.id = c.step_id ORDER BY c.id").fetchall()
-        ranges = conn.execute("SELECT st.step, p.pass, p.first_call, p.last_call FROM passes p "
-                              "JOIN steps st ON st.id = p.step_id ORDER BY p.id").fetchall()
+        stored = conn.execute(
+            "SELECT c.id, st.step, p.pass, c.seq, c.start_ns, c.duration_ns FROM call_data c "
+            "JOIN passes p ON p.id = c.pass_id JOIN steps st ON st.id = p.step_id "
+            "ORDER BY c.id"
+        ).fetchall()
+        view = conn.execute(
+            "SELECT c.id, st.step, c.seq, c.start, c.duration FROM calls c "
+            "JOIN steps st ON st.id = c.step_id ORDER BY c.id"
+        ).fetchall()
+        ranges = conn.execute(
+            "SELECT st.step, p.pass, p.first_call, p.last_call FROM passes p "
+            "JOIN steps st ON st.id = p.step_id ORDER BY p.id"
+        ).fetchall()
     assert [r[1:] for r in stored] == [
-        (0, 0, 0, 123457, 1500), (0, 0, 1, 250000000, None),
-        (1, 0, 0, 2, 2), (1, 0, 1, 3000000000, 7000),  # ties (1.5 ns, 3000000000.5 ns): half to even
-        (1, 1, 2, 0, 1000000), (1, 1, 3, 2000000, 100000)]
+        (0, 0, 0, 123457, 1500),
+        (0, 0, 1, 250000000, None),
+        (1, 0, 0, 2, 2),
+        (1, 0, 1, 3000000000, 7000),  # ties (1.5 ns, 3000000000.5 ns): half to even
+        (1, 1, 2, 0, 1000000),
+        (1, 1, 3, 2000000, 100000),
+    ]
     assert [r[0] for r in stored] == [1, 2, 3, 4, 5, 6]
-    assert view == [(i, step, seq, ns / 1e9, None if dur is None else dur / 1e9)
-                    for i, step, _, seq, ns, dur in stored]
+    assert view == [(i, step, seq, ns / 1e9, None if dur is None else dur / 1e9) for i, step, _, seq, ns, dur in stored]
     assert view[0][3:] == (0.000123457, 1.5e-06) and view[3][3] == 3.0
     assert ranges == [(0, 0, 1, 2), (1, 0, 3, 4), (1, 1, 5, 6)]
 
@@ -157,10 +251,16 @@ def test_a_step_s_calls_are_found_when_two_writers_ids_interleave(writer):
         (p0, p1) = [r[0] for r in conn.execute("SELECT id FROM passes ORDER BY id")]
         node = conn.execute("SELECT id FROM nodes WHERE key = 'f/MulBackward0#0'").fetchone()[0]
         conn.execute("DELETE FROM call_data")
-        conn.executemany("INSERT INTO call_data (id, pass_id, node_id, seq, start_ns, duration_ns) "
-                         "VALUES (?, ?, ?, ?, ?, ?)",
-                         [(10, p0, node, 0, 100, 1), (11, p1, node, 0, 200, 2), (12, p0, node, 1, 300, 3),
-                          (13, p1, node, 1, 400, 4), (14, p0, node, 2, 500, 5)])
+        conn.executemany(
+            "INSERT INTO call_data (id, pass_id, node_id, seq, start_ns, duration_ns) VALUES (?, ?, ?, ?, ?, ?)",
+            [
+                (10, p0, node, 0, 100, 1),
+                (11, p1, node, 0, 200, 2),
+                (12, p0, node, 1, 300, 3),
+                (13, p1, node, 1, 400, 4),
+                (14, p0, node, 2, 500, 5),
+            ],
+        )
         conn.execute("UPDATE passes SET first_call = 10, last_call = 14 WHERE id = ?", (p0,))
         conn.execute("UPDATE passes SET first_call = 11, last_call = 13 WHERE id = ?", (p1,))
     import gradstore
@@ -187,7 +287,8 @@ def test_a_call_row_takes_about_24_bytes(writer):
         conn.execute("VACUUM")
         n = conn.execute("SELECT COUNT(*) FROM calls").fetchone()[0]
         per = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name"))
-        indexes = conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' "
-                               "AND tbl_name = 'call_data'").fetchall()
+        indexes = conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'call_data'"
+        ).fetchall()
     assert n == 300 * steps and indexes == []
     assert per["call_data"] / n < 26

@@ -5,6 +5,7 @@ and keeps each call's arguments, keyed by the node the call created; `captured(n
 any capture still alive. verify re-runs the forward on them; replay maps a custom backward's result to
 grad_inputs with them.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -101,9 +102,12 @@ class Capture:
                 return a.clone() if self.clone else a
             return a
 
-        self.calls[id(node)] = CapturedCall(cls, tuple(keep(a) for a in args),
-                                            {k: keep(v) for k, v in kwargs.items()},
-                                            [isinstance(a, torch.Tensor) for a in args])
+        self.calls[id(node)] = CapturedCall(
+            cls,
+            tuple(keep(a) for a in args),
+            {k: keep(v) for k, v in kwargs.items()},
+            [isinstance(a, torch.Tensor) for a in args],
+        )
         try:
             self._refs[id(node)] = weakref.ref(node, lambda _r, i=id(node): self._forget(i))  # noqa: B008 - bound now
         except TypeError:

@@ -4,6 +4,7 @@
 they take the module boundaries from a tracker (`track_modules`, or a `gradstore.verify.capture(model)`) and
 the parameter names from the model.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -15,6 +15,7 @@ The answers, in PyTorch's words:
   next_functions: its hook gets `grad_inputs == ()`.
 - Neither hook receives saved tensors. Those are the node's `_saved_*` attributes (gradstore.recording.saved).
 """
+
 from __future__ import annotations
 
 import html
@@ -170,8 +171,11 @@ class Explanation:
             out.append("prehook(grad_outputs): one gradient per forward output (this PyTorch hides how many)")
         else:
             n = len(self.grad_outputs)
-            what = "the gradient of the leaf, which it adds into .grad" if self.kind == "accumulate_grad" \
+            what = (
+                "the gradient of the leaf, which it adds into .grad"
+                if self.kind == "accumulate_grad"
                 else "gradients w.r.t. the forward op's outputs, flowing in; None for an output that got none"
+            )
             out.append(f"prehook(grad_outputs) receives {n} tensor{'s' if n != 1 else ''}: {what}")
             for s in self.grad_outputs:
                 out.append(f"  grad_outputs[{s.slot}]  {_shape(s.shape)} {s.dtype} {s.device}")
@@ -179,18 +183,24 @@ class Explanation:
         if self.kind == "accumulate_grad":
             out.append("hook(grad_inputs, grad_outputs) receives grad_inputs == (): a leaf has no inputs")
         else:
-            out.append(f"hook(grad_inputs, grad_outputs) receives {n} grad_input{'s' if n != 1 else ''} "
-                       "(gradients w.r.t. the forward op's inputs, flowing out; one per next_functions entry) "
-                       "and grad_outputs again")
+            out.append(
+                f"hook(grad_inputs, grad_outputs) receives {n} grad_input{'s' if n != 1 else ''} "
+                "(gradients w.r.t. the forward op's inputs, flowing out; one per next_functions entry) "
+                "and grad_outputs again"
+            )
         for g in self.grad_inputs:
             if g.needs_grad:
                 out.append(f"  grad_inputs[{g.slot}] -> {g.next_key or g.next_name} grad_outputs[{g.input_nr}]")
             else:
-                out.append(f"  grad_inputs[{g.slot}]  None: that input needs no gradient (next_functions "
-                           f"[{g.slot}] is (None, 0))")
+                out.append(
+                    f"  grad_inputs[{g.slot}]  None: that input needs no gradient (next_functions "
+                    f"[{g.slot}] is (None, 0))"
+                )
         if self.forward_args is not None:
-            out.append(f"  ctx.needs_input_grad {self.forward_args} (one per forward argument; backward returns "
-                       "one value per argument, None for non-tensor ones)")
+            out.append(
+                f"  ctx.needs_input_grad {self.forward_args} (one per forward argument; backward returns "
+                "one value per argument, None for non-tensor ones)"
+            )
         state = "freed by a backward pass" if self.freed else f"{len(self.saved)} tensor(s), {self.saved_bytes:,} bytes"
         out.append(f"saved for backward (not passed to either hook): {state}")
         for s in self.saved:
@@ -204,8 +214,10 @@ class Explanation:
         if self.metadata:
             out.append(f"node.metadata keys: {', '.join(self.metadata)}")
         if self.replayable:
-            out.append("re-runnable now: yes. gradstore.replay(node, grad_outputs) returns grad_inputs "
-                       "(no hook runs, no .grad changes)")
+            out.append(
+                "re-runnable now: yes. gradstore.replay(node, grad_outputs) returns grad_inputs "
+                "(no hook runs, no .grad changes)"
+            )
         else:
             out.append(f"re-runnable now: no. {self.reason}")
         return out
@@ -216,22 +228,43 @@ class Explanation:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        parts = [f"<p><b>{html.escape(self.name)}</b> ({html.escape(self.kind)}) key <code>{html.escape(self.key)}"
-                 f"</code> module <code>{html.escape(self.module or '-')}</code></p>"]
+        parts = [
+            f"<p><b>{html.escape(self.name)}</b> ({html.escape(self.kind)}) key <code>{html.escape(self.key)}"
+            f"</code> module <code>{html.escape(self.module or '-')}</code></p>"
+        ]
         if self.grad_outputs is not None:
             parts.append("<p>prehook(grad_outputs): one per forward output</p>")
-            parts.append(_table_html(["slot", "shape", "dtype", "device"],
-                                     [[s.slot, _shape(s.shape), s.dtype, s.device] for s in self.grad_outputs]))
+            parts.append(
+                _table_html(
+                    ["slot", "shape", "dtype", "device"],
+                    [[s.slot, _shape(s.shape), s.dtype, s.device] for s in self.grad_outputs],
+                )
+            )
         parts.append("<p>hook(grad_inputs, grad_outputs): grad_inputs one per next_functions entry</p>")
-        parts.append(_table_html(["slot", "flows into", "input_nr", "needs grad"],
-                                 [[g.slot, g.next_key or g.next_name, g.input_nr, g.needs_grad]
-                                  for g in self.grad_inputs]))
+        parts.append(
+            _table_html(
+                ["slot", "flows into", "input_nr", "needs grad"],
+                [[g.slot, g.next_key or g.next_name, g.input_nr, g.needs_grad] for g in self.grad_inputs],
+            )
+        )
         state = "freed" if self.freed else f"{self.saved_bytes:,} bytes"
         parts.append(f"<p>saved for backward: {html.escape(state)}</p>")
-        parts.append(_table_html(["name", "shape", "dtype", *STAT_COLUMNS, "note"],
-                                 [[s.name, _shape(s.shape) if s.shape is not None else None, s.dtype,
-                                   *[s.stats.get(c) for c in STAT_COLUMNS], s.note] for s in self.saved]
-                                 + [[n, repr(v), None, *[None] * len(STAT_COLUMNS), None] for n, v in self.values]))
+        parts.append(
+            _table_html(
+                ["name", "shape", "dtype", *STAT_COLUMNS, "note"],
+                [
+                    [
+                        s.name,
+                        _shape(s.shape) if s.shape is not None else None,
+                        s.dtype,
+                        *[s.stats.get(c) for c in STAT_COLUMNS],
+                        s.note,
+                    ]
+                    for s in self.saved
+                ]
+                + [[n, repr(v), None, *[None] * len(STAT_COLUMNS), None] for n, v in self.values],
+            )
+        )
         parts.append(f"<p>re-runnable now: {'yes' if self.replayable else 'no: ' + html.escape(self.reason or '')}</p>")
         return "<div>" + "".join(parts) + "</div>"
 
@@ -258,8 +291,9 @@ def _saved_items(node, stats: bool) -> tuple[list[SavedItem], bool, int]:
                         note.append("modified in place since it was saved: the backward would raise")
                     elif FREED_MESSAGE not in str(exc):
                         note.append(f"unpacking raises: {str(exc)[:120]}")
-        item = SavedItem(name, tuple(t.shape), _dtype(t.dtype), str(t.device), saved_bytes([(name, t)]),
-                         note="; ".join(note) or None)
+        item = SavedItem(
+            name, tuple(t.shape), _dtype(t.dtype), str(t.device), saved_bytes([(name, t)]), note="; ".join(note) or None
+        )
         items.append(item)
         measured.append((item, measure(t) if stats else None))
     if stats and measured:
@@ -279,8 +313,10 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
         elif grad_fn.requires_grad:
             grad_fn = torch.autograd.graph.get_gradient_edge(grad_fn).node
     if not isinstance(grad_fn, torch.autograd.graph.Node) and not hasattr(grad_fn, "next_functions"):
-        raise TypeError(f"explain takes an autograd Node (a tensor's .grad_fn), got {type(grad_fn).__name__}; "
-                        "for a leaf tensor use torch.autograd.graph.get_gradient_edge(t).node")
+        raise TypeError(
+            f"explain takes an autograd Node (a tensor's .grad_fn), got {type(grad_fn).__name__}; "
+            "for a leaf tensor use torch.autograd.graph.get_gradient_edge(t).node"
+        )
     roots = [root] if root is not None else [grad_fn]
     roots = [r.grad_fn if isinstance(r, torch.Tensor) else r for r in roots]
     w = walk(roots)
@@ -292,12 +328,24 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
     name = node_name(grad_fn)
     kind = node_kind(grad_fn, name)
     meta = output_metadata(grad_fn)
-    grad_outputs = None if meta is None else [
-        GradOutputSlot(i, m["shape"], _dtype(m["dtype"]), None if m["device"] is None else str(m["device"]))
-        for i, m in enumerate(meta)]
-    grad_inputs = [GradInputSlot(i, node_name(nxt) if nxt is not None else None,
-                                 key_of.get(id(nxt)) if nxt is not None else None, input_nr, nxt is not None)
-                   for i, (nxt, input_nr) in enumerate(grad_fn.next_functions)]
+    grad_outputs = (
+        None
+        if meta is None
+        else [
+            GradOutputSlot(i, m["shape"], _dtype(m["dtype"]), None if m["device"] is None else str(m["device"]))
+            for i, m in enumerate(meta)
+        ]
+    )
+    grad_inputs = [
+        GradInputSlot(
+            i,
+            node_name(nxt) if nxt is not None else None,
+            key_of.get(id(nxt)) if nxt is not None else None,
+            input_nr,
+            nxt is not None,
+        )
+        for i, (nxt, input_nr) in enumerate(grad_fn.next_functions)
+    ]
     items, freed, nbytes = _saved_items(grad_fn, stats)
     ok, reason = replayable(grad_fn)
     variable = None
@@ -315,10 +363,25 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
         metadata = [str(k) for k in grad_fn.metadata]
     except Exception:
         metadata = []
-    return Explanation(name=name, kind=kind, key=info.key, module=info.module, param=info.param,
-                       sequence_nr=tp.sequence_nr(grad_fn), grad_outputs=grad_outputs, grad_inputs=grad_inputs,
-                       saved=items, values=saved_values(grad_fn), saved_bytes=nbytes, freed=freed, replayable=ok,
-                       reason=reason, variable=variable, forward_args=forward_args, metadata=metadata)
+    return Explanation(
+        name=name,
+        kind=kind,
+        key=info.key,
+        module=info.module,
+        param=info.param,
+        sequence_nr=tp.sequence_nr(grad_fn),
+        grad_outputs=grad_outputs,
+        grad_inputs=grad_inputs,
+        saved=items,
+        values=saved_values(grad_fn),
+        saved_bytes=nbytes,
+        freed=freed,
+        replayable=ok,
+        reason=reason,
+        variable=variable,
+        forward_args=forward_args,
+        metadata=metadata,
+    )
 
 
 # ---- a recorded node -----------------------------------------------------------------------------------------
@@ -349,8 +412,10 @@ class RecordedExplanation:
 
     def lines(self) -> list[str]:
         where = f"module {self.module!r}" if self.module else "outside any module"
-        out = [f"{self.key} in run {self.run!r}: {self.name} ({self.kind}), {where}, first seen at step "
-               f"{self.first_step}" + (f", parameter {self.param}" if self.param else "")]
+        out = [
+            f"{self.key} in run {self.run!r}: {self.name} ({self.kind}), {where}, first seen at step "
+            f"{self.first_step}" + (f", parameter {self.param}" if self.param else "")
+        ]
         out.append(f"grad_outputs come from ({len(self.edges_in)} edge(s)):")
         for r in self.edges_in.itertuples():
             out.append(f"  {r.src} grad_inputs[{r.src_slot}] -> grad_outputs[{r.dst_slot}]")
@@ -371,8 +436,9 @@ class RecordedExplanation:
                     reason = f" ({t['reason']})" if isinstance(t.get("reason"), str) else ""
                     out.append(f"    {t['role']}[{t['slot']}]  {t['status']}{reason}")
                     continue
-                stats = {k: (None if isinstance(t.get(k), float) and math.isnan(t[k]) else t.get(k))
-                         for k in STAT_COLUMNS}  # NULL (not computed) comes back as NaN
+                stats = {
+                    k: (None if isinstance(t.get(k), float) and math.isnan(t[k]) else t.get(k)) for k in STAT_COLUMNS
+                }  # NULL (not computed) comes back as NaN
                 out.append(f"    {t['role']}[{t['slot']}]  ({t['shape']}) {t['dtype']}  {_stats_text(stats)}")
         return out
 
@@ -382,11 +448,21 @@ class RecordedExplanation:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        head = (f"<p><b>{html.escape(self.key)}</b>: {html.escape(self.name)} ({html.escape(self.kind)}), module "
-                f"<code>{html.escape(self.module or '-')}</code>, step {self.step}</p>")
-        return ("<div>" + head + "<p>edges in</p>" + self.edges_in.to_html(index=False)
-                + "<p>edges out</p>" + self.edges_out.to_html(index=False)
-                + "<p>gradients</p>" + self.tensors.to_html(index=False) + "</div>")
+        head = (
+            f"<p><b>{html.escape(self.key)}</b>: {html.escape(self.name)} ({html.escape(self.kind)}), module "
+            f"<code>{html.escape(self.module or '-')}</code>, step {self.step}</p>"
+        )
+        return (
+            "<div>"
+            + head
+            + "<p>edges in</p>"
+            + self.edges_in.to_html(index=False)
+            + "<p>edges out</p>"
+            + self.edges_out.to_html(index=False)
+            + "<p>gradients</p>"
+            + self.tensors.to_html(index=False)
+            + "</div>"
+        )
 
 
 def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int | None = None) -> RecordedExplanation:
@@ -405,8 +481,9 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
         if hit.empty:
             close = [k for k in nodes["key"] if key.split("#")[0].split("/")[-1] in k][:10]
             hint = f"; similar keys: {', '.join(close)}" if close else f"; the run has {len(nodes)} node(s)"
-            raise UnknownNode(f"no node {key!r} in run {run!r}{hint} "
-                              f"(list them: gradstore query DB nodes -p run={run})")
+            raise UnknownNode(
+                f"no node {key!r} in run {run!r}{hint} (list them: gradstore query DB nodes -p run={run})"
+            )
         n = hit.iloc[0]
         edges = store.edges(run=run)
         cols = ["src", "src_slot", "dst", "dst_slot"]
@@ -425,18 +502,38 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             tensors = store.tensors(run=run, step=chosen_step, rank=chosen_rank, module=module or None)
             tensors = tensors[(tensors["key"] == key) & tensors["seq"].notna()].reset_index(drop=True)
         param = n["param"] if isinstance(n["param"], str) else None
-        return RecordedExplanation(run=run, key=key, name=n["name"], kind=n["kind"], module=module, param=param,
-                                   first_step=int(n["first_step"]), step=chosen_step, rank=chosen_rank,
-                                   edges_in=edges_in, edges_out=edges_out,
-                                   calls=calls[["pass", "seq", "start", "duration"]] if not calls.empty else calls,
-                                   tensors=tensors)
+        return RecordedExplanation(
+            run=run,
+            key=key,
+            name=n["name"],
+            kind=n["kind"],
+            module=module,
+            param=param,
+            first_step=int(n["first_step"]),
+            step=chosen_step,
+            rank=chosen_rank,
+            edges_in=edges_in,
+            edges_out=edges_out,
+            calls=calls[["pass", "seq", "start", "duration"]] if not calls.empty else calls,
+            tensors=tensors,
+        )
     finally:
         if store is not db:
             store.close()
 
 
-def explain(grad_fn_or_db, run: str | None = None, key: str | None = None, *, model=None, owner=None, root=None,
-            step: int | None = None, rank: int | None = None, stats: bool = True):
+def explain(
+    grad_fn_or_db,
+    run: str | None = None,
+    key: str | None = None,
+    *,
+    model=None,
+    owner=None,
+    root=None,
+    step: int | None = None,
+    rank: int | None = None,
+    stats: bool = True,
+):
     """Explain an autograd node: what its prehook and hook receive, what it saved, whether it can be re-run.
 
     Two forms:

@@ -4,6 +4,7 @@ Re-running a node's backward by hand (gradstore.replay, gradstore.verify) must h
 whose backward starts a pass of its own (a reentrant `torch.utils.checkpoint`) would accumulate into `.grad`
 again. While `no_nested_backward()` is active such a pass raises `NestedBackward` instead of running.
 """
+
 from __future__ import annotations
 
 import threading
@@ -14,8 +15,10 @@ from ..recording import torch_private as tp
 
 # nodes whose backward starts a backward pass of its own
 NESTED_NAMES = frozenset({"CheckpointFunctionBackward"})
-REASON_NESTED = ("its backward starts a backward pass of its own (e.g. reentrant torch.utils.checkpoint), which "
-                 "would accumulate into .grad again")
+REASON_NESTED = (
+    "its backward starts a backward pass of its own (e.g. reentrant torch.utils.checkpoint), which "
+    "would accumulate into .grad again"
+)
 
 _guard = threading.local()
 _guard_lock = threading.Lock()

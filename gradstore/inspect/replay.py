@@ -23,6 +23,7 @@ output; without it None grad_outputs are passed as they are and grad_inputs are 
 `torch.autograd.graph._engine_run_backward` / `torch.autograd._engine_run_backward` (the nested-backward
 guard; without them no guard), `BackwardCFunction.needs_input_grad` (public ctx attribute).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,11 +39,14 @@ from .capture import captured
 from .context import owner_fn, param_names
 from .guard import NESTED_NAMES, REASON_NESTED, NestedBackward, no_nested_backward
 
-RETAIN_ADVICE = ("run the backward pass with retain_graph=True (loss.backward(retain_graph=True), "
-                 "torch.autograd.grad(..., retain_graph=True)), or replay before the pass, or inside the node's "
-                 "own hooks")
-REASON_ACCUMULATE = ("AccumulateGrad has no backward to replay: calling it adds its grad_output into the leaf's "
-                     ".grad (a side effect)")
+RETAIN_ADVICE = (
+    "run the backward pass with retain_graph=True (loss.backward(retain_graph=True), "
+    "torch.autograd.grad(..., retain_graph=True)), or replay before the pass, or inside the node's "
+    "own hooks"
+)
+REASON_ACCUMULATE = (
+    "AccumulateGrad has no backward to replay: calling it adds its grad_output into the leaf's .grad (a side effect)"
+)
 REASON_FREED = "its saved tensors were freed by a backward pass without retain_graph=True"
 REASON_NOT_RUN = "it did not run in the pass (no gradient reached it, or it was not needed)"
 
@@ -134,7 +138,8 @@ def _custom_grad_inputs(node, raw: tuple, tensor_args: list[bool] | None = None)
     if len(results) != 1:
         raise ReplayError(
             f"{node_name(node)}: cannot tell which of its {len(raw)} forward arguments were tensors; run the "
-            "forward inside gradstore.verify.capture() so that replay knows")
+            "forward inside gradstore.verify.capture() so that replay knows"
+        )
     return mapped
 
 
@@ -155,14 +160,16 @@ def _validate(node, grads: tuple) -> tuple:
             try:
                 g = g.sum_to_size(m["shape"])
             except RuntimeError as exc:
-                raise ReplayError(f"{node_name(node)}: grad_input shape {tuple(g.shape)} does not fit the "
-                                  f"next node's input shape {m['shape']}: {exc}") from None
+                raise ReplayError(
+                    f"{node_name(node)}: grad_input shape {tuple(g.shape)} does not fit the "
+                    f"next node's input shape {m['shape']}: {exc}"
+                ) from None
         if g.dtype != m["dtype"] and m["dtype"] is not None:
             g = g.to(m["dtype"])
         if m["device"] is not None and g.device != m["device"]:
             g = g.to(m["device"])
         out.append(g)
-    out.extend(grads[len(out):])
+    out.extend(grads[len(out) :])
     return tuple(out)
 
 
@@ -174,8 +181,10 @@ def _materialize(node, grad_outputs: tuple) -> tuple:
     meta = output_metadata(node)
     if meta is None:
         return grad_outputs
-    return tuple(torch.zeros(m["shape"], dtype=m["dtype"], device=m["device"]) if g is None and m["shape"] is not None
-                 else g for g, m in zip(grad_outputs, meta))
+    return tuple(
+        torch.zeros(m["shape"], dtype=m["dtype"], device=m["device"]) if g is None and m["shape"] is not None else g
+        for g, m in zip(grad_outputs, meta)
+    )
 
 
 def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: list[bool] | None = None) -> tuple:
@@ -210,8 +219,10 @@ def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: li
     grad_outputs = tuple(grad_outputs)
     meta = output_metadata(grad_fn)
     if meta is not None and len(meta) != len(grad_outputs):
-        raise ReplayError(f"{name} has {len(meta)} forward output(s), so replay takes {len(meta)} grad_outputs "
-                          f"(None for an unused output); got {len(grad_outputs)}")
+        raise ReplayError(
+            f"{name} has {len(meta)} forward output(s), so replay takes {len(meta)} grad_outputs "
+            f"(None for an unused output); got {len(grad_outputs)}"
+        )
     grad_outputs = _materialize(grad_fn, grad_outputs)
     try:
         with torch.set_grad_enabled(create_graph), no_nested_backward():
@@ -230,8 +241,9 @@ def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: li
 
 
 # ---- determinism check ---------------------------------------------------------------------------------------
-def compare(a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = 1e-5,
-            atol: float = 1e-8) -> tuple[bool, bool, float | None]:
+def compare(
+    a: torch.Tensor | None, b: torch.Tensor | None, rtol: float = 1e-5, atol: float = 1e-8
+) -> tuple[bool, bool, float | None]:
     """(bitwise equal, close, max abs difference) of two gradients.
 
     Bitwise: same dtype, shape and bits (NaN payloads included). close: `torch.allclose(a, b, rtol, atol,
@@ -269,8 +281,10 @@ def _roots(loss_or_roots) -> list[torch.Tensor]:
     if not roots or not all(isinstance(r, torch.Tensor) for r in roots):
         raise ReplayError("replay_check takes a tensor (the loss) or a list of tensors")
     if not any(r.grad_fn is not None for r in roots):
-        raise ReplayError("replay_check: none of the tensors has a grad_fn (nothing to check); compute them "
-                          "with gradients enabled from tensors that require grad")
+        raise ReplayError(
+            "replay_check: none of the tensors has a grad_fn (nothing to check); compute them "
+            "with gradients enabled from tensors that require grad"
+        )
     return roots
 
 
@@ -303,8 +317,17 @@ def _restore_set(nodes, leaves, model) -> list:
 
     for v in leaves:
         add(v)
-    models = [] if model is None else ([model] if isinstance(model, torch.nn.Module) else
-                                       list(model.values()) if isinstance(model, dict) else list(model))
+    models = (
+        []
+        if model is None
+        else (
+            [model]
+            if isinstance(model, torch.nn.Module)
+            else list(model.values())
+            if isinstance(model, dict)
+            else list(model)
+        )
+    )
     for n in nodes:
         if node_name(n) in NESTED_NAMES:
             try:
@@ -319,8 +342,16 @@ def _restore_set(nodes, leaves, model) -> list:
     return out
 
 
-def replay_check(loss_or_roots, grad_outputs=None, *, model=None, owner=None, rtol: float = 1e-5,
-                 atol: float = 1e-8, via: str | None = None) -> pd.DataFrame:
+def replay_check(
+    loss_or_roots,
+    grad_outputs=None,
+    *,
+    model=None,
+    owner=None,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+    via: str | None = None,
+) -> pd.DataFrame:
     """Run one backward pass over a live graph, capture every node's grad_outputs and grad_inputs, then replay
     each node on its captured grad_outputs and compare the result with what the pass produced.
 
@@ -368,8 +399,11 @@ def replay_check(loss_or_roots, grad_outputs=None, *, model=None, owner=None, rt
 
         return pre, post
 
-    leaves = [n.variable for n in w.nodes if node_kind(n, node_name(n)) == "accumulate_grad"
-              and getattr(n, "variable", None) is not None]
+    leaves = [
+        n.variable
+        for n in w.nodes
+        if node_kind(n, node_name(n)) == "accumulate_grad" and getattr(n, "variable", None) is not None
+    ]
     if via is None:
         via = "backward" if (not leaves or any(node_name(n) in NESTED_NAMES for n in w.nodes)) else "grad"
     if via not in ("grad", "backward"):
@@ -381,11 +415,14 @@ def replay_check(loss_or_roots, grad_outputs=None, *, model=None, owner=None, rt
             handles.append(node.register_hook(post))
         used = [(r, g) for r, g in zip(roots, grad_outputs) if r.grad_fn is not None or r.requires_grad]
         if via == "grad":
-            torch.autograd.grad([r for r, _ in used], leaves, [g for _, g in used], retain_graph=True,
-                                allow_unused=True)
+            torch.autograd.grad(
+                [r for r, _ in used], leaves, [g for _, g in used], retain_graph=True, allow_unused=True
+            )
         else:
-            before = [(v, v.grad, v.grad.detach().clone() if v.grad is not None else None)
-                      for v in _restore_set(w.nodes, leaves, model)]
+            before = [
+                (v, v.grad, v.grad.detach().clone() if v.grad is not None else None)
+                for v in _restore_set(w.nodes, leaves, model)
+            ]
             try:
                 torch.autograd.backward([r for r, _ in used], [g for _, g in used], retain_graph=True)
             finally:
@@ -404,9 +441,20 @@ def replay_check(loss_or_roots, grad_outputs=None, *, model=None, owner=None, rt
         info = infos[i]
         ran = i in captured_out and i in captured_in
         ok, reason = replayable(node)
-        row = {"key": info.key, "name": info.name, "kind": info.kind, "module": info.module, "ran": ran,
-               "replayable": False, "reason": reason, "grad_inputs": len(node.next_functions),
-               "max_abs_diff": math.nan, "slot_max_abs_diff": None, "equal": pd.NA, "close": pd.NA}
+        row = {
+            "key": info.key,
+            "name": info.name,
+            "kind": info.kind,
+            "module": info.module,
+            "ran": ran,
+            "replayable": False,
+            "reason": reason,
+            "grad_inputs": len(node.next_functions),
+            "max_abs_diff": math.nan,
+            "slot_max_abs_diff": None,
+            "equal": pd.NA,
+            "close": pd.NA,
+        }
         if ok and not ran:
             row["reason"] = REASON_NOT_RUN
         elif ok:
@@ -421,12 +469,32 @@ def replay_check(loss_or_roots, grad_outputs=None, *, model=None, owner=None, rt
                 results = [compare(a, b, rtol, atol) for a, b in itertools.zip_longest(seen, again)]
                 diffs = tuple(r[2] for r in results)
                 finite = [d for d in diffs if d is not None]
-                row.update(replayable=True, reason=None, slot_max_abs_diff=diffs,
-                           max_abs_diff=max(finite) if finite else 0.0,
-                           equal=all(r[0] for r in results), close=all(r[1] for r in results))
+                row.update(
+                    replayable=True,
+                    reason=None,
+                    slot_max_abs_diff=diffs,
+                    max_abs_diff=max(finite) if finite else 0.0,
+                    equal=all(r[0] for r in results),
+                    close=all(r[1] for r in results),
+                )
         rows.append(row)
-    df = pd.DataFrame(rows, columns=["key", "name", "kind", "module", "ran", "replayable", "reason", "grad_inputs",
-                                     "max_abs_diff", "slot_max_abs_diff", "equal", "close"])
+    df = pd.DataFrame(
+        rows,
+        columns=[
+            "key",
+            "name",
+            "kind",
+            "module",
+            "ran",
+            "replayable",
+            "reason",
+            "grad_inputs",
+            "max_abs_diff",
+            "slot_max_abs_diff",
+            "equal",
+            "close",
+        ],
+    )
     df["reason"] = df["reason"].astype(object).where(df["reason"].notna(), None)
     df["equal"] = df["equal"].astype("boolean")
     df["close"] = df["close"].astype("boolean")

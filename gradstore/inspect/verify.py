@@ -27,6 +27,7 @@ Relies on: `ctx.needs_input_grad` (public), `Function._backward_cls` (private; w
 node among a call's outputs is taken) and `BackwardCFunction._forward_cls` (private; only names the
 `function` column, else the node's name).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,21 @@ from .capture import Capture, CapturedCall, capture, flatten_tensors, live_captu
 from .context import owner_fn, param_names
 from .guard import NESTED_NAMES, NestedBackward, no_nested_backward
 
-COLUMNS = ["key", "name", "module", "function", "slot", "arg", "shape", "analytic", "numerical", "abs_error",
-           "rel_error", "ok", "reason"]
+COLUMNS = [
+    "key",
+    "name",
+    "module",
+    "function",
+    "slot",
+    "arg",
+    "shape",
+    "analytic",
+    "numerical",
+    "abs_error",
+    "rel_error",
+    "ok",
+    "reason",
+]
 
 
 # ---- the check -------------------------------------------------------------------------------------------------
@@ -67,8 +81,9 @@ def _run_forward(call: CapturedCall, args: list, seed: int, devices: list):
         return call.cls.apply(*[_fresh(a) for a in args], **{k: _fresh(v) for k, v in call.kwargs.items()})
 
 
-def _check_node(call: CapturedCall, node, rtol: float, atol: float, eps: float, gen: torch.Generator,
-                seed: int) -> list[dict]:
+def _check_node(
+    call: CapturedCall, node, rtol: float, atol: float, eps: float, gen: torch.Generator, seed: int
+) -> list[dict]:
     """Rows (slot, arg, shape, analytic, numerical, abs_error, rel_error, ok, reason) for one node."""
     args64 = [_to64(a) for a in call.args]
     call = CapturedCall(call.cls, call.args, {k: _to64(v) for k, v in call.kwargs.items()}, call.tensor_args)
@@ -104,11 +119,16 @@ def _check_node(call: CapturedCall, node, rtol: float, atol: float, eps: float, 
             if not picked:
                 raise VerifyUsageError("no output of the float64 forward requires grad")
             vs = [torch.randn(out[k].shape, dtype=torch.float64, generator=gen).to(out[k].device) for k in picked]
-            grads = torch.autograd.grad([out[k] for k in picked], [inputs[i] for _, i in diff], vs,
-                                        allow_unused=True)
+            grads = torch.autograd.grad([out[k] for k in picked], [inputs[i] for _, i in diff], vs, allow_unused=True)
     except NestedBackward:
-        return [dict(r, reason=r.get("reason") or "its backward starts a nested backward pass (such as a "
-                     "reentrant checkpoint): not checked") for r in rows]
+        return [
+            dict(
+                r,
+                reason=r.get("reason")
+                or "its backward starts a nested backward pass (such as a reentrant checkpoint): not checked",
+            )
+            for r in rows
+        ]
     except Exception as exc:
         msg = f"the float64 forward/backward raised {type(exc).__name__}: {exc}"[:300]
         return [dict(r, reason=r.get("reason") or msg) for r in rows]
@@ -125,23 +145,37 @@ def _check_node(call: CapturedCall, node, rtol: float, atol: float, eps: float, 
                 minus[i] = x - eps * u
                 fp = flatten_tensors(_run_forward(call, plus, seed, devices))
                 fm = flatten_tensors(_run_forward(call, minus, seed, devices))
-                numerical = sum(float(((fp[k].double() - fm[k].double()) / (2 * eps) * v).sum())
-                                for k, v in zip(picked, vs))
+                numerical = sum(
+                    float(((fp[k].double() - fm[k].double()) / (2 * eps) * v).sum()) for k, v in zip(picked, vs)
+                )
         except Exception as exc:
             row["reason"] = f"the float64 forward raised {type(exc).__name__}: {exc}"[:300]
             continue
         err = abs(analytic - numerical)
         scale = max(abs(analytic), abs(numerical))
-        row.update(analytic=analytic, numerical=numerical, abs_error=err,
-                   rel_error=err / scale if scale > 0 else 0.0,
-                   ok=bool(err <= atol + rtol * abs(numerical)) and math.isfinite(analytic))
+        row.update(
+            analytic=analytic,
+            numerical=numerical,
+            abs_error=err,
+            rel_error=err / scale if scale > 0 else 0.0,
+            ok=bool(err <= atol + rtol * abs(numerical)) and math.isfinite(analytic),
+        )
         if g is None:
             row["reason"] = "backward returned None for an input that needs a gradient (taken as zeros)"
     return rows
 
 
-def verify(roots_or_model, *inputs, capture: Capture | None = None, model=None, owner=None, rtol: float = 1e-4,
-           atol: float = 1e-8, eps: float = 1e-6, seed: int = 0) -> pd.DataFrame:
+def verify(
+    roots_or_model,
+    *inputs,
+    capture: Capture | None = None,
+    model=None,
+    owner=None,
+    rtol: float = 1e-4,
+    atol: float = 1e-8,
+    eps: float = 1e-6,
+    seed: int = 0,
+) -> pd.DataFrame:
     """Compare the backward of every custom autograd.Function node in a graph with finite differences.
 
     Args:
@@ -173,12 +207,16 @@ def verify(roots_or_model, *inputs, capture: Capture | None = None, model=None, 
         roots = [t for t in flatten_tensors(out) if t.grad_fn is not None]
     else:
         if inputs:
-            raise VerifyUsageError("verify(roots, ...): extra positional arguments are model inputs, which need "
-                                   "an nn.Module as first argument")
+            raise VerifyUsageError(
+                "verify(roots, ...): extra positional arguments are model inputs, which need "
+                "an nn.Module as first argument"
+            )
         roots = [t for t in flatten_tensors(roots_or_model) if t.grad_fn is not None]
     if not roots:
-        raise VerifyUsageError("verify: no tensor with a grad_fn to check; pass the loss (or outputs) computed "
-                               "with gradients enabled, or a model and its inputs")
+        raise VerifyUsageError(
+            "verify: no tensor with a grad_fn to check; pass the loss (or outputs) computed "
+            "with gradients enabled, or a model and its inputs"
+        )
     captures = [capture] if capture is not None else live_captures()
     if owner is None and capture is not None and capture._tracker is not None:
         owner = capture
@@ -195,12 +233,18 @@ def verify(roots_or_model, *inputs, capture: Capture | None = None, model=None, 
         function = f"{fwd.__module__}.{fwd.__qualname__}" if fwd is not None else info.name
         base = {"key": info.key, "name": info.name, "module": info.module, "function": function}
         if node_name(node) in NESTED_NAMES:
-            rows.append(dict(base, reason="its backward starts a nested backward pass (a reentrant "
-                                          "checkpoint): not checked"))
+            rows.append(
+                dict(base, reason="its backward starts a nested backward pass (a reentrant checkpoint): not checked")
+            )
             continue
         if call is None:
-            rows.append(dict(base, reason="its forward ran outside gradstore.verify.capture(): no inputs to check "
-                                          "(run the forward inside `with gradstore.verify.capture():`)"))
+            rows.append(
+                dict(
+                    base,
+                    reason="its forward ran outside gradstore.verify.capture(): no inputs to check "
+                    "(run the forward inside `with gradstore.verify.capture():`)",
+                )
+            )
             continue
         for r in _check_node(call, node, rtol, atol, eps, gen, seed):
             rows.append(dict(base, **r))

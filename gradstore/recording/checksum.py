@@ -2,6 +2,7 @@
 
 Stored with param_grad rows (tensors.checksum) so that two ranks' final gradients compare bitwise, exactly.
 """
+
 from __future__ import annotations
 
 import threading
@@ -81,13 +82,13 @@ def _pieces(t: torch.Tensor, offset: int = 0):
     if t.is_contiguous():
         flat = t.reshape(-1)
         for start in range(0, n, _CSUM_CHUNK):
-            yield offset + start, flat[start:start + _CSUM_CHUNK]
+            yield offset + start, flat[start : start + _CSUM_CHUNK]
         return
     rows, row = t.shape[0], n // t.shape[0]
     if row <= _CSUM_CHUNK:
         per = max(1, _CSUM_CHUNK // row)
         for start in range(0, rows, per):
-            yield offset + start * row, t[start:start + per].reshape(-1)
+            yield offset + start * row, t[start : start + per].reshape(-1)
     else:
         for i in range(rows):
             yield from _pieces(t[i], offset + i * row)
@@ -95,8 +96,12 @@ def _pieces(t: torch.Tensor, offset: int = 0):
 
 def checksum_on_device(t: torch.Tensor):
     """`checksum` as a 0-d int64 tensor on t's device (no host sync), or an int for a CPU tensor."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided \
-            or t.device.type == "meta" or t.is_quantized:
+    if (
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        or t.layout != torch.strided
+        or t.device.type == "meta"
+        or t.is_quantized
+    ):
         return None  # bytes not read: a subclass, sparse, meta or quantized tensor
     width = t.element_size()
     with torch.no_grad():
@@ -114,7 +119,7 @@ def checksum_on_device(t: torch.Tensor):
                 take = min(piece.numel(), _CSUM_CHUNK - j)
                 w = work[:take]
                 w.copy_(piece[:take])  # sign-extends to int64
-                s = w.mul_(mult[j:j + take]).sum()
+                s = w.mul_(mult[j : j + take]).sum()
                 if k:
                     s = s * _factor(k)
                 acc = s if acc is None else acc.add_(s)

@@ -21,6 +21,7 @@ that create no node (no_grad, inputs without requires_grad) pay the dispatch and
 Limits: one thread (the mode stack and the sequence counter are per thread); ops run by C++ without a
 Python call (inside torch.compile regions, autograd's own double-backward ops) get no frame.
 """
+
 from __future__ import annotations
 
 import os
@@ -185,4 +186,3 @@ def benchmark(n: int = 20000) -> dict[str, float]:
     with tracker:
         tracked = min(loop() for _ in range(5))
     return {"bare_us": bare, "mode_us": mode, "tracker_us": tracked, "cost_per_op_us": tracked - bare}
-

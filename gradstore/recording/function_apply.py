@@ -14,6 +14,7 @@ Limits: code that bound `MyFunction.apply` to a name before the listener was add
 import time) calls the original and is not seen; a Function class that overrides `apply` is not seen.
 Relies on: `torch.autograd.function.Function.apply` being a classmethod defined on `Function` (public API).
 """
+
 from __future__ import annotations
 
 import threading

@@ -8,6 +8,7 @@ Facts this relies on (torch.autograd.graph.Node):
 - The Python object of a Node is the same object for as long as someone holds it, so `id()` identifies it
   while the walk holds every node.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -87,9 +88,12 @@ def walk(roots: list) -> Walk:
         for nxt, _ in reversed(nexts):
             if nxt is not None and id(nxt) not in index:
                 stack.append(nxt)
-    w.edges = [(src, slot, index[id(nxt)], input_nr)
-               for src, nexts in enumerate(nexts_of)
-               for slot, (nxt, input_nr) in enumerate(nexts) if nxt is not None]
+    w.edges = [
+        (src, slot, index[id(nxt)], input_nr)
+        for src, nexts in enumerate(nexts_of)
+        for slot, (nxt, input_nr) in enumerate(nexts)
+        if nxt is not None
+    ]
     return w
 
 
@@ -118,8 +122,14 @@ def _signature(w: Walk, param_names: dict[int, str], owner_key: tuple) -> tuple:
     return tuple(parts), owner_key[1]
 
 
-def describe(w: Walk, owner, param_names: dict[int, str], known: dict[int, tuple],
-             parent_scope: dict | None = None, owner_key: tuple | None = None) -> list[NodeInfo]:
+def describe(
+    w: Walk,
+    owner,
+    param_names: dict[int, str],
+    known: dict[int, tuple],
+    parent_scope: dict | None = None,
+    owner_key: tuple | None = None,
+) -> list[NodeInfo]:
     """Give every walked node a `NodeInfo`, with keys 'module/Name#ordinal' or 'param:qualified.name'.
 
     Args:

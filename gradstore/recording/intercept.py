@@ -5,6 +5,7 @@ names it is bound to (torch.autograd.graph and torch.autograd).
 `torch.autograd.grad` and the nested pass of a reentrant `torch.utils.checkpoint` all reach it. While no
 recorder is active the wrapper calls straight through.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,8 +33,16 @@ def _wrapper(t_outputs, *args, **kwargs):
     create_graph = _arg(args, kwargs, 2, "create_graph", False)
     inputs = _arg(args, kwargs, 3, "inputs", None)
     kind = "backward" if kwargs.get("accumulate_grad", True) else "grad"
-    return rec.run_pass(original, t_outputs, args, kwargs, kind=kind, retain_graph=bool(retain_graph),
-                        create_graph=bool(create_graph), inputs=len(inputs) if inputs else None)
+    return rec.run_pass(
+        original,
+        t_outputs,
+        args,
+        kwargs,
+        kind=kind,
+        retain_graph=bool(retain_graph),
+        create_graph=bool(create_graph),
+        inputs=len(inputs) if inputs else None,
+    )
 
 
 def activate(recorder) -> None:

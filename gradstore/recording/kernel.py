@@ -12,6 +12,7 @@ command and version, and the CPU, so a shared home directory never hands one mac
 nothing can be built (no compiler, a read-only cache) gradstore warns once and measures with NumPy and torch
 instead: same statistics, slower. `GRADSTORE_KERNEL=0` turns the kernel off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -100,8 +101,13 @@ class Kernel:
         parts = self._map(call, self._shares(ptr, n, itemsize))
         if len(parts) == 1:
             return parts[0]
-        return (sum(p[0] for p in parts), sum(p[1] for p in parts), min(p[2] for p in parts),
-                max(p[3] for p in parts), sum(p[4] for p in parts))
+        return (
+            sum(p[0] for p in parts),
+            sum(p[1] for p in parts),
+            min(p[2] for p in parts),
+            max(p[3] for p in parts),
+            sum(p[4] for p in parts),
+        )
 
     def health(self, suffix: str, ptr: int, n: int, itemsize: int) -> tuple[float, float, float]:
         """(sum of squares, min, max) of n values: float64 sums, but float32 squares are first added in float32
@@ -161,8 +167,9 @@ def _build(cc: list[str], target: Path) -> None:
     try:
         errors = []
         for arch in (["-march=native"], []):  # some compilers (Apple clang on arm64) refuse -march=native
-            proc = subprocess.run([*cc, *_FLAGS, *arch, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                                  timeout=120)
+            proc = subprocess.run(
+                [*cc, *_FLAGS, *arch, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
+            )
             if proc.returncode == 0:
                 os.replace(tmp, target)
                 return
@@ -189,10 +196,13 @@ def load() -> Kernel | None:
                 lib = _load()
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"gradstore: the fused reduction kernel is not available ({error}); statistics are "
-                          "computed with NumPy and torch instead (same values, slower). Install a C compiler "
-                          "(cc) to get it, or set GRADSTORE_KERNEL=0 to silence this.", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"gradstore: the fused reduction kernel is not available ({error}); statistics are "
+                "computed with NumPy and torch instead (same values, slower). Install a C compiler "
+                "(cc) to get it, or set GRADSTORE_KERNEL=0 to silence this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         _state["lib"], _state["error"] = lib, error
         return lib
 
@@ -204,9 +214,18 @@ def _load() -> Kernel:
     if cc is not None:
         proc = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
         version = proc.stdout.splitlines()[0] if proc.stdout else ""
-    digest = hashlib.sha256(b"\0".join([source, " ".join(cc or []).encode(), version.encode(),
-                                        _cpu_signature().encode(),
-                                        " ".join(_FLAGS).encode(), platform.platform().encode()])).hexdigest()[:16]
+    digest = hashlib.sha256(
+        b"\0".join(
+            [
+                source,
+                " ".join(cc or []).encode(),
+                version.encode(),
+                _cpu_signature().encode(),
+                " ".join(_FLAGS).encode(),
+                platform.platform().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     target = cache_dir() / f"reduce-{digest}{'.dll' if os.name == 'nt' else '.so'}"
     if not target.exists():
         if cc is None:
@@ -221,4 +240,3 @@ def status() -> str:
         return "not loaded yet"
     lib = _state["lib"]
     return f"loaded {lib.lib._name}" if lib is not None else f"not available: {_state['error']}"
-

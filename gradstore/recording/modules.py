@@ -7,6 +7,7 @@ innermost from then on. A Node's owner is the innermost module at the last bound
 (found by bisection). This is exact for in-place ops (ReLU(inplace=True)) and for modules whose outputs
 are not tensors, where walking back from module outputs is not.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -148,9 +149,11 @@ def named_models(model) -> list[tuple[str, nn.Module]]:
         pairs = [(str(i), m) for i, m in enumerate(model)]
     else:
         raise RecordUsageError(
-            f"record(model=...) takes an nn.Module, a list or a dict of them, got {type(model).__name__}")
+            f"record(model=...) takes an nn.Module, a list or a dict of them, got {type(model).__name__}"
+        )
     for name, m in pairs:
         if not isinstance(m, nn.Module):
             raise RecordUsageError(
-                f"record(model=...) takes an nn.Module, a list or a dict of them; {name or 'it'} is {type(m).__name__}")
+                f"record(model=...) takes an nn.Module, a list or a dict of them; {name or 'it'} is {type(m).__name__}"
+            )
     return [("", pairs[0][1])] if len(pairs) == 1 else pairs

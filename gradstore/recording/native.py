@@ -23,6 +23,7 @@ Relies on PyTorch's C++ autograd API (torch/csrc/autograd: Node::add_pre_hook, a
 FunctionPreHook, FunctionPostHook, get_current_graph_task_id), which the headers of the installed torch
 describe; a torch whose headers no longer compile it leaves the Python hooks in place (`status()` says why).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -81,9 +82,17 @@ def _target(cxx: list[str] | None) -> Path:
     if cxx is not None:
         proc = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30)
         version = proc.stdout.splitlines()[0] if proc.stdout else ""
-    parts = [SOURCE.read_bytes(), " ".join(cxx or []).encode(), version.encode(), torch.__version__.encode(),
-             str(getattr(torch.version, "git_version", "")).encode(), str(Path(torch.__file__).parent).encode(),
-             sys.version.encode(), " ".join(_FLAGS).encode(), platform.platform().encode()]
+    parts = [
+        SOURCE.read_bytes(),
+        " ".join(cxx or []).encode(),
+        version.encode(),
+        torch.__version__.encode(),
+        str(getattr(torch.version, "git_version", "")).encode(),
+        str(Path(torch.__file__).parent).encode(),
+        sys.version.encode(),
+        " ".join(_FLAGS).encode(),
+        platform.platform().encode(),
+    ]
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     return kernel.cache_dir() / f"hooks-{digest}{suffix}"
@@ -147,8 +156,9 @@ def _build(cxx: list[str], target: Path) -> None:
             pass
     tmp = tempfile.mktemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     args = json.dumps([[_command(cxx, tmp, std) for std in _STANDARDS], tmp, str(target), str(lock)])
-    proc = subprocess.run([sys.executable, "-c", _BUILDER, args], capture_output=True, text=True,
-                          start_new_session=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILDER, args], capture_output=True, text=True, start_new_session=True
+    )
     if proc.returncode != 0 or not target.exists():
         raise OSError(f"{' '.join(cxx)} failed: {proc.stderr.strip()[-600:]}")
 
@@ -199,8 +209,19 @@ def _init(module) -> None:
     if k is not None:
         names = ("gs_full_f32", "gs_full_f64", "gs_health_f32", "gs_health_f64", "gs_m2_f32", "gs_m2_f64")
         ptrs = [ctypes.cast(getattr(k.lib, n), ctypes.c_void_p).value for n in names]
-    module.init(codes, *ptrs, _fallback, _reuse, torch.Tensor, torch.nn.Parameter, kernel.SPLIT, STATUS["ok"],
-                STATUS["none"], ROLE["grad_output"], ROLE["grad_input"])
+    module.init(
+        codes,
+        *ptrs,
+        _fallback,
+        _reuse,
+        torch.Tensor,
+        torch.nn.Parameter,
+        kernel.SPLIT,
+        STATUS["ok"],
+        STATUS["none"],
+        ROLE["grad_output"],
+        ROLE["grad_input"],
+    )
     _state["kernel"] = k is not None
 
 
@@ -253,9 +274,12 @@ def load(wait: bool = False):
         if "warn" in _state:
             error = _state.pop("warn", None)
             if error is not None:
-                warnings.warn(f"gradstore: the C++ node hooks are not available ({error}); the Python hooks "
-                              "record the same rows, slower. Set GRADSTORE_NATIVE=0 to silence this.",
-                              RuntimeWarning, stacklevel=_user_stacklevel())
+                warnings.warn(
+                    f"gradstore: the C++ node hooks are not available ({error}); the Python hooks "
+                    "record the same rows, slower. Set GRADSTORE_NATIVE=0 to silence this.",
+                    RuntimeWarning,
+                    stacklevel=_user_stacklevel(),
+                )
         return _state["module"]
     if os.environ.get("GRADSTORE_NATIVE", "1") == "0":
         with _lock:

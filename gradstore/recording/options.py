@@ -2,6 +2,7 @@
 
 Filters are applied before any reduction: a node that is not selected gets no hook at all.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -23,8 +24,9 @@ def _globs(value, what: str) -> tuple[str, ...] | None:
     except TypeError:
         globs = None
     if not globs or not all(isinstance(g, str) and g for g in globs):
-        raise RecordUsageError(f"record({what}=...) takes a glob or a list of globs such as "
-                               f"'transformer.h.*.attn', got {value!r}")
+        raise RecordUsageError(
+            f"record({what}=...) takes a glob or a list of globs such as 'transformer.h.*.attn', got {value!r}"
+        )
     return globs
 
 
@@ -44,37 +46,64 @@ class Options:
     checksum: bool | None = None
 
     @classmethod
-    def make(cls, stats="full", every=1, steps=None, modules=None, params=None, on_full="wait",
-             queue_rows=500_000, saved=False, frames=False, checksum=None) -> Options:
+    def make(
+        cls,
+        stats="full",
+        every=1,
+        steps=None,
+        modules=None,
+        params=None,
+        on_full="wait",
+        queue_rows=500_000,
+        saved=False,
+        frames=False,
+        checksum=None,
+    ) -> Options:
         """Validate user arguments; raises RecordUsageError naming the argument and what it accepts."""
         if stats not in LEVELS:
             raise RecordUsageError(f"record(stats=...) is one of {', '.join(map(repr, LEVELS))}, got {stats!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise RecordUsageError(
-                f"record(every=...) takes a whole number >= 1 (record every Nth step), got {every!r}")
+                f"record(every=...) takes a whole number >= 1 (record every Nth step), got {every!r}"
+            )
         if steps is not None and not isinstance(steps, range):
             try:
                 steps = frozenset(steps)
             except TypeError:
                 raise RecordUsageError(
-                    f"record(steps=...) takes a range or a list of step numbers, got {steps!r}") from None
+                    f"record(steps=...) takes a range or a list of step numbers, got {steps!r}"
+                ) from None
             if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
                 raise RecordUsageError(f"record(steps=...) takes step numbers >= 0, got {sorted(steps, key=str)!r}")
         if on_full not in ON_FULL:
-            raise RecordUsageError(f"record(on_full=...) is 'wait' (the step waits for the writer) or 'drop' "
-                                   f"(rows are dropped and counted in steps.dropped), got {on_full!r}")
+            raise RecordUsageError(
+                f"record(on_full=...) is 'wait' (the step waits for the writer) or 'drop' "
+                f"(rows are dropped and counted in steps.dropped), got {on_full!r}"
+            )
         if isinstance(queue_rows, bool) or not isinstance(queue_rows, int) or queue_rows < 1:
             raise RecordUsageError(f"record(queue_rows=...) takes a whole number >= 1, got {queue_rows!r}")
         for name, flag in (("saved", saved), ("frames", frames)):
             if not isinstance(flag, bool):
                 raise RecordUsageError(f"record({name}=...) is True or False, got {flag!r}")
         if saved and stats in ("params", "shape"):
-            raise RecordUsageError(f"record(saved=True) measures saved tensors in node hooks; stats={stats!r} "
-                                   "records no node statistics: use stats='full' or 'health'")
+            raise RecordUsageError(
+                f"record(saved=True) measures saved tensors in node hooks; stats={stats!r} "
+                "records no node statistics: use stats='full' or 'health'"
+            )
         if checksum is not None and not isinstance(checksum, bool):
             raise RecordUsageError(f"record(checksum=...) is True, False or None (automatic), got {checksum!r}")
-        return cls(stats, every, steps, _globs(modules, "modules"), _globs(params, "params"), on_full, queue_rows,
-                   saved, frames, checksum)
+        return cls(
+            stats,
+            every,
+            steps,
+            _globs(modules, "modules"),
+            _globs(params, "params"),
+            on_full,
+            queue_rows,
+            saved,
+            frames,
+            checksum,
+        )
 
     def wants_step(self, step: int) -> bool:
         """True when step number `step` is to be recorded (every= and steps=)."""

@@ -11,6 +11,7 @@ here do: each is one bound method shared by the pass, with the node's index boun
   hook(grad_inputs, grad_outputs)  -> grad_inputs: gradients w.r.t. the forward op's inputs, flowing out
 (`torch.autograd.graph.Node.register_prehook` / `register_hook`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -117,18 +118,34 @@ class PassRecorder:
             of an earlier pass over a graph of the same signature), or None.
     """
 
-    def __init__(self, step: StepState, outputs, kind: str, create_graph: bool, retain_graph: bool,
-                 inputs: int | None, owner, params: list[tuple[str, object]], options: Options,
-                 frame_of=None, owner_key: tuple | None = None):
+    def __init__(
+        self,
+        step: StepState,
+        outputs,
+        kind: str,
+        create_graph: bool,
+        retain_graph: bool,
+        inputs: int | None,
+        owner,
+        params: list[tuple[str, object]],
+        options: Options,
+        frame_of=None,
+        owner_key: tuple | None = None,
+    ):
         self.step = step
         self.params = params
         self.options = options
         parent = step.active[-1] if step.active else None
         open_call = step.open_call() if parent else None
         self.record = PassRecord(
-            number=step.pass_count, parent_pass=parent.record.number if parent else None,
-            parent_seq=open_call[1] if open_call else None, kind=kind,
-            create_graph=bool(create_graph), retain_graph=bool(retain_graph), roots=0, inputs=inputs,
+            number=step.pass_count,
+            parent_pass=parent.record.number if parent else None,
+            parent_seq=open_call[1] if open_call else None,
+            kind=kind,
+            create_graph=bool(create_graph),
+            retain_graph=bool(retain_graph),
+            roots=0,
+            inputs=inputs,
             started_at=time.time(),
         )
         step.pass_count += 1
@@ -178,8 +195,15 @@ class PassRecorder:
         level = options.node_level or "full"
         if step.native is not None and not options.saved and step.native_level(level):
             try:
-                self.native = step.native.install(step.native_step, self.record.number, LEVEL_CODES[level],
-                                                  list(self.walk.nodes), self._trusted, self._claimable, wanted)
+                self.native = step.native.install(
+                    step.native_step,
+                    self.record.number,
+                    LEVEL_CODES[level],
+                    list(self.walk.nodes),
+                    self._trusted,
+                    self._claimable,
+                    wanted,
+                )
                 self.record.setup = time.perf_counter() - self.t0
                 return
             except Exception as exc:  # e.g. a node type the C++ hooks do not know: the Python hooks instead
@@ -210,8 +234,11 @@ class PassRecorder:
     def _claim(self, tid: int, i: int) -> bool:
         """The first hook of the pass: take graph task `tid` as this pass's when it fires on one of the pass's
         roots (node i) and no other active pass has that task."""
-        if (self.task is not None or not self._claimable[i]
-                or any(p.task == tid for p in self.step.active if p is not self)):
+        if (
+            self.task is not None
+            or not self._claimable[i]
+            or any(p.task == tid for p in self.step.active if p is not self)
+        ):
             return False
         self.task = tid
         return True
@@ -254,8 +281,9 @@ class PassRecorder:
             if stack and stack[-1][1] == call[1] and stack[-1][0] == self.record.number:
                 stack.pop()
             measured = self.measured
-            for slot, m in enumerate(self.measurer.grad_inputs(grad_inputs, grad_outputs, call[4], call[5],
-                                                               self._trusted[i])):
+            for slot, m in enumerate(
+                self.measurer.grad_inputs(grad_inputs, grad_outputs, call[4], call[5], self._trusted[i])
+            ):
                 measured.append((call, _ROLE_IN, slot, m))
         except Exception as exc:
             self.step.fault("hook", exc)
@@ -286,7 +314,8 @@ class PassRecorder:
                 # checksums make a bitwise comparison across ranks exact: taken when there are ranks to compare
                 # (or checksum=True), never at 'shape'
                 take_checksum = opts.param_level != "shape" and (
-                    opts.checksum if opts.checksum is not None else _world_size() > 1)
+                    opts.checksum if opts.checksum is not None else _world_size() > 1
+                )
                 for name, p in self.params:
                     module = name.rsplit(".", 1)[0] if "." in name else ""
                     if not getattr(p, "requires_grad", False) or not self._wanted(module, name):
@@ -346,8 +375,10 @@ class PassRecorder:
         rec, infos, cap = self.record, self.infos, self.native
         calls, count, fallbacks, rec.measured, rec.reused, _faults = native
         rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
-        handed = [m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
-                  for m in fallbacks]
+        handed = [
+            m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
+            for m in fallbacks
+        ]
         params = self.measured  # (None, 'param_grad', 0, Measured): nothing else is measured in Python here
         results = handed + [m for _, _, _, m in params]
         rows = None
@@ -362,7 +393,8 @@ class PassRecorder:
         def build() -> list:
             host = rows if rows is not None else to_rows(results)
             keys = [info.key for info in infos]
-            return (module.rows(cap, keys, host[:len(handed)])
-                    + tensor_rows(params, infos, param_keys, host[len(handed):]))
+            return module.rows(cap, keys, host[: len(handed)]) + tensor_rows(
+                params, infos, param_keys, host[len(handed) :]
+            )
 
         rec.tensors = LazyRows(count + len(params), build)

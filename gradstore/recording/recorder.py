@@ -1,4 +1,5 @@
 """`record`: the decorator and context manager that turn calls of training code into recorded steps."""
+
 from __future__ import annotations
 
 import functools
@@ -92,18 +93,41 @@ class record:
     `register_hook`, global module forward hooks (module attribution).
     """
 
-    def __init__(self, run: str, db: str | Path = DEFAULT_DB, model: nn.Module | list | dict | None = None,
-                 meta: dict | None = None, *, stats: str = "full", every: int = 1, steps=None, modules=None,
-                 params=None, on_full: str = "wait", queue_rows: int = 500_000, saved: bool = False,
-                 frames: bool = False, checksum: bool | None = None):
+    def __init__(
+        self,
+        run: str,
+        db: str | Path = DEFAULT_DB,
+        model: nn.Module | list | dict | None = None,
+        meta: dict | None = None,
+        *,
+        stats: str = "full",
+        every: int = 1,
+        steps=None,
+        modules=None,
+        params=None,
+        on_full: str = "wait",
+        queue_rows: int = 500_000,
+        saved: bool = False,
+        frames: bool = False,
+        checksum: bool | None = None,
+    ):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
         models = named_models(model)
         if meta is not None and not isinstance(meta, dict):
             raise RecordUsageError(f"record(meta=...) takes a dict, got {type(meta).__name__}")
-        self.options = Options.make(stats=stats, every=every, steps=steps, modules=modules, params=params,
-                                    on_full=on_full, queue_rows=queue_rows, saved=saved, frames=frames,
-                                    checksum=checksum)
+        self.options = Options.make(
+            stats=stats,
+            every=every,
+            steps=steps,
+            modules=modules,
+            params=params,
+            on_full=on_full,
+            queue_rows=queue_rows,
+            saved=saved,
+            frames=frames,
+            checksum=checksum,
+        )
         self.run = run
         self.db = db
         self.models = models
@@ -138,19 +162,31 @@ class record:
             torch_version, gs_version = _versions()
             try:
                 with engine.begin() as conn:
-                    conn.execute(insert(s.runs), {
-                        "name": self.run, "status": "running", "created_at": time.time(),
-                        "torch_version": torch_version, "gradstore_version": gs_version,
-                        "host": socket.gethostname(), "world_size": world_size, "meta": self.meta,
-                    })
+                    conn.execute(
+                        insert(s.runs),
+                        {
+                            "name": self.run,
+                            "status": "running",
+                            "created_at": time.time(),
+                            "torch_version": torch_version,
+                            "gradstore_version": gs_version,
+                            "host": socket.gethostname(),
+                            "world_size": world_size,
+                            "meta": self.meta,
+                        },
+                    )
             except IntegrityError:
                 pass  # another rank created it between our look and our insert: use theirs
         with engine.begin() as conn:
             self.run_id, known_world_size = conn.execute(by_name).one()
-            conn.execute(update(s.runs).where(s.runs.c.id == self.run_id).values(
-                status="running", finished_at=None, world_size=max(known_world_size, world_size)))
-            last = conn.execute(select(func.max(s.steps.c.step)).where(
-                s.steps.c.run_id == self.run_id, s.steps.c.rank == self.rank)).scalar()
+            conn.execute(
+                update(s.runs)
+                .where(s.runs.c.id == self.run_id)
+                .values(status="running", finished_at=None, world_size=max(known_world_size, world_size))
+            )
+            last = conn.execute(
+                select(func.max(s.steps.c.step)).where(s.steps.c.run_id == self.run_id, s.steps.c.rank == self.rank)
+            ).scalar()
         self._next_step = 0 if last is None else last + 1
 
     def _enter(self, models: list[nn.Module]) -> None:
@@ -158,8 +194,10 @@ class record:
             raise RecordUsageError(f"record({self.run!r}) is already recording; scopes do not nest")
         global _open_scope
         if _open_scope is not None:
-            raise RecordUsageError(f"gradstore.record({_open_scope.run!r}) is already recording in this process; "
-                                   "scopes do not nest: end it first, or record both in one scope")
+            raise RecordUsageError(
+                f"gradstore.record({_open_scope.run!r}) is already recording in this process; "
+                "scopes do not nest: end it first, or record both in one scope"
+            )
         if self.run_id is None:
             self._open_run()
         self._in_scope = True
@@ -234,10 +272,18 @@ class record:
             status = "nonfinite"
         if state.faults:
             error = "\n".join(filter(None, [error, "recorder faults: " + "; ".join(state.faults[:20])]))
-        batch = StepBatch(run_id=self.run_id, rank=self.rank, step=self._step_number,
-                          started_at=self._step_started, ended_at=time.time(), status=status, error=error,
-                          passes=sorted(state.records, key=lambda r: r.number), run_status=run_status,
-                          level=self.options.stats)
+        batch = StepBatch(
+            run_id=self.run_id,
+            rank=self.rank,
+            step=self._step_number,
+            started_at=self._step_started,
+            ended_at=time.time(),
+            status=status,
+            error=error,
+            passes=sorted(state.records, key=lambda r: r.number),
+            run_status=run_status,
+            level=self.options.stats,
+        )
         state.release()
         self._writer.submit(batch, on_full=self.options.on_full, max_rows=self.options.queue_rows)
 
@@ -249,16 +295,27 @@ class record:
         if state is not None and threading.get_ident() != self._thread and state.open_call() is None:
             # a pass of another thread (not one nested in a node running on that thread, as a reentrant
             # checkpoint's on a device thread): its forward's modules were not tracked either
-            state.fault_text(f"a backward pass on thread {threading.current_thread().name!r} was not recorded: a "
-                             "recording follows the thread that entered it; record other threads' models in "
-                             "their own process (one run, one rank each), or join the threads first")
+            state.fault_text(
+                f"a backward pass on thread {threading.current_thread().name!r} was not recorded: a "
+                "recording follows the thread that entered it; record other threads' models in "
+                "their own process (one run, one rank each), or join the threads first"
+            )
             state = None
         if state is not None:
             try:
-                p = PassRecorder(state, outputs, kind, create_graph, retain_graph, inputs,
-                                 self._tracker.owner, self._params, self.options,
-                                 self._frames.owner_frame if self._frames is not None else None,
-                                 owner_key=self._tracker.signature())
+                p = PassRecorder(
+                    state,
+                    outputs,
+                    kind,
+                    create_graph,
+                    retain_graph,
+                    inputs,
+                    self._tracker.owner,
+                    self._params,
+                    self.options,
+                    self._frames.owner_frame if self._frames is not None else None,
+                    owner_key=self._tracker.signature(),
+                )
             except Exception as exc:
                 state.fault("start of pass", exc)
         ok = False

@@ -6,6 +6,7 @@ training thread need not wait for. `LazyRows` is a read-only sequence whose leng
 writer's queue bound counts rows on the training thread) and whose items are built on first use, normally
 on the writer thread.
 """
+
 from __future__ import annotations
 
 import threading
@@ -54,8 +55,9 @@ class LazyRows(Sequence):
                         built = self._build()
                     except Exception as exc:
                         self.fault = f"{type(exc).__name__}: {exc}"[:500]
-                        warnings.warn(f"gradstore: recorder fault (rows not built): {self.fault}", RuntimeWarning,
-                                      stacklevel=2)
+                        warnings.warn(
+                            f"gradstore: recorder fault (rows not built): {self.fault}", RuntimeWarning, stacklevel=2
+                        )
                         built = []
                     self._rows, self._build = built, None
                 rows = self._rows
@@ -104,8 +106,10 @@ def tensor_rows(measured: list, infos: list[NodeInfo], param_keys: list[str], ro
         rows = to_rows([m for _, _, _, m in measured])
     keys = iter(param_keys)
     role = ROLE
-    return [((next(keys), None) if call is None else (infos[call[0]].key, call[1])) + (role[r], slot) + row
-            for (call, r, slot, _), row in zip(measured, rows)]
+    return [
+        ((next(keys), None) if call is None else (infos[call[0]].key, call[1])) + (role[r], slot) + row
+        for (call, r, slot, _), row in zip(measured, rows)
+    ]
 
 
 def call_rows(calls: list, infos: list[NodeInfo]) -> list[tuple]:

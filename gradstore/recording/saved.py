@@ -21,6 +21,7 @@ Private PyTorch APIs relied on (each with a fallback; tests/test_explain.py fail
 _raw_saved_tensors`. Without `_raw_saved_*` the public `node._saved_*` getters are used instead (which do
 run unpack hooks); `_HAS_RAW` says which path this PyTorch takes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,9 +74,9 @@ def _attrs(node_type: type) -> tuple[tuple[tuple[str, str | None], ...], tuple[s
     if hit is not None:
         return hit, _VALUE_ATTRS[node_type]
     names = dir(node_type)
-    raw = {n[len(RAW_PREFIX):] for n in names if n.startswith(RAW_PREFIX)}
+    raw = {n[len(RAW_PREFIX) :] for n in names if n.startswith(RAW_PREFIX)}
     tensors = tuple((SAVED_PREFIX + base, RAW_PREFIX + base) for base in sorted(raw))
-    values = tuple(n for n in names if n.startswith(SAVED_PREFIX) and n[len(SAVED_PREFIX):] not in raw)
+    values = tuple(n for n in names if n.startswith(SAVED_PREFIX) and n[len(SAVED_PREFIX) :] not in raw)
     _TENSOR_ATTRS[node_type], _VALUE_ATTRS[node_type] = tensors, values
     return tensors, values
 
@@ -164,8 +165,9 @@ def _by_getters(node, names) -> SavedTensors:
             continue
         if isinstance(value, torch.Tensor):
             items.append((name, value))
-        elif (isinstance(value, (tuple, list)) and value
-              and all(isinstance(v, torch.Tensor) or v is None for v in value)):
+        elif (
+            isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) or v is None for v in value)
+        ):
             items.extend((f"{name}[{j}]", v) for j, v in enumerate(value))
     return SavedTensors(items)
 
@@ -238,11 +240,13 @@ def saved_values(node) -> list[tuple[str, object]]:
                 attrs = {}
             return [(f"ctx.{k}", v) for k, v in attrs.items() if not isinstance(v, torch.Tensor)]
         _, values = _attrs(type(node))
-        for name in (values if _HAS_RAW else _all_saved(type(node))):
+        for name in values if _HAS_RAW else _all_saved(type(node)):
             try:
                 value = getattr(node, name)
-                if not _HAS_RAW and (isinstance(value, torch.Tensor) or (
-                        isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor))):
+                if not _HAS_RAW and (
+                    isinstance(value, torch.Tensor)
+                    or (isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor))
+                ):
                     continue  # a tensor under the fallback (no _raw_saved_* on this PyTorch)
                 out.append((name, value))
             except Exception as exc:

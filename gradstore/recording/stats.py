@@ -21,6 +21,7 @@ Statistics: norm, min, max, mean, std over the finite elements (std with Bessel'
 `torch.std`; NULL with fewer than two finite elements); nan, posinf, neginf, zeros exact counts. `health`
 leaves mean, std and zeros NULL; `shape` records dtype, shape and numel only.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,8 +80,10 @@ def dtype_code(dtype: torch.dtype) -> int:
 # dtypes whose plain dense tensors `measure(t, "shape")` always records as 'ok' (real and not quantized)
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
 PLAIN_REAL_DTYPES = frozenset(
-    d for d in (getattr(torch, n, None) for n in DTYPE)
-    if isinstance(d, torch.dtype) and not d.is_complex and d not in _QUANTIZED)
+    d
+    for d in (getattr(torch, n, None) for n in DTYPE)
+    if isinstance(d, torch.dtype) and not d.is_complex and d not in _QUANTIZED
+)
 
 
 def shape_only(t: torch.Tensor | None):
@@ -153,7 +156,7 @@ def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
     flat = a.reshape(-1)
     total = 0.0
     for i in range(0, flat.size, _CHUNK):
-        c = flat[i:i + _CHUNK].astype(np.float64, copy=False)
+        c = flat[i : i + _CHUNK].astype(np.float64, copy=False)
         total += float(np.dot(c, c))
     return total
 
@@ -248,8 +251,14 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
         return NONE
     m = None
     try:
-        if (not checksum and level != "shape" and type(t) is torch.Tensor and t.dtype in _KERNEL_SUFFIX
-                and t.is_cpu and t.layout is torch.strided):
+        if (
+            not checksum
+            and level != "shape"
+            and type(t) is torch.Tensor
+            and t.dtype in _KERNEL_SUFFIX
+            and t.is_cpu
+            and t.layout is torch.strided
+        ):
             # the common case, checked with the fewest calls: a plain dense float32/float64 CPU gradient
             m = Measured("ok", None, _DTYPE_CODE[t.dtype], ",".join(map(str, t.shape)), t.numel())
             if m.numel:
@@ -300,10 +309,19 @@ def _dense(t: torch.Tensor) -> bool:
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when a and b hold the same multiset of elements: the same dense block of memory (same start,
     size and dtype), possibly in another order (a transpose or permute of a gradient)."""
-    return (type(a) in _PLAIN_TENSOR_TYPES and type(b) in _PLAIN_TENSOR_TYPES and a.layout == torch.strided
-            and b.layout == torch.strided and a.data_ptr() == b.data_ptr()  # the test that usually fails, early
-            and a.dtype == b.dtype and a.device == b.device and a.numel() == b.numel() and a.numel() > 0
-            and _dense(a) and _dense(b))
+    return (
+        type(a) in _PLAIN_TENSOR_TYPES
+        and type(b) in _PLAIN_TENSOR_TYPES
+        and a.layout == torch.strided
+        and b.layout == torch.strided
+        and a.data_ptr() == b.data_ptr()  # the test that usually fails, early
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.numel() == b.numel()
+        and a.numel() > 0
+        and _dense(a)
+        and _dense(b)
+    )
 
 
 class Measurer:
@@ -352,8 +370,14 @@ class Measurer:
             return None
         return [_version(t) if t is not None else None for t in tensors]
 
-    def grad_inputs(self, grad_inputs, grad_outputs, measured_outputs: list[Measured],
-                    output_versions: list[int | None], trusted: bool = True) -> list[Measured]:
+    def grad_inputs(
+        self,
+        grad_inputs,
+        grad_outputs,
+        measured_outputs: list[Measured],
+        output_versions: list[int | None],
+        trusted: bool = True,
+    ) -> list[Measured]:
         """Measure a node's grad_inputs, reusing a grad_output's result where a grad_input is the same memory
         and that grad_output was not modified since it was measured (same `_version`).
 
@@ -370,8 +394,14 @@ class Measurer:
             m = None
             if g is not None:
                 for go, mo, v in zip(grad_outputs, measured_outputs, output_versions):
-                    if (go is not None and mo.status == "ok" and mo.vec is not None and v is not None
-                            and _version(go) == v and _same_memory(g, go)):
+                    if (
+                        go is not None
+                        and mo.status == "ok"
+                        and mo.vec is not None
+                        and v is not None
+                        and _version(go) == v
+                        and _same_memory(g, go)
+                    ):
                         m = Measured(mo.status, mo.reason, mo.dtype, _shape(g), mo.numel, mo.vec, mo.checksum)
                         self.reused += 1
                         break
@@ -398,7 +428,9 @@ def _derive(v) -> tuple:
         float(v[MAX]) if has else None,
         _opt(float(v[MEAN])) if has else None,
         math.sqrt(max(m2, 0.0) / (nfinite - 1)) if (nfinite > 1 and m2 is not None) else None,
-        int(v[NAN]), int(v[POSINF]), int(v[NEGINF]),
+        int(v[NAN]),
+        int(v[POSINF]),
+        int(v[NEGINF]),
         int(zeros) if zeros is not None else None,
     )
 
@@ -407,8 +439,23 @@ _NULL_STATS = (None,) * 9
 _EMPTY_STATS = (0.0, None, None, None, None, 0, 0, 0, 0)
 
 # the columns of a row from `to_rows`, in order; NONFINITE_COLUMNS index the nan, posinf, neginf counts
-ROW_COLUMNS = ("status", "reason", "dtype", "shape", "numel", "norm", "min", "max", "mean", "std",
-               "nan", "posinf", "neginf", "zeros", "checksum")
+ROW_COLUMNS = (
+    "status",
+    "reason",
+    "dtype",
+    "shape",
+    "numel",
+    "norm",
+    "min",
+    "max",
+    "mean",
+    "std",
+    "nan",
+    "posinf",
+    "neginf",
+    "zeros",
+    "checksum",
+)
 NONFINITE_COLUMNS = (10, 11, 12)
 
 
@@ -424,8 +471,7 @@ def _shape_row(dtype: torch.dtype, size: torch.Size) -> tuple:
             _SHAPE_STRINGS.clear()
         cached = _SHAPE_STRINGS[size] = (",".join(map(str, size)), math.prod(size))
     shape, numel = cached
-    return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *(_EMPTY_STATS if numel == 0 else _NULL_STATS),
-            None)
+    return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *(_EMPTY_STATS if numel == 0 else _NULL_STATS), None)
 
 
 def needs_transfer(measured: list) -> bool:

@@ -2,6 +2,7 @@
 
 tests/test_torch_private.py fails loudly when one of them changes in a new PyTorch release.
 """
+
 from __future__ import annotations
 
 import torch

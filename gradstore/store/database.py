@@ -3,6 +3,7 @@
 SQLite (a file path) is the default; any SQLAlchemy URL (`postgresql+psycopg://...`) works the same way.
 Schema changes go through Alembic only (migrations/); see `ensure_schema`.
 """
+
 from __future__ import annotations
 
 import time
@@ -53,6 +54,7 @@ def make_engine(db: str | Path, immediate: bool = False) -> Engine:
             dbapi_conn.isolation_level = None  # the driver's own BEGIN off: SQLAlchemy's "begin" event says it
 
     if immediate:
+
         @event.listens_for(engine, "begin")
         def _begin_immediate(conn):
             conn.exec_driver_sql("BEGIN IMMEDIATE")

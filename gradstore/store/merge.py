@@ -14,6 +14,7 @@ Everything goes through SQLAlchemy Core on the `gradstore.store.schema` tables, 
 SQLite files or database URLs. The whole merge is one transaction on OUT: an error leaves OUT as it was (a
 SQLite file that the merge itself created is removed again).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -115,7 +116,7 @@ def merge(out: str | Path, inputs: list, *, skip_existing: bool = False) -> list
 
 def _chunks(rows, n=_CHUNK):
     for i in range(0, len(rows), n):
-        yield rows[i:i + n]
+        yield rows[i : i + n]
 
 
 def _insert_returning_ids(dst, table, rows: list[dict]) -> list[int]:
@@ -150,13 +151,17 @@ def _merge_runs(src, dst, report: MergeReport) -> tuple[dict[int, int], dict[int
         report.runs_matched.append(r["name"])
         status = max(have["status"], r["status"], key=lambda v: _STATUS_RANK.get(v, 1))
         finished = [t for t in (have["finished_at"], r["finished_at"]) if t is not None]
-        dst.execute(update(s.runs).where(s.runs.c.id == have["id"]).values(
-            world_size=max(have["world_size"], r["world_size"]),
-            status=status,
-            created_at=min(have["created_at"], r["created_at"]),
-            finished_at=max(finished) if finished and status != "running" else None,
-            meta=have["meta"] if have["meta"] is not None else r["meta"],
-        ))
+        dst.execute(
+            update(s.runs)
+            .where(s.runs.c.id == have["id"])
+            .values(
+                world_size=max(have["world_size"], r["world_size"]),
+                status=status,
+                created_at=min(have["created_at"], r["created_at"]),
+                finished_at=max(finished) if finished and status != "running" else None,
+                meta=have["meta"] if have["meta"] is not None else r["meta"],
+            )
+        )
     return run_map, names
 
 
@@ -165,8 +170,12 @@ def _merge_steps(src, dst, run_map, names, db, out, skip_existing, report) -> di
     existing = set()
     targets = sorted(set(run_map.values()))
     for chunk in _chunks(targets, _IN):
-        existing.update(tuple(row) for row in dst.execute(
-            select(s.steps.c.run_id, s.steps.c.rank, s.steps.c.step).where(s.steps.c.run_id.in_(chunk))))
+        existing.update(
+            tuple(row)
+            for row in dst.execute(
+                select(s.steps.c.run_id, s.steps.c.rank, s.steps.c.step).where(s.steps.c.run_id.in_(chunk))
+            )
+        )
     rows, src_ids, conflicts = [], [], []
     for st in src_steps:
         key = (run_map[st["run_id"]], st["rank"], st["step"])
@@ -183,7 +192,8 @@ def _merge_steps(src, dst, run_map, names, db, out, skip_existing, report) -> di
         more = f" (and {len(conflicts) - 1} more steps)" if len(conflicts) > 1 else ""
         raise MergeConflict(
             f"run {run!r} rank {rank} step {step} of {db} is already in {out}{more}; nothing was merged. "
-            "Merge with --skip-existing (skip_existing=True) to leave such steps out")
+            "Merge with --skip-existing (skip_existing=True) to leave such steps out"
+        )
     new_ids = _insert_returning_ids(dst, s.steps, rows)
     report.steps = len(new_ids)
     report.ranks = sorted({r["rank"] for r in rows})
@@ -193,8 +203,12 @@ def _merge_steps(src, dst, run_map, names, db, out, skip_existing, report) -> di
 def _merge_nodes(src, dst, run_map, report) -> dict[int, int]:
     node_map: dict[int, int] = {}
     for src_run, dst_run in run_map.items():
-        have = {key: (nid, first) for key, nid, first in dst.execute(
-            select(s.nodes.c.key, s.nodes.c.id, s.nodes.c.first_step).where(s.nodes.c.run_id == dst_run))}
+        have = {
+            key: (nid, first)
+            for key, nid, first in dst.execute(
+                select(s.nodes.c.key, s.nodes.c.id, s.nodes.c.first_step).where(s.nodes.c.run_id == dst_run)
+            )
+        }
         new_rows, new_src = [], []
         for n in src.execute(select(s.nodes).where(s.nodes.c.run_id == src_run).order_by(s.nodes.c.id)).mappings():
             hit = have.get(n["key"])
@@ -214,16 +228,34 @@ def _merge_nodes(src, dst, run_map, report) -> dict[int, int]:
 
 def _merge_edges(src, dst, run_map, node_map, report) -> None:
     for src_run, dst_run in run_map.items():
-        have = {(a, a_slot, b, b_slot): (eid, first) for eid, a, a_slot, b, b_slot, first in dst.execute(
-            select(s.edges.c.id, s.edges.c.src, s.edges.c.src_slot, s.edges.c.dst, s.edges.c.dst_slot,
-                   s.edges.c.first_step).where(s.edges.c.run_id == dst_run))}
+        have = {
+            (a, a_slot, b, b_slot): (eid, first)
+            for eid, a, a_slot, b, b_slot, first in dst.execute(
+                select(
+                    s.edges.c.id,
+                    s.edges.c.src,
+                    s.edges.c.src_slot,
+                    s.edges.c.dst,
+                    s.edges.c.dst_slot,
+                    s.edges.c.first_step,
+                ).where(s.edges.c.run_id == dst_run)
+            )
+        }
         new_rows = []
         for e in src.execute(select(s.edges).where(s.edges.c.run_id == src_run).order_by(s.edges.c.id)).mappings():
             key = (node_map[e["src"]], e["src_slot"], node_map[e["dst"]], e["dst_slot"])
             hit = have.get(key)
             if hit is None:
-                new_rows.append({"run_id": dst_run, "src": key[0], "src_slot": key[1], "dst": key[2],
-                                 "dst_slot": key[3], "first_step": e["first_step"]})
+                new_rows.append(
+                    {
+                        "run_id": dst_run,
+                        "src": key[0],
+                        "src_slot": key[1],
+                        "dst": key[2],
+                        "dst_slot": key[3],
+                        "first_step": e["first_step"],
+                    }
+                )
                 have[key] = (None, e["first_step"])
             elif hit[0] is not None and e["first_step"] < hit[1]:
                 dst.execute(update(s.edges).where(s.edges.c.id == hit[0]).values(first_step=e["first_step"]))
@@ -264,9 +296,12 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
             lo_hi[0], lo_hi[1] = min(lo_hi[0], cid), max(lo_hi[1], cid)
     report.calls = len(call_map)
     if ranges:
-        dst.execute(update(s.passes).where(s.passes.c.id == bindparam("pid")).values(
-            first_call=bindparam("lo"), last_call=bindparam("hi")),
-            [{"pid": pid, "lo": lo, "hi": hi} for pid, (lo, hi) in ranges.items()])
+        dst.execute(
+            update(s.passes)
+            .where(s.passes.c.id == bindparam("pid"))
+            .values(first_call=bindparam("lo"), last_call=bindparam("hi")),
+            [{"pid": pid, "lo": lo, "hi": hi} for pid, (lo, hi) in ranges.items()],
+        )
 
     layout_map = _merge_layouts(src, dst)
     td, tn = s.tensor_data.c, s.tensor_notes.c
@@ -274,8 +309,10 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
         rows = [r for r in rows if r["step_id"] in step_map]
         notes = {}  # this chunk's reasons and checksums
         for ids in _chunks([r["id"] for r in rows], _IN):
-            notes.update((r["id"], r) for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(
-                tn.id.in_(ids))).mappings())
+            notes.update(
+                (r["id"], r)
+                for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(tn.id.in_(ids))).mappings()
+            )
         new_ids = _reserve_tensor_ids(dst, len(rows))
         new_notes = []
         for r, new_id in zip(rows, new_ids):
@@ -306,8 +343,9 @@ def _merge_layouts(src, dst) -> dict[int, int]:
     out = {}
     for lid, d, sh, n in src.execute(select(lay.id, lay.dtype, lay.shape, lay.numel).order_by(lay.id)):
         if (d, sh, n) not in have:
-            have[(d, sh, n)] = dst.execute(insert(s.layouts).returning(lay.id),
-                                           {"dtype": d, "shape": sh, "numel": n}).scalar_one()
+            have[(d, sh, n)] = dst.execute(
+                insert(s.layouts).returning(lay.id), {"dtype": d, "shape": sh, "numel": n}
+            ).scalar_one()
         out[lid] = have[(d, sh, n)]
     return out
 
@@ -319,8 +357,13 @@ def _reserve_tensor_ids(dst, n: int) -> list[int]:
     if n == 0:
         return []
     if dst.dialect.name == "postgresql":
-        return list(dst.exec_driver_sql(
-            f"SELECT nextval('tensor_data_id_seq') FROM generate_series(1, {int(n)})").scalars())
-    top = dst.exec_driver_sql(
-        "SELECT MAX(id) FROM tensor_data WHERE step_id = (SELECT MAX(step_id) FROM tensor_data)").scalar() or 0
+        return list(
+            dst.exec_driver_sql(f"SELECT nextval('tensor_data_id_seq') FROM generate_series(1, {int(n)})").scalars()
+        )
+    top = (
+        dst.exec_driver_sql(
+            "SELECT MAX(id) FROM tensor_data WHERE step_id = (SELECT MAX(step_id) FROM tensor_data)"
+        ).scalar()
+        or 0
+    )
     return list(range(top + 1, top + 1 + n))

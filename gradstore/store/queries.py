@@ -8,6 +8,7 @@ Header format (the same file runs unchanged in `sqlite3`, where unbound paramete
 
 Parameters are written `:name` in the SQL; a parameter left out is NULL, which every query reads as "all".
 """
+
 from __future__ import annotations
 
 import re
@@ -84,8 +85,9 @@ _CHOICES = {"role": ROLES, "by": ("node", "module")}
 def _typed(query: str, param: str, value):
     """`value` as the number the query expects (int or float) or unchanged; raises QueryParameterError."""
     if value is not None and param in _CHOICES and value not in _CHOICES[param]:
-        raise QueryParameterError(f"query {query!r}: parameter {param} is one of "
-                                  f"{', '.join(_CHOICES[param])}, got {value!r}")
+        raise QueryParameterError(
+            f"query {query!r}: parameter {param} is one of {', '.join(_CHOICES[param])}, got {value!r}"
+        )
     if value is None or param not in _INTEGER_PARAMS | _REAL_PARAMS:
         return value
     try:
@@ -111,7 +113,8 @@ def run(engine: Engine, name: str, params: dict | None = None) -> pd.DataFrame:
     if unknown:
         raise QueryParameterError(
             f"query {name!r} has no parameter {', '.join(sorted(unknown))}; "
-            f"its parameters: {', '.join(q.params) or 'none'}")
+            f"its parameters: {', '.join(q.params) or 'none'}"
+        )
     bound = {p: _typed(name, p, params.get(p)) for p in q.params}
     with engine.connect() as conn:
         return pd.read_sql(text(q.sql.rstrip().rstrip(";")), conn, params=bound)

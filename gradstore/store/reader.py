@@ -3,6 +3,7 @@
 Every helper runs one named file of queries/ (the same SQL `sqlite3` runs) and returns a pandas DataFrame
 whose columns are documented in that file's header and in README.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,34 +84,47 @@ class Store:
         """Edges: run, src, src_slot, dst, dst_slot, first_step (src.next_functions[src_slot] == (dst, dst_slot))."""
         return self.query("edges", run=run)
 
-    def calls(self, run: str | None = None, step: int | None = None, rank: int | None = None,
-              module: str | None = None) -> pd.DataFrame:
+    def calls(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
+    ) -> pd.DataFrame:
         """Calls in execution order: run, rank, step, pass, seq, key, name, module, param, start, duration (s)."""
         return self.query("calls", run=run, step=step, rank=rank, module=module)
 
-    def tensors(self, run: str | None = None, step: int | None = None, rank: int | None = None,
-                role: str | None = None, module: str | None = None) -> pd.DataFrame:
+    def tensors(
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        role: str | None = None,
+        module: str | None = None,
+    ) -> pd.DataFrame:
         """Gradient statistics: run, rank, step, pass, seq, key, name, module, param, role, slot, status, reason,
         dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros."""
         return self.query("tensors", run=run, step=step, rank=rank, role=role, module=module)
 
     # ---- the analyses ------------------------------------------------------------------------------------------
-    def grad_norms(self, run: str | None = None, by: str = "node", step: int | None = None,
-                   rank: int | None = None, module: str | None = None) -> pd.DataFrame:
+    def grad_norms(
+        self,
+        run: str | None = None,
+        by: str = "node",
+        step: int | None = None,
+        rank: int | None = None,
+        module: str | None = None,
+    ) -> pd.DataFrame:
         """Per step and node key (by='node') or module (by='module'): grad_output_norm, grad_input_norm, calls,
         nonfinite. Raises ValueError for another `by`."""
         if by not in ("node", "module"):
             raise ValueError(f"grad_norms(by=...) is 'node' or 'module', got {by!r}")
         return self.query("grad_norms", run=run, by=by, step=step, rank=rank, module=module)
 
-    def param_grads(self, run: str | None = None, step: int | None = None, rank: int | None = None,
-                    param: str | None = None) -> pd.DataFrame:
+    def param_grads(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, param: str | None = None
+    ) -> pd.DataFrame:
         """Each parameter's .grad per step (after the step's last backward pass): run, rank, step, pass, param,
         module, status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros."""
         return self.query("param_grads", run=run, step=step, rank=rank, param=param)
 
-    def saved_memory(self, run: str | None = None, step: int | None = None,
-                     rank: int | None = None) -> pd.DataFrame:
+    def saved_memory(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """With record(saved=True): per step and module, saved_tensors (count), bytes (numel x element size),
         largest_numel."""
         return self.query("saved_memory", run=run, step=step, rank=rank)
@@ -122,8 +136,15 @@ class Store:
         return self.query("first_nonfinite", run=run, rank=rank)
 
     # ---- comparing steps, runs and ranks -----------------------------------------------------------------------
-    def history(self, run: str, key: str | None = None, module: str | None = None, param: str | None = None,
-                role: str | None = None, rank: int | None = None) -> pd.DataFrame:
+    def history(
+        self,
+        run: str,
+        key: str | None = None,
+        module: str | None = None,
+        param: str | None = None,
+        role: str | None = None,
+        rank: int | None = None,
+    ) -> pd.DataFrame:
         """Statistics of one node (`key`), module (`module`, with its submodules) or parameter (`param`: its
         AccumulateGrad node's grad_outputs and its param_grad rows) over every step, as queries/history.sql.
 
@@ -135,8 +156,15 @@ class Store:
         _check_role(role)
         return self.query("history", run=run, key=key, module=module, param=param, role=role, rank=rank)
 
-    def diff(self, run_a: str, run_b: str | None = None, step_a: int | None = None, step_b: int | None = None,
-             rank_a: int | None = None, rank_b: int | None = None) -> pd.DataFrame:
+    def diff(
+        self,
+        run_a: str,
+        run_b: str | None = None,
+        step_a: int | None = None,
+        step_b: int | None = None,
+        rank_a: int | None = None,
+        rank_b: int | None = None,
+    ) -> pd.DataFrame:
         """Two runs, two steps or two ranks side by side, aligned by node key, role, slot and occurrence, as
         queries/diff.sql. A side left None takes the other side's value (`diff("r", step_a=3, step_b=4)`: two
         steps of one run; `diff("r", rank_a=0, rank_b=1)`: two ranks); with neither step given every step is
@@ -150,12 +178,19 @@ class Store:
         Raises UnknownRun; GradstoreError for a step or rank that side's run did not record.
         """
         self._check_sides(run_a, run_b, step_a, step_b, rank_a, rank_b)
-        return self.query("diff", run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a,
-                          rank_b=rank_b)
+        return self.query("diff", run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a, rank_b=rank_b)
 
-    def first_divergence(self, run_a: str, run_b: str | None = None, step_a: int | None = None,
-                         step_b: int | None = None, rank_a: int | None = None, rank_b: int | None = None,
-                         rtol: float = 0.0, atol: float = 0.0) -> pd.DataFrame:
+    def first_divergence(
+        self,
+        run_a: str,
+        run_b: str | None = None,
+        step_a: int | None = None,
+        step_b: int | None = None,
+        rank_a: int | None = None,
+        rank_b: int | None = None,
+        rtol: float = 0.0,
+        atol: float = 0.0,
+    ) -> pd.DataFrame:
         """In backward execution order (side a's seq), the first node call whose gradients differ between the
         sides beyond `rtol`/`atol` (|a - b| > atol + rtol * max(|a|, |b|) for norm, min, max, mean, std; counts,
         status, dtype and shape exactly); by default any difference (bitwise on the stored statistics, and on
@@ -168,8 +203,17 @@ class Store:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"first_divergence({name}=...) is a finite number >= 0, got {value!r}")
         self._check_sides(run_a, run_b, step_a, step_b, rank_a, rank_b)
-        return self.query("first_divergence", run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b,
-                          rank_a=rank_a, rank_b=rank_b, rtol=float(rtol), atol=float(atol))
+        return self.query(
+            "first_divergence",
+            run_a=run_a,
+            run_b=run_b,
+            step_a=step_a,
+            step_b=step_b,
+            rank_a=rank_a,
+            rank_b=rank_b,
+            rtol=float(rtol),
+            atol=float(atol),
+        )
 
     def rank_divergence(self, run: str, step: int | None = None) -> pd.DataFrame:
         """The parameters whose final gradients at a step (the param_grad rows of the step's last top-level
@@ -197,8 +241,9 @@ class Store:
         if rank is not None:
             sel = sel[sel["rank"] == rank]
         if sel.empty:
-            what = " ".join(filter(None, [f"step {step}" if step is not None else "",
-                                          f"rank {rank}" if rank is not None else ""]))
+            what = " ".join(
+                filter(None, [f"step {step}" if step is not None else "", f"rank {rank}" if rank is not None else ""])
+            )
             if have.empty:
                 known = "no steps yet"
             else:
@@ -212,8 +257,11 @@ class Store:
         self._check_run(run_a)
         self._check_run(run_b)
         self._check_step(run_a, step_a if step_a is not None else step_b, rank_a if rank_a is not None else rank_b)
-        self._check_step(run_b if run_b is not None else run_a, step_b if step_b is not None else step_a,
-                         rank_b if rank_b is not None else rank_a)
+        self._check_step(
+            run_b if run_b is not None else run_a,
+            step_b if step_b is not None else step_a,
+            rank_b if rank_b is not None else rank_a,
+        )
 
 
 def _check_role(role: str | None) -> None:

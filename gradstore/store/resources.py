@@ -3,6 +3,7 @@
 In a wheel they are inside the package (gradstore/migrations, gradstore/queries, put there by the build's
 force-include); in a source checkout or an editable install they are the top-level folders of the project.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -7,6 +7,7 @@ tests/test_migrations.py checks that the two agree.
 Units: every `*_at` column is seconds since the Unix epoch (float); every duration is seconds (float), but for
 call_data's start_ns and duration_ns: integer nanoseconds, which the `calls` view gives as seconds (ns / 1e9).
 """
+
 from __future__ import annotations
 
 from sqlalchemy import (
@@ -221,8 +222,7 @@ tensor_data = Table(
 )
 # first_nonfinite reads only the rows that hold NaN or Inf: a partial index keeps that lookup small
 NONFINITE = "nan + posinf + neginf > 0"
-Index("ix_tensor_data_nonfinite", tensor_data.c.step_id, sqlite_where=text(NONFINITE),
-      postgresql_where=text(NONFINITE))
+Index("ix_tensor_data_nonfinite", tensor_data.c.step_id, sqlite_where=text(NONFINITE), postgresql_where=text(NONFINITE))
 
 tensor_notes = Table(
     "tensor_notes",
@@ -236,9 +236,30 @@ tensor_notes = Table(
 # the same expression in Python, IEEE double arithmetic either way)
 _NUMEL = "(SELECT l.numel FROM layouts l WHERE l.id = t.layout_id)"
 _NFINITE = f"({_NUMEL} - t.nan - t.posinf - t.neginf)"
-TENSORS_VIEW_COLUMNS = ("id", "step_id", "pass_id", "call_id", "node_id", "role", "slot", "status", "reason",
-                        "dtype", "shape", "numel", "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf",
-                        "zeros", "checksum")
+TENSORS_VIEW_COLUMNS = (
+    "id",
+    "step_id",
+    "pass_id",
+    "call_id",
+    "node_id",
+    "role",
+    "slot",
+    "status",
+    "reason",
+    "dtype",
+    "shape",
+    "numel",
+    "norm",
+    "min",
+    "max",
+    "mean",
+    "std",
+    "nan",
+    "posinf",
+    "neginf",
+    "zeros",
+    "checksum",
+)
 TENSORS_VIEW = f"""CREATE VIEW tensors AS
 SELECT t.id, t.step_id,
        COALESCE(t.pass_id, (SELECT c.pass_id FROM call_data c WHERE c.id = t.call_id)) AS pass_id,
@@ -254,4 +275,3 @@ FROM tensor_data t"""
 
 # the view for SQLAlchemy Core (select only; not part of `metadata`, so Alembic's comparison leaves it alone)
 tensors = table("tensors", *(column(c) for c in TENSORS_VIEW_COLUMNS))
-

@@ -12,6 +12,7 @@ edges, layouts) are inserted in key order. A step transaction that fails for a t
 PostgreSQL deadlock or serialization failure) is retried whole. A forked child gets fresh writers: the
 parent's queue, thread and connections are not its own.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,8 +35,26 @@ from . import schema as s
 from .database import ensure_schema, is_url, make_engine
 
 # tensor_data's columns in the order the writer builds its rows
-TENSOR_DATA_COLUMNS = ("step_id", "id", "pass_id", "call_id", "node_id", "role", "slot", "status", "layout_id",
-                       "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
+TENSOR_DATA_COLUMNS = (
+    "step_id",
+    "id",
+    "pass_id",
+    "call_id",
+    "node_id",
+    "role",
+    "slot",
+    "status",
+    "layout_id",
+    "norm",
+    "min",
+    "max",
+    "mean",
+    "std",
+    "nan",
+    "posinf",
+    "neginf",
+    "zeros",
+)
 _BY_NODE = operator.itemgetter(TENSOR_DATA_COLUMNS.index("node_id"))
 
 _CHUNK = 500  # keys per IN (...) list
@@ -81,7 +100,8 @@ class Writer:
             cause = getattr(exc, "orig", None) or exc
             raise DatabaseUnavailable(
                 f"cannot open the gradstore database {db}: {cause}; check that the directory exists and is "
-                "writable (or, for a URL, that the server is reachable)") from None
+                "writable (or, for a URL, that the server is reachable)"
+            ) from None
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         self.rows_written = 0
@@ -98,14 +118,52 @@ class Writer:
         self._pg = self.engine.dialect.name == "postgresql"
         # statements built once, run with the driver's cursor (execute / executemany)
         returning = " RETURNING id" if self._pg else ""
-        self._step_insert = self._driver_insert("steps", (
-            "run_id", "rank", "step", "started_at", "ended_at", "status", "error", "passes", "level", "dropped",
-            "waited")) + returning
-        self._pass_insert = self._driver_insert("passes", (
-            "step_id", "pass", "parent_pass", "parent_seq", "kind", "create_graph", "retain_graph", "roots",
-            "inputs", "nodes", "started_at", "duration", "setup", "finish", "first_call", "last_call")) + returning
+        self._step_insert = (
+            self._driver_insert(
+                "steps",
+                (
+                    "run_id",
+                    "rank",
+                    "step",
+                    "started_at",
+                    "ended_at",
+                    "status",
+                    "error",
+                    "passes",
+                    "level",
+                    "dropped",
+                    "waited",
+                ),
+            )
+            + returning
+        )
+        self._pass_insert = (
+            self._driver_insert(
+                "passes",
+                (
+                    "step_id",
+                    "pass",
+                    "parent_pass",
+                    "parent_seq",
+                    "kind",
+                    "create_graph",
+                    "retain_graph",
+                    "roots",
+                    "inputs",
+                    "nodes",
+                    "started_at",
+                    "duration",
+                    "setup",
+                    "finish",
+                    "first_call",
+                    "last_call",
+                ),
+            )
+            + returning
+        )
         self._call_insert = self._driver_insert(
-            "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns"))
+            "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns")
+        )
         self._tensor_insert = self._driver_insert("tensor_data", TENSOR_DATA_COLUMNS)
         self._note_insert = self._driver_insert("tensor_notes", ("id", "reason", "checksum"))
         mark = "%s" if self._pg else "?"
@@ -221,7 +279,7 @@ class Writer:
                 if attempt == _ATTEMPTS - 1 or not _transient(exc):
                     raise
                 self.retries += 1
-                time.sleep(min(0.05 * 2 ** attempt, 2.0))
+                time.sleep(min(0.05 * 2**attempt, 2.0))
 
     def _write_run_status(self, item) -> None:
         with self.engine.begin() as conn:
@@ -243,7 +301,11 @@ class Writer:
                     self._write_step(conn, cur, b, added)
                 except dbapi_error as exc:
                     raise DBAPIError.instance(
-                        None, None, exc, dbapi_error, dialect=self.engine.dialect,
+                        None,
+                        None,
+                        exc,
+                        dbapi_error,
+                        dialect=self.engine.dialect,
                         connection_invalidated=self.engine.dialect.is_disconnect(exc, conn.connection, cur),
                     ) from exc
                 finally:
@@ -265,9 +327,23 @@ class Writer:
         return cur.fetchone()[0] if self._pg else cur.lastrowid
 
     def _write_step(self, conn, cur, b: StepBatch, added: list) -> None:
-        step_id = self._insert_id(cur, self._step_insert, (
-            b.run_id, b.rank, b.step, b.started_at, b.ended_at, b.status, b.error, len(b.passes), b.level,
-            b.dropped, b.waited))
+        step_id = self._insert_id(
+            cur,
+            self._step_insert,
+            (
+                b.run_id,
+                b.rank,
+                b.step,
+                b.started_at,
+                b.ended_at,
+                b.status,
+                b.error,
+                len(b.passes),
+                b.level,
+                b.dropped,
+                b.waited,
+            ),
+        )
         self._write_nodes(conn, b, added)
         self._write_edges(conn, b, added)
         if b.passes:
@@ -276,12 +352,32 @@ class Writer:
             call_ids = self._reserve_ids(cur, "call_data", n_calls) if n_calls else []
             pass_ids, k = [], 0
             for p in b.passes:
-                ids = call_ids[k:k + len(p.calls)]
+                ids = call_ids[k : k + len(p.calls)]
                 k += len(p.calls)
-                pass_ids.append(self._insert_id(cur, self._pass_insert, (
-                    step_id, p.number, p.parent_pass, p.parent_seq, p.kind, int(p.create_graph),
-                    int(p.retain_graph), p.roots, p.inputs, p.reachable, p.started_at, p.duration, p.setup,
-                    p.finish, min(ids) if ids else None, max(ids) if ids else None)))
+                pass_ids.append(
+                    self._insert_id(
+                        cur,
+                        self._pass_insert,
+                        (
+                            step_id,
+                            p.number,
+                            p.parent_pass,
+                            p.parent_seq,
+                            p.kind,
+                            int(p.create_graph),
+                            int(p.retain_graph),
+                            p.roots,
+                            p.inputs,
+                            p.reachable,
+                            p.started_at,
+                            p.duration,
+                            p.setup,
+                            p.finish,
+                            min(ids) if ids else None,
+                            max(ids) if ids else None,
+                        ),
+                    )
+                )
             self._write_calls_and_tensors(conn, cur, b, step_id, pass_ids, call_ids, added)
         if b.run_status is not None:
             cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
@@ -297,13 +393,27 @@ class Writer:
         if not new:
             return
         keys = sorted(new)  # one order for every writer: concurrent inserts of shared keys cannot deadlock
-        conn.execute(_insert_ignore(self.engine, s.nodes, ["run_id", "key"]), [
-            {"run_id": run_id, "key": k, "name": new[k].name, "kind": KIND[new[k].kind], "module": new[k].module,
-             "param": new[k].param, "frame": new[k].frame, "first_step": b.step} for k in keys])
+        conn.execute(
+            _insert_ignore(self.engine, s.nodes, ["run_id", "key"]),
+            [
+                {
+                    "run_id": run_id,
+                    "key": k,
+                    "name": new[k].name,
+                    "kind": KIND[new[k].kind],
+                    "module": new[k].module,
+                    "param": new[k].param,
+                    "frame": new[k].frame,
+                    "first_step": b.step,
+                }
+                for k in keys
+            ],
+        )
         for i in range(0, len(keys), _CHUNK):
-            chunk = keys[i:i + _CHUNK]
-            rows = conn.execute(select(s.nodes.c.key, s.nodes.c.id).where(
-                s.nodes.c.run_id == run_id, s.nodes.c.key.in_(chunk)))
+            chunk = keys[i : i + _CHUNK]
+            rows = conn.execute(
+                select(s.nodes.c.key, s.nodes.c.id).where(s.nodes.c.run_id == run_id, s.nodes.c.key.in_(chunk))
+            )
             for key, node_id in rows:
                 ids[key] = node_id
                 added.append((ids, key))
@@ -319,9 +429,13 @@ class Writer:
             return
         ids = self._node_ids[run_id]
         rows = sorted((ids[src], slot, ids[dst], dslot) for _, (src, slot, dst, dslot) in new)
-        conn.execute(_insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]), [
-            {"run_id": run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3], "first_step": b.step}
-            for e in rows])
+        conn.execute(
+            _insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]),
+            [
+                {"run_id": run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3], "first_step": b.step}
+                for e in rows
+            ],
+        )
         for key in new:
             seen.add(key)
             added.append((seen, key))
@@ -330,14 +444,17 @@ class Writer:
         """Give each (dtype, shape, numel) in `triples` its layouts id (inserted when new, sorted: one order
         for every writer) in self._layout_ids."""
         rows = sorted(triples, key=lambda k: (k[0] if k[0] is not None else -1, k[1] or "", k[2] or 0))
-        conn.execute(_insert_ignore(self.engine, s.layouts, ["dtype", "shape", "numel"]),
-                     [{"dtype": d, "shape": sh, "numel": n} for d, sh, n in rows])
+        conn.execute(
+            _insert_ignore(self.engine, s.layouts, ["dtype", "shape", "numel"]),
+            [{"dtype": d, "shape": sh, "numel": n} for d, sh, n in rows],
+        )
         lay = s.layouts.c
         for i in range(0, len(rows), _CHUNK):
-            chunk = rows[i:i + _CHUNK]
+            chunk = rows[i : i + _CHUNK]
             shapes = sorted({r[1] for r in chunk if r[1] is not None})
-            found = conn.execute(select(lay.id, lay.dtype, lay.shape, lay.numel).where(
-                or_(lay.shape.in_(shapes), lay.shape.is_(None))))
+            found = conn.execute(
+                select(lay.id, lay.dtype, lay.shape, lay.numel).where(or_(lay.shape.in_(shapes), lay.shape.is_(None)))
+            )
             for lid, d, sh, n in found:
                 if (d, sh, n) in triples:
                     self._layout_ids[(d, sh, n)] = lid
@@ -369,8 +486,9 @@ class Writer:
             top = cur.fetchone()[0] or 0
         return range(top + 1, top + 1 + n)
 
-    def _write_calls_and_tensors(self, conn, cur, b: StepBatch, step_id: int, pass_ids: list[int], cids,
-                                 added: list) -> None:
+    def _write_calls_and_tensors(
+        self, conn, cur, b: StepBatch, step_id: int, pass_ids: list[int], cids, added: list
+    ) -> None:
         # the per-row loops run on the writer thread with the GIL held: locals only, no call per row but the
         # dict lookups, the norm test, the rounding and the tuple
         node_id = self._node_ids[b.run_id]
@@ -384,8 +502,9 @@ class Writer:
                 for key, seq, start, dur in p.calls:
                     cid = call_of[seq] = cids[k]
                     k += 1
-                    call_rows.append((cid, pass_id, node_id[key], seq, round(start * 1e9),
-                                      None if dur is None else round(dur * 1e9)))
+                    call_rows.append(
+                        (cid, pass_id, node_id[key], seq, round(start * 1e9), None if dur is None else round(dur * 1e9))
+                    )
             cur.executemany(self._call_insert, call_rows)
         n_tensors = sum(len(p.tensors) for p in b.passes)
         if n_tensors:
@@ -396,8 +515,27 @@ class Writer:
             sqrt = math.sqrt
             k = 0
             for p, pass_id in zip(b.passes, pass_ids):
-                for (key, seq, role, slot, status, reason, dtype, shape, numel, norm, mn, mx, mean, std, nan, pinf,
-                     ninf, zeros, csum) in p.tensors:
+                for (
+                    key,
+                    seq,
+                    role,
+                    slot,
+                    status,
+                    reason,
+                    dtype,
+                    shape,
+                    numel,
+                    norm,
+                    mn,
+                    mx,
+                    mean,
+                    std,
+                    nan,
+                    pinf,
+                    ninf,
+                    zeros,
+                    csum,
+                ) in p.tensors:
                     tid = tids[k]
                     lay = layout((dtype, shape, numel))
                     if lay is None and (dtype is not None or shape is not None or numel is not None):
@@ -409,11 +547,51 @@ class Writer:
                             norm = None
                     cid = call_of.get(seq)  # None for param_grad rows (and a row whose call was not kept)
                     if cid is None:  # no call to take the pass from: the row names its pass
-                        append((step_id, tid, pass_id, None, node_id[key], role, slot, status, lay, norm, mn, mx,
-                                mean, std, nan, pinf, ninf, zeros))
+                        append(
+                            (
+                                step_id,
+                                tid,
+                                pass_id,
+                                None,
+                                node_id[key],
+                                role,
+                                slot,
+                                status,
+                                lay,
+                                norm,
+                                mn,
+                                mx,
+                                mean,
+                                std,
+                                nan,
+                                pinf,
+                                ninf,
+                                zeros,
+                            )
+                        )
                     else:
-                        append((step_id, tid, None, cid, node_id[key], role, slot, status, lay, norm, mn, mx, mean,
-                                std, nan, pinf, ninf, zeros))
+                        append(
+                            (
+                                step_id,
+                                tid,
+                                None,
+                                cid,
+                                node_id[key],
+                                role,
+                                slot,
+                                status,
+                                lay,
+                                norm,
+                                mn,
+                                mx,
+                                mean,
+                                std,
+                                nan,
+                                pinf,
+                                ninf,
+                                zeros,
+                            )
+                        )
                     if reason is not None or csum is not None:
                         notes.append((tid, reason, csum))
                     k += 1

@@ -19,6 +19,7 @@ Downgrade rebuilds the 0001 table from the view.
 
 A frozen copy: this file must not import gradstore.store.schema.
 """
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -93,8 +94,10 @@ def upgrade() -> None:
         sa.Column("checksum", sa.BigInteger),
     )
 
-    op.execute("INSERT INTO layouts (dtype, shape, numel) SELECT DISTINCT dtype, shape, numel FROM tensors "
-               "WHERE dtype IS NOT NULL OR shape IS NOT NULL OR numel IS NOT NULL")
+    op.execute(
+        "INSERT INTO layouts (dtype, shape, numel) SELECT DISTINCT dtype, shape, numel FROM tensors "
+        "WHERE dtype IS NOT NULL OR shape IS NOT NULL OR numel IS NOT NULL"
+    )
     nfinite = "(t.numel - t.nan - t.posinf - t.neginf)"
     derived = f"SQRT(({nfinite} - 1) * t.std * t.std + {nfinite} * t.mean * t.mean)"
     op.execute(f"""
@@ -113,13 +116,20 @@ def upgrade() -> None:
                t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros
         FROM tensors t
         ORDER BY t.step_id, t.node_id, t.id""")
-    op.execute("INSERT INTO tensor_notes (id, reason, checksum) SELECT id, reason, checksum FROM tensors "
-               "WHERE reason IS NOT NULL OR checksum IS NOT NULL")
+    op.execute(
+        "INSERT INTO tensor_notes (id, reason, checksum) SELECT id, reason, checksum FROM tensors "
+        "WHERE reason IS NOT NULL OR checksum IS NOT NULL"
+    )
     if pg:
         op.execute("SELECT setval('tensor_data_id_seq', COALESCE((SELECT MAX(id) FROM tensor_data), 0) + 1, false)")
     op.drop_table("tensors")  # with its indexes
-    op.create_index("ix_tensor_data_nonfinite", "tensor_data", ["step_id"], sqlite_where=sa.text(_NONFINITE),
-                    postgresql_where=sa.text(_NONFINITE))
+    op.create_index(
+        "ix_tensor_data_nonfinite",
+        "tensor_data",
+        ["step_id"],
+        sqlite_where=sa.text(_NONFINITE),
+        postgresql_where=sa.text(_NONFINITE),
+    )
     op.execute(_VIEW)
     op.drop_index("ix_calls_step_id", table_name="calls")
 
@@ -151,8 +161,10 @@ def downgrade() -> None:
         sa.Column("zeros", sa.Integer),
         sa.Column("checksum", sa.BigInteger),
     )
-    cols = ("id, step_id, pass_id, call_id, node_id, role, slot, status, reason, dtype, shape, numel, norm, min, "
-            "max, mean, std, nan, posinf, neginf, zeros, checksum")
+    cols = (
+        "id, step_id, pass_id, call_id, node_id, role, slot, status, reason, dtype, shape, numel, norm, min, "
+        "max, mean, std, nan, posinf, neginf, zeros, checksum"
+    )
     op.execute(f"INSERT INTO tensors_0001 ({cols}) SELECT {cols} FROM tensors ORDER BY id")
     op.execute("DROP VIEW tensors")
     op.drop_table("tensor_notes")

@@ -24,6 +24,7 @@ it on ALTER TABLE ... RENAME); on PostgreSQL that foreign key is dropped and cre
 
 A frozen copy: this file must not import gradstore.store.schema.
 """
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -73,8 +74,9 @@ def _drop_call_fk(referred: str) -> None:
 
 def _set_sequence(table: str) -> None:
     """PostgreSQL: the id sequence of `table` past the copied ids."""
-    op.execute(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
-               f"COALESCE((SELECT MAX(id) FROM {table}), 0) + 1, false)")
+    op.execute(
+        f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), COALESCE((SELECT MAX(id) FROM {table}), 0) + 1, false)"
+    )
 
 
 def upgrade() -> None:
@@ -82,8 +84,10 @@ def upgrade() -> None:
     op.execute("DROP VIEW tensors")
     op.add_column("passes", sa.Column("first_call", sa.Integer))
     op.add_column("passes", sa.Column("last_call", sa.Integer))
-    op.execute("UPDATE passes SET first_call = (SELECT MIN(c.id) FROM calls c WHERE c.pass_id = passes.id), "
-               "last_call = (SELECT MAX(c.id) FROM calls c WHERE c.pass_id = passes.id)")
+    op.execute(
+        "UPDATE passes SET first_call = (SELECT MIN(c.id) FROM calls c WHERE c.pass_id = passes.id), "
+        "last_call = (SELECT MAX(c.id) FROM calls c WHERE c.pass_id = passes.id)"
+    )
     if pg:
         _drop_call_fk("calls")
         old, new = "calls", "call_data"
