@@ -773,34 +773,33 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             )
 
 
-def _count_missing_checksums(store: Store, run: str, step: int) -> int:
-    """Parameter gradients (.grad not None) at `step` of `run` recorded without a checksum."""
-    with store.engine.connect() as conn:
-        return conn.execute(
-            select(func.count())
-            .select_from(
-                s.tensors.join(s.steps, s.tensors.c.step_id == s.steps.c.id).join(
-                    s.runs, s.steps.c.run_id == s.runs.c.id
-                )
-            )
-            .where(
-                s.runs.c.name == run,
-                s.steps.c.step == step,
-                s.tensors.c.role == s.ROLE["param_grad"],
-                s.tensors.c.status == s.STATUS["ok"],
-                s.tensors.c.checksum.is_(None),
-            )
-        ).scalar()
+_RULE_WORDS = {
+    "replicated": "replicated (the ranks' values must agree)",
+    "sharded": "sharded (different shards: layout compared; values differ by design)",
+    "partial": "partial (different Partial terms: layout compared; values differ by design)",
+    "missing": "missing on some rank",
+}
+
+
+def _names(names: list[str], verbose: bool, limit: int = 8) -> str:
+    if verbose or len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f", and {len(names) - limit} more (--verbose lists them)"
 
 
 @main.command(short_help="Do the ranks' parameter gradients agree at a step?")
 @click.argument("db")
 @click.argument("run")
 @click.option("--step", type=int, default=None, help="The step to check (default: the last step the run recorded).")
-def ranks(db, run, step):
+@click.option("--verbose", "-v", is_flag=True, help="One line per parameter: its rule and the result.")
+def ranks(db, run, step, verbose):
     """Compare every parameter's final gradient at a step of run RUN (database DB) across ranks: the .grad
-    each rank held when the step's last backward pass returned (after any all-reduce). Bitwise where the
-    record holds checksums, else statistic by statistic. Needs every rank in DB (see `gradstore merge`).
+    each rank held when the step's last backward pass returned (after DDP's all-reduce or FSDP2's
+    reduce-scatter), by the rule its layout calls for. Replicated gradients (plain tensors, DTensor copies
+    along Replicate mesh dimensions) must agree: bitwise where the record holds checksums, else statistic by
+    statistic. Sharded ones (different DTensor shards or Partial terms) differ by design: only their layout
+    is compared. A row missing, skipped or recorded without statistics on either rank is not compared, and
+    counted as such. Needs every rank in DB (see `gradstore merge`).
     """
     with _store(db) as store:
         world = int(store.query("runs", run=run)["world_size"].iloc[0])  # UnknownRun first
@@ -823,34 +822,62 @@ def ranks(db, run, step):
         if len(ranks_at) < 2:
             click.echo(f"only rank {ranks_at[0]} recorded step {step} of run {run!r}: nothing to compare{note}")
             return
-        n_params = len(store.param_grads(run=run, step=step, rank=ranks_at[0]))
-        bad = store.rank_divergence(run, step)
-        unchecked = _count_missing_checksums(store, run, step)
+        table = store.rank_divergence(run, step, all=True)
+        params = list(dict.fromkeys(store.param_grads(run=run, step=step)["param"]))
     rank_list = ", ".join(map(str, ranks_at))
-    if bad.empty:
-        if unchecked == 0:
-            click.echo(
-                f"ranks agree at step {step}: all {n_params} parameter gradients bitwise equal "
-                f"(ranks {rank_list}){note}"
-            )
-        else:
-            click.echo(
-                f"ranks agree at step {step}: all {n_params} parameter gradients have equal statistics "
-                f"(ranks {rank_list}; no checksums recorded, so not a bitwise comparison){note}"
-            )
-        return
-    params = list(dict.fromkeys(bad["param"]))
-    click.echo(
-        f"ranks differ at step {step}: {len(params)} of {n_params} parameter gradients differ (ranks {rank_list}){note}"
-    )
-    for _, r in bad.iterrows():
+    by_param = {p: table[table["param"] == p] for p in params}
+    verdict, rules = {}, {}
+    for p, rows in by_param.items():
+        results = set(rows["result"])
+        verdict[p] = next((v for v in ("differs", "not compared", "equal", "sharded") if v in results), "sharded")
+        rules[p] = "+".join(sorted(set(rows["rule"]) - {"missing"})) or "missing"
+    differ = [p for p in params if verdict[p] == "differs"]
+    unchecked = [p for p in params if verdict[p] == "not compared"]
+    fine = [p for p in params if verdict[p] in ("equal", "sharded")]
+    bitwise = not (table[table["result"] == "equal"]["compared"] == "statistics").any()
+    n = len(params)
+    if differ:
+        head = f"ranks differ at step {step}: {len(differ)} of {n} parameter gradients differ (ranks {rank_list}){note}"
+    elif unchecked:
+        head = (
+            f"no difference at step {step} among the {len(fine)} of {n} parameter gradients compared; "
+            f"{len(unchecked)} not compared (ranks {rank_list}){note}"
+        )
+    elif set(rules.values()) == {"replicated"}:
+        kind = "bitwise equal" if bitwise else "have equal statistics"
+        extra = "" if bitwise else "; no checksums recorded, so not a bitwise comparison"
+        head = f"ranks agree at step {step}: all {n} parameter gradients {kind} (ranks {rank_list}{extra}){note}"
+    else:
+        head = (
+            f"ranks agree at step {step}: all {n} parameter gradients consistent (ranks {rank_list}): replicated "
+            f"values {'bitwise equal' if bitwise else 'with equal statistics'}, sharded layouts equal{note}"
+        )
+    click.echo(head)
+    if differ or unchecked:
+        click.echo(f"  not compared: {len(unchecked)}")
+    for rule in ("replicated", "sharded", "partial", "missing"):
+        members = [p for p in params if rule in rules[p].split("+")]
+        if members:
+            click.echo(f"  {_RULE_WORDS[rule]}: {len(members)}: {_names(members, verbose)}")
+    for _, r in table[table["result"] == "differs"].iterrows():
         a, b = f"rank {int(r['rank_a'])}", f"rank {int(r['rank_b'])}"
-        click.echo(f"  {r['param']}: {b} differs from {a}: {_difference_words(r, a, b)}")
-    first_b = int(bad["rank_b"].iloc[0])
-    click.echo(
-        f"Node by node (each rank's local gradients, before any all-reduce): gradstore diff {db} {run} {run} "
-        f"--step-a {step} --rank-a {int(bad['rank_a'].iloc[0])} --rank-b {first_b}"
-    )
+        how = "" if r["rule"] == "replicated" else f" ({r['rule']}: layouts differ)"
+        click.echo(f"  {r['param']}: {b} differs from {a}{how}: {_difference_words(r, a, b)}")
+    shown = table[table["result"] == "not compared"]
+    for _, r in shown.iloc[: None if verbose else 20].iterrows():
+        click.echo(f"  {r['param']}: rank {int(r['rank_b'])} vs rank {int(r['rank_a'])} not compared: {r['reason']}")
+    if not verbose and len(shown) > 20:
+        click.echo(f"  ... and {len(shown) - 20} more not compared (--verbose lists them)")
+    if verbose:
+        for p in params:
+            click.echo(f"  {p}: {rules[p]}: {verdict[p]}")
+    replicated_differ = table[(table["result"] == "differs") & (table["rule"] == "replicated")]
+    if not replicated_differ.empty:
+        r = replicated_differ.iloc[0]
+        click.echo(
+            f"Node by node (each rank's local gradients, before any all-reduce): gradstore diff {db} {run} {run} "
+            f"--step-a {step} --rank-a {int(r['rank_a'])} --rank-b {int(r['rank_b'])}"
+        )
 
 
 @main.command(short_help="Join per-rank or per-machine databases into one.")

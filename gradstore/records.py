@@ -84,12 +84,43 @@ class NodeInfo:
     frame: str | None = None  # 'file:line in function' of the user code that created it (record(frames=True))
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How a DTensor gradient is laid out over the device mesh, seen from this rank (host metadata only).
+
+    placements: one per mesh dimension, as torch prints them: '(Shard(dim=0), Replicate())',
+        '(_StridedShard(dim=0, sf=2), Shard(dim=0))', '(Partial(sum),)';
+    mesh_shape: the mesh's size per dimension ('2,2'); mesh_dims: its dimension names ('dp,tp'), None unnamed;
+    coordinate: this rank's position on the mesh ('0,1'), None when the rank is not in the mesh;
+    global_shape, global_numel: the whole tensor's sizes ('8,4') and element count (the row's own shape and
+    numel are the local shard's); global_offset: the global index of the shard's first element ('4,0');
+    shard, replica, partial: the rank's coordinate folded (mixed radix, mesh order) over the mesh dimensions
+    that are Shard (or _StridedShard), Replicate and Partial: ranks with equal (shard, partial) hold the same
+    region, and replica 0 is the copy that global statistics count; partials: how many Partial contributions
+    each element has (the product of the Partial dimensions' sizes; 1 without Partial). None where the rank
+    is not in the mesh.
+    """
+
+    placements: str
+    mesh_shape: str
+    mesh_dims: str | None
+    coordinate: str | None
+    global_shape: str
+    global_numel: int
+    global_offset: str | None
+    shard: int | None
+    replica: int | None
+    partial: int | None
+    partials: int
+
+
 @dataclass
 class PassRecord:
     """Everything recorded about one pass, as plain data for the writer.
 
     calls: (node key, seq, start seconds since pass start, duration seconds or None);
-    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS);
+    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS, sharding: a
+    `Sharding` for a DTensor's local shard, else None);
     edges: (src key, src slot, dst key, dst slot).
     At the end of a pass, calls, tensors and edges are `gradstore.recording.rows.LazyRows`: their length is
     known at once, the tuples are built on first read (by the writer, on its thread). Any of them may be

@@ -1,5 +1,5 @@
 -- title: Diff of two runs, steps or ranks, node by node
--- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one, '' when none do, missing for a row of one side only. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls); rows only in b come last in b's order.
+-- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do, missing for a row of one side only, not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls); rows only in b come last in b's order.
 -- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
 -- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
@@ -93,6 +93,10 @@ SELECT ra.name AS run_a,
        pr.occurrence,
        CASE WHEN ta.id IS NULL THEN 'b' WHEN tb.id IS NULL THEN 'a' ELSE 'both' END AS side,
        CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN 'missing'
+        WHEN ta.status = 2 OR tb.status = 2 OR (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
+                  AND (ta.checksum IS NULL OR tb.checksum IS NULL))
+             THEN COALESCE(NULLIF(RTRIM(CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
+             || CASE WHEN COALESCE(ta.shape <> tb.shape, ta.shape IS NOT NULL OR tb.shape IS NOT NULL) THEN 'shape,' ELSE '' END, ','), ''), 'not compared')
         ELSE RTRIM(CASE WHEN COALESCE(ta.status <> tb.status, ta.status IS NOT NULL OR tb.status IS NOT NULL) THEN 'status,' ELSE '' END
              || CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
              || CASE WHEN COALESCE(ta.shape <> tb.shape, ta.shape IS NOT NULL OR tb.shape IS NOT NULL) THEN 'shape,' ELSE '' END
@@ -143,7 +147,14 @@ SELECT ra.name AS run_a,
        ta.zeros AS zeros_a,
        tb.zeros AS zeros_b,
        ta.checksum AS checksum_a,
-       tb.checksum AS checksum_b
+       tb.checksum AS checksum_b,
+       CASE WHEN ta.id IS NULL THEN 'only in side b' WHEN tb.id IS NULL THEN 'only in side a'
+            WHEN ta.status = 2 THEN 'skipped on side a: ' || COALESCE(ta.reason, 'no reason recorded')
+            WHEN tb.status = 2 THEN 'skipped on side b: ' || COALESCE(tb.reason, 'no reason recorded')
+            WHEN (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
+                  AND (ta.checksum IS NULL OR tb.checksum IS NULL))
+                 THEN 'no statistics on side ' || CASE WHEN ta.norm IS NULL THEN 'a' ELSE 'b' END
+                      || ' (recorded at stats=''shape''): only dtype and shape compared' END AS reason
 FROM pairs pr
 LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.node_id = pr.a_nid AND ta.id = pr.a_tid
 LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.node_id = pr.b_nid AND tb.id = pr.b_tid

@@ -1,5 +1,5 @@
 -- title: First divergence between two runs, steps or ranks
--- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only). Empty when the sides agree.
+-- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs.
 -- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
 -- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
@@ -99,6 +99,10 @@ WITH prm AS (  -- a NULL side takes the other side's value
            pr.occurrence,
            CASE WHEN ta.id IS NULL THEN 'b' WHEN tb.id IS NULL THEN 'a' ELSE 'both' END AS side,
            CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN 'missing'
+            WHEN ta.status = 2 OR tb.status = 2 OR (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
+                  AND (ta.checksum IS NULL OR tb.checksum IS NULL))
+                 THEN COALESCE(NULLIF(RTRIM(CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
+             || CASE WHEN COALESCE(ta.shape <> tb.shape, ta.shape IS NOT NULL OR tb.shape IS NOT NULL) THEN 'shape,' ELSE '' END, ','), ''), 'not compared')
             ELSE RTRIM(CASE WHEN COALESCE(ta.status <> tb.status, ta.status IS NOT NULL OR tb.status IS NOT NULL) THEN 'status,' ELSE '' END
                  || CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
                  || CASE WHEN COALESCE(ta.shape <> tb.shape, ta.shape IS NOT NULL OR tb.shape IS NOT NULL) THEN 'shape,' ELSE '' END
@@ -150,6 +154,13 @@ WITH prm AS (  -- a NULL side takes the other side's value
            tb.zeros AS zeros_b,
            ta.checksum AS checksum_a,
            tb.checksum AS checksum_b,
+           CASE WHEN ta.id IS NULL THEN 'only in side b' WHEN tb.id IS NULL THEN 'only in side a'
+            WHEN ta.status = 2 THEN 'skipped on side a: ' || COALESCE(ta.reason, 'no reason recorded')
+            WHEN tb.status = 2 THEN 'skipped on side b: ' || COALESCE(tb.reason, 'no reason recorded')
+            WHEN (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
+                  AND (ta.checksum IS NULL OR tb.checksum IS NULL))
+                 THEN 'no statistics on side ' || CASE WHEN ta.norm IS NULL THEN 'a' ELSE 'b' END
+                      || ' (recorded at stats=''shape''): only dtype and shape compared' END AS reason,
            CASE WHEN prm.run_a IS NULL THEN COALESCE(sa.run_id, sb.run_id) ELSE 0 END AS o_run,
            CASE WHEN prm.rank_a IS NULL THEN COALESCE(sa.rank, sb.rank) ELSE 0 END AS o_rank,
            CASE WHEN prm.step_a IS NULL THEN COALESCE(sa.step, sb.step) ELSE 0 END AS o_step, CASE WHEN ta.id IS NULL THEN 1 ELSE 0 END AS o_b_only,
@@ -179,7 +190,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
            DENSE_RANK() OVER (PARTITION BY o_run, o_rank
                               ORDER BY o_step, o_b_only, o_seq, o_pass, o_param, key, occurrence) AS nth
     FROM compared
-    WHERE differs <> ''
+    WHERE differs <> '' AND differs <> 'not compared'
 )
 SELECT run_a, run_b, rank_a, rank_b, step_a, step_b, pass_a, pass_b, seq_a, seq_b, key, name, module, param,
        role, slot, occurrence, side, differs, status_a, status_b, dtype_a, dtype_b, shape_a, shape_b, numel_a, numel_b,
@@ -188,7 +199,7 @@ SELECT run_a, run_b, rank_a, rank_b, step_a, step_b, pass_a, pass_b, seq_a, seq_
        max_a, max_b, max_abs, max_rel,
        mean_a, mean_b, mean_abs, mean_rel,
        std_a, std_b, std_abs, std_rel,
-       nan_a, nan_b, posinf_a, posinf_b, neginf_a, neginf_b, zeros_a, zeros_b, checksum_a, checksum_b
+       nan_a, nan_b, posinf_a, posinf_b, neginf_a, neginf_b, zeros_a, zeros_b, checksum_a, checksum_b, reason
 FROM diverged
 WHERE nth = 1
 ORDER BY o_run, o_rank, o_role, slot;

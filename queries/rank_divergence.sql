@@ -1,7 +1,8 @@
--- title: Parameter gradients that differ across ranks
--- description: At each step, every parameter whose final gradient (its param_grad row of the step's last top-level backward pass: .grad after gradient accumulation and, under DDP, after the all-reduce) differs between the lowest rank that recorded the step (rank_a) and another rank (rank_b): one row per parameter and differing rank. Compared by checksum where both ranks have one (compared = checksum: a bitwise comparison), else by every statistic (compared = statistics: status, dtype, shape, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal). differs lists the fields that differ, in that order (missing: the parameter has a param_grad row on one rank only; side says which). Statistics side by side (_a, _b) with absolute and relative differences as in the diff query. Empty when every rank agrees (or only one rank recorded the step).
+-- title: Parameter gradients that differ across ranks, or could not be compared
+-- description: At each step, every parameter's final gradient on each rank (its param_grad row of the step's last top-level backward pass: .grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank that recorded the step has no param_grad row for the parameter (side says which rank has one). result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side: nothing is claimed about its values), equal or sharded (layouts agree; values not compared, by design). Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
 -- param run: run name; NULL for every run
 -- param step: step number; NULL for every step
+-- param all: 1 to list every comparison (the equal and sharded ones too); NULL: only those that differ or were not compared
 WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
     SELECT t.id AS tid, t.step_id AS sid, st.run_id, st.step, st.rank, t.node_id,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
@@ -18,109 +19,187 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
           WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
             AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
-), g AS (
-    SELECT tid, sid, run_id, step, rank, node_id FROM latest_rows WHERE latest = 1
-), ref AS (  -- the reference rank of each step: the lowest that recorded it
-    SELECT st.run_id, st.step, MIN(st.rank) AS rank
+), g AS (  -- the final row of each parameter on each rank, with its layout: which region it holds
+    SELECT l.tid, l.sid, l.run_id, l.step, l.rank, l.node_id,
+           CASE WHEN d.id IS NULL THEN -1 ELSE COALESCE(d.shard, -2) END AS shard,  -- -1: a plain tensor
+           COALESCE(d.partial, 0) AS term,
+           d.placements, d.mesh_shape, d.global_shape, d.global_offset
+    FROM latest_rows l
+    LEFT JOIN dtensors d ON d.id = l.tid
+    WHERE l.latest = 1
+), lowest AS (  -- per parameter: the lowest rank that has a row
+    SELECT run_id, step, node_id, MIN(rank) AS rank FROM g GROUP BY run_id, step, node_id
+), holders AS (  -- per region (shard and Partial term): the lowest rank that holds it
+    SELECT run_id, step, node_id, shard, term, MIN(rank) AS rank FROM g GROUP BY run_id, step, node_id, shard, term
+), recorded AS (  -- the ranks that recorded each step
+    SELECT st.run_id, st.step, st.rank
     FROM steps st JOIN runs r ON r.id = st.run_id
     WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
       AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
-    GROUP BY st.run_id, st.step
-), other_ranks AS (  -- every other rank that recorded the step
-    SELECT st.run_id, st.step, ref.rank AS rank_a, st.rank AS rank_b
-    FROM steps st JOIN ref ON ref.run_id = st.run_id AND ref.step = st.step
-    WHERE st.rank > ref.rank
-), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable)
-    SELECT o.run_id, o.step, o.rank_a, o.rank_b, ga.node_id, ga.sid AS a_sid, ga.tid AS a_tid, gb.sid AS b_sid, gb.tid AS b_tid
-    FROM other_ranks o
-    JOIN g ga ON ga.run_id = o.run_id AND ga.step = o.step AND ga.rank = o.rank_a
-    LEFT JOIN g gb ON gb.run_id = o.run_id AND gb.step = o.step AND gb.rank = o.rank_b AND gb.node_id = ga.node_id
+), pairs AS (
+    -- a copy of a region, against the region's lowest holder: must agree
+    SELECT b.run_id, b.step, b.node_id, h.rank AS rank_a, b.rank AS rank_b, 'replicated' AS rule,
+           a.sid AS a_sid, a.tid AS a_tid, b.sid AS b_sid, b.tid AS b_tid
+    FROM g b
+    JOIN holders h ON h.run_id = b.run_id AND h.step = b.step AND h.node_id = b.node_id
+                  AND h.shard = b.shard AND h.term = b.term AND h.rank < b.rank
+    JOIN g a ON a.run_id = b.run_id AND a.step = b.step AND a.node_id = b.node_id AND a.rank = h.rank
     UNION ALL
-    SELECT o.run_id, o.step, o.rank_a, o.rank_b, gb.node_id, NULL, NULL, gb.sid, gb.tid
-    FROM other_ranks o
-    JOIN g gb ON gb.run_id = o.run_id AND gb.step = o.step AND gb.rank = o.rank_b
-    WHERE NOT EXISTS (SELECT 1 FROM g ga WHERE ga.run_id = o.run_id AND ga.step = o.step AND ga.rank = o.rank_a
-                                           AND ga.node_id = gb.node_id)
-), compared AS (
-    SELECT r.name AS run,
-           pr.step,
-           n.param,
-           n.module,
-           pr.rank_a,
-           pr.rank_b,
-           CASE WHEN ta.id IS NULL THEN 'b' WHEN tb.id IS NULL THEN 'a' ELSE 'both' END AS side,
-           CASE WHEN ta.checksum IS NOT NULL AND tb.checksum IS NOT NULL THEN 'checksum' ELSE 'statistics' END AS compared,
-           CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN 'missing'
-                WHEN ta.checksum IS NOT NULL AND tb.checksum IS NOT NULL THEN
-                 CASE WHEN ta.checksum = tb.checksum THEN ''
-                      ELSE RTRIM('checksum,' || CASE WHEN COALESCE(ta.status <> tb.status, ta.status IS NOT NULL OR tb.status IS NOT NULL) THEN 'status,' ELSE '' END
-             || CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
-             || CASE WHEN COALESCE(ta.shape <> tb.shape, ta.shape IS NOT NULL OR tb.shape IS NOT NULL) THEN 'shape,' ELSE '' END
-             || CASE WHEN COALESCE(ta.nan <> tb.nan, ta.nan IS NOT NULL OR tb.nan IS NOT NULL) THEN 'nan,' ELSE '' END
-             || CASE WHEN COALESCE(ta.posinf <> tb.posinf, ta.posinf IS NOT NULL OR tb.posinf IS NOT NULL) THEN 'posinf,' ELSE '' END
-             || CASE WHEN COALESCE(ta.neginf <> tb.neginf, ta.neginf IS NOT NULL OR tb.neginf IS NOT NULL) THEN 'neginf,' ELSE '' END
-             || CASE WHEN COALESCE(ta.norm <> tb.norm, ta.norm IS NOT NULL OR tb.norm IS NOT NULL) THEN 'norm,' ELSE '' END
-             || CASE WHEN COALESCE(ta.min <> tb.min, ta.min IS NOT NULL OR tb.min IS NOT NULL) THEN 'min,' ELSE '' END
-             || CASE WHEN COALESCE(ta.max <> tb.max, ta.max IS NOT NULL OR tb.max IS NOT NULL) THEN 'max,' ELSE '' END
-             || CASE WHEN COALESCE(ta.mean <> tb.mean, ta.mean IS NOT NULL OR tb.mean IS NOT NULL) THEN 'mean,' ELSE '' END
-             || CASE WHEN COALESCE(ta.std <> tb.std, ta.std IS NOT NULL OR tb.std IS NOT NULL) THEN 'std,' ELSE '' END
-             || CASE WHEN COALESCE(ta.zeros <> tb.zeros, ta.zeros IS NOT NULL OR tb.zeros IS NOT NULL) THEN 'zeros,' ELSE '' END, ',') END
-                ELSE RTRIM(CASE WHEN COALESCE(ta.status <> tb.status, ta.status IS NOT NULL OR tb.status IS NOT NULL) THEN 'status,' ELSE '' END
-             || CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
-             || CASE WHEN COALESCE(ta.shape <> tb.shape, ta.shape IS NOT NULL OR tb.shape IS NOT NULL) THEN 'shape,' ELSE '' END
-             || CASE WHEN COALESCE(ta.nan <> tb.nan, ta.nan IS NOT NULL OR tb.nan IS NOT NULL) THEN 'nan,' ELSE '' END
-             || CASE WHEN COALESCE(ta.posinf <> tb.posinf, ta.posinf IS NOT NULL OR tb.posinf IS NOT NULL) THEN 'posinf,' ELSE '' END
-             || CASE WHEN COALESCE(ta.neginf <> tb.neginf, ta.neginf IS NOT NULL OR tb.neginf IS NOT NULL) THEN 'neginf,' ELSE '' END
-             || CASE WHEN COALESCE(ta.norm <> tb.norm, ta.norm IS NOT NULL OR tb.norm IS NOT NULL) THEN 'norm,' ELSE '' END
-             || CASE WHEN COALESCE(ta.min <> tb.min, ta.min IS NOT NULL OR tb.min IS NOT NULL) THEN 'min,' ELSE '' END
-             || CASE WHEN COALESCE(ta.max <> tb.max, ta.max IS NOT NULL OR tb.max IS NOT NULL) THEN 'max,' ELSE '' END
-             || CASE WHEN COALESCE(ta.mean <> tb.mean, ta.mean IS NOT NULL OR tb.mean IS NOT NULL) THEN 'mean,' ELSE '' END
-             || CASE WHEN COALESCE(ta.std <> tb.std, ta.std IS NOT NULL OR tb.std IS NOT NULL) THEN 'std,' ELSE '' END
-             || CASE WHEN COALESCE(ta.zeros <> tb.zeros, ta.zeros IS NOT NULL OR tb.zeros IS NOT NULL) THEN 'zeros,' ELSE '' END, ',') END AS differs,
-           sua.name AS status_a,
-           sub.name AS status_b,
-           ta.shape AS shape_a,
-           tb.shape AS shape_b,
-           ta.norm AS norm_a,
-           tb.norm AS norm_b,
-           ABS(ta.norm - tb.norm) AS norm_abs,
-           CASE WHEN ta.norm = tb.norm THEN 0.0 ELSE ABS(ta.norm - tb.norm) / (CASE WHEN ABS(ta.norm) >= ABS(tb.norm) THEN ABS(ta.norm) ELSE ABS(tb.norm) END) END AS norm_rel,
-           ta.min AS min_a,
-           tb.min AS min_b,
-           ABS(ta.min - tb.min) AS min_abs,
-           CASE WHEN ta.min = tb.min THEN 0.0 ELSE ABS(ta.min - tb.min) / (CASE WHEN ABS(ta.min) >= ABS(tb.min) THEN ABS(ta.min) ELSE ABS(tb.min) END) END AS min_rel,
-           ta.max AS max_a,
-           tb.max AS max_b,
-           ABS(ta.max - tb.max) AS max_abs,
-           CASE WHEN ta.max = tb.max THEN 0.0 ELSE ABS(ta.max - tb.max) / (CASE WHEN ABS(ta.max) >= ABS(tb.max) THEN ABS(ta.max) ELSE ABS(tb.max) END) END AS max_rel,
-           ta.mean AS mean_a,
-           tb.mean AS mean_b,
-           ABS(ta.mean - tb.mean) AS mean_abs,
-           CASE WHEN ta.mean = tb.mean THEN 0.0 ELSE ABS(ta.mean - tb.mean) / (CASE WHEN ABS(ta.mean) >= ABS(tb.mean) THEN ABS(ta.mean) ELSE ABS(tb.mean) END) END AS mean_rel,
-           ta.std AS std_a,
-           tb.std AS std_b,
-           ABS(ta.std - tb.std) AS std_abs,
-           CASE WHEN ta.std = tb.std THEN 0.0 ELSE ABS(ta.std - tb.std) / (CASE WHEN ABS(ta.std) >= ABS(tb.std) THEN ABS(ta.std) ELSE ABS(tb.std) END) END AS std_rel,
-           ta.nan AS nan_a,
-           tb.nan AS nan_b,
-           ta.posinf AS posinf_a,
-           tb.posinf AS posinf_b,
-           ta.neginf AS neginf_a,
-           tb.neginf AS neginf_b,
-           ta.zeros AS zeros_a,
-           tb.zeros AS zeros_b,
-           ta.checksum AS checksum_a,
-           tb.checksum AS checksum_b,
-           pr.run_id AS o_run, pr.node_id AS o_node
+    -- another region's lowest holder, against the parameter's lowest rank: different values by design
+    SELECT b.run_id, b.step, b.node_id, lo.rank, b.rank,
+           CASE WHEN a.shard <> b.shard OR a.shard < 0 OR b.shard < 0 THEN 'sharded' ELSE 'partial' END,
+           a.sid, a.tid, b.sid, b.tid
+    FROM g b
+    JOIN holders h ON h.run_id = b.run_id AND h.step = b.step AND h.node_id = b.node_id
+                  AND h.shard = b.shard AND h.term = b.term AND h.rank = b.rank
+    JOIN lowest lo ON lo.run_id = b.run_id AND lo.step = b.step AND lo.node_id = b.node_id AND lo.rank < b.rank
+    JOIN g a ON a.run_id = b.run_id AND a.step = b.step AND a.node_id = b.node_id AND a.rank = lo.rank
+    UNION ALL
+    -- a rank that recorded the step without a row for the parameter
+    SELECT lo.run_id, lo.step, lo.node_id,
+           CASE WHEN rc.rank < lo.rank THEN rc.rank ELSE lo.rank END,
+           CASE WHEN rc.rank < lo.rank THEN lo.rank ELSE rc.rank END,
+           'missing',
+           CASE WHEN rc.rank < lo.rank THEN NULL ELSE a.sid END, CASE WHEN rc.rank < lo.rank THEN NULL ELSE a.tid END,
+           CASE WHEN rc.rank < lo.rank THEN a.sid ELSE NULL END, CASE WHEN rc.rank < lo.rank THEN a.tid ELSE NULL END
+    FROM lowest lo
+    JOIN recorded rc ON rc.run_id = lo.run_id AND rc.step = lo.step
+    JOIN g a ON a.run_id = lo.run_id AND a.step = lo.step AND a.node_id = lo.node_id AND a.rank = lo.rank
+    WHERE NOT EXISTS (SELECT 1 FROM g x WHERE x.run_id = lo.run_id AND x.step = lo.step AND x.node_id = lo.node_id
+                                          AND x.rank = rc.rank)
+), sides AS (
+    SELECT pr.*, ta.id AS ida, tb.id AS idb,
+           ta.status AS sa, tb.status AS sb, ta.reason AS reason_a, tb.reason AS reason_b,
+           ta.dtype AS dtype_a, tb.dtype AS dtype_b, ta.shape AS shape_a, tb.shape AS shape_b,
+           ta.norm AS norm_a, tb.norm AS norm_b, ta.min AS min_a, tb.min AS min_b, ta.max AS max_a, tb.max AS max_b,
+           ta.mean AS mean_a, tb.mean AS mean_b, ta.std AS std_a, tb.std AS std_b,
+           ta.nan AS nan_a, tb.nan AS nan_b, ta.posinf AS posinf_a, tb.posinf AS posinf_b,
+           ta.neginf AS neginf_a, tb.neginf AS neginf_b, ta.zeros AS zeros_a, tb.zeros AS zeros_b,
+           ta.checksum AS checksum_a, tb.checksum AS checksum_b,
+           da.placements AS placements_a, db.placements AS placements_b,
+           da.mesh_shape AS mesh_a, db.mesh_shape AS mesh_b, da.global_shape AS global_shape_a,
+           db.global_shape AS global_shape_b, da.global_offset AS offset_a, db.global_offset AS offset_b
     FROM pairs pr
-    JOIN runs r ON r.id = pr.run_id
-    JOIN nodes n ON n.id = pr.node_id
     LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.node_id = pr.node_id AND ta.id = pr.a_tid
     LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.node_id = pr.node_id AND tb.id = pr.b_tid
-    LEFT JOIN statuses sua ON sua.id = ta.status
-    LEFT JOIN statuses sub ON sub.id = tb.status
+    LEFT JOIN dtensors da ON da.id = pr.a_tid
+    LEFT JOIN dtensors db ON db.id = pr.b_tid
+), fields AS (  -- what differs: the layout (every rule), then the values (rule replicated)
+    SELECT sides.*,
+           CASE WHEN COALESCE(sa <> sb, sa IS NOT NULL OR sb IS NOT NULL) THEN 'status,' ELSE '' END
+           || CASE WHEN COALESCE(dtype_a <> dtype_b, dtype_a IS NOT NULL OR dtype_b IS NOT NULL) THEN 'dtype,' ELSE '' END
+           || CASE WHEN COALESCE(placements_a <> placements_b, placements_a IS NOT NULL OR placements_b IS NOT NULL) THEN 'placements,' ELSE '' END
+           || CASE WHEN COALESCE(mesh_a <> mesh_b, mesh_a IS NOT NULL OR mesh_b IS NOT NULL) THEN 'mesh_shape,' ELSE '' END
+           || CASE WHEN COALESCE(global_shape_a <> global_shape_b, global_shape_a IS NOT NULL OR global_shape_b IS NOT NULL) THEN 'global_shape,' ELSE '' END
+           AS layout_diff,
+           CASE WHEN COALESCE(shape_a <> shape_b, shape_a IS NOT NULL OR shape_b IS NOT NULL) THEN 'shape,' ELSE '' END
+           || CASE WHEN COALESCE(nan_a <> nan_b, nan_a IS NOT NULL OR nan_b IS NOT NULL) THEN 'nan,' ELSE '' END
+           || CASE WHEN COALESCE(posinf_a <> posinf_b, posinf_a IS NOT NULL OR posinf_b IS NOT NULL) THEN 'posinf,' ELSE '' END
+           || CASE WHEN COALESCE(neginf_a <> neginf_b, neginf_a IS NOT NULL OR neginf_b IS NOT NULL) THEN 'neginf,' ELSE '' END
+           || CASE WHEN COALESCE(norm_a <> norm_b, norm_a IS NOT NULL OR norm_b IS NOT NULL) THEN 'norm,' ELSE '' END
+           || CASE WHEN COALESCE(min_a <> min_b, min_a IS NOT NULL OR min_b IS NOT NULL) THEN 'min,' ELSE '' END
+           || CASE WHEN COALESCE(max_a <> max_b, max_a IS NOT NULL OR max_b IS NOT NULL) THEN 'max,' ELSE '' END
+           || CASE WHEN COALESCE(mean_a <> mean_b, mean_a IS NOT NULL OR mean_b IS NOT NULL) THEN 'mean,' ELSE '' END
+           || CASE WHEN COALESCE(std_a <> std_b, std_a IS NOT NULL OR std_b IS NOT NULL) THEN 'std,' ELSE '' END
+           || CASE WHEN COALESCE(zeros_a <> zeros_b, zeros_a IS NOT NULL OR zeros_b IS NOT NULL) THEN 'zeros,' ELSE '' END
+           AS value_diff,
+           CASE WHEN ida IS NULL OR idb IS NULL THEN 'missing'
+                WHEN sa = 2 OR sb = 2 THEN 'skipped'
+                WHEN rule <> 'replicated' THEN 'layout'
+                WHEN sa = 1 AND sb = 1 THEN 'status'
+                WHEN sa <> sb THEN 'status'
+                WHEN checksum_a IS NOT NULL AND checksum_b IS NOT NULL THEN 'checksum'
+                WHEN norm_a IS NOT NULL AND norm_b IS NOT NULL THEN 'statistics'
+                ELSE 'unmeasured' END AS how
+    FROM sides
+), judged AS (
+    SELECT fields.*,
+           CASE how WHEN 'missing' THEN 'missing'
+                    WHEN 'skipped' THEN ''
+                    WHEN 'layout' THEN RTRIM(layout_diff, ',')
+                    WHEN 'status' THEN RTRIM(layout_diff, ',')
+                    WHEN 'checksum' THEN
+                         CASE WHEN checksum_a = checksum_b THEN RTRIM(layout_diff, ',')
+                              ELSE RTRIM('checksum,' || layout_diff || value_diff, ',') END
+                    WHEN 'statistics' THEN RTRIM(layout_diff || value_diff, ',')
+                    ELSE RTRIM(layout_diff || CASE WHEN COALESCE(shape_a <> shape_b, FALSE) THEN 'shape,' ELSE '' END, ',')
+           END AS differs
+    FROM fields
+), verdicts AS (
+    SELECT judged.*,
+           CASE WHEN how = 'missing' OR how = 'skipped' THEN 'not compared'
+                WHEN differs <> '' THEN 'differs'
+                WHEN how = 'unmeasured' THEN 'not compared'
+                WHEN how = 'layout' THEN 'sharded'
+                ELSE 'equal' END AS result
+    FROM judged
 )
-SELECT run, step, param, module, rank_a, rank_b, side, compared, differs, status_a, status_b, shape_a, shape_b, norm_a, norm_b, norm_abs, norm_rel, min_a, min_b, min_abs, min_rel, max_a, max_b, max_abs, max_rel, mean_a, mean_b, mean_abs, mean_rel, std_a, std_b, std_abs, std_rel, nan_a, nan_b, posinf_a, posinf_b, neginf_a, neginf_b, zeros_a, zeros_b, checksum_a, checksum_b
-FROM compared
-WHERE differs <> ''
-ORDER BY o_run, step, o_node, rank_b;
+SELECT r.name AS run,
+       v.step,
+       n.param,
+       n.module,
+       v.rank_a,
+       v.rank_b,
+       v.rule,
+       v.result,
+       CASE WHEN v.ida IS NULL THEN 'b' WHEN v.idb IS NULL THEN 'a' ELSE 'both' END AS side,
+       CASE v.how WHEN 'checksum' THEN 'checksum' WHEN 'statistics' THEN 'statistics' WHEN 'status' THEN 'status'
+                  WHEN 'layout' THEN 'layout' END AS compared,
+       v.differs,
+       CASE WHEN v.how = 'missing' THEN 'no param_grad row on rank '
+                 || CAST(CASE WHEN v.ida IS NULL THEN v.rank_a ELSE v.rank_b END AS TEXT)
+                 || ', which recorded the step (its .grad was not read: a parameter outside its model=, or filtered by params=)'
+            WHEN v.how = 'skipped' THEN 'skipped on rank '
+                 || CAST(CASE WHEN v.sa = 2 THEN v.rank_a ELSE v.rank_b END AS TEXT) || ': '
+                 || COALESCE(CASE WHEN v.sa = 2 THEN v.reason_a ELSE v.reason_b END, 'no reason recorded')
+            WHEN v.result = 'not compared' THEN 'recorded without statistics (stats=''shape''): only status, dtype and shape compared'
+            WHEN v.how = 'status' AND v.result = 'equal' THEN '.grad is None on both ranks'
+            WHEN v.how = 'layout' AND v.result = 'sharded' AND v.rule = 'sharded'
+                 THEN 'different shards (offsets ' || COALESCE(v.offset_a, '?') || ' and ' || COALESCE(v.offset_b, '?')
+                      || '): values differ by design and are not compared; status, dtype, placements, mesh and global shape agree'
+            WHEN v.how = 'layout' AND v.result = 'sharded'
+                 THEN 'different Partial terms of the same region: values differ by design and are not compared; status, dtype, placements, mesh and global shape agree'
+       END AS reason,
+       sua.name AS status_a,
+       sub.name AS status_b,
+       v.placements_a,
+       v.placements_b,
+       v.shape_a,
+       v.shape_b,
+       v.norm_a,
+       v.norm_b,
+       ABS(v.norm_a - v.norm_b) AS norm_abs,
+       CASE WHEN v.norm_a = v.norm_b THEN 0.0 ELSE ABS(v.norm_a - v.norm_b) / (CASE WHEN ABS(v.norm_a) >= ABS(v.norm_b) THEN ABS(v.norm_a) ELSE ABS(v.norm_b) END) END AS norm_rel,
+       v.min_a,
+       v.min_b,
+       ABS(v.min_a - v.min_b) AS min_abs,
+       CASE WHEN v.min_a = v.min_b THEN 0.0 ELSE ABS(v.min_a - v.min_b) / (CASE WHEN ABS(v.min_a) >= ABS(v.min_b) THEN ABS(v.min_a) ELSE ABS(v.min_b) END) END AS min_rel,
+       v.max_a,
+       v.max_b,
+       ABS(v.max_a - v.max_b) AS max_abs,
+       CASE WHEN v.max_a = v.max_b THEN 0.0 ELSE ABS(v.max_a - v.max_b) / (CASE WHEN ABS(v.max_a) >= ABS(v.max_b) THEN ABS(v.max_a) ELSE ABS(v.max_b) END) END AS max_rel,
+       v.mean_a,
+       v.mean_b,
+       ABS(v.mean_a - v.mean_b) AS mean_abs,
+       CASE WHEN v.mean_a = v.mean_b THEN 0.0 ELSE ABS(v.mean_a - v.mean_b) / (CASE WHEN ABS(v.mean_a) >= ABS(v.mean_b) THEN ABS(v.mean_a) ELSE ABS(v.mean_b) END) END AS mean_rel,
+       v.std_a,
+       v.std_b,
+       ABS(v.std_a - v.std_b) AS std_abs,
+       CASE WHEN v.std_a = v.std_b THEN 0.0 ELSE ABS(v.std_a - v.std_b) / (CASE WHEN ABS(v.std_a) >= ABS(v.std_b) THEN ABS(v.std_a) ELSE ABS(v.std_b) END) END AS std_rel,
+       v.nan_a,
+       v.nan_b,
+       v.posinf_a,
+       v.posinf_b,
+       v.neginf_a,
+       v.neginf_b,
+       v.zeros_a,
+       v.zeros_b,
+       v.checksum_a,
+       v.checksum_b
+FROM verdicts v
+JOIN runs r ON r.id = v.run_id
+JOIN nodes n ON n.id = v.node_id
+LEFT JOIN statuses sua ON sua.id = v.sa
+LEFT JOIN statuses sub ON sub.id = v.sb
+WHERE v.result IN ('differs', 'not compared') OR CAST(:all AS INTEGER) = 1
+ORDER BY v.run_id, v.step, v.node_id, v.rank_b, v.rank_a;

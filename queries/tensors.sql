@@ -1,5 +1,5 @@
 -- title: Tensors
--- description: Statistics of every gradient: grad_output (into a node) and grad_input (out of a node) per call and slot, param_grad (a parameter's .grad when its top-level backward pass returned). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; status none is a None slot, skipped has a reason.
+-- description: Statistics of every gradient: grad_output (into a node) and grad_input (out of a node) per call and slot, param_grad (a parameter's .grad when its top-level backward pass returned). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; status none is a None slot, skipped has a reason. A DTensor's row describes its local shard (dtype, shape, numel and statistics are this rank's elements) and gives its layout: placements (per mesh dimension, as torch prints them), mesh_shape, mesh_dims, coordinate (this rank's on the mesh), global_shape and offset (the global index of the shard's first element); NULL for a plain tensor.
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
 -- param step: step number; NULL for every step
@@ -7,7 +7,8 @@
 -- param module: qualified module name; the module and its submodules; NULL for all
 SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.param,
        ro.name AS role, t.slot, su.name AS status, t.reason, d.name AS dtype, t.shape, t.numel,
-       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros
+       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros,
+       dt.placements, dt.mesh_shape, dt.mesh_dims, dt.coordinate, dt.global_shape, dt.global_offset
 FROM tensors t
 JOIN steps st ON st.id = t.step_id
 JOIN runs r ON r.id = st.run_id
@@ -17,6 +18,7 @@ JOIN statuses su ON su.id = t.status
 LEFT JOIN dtypes d ON d.id = t.dtype
 LEFT JOIN passes p ON p.id = t.pass_id
 LEFT JOIN calls c ON c.id = t.call_id
+LEFT JOIN dtensors dt ON dt.id = t.id
 WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
   AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
   AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))

@@ -36,8 +36,8 @@ def _migrate(db, revision: str, down: bool = False) -> None:
 
 def test_new_database_is_created_at_head_by_alembic(db):
     before, after = database.upgrade(db)
-    assert (before, after) == (None, "0003")
-    assert _revision(db) == "0003"
+    assert (before, after) == (None, database.head_revision())
+    assert _revision(db) == database.head_revision()
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         roles = [r[0] for r in conn.execute("SELECT name FROM roles ORDER BY id")]
@@ -52,9 +52,11 @@ def test_new_database_is_created_at_head_by_alembic(db):
         "tensor_data",
         "tensor_notes",
         "layouts",
+        "shardings",
+        "tensor_shardings",
         "alembic_version",
     } <= tables
-    assert views == {"tensors", "calls"}
+    assert views == {"tensors", "calls", "dtensors"}
     assert roles == ["grad_output", "grad_input", "param_grad", "saved"]
 
 
@@ -89,7 +91,7 @@ def test_database_at_base_revision_is_upgraded_on_record(db):
 
     with gradstore.record("r", db=db):
         torch.ones(2, requires_grad=True).sum().backward()
-    assert _revision(db) == database.head_revision() == "0003"
+    assert _revision(db) == database.head_revision()
 
 
 def test_newer_revision_is_refused_with_upgrade_advice(db):
@@ -221,7 +223,7 @@ def test_upgrade_0001_to_head_on_postgresql_keeps_every_tensor_and_call_value(pg
     before = _rows_0001(ASSETS / "rev0001.db")
     calls_before = _calls(ASSETS / "rev0001.db")
     _load_0001_into_postgresql(pg_url)
-    assert database.upgrade(pg_url) == ("0001", "0003")
+    assert database.upgrade(pg_url) == ("0001", database.head_revision())
     engine = database.make_engine(pg_url)
     with engine.connect() as conn:
         after = [tuple(r) for r in conn.execute(text(f"SELECT {_TENSOR_COLUMNS} FROM tensors ORDER BY id"))]
@@ -340,7 +342,7 @@ def test_upgrade_0002_to_0003_keeps_every_call_value(tmp_path):
         conn.execute("UPDATE calls SET duration = NULL WHERE id = 3")  # a call whose hook never fired
     before, tensors = _calls(path), _rows_0001(path)
     assert len(before) == 20 and len({r[1] for r in before}) == 2 and [r[6] for r in before].count(None) == 1
-    assert database.upgrade(path) == ("0002", "0003")
+    _migrate(path, "0003")
     after = _calls(path)
     assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in _ns_rounded(before)]
     assert any(repr(a[5]) != repr(b[5]) for a, b in zip(after, before))  # the unit did change
@@ -394,7 +396,7 @@ def test_downgrade_0003_to_0002_restores_the_calls_table(tmp_path):
     assert ("calls", "call_id") in fks and not {"first_call", "last_call"} & pass_columns
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in view]  # bit for bit
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors]
-    assert database.upgrade(path) == ("0002", "0003")  # and up again: the same nanoseconds
+    _migrate(path, "0003")  # and up again: the same nanoseconds
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in view]
 
 
@@ -403,4 +405,79 @@ def test_views_are_the_runtime_definitions(db):
     database.upgrade(db)
     with sqlite3.connect(db) as conn:
         views = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'view'"))
-    assert views == {"calls": schema.CALLS_VIEW, "tensors": schema.TENSORS_VIEW}
+    assert views == {"calls": schema.CALLS_VIEW, "tensors": schema.TENSORS_VIEW, "dtensors": schema.DTENSORS_VIEW}
+
+
+# ---- revision 0004_dtensor: DTensor layouts ------------------------------------------------------------------
+def _record_dtensor_in_a_child(path: str) -> list:
+    """Record one pass over a 1-rank DTensor (a forked gloo process group of one), into `path`; the gradient's
+    local shape, global shape and placements as plain torch gives them."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _procs import run_distributed
+
+    def work(rank, path):
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1,))
+        w = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)]).requires_grad_()
+        with gradstore.record("dtensor-run", db=path):
+            (w * 2).sum().backward()
+        return [tuple(w.grad.to_local().shape), tuple(w.grad.shape), repr(tuple(w.grad.placements))]
+
+    return run_distributed(work, path, world_size=1)
+
+
+def test_upgrade_0003_to_0004_adds_the_dtensor_layouts_and_keeps_every_value(tmp_path):
+    """The committed revision-0003 file (tests/assets/rev0003.db): upgraded, every tensor and call reads back
+    bit for bit, the two new tables are empty and the dtensors view exists; a DTensor recorded afterwards gets
+    its layout; down to 0003 again the tables go and nothing else changes."""
+    path = tmp_path / "rev3.db"
+    shutil.copy(ASSETS / "rev0003.db", path)
+    assert _revision(path) == "0003"
+    tensors, calls = _rows_0001(path), _calls(path)
+    assert len(tensors) > 20 and any(r[21] is not None for r in tensors)
+    _migrate(path, "0004_dtensor")
+    assert _revision(path) == "0004_dtensor"
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors]
+    assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in calls]
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT COUNT(*) FROM shardings").fetchone() == (0,)
+        assert conn.execute("SELECT COUNT(*) FROM tensor_shardings").fetchone() == (0,)
+        views = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'view'"))
+    assert views["dtensors"] == schema.DTENSORS_VIEW
+    ((local_shape, global_shape, placements),) = _record_dtensor_in_a_child(str(path))
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute(
+            "SELECT t.role, t.shape, d.placements, d.mesh_shape, d.global_shape, d.global_numel, d.global_offset, "
+            "d.coordinate, d.shard, d.replica, d.partial, d.partials FROM tensors t "
+            "JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id "
+            "JOIN nodes n ON n.id = t.node_id JOIN dtensors d ON d.id = t.id "
+            "WHERE r.name = 'dtensor-run' AND n.name = 'AccumulateGrad'"
+        ).fetchall()
+    assert rows == [
+        (
+            0,
+            ",".join(map(str, local_shape)),
+            placements,
+            "1",
+            ",".join(map(str, global_shape)),
+            6,
+            "0,0",
+            "0",
+            0,
+            0,
+            0,
+            1,
+        )
+    ]
+    _migrate(path, "0003", down=True)
+    assert _revision(path) == "0003"
+    with sqlite3.connect(path) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
+    assert not {"shardings", "tensor_shardings", "dtensors"} & tables
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)][: len(tensors)] == [tuple(map(repr, r)) for r in tensors]
+    assert database.upgrade(path) == ("0003", database.head_revision())  # and up again

@@ -53,6 +53,27 @@ def named_parameters(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.
     return out
 
 
+def fsdp_modules(models: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The modules under `models` ((prefix, model) pairs) that FSDP2's `fully_shard` manages and that hold
+    parameters of their own (gradstore.recording.torch_private.fsdp_parameters), in `modules()` order."""
+    found, seen = [], set()
+    for _prefix, model in models:
+        for mod in unwrap(model).modules():
+            if id(mod) not in seen and hasattr(mod, "_get_fsdp_state"):  # an FSDPModule (torch.distributed.fsdp)
+                seen.add(id(mod))
+                if tp.fsdp_parameters(mod):
+                    found.append(mod)
+    return found
+
+
+def fsdp_aliases(modules: list[nn.Module]) -> list[tuple]:
+    """(sharded parameter, unsharded parameter) of every FSDP2 parameter of `modules` whose unsharded parameter
+    exists (from the first forward on). The unsharded one is what the autograd graph's AccumulateGrad node
+    accumulates into; the sharded one is the named parameter whose `.grad` FSDP2 writes. Relies on
+    gradstore.recording.torch_private.fsdp_parameters (private FSDP2 state)."""
+    return [(s, u) for mod in modules for s, u in tp.fsdp_parameters(mod) if u is not None]
+
+
 def _compiling() -> bool:
     """True while torch.compile traces (its compiled graph then runs as one CompiledFunctionBackward node, whose
     owner is the module around the compiled call); `torch.compiler.is_compiling`, False where it is missing."""

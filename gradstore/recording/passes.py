@@ -116,6 +116,9 @@ class PassRecorder:
         frame_of: sequence_nr -> 'file:line in function' or None (record(frames=True)), else None.
         owner_key: `ModuleTracker.signature()` of the tracker behind `owner` (lets `describe` reuse the keys
             of an earlier pass over a graph of the same signature), or None.
+        aliases: (sharded, unsharded) parameter pairs of FSDP2 (gradstore.recording.modules.fsdp_aliases): the
+            graph's AccumulateGrad node of an unsharded parameter is keyed and named by its sharded (named)
+            parameter, whose `.grad` (this rank's shard, a DTensor) is the param_grad row.
     """
 
     def __init__(
@@ -131,9 +134,11 @@ class PassRecorder:
         options: Options,
         frame_of=None,
         owner_key: tuple | None = None,
+        aliases=(),
     ):
         self.step = step
         self.params = params
+        self._sharded_of = {id(u): s for s, u in aliases}  # an unsharded FSDP2 parameter -> its sharded one
         self.options = options
         parent = step.active[-1] if step.active else None
         open_call = step.open_call() if parent else None
@@ -171,6 +176,10 @@ class PassRecorder:
         self.walk = walk(roots)
         self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
+        for sharded, unsharded in aliases:  # FSDP2: both parameters of one name
+            name = param_names.get(id(sharded)) or param_names.get(id(unsharded))
+            if name is not None:
+                param_names[id(sharded)] = param_names[id(unsharded)] = name
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
         self.infos = describe(self.walk, owner, param_names, step.known, parent_scope, owner_key)
         if frame_of is not None:
@@ -316,7 +325,9 @@ class PassRecorder:
                 take_checksum = opts.param_level != "shape" and (
                     opts.checksum if opts.checksum is not None else _world_size() > 1
                 )
+                sharded_of = self._sharded_of
                 for name, p in self.params:
+                    p = sharded_of.get(id(p), p)  # FSDP2 writes .grad to the sharded parameter
                     module = name.rsplit(".", 1)[0] if "." in name else ""
                     if not getattr(p, "requires_grad", False) or not self._wanted(module, name):
                         continue
@@ -344,6 +355,7 @@ class PassRecorder:
                 self.step.active.remove(self)
             self.walk = None
             self._node_of = None
+            self._sharded_of = {}
             self.native = None
             self.measured = []
             self.calls = []

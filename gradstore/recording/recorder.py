@@ -23,7 +23,7 @@ from ..store.writer import writer_for
 from ..version import __version__
 from . import intercept, kernel, native
 from .frames import FrameTracker
-from .modules import ModuleTracker, named_models, named_parameters, qualified_names
+from .modules import ModuleTracker, fsdp_aliases, fsdp_modules, named_models, named_parameters, qualified_names
 from .options import Options
 from .passes import PassRecorder, StepState
 
@@ -141,6 +141,7 @@ class record:
         self._tracker: ModuleTracker | None = None
         self._frames: FrameTracker | None = None
         self._params: list = []
+        self._fsdp: list = []  # the modules FSDP2 (fully_shard) manages, whose parameters the graph sees unsharded
         self._step_started = 0.0
         self._step_number = 0
         self._in_scope = False
@@ -204,6 +205,7 @@ class record:
         _open_scope = self
         models = self.models or models
         self._params = named_parameters(models)
+        self._fsdp = fsdp_modules(models)
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
         self._tracker = ModuleTracker(qualified_names(models))
         self._frames = FrameTracker() if self.options.frames else None
@@ -231,6 +233,7 @@ class record:
             self._tracker.remove()
         self._tracker = None
         self._params = []
+        self._fsdp = []
         self._in_scope = False
         if _open_scope is self:
             _open_scope = None
@@ -315,6 +318,7 @@ class record:
                     self.options,
                     self._frames.owner_frame if self._frames is not None else None,
                     owner_key=self._tracker.signature(),
+                    aliases=fsdp_aliases(self._fsdp) if self._fsdp else (),
                 )
             except Exception as exc:
                 state.fault("start of pass", exc)

@@ -17,6 +17,9 @@ Where the reductions run:
 - Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
   device until `to_rows` copies each device's stack to the host once per pass.
 
+A DTensor (FSDP2, tensor parallelism) is measured on its local shard, as a plain tensor, with its placements,
+mesh, global shape and offset (gradstore.recording.dtensor): host metadata, no collective.
+
 Statistics: norm, min, max, mean, std over the finite elements (std with Bessel's correction, as
 `torch.std`; NULL with fewer than two finite elements); nan, posinf, neginf, zeros exact counts. `health`
 leaves mean, std and zeros NULL; `shape` records dtype, shape and numel only.
@@ -31,8 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..records import DTYPE, STATUS
-from . import kernel
+from ..records import DTYPE, STATUS, Sharding
+from . import dtensor, kernel
+from . import torch_private as tp
 from .checksum import checksum_on_device
 
 LEVELS = ("full", "health", "params", "shape")
@@ -63,6 +67,7 @@ class Measured:
     numel: int | None = None
     vec: tuple | torch.Tensor | None = None
     checksum: int | torch.Tensor | None = None  # `checksum` of the bytes (param_grad rows): int or 0-d int64
+    sharding: Sharding | None = None  # a DTensor's layout; the rest describes its local shard
 
 
 NONE = Measured("none")
@@ -239,7 +244,8 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
     """Measure one gradient at `level` ('full', 'health' or 'shape'); never raises.
 
     Args:
-        t: any tensor (any shape, dtype, device, layout) or None.
+        t: any tensor (any shape, dtype, device, layout) or None. A DTensor is measured on its local shard (this
+            rank's elements: dtype, shape, numel and statistics are the shard's), with its `Sharding`.
         checksum: also take `checksum(t)` (left on the device until `to_rows`); a fault there leaves the
             statistics and stores no checksum.
     Returns:
@@ -264,6 +270,9 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
             if m.numel:
                 m.vec = _reduce(t.detach(), level)
             return m
+        dtensor_type = tp.dtensor_type()
+        if dtensor_type is not None and isinstance(t, dtensor_type):
+            return _measure_dtensor(t, level, checksum)
         shape = _shape(t)
         m = Measured("ok", dtype=dtype_code(t.dtype), shape=shape, numel=t.numel())
         reason = _skip_reason(t)
@@ -284,6 +293,24 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
         if m is None:
             return Measured("skipped", reason=reason)
         return Measured("skipped", reason=reason, dtype=m.dtype, shape=m.shape, numel=m.numel)
+
+
+def _measure_dtensor(t, level: str, checksum: bool) -> Measured:
+    """A DTensor: its local shard measured as any tensor (`measure`), with the DTensor's placements, mesh, global
+    shape and offset (gradstore.recording.dtensor) attached. Host metadata only: no collective, no
+    `full_tensor()`, no host sync. A layout that cannot be read leaves the row skipped (statistics of a shard
+    are misleading without it)."""
+    local = tp.dtensor_local(t)
+    try:
+        layout = dtensor.describe(t)
+    except Exception as exc:
+        reason = f"DTensor layout not readable: {type(exc).__name__}: {exc}"[:500]
+        return Measured("skipped", reason, dtype_code(local.dtype), _shape(local), local.numel())
+    m = measure(local, level, checksum)
+    if m is NONE:
+        return m
+    m.sharding = layout
+    return m
 
 
 def _version(t) -> int | None:
@@ -438,7 +465,8 @@ def _derive(v) -> tuple:
 _NULL_STATS = (None,) * 9
 _EMPTY_STATS = (0.0, None, None, None, None, 0, 0, 0, 0)
 
-# the columns of a row from `to_rows`, in order; NONFINITE_COLUMNS index the nan, posinf, neginf counts
+# the columns of a row from `to_rows`, in order (each is a column of the tensors view), then the row's sharding;
+# NONFINITE_COLUMNS index the nan, posinf, neginf counts
 ROW_COLUMNS = (
     "status",
     "reason",
@@ -457,6 +485,7 @@ ROW_COLUMNS = (
     "checksum",
 )
 NONFINITE_COLUMNS = (10, 11, 12)
+SHARDING_COLUMN = len(ROW_COLUMNS)  # a row's last item: the `Sharding` of a DTensor's shard, else None
 
 
 _SHAPE_STRINGS: dict = {}
@@ -471,7 +500,8 @@ def _shape_row(dtype: torch.dtype, size: torch.Size) -> tuple:
             _SHAPE_STRINGS.clear()
         cached = _SHAPE_STRINGS[size] = (",".join(map(str, size)), math.prod(size))
     shape, numel = cached
-    return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *(_EMPTY_STATS if numel == 0 else _NULL_STATS), None)
+    stats = _EMPTY_STATS if numel == 0 else _NULL_STATS
+    return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *stats, None, None)
 
 
 def needs_transfer(measured: list) -> bool:
@@ -494,8 +524,8 @@ def any_nonfinite(measured: list) -> bool:
 
 def to_rows(measured: list) -> list[tuple]:
     """Turn a pass's results (`Measured`, or `shape_only`'s `(dtype, torch.Size)` tuples) into row tuples
-    (ROW_COLUMNS order), with one host copy per device (statistics and checksums travel together: the
-    float64 statistics as their int64 bit patterns).
+    (ROW_COLUMNS order, then the `Sharding` of a DTensor's shard or None), with one host copy per device
+    (statistics and checksums travel together: the float64 statistics as their int64 bit patterns).
 
     A fault in a transfer marks the affected rows skipped with the reason.
     """
@@ -540,10 +570,10 @@ def to_rows(measured: list) -> list[tuple]:
             stats = _EMPTY_STATS
         else:
             stats = _NULL_STATS
-        rows.append((STATUS[status], reason, m.dtype, m.shape, m.numel, *stats, csum))
+        rows.append((STATUS[status], reason, m.dtype, m.shape, m.numel, *stats, csum, m.sharding))
     return rows
 
 
 def to_dicts(measured: list[Measured]) -> list[dict]:
-    """`to_rows` as dicts keyed by ROW_COLUMNS (for reading, tests and notebooks)."""
-    return [dict(zip(ROW_COLUMNS, row)) for row in to_rows(measured)]
+    """`to_rows` as dicts keyed by ROW_COLUMNS and 'sharding' (for reading, tests and notebooks)."""
+    return [dict(zip((*ROW_COLUMNS, "sharding"), row)) for row in to_rows(measured)]

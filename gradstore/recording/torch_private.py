@@ -83,3 +83,62 @@ ENGINE_ENTRY_NAME = "_engine_run_backward"
 def engine_entry_available() -> bool:
     """True when every owner module binds `_engine_run_backward` (interception can work)."""
     return all(hasattr(owner, ENGINE_ENTRY_NAME) for owner in ENGINE_ENTRY_OWNERS)
+
+
+# ---- DTensor (torch.distributed.tensor) ----------------------------------------------------------------------
+# The public API gives a DTensor's placements (`DTensor.placements`: Shard(dim) / Replicate() / Partial(op) per mesh
+# dimension), its mesh (`DTensor.device_mesh`: `.shape`, `.mesh_dim_names`, `.get_coordinate()`) and its global
+# shape (`DTensor.shape`); these helpers read what it does not.
+_DTENSOR_MODULE = "torch.distributed.tensor._api"
+
+
+def dtensor_type():
+    """The `torch.distributed.tensor.DTensor` class when that module is imported, else None (no DTensor can exist
+    before it is: the check costs no import). Reads `sys.modules['torch.distributed.tensor._api']` (private path)."""
+    import sys
+
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def dtensor_local(t):
+    """This rank's shard of DTensor `t` as a plain tensor: `t._local_tensor` (private attribute, read without a
+    dispatch, no autograd node, no collective), else the public `t.to_local()` where it is missing."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t.to_local()
+
+
+def local_offset(global_shape, mesh, placements) -> tuple[int, ...]:
+    """The global index of the first element of this rank's shard, one int per tensor dimension:
+    `torch.distributed.tensor._utils.compute_local_shape_and_global_offset(...)[1]` (private; host arithmetic on
+    the mesh coordinate, no collective)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(int(o) for o in compute_local_shape_and_global_offset(global_shape, mesh, placements)[1])
+
+
+def strided_split_factor(placement) -> int | None:
+    """`_StridedShard.split_factor` (a private placement FSDP2 uses on the data-parallel mesh dimension when the
+    tensor-parallel one shards the same tensor dimension), or None for any other placement."""
+    return getattr(placement, "split_factor", None)
+
+
+# ---- FSDP2 (torch.distributed.fsdp.fully_shard) ------------------------------------------------------------------
+def fsdp_parameters(module) -> list[tuple]:
+    """FSDP2's parameters managed by `module` (a module given to `fully_shard`), as (sharded_param,
+    unsharded_param or None) pairs; [] for any other module.
+
+    The sharded parameter is the DTensor registered on the module (what `named_parameters()` gives between
+    steps; FSDP2 writes the reduce-scattered `.grad` to it); the unsharded one is the plain (or, with tensor
+    parallelism, DTensor) Parameter that forward all-gathers and the autograd graph uses: its AccumulateGrad
+    node receives this rank's unreduced gradient. It exists from the first forward (lazy init) on and is the
+    same object every step. Relies on `module._get_fsdp_state()._fsdp_param_group.fsdp_params` and each
+    FSDPParam's `.sharded_param` / `._unsharded_param` (private, torch 2.13).
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    group = getattr(get_state(), "_fsdp_param_group", None)
+    if group is None:
+        return []
+    return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for fp in group.fsdp_params]

@@ -8,7 +8,8 @@ the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank
 - steps are appended per (run, rank, step); one that OUT already holds is an error (`MergeConflict`, naming
   it), or is skipped with its passes, calls and tensors when `skip_existing=True`;
 - nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated;
-- passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range).
+- passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range), with their
+  reasons, checksums and DTensor layouts (shardings matched by key).
 
 Everything goes through SQLAlchemy Core on the `gradstore.store.schema` tables, so OUT and the inputs may be
 SQLite files or database URLs. The whole merge is one transaction on OUT: an error leaves OUT as it was (a
@@ -304,21 +305,26 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
         )
 
     layout_map = _merge_layouts(src, dst)
-    td, tn = s.tensor_data.c, s.tensor_notes.c
+    sharding_map = _merge_shardings(src, dst)
+    td, tn, tsh = s.tensor_data.c, s.tensor_notes.c, s.tensor_shardings.c
     for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
         rows = [r for r in rows if r["step_id"] in step_map]
-        notes = {}  # this chunk's reasons and checksums
+        notes, layouts = {}, {}  # this chunk's reasons and checksums; its DTensor layouts
         for ids in _chunks([r["id"] for r in rows], _IN):
             notes.update(
                 (r["id"], r)
                 for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(tn.id.in_(ids))).mappings()
             )
+            layouts.update(src.execute(select(tsh.id, tsh.sharding_id).where(tsh.id.in_(ids))).tuples())
         new_ids = _reserve_tensor_ids(dst, len(rows))
-        new_notes = []
+        new_notes, new_layouts = [], []
         for r, new_id in zip(rows, new_ids):
             note = notes.get(r["id"])
             if note is not None:
                 new_notes.append({"id": new_id, "reason": note["reason"], "checksum": note["checksum"]})
+            layout = layouts.get(r["id"])
+            if layout is not None:
+                new_layouts.append({"id": new_id, "sharding_id": sharding_map[layout]})
             r["id"] = new_id
             r["step_id"] = step_map[r["step_id"]]
             r["node_id"] = node_map[r["node_id"]]
@@ -332,6 +338,8 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
             dst.execute(insert(s.tensor_data), rows)
         if new_notes:
             dst.execute(insert(s.tensor_notes), new_notes)
+        if new_layouts:
+            dst.execute(insert(s.tensor_shardings), new_layouts)
         report.tensors += len(rows)
     return report
 
@@ -347,6 +355,19 @@ def _merge_layouts(src, dst) -> dict[int, int]:
                 insert(s.layouts).returning(lay.id), {"dtype": d, "shape": sh, "numel": n}
             ).scalar_one()
         out[lid] = have[(d, sh, n)]
+    return out
+
+
+def _merge_shardings(src, dst) -> dict[int, int]:
+    """Source shardings id -> OUT's id for the same DTensor layout (matched by key), adding the ones OUT lacks."""
+    c = s.shardings.c
+    have = dict(dst.execute(select(c.key, c.id)).tuples())
+    out = {}
+    for row in src.execute(select(s.shardings).order_by(c.id)).mappings():
+        if row["key"] not in have:
+            values = {k: v for k, v in row.items() if k != "id"}
+            have[row["key"]] = dst.execute(insert(s.shardings).returning(c.id), values).scalar_one()
+        out[row["id"]] = have[row["key"]]
     return out
 
 

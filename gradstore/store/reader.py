@@ -118,11 +118,69 @@ class Store:
         return self.query("grad_norms", run=run, by=by, step=step, rank=rank, module=module)
 
     def param_grads(
-        self, run: str | None = None, step: int | None = None, rank: int | None = None, param: str | None = None
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        param: str | None = None,
+        scope: str = "rank",
     ) -> pd.DataFrame:
-        """Each parameter's .grad per step (after the step's last backward pass): run, rank, step, pass, param,
-        module, status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros."""
+        """Each parameter's .grad per step (after the step's last backward pass), as queries/param_grads.sql.
+
+        scope='rank' (default): one row per rank: run, rank, step, pass, param, module, status, dtype, shape,
+        numel, norm, min, max, mean, std, nan, posinf, neginf, zeros (a DTensor's local shard: shape and numel
+        are the shard's), then placements, mesh_shape, mesh_dims, coordinate, global_shape, offset (NULL for a
+        plain tensor). scope='global': the whole gradient combined from every rank's shard, as `global_grads`
+        (`rank` must be None then). Raises UnknownRun; ValueError for another scope, or a rank with 'global'.
+        """
+        if scope == "global":
+            if rank is not None:
+                raise ValueError("param_grads(scope='global') combines every rank: leave rank=None")
+            return self.global_grads(run, step=step, param=param)
+        if scope != "rank":
+            raise ValueError(f"param_grads(scope=...) is 'rank' or 'global', got {scope!r}")
         return self.query("param_grads", run=run, step=step, rank=rank, param=param)
+
+    def global_grads(self, run: str | None = None, step: int | None = None, param: str | None = None) -> pd.DataFrame:
+        """Each parameter's whole gradient per step, combined from every rank's param_grad row (what
+        `p.grad.full_tensor()` holds under FSDP2 or tensor parallelism; the one copy of a DDP gradient), as
+        queries/global_grads.sql. No collective: the combination happens in the store, from the statistics
+        the ranks recorded of their local shards.
+
+        Columns: run, step, param, module, rule (sharded / replicated / partial: how the rows combine), status
+        (ok / none / incomplete), placements, mesh_shape, global_shape, ranks (ranks with a row), shards (rows
+        counted: one per region of the tensor and Partial term), numel, norm, min, max, mean, std, nan, posinf,
+        neginf, zeros (of the whole gradient, over its finite elements; NULL where not derivable from the
+        ranks' statistics), total_norm (the L2 norm over every selected parameter of the step, as
+        `torch.nn.utils.clip_grad_norm_` computes it; NULL when some parameter's norm is not derivable),
+        not_derivable (which statistics could not be combined, and why; NULL when all could).
+        A Partial placement leaves norm, std, zeros, the non-finite counts and (but for Partial(min) /
+        Partial(max)) min and max NULL: an elementwise sum's statistics depend on how the terms line up.
+        Raises UnknownRun.
+        """
+        return self.query("global_grads", run=run, step=step, param=param)
+
+    def global_norm(self, run: str | None = None, step: int | None = None) -> pd.DataFrame:
+        """The total gradient norm of every step (the norm `torch.nn.utils.clip_grad_norm_` returns on the
+        sharded model), from the ranks' shards: one row per run and step with run, step, total_norm (NULL
+        when some parameter's norm is not derivable), params (parameters with a gradient), not_derivable (how
+        many of them have no derivable norm: `global_grads` says why). Runs queries/global_grads.sql.
+        Raises UnknownRun."""
+        g = self.query("global_grads", run=run, step=step)
+        cols = ["run", "step", "total_norm", "params", "not_derivable"]
+        if g.empty:
+            return pd.DataFrame(columns=cols)
+        has = g[g["status"] != "none"]
+        out = (
+            g.groupby(["run", "step"], sort=False)
+            .agg(total_norm=("total_norm", "first"))
+            .join(has.groupby(["run", "step"], sort=False).agg(params=("param", "size")))
+            .join(has[has["norm"].isna()].groupby(["run", "step"], sort=False).agg(not_derivable=("param", "size")))
+            .reset_index()
+        )
+        out["params"] = out["params"].fillna(0).astype(int)
+        out["not_derivable"] = out["not_derivable"].fillna(0).astype(int)
+        return out[cols]
 
     def saved_memory(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """With record(saved=True): per step and module, saved_tensors (count), bytes (numel x element size),
@@ -215,20 +273,32 @@ class Store:
             atol=float(atol),
         )
 
-    def rank_divergence(self, run: str, step: int | None = None) -> pd.DataFrame:
+    def rank_divergence(self, run: str, step: int | None = None, all: bool = False) -> pd.DataFrame:  # noqa: A002
         """The parameters whose final gradients at a step (the param_grad rows of the step's last top-level
-        backward pass: after accumulation and any all-reduce) differ between the lowest recorded rank (rank_a)
-        and another rank (rank_b), as queries/rank_divergence.sql: compared by checksum where both ranks have
-        one (compared = 'checksum'), else by every statistic (compared = 'statistics').
+        backward pass: after accumulation, DDP's all-reduce or FSDP2's reduce-scatter) differ between ranks, or
+        could not be compared, as queries/rank_divergence.sql.
 
-        Columns: run, step, param, module, rank_a, rank_b, side, compared, differs, status_a/_b, shape_a/_b,
-        norm, min, max, mean, std (_a, _b, _abs, _rel), nan, posinf, neginf, zeros, checksum (_a, _b).
-        Empty when the ranks agree. Raises UnknownRun; GradstoreError for a step the run did not record.
+        Each rank's row is compared by the rule its layout calls for (`rule`): 'replicated' (a plain tensor, or
+        a DTensor's copies along Replicate mesh dimensions: the values must agree; by checksum where both ranks
+        have one, compared = 'checksum', else by every statistic, compared = 'statistics'), 'sharded' /
+        'partial' (different shards or Partial terms of a DTensor: the values differ by design; only the layout
+        is compared, compared = 'layout'), 'missing' (a rank has no row). `result` is 'differs', 'not compared'
+        (a missing or skipped row, or one without statistics, on either side: `reason` says which; nothing is
+        claimed about its values), 'equal' or 'sharded'.
+
+        Args:
+            run: the run; step: one step (None: every step); all: also the comparisons that agree ('equal',
+                'sharded'), so that every parameter's rule shows.
+        Columns: run, step, param, module, rank_a, rank_b, rule, result, side, compared, differs, reason,
+        status_a/_b, placements_a/_b, shape_a/_b, norm, min, max, mean, std (_a, _b, _abs, _rel), nan, posinf,
+        neginf, zeros, checksum (_a, _b).
+        Empty (with all=False) only when every comparison was made and agreed. Raises UnknownRun;
+        GradstoreError for a step the run did not record.
         """
         self._check_run(run)
         if step is not None:
             self._check_step(run, step, None)
-        return self.query("rank_divergence", run=run, step=step)
+        return self.query("rank_divergence", run=run, step=step, all=1 if all else None)
 
     def _check_step(self, run: str, step: int | None, rank: int | None) -> None:
         """Raise GradstoreError when `run` has no such step (and rank); the message says what it has."""

@@ -275,3 +275,50 @@ FROM tensor_data t"""
 
 # the view for SQLAlchemy Core (select only; not part of `metadata`, so Alembic's comparison leaves it alone)
 tensors = table("tensors", *(column(c) for c in TENSORS_VIEW_COLUMNS))
+
+
+# ---- DTensor layouts (revision 0004): a lookup table and a side table, read through the `dtensors` view ----------
+# A DTensor gradient's row in tensor_data describes its local shard (dtype, shape, numel, statistics: this rank's
+# elements); how that shard sits in the whole tensor is one row of `shardings`, shared by every step (FSDP2's and
+# tensor parallelism's layouts do not change from step to step), and `tensor_shardings` ties the tensor row to it.
+# Plain tensors have no tensor_shardings row. See gradstore.records.Sharding for the columns' meaning.
+shardings = Table(
+    "shardings",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    # every other column in one text (sharding_key): unique, so concurrent writers share a row (NULLs included)
+    Column("key", String(4096), nullable=False, unique=True),
+    Column("placements", String(1024), nullable=False),  # '(Shard(dim=0), Replicate())', one per mesh dimension
+    Column("mesh_shape", String(255), nullable=False),  # '2,2'
+    Column("mesh_dims", String(1024)),  # 'dp,tp'; NULL: unnamed
+    Column("coordinate", String(255)),  # this rank's mesh coordinate '0,1'; NULL: not in the mesh
+    Column("global_shape", String(255), nullable=False),  # the whole tensor's sizes; tensors.shape is the shard's
+    Column("global_numel", BigInteger, nullable=False),
+    Column("global_offset", String(255)),  # the global index of the shard's first element
+    Column("shard", Integer),  # the coordinate folded over the Shard dimensions (which region of the tensor)
+    Column("replica", Integer),  # ... over the Replicate dimensions (0: the copy global statistics count)
+    Column("partial", Integer),  # ... over the Partial dimensions (which term of the reduction)
+    Column("partials", Integer, nullable=False),  # terms per element: product of the Partial dimensions' sizes
+)
+SHARDING_COLUMNS = tuple(c.name for c in shardings.columns if c.name not in ("id", "key"))
+
+
+def sharding_key(values) -> str:
+    """The `shardings.key` of one layout: its SHARDING_COLUMNS values (in that order), NULL as '~', joined by '|'."""
+    return "|".join("~" if v is None else str(v) for v in values)
+
+
+tensor_shardings = Table(
+    "tensor_shardings",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id (a DTensor's shard)
+    Column("sharding_id", Integer, ForeignKey("shardings.id"), nullable=False),
+)
+
+DTENSORS_VIEW_COLUMNS = ("id", *SHARDING_COLUMNS)
+DTENSORS_VIEW = f"""CREATE VIEW dtensors AS
+SELECT x.id, {", ".join("s." + c for c in SHARDING_COLUMNS)}
+FROM tensor_shardings x JOIN shardings s ON s.id = x.sharding_id"""
+
+# the view for SQLAlchemy Core (select only; not part of `metadata`)
+dtensors = table("dtensors", *(column(c) for c in DTENSORS_VIEW_COLUMNS))

@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from collections import deque
+from dataclasses import astuple
 from pathlib import Path
 
 from sqlalchemy import or_, select, update
@@ -108,6 +109,7 @@ class Writer:
         self._node_ids: dict[int, dict[str, int]] = {}  # run id -> node key -> nodes.id
         self._edges: set[tuple] = set()  # (run_id, (src key, src_slot, dst key, dst_slot)) already stored
         self._layout_ids: dict[tuple, int] = {}  # (dtype, shape, numel) -> layouts.id
+        self._sharding_ids: dict = {}  # gradstore.records.Sharding -> shardings.id
         self._tensor_next: tuple[int, int] | None = None  # SQLite: (step_id it wrote last, next tensor id)
         self._tensor_next_pending: tuple[int, int] | None = None  # the same, once this transaction commits
         self._pending: deque = deque()
@@ -166,6 +168,7 @@ class Writer:
         )
         self._tensor_insert = self._driver_insert("tensor_data", TENSOR_DATA_COLUMNS)
         self._note_insert = self._driver_insert("tensor_notes", ("id", "reason", "checksum"))
+        self._sharded_insert = self._driver_insert("tensor_shardings", ("id", "sharding_id"))
         mark = "%s" if self._pg else "?"
         self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
@@ -183,6 +186,7 @@ class Writer:
         self._node_ids = {}  # the parent may have been inside a step transaction that is yet to commit
         self._edges = set()
         self._layout_ids = {}
+        self._sharding_ids = {}
         self._tensor_next = self._tensor_next_pending = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
@@ -460,6 +464,21 @@ class Writer:
                     self._layout_ids[(d, sh, n)] = lid
                     added.append((self._layout_ids, (d, sh, n)))
 
+    def _write_shardings(self, conn, layouts: set, added: list) -> None:
+        """Give each DTensor layout (gradstore.records.Sharding) in `layouts` its shardings id in
+        self._sharding_ids, inserting the ones the database lacks (by key, sorted: one order for every writer)."""
+        by_key = {s.sharding_key(astuple(sh)): sh for sh in layouts}
+        keys = sorted(by_key)
+        conn.execute(
+            _insert_ignore(self.engine, s.shardings, ["key"]),
+            [{"key": k, **dict(zip(s.SHARDING_COLUMNS, astuple(by_key[k])))} for k in keys],
+        )
+        c = s.shardings.c
+        for i in range(0, len(keys), _CHUNK):
+            for sid, key in conn.execute(select(c.id, c.key).where(c.key.in_(keys[i : i + _CHUNK]))):
+                self._sharding_ids[by_key[key]] = sid
+                added.append((self._sharding_ids, by_key[key]))
+
     def _reserve_ids(self, cur, table: str, n: int):
         """`n` fresh ids for `table` (call_data or tensor_data), so that rows can be inserted with the driver's
         executemany and referenced at once; returns a range (SQLite) or a list (PostgreSQL).
@@ -510,7 +529,7 @@ class Writer:
         if n_tensors:
             tids = self._reserve_ids(cur, "tensor_data", n_tensors)
             layout = self._layout_ids.get
-            rows, notes, unknown = [], [], []
+            rows, notes, unknown, sharded = [], [], [], []
             append = rows.append
             sqrt = math.sqrt
             k = 0
@@ -535,6 +554,7 @@ class Writer:
                     ninf,
                     zeros,
                     csum,
+                    sharding,
                 ) in p.tensors:
                     tid = tids[k]
                     lay = layout((dtype, shape, numel))
@@ -594,6 +614,8 @@ class Writer:
                         )
                     if reason is not None or csum is not None:
                         notes.append((tid, reason, csum))
+                    if sharding is not None:
+                        sharded.append((tid, sharding))
                     k += 1
             if unknown:
                 self._fill_layouts(conn, b, rows, unknown, added)
@@ -603,6 +625,12 @@ class Writer:
             cur.executemany(self._tensor_insert, rows)
             if notes:
                 cur.executemany(self._note_insert, notes)
+            if sharded:
+                ids = self._sharding_ids
+                new = {sh for _, sh in sharded if sh not in ids}
+                if new:
+                    self._write_shardings(conn, new, added)
+                cur.executemany(self._sharded_insert, [(tid, ids[sh]) for tid, sh in sharded])
         self.rows_written += n_tensors + n_calls
 
     def _fill_layouts(self, conn, b: StepBatch, rows: list, unknown: list[int], added: list) -> None:

@@ -35,7 +35,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 3;
+constexpr int ABI = 4;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -745,7 +745,7 @@ void derive(const double* v, PyObject* row, int at) {
   PyTuple_SET_ITEM(row, at + 8, std::isnan(zeros) ? none() : PyLong_FromLongLong((long long)zeros));
 }
 
-// rows(pass, keys, fallback_rows) -> [(node key, seq, role code, slot, *stats.ROW_COLUMNS)] in hook order;
+// rows(pass, keys, fallback_rows) -> [(node key, seq, role code, slot, *stats.ROW_COLUMNS, sharding)] in hook order;
 // fallback_rows: the ROW_COLUMNS tuples of finish()'s fallbacks, in order (gradstore.recording.stats.to_rows)
 PyObject* py_rows(PyObject*, PyObject* args) {
   PyObject *cap, *keys, *fb;
@@ -780,10 +780,10 @@ PyObject* py_rows(PyObject*, PyObject* args) {
         PyTuple_SET_ITEM(row, 4 + k, x);
       }
     } else {
-      row = PyTuple_New(4 + 15);
+      row = PyTuple_New(4 + 16);
       if (e.r.kind == K_NONE) {
         PyTuple_SET_ITEM(row, 4, PyLong_FromLong(G.status_none));
-        for (int k = 5; k < 19; ++k) PyTuple_SET_ITEM(row, k, none());
+        for (int k = 5; k < 20; ++k) PyTuple_SET_ITEM(row, k, none());
       } else {
         PyTuple_SET_ITEM(row, 4, PyLong_FromLong(G.status_ok));
         PyTuple_SET_ITEM(row, 5, none());
@@ -800,6 +800,7 @@ PyObject* py_rows(PyObject*, PyObject* args) {
           for (int k = 9; k < 18; ++k) PyTuple_SET_ITEM(row, k, none());
         }
         PyTuple_SET_ITEM(row, 18, none());  // checksum
+        PyTuple_SET_ITEM(row, 19, none());  // sharding: a plain tensor's (a DTensor is measured in Python)
       }
     }
     for (int k = 0; k < 4; ++k) PyTuple_SET_ITEM(row, k, head[k]);
