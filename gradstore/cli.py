@@ -745,18 +745,25 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             raise click.BadParameter(str(exc)) from None
         ranks = set(store.steps(run=run_a)["rank"]) | set(store.steps(run=run_b)["rank"])
     both = table[table["side"] == "both"]
-    n_diff = int((both["differs"] != "").sum())
+    unmeasured = both["differs"] == "not compared"
+    n_diff = int(((both["differs"] != "") & ~unmeasured).sum())
+    n_unmeasured = int(unmeasured.sum())
     only_a, only_b = int((table["side"] == "a").sum()), int((table["side"] == "b").sum())
     click.echo(
         f"Compared {label_a} with {label_b}: {len(table):,} gradients aligned by node key, role, slot and "
-        f"occurrence; {n_diff:,} differ bitwise, {only_a:,} only in {label_a}, {only_b:,} only in {label_b}."
+        f"occurrence; {n_diff:,} differ bitwise, {only_a:,} only in {label_a}, {only_b:,} only in {label_b}, "
+        f"{n_unmeasured:,} not compared (not measured on a side: skipped, or recorded without statistics)."
     )
     tolerance = f"rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
     if first.empty:
+        scope = "every gradient" if n_unmeasured == 0 else f"every compared gradient ({n_unmeasured:,} not compared)"
         click.echo(
-            f"no divergence: {label_b} agrees with {label_a} on every gradient"
+            f"no divergence: {label_b} agrees with {label_a} on {scope}"
             + (f" within {tolerance}" if tolerance else " (bitwise-identical statistics)")
         )
+        if n_unmeasured:
+            r = both[unmeasured].iloc[0]
+            click.echo(f"  e.g. {r['key']} {_slot_label(r['role'], r['slot'])}: {r['reason']}")
         return
     tolerance = f" beyond {tolerance}" if tolerance else ""
     several = len(ranks) > 1

@@ -463,3 +463,62 @@ def test_cli_errors_are_one_line(recorded, tmp_path):
     assert_one_line_error(invoke("diff", tmp_path / "missing.db", "a", "b"), "no gradstore database")
     usage = invoke("diff", recorded, "base", "scaled", "--rtol", "-1")
     assert usage.exit_code == 2 and "Traceback" not in usage.output
+
+
+# ---- what was not measured is never reported as equal ---------------------------------------------------------------
+def _record_complex(db, run, rank=0, world=1, monkeypatch=None, stats="full"):
+    """A complex Linear (its gradients are skipped: statistics are for real tensors) next to a real one."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(recorder, "_rank_and_world_size", lambda: (rank, world))
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"c": nn.Linear(3, 2, dtype=torch.cfloat), "r": nn.Linear(3, 2)})
+    x = torch.randn(4, 3)
+    with gradstore.record(run, db=db, model=model, stats=stats):
+        (model["c"](x.to(torch.cfloat)).abs().pow(2).sum() + model["r"](x).pow(2).sum()).backward()
+
+
+def test_rank_divergence_reports_skipped_and_unmeasured_rows_as_not_compared(tmp_path, monkeypatch):
+    db = str(tmp_path / "nc.db")
+    for rank in (0, 1):
+        _record_complex(db, "c", rank, 2, monkeypatch)
+        _record_complex(db, "shape", rank, 2, monkeypatch, stats="shape")
+    with gradstore.open(db) as store:
+        bad = store.rank_divergence("c", step=0)
+        every = store.rank_divergence("c", step=0, all=True).set_index("param")
+        shape = store.rank_divergence("shape", step=0)
+    # the complex parameters' rows are skipped on both ranks: not compared, never equal; the real ones agree
+    assert set(bad["param"]) == {"c.weight", "c.bias"} and set(bad["result"]) == {"not compared"}
+    assert all(r.startswith("skipped on rank 0: complex dtype") for r in bad["reason"])
+    assert (bad["differs"] == "").all()
+    assert every.loc["r.weight", "result"] == "equal" and every.loc["r.weight", "compared"] == "statistics"
+    # recorded at stats='shape': no statistics on either rank, so nothing about the values is claimed
+    assert len(shape) == 4 and set(shape["result"]) == {"not compared"}
+    reasons = dict(zip(shape["param"], shape["reason"]))
+    assert "without statistics" in reasons["r.weight"] and "without statistics" in reasons["r.bias"]
+    assert reasons["c.weight"].startswith("skipped on rank 0: complex dtype")
+    out = invoke("ranks", db, "c", "--step", 0).output
+    assert "no difference at step 0 among the 2 of 4 parameter gradients compared; 2 not compared" in out
+    assert "  not compared: 2" in out and "ranks agree" not in out
+    assert "c.weight: rank 1 vs rank 0 not compared: skipped on rank 0: complex dtype" in out
+
+
+def test_diff_and_first_divergence_never_call_unmeasured_rows_equal(tmp_path):
+    db = str(tmp_path / "d.db")
+    _record_complex(db, "a")
+    _record_complex(db, "b")
+    _record_complex(db, "sa", stats="shape")
+    _record_complex(db, "sb", stats="shape")
+    with gradstore.open(db) as store:
+        d = store.diff("a", "b")
+        shape = store.diff("sa", "sb")
+        assert store.first_divergence("a", "b").empty  # nothing compared differs ...
+    skipped = d[(d["status_a"] == "skipped") | (d["status_b"] == "skipped")]
+    assert len(skipped) > 0 and set(skipped["differs"]) == {"not compared"}  # ... and the skipped ones are not equal
+    assert all(r.startswith("skipped on side a: complex dtype") for r in skipped["reason"])
+    measured = d[(d["status_a"] == "ok") & (d["status_b"] == "ok")]
+    assert len(measured) > 0 and set(measured["differs"]) == {""} and measured["reason"].isna().all()
+    ok = shape[(shape["status_a"] == "ok") & (shape["status_b"] == "ok")]
+    assert len(ok) > 0 and set(ok["differs"]) == {"not compared"}
+    assert all("no statistics on side a" in r for r in ok["reason"])
+    out = invoke("diff", db, "a", "b").output
+    assert "not compared" in out and "agrees with run 'a' on every gradient" not in out

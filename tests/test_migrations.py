@@ -412,9 +412,6 @@ def test_views_are_the_runtime_definitions(db):
 def _record_dtensor_in_a_child(path: str) -> list:
     """Record one pass over a 1-rank DTensor (a forked gloo process group of one), into `path`; the gradient's
     local shape, global shape and placements as plain torch gives them."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from _procs import run_distributed
 
     def work(rank, path):

@@ -430,3 +430,49 @@ def test_pipeline_measure_fault_does_not_stop_training(db, monkeypatch, python_h
     assert set(t.status) == {"skipped"} or set(t.status) == {"skipped", "none"}
     ok_rows = t[t.status == "skipped"]
     assert ok_rows.reason.str.contains("reduction exploded").all()
+
+
+# ---- a DTensor's layout, folded into shard / replica / Partial term (gradstore.recording.dtensor) --------------
+class _Mesh:
+    """What gradstore reads of a DeviceMesh: its shape, dimension names and this rank's coordinate."""
+
+    def __init__(self, shape, coordinate, names=None):
+        self.shape, self._coordinate, self.mesh_dim_names = shape, coordinate, names
+
+    def get_coordinate(self):
+        return self._coordinate
+
+
+class _FakeDTensor:
+    def __init__(self, shape, mesh, placements):
+        self.shape, self.device_mesh, self.placements = torch.Size(shape), mesh, placements
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_dtensor_layout_folds_the_coordinate_by_placement_kind(monkeypatch):
+    from dataclasses import fields
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from gradstore.recording import dtensor
+    from gradstore.records import Sharding
+    from gradstore.store import schema
+
+    assert [f.name for f in fields(Sharding)] == list(schema.SHARDING_COLUMNS)
+    monkeypatch.setattr(dtensor.tp, "local_offset", lambda shape, mesh, placements: (7,) * len(shape))
+    monkeypatch.setattr(dtensor, "_CACHE", {})
+    # a 2 x 3 x 2 mesh at coordinate (1, 2, 1): Shard, Replicate, Partial, each of its own mesh dimension
+    info = dtensor.describe(
+        _FakeDTensor((6, 4), _Mesh((2, 3, 2), (1, 2, 1), ("a", "b", "c")), (Shard(1), Replicate(), Partial()))
+    )
+    assert info.placements == "(Shard(dim=1), Replicate(), Partial(sum))"
+    assert (info.mesh_shape, info.mesh_dims, info.coordinate) == ("2,3,2", "a,b,c", "1,2,1")
+    assert (info.global_shape, info.global_numel, info.global_offset) == ("6,4", 24, "7,7")
+    assert (info.shard, info.replica, info.partial, info.partials) == (1, 2, 1, 2)
+    # two Shard dimensions fold in mesh order (mixed radix): (1, 2) on a 2 x 3 mesh is region 1 * 3 + 2
+    two = dtensor.describe(_FakeDTensor((6, 6), _Mesh((2, 3), (1, 2)), (Shard(0), Shard(1))))
+    assert (two.shard, two.replica, two.partial, two.partials, two.mesh_dims) == (5, 0, 0, 1, None)
+    # a rank outside the mesh holds no shard
+    out = dtensor.describe(_FakeDTensor((4,), _Mesh((2,), None), (Shard(0),)))
+    assert (out.coordinate, out.global_offset, out.shard, out.replica, out.partial) == (None, None, None, None, None)
+    assert dtensor.placements_text((Partial("max"),)) == "(Partial(max),)"

@@ -1,8 +1,11 @@
 """The private PyTorch APIs gradstore leans on (gradstore/recording/torch_private.py). If one of these fails after a
 PyTorch upgrade, module attribution, nested-pass separation or interception needs its fallback checked."""
 
+import pytest
 import torch
 import torch.autograd.graph
+import torch.distributed as dist
+from _procs import run_distributed
 
 from gradstore.recording import torch_private as tp
 
@@ -43,3 +46,67 @@ def test_cxx11_abi_flag_is_exposed():
     # the C++ hooks are compiled with -D_GLIBCXX_USE_CXX11_ABI=<this>; a build against the wrong ABI fails to load
     assert hasattr(torch._C, "_GLIBCXX_USE_CXX11_ABI")
     assert tp.cxx11_abi() is bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+# ---- DTensor and FSDP2 (2 gloo ranks, forked) -----------------------------------------------------------------
+def _dtensor_and_fsdp_facts(rank):
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    facts = {"dtensor_type": tp.dtensor_type() is DTensor}
+    mesh = init_device_mesh("cpu", (2,))
+    d = distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)])
+    local = tp.dtensor_local(d)
+    facts["local_is_private_attribute"] = local is d._local_tensor and type(local) is torch.Tensor
+    facts["local_equals_to_local"] = torch.equal(local, d.to_local())
+    facts["offset"] = tp.local_offset(d.shape, mesh, d.placements)  # torch.chunk: rows 0-2 and 3-4
+    facts["split_factor"] = (
+        tp.strided_split_factor(_StridedShard(0, split_factor=2)),
+        tp.strided_split_factor(Shard(0)),
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(net[0])
+    before = tp.fsdp_parameters(net[0])
+    named = dict(net[0].named_parameters())
+    facts["before"] = [(s is named["weight"] or s is named["bias"], u is None) for s, u in before]
+    facts["plain_module"] = tp.fsdp_parameters(nn.Linear(2, 2))
+    loss = net(torch.randn(2, 3)).sum()
+    after = tp.fsdp_parameters(net[0])
+    acc = {}  # the graph's AccumulateGrad variables (what FSDP2's unsharded parameters must be)
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):
+            acc[id(fn.variable)] = fn.variable
+        stack.extend(n for n, _ in fn.next_functions)
+    facts["after"] = [
+        (type(u).__name__, tuple(u.shape), tuple(s.shape), id(u) in acc, isinstance(s, DTensor)) for s, u in after
+    ]
+    loss.backward()
+    facts["same_unsharded_next_step"] = [u is u2 for (_, u), (_, u2) in zip(after, tp.fsdp_parameters(net[0]))]
+    return facts
+
+
+def test_dtensor_local_offset_and_fsdp2_parameter_pairs():
+    """DTensor's `_local_tensor`, `compute_local_shape_and_global_offset`, `_StridedShard.split_factor` and FSDP2's
+    `_get_fsdp_state()._fsdp_param_group.fsdp_params` (`.sharded_param`, `._unsharded_param`): if one of these
+    fails after a PyTorch upgrade, DTensor rows lose their layout and FSDP2's AccumulateGrad nodes their names."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    r0, r1 = run_distributed(_dtensor_and_fsdp_facts)
+    for r in (r0, r1):
+        assert r["dtensor_type"] and r["local_is_private_attribute"] and r["local_equals_to_local"]
+        assert r["split_factor"] == (2, None)
+        assert r["before"] == [(True, True), (True, True)]  # sharded DTensors registered; unsharded: not yet
+        assert r["plain_module"] == []
+        # after the first forward: the unsharded parameters are plain, full-size, and the graph's leaves
+        assert r["after"] == [("Parameter", (4, 3), (4, 3), True, True), ("Parameter", (4,), (4,), True, True)]
+        assert r["same_unsharded_next_step"] == [True, True]
+    assert (r0["offset"], r1["offset"]) == ((0, 0), (3, 0))

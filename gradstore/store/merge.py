@@ -315,7 +315,7 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
                 (r["id"], r)
                 for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(tn.id.in_(ids))).mappings()
             )
-            layouts.update(src.execute(select(tsh.id, tsh.sharding_id).where(tsh.id.in_(ids))).tuples())
+            layouts.update((i, sid) for i, sid in src.execute(select(tsh.id, tsh.sharding_id).where(tsh.id.in_(ids))))
         new_ids = _reserve_tensor_ids(dst, len(rows))
         new_notes, new_layouts = [], []
         for r, new_id in zip(rows, new_ids):
@@ -361,7 +361,7 @@ def _merge_layouts(src, dst) -> dict[int, int]:
 def _merge_shardings(src, dst) -> dict[int, int]:
     """Source shardings id -> OUT's id for the same DTensor layout (matched by key), adding the ones OUT lacks."""
     c = s.shardings.c
-    have = dict(dst.execute(select(c.key, c.id)).tuples())
+    have = {k: i for k, i in dst.execute(select(c.key, c.id))}
     out = {}
     for row in src.execute(select(s.shardings).order_by(c.id)).mappings():
         if row["key"] not in have:
