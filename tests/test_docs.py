@@ -29,10 +29,23 @@ def test_readme_documents_every_table_and_column():
 
     tables = {
         name: [c.name for c in schema.metadata.tables[name].columns]
-        for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
+        for name in (
+            "runs",
+            "steps",
+            "passes",
+            "nodes",
+            "edges",
+            "call_data",
+            "layouts",
+            "tensor_data",
+            "tensor_notes",
+            "shardings",
+            "tensor_shardings",
+        )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
     tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)
+    tables["dtensors"] = list(schema.DTENSORS_VIEW_COLUMNS)
     for table, columns in tables.items():
         assert f"**{table}**" in README, f"table {table} is not described in README.md"
         for col in columns:
@@ -40,6 +53,6 @@ def test_readme_documents_every_table_and_column():
 
 
 def test_readme_names_the_query_helpers():
-    for name in ("grad_norms", "param_grads", "first_nonfinite"):
+    for name in ("grad_norms", "param_grads", "first_nonfinite", "global_grads"):
         assert f"store.{name}(" in README
         assert name in queries.available()

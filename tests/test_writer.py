@@ -77,6 +77,7 @@ def _row(key, seq, role, slot, shape, values, status=0, reason=None, checksum=No
         neginf,
         zeros,
         checksum,
+        None,  # sharding: a plain tensor
     )
 
 
@@ -157,7 +158,7 @@ def test_rows_come_back_through_the_view_exactly(writer):
         notes = conn.execute("SELECT reason, checksum FROM tensor_notes").fetchall()
     assert [(r[0], r[1]) for r in got] == [("f/MulBackward0#0", 0), ("f/MulBackward0#0", 0), ("param:w", None)]
     for r, t in zip(got, tensors):
-        want = (pass_id,) + t[2:]  # pass_id, role, slot, status, reason, dtype, shape, numel, statistics, checksum
+        want = (pass_id,) + t[2:-1]  # pass_id, role, slot, status, reason, dtype, shape, numel, statistics, checksum
         assert tuple(map(repr, r[3:])) == tuple(map(repr, want))
     # stored: pass_id on the param_grad row only; a norm only where sqrt((n-1) std^2 + n mean^2) misses it
     assert [p for p, _ in stored] == [None, None, pass_id]
