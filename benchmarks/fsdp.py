@@ -10,9 +10,10 @@ forward, backward (FSDP2's all-gathers and reduce-scatters), SGD step. The confi
 in lockstep on both ranks (a collective needs every rank in the same configuration): one slot each per round,
 `none` first, after warm-up rounds. Each gradstore configuration records into its own SQLite file that both
 ranks write; after each of its slots the harness waits for the writer (untimed) and all ranks meet at a
-barrier (untimed), so no slot inherits another's work. Reported per rank: the median step time and its ratio
-to the median `none` step of the same rounds; a step lasts as long as its slowest rank, so the table's ratio
-is the larger of the two ranks'.
+barrier (untimed), so no slot inherits another's work. Reported per rank: the median step time (wall clock) and
+its ratio to the median `none` step of the same rounds, and the same for the CPU time the rank's process spent
+in the step (all its threads: `time.process_time`), which a busy machine disturbs less than the wall clock; a
+step lasts as long as its slowest rank, so the table's ratios are the larger of the two ranks'.
 """
 
 from __future__ import annotations
@@ -127,18 +128,20 @@ def _rank(rank: int, world: int, port: int, args: dict, db_dir: str, results) ->
             steps[name] = (recorded, recorded.recorder, options.get("python_hooks", False))
         native.load(wait=True)  # the C++ hooks are built before any timing (once per machine)
         times = {name: [] for name, _ in CONFIGS}
+        cpu = {name: [] for name, _ in CONFIGS}
         for r in range(args["warmup"] + args["rounds"]):
             for name, (fn, recorder, python_hooks) in steps.items():
                 native.available = (lambda level: None) if python_hooks else real_available
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 fn()
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 native.available = real_available
                 if recorder is not None:
                     recorder.flush()  # untimed: the writer's work lands in no other slot
                 if r >= args["warmup"]:
                     times[name].append(dt)
+                    cpu[name].append(dc)
             if rank == 0:
                 label = "warm-up" if r < args["warmup"] else "round"
                 n = r + 1 if r < args["warmup"] else r - args["warmup"] + 1
@@ -152,7 +155,7 @@ def _rank(rank: int, world: int, port: int, args: dict, db_dir: str, results) ->
                     counts[name] = len(t)
         dist.barrier()
         dist.destroy_process_group()
-        results.put((rank, {"times": times, "tensor_rows": counts, "native": native.status()}))
+        results.put((rank, {"times": times, "cpu": cpu, "tensor_rows": counts, "native": native.status()}))
     except BaseException:
         results.put((rank, {"error": traceback.format_exc()}))
 
@@ -180,10 +183,20 @@ def run(args: dict) -> dict:
         per_rank = []
         for r in ranks:
             base, m = median(r["times"]["none"]), median(r["times"][name])
-            per_rank.append({"median_s": m, "ratio": m / base if base else None})
+            cbase, c = median(r["cpu"]["none"]), median(r["cpu"][name])
+            per_rank.append(
+                {
+                    "median_s": m,
+                    "ratio": m / base if base else None,
+                    "cpu_s": c,
+                    "cpu_ratio": c / cbase if cbase else None,
+                }
+            )
         summary[name] = {
             "median_s": max(x["median_s"] for x in per_rank),
             "ratio": max(x["ratio"] for x in per_rank),
+            "cpu_s": max(x["cpu_s"] for x in per_rank),
+            "cpu_ratio": max(x["cpu_ratio"] for x in per_rank),
             "per_rank": per_rank,
             "tensor_rows": ranks[0]["tensor_rows"].get(name),
         }
@@ -198,14 +211,14 @@ def table(result: dict) -> str:
         f"{a['vocab']}, batch {a['batch']} x {a['seq']} tokens per rank; {a['rounds']} interleaved rounds after "
         f"{a['warmup']} warm-up; medians",
         "",
-        "| configuration | step (ms) | ratio | rank 0 | rank 1 | tensor rows per rank and step |",
-        "|---|---|---|---|---|---|",
+        "| configuration | step (ms) | ratio | rank 0, rank 1 | CPU (ms) | CPU ratio | tensor rows per rank and step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, s in result["summary"].items():
         r0, r1 = s["per_rank"]
         rows = "" if s["tensor_rows"] is None else f"{s['tensor_rows']:,}"
-        ms, ratios = f"{s['median_s'] * 1e3:.1f}", f"{s['ratio']:.2f} | {r0['ratio']:.2f} | {r1['ratio']:.2f}"
-        lines.append(f"| `{name}` | {ms} | {ratios} | {rows} |")
+        wall = f"{s['median_s'] * 1e3:.1f} | {s['ratio']:.2f} | {r0['ratio']:.2f}, {r1['ratio']:.2f}"
+        lines.append(f"| `{name}` | {wall} | {s['cpu_s'] * 1e3:.1f} | {s['cpu_ratio']:.2f} | {rows} |")
     lines.append("")
     lines.append(f"C++ hooks: {result['ranks'][0]['native']}")
     return "\n".join(lines)

@@ -836,7 +836,8 @@ def ranks(db, run, step, verbose):
     verdict, rules = {}, {}
     for p, rows in by_param.items():
         results = set(rows["result"])
-        verdict[p] = next((v for v in ("differs", "not compared", "equal", "sharded") if v in results), "sharded")
+        # no comparison at all is no agreement either
+        verdict[p] = next((v for v in ("differs", "not compared", "equal", "sharded") if v in results), "not compared")
         rules[p] = "+".join(sorted(set(rows["rule"]) - {"missing"})) or "missing"
     differ = [p for p in params if verdict[p] == "differs"]
     unchecked = [p for p in params if verdict[p] == "not compared"]

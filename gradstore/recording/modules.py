@@ -56,10 +56,13 @@ def named_parameters(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.
 def fsdp_modules(models: list[tuple[str, nn.Module]]) -> list[nn.Module]:
     """The modules under `models` ((prefix, model) pairs) that FSDP2's `fully_shard` manages and that hold
     parameters of their own (gradstore.recording.torch_private.fsdp_parameters), in `modules()` order."""
+    fsdp_module = tp.fsdp_module_type()
+    if fsdp_module is None:  # torch.distributed.fsdp not imported: nothing is sharded
+        return []
     found, seen = [], set()
     for _prefix, model in models:
         for mod in unwrap(model).modules():
-            if id(mod) not in seen and hasattr(mod, "_get_fsdp_state"):  # an FSDPModule (torch.distributed.fsdp)
+            if isinstance(mod, fsdp_module) and id(mod) not in seen:
                 seen.add(id(mod))
                 if tp.fsdp_parameters(mod):
                     found.append(mod)

@@ -90,7 +90,9 @@ class record:
         RecordUsageError: a bad argument, or a scope opened inside another.
         SchemaTooNew: the database was written by a newer gradstore.
     Relies on: `torch.autograd.graph._engine_run_backward` (interception), `Node.register_prehook` /
-    `register_hook`, global module forward hooks (module attribution).
+    `register_hook`, global module forward hooks (module attribution); under FSDP2, its parameter state
+    (`gradstore.recording.torch_private.fsdp_parameters`) to name the AccumulateGrad nodes of its unsharded
+    parameters; a DTensor gradient is measured on its local shard, with its placements (no collective).
     """
 
     def __init__(

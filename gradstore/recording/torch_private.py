@@ -124,9 +124,19 @@ def strided_split_factor(placement) -> int | None:
 
 
 # ---- FSDP2 (torch.distributed.fsdp.fully_shard) ------------------------------------------------------------------
+def fsdp_module_type():
+    """The public class `torch.distributed.fsdp.FSDPModule` that `fully_shard` mixes into a module's class, when
+    torch.distributed.fsdp is imported (no module can be sharded before), else None; costs no import."""
+    import sys
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+
+
 def fsdp_parameters(module) -> list[tuple]:
-    """FSDP2's parameters managed by `module` (a module given to `fully_shard`), as (sharded_param,
-    unsharded_param or None) pairs; [] for any other module.
+    """FSDP2's parameters managed by `module` (a module given to `fully_shard`, an instance of the public
+    `torch.distributed.fsdp.FSDPModule`), as (sharded_param, unsharded_param or None) pairs; [] for any other
+    module.
 
     The sharded parameter is the DTensor registered on the module (what `named_parameters()` gives between
     steps; FSDP2 writes the reduce-scattered `.grad` to it); the unsharded one is the plain (or, with tensor
@@ -135,10 +145,10 @@ def fsdp_parameters(module) -> list[tuple]:
     same object every step. Relies on `module._get_fsdp_state()._fsdp_param_group.fsdp_params` and each
     FSDPParam's `.sharded_param` / `._unsharded_param` (private, torch 2.13).
     """
-    get_state = getattr(module, "_get_fsdp_state", None)
-    if get_state is None:
+    fsdp_module = fsdp_module_type()
+    if fsdp_module is None or not isinstance(module, fsdp_module):
         return []
-    group = getattr(get_state(), "_fsdp_param_group", None)
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
     if group is None:
         return []
     return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for fp in group.fsdp_params]
