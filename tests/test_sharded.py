@@ -566,6 +566,32 @@ def test_tp_ranks_healthy_and_with_a_skipped_all_reduce(tp_record):
     assert "  gain: rank 1 differs from rank 0: " in out
 
 
+def _tp_both_hooks(rank, db):
+    """One TP step recorded by the Python hooks (run 'python') and one by the C++ hooks (run 'native'), from the
+    same seeded state; whether the C++ hooks were in use for each."""
+    used = []
+    real = native.available
+    for hooks in ("python", "native"):
+        native.available = (lambda level: None) if hooks == "python" else real
+        used.append(native.available("full") is not None)
+        _tp_train(db, hooks, steps=1)
+    native.available = real
+    return used
+
+
+@pytest.mark.skipif(native.load(wait=True) is None, reason=f"C++ hooks: {native.status()}")
+def test_tp_dtensor_rows_are_the_same_from_the_python_and_the_cpp_hooks(tmp_path):
+    """The C++ hooks hand every DTensor gradient to the Python measurement: the same rows, layouts included."""
+    db = str(tmp_path / "grads.db")
+    assert run_distributed(_tp_both_hooks, db) == [[False, True], [False, True]]
+    sql = TENSOR_ROWS.replace("JOIN passes p", "JOIN runs r ON r.id = st.run_id JOIN passes p")
+    sql = sql.replace("ORDER BY", "WHERE r.name = ? ORDER BY")
+    with sqlite3.connect(db) as conn:
+        python, cpp = (conn.execute(sql, (run,)).fetchall() for run in ("python", "native"))
+    assert len(python) > 50 and sum(r[22] is not None for r in python) > 10  # DTensor rows, with layouts
+    assert python == cpp
+
+
 # =============================================================================================================
 # FSDP2 + tensor parallelism on a 2 x 2 mesh (4 ranks)
 # =============================================================================================================
