@@ -763,6 +763,11 @@ def test_ddp_global_statistics_and_a_rank_that_skips_its_all_reduce(tmp_path):
     db = str(tmp_path / "grads.db")
     ranks = run_distributed(_ddp_scenario, db)
     assert all(r["identical"] for r in ranks)
+    rows = _param_rows(db, "ddp")
+    for rank, res in enumerate(ranks):  # each rank's row: its own all-reduced .grad, a plain tensor
+        for name, grad in res["final"].items():
+            _assert_stats(rows[(rank, 0, name)], torch.tensor(grad))
+            assert pd.isna(rows[(rank, 0, name)]["placements"])
     with gradstore.open(db) as store:
         glob = store.global_grads("ddp")
         norm = store.global_norm("ddp").iloc[0]
