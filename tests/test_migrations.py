@@ -36,8 +36,8 @@ def _migrate(db, revision: str, down: bool = False) -> None:
 
 def test_new_database_is_created_at_head_by_alembic(db):
     before, after = database.upgrade(db)
-    assert (before, after) == (None, "0003")
-    assert _revision(db) == "0003"
+    assert (before, after) == (None, database.head_revision())
+    assert _revision(db) == database.head_revision()
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         roles = [r[0] for r in conn.execute("SELECT name FROM roles ORDER BY id")]
@@ -89,7 +89,7 @@ def test_database_at_base_revision_is_upgraded_on_record(db):
 
     with gradstore.record("r", db=db):
         torch.ones(2, requires_grad=True).sum().backward()
-    assert _revision(db) == database.head_revision() == "0003"
+    assert _revision(db) == database.head_revision()
 
 
 def test_newer_revision_is_refused_with_upgrade_advice(db):
@@ -221,7 +221,7 @@ def test_upgrade_0001_to_head_on_postgresql_keeps_every_tensor_and_call_value(pg
     before = _rows_0001(ASSETS / "rev0001.db")
     calls_before = _calls(ASSETS / "rev0001.db")
     _load_0001_into_postgresql(pg_url)
-    assert database.upgrade(pg_url) == ("0001", "0003")
+    assert database.upgrade(pg_url) == ("0001", database.head_revision())
     engine = database.make_engine(pg_url)
     with engine.connect() as conn:
         after = [tuple(r) for r in conn.execute(text(f"SELECT {_TENSOR_COLUMNS} FROM tensors ORDER BY id"))]
@@ -340,7 +340,7 @@ def test_upgrade_0002_to_0003_keeps_every_call_value(tmp_path):
         conn.execute("UPDATE calls SET duration = NULL WHERE id = 3")  # a call whose hook never fired
     before, tensors = _calls(path), _rows_0001(path)
     assert len(before) == 20 and len({r[1] for r in before}) == 2 and [r[6] for r in before].count(None) == 1
-    assert database.upgrade(path) == ("0002", "0003")
+    assert database.upgrade(path) == ("0002", database.head_revision())
     after = _calls(path)
     assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in _ns_rounded(before)]
     assert any(repr(a[5]) != repr(b[5]) for a, b in zip(after, before))  # the unit did change
@@ -394,7 +394,7 @@ def test_downgrade_0003_to_0002_restores_the_calls_table(tmp_path):
     assert ("calls", "call_id") in fks and not {"first_call", "last_call"} & pass_columns
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in view]  # bit for bit
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors]
-    assert database.upgrade(path) == ("0002", "0003")  # and up again: the same nanoseconds
+    assert database.upgrade(path) == ("0002", database.head_revision())  # and up again: the same nanoseconds
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in view]
 
 
@@ -404,3 +404,62 @@ def test_views_are_the_runtime_definitions(db):
     with sqlite3.connect(db) as conn:
         views = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'view'"))
     assert views == {"calls": schema.CALLS_VIEW, "tensors": schema.TENSORS_VIEW}
+
+
+def test_upgrade_0003_to_0005_compile_adds_columns_and_keeps_every_value(tmp_path):
+    """A revision-0003 file (the committed 0001 file brought to 0003) upgraded to 0005_compile: every value reads
+    back as before; steps.tracing_passes is 0, nodes.region and tensors' layout, nnz, coalesced are NULL for the
+    old rows; new rows with a sparse gradient are written and read; downgrade drops the columns (and the notes
+    that held only them) and restores the 0003 view."""
+    import torch
+
+    path = tmp_path / "r3.db"
+    shutil.copy(ASSETS / "rev0001.db", path)
+    _migrate(path, "0003")
+    assert _revision(path) == "0003"
+    tensors_before, calls_before = _rows_0001(path), _calls(path)
+    with sqlite3.connect(path) as conn:
+        steps_before = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
+        nodes_before = conn.execute("SELECT * FROM nodes ORDER BY id").fetchall()
+    assert database.upgrade(path) == ("0003", "0005_compile")
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors_before]
+    assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in calls_before]
+    with sqlite3.connect(path) as conn:
+        steps = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
+        step_cols = [d[1] for d in conn.execute("PRAGMA table_info(steps)")]
+        nodes = conn.execute("SELECT * FROM nodes ORDER BY id").fetchall()
+        node_cols = [d[1] for d in conn.execute("PRAGMA table_info(nodes)")]
+        new = conn.execute("SELECT layout, nnz, coalesced FROM tensors").fetchall()
+    assert step_cols[-1] == "tracing_passes" and steps == [old + (0,) for old in steps_before]
+    assert nodes and all(dict(zip(node_cols, r))["region"] is None for r in nodes)
+    assert [tuple(v for c, v in zip(node_cols, r) if c != "region") for r in nodes] == nodes_before
+    assert set(new) == {(None, None, None)}
+    # recording goes on into the upgraded file: a sparse gradient's layout is stored
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    with gradstore.record("after-upgrade", db=str(path), model=emb):
+        emb(torch.tensor([1, 1, 3])).sum().backward()
+    with gradstore.open(path) as store:
+        rows = store.tensors("after-upgrade")
+        assert list(store.steps("after-upgrade").tracing_passes) == [0]
+    sparse = rows[rows.layout.notna()]
+    assert len(sparse) == 3 and set(sparse.layout) == {"sparse_coo"} and set(sparse.nnz) == {3}
+    with sqlite3.connect(path) as conn:
+        only_layout = conn.execute(
+            "SELECT COUNT(*) FROM tensor_notes WHERE reason IS NULL AND checksum IS NULL"
+        ).fetchone()
+    assert only_layout == (3,)
+    _migrate(path, "0003", down=True)
+    assert _revision(path) == "0003"
+    with sqlite3.connect(path) as conn:
+        view = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
+        note_cols = [d[1] for d in conn.execute("PRAGMA table_info(tensor_notes)")]
+        assert conn.execute(
+            "SELECT COUNT(*) FROM tensor_notes WHERE reason IS NULL AND checksum IS NULL"
+        ).fetchone() == (0,)
+        assert [d[1] for d in conn.execute("PRAGMA table_info(steps)")] == step_cols[:-1]
+    assert "AS layout" not in view and note_cols == ["id", "reason", "checksum"]
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)][: len(tensors_before)] == [
+        tuple(map(repr, r)) for r in tensors_before
+    ]
+    assert database.upgrade(path) == ("0003", "0005_compile")  # and up again

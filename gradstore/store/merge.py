@@ -307,18 +307,15 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
     td, tn = s.tensor_data.c, s.tensor_notes.c
     for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
         rows = [r for r in rows if r["step_id"] in step_map]
-        notes = {}  # this chunk's reasons and checksums
+        notes = {}  # this chunk's notes: reasons, checksums, sparse layouts
         for ids in _chunks([r["id"] for r in rows], _IN):
-            notes.update(
-                (r["id"], r)
-                for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(tn.id.in_(ids))).mappings()
-            )
+            notes.update((r["id"], r) for r in src.execute(select(s.tensor_notes).where(tn.id.in_(ids))).mappings())
         new_ids = _reserve_tensor_ids(dst, len(rows))
         new_notes = []
         for r, new_id in zip(rows, new_ids):
             note = notes.get(r["id"])
             if note is not None:
-                new_notes.append({"id": new_id, "reason": note["reason"], "checksum": note["checksum"]})
+                new_notes.append({**note, "id": new_id})
             r["id"] = new_id
             r["step_id"] = step_map[r["step_id"]]
             r["node_id"] = node_map[r["node_id"]]

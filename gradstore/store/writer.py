@@ -133,6 +133,7 @@ class Writer:
                     "level",
                     "dropped",
                     "waited",
+                    "tracing_passes",
                 ),
             )
             + returning
@@ -165,7 +166,9 @@ class Writer:
             "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns")
         )
         self._tensor_insert = self._driver_insert("tensor_data", TENSOR_DATA_COLUMNS)
-        self._note_insert = self._driver_insert("tensor_notes", ("id", "reason", "checksum"))
+        self._note_insert = self._driver_insert(
+            "tensor_notes", ("id", "reason", "checksum", "layout", "nnz", "coalesced")
+        )
         mark = "%s" if self._pg else "?"
         self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
@@ -342,6 +345,7 @@ class Writer:
                 b.level,
                 b.dropped,
                 b.waited,
+                b.tracing_passes,
             ),
         )
         self._write_nodes(conn, b, added)
@@ -404,6 +408,7 @@ class Writer:
                     "module": new[k].module,
                     "param": new[k].param,
                     "frame": new[k].frame,
+                    "region": new[k].region,
                     "first_step": b.step,
                 }
                 for k in keys
@@ -535,6 +540,9 @@ class Writer:
                     ninf,
                     zeros,
                     csum,
+                    torch_layout,
+                    nnz,
+                    coalesced,
                 ) in p.tensors:
                     tid = tids[k]
                     lay = layout((dtype, shape, numel))
@@ -592,8 +600,8 @@ class Writer:
                                 zeros,
                             )
                         )
-                    if reason is not None or csum is not None:
-                        notes.append((tid, reason, csum))
+                    if reason is not None or csum is not None or torch_layout is not None:
+                        notes.append((tid, reason, csum, torch_layout, nnz, coalesced))
                     k += 1
             if unknown:
                 self._fill_layouts(conn, b, rows, unknown, added)
