@@ -379,6 +379,9 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     click.echo(_table(shown))
     if more:
         click.echo(more)
+    traced = int(steps["tracing_passes"].sum())
+    if traced:
+        click.echo(f"torch.compile's tracing ran {traced} backward pass(es) in these steps: not recorded")
     bad = _first_nonfinite_line(store, run)
     detail = int(steps["step"].iloc[-1])
     if bad:
@@ -409,6 +412,9 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     )
     click.echo("\nStep:")
     click.echo(_table(out))
+    traced = int(steps["tracing_passes"].sum())
+    if traced:
+        click.echo(f"(and {traced} backward pass(es) torch.compile ran while tracing: not recorded)")
 
     passes = store.passes(run=run, rank=rank, step=step)
     click.echo("\nBackward passes (duration in seconds):")

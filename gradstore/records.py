@@ -74,7 +74,7 @@ DTYPE = {name: i for i, name in enumerate(DTYPES)}
 @dataclass(frozen=True)
 class NodeInfo:
     """What the store keeps of a node: key (stable across steps and runs), name, kind (one of KINDS), module,
-    param, frame."""
+    param, frame, region."""
 
     key: str
     name: str
@@ -82,6 +82,8 @@ class NodeInfo:
     module: str
     param: str | None
     frame: str | None = None  # 'file:line in function' of the user code that created it (record(frames=True))
+    # a compiled region (kind 'compiled') run by a torch.compile'd module: the modules inside it, comma-separated
+    region: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,7 @@ class StepBatch:
     level: str = "full"
     dropped: int = 0  # rows dropped because the writer fell behind (on_full='drop')
     waited: float = 0.0  # seconds the training thread waited for the writer (on_full='wait')
+    tracing_passes: int = 0  # backward passes torch.compile ran while tracing (fake / functional tensors): not recorded
 
     def rows(self) -> int:
         """Calls and tensor rows in the batch (what the queue bound counts)."""

@@ -1,5 +1,5 @@
 -- title: History of a node, module or parameter over steps
--- description: The gradient statistics of one node (key), one module and its submodules (module), or one parameter (param: its AccumulateGrad node's grad_outputs and its param_grad rows) in every recorded step and rank, in order of step, rank, pass and seq (param_grad rows after their pass's calls). occurrence counts earlier rows of the same key, role and slot in the same step (0 for the first call; micro-batches and retained-graph passes give 1, 2, ...). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; checksum is set for param_grad rows when recorded (NULL = unknown).
+-- description: The gradient statistics of one node (key), one module and its submodules (module), or one parameter (param: its AccumulateGrad node's grad_outputs and its param_grad rows) in every recorded step and rank, in order of step, rank, pass and seq (param_grad rows after their pass's calls). occurrence counts earlier rows of the same key, role and slot in the same step (0 for the first call; micro-batches and retained-graph passes give 1, 2, ...). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; checksum is set for param_grad rows when recorded (NULL = unknown); layout, nnz and coalesced describe a sparse gradient (NULL when dense).
 -- param run: run name; NULL for every run
 -- param key: node key (e.g. fc/AddmmBackward0#0 or param:fc.weight); NULL for all
 -- param module: qualified module name; the module and its submodules; NULL for all
@@ -11,7 +11,8 @@ SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, 
        ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
                           ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
        su.name AS status, d.name AS dtype, t.shape, t.numel,
-       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.checksum
+       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.checksum,
+       t.layout, t.nnz, t.coalesced
 FROM tensors t
 JOIN steps st ON st.id = t.step_id
 JOIN runs r ON r.id = st.run_id

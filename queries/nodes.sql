@@ -1,8 +1,8 @@
 -- title: Nodes
--- description: Every autograd node seen in a run: its stable key, name, kind, owning module ('' outside any module), parameter (AccumulateGrad of a parameter), the user-code frame that created it (record(frames=True)) and the step it was first seen in.
+-- description: Every autograd node seen in a run: its stable key, name, kind, owning module ('' outside any module), parameter (AccumulateGrad of a parameter), the user-code frame that created it (record(frames=True)), for a compiled region (CompiledFunctionBackward) of a torch.compile'd module the modules inside it (comma-separated), and the step it was first seen in.
 -- param run: run name; NULL for every run
 -- param module: qualified module name; the module and its submodules; NULL for all
-SELECT r.name AS run, n.key, n.name, k.name AS kind, n.module, n.param, n.frame, n.first_step
+SELECT r.name AS run, n.key, n.name, k.name AS kind, n.module, n.param, n.frame, n.region, n.first_step
 FROM nodes n
 JOIN runs r ON r.id = n.run_id
 JOIN kinds k ON k.id = n.kind

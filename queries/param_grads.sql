@@ -1,16 +1,17 @@
 -- title: Parameter gradients per step
--- description: Each parameter's .grad as it stood when the step's last top-level backward pass returned (after gradient accumulation and, under DDP, after the all-reduce): status (none when .grad was None) and statistics over finite elements, exact non-finite counts. Under FSDP2 or tensor parallelism .grad is a DTensor: its row is this rank's local shard (shape, numel and statistics are the shard's) with the layout: placements, mesh_shape, mesh_dims, coordinate, global_shape, offset (NULL for a plain tensor); global_grads combines the ranks' shards.
+-- description: Each parameter's .grad as it stood when the step's last top-level backward pass returned (after gradient accumulation and, under DDP, after the all-reduce): status (none when .grad was None) and statistics over finite elements, exact non-finite counts; a sparse gradient (nn.Embedding(sparse=True)) as the dense tensor it represents, with its layout, nnz and coalesced (NULL when dense). Under FSDP2 or tensor parallelism .grad is a DTensor: its row is this rank's local shard (shape, numel and statistics are the shard's) with the layout: placements, mesh_shape, mesh_dims, coordinate, global_shape, global_offset (NULL for a plain tensor); global_grads combines the ranks' shards.
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
 -- param step: step number; NULL for every step
 -- param param: qualified parameter name; NULL for all
 SELECT run, rank, step, pass, param, module, status, dtype, shape, numel,
-       norm, min, max, mean, std, nan, posinf, neginf, zeros,
+       norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced,
        placements, mesh_shape, mesh_dims, coordinate, global_shape, global_offset
 FROM (
     SELECT r.id AS run_order, r.name AS run, st.rank, st.step, p.pass, n.param, n.module,
            su.name AS status, d.name AS dtype, t.shape, t.numel,
-           t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, n.id AS node_order,
+           t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros,
+           t.layout, t.nnz, t.coalesced, n.id AS node_order,
            dt.placements, dt.mesh_shape, dt.mesh_dims, dt.coordinate, dt.global_shape, dt.global_offset,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
     FROM tensors t

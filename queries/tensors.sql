@@ -1,5 +1,5 @@
 -- title: Tensors
--- description: Statistics of every gradient: grad_output (into a node) and grad_input (out of a node) per call and slot, param_grad (a parameter's .grad when its top-level backward pass returned). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; status none is a None slot, skipped has a reason. A DTensor's row describes its local shard (dtype, shape, numel and statistics are this rank's elements) and gives its layout: placements (per mesh dimension, as torch prints them), mesh_shape, mesh_dims, coordinate (this rank's on the mesh), global_shape and offset (the global index of the shard's first element); NULL for a plain tensor.
+-- description: Statistics of every gradient: grad_output (into a node) and grad_input (out of a node) per call and slot, param_grad (a parameter's .grad when its top-level backward pass returned). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; status none is a None slot, skipped has a reason. A sparse gradient is measured as the dense tensor it represents (implicit zeros included, an uncoalesced tensor's duplicates summed first), with its layout, nnz (stored entries) and coalesced (COO: 1/0); these are NULL for a dense tensor. A DTensor's row describes its local shard (dtype, shape, numel and statistics are this rank's elements) and gives its layout: placements (per mesh dimension, as torch prints them), mesh_shape, mesh_dims, coordinate (this rank's on the mesh), global_shape and global_offset (the global index of the shard's first element); NULL for a plain tensor.
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
 -- param step: step number; NULL for every step
@@ -7,7 +7,7 @@
 -- param module: qualified module name; the module and its submodules; NULL for all
 SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.param,
        ro.name AS role, t.slot, su.name AS status, t.reason, d.name AS dtype, t.shape, t.numel,
-       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros,
+       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.layout, t.nnz, t.coalesced,
        dt.placements, dt.mesh_shape, dt.mesh_dims, dt.coordinate, dt.global_shape, dt.global_offset
 FROM tensors t
 JOIN steps st ON st.id = t.step_id

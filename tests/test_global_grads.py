@@ -40,11 +40,28 @@ def _layout(placements, rank, global_shape, offset, shard=0, replica=0, partial=
 
 
 def _row(values, layout, status=0, reason=None, level="full"):
-    """A param_grad row (writer format) of a 1-D shard holding `values`."""
+    """A param_grad row (writer format: ..., checksum, layout, nnz, coalesced, sharding) of a 1-D shard holding
+    `values`."""
     if status != 0:
-        return ("param:w", None, 2, 0, status, reason, 12, str(len(values)), len(values), *(None,) * 9, None, layout)
+        return (
+            "param:w",
+            None,
+            2,
+            0,
+            status,
+            reason,
+            12,
+            str(len(values)),
+            len(values),
+            *(None,) * 9,
+            None,
+            None,
+            None,
+            None,
+            layout,
+        )
     numel, *stats = _stats(values, level)
-    return ("param:w", None, 2, 0, 0, None, 12, str(numel), numel, *stats, None, layout)
+    return ("param:w", None, 2, 0, 0, None, 12, str(numel), numel, *stats, None, None, None, None, layout)
 
 
 def _write(db, run, rows_by_rank):
@@ -155,8 +172,8 @@ def test_an_incomplete_parameter_derives_nothing(tmp_path, case, words):
     r1 = {
         "missing": [],
         "skipped": [_row([1.0, 2.0, 3.0], l1, status=2, reason="tensor subclass")],
-        "none": [("param:w", None, 2, 0, 1, None, *(None,) * 13, None)],
-        "shape": [("param:w", None, 2, 0, 0, None, 12, "3", 3, *(None,) * 9, None, l1)],
+        "none": [("param:w", None, 2, 0, 1, None, *(None,) * 16, None)],
+        "shape": [("param:w", None, 2, 0, 0, None, 12, "3", 3, *(None,) * 9, None, None, None, None, l1)],
     }[case]
     _write(db, case, [[s0], r1])
     g = _global(db, case)
@@ -171,7 +188,7 @@ def test_health_level_leaves_mean_and_std_unknown_and_no_gradient_is_none(tmp_pa
     g = _global(db, "h")
     assert g["status"] == "ok" and g["norm"] == pytest.approx(5.0, rel=1e-15)
     assert pd.isna(g["mean"]) and pd.isna(g["std"]) and pd.isna(g["zeros"])
-    none = ("param:w", None, 2, 0, 1, None, *(None,) * 13, None)
+    none = ("param:w", None, 2, 0, 1, None, *(None,) * 16, None)
     _write(db, "n", [[none], [none]])
     g = _global(db, "n")
     assert g["status"] == "none" and pd.isna(g["not_derivable"]) and pd.isna(g["numel"])

@@ -478,3 +478,62 @@ def test_upgrade_0003_to_0004_adds_the_dtensor_layouts_and_keeps_every_value(tmp
     assert not {"shardings", "tensor_shardings", "dtensors"} & tables
     assert [tuple(map(repr, r)) for r in _rows_0001(path)][: len(tensors)] == [tuple(map(repr, r)) for r in tensors]
     assert database.upgrade(path) == ("0003", database.head_revision())  # and up again
+
+
+def test_upgrade_0003_to_0005_compile_adds_columns_and_keeps_every_value(tmp_path):
+    """A revision-0003 file (the committed 0001 file brought to 0003) upgraded to 0005_compile: every value reads
+    back as before; steps.tracing_passes is 0, nodes.region and tensors' layout, nnz, coalesced are NULL for the
+    old rows; new rows with a sparse gradient are written and read; downgrade drops the columns (and the notes
+    that held only them) and restores the 0003 view."""
+    import torch
+
+    path = tmp_path / "r3.db"
+    shutil.copy(ASSETS / "rev0001.db", path)
+    _migrate(path, "0003")
+    assert _revision(path) == "0003"
+    tensors_before, calls_before = _rows_0001(path), _calls(path)
+    with sqlite3.connect(path) as conn:
+        steps_before = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
+        nodes_before = conn.execute("SELECT * FROM nodes ORDER BY id").fetchall()
+    assert database.upgrade(path) == ("0003", "0005_compile")
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors_before]
+    assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in calls_before]
+    with sqlite3.connect(path) as conn:
+        steps = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
+        step_cols = [d[1] for d in conn.execute("PRAGMA table_info(steps)")]
+        nodes = conn.execute("SELECT * FROM nodes ORDER BY id").fetchall()
+        node_cols = [d[1] for d in conn.execute("PRAGMA table_info(nodes)")]
+        new = conn.execute("SELECT layout, nnz, coalesced FROM tensors").fetchall()
+    assert step_cols[-1] == "tracing_passes" and steps == [old + (0,) for old in steps_before]
+    assert nodes and all(dict(zip(node_cols, r))["region"] is None for r in nodes)
+    assert [tuple(v for c, v in zip(node_cols, r) if c != "region") for r in nodes] == nodes_before
+    assert set(new) == {(None, None, None)}
+    # recording goes on into the upgraded file: a sparse gradient's layout is stored
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    with gradstore.record("after-upgrade", db=str(path), model=emb):
+        emb(torch.tensor([1, 1, 3])).sum().backward()
+    with gradstore.open(path) as store:
+        rows = store.tensors("after-upgrade")
+        assert list(store.steps("after-upgrade").tracing_passes) == [0]
+    sparse = rows[rows.layout.notna()]
+    assert len(sparse) == 3 and set(sparse.layout) == {"sparse_coo"} and set(sparse.nnz) == {3}
+    with sqlite3.connect(path) as conn:
+        only_layout = conn.execute(
+            "SELECT COUNT(*) FROM tensor_notes WHERE reason IS NULL AND checksum IS NULL"
+        ).fetchone()
+    assert only_layout == (3,)
+    _migrate(path, "0003", down=True)
+    assert _revision(path) == "0003"
+    with sqlite3.connect(path) as conn:
+        view = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
+        note_cols = [d[1] for d in conn.execute("PRAGMA table_info(tensor_notes)")]
+        assert conn.execute(
+            "SELECT COUNT(*) FROM tensor_notes WHERE reason IS NULL AND checksum IS NULL"
+        ).fetchone() == (0,)
+        assert [d[1] for d in conn.execute("PRAGMA table_info(steps)")] == step_cols[:-1]
+    assert "AS layout" not in view and note_cols == ["id", "reason", "checksum"]
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)][: len(tensors_before)] == [
+        tuple(map(repr, r)) for r in tensors_before
+    ]
+    assert database.upgrade(path) == ("0003", "0005_compile")  # and up again

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(native.load(wait=True) is None, reason=f"C++ hoo
 
 TENSOR_ROWS = """
 SELECT st.step, p.pass, c.seq, n.key, t.role, t.slot, t.status, t.reason, t.dtype, t.shape, t.numel,
-       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.checksum
+       t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.checksum,
+       t.layout, t.nnz, t.coalesced
 FROM tensors t JOIN steps st ON st.id = t.step_id JOIN passes p ON p.id = t.pass_id
 JOIN nodes n ON n.id = t.node_id LEFT JOIN calls c ON c.id = t.call_id
 ORDER BY st.step, t.id"""
@@ -162,6 +163,36 @@ def test_custom_function_and_non_dense_gradients(tmp_path, monkeypatch):
     assert_same(out)
     keys = {r[3] for r in out["native"][0]}
     assert any(k.startswith("ScaleBackward") for k in keys)
+
+
+@pytest.mark.parametrize("stats", ["full", "shape"])
+def test_sparse_embedding_gradient_is_handed_to_python_and_rows_equal(tmp_path, monkeypatch, stats):
+    """nn.Embedding(sparse=True): an uncoalesced COO gradient (duplicate indices), which the C++ hooks hand to the
+    Python measurement: the same rows (layout, nnz, coalesced, statistics) either way, and .grad left as it was."""
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 3))
+        return {"model": model, "x": torch.tensor([[1, 2, 1], [7, 1, 9]])}
+
+    def run(state):
+        model = state["model"]
+        model(state["x"]).pow(2).sum().backward()
+        g = model[0].weight.grad
+        state.setdefault("grads", []).append((g.is_coalesced(), g._indices().clone(), g._values().clone()))
+        model.zero_grad(set_to_none=True)
+
+    out = record_both(tmp_path, monkeypatch, make, run, stats=stats)
+    assert_same(out)
+    sparse = [r for r in out["native"][0] if r[-3] is not None]
+    assert len(sparse) == 3 * 2  # grad_inputs[0], AccumulateGrad's grad_outputs[0] and .grad, in 2 steps
+    assert all(r[-3:] == ("sparse_coo", 6, 0) and r[6] == 0 for r in sparse)  # status ok
+    plain = make()
+    for _ in range(2):
+        run(plain)
+    for recorded in (out["python"][3], out["native"][3]):
+        for (ca, ia, va), (cb, ib, vb) in zip(plain["grads"], recorded["grads"]):
+            assert not ca and not cb and torch.equal(ia, ib) and torch.equal(va, vb)
 
 
 def test_reentrant_checkpoint_nested_passes(tmp_path, monkeypatch):
@@ -316,35 +347,101 @@ def test_step_state_counts_calls_in_cpp():
     assert state.open_call() is None
 
 
-def test_compiled_autograd_gets_the_python_hooks(tmp_path):
-    """Compiled autograd traces node hooks and can trace only Python ones: under it the pass is recorded by
-    the Python hooks, with no fault, and the gradient is the one compiled autograd gives unrecorded."""
-    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+def _reachable(root) -> int:
+    """How many nodes are reachable from `root` along next_functions (plain torch)."""
+    seen, stack = set(), [root]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            stack.extend(n for n, _ in fn.next_functions)
+    return len(seen)
 
-    def run(record: bool):
-        torch.manual_seed(0)
-        m = torch.nn.Linear(4, 3)
-        x = torch.randn(2, 4)
-        db = str(tmp_path / "ca.db")
-        scope = gradstore.record("ca", db=db, model=m) if record else None
-        if scope is not None:
-            scope.__enter__()
-        try:
+
+@pytest.mark.parametrize("how", ["enable", "config"])
+def test_compiled_autograd_records_the_pass_and_parameter_gradients(tmp_path, how):
+    """Compiled autograd traces every Python node hook into its compiled backward graph, where gradstore's would
+    break the graph at every node: under it a pass is recorded with its graph (nodes, edges) and the parameter
+    gradients, without node hooks, so no call and no grad_output / grad_input row. Nothing crashes, no warning,
+    no graph break more than without recording, and the gradients are the ones compiled autograd gives
+    unrecorded. `enable`: eager backward inside `compiled_autograd._enable`; `config`:
+    `torch._dynamo.config.compiled_autograd` with `loss.backward()` inside a torch.compile'd step."""
+    import torch._dynamo
+
+    old = torch._dynamo.config.compiled_autograd
+    torch._dynamo.config.compiled_autograd = how == "config"  # before torch.compile wraps the step: it reads it
+    try:
+        _compiled_autograd_case(tmp_path, how)
+    finally:
+        torch._dynamo.config.compiled_autograd = old
+
+
+def _compiled_autograd_case(tmp_path, how):
+    import warnings
+
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    init = {k: v.clone() for k, v in m.state_dict().items()}
+    xs = [torch.randn(2, 4) for _ in range(2)]
+    nodes = _reachable(m(xs[0]).sum().grad_fn)
+
+    @torch.compile(backend="eager")
+    def compiled_step(x):
+        loss = m(x).sum()
+        loss.backward()
+        return loss
+
+    def step(x):
+        if how == "enable":
             with compiled_autograd._enable(torch.compile(backend="eager")):
                 m(x).sum().backward()
-        finally:
-            if scope is not None:
-                scope.__exit__(None, None, None)
-        return m.weight.grad.clone(), db
+        else:
+            compiled_step(x)
 
-    plain, _ = run(False)
-    recorded, db = run(True)
-    assert torch.equal(plain, recorded)
+    def run(record: bool):
+        m.load_state_dict(init)
+        m.zero_grad(set_to_none=True)
+        breaks = sum(counters["graph_break"].values())
+        grads = []
+        db = str(tmp_path / "ca.db")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scope = gradstore.record("ca", db=db, model=m) if record else None
+            rec = scope.__enter__() if scope is not None else None
+            try:
+                for x in xs:
+                    step(x)
+                    grads.append([p.grad.clone() for p in m.parameters()])
+                    if rec is not None and x is not xs[-1]:
+                        rec.step()
+            finally:
+                if scope is not None:
+                    scope.__exit__(None, None, None)
+        return grads, sum(counters["graph_break"].values()) - breaks, [str(w.message) for w in caught], db
+
+    run(False)  # compiles once, so that both runs below find the same caches
+    plain, plain_breaks, _, _ = run(False)
+    recorded, breaks, caught, db = run(True)
+    assert all(torch.equal(a, b) for ga, gb in zip(plain, recorded) for a, b in zip(ga, gb))
+    assert breaks == plain_breaks and caught == [], (breaks, plain_breaks, caught)
     with gradstore.open(db) as store:
         steps = store.steps("ca")
+        passes = store.passes("ca")
         t = store.tensors("ca")
-    assert list(steps.status) == ["ok"] and steps.error.isna().all()
-    assert len(t) > 0 and (t.status == "ok").any()
+        calls = store.calls("ca")
+    assert list(steps.status) == ["ok", "ok"] and steps.error.isna().all()
+    assert list(steps.passes) == [1, 1] and list(steps.tracing_passes) == [0, 0]
+    assert list(passes.kind) == ["backward", "backward"] and list(passes.nodes) == [nodes, nodes]
+    assert calls.empty and set(t.role) == {"param_grad"}
+    names = [n for n, _ in m.named_parameters()]
+    for step, grads in enumerate(recorded):
+        for name, g in zip(names, grads):
+            (row,) = t[(t.step == step) & (t.param == name)].itertuples()
+            assert row.status == "ok" and row.norm == pytest.approx(float(g.double().norm()), rel=1e-12)
+            assert (row.min, row.max) == (float(g.min()), float(g.max()))
 
 
 THREADS = """

@@ -746,6 +746,8 @@ def test_memory_does_not_grow(db, style):
         opt.zero_grad()
 
     samples = {}
+    # graph objects other tests left alive in this process (torch.compile's caches hold some): the baseline
+    before = _live_graph_objects()
 
     def sample(i, rec):
         rec.flush()
@@ -769,8 +771,8 @@ def test_memory_does_not_grow(db, style):
     assert all(r() is None for r in refs)  # no output tensor (and so no graph) kept alive
     (t10, rss10, g10), (t50, rss50, g50) = samples[9], samples[49]
     assert t50 <= t10 + 2, (t10, t50)
-    assert g10[0] == 0 and g50[0] == 0
-    assert g10[1] == g50[1] == (1 if style == "context" else 0)  # only the step being recorded
+    assert g10[0] == before[0] and g50[0] == before[0]  # no Node or PassRecorder of ours left alive
+    assert g10[1] == g50[1] == before[1] + (1 if style == "context" else 0)  # only the step being recorded
     assert rss50 - rss10 < 12 * 2**20, (rss10, rss50)
     assert len(read(db, "mem")["steps"]) >= 50
 

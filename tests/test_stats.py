@@ -275,12 +275,13 @@ def _quantized():
 
 
 SKIPPED = {
-    "sparse_coo": (
-        lambda: torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([3.0, NAN]), (3, 2)),
-        "float32",
-        "3,2",
-        6,
-        "layout",
+    "mkldnn": (lambda: torch.ones(3, 2).to_mkldnn(), "float32", "3,2", 6, "layout"),
+    "sparse_complex": (
+        lambda: torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1j, 2.0]), (3,)),
+        "complex64",
+        "3",
+        3,
+        "complex",
     ),
     "complex64": (lambda: torch.tensor([1 + 2j, NAN], dtype=torch.complex64), "complex64", "2", 2, "complex"),
     "complex128": (lambda: torch.zeros(2, 3, dtype=torch.complex128), "complex128", "2,3", 6, "complex"),

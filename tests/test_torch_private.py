@@ -110,3 +110,89 @@ def test_dtensor_local_offset_and_fsdp2_parameter_pairs():
         assert r["after"] == [("Parameter", (4, 3), (4, 3), True, True), ("Parameter", (4,), (4,), True, True)]
         assert r["same_unsharded_next_step"] == [True, True]
     assert (r0["offset"], r1["offset"]) == ((0, 0), (3, 0))
+
+
+# ---- torch.compile --------------------------------------------------------------------------------------------
+def test_compiled_module_wrapper_is_found_and_unwrapped():
+    net = torch.nn.Linear(2, 2)
+    assert tp.compiled_module_inner(net) is None
+    compiled = torch.compile(net, backend="eager")
+    assert type(compiled).__name__ == "OptimizedModule"  # torch._dynamo.eval_frame.OptimizedModule
+    assert type(compiled).__module__ == "torch._dynamo.eval_frame"
+    assert tp.compiled_module_inner(compiled) is net
+    assert [n for n, _ in compiled.named_parameters()] == ["_orig_mod.weight", "_orig_mod.bias"]
+    assert tp.dynamo_imported()
+
+
+def test_aot_autograd_traces_autograd_grad_on_functional_tensors_under_fake_and_proxy_modes(monkeypatch):
+    """While torch.compile (aot_eager) traces a module, AOTAutograd calls the engine entry with FunctionalTensor
+    roots under a fake-tensor and a proxy dispatch mode: `compile_tracing` says so; the real pass it is not."""
+    import torch._dynamo
+
+    seen = []
+    real = torch.autograd.graph._engine_run_backward
+
+    def spy(t_outputs, *args, **kwargs):
+        seen.append(([type(t).__name__ for t in t_outputs], tp.compile_tracing(t_outputs)))
+        return real(t_outputs, *args, **kwargs)
+
+    for owner in tp.ENGINE_ENTRY_OWNERS:
+        monkeypatch.setattr(owner, tp.ENGINE_ENTRY_NAME, spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    out = torch.compile(net, backend="aot_eager")(torch.randn(2, 3))
+    tracing = list(seen)
+    out.sum().backward()
+    torch._dynamo.reset()
+    assert tracing and all(types == ["FunctionalTensor"] and flag for types, flag in tracing), tracing
+    assert seen[len(tracing) :] == [(["Tensor"], False)]  # the user's own pass
+    assert not tp.compile_tracing([torch.ones(1, requires_grad=True)])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert tp.compile_tracing([torch.ones(1, requires_grad=True)])
+
+
+def test_global_hook_check_is_what_compile_warns_on_and_hiding_spares_only_the_hidden():
+    import warnings
+
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    assert callable(getattr(torch.nn.modules.module, tp.GLOBAL_HOOK_CHECK))
+    assert all(isinstance(getattr(torch.nn.modules.module, d), dict) for d in tp.GLOBAL_HOOK_DICTS)
+    compiled = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    x = torch.randn(1, 2)
+
+    def warned() -> bool:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            compiled(x)
+        return any("global hooks" in str(m.message) for m in w)
+
+    ours = register_module_forward_pre_hook(lambda m, a: None)
+    try:
+        assert warned()  # OptimizedModule.__call__ warns on any global module hook
+        tp.hide_global_module_hooks([ours])
+        assert not warned()
+        theirs = register_module_forward_pre_hook(lambda m, a: None)
+        assert warned()  # a hook that is not hidden still warns
+        theirs.remove()
+        tp.unhide_global_module_hooks([ours])
+        assert getattr(torch.nn.modules.module, tp.GLOBAL_HOOK_CHECK).__module__ == "torch.nn.modules.module"
+        assert warned()
+    finally:
+        tp.unhide_global_module_hooks([ours])
+        ours.remove()
+
+
+# ---- sparse tensors -----------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support")
+def test_sparse_values_and_nnz_read_an_uncoalesced_tensor_as_it_is():
+    t = torch.sparse_coo_tensor(torch.tensor([[1, 1, 3]]), torch.tensor([2.0, 5.0, -1.0]), (4,))
+    assert not t.is_coalesced()
+    assert tp.sparse_nnz(t) == 3
+    assert torch.equal(tp.sparse_values(t), torch.tensor([2.0, 5.0, -1.0]))  # duplicates not summed
+    assert not t.is_coalesced()  # nothing was coalesced
+    csr = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse_csr()
+    assert tp.sparse_nnz(csr) == 2 and torch.equal(tp.sparse_values(csr), torch.tensor([2.0, 3.0]))

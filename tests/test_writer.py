@@ -32,6 +32,9 @@ COLUMNS = (
     "neginf",
     "zeros",
     "checksum",
+    "layout",
+    "nnz",
+    "coalesced",
 )
 
 
@@ -55,7 +58,7 @@ def _stats(values):
     )
 
 
-def _row(key, seq, role, slot, shape, values, status=0, reason=None, checksum=None):
+def _row(key, seq, role, slot, shape, values, status=0, reason=None, checksum=None, layout=(None, None, None)):
     numel, norm, mn, mx, mean, std, nan, posinf, neginf, zeros = _stats(values)
     return (
         key,
@@ -77,6 +80,7 @@ def _row(key, seq, role, slot, shape, values, status=0, reason=None, checksum=No
         neginf,
         zeros,
         checksum,
+        *layout,
         None,  # sharding: a plain tensor
     )
 
@@ -148,6 +152,7 @@ def test_rows_come_back_through_the_view_exactly(writer):
         _row("f/MulBackward0#0", 0, 0, 0, "4", a),
         _row("f/MulBackward0#0", 0, 1, 0, "3", b),
         _row("param:w", None, 2, 0, "3", b, checksum=-1234567890123),
+        _row("f/MulBackward0#0", 0, 1, 1, "3", b, layout=("sparse_coo", 5, 0)),  # a sparse gradient's note
     ]
     w.write(_batch(run_id, 0, tensors, [("f/MulBackward0#0", 0, 0.0, 0.001)]))
     got = _read(path, 0)
@@ -155,18 +160,24 @@ def test_rows_come_back_through_the_view_exactly(writer):
         pass_id = conn.execute("SELECT id FROM passes").fetchone()[0]
         stored = conn.execute("SELECT pass_id, norm FROM tensor_data ORDER BY id").fetchall()
         layouts = sorted(conn.execute("SELECT dtype, shape, numel FROM layouts").fetchall())
-        notes = conn.execute("SELECT reason, checksum FROM tensor_notes").fetchall()
-    assert [(r[0], r[1]) for r in got] == [("f/MulBackward0#0", 0), ("f/MulBackward0#0", 0), ("param:w", None)]
+        notes = conn.execute("SELECT reason, checksum, layout, nnz, coalesced FROM tensor_notes ORDER BY id").fetchall()
+    assert [(r[0], r[1]) for r in got] == [
+        ("f/MulBackward0#0", 0),
+        ("f/MulBackward0#0", 0),
+        ("param:w", None),
+        ("f/MulBackward0#0", 0),
+    ]
     for r, t in zip(got, tensors):
-        want = (pass_id,) + t[2:-1]  # pass_id, role, slot, status, reason, dtype, shape, numel, statistics, checksum
+        want = (pass_id,) + t[2:-1]  # pass_id, role, slot, status, reason, dtype, shape, numel, statistics, checksum,
+        # layout, nnz, coalesced (the sharding, last, is not a column of the view)
         assert tuple(map(repr, r[3:])) == tuple(map(repr, want))
     # stored: pass_id on the param_grad row only; a norm only where sqrt((n-1) std^2 + n mean^2) misses it
-    assert [p for p, _ in stored] == [None, None, pass_id]
+    assert [p for p, _ in stored] == [None, None, pass_id, None]
     for (_, norm), t in zip(stored, tensors):
         n, mean, std = t[8], t[12], t[13]
         assert (norm is None) == (math.sqrt((n - 1) * std * std + n * mean * mean) == t[9])
     assert layouts == [(12, "3", 3), (12, "4", 4)]
-    assert notes == [(None, -1234567890123)]
+    assert notes == [(None, -1234567890123, None, None, None), (None, None, "sparse_coo", 5, 0)]
 
 
 def test_a_row_whose_call_was_not_kept_names_its_pass(writer):

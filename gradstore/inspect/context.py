@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from ..errors import ReplayError
-from ..recording.modules import ModuleTracker, named_models, named_parameters, qualified_names
+from ..recording.modules import ModuleTracker, named_models, named_parameters
 
 
 def owner_fn(owner):
@@ -45,7 +45,7 @@ def track_modules(model):
     Relies on global module forward hooks and the private sequence counter (gradstore.recording.torch_private).
     """
     pairs = named_models(model)
-    tracker = ModuleTracker(qualified_names(pairs))
+    tracker = ModuleTracker.for_models(pairs)
 
     @contextmanager
     def scope():

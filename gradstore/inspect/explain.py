@@ -389,7 +389,8 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
 class RecordedExplanation:
     """What a gradstore database knows about one node of a run.
 
-    Attributes: run, key, name, kind, module, param, first_step; edges_in / edges_out: DataFrames (src, src_slot,
+    Attributes: run, key, name, kind, module, param, first_step, region (a compiled region's modules, comma-separated,
+    or None); edges_in / edges_out: DataFrames (src, src_slot,
     dst, dst_slot): who sends gradients into this node's grad_outputs and where its grad_inputs go; step and
     rank: the step shown; calls: DataFrame of its calls in that step (pass, seq, start, duration in s);
     tensors: DataFrame of its gradient statistics in that step (pass, seq, role grad_output / grad_input /
@@ -409,6 +410,7 @@ class RecordedExplanation:
     edges_out: object
     calls: object
     tensors: object
+    region: str | None = None
 
     def lines(self) -> list[str]:
         where = f"module {self.module!r}" if self.module else "outside any module"
@@ -416,6 +418,11 @@ class RecordedExplanation:
             f"{self.key} in run {self.run!r}: {self.name} ({self.kind}), {where}, first seen at step "
             f"{self.first_step}" + (f", parameter {self.param}" if self.param else "")
         ]
+        if self.region is not None:
+            inside = ", ".join(self.region.split(",")) if self.region else "no submodule"
+            out.append(
+                f"a torch.compile region: one node for the compiled forward of {where}; modules inside: {inside}"
+            )
         out.append(f"grad_outputs come from ({len(self.edges_in)} edge(s)):")
         for r in self.edges_in.itertuples():
             out.append(f"  {r.src} grad_inputs[{r.src_slot}] -> grad_outputs[{r.dst_slot}]")
@@ -439,7 +446,15 @@ class RecordedExplanation:
                 stats = {
                     k: (None if isinstance(t.get(k), float) and math.isnan(t[k]) else t.get(k)) for k in STAT_COLUMNS
                 }  # NULL (not computed) comes back as NaN
-                out.append(f"    {t['role']}[{t['slot']}]  ({t['shape']}) {t['dtype']}  {_stats_text(stats)}")
+                layout = t.get("layout")
+                sparse = ""
+                if isinstance(layout, str):  # a non-dense gradient: measured as the dense tensor it represents
+                    sparse = f" {layout}"
+                    if t.get("nnz") == t.get("nnz") and t.get("nnz") is not None:
+                        sparse += f" nnz={int(t['nnz'])}"
+                    if t.get("coalesced") == t.get("coalesced") and t.get("coalesced") is not None:
+                        sparse += " coalesced" if t["coalesced"] else " uncoalesced"
+                out.append(f"    {t['role']}[{t['slot']}]  ({t['shape']}) {t['dtype']}{sparse}  {_stats_text(stats)}")
         return out
 
     def __str__(self) -> str:
@@ -452,6 +467,8 @@ class RecordedExplanation:
             f"<p><b>{html.escape(self.key)}</b>: {html.escape(self.name)} ({html.escape(self.kind)}), module "
             f"<code>{html.escape(self.module or '-')}</code>, step {self.step}</p>"
         )
+        if self.region is not None:
+            head += f"<p>torch.compile region; modules inside: <code>{html.escape(self.region or '-')}</code></p>"
         return (
             "<div>"
             + head
@@ -502,6 +519,7 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             tensors = store.tensors(run=run, step=chosen_step, rank=chosen_rank, module=module or None)
             tensors = tensors[(tensors["key"] == key) & tensors["seq"].notna()].reset_index(drop=True)
         param = n["param"] if isinstance(n["param"], str) else None
+        region = n["region"] if isinstance(n.get("region"), str) else None
         return RecordedExplanation(
             run=run,
             key=key,
@@ -516,6 +534,7 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             edges_out=edges_out,
             calls=calls[["pass", "seq", "start", "duration"]] if not calls.empty else calls,
             tensors=tensors,
+            region=region,
         )
     finally:
         if store is not db:

@@ -19,7 +19,9 @@ TorchFunctionMode's own dispatch and ≈2.2 µs the two counter reads, the stack
 that create no node (no_grad, inputs without requires_grad) pay the dispatch and the two counter reads only.
 
 Limits: one thread (the mode stack and the sequence counter are per thread); ops run by C++ without a
-Python call (inside torch.compile regions, autograd's own double-backward ops) get no frame.
+Python call (inside torch.compile regions, autograd's own double-backward ops) get no frame. While torch.compile
+traces, the mode only calls through (`torch.compiler.is_compiling()`), so it breaks no graph; a compiled
+region's node gets the compiled forward's file and function (dynamo's frame keeps its code's file).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from . import function_apply
 from . import torch_private as tp
 
 _peek = tp.sequence_counter() or tp.next_sequence_nr  # the raw counter read: no wrapper call per op
+# torch.compile tracing (dynamo reads it as the constant True): the mode then only calls through
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRADSTORE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the whole package
 
@@ -77,7 +81,7 @@ class FrameTracker(TorchFunctionMode):
             sites.setdefault(seq, site)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self._paused:
+        if self._paused or _is_compiling():  # torch.compile traces: no counter read, no stack walk, no graph break
             return func(*args, **(kwargs or {}))
         before = _peek()
         out = func(*args, **(kwargs or {}))

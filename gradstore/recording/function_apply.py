@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import threading
 
+import torch
 from torch.autograd.function import Function
 
 _lock = threading.Lock()
 _listeners: tuple = ()
 _original = None  # the classmethod object we replaced
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
 def _wrapped(cls, *args, **kwargs):
     listeners = _listeners
-    if not listeners:
+    if not listeners or _is_compiling():  # torch.compile traces the call: no listener (no graph break)
         return _original.__func__(cls, *args, **kwargs)
     tokens = []
     for listener in listeners:

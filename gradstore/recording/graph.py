@@ -129,6 +129,7 @@ def describe(
     known: dict[int, tuple],
     parent_scope: dict | None = None,
     owner_key: tuple | None = None,
+    region=None,
 ) -> list[NodeInfo]:
     """Give every walked node a `NodeInfo`, with keys 'module/Name#ordinal' or 'param:qualified.name'.
 
@@ -139,9 +140,12 @@ def describe(
         known: id(node) -> (node, NodeInfo, scope) for nodes already keyed earlier in this step (a second
             pass over the same graph, double backward); updated in place.
         parent_scope: the key scope of the enclosing pass, for a nested pass (reentrant checkpoint).
-        owner_key: `ModuleTracker.signature()` of the tracker behind `owner`, or None. When given, a fresh
-            pass (none of its nodes known, no parent scope) whose graph has the same signature as an earlier one (the
-            same code, step after step) reuses that pass's NodeInfos: the same keys as computing them again.
+        owner_key: `ModuleTracker.signature()` of the tracker behind `owner` (and `region`), or None. When given,
+            a fresh pass (none of its nodes known, no parent scope) whose graph has the same signature as an earlier
+            one (the same code, step after step) reuses that pass's NodeInfos: the same keys as computing them again.
+        region: callable sequence_nr -> the modules inside the compiled region running then (str) or None
+            (`ModuleTracker.region`); sets `NodeInfo.region` of compiled nodes (CompiledFunctionBackward). None:
+            no region is known.
     The ordinal of a node counts the nodes of the same name and module in forward order (`sequence_nr`,
     then walk order) within a key scope. A pass whose graph reuses nodes keyed earlier in this step (other
     than AccumulateGrad nodes: double backward, a second pass over a retained graph) continues their scope,
@@ -194,8 +198,10 @@ def describe(
     for (module, name), members in groups.items():
         start = scope.get((module, name), -1) + 1
         prefix = f"{module}/" if module else ""
-        for ordinal, (_, _, i) in enumerate(sorted(members), start=start):
-            infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, node_kind(w.nodes[i], name), module, None)
+        for ordinal, (seq, _, i) in enumerate(sorted(members), start=start):
+            kind = node_kind(w.nodes[i], name)
+            inside = region(seq) if region is not None and kind == "compiled" else None
+            infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, kind, module, None, region=inside)
         scope[(module, name)] = start + len(members) - 1
     for i, node in enumerate(w.nodes):
         if id(node) not in known:

@@ -4,6 +4,13 @@ names it is bound to (torch.autograd.graph and torch.autograd).
 `Tensor.backward`, `torch.autograd.backward` (also an early-bound `from torch.autograd import backward`),
 `torch.autograd.grad` and the nested pass of a reentrant `torch.utils.checkpoint` all reach it. While no
 recorder is active the wrapper calls straight through.
+
+A backward pass inside a `torch.compile`d function (`loss.backward()` in a compiled training step) reaches the
+wrapper while dynamo traces that function. Once `torch._dynamo` is imported, the wrapper installed is
+`torch.compiler.disable`d: dynamo does not trace it but calls it as it is (a graph break at the backward call,
+where dynamo breaks its graph anyway), so the pass is recorded as an eager one. (Before that import no
+compiled function can exist; a scope that imports it, by calling `torch.compile` inside a step, gets the
+disabled wrapper from its next step on.)
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from . import torch_private as tp
 _lock = threading.Lock()
 _original = None
 _active = None  # the Recorder receiving passes; one at a time per process
+_disabled = None  # `_wrapper` as torch.compiler.disable makes it (once torch._dynamo is imported)
 
 
 def _arg(args, kwargs, pos: int, name: str, default=None):
@@ -45,6 +53,23 @@ def _wrapper(t_outputs, *args, **kwargs):
     )
 
 
+def _entry():
+    """The wrapper to install: `torch.compiler.disable(_wrapper)` once torch._dynamo is imported, else `_wrapper`."""
+    global _disabled
+    if _disabled is None and tp.dynamo_imported():
+        try:
+            import torch
+
+            _disabled = torch.compiler.disable(_wrapper, reason="gradstore records this backward pass eagerly")
+        except Exception:
+            return _wrapper
+    return _disabled if _disabled is not None else _wrapper
+
+
+def _installed(fn) -> bool:
+    return fn is _wrapper or (fn is not None and fn is _disabled)
+
+
 def activate(recorder) -> None:
     """Route every backward pass of this process to `recorder.run_pass` until `deactivate`.
 
@@ -56,8 +81,11 @@ def activate(recorder) -> None:
             raise RuntimeError("another gradstore recording scope is active in this process")
         if _original is None and tp.engine_entry_available():
             _original = getattr(tp.ENGINE_ENTRY_OWNERS[0], tp.ENGINE_ENTRY_NAME)
+        if _original is not None:
+            entry = _entry()
             for owner in tp.ENGINE_ENTRY_OWNERS:
-                setattr(owner, tp.ENGINE_ENTRY_NAME, _wrapper)
+                if getattr(owner, tp.ENGINE_ENTRY_NAME, None) is not entry:
+                    setattr(owner, tp.ENGINE_ENTRY_NAME, entry)
         _active = recorder
 
 
@@ -69,7 +97,7 @@ def deactivate(recorder) -> None:
             _active = None
         if _active is None and _original is not None:
             for owner in tp.ENGINE_ENTRY_OWNERS:
-                if getattr(owner, tp.ENGINE_ENTRY_NAME, None) is _wrapper:
+                if _installed(getattr(owner, tp.ENGINE_ENTRY_NAME, None)):
                     setattr(owner, tp.ENGINE_ENTRY_NAME, _original)
             _original = None
 

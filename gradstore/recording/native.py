@@ -48,7 +48,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 4
+ABI_VERSION = 5
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
@@ -201,7 +201,7 @@ def _reuse(m, t):
 
 def _init(module) -> None:
     from ..records import ROLE, STATUS
-    from .stats import PLAIN_REAL_DTYPES, dtype_code
+    from .stats import PLAIN_REAL_DTYPES, ROW_COLUMNS, dtype_code
 
     codes = [(module.scalar_type(torch.empty(0, dtype=d)), dtype_code(d)) for d in PLAIN_REAL_DTYPES]
     k = kernel.load()
@@ -221,6 +221,7 @@ def _init(module) -> None:
         STATUS["none"],
         ROLE["grad_output"],
         ROLE["grad_input"],
+        len(ROW_COLUMNS) + 1,  # a row's items after its head: the columns, then the sharding (stats.to_rows)
     )
     _state["kernel"] = k is not None
 

@@ -49,6 +49,7 @@ class StepState:
         self.records: list[PassRecord] = []
         self.open_calls = threading.local()
         self.faults: list[str] = []
+        self.tracing_passes = 0  # engine calls of torch.compile's tracing, not recorded (torch_private.compile_tracing)
 
     def next_seq(self) -> int:
         if self.native_step is not None:
@@ -82,9 +83,8 @@ class StepState:
         self.faults.append(msg)
 
     def native_level(self, level: str) -> bool:
-        """True when the C++ hooks can record a pass at `level` now (gradstore.recording.native.available); never under
-        compiled autograd, which runs only the hooks it can trace (Python ones)."""
-        return native_hooks.available(level) is not None and not tp.compiled_autograd_active()
+        """True when the C++ hooks can record a pass at `level` now (gradstore.recording.native.available)."""
+        return native_hooks.available(level) is not None
 
     def release(self) -> None:
         """Drop every reference to graph objects (end of step)."""
@@ -119,6 +119,8 @@ class PassRecorder:
         aliases: (sharded, unsharded) parameter pairs of FSDP2 (gradstore.recording.modules.fsdp_aliases): the
             graph's AccumulateGrad node of an unsharded parameter is keyed and named by its sharded (named)
             parameter, whose `.grad` (this rank's shard, a DTensor) is the param_grad row.
+        region: sequence_nr -> the modules inside the compiled region running then, or None
+            (`ModuleTracker.region`), for compiled nodes; or None.
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class PassRecorder:
         frame_of=None,
         owner_key: tuple | None = None,
         aliases=(),
+        region=None,
     ):
         self.step = step
         self.params = params
@@ -181,7 +184,7 @@ class PassRecorder:
             if name is not None:
                 param_names[id(sharded)] = param_names[id(unsharded)] = name
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
-        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope, owner_key)
+        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope, owner_key, region)
         if frame_of is not None:
             for i, node in enumerate(self.walk.nodes):
                 info = self.infos[i]
@@ -190,6 +193,14 @@ class PassRecorder:
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
                         step.known[id(node)] = (node, self.infos[i]) + step.known[id(node)][2:]
+        if tp.compiled_autograd_active():
+            # compiled autograd traces every Python node hook into its compiled backward graph with dynamo (and
+            # runs only such hooks): gradstore's would break that graph at every node and exhaust dynamo's
+            # recompile limit. The pass, its graph (nodes, edges) and the parameter gradients are recorded; the
+            # node calls and their gradients are not
+            step.active.append(self)
+            self.record.setup = time.perf_counter() - self.t0
+            return
         self._node_of = self.walk.nodes if options.saved else None
         # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
         self._trusted = [info.kind in ("function", "accumulate_grad") for info in self.infos]

@@ -22,8 +22,15 @@ from ..store.database import DEFAULT_DB
 from ..store.writer import writer_for
 from ..version import __version__
 from . import intercept, kernel, native
+from . import torch_private as tp
 from .frames import FrameTracker
-from .modules import ModuleTracker, fsdp_aliases, fsdp_modules, named_models, named_parameters, qualified_names
+from .modules import (
+    ModuleTracker,
+    fsdp_aliases,
+    fsdp_modules,
+    named_models,
+    named_parameters,
+)
 from .options import Options
 from .passes import PassRecorder, StepState
 
@@ -209,7 +216,7 @@ class record:
         self._params = named_parameters(models)
         self._fsdp = fsdp_modules(models)
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
-        self._tracker = ModuleTracker(qualified_names(models))
+        self._tracker = ModuleTracker.for_models(models)
         self._frames = FrameTracker() if self.options.frames else None
         try:
             self._begin_step()
@@ -265,7 +272,7 @@ class record:
         state, self._state = self._state, None
         # an unsampled step, or one in which no backward pass ran (the empty step after a loop's last
         # rec.step(), an eval-only call): nothing to record; only the run's status may change
-        if state is None or (exc is None and not state.records and not state.faults):
+        if state is None or (exc is None and not state.records and not state.faults and not state.tracing_passes):
             if run_status is not None:
                 self._writer.set_run_status(self.run_id, run_status, time.time())
             return
@@ -288,6 +295,7 @@ class record:
             passes=sorted(state.records, key=lambda r: r.number),
             run_status=run_status,
             level=self.options.stats,
+            tracing_passes=state.tracing_passes,
         )
         state.release()
         self._writer.submit(batch, on_full=self.options.on_full, max_rows=self.options.queue_rows)
@@ -297,6 +305,11 @@ class record:
         """Run one engine call with recording around it; the engine's result or exception passes through."""
         state = self._state
         p = None
+        if state is not None and tp.compile_tracing(outputs):
+            # torch.compile tracing (AOTAutograd's autograd.grad on fake / functional tensors): not a pass of
+            # the training code; counted in steps.tracing_passes, and the engine runs it untouched
+            state.tracing_passes += 1
+            return original(outputs, *args, **kwargs)
         if state is not None and threading.get_ident() != self._thread and state.open_call() is None:
             # a pass of another thread (not one nested in a node running on that thread, as a reentrant
             # checkpoint's on a device thread): its forward's modules were not tracked either
@@ -321,6 +334,7 @@ class record:
                     self._frames.owner_frame if self._frames is not None else None,
                     owner_key=self._tracker.signature(),
                     aliases=fsdp_aliases(self._fsdp) if self._fsdp else (),
+                    region=self._tracker.region,
                 )
             except Exception as exc:
                 state.fault("start of pass", exc)

@@ -68,6 +68,8 @@ class Measured:
     vec: tuple | torch.Tensor | None = None
     checksum: int | torch.Tensor | None = None  # `checksum` of the bytes (param_grad rows): int or 0-d int64
     sharding: Sharding | None = None  # a DTensor's layout; the rest describes its local shard
+    # a non-strided tensor's (layout name, nnz, coalesced): nnz for sparse layouts, coalesced 0/1 for COO, else None
+    nondense: tuple | None = None
 
 
 NONE = Measured("none")
@@ -118,11 +120,21 @@ def _shape(t: torch.Tensor) -> str:
     return ",".join(map(str, t.shape))
 
 
+# the sparse layouts measured as the dense tensor they represent, and their names in tensors.layout
+SPARSE_LAYOUTS = {
+    torch.sparse_coo: "sparse_coo",
+    torch.sparse_csr: "sparse_csr",
+    torch.sparse_csc: "sparse_csc",
+    torch.sparse_bsr: "sparse_bsr",
+    torch.sparse_bsc: "sparse_bsc",
+}
+
+
 def _skip_reason(t: torch.Tensor) -> str | None:
     if type(t) not in _PLAIN_TENSOR_TYPES:
         return f"tensor subclass {type(t).__module__}.{type(t).__qualname__}: values not read"
-    if t.layout != torch.strided:
-        return f"layout {t.layout}: statistics are computed for dense (strided) tensors only"
+    if t.layout != torch.strided and t.layout not in SPARSE_LAYOUTS:
+        return f"layout {t.layout}: statistics are computed for dense (strided) and sparse tensors only"
     if t.device.type == "meta":
         return "meta tensor: it has no data"
     if t.is_quantized:
@@ -240,6 +252,58 @@ def _reduce(x: torch.Tensor, level: str = "full"):
     return _cpu(x, level) if x.device.type == "cpu" else _masked(x, level)
 
 
+def _with_implicit_zeros(vec, zeros: int, level: str, device: torch.device):
+    """The reductions of a sparse tensor's stored values (`vec`, as `_reduce` gives them, or None when it
+    stores none) turned into those of the dense tensor it represents, which also holds `zeros` implicit
+    zeros: counts and the finite count grow by them, min and max take 0 in, the sum and sum of squares (so
+    the norm) stay, and the mean and the squared deviations (M2) are combined as two groups' are (Chan et
+    al.): M2 = M2_v + n_v * (mean_v - mean)^2 + zeros * mean^2. Quantities a level does not compute stay NaN.
+    A host tuple gives a host tuple, a device tensor a device tensor (no transfer)."""
+    absent = _ABSENT
+    if vec is None:
+        full = level == "full"
+        out = (0.0, 0.0, 0.0, float(zeros) if full else absent, float(zeros), 0.0, 0.0, 0.0)
+        return out + ((0.0, 0.0) if full else (absent, absent))
+    if zeros == 0:
+        return vec
+    v = vec if isinstance(vec, torch.Tensor) else torch.tensor(vec, dtype=torch.float64, device=device)
+    nf, mean_v = v[NFINITE], v[MEAN]
+    n = nf + zeros
+    total = torch.where(nf > 0, mean_v * nf, 0.0)  # NaN at 'health' (no mean): stays NaN
+    mean = total / n
+    dev = torch.where(nf > 0, mean_v - mean, 0.0)
+    m2 = v[M2] + nf * dev * dev + zeros * mean * mean
+    zero = torch.zeros((), dtype=torch.float64, device=v.device)
+    out = torch.stack(
+        [v[NAN], v[POSINF], v[NEGINF], v[ZEROS] + zeros, n, v[NORM], torch.minimum(v[MIN], zero),
+         torch.maximum(v[MAX], zero), mean, m2]
+    )  # fmt: skip
+    return out if isinstance(vec, torch.Tensor) else tuple(out.tolist())
+
+
+def _measure_sparse(t: torch.Tensor, m: Measured, level: str) -> Measured:
+    """`measure` of a sparse tensor (COO, CSR, CSC, BSR, BSC): its layout, nnz (stored entries, duplicates
+    included) and whether it is coalesced (COO only; the compressed layouts' indices are sorted and distinct
+    by their invariants), and the statistics of the dense tensor it represents. The tensor is never changed: an
+    uncoalesced COO tensor is measured through a coalesced copy (`Tensor.coalesce()` returns a new tensor, its
+    duplicates summed in the tensor's dtype, as `to_dense()` sums them), and the values are read in place."""
+    coalesced = int(t.is_coalesced()) if t.layout is torch.sparse_coo else None
+    m.nondense = (SPARSE_LAYOUTS[t.layout], tp.sparse_nnz(t), coalesced)
+    reason = _skip_reason(t)
+    if reason is not None:
+        m.status, m.reason = "skipped", reason
+        return m
+    if m.numel == 0 or level == "shape":
+        return m
+    x = t.detach()
+    if coalesced == 0:
+        x = x.coalesce()  # a new tensor: t stays as it is (uncoalesced, same indices and values)
+    values = tp.sparse_values(x)
+    vec = _reduce(values, level) if values.numel() else None
+    m.vec = _with_implicit_zeros(vec, m.numel - values.numel(), level, values.device)
+    return m
+
+
 def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False) -> Measured:
     """Measure one gradient at `level` ('full', 'health' or 'shape'); never raises.
 
@@ -275,6 +339,10 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
             return _measure_dtensor(t, level, checksum)
         shape = _shape(t)
         m = Measured("ok", dtype=dtype_code(t.dtype), shape=shape, numel=t.numel())
+        if t.layout is not torch.strided:
+            if t.layout in SPARSE_LAYOUTS and type(t) in _PLAIN_TENSOR_TYPES:
+                return _measure_sparse(t, m, level)
+            m.nondense = (str(t.layout).removeprefix("torch."), None, None)
         reason = _skip_reason(t)
         if reason is not None:
             m.status, m.reason = "skipped", reason
@@ -292,7 +360,7 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
         reason = f"{type(exc).__name__}: {exc}"[:500]
         if m is None:
             return Measured("skipped", reason=reason)
-        return Measured("skipped", reason=reason, dtype=m.dtype, shape=m.shape, numel=m.numel)
+        return Measured("skipped", reason=reason, dtype=m.dtype, shape=m.shape, numel=m.numel, nondense=m.nondense)
 
 
 def _measure_dtensor(t, level: str, checksum: bool) -> Measured:
@@ -483,9 +551,13 @@ ROW_COLUMNS = (
     "neginf",
     "zeros",
     "checksum",
+    "layout",
+    "nnz",
+    "coalesced",
 )
 NONFINITE_COLUMNS = (10, 11, 12)
 SHARDING_COLUMN = len(ROW_COLUMNS)  # a row's last item: the `Sharding` of a DTensor's shard, else None
+_DENSE = (None, None, None)  # layout, nnz, coalesced of a strided tensor
 
 
 _SHAPE_STRINGS: dict = {}
@@ -501,7 +573,7 @@ def _shape_row(dtype: torch.dtype, size: torch.Size) -> tuple:
         cached = _SHAPE_STRINGS[size] = (",".join(map(str, size)), math.prod(size))
     shape, numel = cached
     stats = _EMPTY_STATS if numel == 0 else _NULL_STATS
-    return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *stats, None, None)
+    return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *stats, None, *_DENSE, None)
 
 
 def needs_transfer(measured: list) -> bool:
@@ -570,7 +642,9 @@ def to_rows(measured: list) -> list[tuple]:
             stats = _EMPTY_STATS
         else:
             stats = _NULL_STATS
-        rows.append((STATUS[status], reason, m.dtype, m.shape, m.numel, *stats, csum, m.sharding))
+        rows.append(
+            (STATUS[status], reason, m.dtype, m.shape, m.numel, *stats, csum, *(m.nondense or _DENSE), m.sharding)
+        )
     return rows
 
 

@@ -5,9 +5,12 @@ tests/test_torch_private.py fails loudly when one of them changes in a new PyTor
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.autograd
 import torch.autograd.graph
+import torch.nn.modules.module
 
 ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1  # what AccumulateGrad._sequence_nr() returns
 
@@ -66,8 +69,6 @@ def compiled_autograd_active() -> bool:
     """True when compiled autograd (torch._dynamo.compiled_autograd) is on or running: it traces node hooks,
     which only Python hooks support. Reads its module's flags `compiled_autograd_enabled` and
     `in_compiled_autograd_region` (private) when the module is imported, else False."""
-    import sys
-
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     if ca is None:
         return False
@@ -152,3 +153,132 @@ def fsdp_parameters(module) -> list[tuple]:
     if group is None:
         return []
     return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for fp in group.fsdp_params]
+
+
+# ---- torch.compile -----------------------------------------------------------------------------------------
+def compiled_module_inner(module):
+    """The module that a `torch.compile(module)` wrapper compiles (its `_orig_mod`), or None when `module` is not
+    such a wrapper (`torch._dynamo.eval_frame.OptimizedModule`, private). Imports nothing: before
+    `torch._dynamo` is imported no wrapper can exist."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    cls = getattr(frames, "OptimizedModule", None)
+    if cls is None or not isinstance(module, cls):
+        return None
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def _tracing_tensor_types() -> tuple:
+    types = []
+    for module, name in (
+        ("torch._subclasses.fake_tensor", "FakeTensor"),
+        ("torch._subclasses.functional_tensor", "FunctionalTensor"),
+    ):
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None:
+            types.append(cls)
+    return tuple(types)
+
+
+_MODE_KEYS = getattr(torch._C, "_TorchDispatchModeKey", None)
+_TRACING_MODES = tuple(getattr(_MODE_KEYS, k) for k in ("FAKE", "PROXY") if hasattr(_MODE_KEYS, k))
+
+
+def compile_tracing(outputs) -> bool:
+    """True when a backward pass is part of a compiler's tracing rather than a real pass: AOTAutograd (inside
+    `torch.compile`) calls `torch.autograd.grad` on FunctionalTensor / FakeTensor outputs, under a fake-tensor
+    and a proxy (make_fx) dispatch mode, while it traces the joint forward and backward graph; that call reaches
+    the same engine entry as a user's pass. (`torch.compiler.is_compiling()` is no test: it is also true where a
+    compiled function's own `loss.backward()` runs for real.)
+
+    Args: outputs: the pass's roots as given to the engine (tensors or GradientEdges).
+    Reads whether a fake-tensor or proxy dispatch mode is active (`torch._C._get_dispatch_mode` with
+    `torch._C._TorchDispatchModeKey.FAKE` / `.PROXY`, private) and whether a root is a `torch._subclasses`
+    FakeTensor or FunctionalTensor (private). Never raises."""
+    try:
+        for key in _TRACING_MODES:
+            if torch._C._get_dispatch_mode(key) is not None:
+                return True
+        types = _tracing_tensor_types()
+        return bool(types) and any(isinstance(t, types) for t in outputs)
+    except Exception:
+        return False
+
+
+def dynamo_imported() -> bool:
+    """True once `torch._dynamo` (torch.compile's frontend) is imported in this process: before that no compiled
+    function or module can exist, and gradstore need not import it (seconds) to guard against one."""
+    return "torch._dynamo" in sys.modules
+
+
+# ---- global module hooks and torch.compile's warning about them ----------------------------------------------
+# `OptimizedModule.__call__` warns "Using `torch.compile(module)` when there are global hooks on modules" whenever
+# `torch.nn.modules.module._has_any_global_hook()` (private; read by that warning only) is true.
+_MODULE = torch.nn.modules.module
+GLOBAL_HOOK_CHECK = "_has_any_global_hook"
+GLOBAL_HOOK_DICTS = (
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+)
+_hidden: set[int] = set()  # handle ids of global module hooks the check disregards
+_original_check = None
+
+
+def _check_without_hidden() -> bool:
+    """`_has_any_global_hook`, disregarding the hooks in `_hidden`."""
+    for name in GLOBAL_HOOK_DICTS:
+        hooks = getattr(_MODULE, name, None)
+        if hooks and any(k not in _hidden for k in hooks):
+            return True
+    return False
+
+
+def hide_global_module_hooks(handles) -> None:
+    """Make torch's check for global module hooks disregard the hooks behind `handles` (RemovableHandles of
+    `register_module_forward_pre_hook` / `register_module_forward_hook`): gradstore's own hooks then do not make
+    `torch.compile(module)` warn that the hooks fire once more for its wrapper (gradstore names the wrapper as the
+    module it wraps, so that extra call is harmless). Another hook still makes it warn. Undo with
+    `unhide_global_module_hooks`. Replaces `torch.nn.modules.module._has_any_global_hook` (private) while any
+    hook is hidden; no-op where it is missing."""
+    global _original_check
+    if not hasattr(_MODULE, GLOBAL_HOOK_CHECK):
+        return
+    _hidden.update(h.id for h in handles)
+    if _original_check is None:
+        _original_check = getattr(_MODULE, GLOBAL_HOOK_CHECK)
+        setattr(_MODULE, GLOBAL_HOOK_CHECK, _check_without_hidden)
+
+
+def unhide_global_module_hooks(handles) -> None:
+    """Undo `hide_global_module_hooks` for `handles`; the original check is back once none is hidden."""
+    global _original_check
+    _hidden.difference_update(h.id for h in handles)
+    if not _hidden and _original_check is not None:
+        if getattr(_MODULE, GLOBAL_HOOK_CHECK, None) is _check_without_hidden:
+            setattr(_MODULE, GLOBAL_HOOK_CHECK, _original_check)
+        _original_check = None
+
+
+# ---- sparse tensors ------------------------------------------------------------------------------------------
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def sparse_nnz(t: torch.Tensor) -> int:
+    """The number of stored entries of a sparse tensor (`Tensor._nnz()`, private; an uncoalesced COO tensor
+    counts each duplicate; a batched compressed tensor counts one batch)."""
+    return int(t._nnz())
+
+
+def sparse_values(t: torch.Tensor) -> torch.Tensor:
+    """The stored values of a sparse tensor, without copying or coalescing it: `Tensor._values()` (private) for
+    COO, where `values()` refuses an uncoalesced tensor; `Tensor.values()` for the compressed layouts (CSR, CSC,
+    BSR, BSC). Shape (nnz, *dense dims) for COO; (*batch, nnz, *blocks, *dense dims) for the others."""
+    if t.layout is torch.sparse_coo:
+        return t._values()
+    if t.layout in _COMPRESSED:
+        return t.values()
+    raise TypeError(f"not a sparse layout: {t.layout}")

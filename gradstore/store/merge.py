@@ -309,19 +309,16 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
     td, tn, tsh = s.tensor_data.c, s.tensor_notes.c, s.tensor_shardings.c
     for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
         rows = [r for r in rows if r["step_id"] in step_map]
-        notes, layouts = {}, {}  # this chunk's reasons and checksums; its DTensor layouts
+        notes, layouts = {}, {}  # this chunk's notes (reasons, checksums, sparse layouts); its DTensor layouts
         for ids in _chunks([r["id"] for r in rows], _IN):
-            notes.update(
-                (r["id"], r)
-                for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(tn.id.in_(ids))).mappings()
-            )
+            notes.update((r["id"], r) for r in src.execute(select(s.tensor_notes).where(tn.id.in_(ids))).mappings())
             layouts.update((i, sid) for i, sid in src.execute(select(tsh.id, tsh.sharding_id).where(tsh.id.in_(ids))))
         new_ids = _reserve_tensor_ids(dst, len(rows))
         new_notes, new_layouts = [], []
         for r, new_id in zip(rows, new_ids):
             note = notes.get(r["id"])
             if note is not None:
-                new_notes.append({"id": new_id, "reason": note["reason"], "checksum": note["checksum"]})
+                new_notes.append({**note, "id": new_id})
             layout = layouts.get(r["id"])
             if layout is not None:
                 new_layouts.append({"id": new_id, "sharding_id": sharding_map[layout]})

@@ -66,8 +66,9 @@ class Store:
         return self.query("runs")
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
-        """Steps: run, rank, step, status (ok/error/nonfinite), passes, level, dropped (rows), waited (s),
-        started_at, ended_at, duration (s), error."""
+        """Steps: run, rank, step, status (ok/error/nonfinite), passes, tracing_passes (torch.compile's tracing
+        calls of autograd, not recorded), level, dropped (rows), waited (s), started_at, ended_at, duration (s),
+        error."""
         return self.query("steps", run=run, rank=rank, step=step)
 
     def passes(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
@@ -76,8 +77,8 @@ class Store:
         return self.query("passes", run=run, rank=rank, step=step)
 
     def nodes(self, run: str | None = None, module: str | None = None) -> pd.DataFrame:
-        """Nodes: run, key, name, kind, module, param, frame, first_step. `module` keeps that module and its
-        children."""
+        """Nodes: run, key, name, kind, module, param, frame, region (a compiled region's modules), first_step.
+        `module` keeps that module and its children."""
         return self.query("nodes", run=run, module=module)
 
     def edges(self, run: str | None = None) -> pd.DataFrame:
@@ -99,7 +100,8 @@ class Store:
         module: str | None = None,
     ) -> pd.DataFrame:
         """Gradient statistics: run, rank, step, pass, seq, key, name, module, param, role, slot, status, reason,
-        dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros."""
+        dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced (a
+        sparse gradient's; NULL when dense)."""
         return self.query("tensors", run=run, step=step, rank=rank, role=role, module=module)
 
     # ---- the analyses ------------------------------------------------------------------------------------------
@@ -128,10 +130,12 @@ class Store:
         """Each parameter's .grad per step (after the step's last backward pass), as queries/param_grads.sql.
 
         scope='rank' (default): one row per rank: run, rank, step, pass, param, module, status, dtype, shape,
-        numel, norm, min, max, mean, std, nan, posinf, neginf, zeros (a DTensor's local shard: shape and numel
-        are the shard's), then placements, mesh_shape, mesh_dims, coordinate, global_shape, offset (NULL for a
-        plain tensor). scope='global': the whole gradient combined from every rank's shard, as `global_grads`
-        (`rank` must be None then). Raises UnknownRun; ValueError for another scope, or a rank with 'global'.
+        numel, norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced (a sparse
+        gradient's layout, stored entries and whether it was coalesced; NULL for a dense one) (a DTensor's local
+        shard: shape and numel are the shard's), then placements, mesh_shape, mesh_dims, coordinate,
+        global_shape, global_offset (NULL for a plain tensor). scope='global': the whole gradient combined from
+        every rank's shard, as `global_grads` (`rank` must be None then). Raises UnknownRun; ValueError for
+        another scope, or a rank with 'global'.
         """
         if scope == "global":
             if rank is not None:

@@ -85,6 +85,8 @@ steps = Table(
     Column("level", String(16), nullable=False),  # stats level: full / health / params / shape
     Column("dropped", Integer, nullable=False),  # rows dropped because the writer fell behind (on_full='drop')
     Column("waited", Float, nullable=False),  # seconds the step waited for the writer (on_full='wait')
+    # backward passes torch.compile ran while tracing (AOTAutograd on fake / functional tensors): not recorded
+    Column("tracing_passes", Integer, nullable=False, server_default=text("0")),
     UniqueConstraint("run_id", "rank", "step"),
 )
 
@@ -123,6 +125,8 @@ nodes = Table(
     Column("module", String(1024), nullable=False),
     Column("param", String(1024)),
     Column("frame", String(2048)),  # 'file:line in function' of the user code that created it (frames=True)
+    # a compiled region (CompiledFunctionBackward) of a torch.compile'd module: the modules inside it, comma-separated
+    Column("region", Text),
     Column("first_step", Integer, nullable=False),
     UniqueConstraint("run_id", "key"),
 )
@@ -180,8 +184,8 @@ calls = table("calls", *(column(c) for c in CALLS_VIEW_COLUMNS))
 #     itself is the index by step and, within a step, by node, so it needs no other index, and a step's rows are
 #     appended at its end (a per-node index would dirty a page per node at every step commit); `norm` is NULL
 #     where SQRT((n - 1) * std * std + n * mean * mean) over the n finite elements gives the measured norm bit for bit
-#   (the writer checks; the view computes it); tensor_notes: the rare columns, `reason` (skipped rows) and
-#   `checksum` (param_grad rows), by tensor id.
+#   (the writer checks; the view computes it); tensor_notes: the rare columns, `reason` (skipped rows),
+#   `checksum` (param_grad rows) and a sparse gradient's `layout`, `nnz` and `coalesced` (revision 0005), by id.
 # Tensor ids increase with step_id (every gradstore writer allocates them so): on SQLite the next id is found from
 # the last step's rows; on PostgreSQL it comes from the column's sequence. A query by node reads fast when it also
 # names the steps (`step_id IN (...)`): then each (step, node) is one seek in the table.
@@ -230,6 +234,10 @@ tensor_notes = Table(
     Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
     Column("reason", Text),  # why a row is skipped
     Column("checksum", BigInteger),  # param_grad rows: a 64-bit checksum of the bytes (bitwise comparison)
+    # a sparse gradient: its layout (sparse_coo, sparse_csr, ...), stored entries, whether coalesced (COO: 0/1)
+    Column("layout", String(16)),
+    Column("nnz", BigInteger),
+    Column("coalesced", Integer),
 )
 
 # n, the finite elements, and the norm derived from mean and std (in this order of operations: the writer checks
@@ -259,6 +267,9 @@ TENSORS_VIEW_COLUMNS = (
     "neginf",
     "zeros",
     "checksum",
+    "layout",
+    "nnz",
+    "coalesced",
 )
 TENSORS_VIEW = f"""CREATE VIEW tensors AS
 SELECT t.id, t.step_id,
@@ -270,7 +281,10 @@ SELECT t.id, t.step_id,
        {_NUMEL} AS numel,
        COALESCE(t.norm, SQRT(({_NFINITE} - 1) * t.std * t.std + {_NFINITE} * t.mean * t.mean)) AS norm,
        t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros,
-       (SELECT x.checksum FROM tensor_notes x WHERE x.id = t.id) AS checksum
+       (SELECT x.checksum FROM tensor_notes x WHERE x.id = t.id) AS checksum,
+       (SELECT x.layout FROM tensor_notes x WHERE x.id = t.id) AS layout,
+       (SELECT x.nnz FROM tensor_notes x WHERE x.id = t.id) AS nnz,
+       (SELECT x.coalesced FROM tensor_notes x WHERE x.id = t.id) AS coalesced
 FROM tensor_data t"""
 
 # the view for SQLAlchemy Core (select only; not part of `metadata`, so Alembic's comparison leaves it alone)

@@ -135,6 +135,7 @@ class Writer:
                     "level",
                     "dropped",
                     "waited",
+                    "tracing_passes",
                 ),
             )
             + returning
@@ -167,7 +168,9 @@ class Writer:
             "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns")
         )
         self._tensor_insert = self._driver_insert("tensor_data", TENSOR_DATA_COLUMNS)
-        self._note_insert = self._driver_insert("tensor_notes", ("id", "reason", "checksum"))
+        self._note_insert = self._driver_insert(
+            "tensor_notes", ("id", "reason", "checksum", "layout", "nnz", "coalesced")
+        )
         self._sharded_insert = self._driver_insert("tensor_shardings", ("id", "sharding_id"))
         mark = "%s" if self._pg else "?"
         self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
@@ -346,6 +349,7 @@ class Writer:
                 b.level,
                 b.dropped,
                 b.waited,
+                b.tracing_passes,
             ),
         )
         self._write_nodes(conn, b, added)
@@ -408,6 +412,7 @@ class Writer:
                     "module": new[k].module,
                     "param": new[k].param,
                     "frame": new[k].frame,
+                    "region": new[k].region,
                     "first_step": b.step,
                 }
                 for k in keys
@@ -554,6 +559,9 @@ class Writer:
                     ninf,
                     zeros,
                     csum,
+                    torch_layout,
+                    nnz,
+                    coalesced,
                     sharding,
                 ) in p.tensors:
                     tid = tids[k]
@@ -612,8 +620,8 @@ class Writer:
                                 zeros,
                             )
                         )
-                    if reason is not None or csum is not None:
-                        notes.append((tid, reason, csum))
+                    if reason is not None or csum is not None or torch_layout is not None:
+                        notes.append((tid, reason, csum, torch_layout, nnz, coalesced))
                     if sharding is not None:
                         sharded.append((tid, sharding))
                     k += 1

@@ -35,7 +35,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 4;
+constexpr int ABI = 5;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -53,6 +53,7 @@ struct Globals {
   int64_t split = 1 << 19;
   // row codes: STATUS ok / none, ROLE grad_output / grad_input
   long status_ok = 0, status_none = 0, role_code[2] = {0, 0};
+  long columns = 19;  // len(ROW_COLUMNS) + 1 (gradstore.recording.stats): the row's items after the first 4
   bool ready = false;
 } G;
 
@@ -542,10 +543,14 @@ PyObject* py_init(PyObject*, PyObject* args) {
   PyObject *codes, *fallback, *reuse, *tensor_type, *param_type;
   unsigned long long f32, f64, h32, h64, m32, m64;
   long long split;
-  long ok, none, r_out, r_in;
-  if (!PyArg_ParseTuple(args, "OKKKKKKOOOOLllll", &codes, &f32, &f64, &h32, &h64, &m32, &m64, &fallback, &reuse,
-                        &tensor_type, &param_type, &split, &ok, &none, &r_out, &r_in))
+  long ok, none, r_out, r_in, columns;
+  if (!PyArg_ParseTuple(args, "OKKKKKKOOOOLlllll", &codes, &f32, &f64, &h32, &h64, &m32, &m64, &fallback, &reuse,
+                        &tensor_type, &param_type, &split, &ok, &none, &r_out, &r_in, &columns))
     return nullptr;
+  if (columns < 15) {
+    PyErr_SetString(PyExc_ValueError, "init(): a row has at least 15 columns after its head");
+    return nullptr;
+  }
   PyObject* seq = PySequence_Fast(codes, "dtype codes: a sequence of (scalar type, code)");
   if (seq == nullptr) return nullptr;
   std::fill(G.dtype_code, G.dtype_code + 256, (int16_t)-1);
@@ -579,6 +584,7 @@ PyObject* py_init(PyObject*, PyObject* args) {
   G.status_none = none;
   G.role_code[R_OUT] = r_out;
   G.role_code[R_IN] = r_in;
+  G.columns = columns;
   G.ready = true;
   Py_RETURN_NONE;
 }
@@ -780,10 +786,10 @@ PyObject* py_rows(PyObject*, PyObject* args) {
         PyTuple_SET_ITEM(row, 4 + k, x);
       }
     } else {
-      row = PyTuple_New(4 + 16);
+      row = PyTuple_New(4 + G.columns);
       if (e.r.kind == K_NONE) {
         PyTuple_SET_ITEM(row, 4, PyLong_FromLong(G.status_none));
-        for (int k = 5; k < 20; ++k) PyTuple_SET_ITEM(row, k, none());
+        for (int k = 5; k < 19; ++k) PyTuple_SET_ITEM(row, k, none());
       } else {
         PyTuple_SET_ITEM(row, 4, PyLong_FromLong(G.status_ok));
         PyTuple_SET_ITEM(row, 5, none());
@@ -800,8 +806,10 @@ PyObject* py_rows(PyObject*, PyObject* args) {
           for (int k = 9; k < 18; ++k) PyTuple_SET_ITEM(row, k, none());
         }
         PyTuple_SET_ITEM(row, 18, none());  // checksum
-        PyTuple_SET_ITEM(row, 19, none());  // sharding: a plain tensor's (a DTensor is measured in Python)
       }
+      // layout, nnz, coalesced (a dense tensor's: None), then the sharding (a plain tensor's: None; a DTensor is
+      // measured in Python)
+      for (long k = 19; k < 4 + G.columns; ++k) PyTuple_SET_ITEM(row, k, none());
     }
     for (int k = 0; k < 4; ++k) PyTuple_SET_ITEM(row, k, head[k]);
     PyList_SET_ITEM(out, i, row);

@@ -1,0 +1,641 @@
+"""torch.compile under recording: a compiled model records like the eager one, less the ops inside its compiled
+region, which is one CompiledFunctionBackward node attributed to the compiled module and listing the modules
+inside it.
+
+- The engine calls AOTAutograd makes while it traces (`torch.autograd.grad` on FunctionalTensor / fake tensors)
+  are not recorded as passes; `steps.tracing_passes` counts them. The expected count comes from a spy on the
+  engine entry in an unrecorded compile of the same model (plain torch).
+- A `torch.compile` wrapper (OptimizedModule) is unwrapped wherever a model is given or found: no name holds
+  `_orig_mod.`; DDP(compiled) and compiled(DDP) give the plain model's names.
+- gradstore's global module hooks cause no graph break (dynamo's counters) and no warning.
+- Every gradient is bit-identical (`torch.equal`) to the same compiled computation run without recording.
+
+Compiling is slow (seconds per graph; more in each forked rank on a loaded machine): the models are tiny and
+the backend is `aot_eager` (AOTAutograd, which makes the tracing passes and the CompiledFunctionBackward node,
+without inductor's C++ build). The shared case 20 (../shared/cases/20_compile_ignores_backward_hook_added_later.py)
+is copied here with its facts asserted against the record.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from _procs import run_distributed
+
+import gradstore
+from gradstore.store.writer import flush_pending
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _dynamo_imported():
+    """Import torch._dynamo once (seconds): forked ranks inherit it."""
+    import torch._dynamo  # noqa: F401
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.block = Block()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(torch.relu(self.inp(x))))
+
+
+def make() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+XS = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + i)) for i in range(2)]
+REGION = ",".join(n for n, _ in Net().named_modules() if n)  # every submodule, in named_modules order
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+class EngineSpy:
+    """Counts the calls of the engine entry (`torch.autograd.graph._engine_run_backward`) whose roots are
+    FunctionalTensors: AOTAutograd's tracing calls. Plain torch; restores the entry on exit."""
+
+    def __enter__(self):
+        self.real = torch.autograd.graph._engine_run_backward
+        self.tracing = 0
+
+        def spy(t_outputs, *args, **kwargs):
+            if any(type(t).__name__ == "FunctionalTensor" for t in t_outputs):
+                self.tracing += 1
+            return self.real(t_outputs, *args, **kwargs)
+
+        torch.autograd.graph._engine_run_backward = torch.autograd._engine_run_backward = spy
+        return self
+
+    def __exit__(self, *exc):
+        torch.autograd.graph._engine_run_backward = torch.autograd._engine_run_backward = self.real
+        return False
+
+
+def _steps(compiled, x_grads: bool = True):
+    """Two forward/backward steps of `compiled` (any callable module): per step the parameter gradients, x's
+    gradient and the compiled region's grad_inputs by where they go ({'param:<name>' or 'x': gradient}, from a
+    plain node hook on the output's grad_fn and its next_functions)."""
+    names = {id(p): n for n, p in compiled.named_parameters()}
+    out = []
+    for x0 in XS:
+        x = x0.clone().requires_grad_(x_grads)
+        y = compiled(x)
+        seen = {}
+        if y.grad_fn.name() == "CompiledFunctionBackward":  # the whole model is the region
+            targets = [
+                "x" if n.variable is x else "param:" + names[id(n.variable)].removeprefix("_orig_mod.")
+                for n, _ in y.grad_fn.next_functions
+            ]
+            y.grad_fn.register_hook(lambda gi, go, to=targets, seen=seen: seen.update(zip(to, [g.clone() for g in gi])))
+        y.sum().backward()
+        out.append(([p.grad.clone() for p in compiled.parameters()], x.grad, seen))
+        compiled.zero_grad(set_to_none=True)
+    return out
+
+
+def _sql(db, sql, *params):
+    flush_pending(db)  # a decorated step is queued for the writer when it returns: wait for it before reading
+    with sqlite3.connect(db) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def _keys(db, run) -> dict[str, tuple]:
+    rows = _sql(
+        db,
+        "SELECT n.key, n.name, k.name, n.module, n.param, n.region FROM nodes n JOIN runs r ON r.id = n.run_id "
+        "JOIN kinds k ON k.id = n.kind WHERE r.name = ?",
+        run,
+    )
+    return {r[0]: r[1:] for r in rows}
+
+
+def _no_orig_mod(keys: dict[str, tuple]) -> None:
+    for key, (_name, _kind, module, param, _region) in keys.items():
+        assert "_orig_mod" not in key and "_orig_mod" not in module and "_orig_mod" not in (param or ""), key
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t.detach().double()))
+
+
+# ---- one process ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("given", ["compiled", "plain"])
+def test_compiled_model_records_like_eager_with_one_attributed_region(tmp_path, given):
+    """model= the compiled model, or the plain model while the compiled one is called: the same record."""
+    import torch._dynamo
+
+    db = str(tmp_path / "c.db")
+    eager = make()
+    with gradstore.record("eager", db=db, model=eager) as rec:
+        for i, x0 in enumerate(XS):
+            eager(x0.clone().requires_grad_()).sum().backward()
+            eager.zero_grad(set_to_none=True)
+            if i == 0:
+                rec.step()
+    torch._dynamo.reset()
+    with EngineSpy() as spy:  # an unrecorded compile of the same model: how many tracing calls AOTAutograd makes
+        plain = _steps(torch.compile(make(), backend="aot_eager"))
+    assert spy.tracing >= 1
+    torch._dynamo.reset()  # the recorded model compiles inside the recording
+    net = make()
+    compiled = torch.compile(net, backend="aot_eager")
+    breaks = _graph_breaks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradstore.record("compiled", db=db, model=compiled if given == "compiled" else net) as rec:
+            recorded = []
+            for i, x0 in enumerate(XS):
+                x = x0.clone().requires_grad_()
+                compiled(x).sum().backward()
+                recorded.append(([p.grad.clone() for p in net.parameters()], x.grad))
+                net.zero_grad(set_to_none=True)
+                if i == 0:
+                    rec.step()
+    assert [str(w.message) for w in caught] == []  # no "global hooks" warning, no recorder fault
+    assert _graph_breaks() == breaks
+    for (pa, xa, _), (pb, xb) in zip(plain, recorded):  # bit-identical to the unrecorded compiled model
+        assert all(torch.equal(a, b) for a, b in zip(pa, pb)) and torch.equal(xa, xb)
+
+    with gradstore.open(db) as store:
+        steps = store.steps("compiled")
+        passes = store.passes("compiled")
+    assert list(steps.passes) == [1, 1] and list(steps.status) == ["ok", "ok"]
+    assert list(steps.tracing_passes) == [spy.tracing, 0]  # AOTAutograd's tracing calls: counted, not recorded
+    assert list(passes.kind) == ["backward", "backward"] and list(passes.roots) == [1, 1]
+    keys, eager_keys = _keys(db, "compiled"), _keys(db, "eager")
+    _no_orig_mod(keys)
+    region = "CompiledFunctionBackward#0"
+    assert keys[region] == ("CompiledFunctionBackward", "compiled", "", None, REGION)
+    assert set(keys) - {region} <= set(eager_keys)  # the rest are the eager keys: parameters, x, the loss's sum
+    assert {k for k in eager_keys if k.startswith("param:")} <= set(keys)
+    inside = set(eager_keys) - set(keys)  # the eager nodes the region replaces: of the model ('') or modules listed
+    assert inside and all(eager_keys[k][2] in ["", *REGION.split(",")] for k in inside)
+    assert {eager_keys[k][2] for k in inside} == {"", *REGION.split(",")}  # each listed module has an op inside
+    # the region's edges go to the AccumulateGrad nodes of x and of the six parameters
+    edges = _sql(
+        db,
+        "SELECT d.key FROM edges e JOIN nodes s ON s.id = e.src JOIN nodes d ON d.id = e.dst "
+        "JOIN runs r ON r.id = e.run_id WHERE s.key = ? AND r.name = 'compiled' ORDER BY e.src_slot",
+        region,
+    )
+    assert sorted(k for (k,) in edges) == sorted(
+        ["AccumulateGrad#0"] + [f"param:{n}" for n, _ in net.named_parameters()]
+    )
+    # its grad_inputs as recorded are those a plain hook on the unrecorded region received
+    with gradstore.open(db) as store:
+        t = store.tensors("compiled")
+        params = store.param_grads("compiled")
+        shown = str(gradstore.explain(store, "compiled", region))
+    to = dict(
+        _sql(
+            db,
+            "SELECT e.src_slot, d.key FROM edges e JOIN nodes s ON s.id = e.src JOIN nodes d ON d.id = e.dst "
+            "JOIN runs r ON r.id = e.run_id WHERE s.key = ? AND r.name = 'compiled'",
+            region,
+        )
+    )
+    for step, (_, _, gi) in enumerate(plain):
+        rows = t[(t.step == step) & (t.key == region) & (t.role == "grad_input")]
+        got = {"x" if to[r.slot] == "AccumulateGrad#0" else to[r.slot]: (r.status, r.norm) for r in rows.itertuples()}
+        assert set(got) == set(gi)
+        for target, g in gi.items():
+            assert got[target][0] == "ok" and got[target][1] == pytest.approx(_norm(g), rel=1e-12), target
+    for step, (grads, _) in enumerate(recorded):
+        for (name, _), g in zip(net.named_parameters(), grads):
+            (r,) = params[(params.step == step) & (params.param == name)].itertuples()
+            assert r.norm == pytest.approx(_norm(g), rel=1e-12) and (r.min, r.max) == (float(g.min()), float(g.max()))
+    assert "modules inside: " + ", ".join(REGION.split(",")) in shown
+    torch._dynamo.reset()
+
+
+def test_submodule_compiled_in_place_and_the_decorators_module_argument(tmp_path):
+    """`net.block = torch.compile(net.block)`, recorded through the decorator's module argument: the region is
+    attributed to `block` and lists its submodules; every other node has its eager key; no `_orig_mod.`."""
+    import torch._dynamo
+
+    db = str(tmp_path / "s.db")
+    torch._dynamo.reset()
+    plain = make()
+    plain.block = torch.compile(plain.block, backend="aot_eager")
+    want = _steps(plain)
+    eager = make()
+
+    @gradstore.record("eager", db=db)
+    def eager_step(model, x):
+        model(x).sum().backward()
+
+    eager_step(eager, XS[0].clone().requires_grad_())
+    net = make()
+    net.block = torch.compile(net.block, backend="aot_eager")
+
+    @gradstore.record("sub", db=db)
+    def train_step(model, x):
+        model(x).sum().backward()
+
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x0 in XS:
+            x = x0.clone().requires_grad_()
+            train_step(net, x)
+            got.append(([p.grad.clone() for p in net.parameters()], x.grad))
+            net.zero_grad(set_to_none=True)
+    assert [str(w.message) for w in caught] == []
+    for (pa, xa, _), (pb, xb) in zip(want, got):
+        assert all(torch.equal(a, b) for a, b in zip(pa, pb)) and torch.equal(xa, xb)
+    keys, eager_keys = _keys(db, "sub"), _keys(db, "eager")
+    _no_orig_mod(keys)
+    assert keys["block/CompiledFunctionBackward#0"][2:] == ("block", None, "block.a,block.b")
+    # the eager keys but those of ops inside block: inp's, head's, relu, sum, x and every parameter
+    outside = {k for k, v in eager_keys.items() if not v[2].startswith("block") or k.startswith("param:")}
+    assert set(keys) - {"block/CompiledFunctionBackward#0"} == outside
+    assert {v[3] for v in keys.values() if v[3]} == {n for n, _ in make().named_parameters()}
+    torch._dynamo.reset()
+
+
+def test_backward_inside_a_compiled_step_is_recorded_as_a_pass(tmp_path):
+    """`loss.backward()` inside a torch.compile'd training step: dynamo breaks its graph at the backward call
+    with or without recording (the same count), the pass is recorded as an eager one, and AOTAutograd's
+    tracing of the compiled forward is counted, not recorded. No torch.compile wrapper is called here, so the
+    region is attributed to the module around the compiled call ('' here), with no module list."""
+    import torch._dynamo
+
+    def train(model):
+        @torch.compile(backend="aot_eager")
+        def step(x):
+            loss = model(x).sum()
+            loss.backward()
+            return loss
+
+        grads = []
+        for x0 in XS:
+            step(x0)
+            grads.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        return grads
+
+    db = str(tmp_path / "t.db")
+    torch._dynamo.reset()
+    breaks = _graph_breaks()
+    plain = train(make())
+    plain_breaks = _graph_breaks() - breaks
+    torch._dynamo.reset()
+    net = make()
+    breaks = _graph_breaks()
+    with gradstore.record("step", db=db, model=net) as rec:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+
+            @torch.compile(backend="aot_eager")
+            def step(x):
+                loss = net(x).sum()
+                loss.backward()
+                return loss
+
+            got = []
+            for i, x0 in enumerate(XS):
+                step(x0)
+                got.append([p.grad.clone() for p in net.parameters()])
+                net.zero_grad(set_to_none=True)
+                if i == 0:
+                    rec.step()
+    assert [str(w.message) for w in caught] == []
+    assert _graph_breaks() - breaks == plain_breaks
+    assert all(torch.equal(a, b) for ga, gb in zip(plain, got) for a, b in zip(ga, gb))
+    steps = _sql(db, "SELECT passes, tracing_passes FROM steps ORDER BY step")
+    assert [p for p, _ in steps] == [1, 1] and steps[0][1] >= 1 and steps[1][1] == 0
+    keys = _keys(db, "step")
+    assert keys["CompiledFunctionBackward#0"][1:] == ("compiled", "", None, None)
+    with gradstore.open(db) as store:
+        calls = store.calls("step")
+    assert set(calls.key) >= {"CompiledFunctionBackward#0", "param:inp.weight"}  # node hooks ran, eagerly
+    torch._dynamo.reset()
+
+
+def test_frames_under_torch_compile_break_no_graph(tmp_path):
+    """record(frames=True) (a TorchFunctionMode) while torch.compile traces: it calls straight through, so the
+    model compiles into one region, as without recording; the region's node gets the line of the compiled
+    forward (the frame dynamo runs in place of `Net.forward`, whose code keeps its file and lines)."""
+    import torch._dynamo
+
+    db = str(tmp_path / "f.db")
+    torch._dynamo.reset()
+    plain = _steps(torch.compile(make(), backend="aot_eager"))
+    torch._dynamo.reset()
+    net = make()
+    compiled = torch.compile(net, backend="aot_eager")
+    breaks = _graph_breaks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradstore.record("frames", db=db, model=compiled, frames=True):
+            x = XS[0].clone().requires_grad_()
+            compiled(x).sum().backward()
+    assert [str(w.message) for w in caught] == [] and _graph_breaks() == breaks
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), plain[0][0])) and torch.equal(
+        x.grad, plain[0][1]
+    )
+    keys = _keys(db, "frames")
+    assert [k for k, v in keys.items() if v[1] == "compiled"] == ["CompiledFunctionBackward#0"]
+    (frame,) = _sql(db, "SELECT frame FROM nodes WHERE key = 'CompiledFunctionBackward#0'")[0]
+    path, rest = frame.rsplit(":", 1)
+    line, function = rest.split(" in ")
+    first = Net.forward.__code__.co_firstlineno  # dynamo's frame stands at the def line (torch 2.13) or in the body
+    assert (path, function) == (__file__, "forward") and first <= int(line) <= first + 1, frame
+    torch._dynamo.reset()
+
+
+# ---- case 20: torch.compile ignores a backward hook added after the first compiled call -------------------------
+def test_case20_compile_ignores_backward_hook_added_later(tmp_path):
+    """../shared/cases/20_compile_ignores_backward_hook_added_later.py, recorded. Its facts against the record:
+    the compiled graph is ONE CompiledFunctionBackward node whose next_functions are the 5 AccumulateGrad nodes
+    (x and the 4 parameters), recorded as a compiled region (kind compiled, the modules inside listed), not as
+    ops; the full backward hook registered on net[0] after the first compiled call does not run in the compiled
+    run (x.grad unchanged), and runs in the eager one (x.grad x 3); gradstore started after the model was
+    compiled and run loses nothing of the compiled region's module attribution (the region's owner and modules
+    come from the compiled wrapper's own call, whenever it was compiled)."""
+    import torch._dynamo
+
+    def scenario(db):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        compiled = torch.compile(net, backend="aot_eager")
+        x0 = torch.randn(2, 4)
+        x = x0.clone().requires_grad_(True)
+        y = compiled(x)
+        facts = {
+            "grad_fn": y.grad_fn.name(),
+            "next": [n.name().split("::")[-1] for n, _ in y.grad_fn.next_functions if n],
+        }
+        y.sum().backward()
+        baseline = x.grad.clone()
+        calls = []
+
+        def triple_grad_input(module, grad_input, grad_output):
+            calls.append(module)
+            return tuple(None if g is None else 3 * g for g in grad_input)
+
+        net[0].register_full_backward_hook(triple_grad_input)
+        scope = gradstore.record("case20", db=db, model=compiled) if db else None
+        rec = scope.__enter__() if scope else None
+        try:
+            x = x0.clone().requires_grad_(True)
+            compiled(x).sum().backward()
+            compiled_grad, compiled_calls = x.grad.clone(), len(calls)
+            if rec:
+                rec.step()
+            x = x0.clone().requires_grad_(True)
+            net(x).sum().backward()
+            eager_grad, eager_calls = x.grad.clone(), len(calls)
+        finally:
+            if scope:
+                scope.__exit__(None, None, None)
+        torch._dynamo.reset()
+        params = [p.grad.clone() for p in net.parameters()]
+        return facts, baseline, compiled_grad, compiled_calls, eager_grad, eager_calls, params
+
+    db = str(tmp_path / "c20.db")
+    plain = scenario(None)
+    facts, baseline, compiled_grad, compiled_calls, eager_grad, eager_calls, params = scenario(db)
+    # the case's facts, unchanged by recording
+    assert facts == plain[0] == {"grad_fn": "CompiledFunctionBackward", "next": ["AccumulateGrad"] * 5}
+    assert compiled_calls == 0 and torch.equal(compiled_grad, baseline)
+    assert eager_calls == 1 and torch.allclose(eager_grad, 3 * baseline)
+    assert torch.equal(plain[1], baseline) and torch.equal(plain[2], compiled_grad)  # bit-identical unrecorded
+    assert torch.equal(plain[4], eager_grad) and (plain[3], plain[5]) == (compiled_calls, eager_calls)
+    assert all(torch.equal(a, b) for a, b in zip(plain[6], params))
+    # ... and in the record: step 0 (compiled) is one region over the 5 AccumulateGrad nodes, no op nodes
+    rows = _sql(
+        db,
+        "SELECT DISTINCT st.step, n.key, n.name, n.module, n.region FROM calls c JOIN nodes n ON n.id = c.node_id "
+        "JOIN steps st ON st.id = c.step_id ORDER BY st.step, n.key",
+    )
+    compiled_nodes = [r[1:] for r in rows if r[0] == 0]
+    assert compiled_nodes == [
+        ("AccumulateGrad#0", "AccumulateGrad", "", None),
+        ("CompiledFunctionBackward#0", "CompiledFunctionBackward", "", "0,1,2"),
+        ("SumBackward0#0", "SumBackward0", "", None),
+        ("param:0.bias", "AccumulateGrad", "0", None),
+        ("param:0.weight", "AccumulateGrad", "0", None),
+        ("param:2.bias", "AccumulateGrad", "2", None),
+        ("param:2.weight", "AccumulateGrad", "2", None),
+    ]
+    edges = _sql(
+        db,
+        "SELECT d.name FROM edges e JOIN nodes s ON s.id = e.src JOIN nodes d ON d.id = e.dst "
+        "WHERE s.key = 'CompiledFunctionBackward#0'",
+    )
+    assert [n for (n,) in edges] == ["AccumulateGrad"] * 5
+    # step 1 (eager, the hook runs): the per-op nodes of modules 0 and 2, and BackwardHookFunctionBackward
+    eager_nodes = {r[1] for r in rows if r[0] == 1}
+    assert {"0/AddmmBackward0#0", "2/AddmmBackward0#0", "1/ReluBackward0#0"} <= eager_nodes
+    # x's gradient (its AccumulateGrad's grad_output): the baseline in the compiled step, 3 x it in the eager one
+    x_rows = _sql(
+        db,
+        "SELECT st.step, t.norm FROM tensors t JOIN nodes n ON n.id = t.node_id JOIN steps st ON st.id = t.step_id "
+        "WHERE n.key = 'AccumulateGrad#0' AND t.role = 0 ORDER BY st.step",
+    )
+    assert x_rows[0] == (0, pytest.approx(_norm(baseline), rel=1e-12))
+    assert x_rows[1] == (1, pytest.approx(3 * _norm(baseline), rel=1e-6))
+    assert _sql(db, "SELECT tracing_passes FROM steps ORDER BY step") == [(0,), (0,)]  # compiled before recording
+
+
+# ---- 2 gloo ranks: DDP with torch.compile, FSDP2 with torch.compile -------------------------------------------
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _rank_steps(model, params, x_seed: int):
+    """Two steps of `model` on this rank's inputs: the local gradients of `params` (to_local() for a DTensor)."""
+    g = torch.Generator().manual_seed(x_seed)
+    out = []
+    for _ in range(2):
+        model(torch.randn(3, 4, generator=g)).pow(2).sum().backward()
+        out.append([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone() for p in params])
+        for p in params:
+            p.grad = None
+    return out
+
+
+def _recorded_rank_steps(model, params, x_seed: int, run: str, db: str):
+    g = torch.Generator().manual_seed(x_seed)
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradstore.record(run, db=db, model=model) as rec:
+            for i in range(2):
+                model(torch.randn(3, 4, generator=g)).pow(2).sum().backward()
+                out.append([(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone() for p in params])
+                for p in params:
+                    p.grad = None
+                if i == 0:
+                    rec.step()
+    return out, [str(w.message) for w in caught if "global hooks" in str(w.message) or "gradstore" in str(w.message)]
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for ga, gb in zip(a, b) for x, y in zip(ga, gb))
+
+
+def _ddp_compiled(rank, db):
+    """DDP(compiled) and compiled(DDP): each recorded first (it compiles inside the recording), then the same
+    model built again and run unrecorded; per order: gradients equal, warnings, graph breaks with and without."""
+    import torch._dynamo
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    result = {}
+    for order in ("ddp_of_compiled", "compiled_ddp"):
+
+        def build(order=order):
+            torch.manual_seed(0)
+            net = Small()
+            if order == "ddp_of_compiled":
+                return net, DDP(torch.compile(net, backend="aot_eager"))
+            return net, torch.compile(DDP(net), backend="aot_eager")
+
+        torch._dynamo.reset()
+        net, model = build()
+        breaks = _graph_breaks()
+        recorded, caught = _recorded_rank_steps(model, list(net.parameters()), 100 + rank, order, db)
+        with_recording = _graph_breaks() - breaks
+        torch._dynamo.reset()
+        net, model = build()
+        breaks = _graph_breaks()
+        plain = _rank_steps(model, list(net.parameters()), 100 + rank)
+        result[order] = {
+            "same": _same(plain, recorded),
+            "caught": caught,
+            "breaks": (with_recording, _graph_breaks() - breaks),
+            "norms": [[_norm(g) for g in step] for step in recorded],
+        }
+    torch._dynamo.reset()
+    return result
+
+
+def _fsdp2_compiled(rank, db):
+    """FSDP2 (fully_shard on fc1, then the whole model) compiled: recorded first, then built again unrecorded."""
+    import torch._dynamo
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        net = Small()
+        fully_shard(net.fc1)
+        fully_shard(net)
+        return net, torch.compile(net, backend="aot_eager")
+
+    torch._dynamo.reset()
+    net, model = build()
+    breaks = _graph_breaks()
+    recorded, caught = _recorded_rank_steps(model, list(net.parameters()), 100 + rank, "fsdp2", db)
+    with_recording = _graph_breaks() - breaks
+    torch._dynamo.reset()
+    net, model = build()
+    breaks = _graph_breaks()
+    plain = _rank_steps(model, list(net.parameters()), 100 + rank)
+    torch._dynamo.reset()
+    return {"same": _same(plain, recorded), "caught": caught, "breaks": (with_recording, _graph_breaks() - breaks)}
+
+
+def _compiled_run_checks(db, run, region_owner=""):
+    """What every compiled run of the distributed tests must show, per rank: one recorded pass per step (the
+    user's backward), tracing counted in the first step only (it compiled inside the recording), no
+    `_orig_mod.` or DDP `module.` in any name, and the compiled regions attributed to the model with its
+    modules listed."""
+    steps = _sql(
+        db,
+        "SELECT st.rank, st.step, st.passes, st.tracing_passes, st.status FROM steps st JOIN runs r ON r.id = "
+        "st.run_id WHERE r.name = ? ORDER BY st.rank, st.step",
+        run,
+    )
+    assert [s[:3] for s in steps] == [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)], steps
+    assert all(s[3] >= 1 for s in steps if s[1] == 0) and all(s[3] == 0 for s in steps if s[1] == 1), steps
+    kinds = _sql(
+        db,
+        "SELECT DISTINCT p.kind, p.roots FROM passes p JOIN steps st ON st.id = p.step_id JOIN runs r ON "
+        "r.id = st.run_id WHERE r.name = ?",
+        run,
+    )
+    assert kinds == [("backward", 1)]
+    keys = _keys(db, run)
+    _no_orig_mod(keys)
+    assert not any(k.startswith("module.") or (v[2] or "").startswith("module") for k, v in keys.items())
+    regions = {k: v for k, v in keys.items() if v[1] == "compiled"}
+    assert regions and all(v[2] == region_owner and v[4] == "fc1,fc2" for v in regions.values()), regions
+    return steps, keys
+
+
+def test_ddp_with_torch_compile_both_ways_on_2_ranks(tmp_path):
+    db = str(tmp_path / "ddp.db")
+    results = run_distributed(_ddp_compiled, db, timeout=400)
+    for order in ("ddp_of_compiled", "compiled_ddp"):
+        for r in results:
+            res = r[order]
+            assert res["same"], order  # bit-identical to the unrecorded compiled DDP model
+            assert res["caught"] == [], (order, res["caught"])
+            assert res["breaks"][0] == res["breaks"][1], (order, res["breaks"])
+        _, keys = _compiled_run_checks(db, order)
+        assert {v[3] for v in keys.values() if v[3]} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+        # param_grad rows: after DDP's all-reduce, this rank's .grad (the norms the rank computed)
+        names = [n for n, _ in Small().named_parameters()]
+        for rank, r in enumerate(results):
+            rows = dict(
+                _sql(
+                    db,
+                    "SELECT st.step || ':' || n.param, t.norm FROM tensors t JOIN steps st ON st.id = t.step_id JOIN "
+                    "runs ru ON ru.id = st.run_id JOIN nodes n ON n.id = t.node_id WHERE ru.name = ? AND st.rank = ? "
+                    "AND t.role = 2",
+                    order,
+                    rank,
+                )
+            )
+            for step, norms in enumerate(r[order]["norms"]):
+                for name, norm in zip(names, norms):
+                    assert math.isclose(rows[f"{step}:{name}"], norm, rel_tol=1e-12), (order, rank, step, name)
+
+
+@pytest.mark.skipif(not hasattr(dist, "is_available") or not dist.is_available(), reason="no torch.distributed")
+def test_fsdp2_with_torch_compile_on_2_ranks(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    db = str(tmp_path / "fsdp.db")
+    results = run_distributed(_fsdp2_compiled, db, timeout=400)
+    for r in results:
+        assert r["same"]  # every local shard's gradient bit-identical to the unrecorded compiled FSDP2 model
+        assert r["caught"] == [], r["caught"]
+        assert r["breaks"][0] == r["breaks"][1], r["breaks"]  # FSDP2's own graph break, not one more
+    _compiled_run_checks(db, "fsdp2")
+    # FSDP2's parameters are DTensors: each rank's param_grad row is its local shard, measured, with its layout
+    params = _sql(db, "SELECT DISTINCT t.status FROM tensors t WHERE t.role = 2")
+    assert params == [(0,)], params
+    sharded = _sql(db, "SELECT COUNT(*) FROM tensors t JOIN dtensors d ON d.id = t.id WHERE t.role = 2")
+    assert sharded[0][0] > 0

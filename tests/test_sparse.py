@@ -1,0 +1,229 @@
+"""Sparse gradients: `nn.Embedding(sparse=True)` (uncoalesced COO, duplicate indices) and CSR tensors (a CSR leaf
+through `to_dense`, by `backward` and by `torch.autograd.grad`) are measured as the dense tensor they represent,
+without being changed.
+
+Every expected statistic is computed here in plain PyTorch from `grad.to_dense()` (float64): implicit zeros
+included, an uncoalesced tensor's duplicates summed. Every gradient is compared bit for bit (indices and values)
+with the same computation run without recording. tests/test_native.py checks that the C++ hooks give the same
+rows as the Python hooks for a sparse embedding.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import pytest
+import torch
+
+import gradstore
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks", "ignore:Sparse CSR tensor support")
+
+STATS = ("norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
+
+
+def dense_stats(t: torch.Tensor) -> dict:
+    """The statistics the store documents, of the dense tensor `t` represents, in float64: over the finite
+    elements, implicit zeros included; exact counts."""
+    x = t.detach().to_dense().to(torch.float64).flatten()
+    fin = x[torch.isfinite(x)]
+    n = fin.numel()
+    return {
+        "numel": x.numel(),
+        "norm": float(torch.linalg.vector_norm(fin)) if n else 0.0,
+        "min": float(fin.min()) if n else None,
+        "max": float(fin.max()) if n else None,
+        "mean": float(fin.mean()) if n else None,
+        "std": float(fin.std()) if n > 1 else None,
+        "nan": int(torch.isnan(x).sum()),
+        "posinf": int((x == math.inf).sum()),
+        "neginf": int((x == -math.inf).sum()),
+        "zeros": int((x == 0).sum()),
+    }
+
+
+def assert_stats(row: dict, want: dict, what: str) -> None:
+    assert row["numel"] == want["numel"], what
+    for k in ("nan", "posinf", "neginf", "zeros", "min", "max"):
+        assert row[k] == want[k], (what, k, row[k], want[k])
+    for k in ("norm", "mean", "std"):
+        if want[k] is None:
+            assert row[k] is None, (what, k)
+        else:
+            assert row[k] == pytest.approx(want[k], rel=1e-12, abs=1e-300), (what, k, row[k], want[k])
+
+
+def rows(db: str, run: str) -> list[dict]:
+    cols = ("step", "key", "role", "slot", "status", "reason", "shape", "numel", *STATS, "layout", "nnz", "coalesced")
+    with sqlite3.connect(db) as conn:
+        got = conn.execute(f"""
+            SELECT st.step, n.key, ro.name, t.slot, su.name, t.reason, t.shape, t.numel,
+                   {", ".join("t." + c for c in STATS)}, t.layout, t.nnz, t.coalesced
+            FROM tensors t JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id
+            JOIN nodes n ON n.id = t.node_id JOIN roles ro ON ro.id = t.role JOIN statuses su ON su.id = t.status
+            WHERE r.name = ? ORDER BY t.id""", (run,)).fetchall()  # fmt: skip
+    return [dict(zip(cols, r)) for r in got]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` (NaN compares equal to the same NaN)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def same_sparse(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal sparse tensors: layout, size, coalesced flag, indices and values as stored."""
+    if a.layout != b.layout or a.shape != b.shape:
+        return False
+    if a.layout is torch.sparse_coo:
+        return (
+            a.is_coalesced() == b.is_coalesced()
+            and torch.equal(a._indices(), b._indices())
+            and torch.equal(bits(a._values()), bits(b._values()))
+        )
+    return (
+        torch.equal(a.crow_indices(), b.crow_indices())
+        and torch.equal(a.col_indices(), b.col_indices())
+        and torch.equal(bits(a.values()), bits(b.values()))
+    )
+
+
+# ---- nn.Embedding(sparse=True): an uncoalesced COO gradient --------------------------------------------------
+IDX = torch.tensor([[1, 2, 1], [5, 1, 7]])  # row 1 three times: duplicate entries in the gradient
+
+
+def embedding_step(db: str | None = None, run: str = "emb", scale: float = 1.0, **options):
+    """A seeded embedding + linear model's step, recorded into `db` (None: not recorded); returns the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 3, sparse=True), torch.nn.Linear(3, 2))
+
+    def step():
+        (model(IDX).pow(2).sum() * scale).backward()
+
+    if db is None:
+        step()
+    else:
+        with gradstore.record(run, db=db, model=model, **options):
+            step()
+    return model
+
+
+@pytest.mark.parametrize("stats", ["full", "health", "shape"])
+def test_sparse_embedding_gradient_is_measured_as_its_dense_tensor_and_left_uncoalesced(tmp_path, stats):
+    db = str(tmp_path / "e.db")
+    plain = embedding_step()
+    model = embedding_step(db, stats=stats)
+    g = model[0].weight.grad
+    assert g.layout is torch.sparse_coo and not g.is_coalesced() and g._nnz() == IDX.numel()  # as torch made it
+    assert same_sparse(g, plain[0].weight.grad)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model[1].parameters(), plain[1].parameters()))
+    want = dense_stats(g)
+    assert want["zeros"] == 24 - 3 * 4  # rows 1, 2, 5, 7 hold values; the other four rows are implicit zeros
+    got = [r for r in rows(db, "emb") if r["layout"] is not None]
+    # the sparse gradient: EmbeddingBackward0's grad_inputs[0], then AccumulateGrad's grad_outputs[0]
+    assert [(r["key"], r["role"]) for r in got] == [
+        ("0/EmbeddingBackward0#0", "grad_input"),
+        ("param:0.weight", "grad_output"),
+        ("param:0.weight", "param_grad"),  # the same tensor, as .grad after the pass
+    ]
+    for r in got:
+        assert (r["status"], r["reason"], r["layout"], r["nnz"], r["coalesced"]) == ("ok", None, "sparse_coo", 6, 0)
+        assert (r["shape"], r["numel"]) == ("8,3", 24)
+        if stats == "full":
+            assert_stats(r, want, r["key"])
+        elif stats == "health":
+            # float32 squares summed in float32 over short blocks at 'health': the norm within 5e-7 relative
+            assert (r["norm"], r["min"], r["max"]) == (pytest.approx(want["norm"], rel=5e-7), want["min"], want["max"])
+            assert (r["nan"], r["posinf"], r["neginf"]) == (0, 0, 0)
+            assert r["mean"] is None and r["std"] is None and r["zeros"] is None
+        else:
+            assert all(r[k] is None for k in STATS)
+    dense = [r for r in rows(db, "emb") if r["layout"] is None and r["status"] == "ok"]
+    assert dense and all(r["nnz"] is None and r["coalesced"] is None for r in dense)
+    with gradstore.open(db) as store:
+        assert list(store.steps("emb").status) == ["ok"]
+
+
+def test_sparse_embedding_param_grad_row_and_nonfinite_counts(tmp_path):
+    """The parameter's `.grad` (param_grad) is the same sparse tensor; a gradient with Inf and NaN counts them
+    over the dense tensor and marks the step nonfinite."""
+    db = str(tmp_path / "e.db")
+    plain = embedding_step(scale=math.inf)
+    model = embedding_step(db, "inf", scale=math.inf)
+    g = model[0].weight.grad
+    assert same_sparse(g, plain[0].weight.grad) and not g.is_coalesced()
+    want = dense_stats(g)
+    assert want["posinf"] + want["neginf"] > 0
+    params = [r for r in rows(db, "inf") if r["role"] == "param_grad" and r["key"] == "param:0.weight"]
+    assert len(params) == 1
+    (r,) = params
+    assert (r["status"], r["layout"], r["nnz"], r["coalesced"]) == ("ok", "sparse_coo", 6, 0)
+    assert_stats(r, want, "param_grad")
+    with gradstore.open(db) as store:
+        assert list(store.steps("inf").status) == ["nonfinite"]
+        pg = store.param_grads("inf", param="0.weight")
+    assert list(pg.layout) == ["sparse_coo"] and list(pg.nnz) == [6] and list(pg.coalesced) == [0]
+
+
+# ---- CSR: a CSR leaf through to_dense -------------------------------------------------------------------------
+X = torch.tensor([[0.0, 2.0, 0.0, 1.0], [1.0, 0.0, -3.0, 0.0], [0.0, 0.0, 0.0, 4.0]])
+W = torch.tensor([[9.0, 2.0, 9.0, 0.0], [-1.5, 9.0, 0.25, 9.0], [9.0, 9.0, 9.0, 7.0]])  # a stored zero at (0, 3)
+
+
+def csr_leaf():
+    return X.to_sparse_csr().requires_grad_()
+
+
+@pytest.mark.parametrize("how", ["backward", "grad"])
+def test_csr_gradient_through_backward_and_autograd_grad(tmp_path, how):
+    db = str(tmp_path / "c.db")
+
+    def run(w):
+        x = csr_leaf()
+        loss = (x.to_dense() * w).sum()
+        if how == "backward":
+            loss.backward()
+            return x.grad
+        (g,) = torch.autograd.grad(loss, [x])
+        return g
+
+    plain = run(W)
+    with gradstore.record("csr", db=db):
+        g = run(W)
+    assert g.layout is torch.sparse_csr and same_sparse(g, plain)
+    want = dense_stats(g)
+    assert want["zeros"] == 12 - 5 + 1  # 7 implicit zeros and the stored zero
+    got = [r for r in rows(db, "csr") if r["layout"] is not None]
+    keys = [("ToDenseBackward0#0", "grad_input")] + ([("AccumulateGrad#0", "grad_output")] if how == "backward" else [])
+    assert [(r["key"], r["role"]) for r in got] == keys
+    for r in got:
+        assert (r["status"], r["layout"], r["nnz"], r["coalesced"]) == ("ok", "sparse_csr", 5, None)
+        assert (r["shape"], r["numel"]) == ("3,4", 12)
+        assert_stats(r, want, r["key"])
+    with gradstore.open(db) as store:
+        assert list(store.passes("csr").kind) == [how]
+
+
+def test_csr_gradient_with_nan_inf_and_one_with_no_stored_entry(tmp_path):
+    db = str(tmp_path / "c.db")
+    w = W.clone()
+    w[1, 0], w[2, 3] = math.nan, -math.inf
+    with gradstore.record("bad", db=db):
+        x = csr_leaf()
+        (x.to_dense() * w).sum().backward()
+        empty = torch.zeros(2, 5).to_sparse_csr().requires_grad_()
+        (g_empty,) = torch.autograd.grad((empty.to_dense() * 3.0).sum(), [empty])
+    assert g_empty._nnz() == 0
+    got = [r for r in rows(db, "bad") if r["layout"] is not None]
+    # each graph is keyed afresh (ToDenseBackward0#0 twice): told apart by what they store
+    bad = [r for r in got if r["key"] == "ToDenseBackward0#0" and r["nnz"] == 5]
+    none_stored = [r for r in got if r["key"] == "ToDenseBackward0#0" and r["nnz"] == 0]
+    assert len(bad) == 1 and len(none_stored) == 1
+    want = dense_stats(x.grad)
+    assert (want["nan"], want["neginf"]) == (1, 1)
+    assert_stats(bad[0], want, "nan and -inf")
+    r = none_stored[0]
+    assert (r["status"], r["nnz"], r["numel"]) == ("ok", 0, 10)
+    assert_stats(r, dense_stats(g_empty), "no stored entry")  # ten implicit zeros: norm 0, min = max = mean = 0
+    with gradstore.open(db) as store:
+        assert list(store.steps("bad").status) == ["nonfinite"]
