@@ -36,8 +36,8 @@ def _migrate(db, revision: str, down: bool = False) -> None:
 
 def test_new_database_is_created_at_head_by_alembic(db):
     before, after = database.upgrade(db)
-    assert (before, after) == (None, "0003")
-    assert _revision(db) == "0003"
+    assert (before, after) == (None, database.head_revision())
+    assert _revision(db) == database.head_revision()
     with sqlite3.connect(db) as conn:
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         roles = [r[0] for r in conn.execute("SELECT name FROM roles ORDER BY id")]
@@ -89,7 +89,7 @@ def test_database_at_base_revision_is_upgraded_on_record(db):
 
     with gradstore.record("r", db=db):
         torch.ones(2, requires_grad=True).sum().backward()
-    assert _revision(db) == database.head_revision() == "0003"
+    assert _revision(db) == database.head_revision()
 
 
 def test_newer_revision_is_refused_with_upgrade_advice(db):
@@ -221,7 +221,7 @@ def test_upgrade_0001_to_head_on_postgresql_keeps_every_tensor_and_call_value(pg
     before = _rows_0001(ASSETS / "rev0001.db")
     calls_before = _calls(ASSETS / "rev0001.db")
     _load_0001_into_postgresql(pg_url)
-    assert database.upgrade(pg_url) == ("0001", "0003")
+    assert database.upgrade(pg_url) == ("0001", database.head_revision())
     engine = database.make_engine(pg_url)
     with engine.connect() as conn:
         after = [tuple(r) for r in conn.execute(text(f"SELECT {_TENSOR_COLUMNS} FROM tensors ORDER BY id"))]
@@ -340,7 +340,7 @@ def test_upgrade_0002_to_0003_keeps_every_call_value(tmp_path):
         conn.execute("UPDATE calls SET duration = NULL WHERE id = 3")  # a call whose hook never fired
     before, tensors = _calls(path), _rows_0001(path)
     assert len(before) == 20 and len({r[1] for r in before}) == 2 and [r[6] for r in before].count(None) == 1
-    assert database.upgrade(path) == ("0002", "0003")
+    assert database.upgrade(path) == ("0002", database.head_revision())
     after = _calls(path)
     assert [tuple(map(repr, r)) for r in after] == [tuple(map(repr, r)) for r in _ns_rounded(before)]
     assert any(repr(a[5]) != repr(b[5]) for a, b in zip(after, before))  # the unit did change
@@ -394,7 +394,7 @@ def test_downgrade_0003_to_0002_restores_the_calls_table(tmp_path):
     assert ("calls", "call_id") in fks and not {"first_call", "last_call"} & pass_columns
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in view]  # bit for bit
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors]
-    assert database.upgrade(path) == ("0002", "0003")  # and up again: the same nanoseconds
+    assert database.upgrade(path) == ("0002", database.head_revision())  # and up again: the same nanoseconds
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in view]
 
 
@@ -404,3 +404,133 @@ def test_views_are_the_runtime_definitions(db):
     with sqlite3.connect(db) as conn:
         views = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'view'"))
     assert views == {"calls": schema.CALLS_VIEW, "tensors": schema.TENSORS_VIEW}
+
+
+# ---- revision 0006_why_where: the step findings' tables ---------------------------------------------------------
+_FINDINGS_TABLES = {"param_statuses", "param_names", "param_status", "module_calls", "step_nodes", "step_warnings"}
+_REV3_TABLES = ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
+
+
+def _everything(conn_or_path) -> dict:
+    """Every row of revision 0003's tables and views, by id, as reprs (floats bit for bit)."""
+    from sqlalchemy import text
+
+    out = {}
+    for name in (*_REV3_TABLES, "calls", "tensors"):
+        order = "step_id, node_id, id" if name == "tensor_data" else "id"
+        sql = f"SELECT * FROM {name} ORDER BY {order}"
+        if isinstance(conn_or_path, (str, Path)):
+            with sqlite3.connect(conn_or_path) as conn:
+                rows = conn.execute(sql).fetchall()
+        else:
+            rows = [tuple(r) for r in conn_or_path.execute(text(sql))]
+        out[name] = [tuple(map(repr, r)) for r in rows]
+    return out
+
+
+def _tables(path) -> set[str]:
+    with sqlite3.connect(path) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _record_tied_step(db) -> None:
+    """One more step of the asset's run, with the asset's model shape: a tied weight, a frozen layer, an unused one."""
+    import torch
+    import torch.nn as nn
+
+    class Net(nn.Module):  # the model tests/assets/rev0003.db was recorded with
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(5, 3)
+            self.mid = nn.Linear(3, 3)
+            self.frozen = nn.Linear(3, 3)
+            self.frozen.requires_grad_(False)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+            self.aux = nn.Linear(3, 1)
+
+        def forward(self, idx):
+            return self.head(self.frozen(torch.tanh(self.mid(self.emb(idx))))).logsumexp(-1).sum()
+
+    net = Net()
+    with gradstore.record("asset-run", db=db, model=net):
+        net(torch.tensor([[0, 1, 2], [3, 4, 0]])).backward()
+
+
+def test_committed_revision_0003_file_upgrades_keeping_every_row(tmp_path):
+    """tests/assets/rev0003.db (recorded by gradstore at revision 0003: two steps of a small model with a tied
+    weight), upgraded to 0006_why_where: every row and view value of 0003 unchanged, the new tables there and
+    empty for the old steps, the lookup filled; recording goes on with the step findings; and down again."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003.db", path)
+    assert _revision(path) == "0003"
+    before = _everything(path)
+    assert len(before["tensors"]) > 50 and len(before["calls"]) > 20
+    assert database.upgrade(path) == ("0003", database.head_revision())
+    assert _FINDINGS_TABLES <= _tables(path)
+    assert _everything(path) == before
+    with sqlite3.connect(path) as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM param_statuses ORDER BY id")] == schema.PARAM_STATUSES
+        for table in _FINDINGS_TABLES - {"param_statuses"}:
+            assert conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] == 0, table
+    _record_tied_step(str(path))
+    with gradstore.open(path) as store:
+        assert list(store.steps("asset-run").step) == [0, 1, 2]
+        assert store.param_status("asset-run", step=1).empty  # an old step: no findings were recorded then
+        st = store.param_status("asset-run", step=2).set_index("param")
+        pg = store.param_grads("asset-run", step=2, param="head.weight")
+    assert st.loc["head.weight", "shared_with"] == "emb.weight" and st.loc["emb.weight", "status"] == "ok"
+    assert st.loc["frozen.weight", "status"] == "frozen" and st.loc["aux.weight", "status"] == "not used"
+    assert list(pg.param) == ["emb.weight"] and list(pg.shared_with) == ["head.weight"]
+    after = _everything(path)
+    _migrate(path, "0003", down=True)
+    assert _revision(path) == "0003" and not _FINDINGS_TABLES & _tables(path)
+    assert _everything(path) == after  # the step recorded at 0006 keeps its 0003 rows
+    assert database.upgrade(path) == ("0003", database.head_revision())
+
+
+def test_upgrade_0003_to_0006_on_postgresql(pg_url):
+    """The committed 0003 file's rows loaded into a PostgreSQL schema at 0003, upgraded: the same values, the new
+    tables, and recording goes on (the findings of a new step written through PostgreSQL)."""
+    from sqlalchemy import MetaData, text
+
+    asset = sqlite3.connect(ASSETS / "rev0003.db")
+    asset.row_factory = sqlite3.Row
+    _migrate(pg_url, "0003")
+    engine = database.make_engine(pg_url)
+    old = MetaData()
+    old.reflect(engine)
+    with engine.begin() as conn:
+        for table in _REV3_TABLES:
+            rows = [dict(r) for r in asset.execute(f"SELECT * FROM {table}")]
+            if table == "runs":
+                for r in rows:
+                    r["meta"] = None if r["meta"] is None else json.loads(r["meta"])
+            if rows:
+                conn.execute(old.tables[table].insert(), rows)
+            if rows and table not in ("tensor_data", "tensor_notes"):
+                conn.execute(
+                    text(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT MAX(id) FROM {table}))")
+                )
+        conn.execute(text("SELECT setval('tensor_data_id_seq', (SELECT MAX(id) FROM tensor_data))"))
+    asset.close()
+    with engine.connect() as conn:
+        before = _everything(conn)
+    assert database.upgrade(pg_url) == ("0003", database.head_revision())
+    with engine.connect() as conn:
+        assert _everything(conn) == before
+        names = [r[0] for r in conn.execute(text("SELECT name FROM param_statuses ORDER BY id"))]
+    assert names == schema.PARAM_STATUSES
+    _record_tied_step(pg_url)
+    with gradstore.open(pg_url) as store:
+        st = store.param_status("asset-run", step=2).set_index("param")
+        gains = store.module_gains("asset-run", step=2)
+    assert st.loc["head.weight", "shared_with"] == "emb.weight" and st.loc["aux.bias", "status"] == "not used"
+    assert set(gains.module) >= {"mid", "head", "frozen"}
+    _migrate(pg_url, "0003", down=True)
+    with engine.connect() as conn:
+        from sqlalchemy import inspect as sa_inspect
+
+        assert not _FINDINGS_TABLES & set(sa_inspect(conn).get_table_names())
+    engine.dispose()
