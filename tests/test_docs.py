@@ -29,7 +29,22 @@ def test_readme_documents_every_table_and_column():
 
     tables = {
         name: [c.name for c in schema.metadata.tables[name].columns]
-        for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
+        for name in (
+            "runs",
+            "steps",
+            "passes",
+            "nodes",
+            "edges",
+            "call_data",
+            "layouts",
+            "tensor_data",
+            "tensor_notes",
+            "param_names",
+            "param_status",
+            "module_calls",
+            "step_nodes",
+            "step_warnings",
+        )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
     tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)
@@ -40,6 +55,17 @@ def test_readme_documents_every_table_and_column():
 
 
 def test_readme_names_the_query_helpers():
-    for name in ("grad_norms", "param_grads", "first_nonfinite"):
+    for name in (
+        "grad_norms",
+        "param_grads",
+        "first_nonfinite",
+        "first_nonfinite_saved",
+        "param_status",
+        "module_gains",
+        "node_births",
+        "never_ran",
+        "recomputations",
+        "warnings",
+    ):
         assert f"store.{name}(" in README
         assert name in queries.available()

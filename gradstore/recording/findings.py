@@ -22,7 +22,8 @@ Definitions (README "Why and where" says the same):
 Parameter status, in this order: 'frozen' (requires_grad is False at the end of the step); 'ok', 'zero' or
 'received' when its AccumulateGrad ran in some pass of the step (stats='params': when a backward pass changed its
 .grad): 'zero' when every gradient it received was finite and all zeros (at stats='health' from min = max = 0,
-at stats='params' from the final .grad), 'received' where no value was measured (stats='shape'), else 'ok';
+at stats='params' from the final .grad), 'received' where no value was measured (stats='shape'; stats='params' in
+a pass that raised, whose .grad is not measured), else 'ok';
 'stale' when it received nothing but holds a .grad from before (what the step's last backward left); 'not used'
 when its module's forward did not run (any module of a tied parameter's names); 'unreachable' otherwise (its
 module ran, or is not known, and no pass ran its AccumulateGrad: not reachable from the roots, or reached and not

@@ -152,6 +152,7 @@ def describe(
     parent_scope: dict | None = None,
     owner_key: tuple | None = None,
     lineage=None,
+    device_threads: bool = False,
 ) -> list[NodeInfo]:
     """Give every walked node a `NodeInfo`, with keys 'module/Name#ordinal' or 'param:qualified.name'.
 
@@ -171,6 +172,9 @@ def describe(
             the first sequence number of this step), or None. A node created before this step (a hidden state
             that was not detached, a graph retained across steps) keeps the NodeInfo it got in the step that
             created it; the nodes of this step take ordinals after it, so no two nodes of a step share a key.
+        device_threads: a pass of this step ran on an accelerator, whose device threads number the nodes they
+            create (double backward, recomputation) with counters of their own: a node below the step's first
+            number that the lineage does not know is then not said to be older than the step.
     The ordinal of a node counts the nodes of the same name and module in forward order (`sequence_nr`,
     then walk order) within a key scope. A pass whose graph reuses nodes keyed earlier in this step (other
     than AccumulateGrad nodes: double backward, a second pass over a retained graph) continues their scope,
@@ -236,7 +240,8 @@ def describe(
                 base = (info.module, info.name)
                 taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
                 continue
-            born[i] = (None, None)  # in a step that was not recorded, or before the scope: keyed as found
+            if not device_threads:
+                born[i] = (None, None)  # in a step that was not recorded, or before the scope: keyed as found
         groups.setdefault((owner(seq), name), []).append((seq, i, i))
     if scope is None:
         scope = {}

@@ -51,6 +51,9 @@ class StepState:
         self.faults: list[str] = []
         self.lineage = lineage  # gradstore.recording.lineage.Lineage of the scope, or None
         self.has_grad: dict[str, bool] | None = None  # parameter -> .grad not None when the last backward returned
+        # a pass of this step ran on an accelerator: autograd's device threads create nodes there (double
+        # backward, recomputation) with sequence numbers of their own, which cannot be told from older ones
+        self.device_threads = False
         self.warnings: dict[tuple, int] = {}  # (category, message, location) -> times shown in the step
 
     def next_seq(self) -> int:
@@ -186,6 +189,8 @@ class PassRecorder:
         self.native = None  # the C++ hooks' pass (gradstore.recording.native) when they record this pass
         roots = roots_of(outputs)
         self.record.roots = len(roots)
+        if any(getattr(getattr(o, "device", None), "type", "cpu") != "cpu" for o in outputs):
+            step.device_threads = True
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
             if parent is None and kind == "backward":  # which .grad this pass changes (no AccumulateGrad hook)
                 self.grads_before = [_grad_state(p) for _, p in params]
@@ -196,7 +201,9 @@ class PassRecorder:
         self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
-        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope, owner_key, step.lineage)
+        self.infos = describe(
+            self.walk, owner, param_names, step.known, parent_scope, owner_key, step.lineage, step.device_threads
+        )
         rec = self.record
         rec.seqs, rec.born, rec.walk_edges = self.walk.seqs, self.walk.born, self.walk.edges
         index = self.walk.index

@@ -154,6 +154,7 @@ class record:
         self._warning_log: WarningLog | None = None
         self._warned: set[str] = set()  # RecordUsageWarnings given (each once per record object)
         self._named_nothing = False  # the scope has no model to name modules and parameters by
+        self._checked: set = set()  # (filter, models) already checked against the names
         self._step_started = 0.0
         self._step_number = 0
         self._in_scope = False
@@ -260,8 +261,10 @@ class record:
         """Warn (once per record object) about a modules= or params= filter that matches nothing."""
         opts = self.options
         for what, globs in (("modules", opts.modules), ("params", opts.params)):
-            if globs is None or what in self._warned:
+            seen = (what, tuple(id(m) for _, m in models))
+            if globs is None or what in self._warned or seen in self._checked:
                 continue
+            self._checked.add(seen)
             if what == "modules":
                 names = set(self._tracker.names.values())
             else:

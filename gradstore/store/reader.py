@@ -144,7 +144,8 @@ class Store:
           'ok': its AccumulateGrad ran in the step and the gradient is not all zeros;
           'zero': every gradient it received was finite and all zeros (stats='health': min = max = 0;
               stats='params': the final .grad);
-          'received': it got a gradient whose values were not measured (stats='shape');
+          'received': it got a gradient whose values were not measured (stats='shape'; stats='params' in a
+              pass that raised);
           'frozen': requires_grad is False;
           'not used': got nothing, and its module's forward did not run in the step;
           'unreachable': got nothing although its module ran (or is not known): no pass's roots reach its
