@@ -395,3 +395,44 @@ def test_a_tied_parameter_is_used_when_any_of_its_modules_runs(db):
         st = store.param_status("tied2").set_index("param")
     assert st.loc["transformer.wte.weight", "status"] == "ok" and st.loc["transformer.wte.weight", "module_ran"] == 1
     assert st.loc["transformer.ln.weight", "status"] == "not used"
+
+
+def test_a_gradient_written_outside_the_graph_is_not_stale(db):
+    """DDP's reducer writes the .grad of a parameter this rank did not use (find_unused_parameters=True) from its
+    own hooks, during backward: the parameter's AccumulateGrad never runs, yet the optimizer gets a fresh
+    gradient. Simulated with plain PyTorch: a post-accumulate-grad hook on the used weight writes zeros into the
+    unused one, as the reducer does."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.used, self.unused = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.used(x).sum()
+
+    def run(db=None):
+        m = M()
+        tr = Truth(m)
+
+        def reducer(p):
+            for q in m.unused.parameters():
+                q.grad = torch.zeros_like(q)
+
+        m.used.weight.register_post_accumulate_grad_hook(reducer)
+        with gradstore.record("reducer", db=db, model=m) if db else _null():
+            loss = m(torch.ones(1, 2))
+            tr.before_backward(loss)
+            loss.backward()
+        tr.close()
+        return m, tr
+
+    plain, _ = run()
+    m, tr = run(db)
+    assert_same_grads(grads_of(plain), grads_of(m))
+    assert "unused.weight" not in tr.received and not m.unused.weight.grad.any()  # no AccumulateGrad; zeros written
+    with gradstore.open(db) as store:
+        st = store.param_status("reducer").set_index("param")
+    assert st.loc["unused.weight", "status"] == "zero" and st.loc["unused.weight", "calls"] == 0
+    assert st.loc["unused.weight", "module_ran"] == 0 and st.loc["used.weight", "status"] == "ok"

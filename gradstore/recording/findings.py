@@ -20,14 +20,15 @@ Definitions (README "Why and where" says the same):
   in_unmeasured / out_unmeasured instead.
 
 Parameter status, in this order: 'frozen' (requires_grad is False at the end of the step); 'ok', 'zero' or
-'received' when its AccumulateGrad ran in some pass of the step (stats='params': when a backward pass changed its
-.grad): 'zero' when every gradient it received was finite and all zeros (at stats='health' from min = max = 0,
-at stats='params' from the final .grad), 'received' where no value was measured (stats='shape'; stats='params' in
-a pass that raised, whose .grad is not measured), else 'ok';
-'stale' when it received nothing but holds a .grad from before (what the step's last backward left); 'not used'
-when its module's forward did not run (any module of a tied parameter's names); 'unreachable' otherwise (its
-module ran, or is not known, and no pass ran its AccumulateGrad: not reachable from the roots, or reached and not
-run: `backward(inputs=...)`, `torch.autograd.grad`).
+'received' when its AccumulateGrad ran in some pass of the step, or a top-level backward pass changed its .grad
+otherwise (stats='params', which hooks no node; DDP's reducer writing a parameter this rank did not use; calls
+is 0 then and the final .grad is judged): 'zero' when every gradient it received was finite and all zeros (at
+stats='health' from min = max = 0), 'received' where no value was measured (stats='shape'; stats='params' in a
+pass that raised, whose .grad is not measured), else 'ok'; 'stale' when it received nothing but holds a .grad
+from before (what the step's last backward left); 'not used' when its module's forward did not run (any module
+of a tied parameter's names); 'unreachable' otherwise (its module ran, or is not known, and no pass ran its
+AccumulateGrad: not reachable from the roots, or reached and not run: `backward(inputs=...)`,
+`torch.autograd.grad`).
 """
 
 from __future__ import annotations
@@ -255,11 +256,10 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             out.param_names.append((key, n, _module_of(n), ",".join(x for x in names if x != n)))
         module_ran = None if ran_modules is None else int(any(_module_of(n) in ran_modules for n in names))
         has_grad = f.has_grad.get(name, False)
-        if walked:
-            n_calls = calls.get(key, 0)
-            got, zeros = n_calls > 0, zero.get(key, [])
-        else:  # stats='params': no node hooks; a backward that changed .grad gave it one
-            n_calls = None
+        n_calls = calls.get(key, 0) if walked else None
+        if n_calls:
+            got, zeros = True, zero.get(key, [])
+        else:  # no AccumulateGrad call (or none hooked: stats='params'): a backward that changed .grad gave it one
             got = name in changed
             row = final.get(key)
             zeros = [_zero(row)] if row is not None else [None]

@@ -191,9 +191,10 @@ class PassRecorder:
         self.record.roots = len(roots)
         if any(getattr(getattr(o, "device", None), "type", "cpu") != "cpu" for o in outputs):
             step.device_threads = True
+        if parent is None and kind == "backward":  # which .grad this pass changes, whoever writes it (at
+            # stats='params' no AccumulateGrad is hooked; DDP's reducer writes an unused parameter's .grad itself)
+            self.grads_before = [_grad_state(p) for _, p in params]
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
-            if parent is None and kind == "backward":  # which .grad this pass changes (no AccumulateGrad hook)
-                self.grads_before = [_grad_state(p) for _, p in params]
             step.active.append(self)
             self.record.setup = time.perf_counter() - self.t0
             return

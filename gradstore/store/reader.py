@@ -141,7 +141,8 @@ class Store:
         Columns: run, rank, step, param, module, status, shared_with (the other names of a tied weight, ''),
         node_param (the name its node is keyed by), module_ran, reached, calls, has_grad (0/1, NULL where not
         known). status is one of:
-          'ok': its AccumulateGrad ran in the step and the gradient is not all zeros;
+          'ok': its AccumulateGrad ran in the step (or, calls = 0, a backward pass wrote its .grad otherwise:
+              DDP's reducer for a parameter this rank did not use) and the gradient is not all zeros;
           'zero': every gradient it received was finite and all zeros (stats='health': min = max = 0;
               stats='params': the final .grad);
           'received': it got a gradient whose values were not measured (stats='shape'; stats='params' in a
