@@ -43,3 +43,16 @@ def test_cxx11_abi_flag_is_exposed():
     # the C++ hooks are compiled with -D_GLIBCXX_USE_CXX11_ABI=<this>; a build against the wrong ABI fails to load
     assert hasattr(torch._C, "_GLIBCXX_USE_CXX11_ABI")
     assert tp.cxx11_abi() is bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def test_every_node_created_takes_one_sequence_number():
+    """What module_calls.nodes counts (exit number - entry number) and the lineage keys nodes by: each Node a
+    forward op creates takes the thread's next number; ops under no_grad take none."""
+    x = torch.ones(2, requires_grad=True)
+    before = tp.next_sequence_nr()
+    y = (x * 2).exp().sum()  # MulBackward0, ExpBackward0, SumBackward0
+    assert tp.next_sequence_nr() - before == 3
+    assert sorted(tp.sequence_nr(n) for n in (y.grad_fn, y.grad_fn.next_functions[0][0])) == [before + 1, before + 2]
+    with torch.no_grad():
+        (x * 2).exp()
+    assert tp.next_sequence_nr() - before == 3

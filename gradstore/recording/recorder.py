@@ -96,8 +96,15 @@ class record:
     Raises:
         RecordUsageError: a bad argument, or a scope opened inside another.
         SchemaTooNew: the database was written by a newer gradstore.
+    Every recorded step also notes why each parameter has (or has no) gradient, the module calls and the gradient
+    crossing their boundaries, the nodes born in an earlier step or a backward pass or never run, and the warnings
+    it raised (README "Why and where"; gradstore.recording.findings builds them on the writer thread).
+    Warns: RecordUsageWarning (once per record object) for a modules= or params= glob that matches no name, or
+    a scope without a model while modules ran.
     Relies on: `torch.autograd.graph._engine_run_backward` (interception), `Node.register_prehook` /
-    `register_hook`, global module forward hooks (module attribution).
+    `register_hook`, global module forward hooks (module attribution), the autograd sequence counter (private:
+    which module call created a node, and knowing an earlier step's node again), `warnings._showwarnmsg`
+    (CPython's display hook, wrapped while a step is recorded; `warnings.showwarning` where it is missing).
     """
 
     def __init__(
