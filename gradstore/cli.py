@@ -3,7 +3,7 @@ queries, upgrade a database's schema.
 
     gradstore demo                       record a small GPT's backward passes into ./gradstore.db
     gradstore runs DB                    the runs in a database
-    gradstore show DB RUN [--step N]     a run, or one step of it
+    gradstore show DB RUN [--step N]     a run, or one step of it (why parameters lack gradients, gains, ...)
     gradstore query DB NAME [-p k=v]     a named query of queries/ as a table (or --csv)
     gradstore queries                    the named queries, their titles and parameters
     gradstore explain DB RUN KEY         what the record knows about one node (edges, calls, gradients)
@@ -19,6 +19,7 @@ Relies on click >= 8.1 and pandas for the tables.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -88,6 +89,12 @@ def _when(ts) -> str:
     if ts is None or pd.isna(ts):
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
+
+
+def _short(text, width: int = 100) -> str:
+    """One line of at most `width` characters."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def _module_label(module) -> str:
@@ -361,6 +368,11 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     passes = store.passes(run=run, rank=rank)
     per_step = passes.groupby(["rank", "step"]).agg(calls=("calls", "sum"), backward_s=("duration", "sum"))
     table = steps.join(per_step, on=["rank", "step"])
+    said = store.warnings(run=run, rank=rank)
+    if not said.empty:
+        table = table.join(said.groupby(["rank", "step"])["count"].sum().rename("warnings"), on=["rank", "step"])
+    else:
+        table = table.assign(warnings=0)
     out = pd.DataFrame(
         {
             "step": table["step"],
@@ -370,6 +382,7 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
             "calls": table["calls"].fillna(0).astype(int),
             "step_s": table["duration"].round(4),
             "backward_s": table["backward_s"].round(4),
+            "warnings": table["warnings"].fillna(0).astype(int),
             "error": table["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:80]),
         }
     )
@@ -382,6 +395,14 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     traced = int(steps["tracing_passes"].sum())
     if traced:
         click.echo(f"torch.compile's tracing ran {traced} backward pass(es) in these steps: not recorded")
+    if not said.empty:
+        distinct = said.drop_duplicates(["category", "message", "location"])
+        click.echo(
+            f"\nWarnings raised inside steps: {len(distinct)} distinct, {int(said['count'].sum())} shown in all "
+            f"(gradstore query {db} warnings -p run={run}); first:"
+        )
+        first = distinct.iloc[0]
+        click.echo(f"  step {first['step']}: {first['category']}: {_short(first['message'])} ({first['location']})")
     bad = _first_nonfinite_line(store, run)
     detail = int(steps["step"].iloc[-1])
     if bad:
@@ -415,6 +436,96 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     traced = int(steps["tracing_passes"].sum())
     if traced:
         click.echo(f"(and {traced} backward pass(es) torch.compile ran while tracing: not recorded)")
+
+    said = store.warnings(run=run, rank=rank, step=step)
+    if not said.empty:
+        click.echo("\nWarnings raised inside the step (as Python showed them; count = times shown):")
+        click.echo(
+            _table(
+                pd.DataFrame(
+                    {
+                        "rank": said["rank"],
+                        "category": said["category"],
+                        "count": said["count"],
+                        "message": said["message"].map(_short),
+                        "where": said["location"],
+                    }
+                )
+            )
+        )
+
+    status = store.param_status(run=run, rank=rank, step=step)
+    if not status.empty:
+        odd = status[status["status"] != "ok"]
+        ok = int((status["status"] == "ok").sum())
+        click.echo(
+            f"\nParameters that did not get a usable gradient ({len(odd)} of {len(status)} names; {ok} ok): "
+            "status says why (README: param_status)"
+        )
+        shown_odd, more = _limited(odd, limit)
+        click.echo(
+            _table(
+                shown_odd[["rank", "param", "status", "module_ran", "reached", "calls", "has_grad", "shared_with"]],
+                empty="  (none: every parameter got a gradient)",
+            )
+        )
+        if more:
+            click.echo(more)
+
+    gains = store.module_gains(run=run, rank=rank, step=step)
+    measured = gains.dropna(subset=["ratio"])
+    if not measured.empty:
+        spread = measured.assign(
+            away=measured["ratio"].map(lambda r: abs(math.log(r)) if r > 0 else math.inf)
+        ).sort_values("away", ascending=False)
+        click.echo(
+            "\nModule gains, furthest from 1 (out_norm / in_norm of the gradient crossing each module call; "
+            "parameter gradients not included):"
+        )
+        top = spread.head(limit)
+        click.echo(
+            _table(
+                pd.DataFrame(
+                    {
+                        "rank": top["rank"],
+                        "module": top["module"].map(_module_label),
+                        "call": top["ordinal"],
+                        "in_norm": top["in_norm"],
+                        "out_norm": top["out_norm"],
+                        "ratio": top["ratio"],
+                    }
+                )
+            )
+        )
+    never = store.never_ran(run=run, rank=rank, step=step)
+    births = store.node_births(run=run, rank=rank, step=step)
+    recomputed = store.recomputations(run=run, rank=rank, step=step)
+    if not births.empty:
+        earlier = births[births["born_step"] != step]
+        click.echo(
+            f"\nNodes reached in this step but born elsewhere: {len(earlier)} in an earlier step, "
+            f"{len(births) - len(earlier)} in a backward pass (gradstore query {db} node_births -p run={run} "
+            f"-p step={step}):"
+        )
+        shown_b, more = _limited(
+            births[["rank", "pass", "key", "module", "born_step", "born_pass", "recomputed"]], limit
+        )
+        click.echo(_table(shown_b))
+        if more:
+            click.echo(more)
+    if not recomputed.empty:
+        click.echo("\nModule forwards re-run inside a backward pass (activation checkpointing):")
+        click.echo(
+            _table(
+                recomputed[["rank", "module", "ordinal", "during_pass", "running", "original_ordinal", "nodes", "ran"]]
+            )
+        )
+    if not never.empty:
+        click.echo(f"\nNodes created in the step that never ran ({len(never)}):")
+        shown_n, more = _limited(never[["rank", "key", "module", "why"]], limit)
+        click.echo(_table(shown_n))
+        if more:
+            click.echo(more)
 
     passes = store.passes(run=run, rank=rank, step=step)
     click.echo("\nBackward passes (duration in seconds):")

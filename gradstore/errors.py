@@ -47,3 +47,7 @@ class SavedTensorsFreed(ReplayError):
 
 class VerifyUsageError(GradstoreError):
     """gradstore.verify was called in a way it cannot work (no captured forward inputs, bad argument)."""
+
+
+class RecordUsageWarning(UserWarning):
+    """`record` will work but name or hook less than it was asked to (a filter that matches nothing, no model)."""

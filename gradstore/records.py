@@ -8,12 +8,15 @@ graph object, and nothing here imports torch or SQLAlchemy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # ---- integer codes ---------------------------------------------------------------------------------------
 # Each list is frozen: a code never changes meaning. New names are appended by a new Alembic revision.
 ROLES = ["grad_output", "grad_input", "param_grad", "saved"]
 STATUSES = ["ok", "none", "skipped"]
+# why a parameter has (or has no) gradient in a step (revision 0006; see README "param_status")
+PARAM_STATUSES = ["ok", "zero", "received", "frozen", "not used", "unreachable", "stale"]
 KINDS = ["function", "accumulate_grad", "custom_function", "compiled", "other"]
 # torch dtypes as str(dtype) without the "torch." prefix, as of torch 2.13; code 0 is "other".
 DTYPES = [
@@ -69,6 +72,7 @@ ROLE = {name: i for i, name in enumerate(ROLES)}
 STATUS = {name: i for i, name in enumerate(STATUSES)}
 KIND = {name: i for i, name in enumerate(KINDS)}
 DTYPE = {name: i for i, name in enumerate(DTYPES)}
+PARAM_STATUS = {name: i for i, name in enumerate(PARAM_STATUSES)}
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,15 @@ class PassRecord:
     finish: float | None = None  # seconds: hook removal, param grads, host transfer, rows
     measured: int = 0  # reductions done in node hooks
     reused: int = 0  # reductions avoided (same tensor, or a grad_input that is a grad_output's memory)
+    # what the step's findings (param_status, module_calls, step_nodes) are built from, on the writer thread:
+    seqs: list[int] | None = None  # sequence_nr of each walked node (index as in `nodes`), -1 where none
+    walk_edges: list[tuple[int, int, int, int]] | None = None  # (src index, src slot, dst index, dst slot)
+    root_nodes: list[int] | None = None  # indices of the pass's roots among the walked nodes
+    hooked: list[bool] | None = None  # per walked node: it had hooks (None: all did; modules=/params= filters)
+    seq_range: tuple[int, int] | None = None  # sequence numbers handed out on the pass's thread while it ran
+    born: dict[int, tuple[int | None, int | None]] | None = None  # walked index -> (step, pass) of an earlier
+    # step's node (step None: an earlier step that was not recorded, or before the scope)
+    grads_changed: list[str] | None = None  # stats='params': parameters whose .grad this pass changed
 
 
 @dataclass
@@ -170,6 +183,15 @@ class StepBatch:
     dropped: int = 0  # rows dropped because the writer fell behind (on_full='drop')
     waited: float = 0.0  # seconds the training thread waited for the writer (on_full='wait')
     tracing_passes: int = 0  # backward passes torch.compile ran while tracing (fake / functional tensors): not recorded
+    # the step's findings, built on the writer thread (gradstore.recording.findings): nodes the passes did not
+    # list (parameters, nodes no pass reached), and the rows of param_names, param_status, module_calls,
+    # step_nodes; warnings: (category, message, location, count) raised inside the step
+    nodes: Sequence[NodeInfo] = field(default_factory=list)
+    param_names: Sequence[tuple] = field(default_factory=list)  # (node key, name, module, shared_with)
+    param_status: Sequence[tuple] = field(default_factory=list)  # (node key, status code, module_ran, ...)
+    module_calls: Sequence[tuple] = field(default_factory=list)  # see schema.module_calls, by column
+    step_nodes: Sequence[tuple] = field(default_factory=list)  # (node key, pass, born_step, born_pass, ...)
+    warnings: Sequence[tuple] = field(default_factory=list)  # (category, message, location, count)
 
     def rows(self) -> int:
         """Calls and tensor rows in the batch (what the queue bound counts)."""

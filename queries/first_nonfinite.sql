@@ -1,17 +1,23 @@
 -- title: First non-finite gradient
--- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs hold NaN or +/-Inf: one row per non-finite slot of that call, with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot.
+-- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call, with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot.
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
+-- param step: step number; NULL for every step
+-- param role: grad_output or grad_input (only that side of a call); NULL for both
 WITH bad AS (
     SELECT st.run_id, st.rank, st.step, c.seq, t.call_id
     FROM tensors t
     JOIN calls c ON c.id = t.call_id
     JOIN steps st ON st.id = t.step_id
     JOIN runs r ON r.id = st.run_id
+    JOIN roles ro ON ro.id = t.role
     WHERE t.nan + t.posinf + t.neginf > 0
       AND t.call_id IS NOT NULL
+      AND t.role IN (0, 1)  -- gradients: grad_output, grad_input
+      AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
       AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
       AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
 ), ranked AS (
     SELECT call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
     FROM bad
@@ -26,5 +32,6 @@ JOIN steps st ON st.id = c.step_id
 JOIN runs r ON r.id = st.run_id
 JOIN nodes n ON n.id = c.node_id
 JOIN roles ro ON ro.id = t.role
-WHERE ranked.nth = 1 AND t.nan + t.posinf + t.neginf > 0
+WHERE ranked.nth = 1 AND t.nan + t.posinf + t.neginf > 0 AND t.role IN (0, 1)
+  AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
 ORDER BY r.id, st.rank, t.role, t.slot;

@@ -3,7 +3,7 @@
 -- param run: run name; NULL for every run
 -- param key: node key (e.g. fc/AddmmBackward0#0 or param:fc.weight); NULL for all
 -- param module: qualified module name; the module and its submodules; NULL for all
--- param param: qualified parameter name; NULL for all
+-- param param: qualified parameter name (any of a tied weight's names); NULL for all
 -- param role: grad_output, grad_input or param_grad; NULL for all
 -- param rank: rank; NULL for every rank
 SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.param,
@@ -26,7 +26,8 @@ WHERE t.node_id IN (  -- the run's matching nodes first: an index lookup, not a 
       SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
       WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
         AND (CAST(:key AS TEXT) IS NULL OR n2.key = CAST(:key AS TEXT))
-        AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT))
+        AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT)
+             OR n2.id IN (SELECT pn.node_id FROM param_names pn WHERE pn.name = CAST(:param AS TEXT)))
         AND (CAST(:module AS TEXT) IS NULL OR n2.module = CAST(:module AS TEXT)
              OR SUBSTR(n2.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.'))
   AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))

@@ -1,12 +1,14 @@
 -- title: Parameter gradients per step
--- description: Each parameter's .grad as it stood when the step's last top-level backward pass returned (after gradient accumulation and, under DDP, after the all-reduce): status (none when .grad was None) and statistics over finite elements, exact non-finite counts; a sparse gradient (nn.Embedding(sparse=True)) as the dense tensor it represents, with its layout, nnz and coalesced (NULL when dense). Under FSDP2 or tensor parallelism .grad is a DTensor: its row is this rank's local shard (shape, numel and statistics are the shard's) with the layout: placements, mesh_shape, mesh_dims, coordinate, global_shape, global_offset (NULL for a plain tensor); global_grads combines the ranks' shards.
+-- description: Each parameter's .grad as it stood when the step's last top-level backward pass returned (after gradient accumulation and, under DDP, after the all-reduce): status (none when .grad was None) and statistics over finite elements, exact non-finite counts; a sparse gradient (nn.Embedding(sparse=True)) as the dense tensor it represents, with its layout, nnz and coalesced (NULL when dense). Under FSDP2 or tensor parallelism .grad is a DTensor: its row is this rank's local shard (shape, numel and statistics are the shard's) with the layout: placements, mesh_shape, mesh_dims, coordinate, global_shape, global_offset (NULL for a plain tensor); global_grads combines the ranks' shards. A tied weight is one parameter with one gradient: param is its first name, shared_with its other names (comma-separated, '' for an untied one); asking for any of its names finds it. Why a parameter has no gradient: param_status.
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
 -- param step: step number; NULL for every step
--- param param: qualified parameter name; NULL for all
+-- param param: qualified parameter name (any of a tied weight's names); NULL for all
 SELECT run, rank, step, pass, param, module, status, dtype, shape, numel,
        norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced,
-       placements, mesh_shape, mesh_dims, coordinate, global_shape, global_offset
+       placements, mesh_shape, mesh_dims, coordinate, global_shape, global_offset,
+       COALESCE((SELECT pn.shared_with FROM param_names pn WHERE pn.node_id = node_order AND pn.name = param), '')
+           AS shared_with
 FROM (
     SELECT r.id AS run_order, r.name AS run, st.rank, st.step, p.pass, n.param, n.module,
            su.name AS status, d.name AS dtype, t.shape, t.numel,
@@ -27,7 +29,8 @@ FROM (
           SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
           WHERE n2.param IS NOT NULL
             AND (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT)))
+            AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT)
+                 OR n2.id IN (SELECT pn.node_id FROM param_names pn WHERE pn.name = CAST(:param AS TEXT))))
       AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
       AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
       AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table

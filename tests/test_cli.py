@@ -238,3 +238,46 @@ def test_python_dash_m_gradstore():
     )
     assert result.returncode == 0, result.stderr
     assert gradstore.__version__ in result.stdout
+
+
+def test_show_step_says_why_parameters_lack_gradients_and_what_the_step_warned(db):
+    """`gradstore show --step`: the parameters without a usable gradient first (with why), the step's warnings,
+    the module gains and the nodes that never ran; the facts from plain PyTorch (requires_grad, which module
+    ran, the warning Python showed)."""
+    import warnings
+
+    import torch
+    import torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.used, self.unused, self.frozen = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x):
+            warnings.warn("check this", UserWarning, stacklevel=1)
+            return self.frozen(self.used(x)).sum()
+
+    net = Net()
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with gradstore.record("why", db=db, model=net):
+            net(torch.ones(1, 2)).backward()
+    assert [str(w.message) for w in shown] == ["check this"]
+    out = invoke("show", db, "why", "--step", 0).output
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Parameters that did not get"))
+    assert "(4 of 6 names; 2 ok)" in lines[start]
+    rows = [line.split() for line in lines[start + 2 : start + 6]]
+    assert {(r[1], r[2], r[3]) for r in rows} == {
+        ("frozen.bias", "frozen", "1"),
+        ("frozen.weight", "frozen", "1"),
+        ("unused.bias", "not", "used"),
+        ("unused.weight", "not", "used"),
+    }
+    assert "Warnings raised inside the step" in out and "check this" in out and "UserWarning" in out
+    assert "Module gains" in out
+    run_view = invoke("show", db, "why").output
+    assert "Warnings raised inside steps: 1 distinct" in run_view

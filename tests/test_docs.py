@@ -41,6 +41,11 @@ def test_readme_documents_every_table_and_column():
             "tensor_notes",
             "shardings",
             "tensor_shardings",
+            "param_names",
+            "param_status",
+            "module_calls",
+            "step_nodes",
+            "step_warnings",
         )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
@@ -53,6 +58,18 @@ def test_readme_documents_every_table_and_column():
 
 
 def test_readme_names_the_query_helpers():
-    for name in ("grad_norms", "param_grads", "first_nonfinite", "global_grads"):
+    for name in (
+        "grad_norms",
+        "param_grads",
+        "first_nonfinite",
+        "global_grads",
+        "first_nonfinite_saved",
+        "param_status",
+        "module_gains",
+        "node_births",
+        "never_ran",
+        "recomputations",
+        "warnings",
+    ):
         assert f"store.{name}(" in README
         assert name in queries.available()

@@ -102,10 +102,25 @@ def test_merge_counts_every_row_and_queries_agree(sources, tmp_path):
     assert scalar(out, "SELECT COUNT(*) FROM nodes") == scalar(a, "SELECT COUNT(*) FROM nodes")
     assert scalar(out, "SELECT COUNT(*) FROM edges") == scalar(a, "SELECT COUNT(*) FROM edges")
     assert (reports[1].nodes, reports[1].edges) == (0, 0)
+    assert scalar(out, "SELECT COUNT(*) FROM param_names") == scalar(a, "SELECT COUNT(*) FROM param_names") > 0
+    assert count(out, "param_status") == count(a, "param_status") + count(b, "param_status") > 0
+    assert count(out, "module_calls") == count(a, "module_calls") + count(b, "module_calls") > 0
     with gradstore.open(out) as merged, gradstore.open(a) as sa, gradstore.open(b) as sb:
         assert merged.runs().set_index("run").loc["job", "world_size"] == 2
         for rank, src in ((0, sa), (1, sb)):
-            for name in ("steps", "passes", "calls", "tensors", "param_grads", "grad_norms"):
+            for name in (
+                "steps",
+                "passes",
+                "calls",
+                "tensors",
+                "param_grads",
+                "grad_norms",
+                "param_status",  # the step findings travel with their steps
+                "module_gains",
+                "never_ran",
+                "node_births",
+                "warnings",
+            ):
                 got = getattr(merged, name)("job", rank=rank)
                 want = getattr(src, name)("job", rank=rank)
                 pd.testing.assert_frame_equal(canonical(got), canonical(want), obj=f"{name} rank {rank}")

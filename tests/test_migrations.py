@@ -495,7 +495,7 @@ def test_upgrade_0003_to_0005_compile_adds_columns_and_keeps_every_value(tmp_pat
     with sqlite3.connect(path) as conn:
         steps_before = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
         nodes_before = conn.execute("SELECT * FROM nodes ORDER BY id").fetchall()
-    assert database.upgrade(path) == ("0003", "0005_compile")
+    assert database.upgrade(path) == ("0003", database.head_revision())
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors_before]
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in calls_before]
     with sqlite3.connect(path) as conn:
@@ -536,4 +536,138 @@ def test_upgrade_0003_to_0005_compile_adds_columns_and_keeps_every_value(tmp_pat
     assert [tuple(map(repr, r)) for r in _rows_0001(path)][: len(tensors_before)] == [
         tuple(map(repr, r)) for r in tensors_before
     ]
-    assert database.upgrade(path) == ("0003", "0005_compile")  # and up again
+    assert database.upgrade(path) == ("0003", database.head_revision())  # and up again
+
+
+# ---- revision 0006_why_where: the step findings' tables ---------------------------------------------------------
+_FINDINGS_TABLES = {"param_statuses", "param_names", "param_status", "module_calls", "step_nodes", "step_warnings"}
+_REV3_TABLES = ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
+
+
+def _everything(conn_or_path) -> dict:
+    """Every row of revision 0003's tables and views, by id, as reprs (floats bit for bit)."""
+    from sqlalchemy import text
+
+    out = {}
+    with sqlite3.connect(ASSETS / "rev0003-why.db") as asset:  # the columns revision 0003 has (later ones add some)
+        columns = {
+            n: [r[1] for r in asset.execute(f"PRAGMA table_info({n})")] for n in (*_REV3_TABLES, "calls", "tensors")
+        }
+    for name in (*_REV3_TABLES, "calls", "tensors"):
+        order = "step_id, node_id, id" if name == "tensor_data" else "id"
+        sql = f"SELECT {', '.join(columns[name])} FROM {name} ORDER BY {order}"
+        if isinstance(conn_or_path, (str, Path)):
+            with sqlite3.connect(conn_or_path) as conn:
+                rows = conn.execute(sql).fetchall()
+        else:
+            rows = [tuple(r) for r in conn_or_path.execute(text(sql))]
+        out[name] = [tuple(map(repr, r)) for r in rows]
+    return out
+
+
+def _tables(path) -> set[str]:
+    with sqlite3.connect(path) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _record_tied_step(db) -> None:
+    """One more step of the asset's run, with the asset's model shape: a tied weight, a frozen layer, an unused one."""
+    import torch
+    import torch.nn as nn
+
+    class Net(nn.Module):  # the model tests/assets/rev0003-why.db was recorded with
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(5, 3)
+            self.mid = nn.Linear(3, 3)
+            self.frozen = nn.Linear(3, 3)
+            self.frozen.requires_grad_(False)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+            self.aux = nn.Linear(3, 1)
+
+        def forward(self, idx):
+            return self.head(self.frozen(torch.tanh(self.mid(self.emb(idx))))).logsumexp(-1).sum()
+
+    net = Net()
+    with gradstore.record("asset-run", db=db, model=net):
+        net(torch.tensor([[0, 1, 2], [3, 4, 0]])).backward()
+
+
+def test_committed_revision_0003_file_upgrades_keeping_every_row(tmp_path):
+    """tests/assets/rev0003-why.db (recorded by gradstore at revision 0003: two steps of a small model with a tied
+    weight), upgraded to 0006_why_where: every row and view value of 0003 unchanged, the new tables there and
+    empty for the old steps, the lookup filled; recording goes on with the step findings; and down again."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-why.db", path)
+    assert _revision(path) == "0003"
+    before = _everything(path)
+    assert len(before["tensors"]) > 50 and len(before["calls"]) > 20
+    assert database.upgrade(path) == ("0003", database.head_revision())
+    assert _FINDINGS_TABLES <= _tables(path)
+    assert _everything(path) == before
+    with sqlite3.connect(path) as conn:
+        assert [r[0] for r in conn.execute("SELECT name FROM param_statuses ORDER BY id")] == schema.PARAM_STATUSES
+        for table in _FINDINGS_TABLES - {"param_statuses"}:
+            assert conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] == 0, table
+    _record_tied_step(str(path))
+    with gradstore.open(path) as store:
+        assert list(store.steps("asset-run").step) == [0, 1, 2]
+        assert store.param_status("asset-run", step=1).empty  # an old step: no findings were recorded then
+        st = store.param_status("asset-run", step=2).set_index("param")
+        pg = store.param_grads("asset-run", step=2, param="head.weight")
+    assert st.loc["head.weight", "shared_with"] == "emb.weight" and st.loc["emb.weight", "status"] == "ok"
+    assert st.loc["frozen.weight", "status"] == "frozen" and st.loc["aux.weight", "status"] == "not used"
+    assert list(pg.param) == ["emb.weight"] and list(pg.shared_with) == ["head.weight"]
+    after = _everything(path)
+    _migrate(path, "0003", down=True)
+    assert _revision(path) == "0003" and not _FINDINGS_TABLES & _tables(path)
+    assert _everything(path) == after  # the step recorded at 0006 keeps its 0003 rows
+    assert database.upgrade(path) == ("0003", database.head_revision())
+
+
+def test_upgrade_0003_to_0006_on_postgresql(pg_url):
+    """The committed 0003 file's rows loaded into a PostgreSQL schema at 0003, upgraded: the same values, the new
+    tables, and recording goes on (the findings of a new step written through PostgreSQL)."""
+    from sqlalchemy import MetaData, text
+
+    asset = sqlite3.connect(ASSETS / "rev0003-why.db")
+    asset.row_factory = sqlite3.Row
+    _migrate(pg_url, "0003")
+    engine = database.make_engine(pg_url)
+    old = MetaData()
+    old.reflect(engine)
+    with engine.begin() as conn:
+        for table in _REV3_TABLES:
+            rows = [dict(r) for r in asset.execute(f"SELECT * FROM {table}")]
+            if table == "runs":
+                for r in rows:
+                    r["meta"] = None if r["meta"] is None else json.loads(r["meta"])
+            if rows:
+                conn.execute(old.tables[table].insert(), rows)
+            if rows and table not in ("tensor_data", "tensor_notes"):
+                conn.execute(
+                    text(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), (SELECT MAX(id) FROM {table}))")
+                )
+        conn.execute(text("SELECT setval('tensor_data_id_seq', (SELECT MAX(id) FROM tensor_data))"))
+    asset.close()
+    with engine.connect() as conn:
+        before = _everything(conn)
+    assert database.upgrade(pg_url) == ("0003", database.head_revision())
+    with engine.connect() as conn:
+        assert _everything(conn) == before
+        names = [r[0] for r in conn.execute(text("SELECT name FROM param_statuses ORDER BY id"))]
+    assert names == schema.PARAM_STATUSES
+    _record_tied_step(pg_url)
+    with gradstore.open(pg_url) as store:
+        st = store.param_status("asset-run", step=2).set_index("param")
+        gains = store.module_gains("asset-run", step=2)
+    assert st.loc["head.weight", "shared_with"] == "emb.weight" and st.loc["aux.bias", "status"] == "not used"
+    assert set(gains.module) >= {"mid", "head", "frozen"}
+    _migrate(pg_url, "0003", down=True)
+    with engine.connect() as conn:
+        from sqlalchemy import inspect as sa_inspect
+
+        assert not _FINDINGS_TABLES & set(sa_inspect(conn).get_table_names())
+    engine.dispose()

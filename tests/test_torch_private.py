@@ -196,3 +196,16 @@ def test_sparse_values_and_nnz_read_an_uncoalesced_tensor_as_it_is():
     assert not t.is_coalesced()  # nothing was coalesced
     csr = torch.tensor([[0.0, 2.0], [3.0, 0.0]]).to_sparse_csr()
     assert tp.sparse_nnz(csr) == 2 and torch.equal(tp.sparse_values(csr), torch.tensor([2.0, 3.0]))
+
+
+def test_every_node_created_takes_one_sequence_number():
+    """What module_calls.nodes counts (exit number - entry number) and the lineage keys nodes by: each Node a
+    forward op creates takes the thread's next number; ops under no_grad take none."""
+    x = torch.ones(2, requires_grad=True)
+    before = tp.next_sequence_nr()
+    y = (x * 2).exp().sum()  # MulBackward0, ExpBackward0, SumBackward0
+    assert tp.next_sequence_nr() - before == 3
+    assert sorted(tp.sequence_nr(n) for n in (y.grad_fn, y.grad_fn.next_functions[0][0])) == [before + 1, before + 2]
+    with torch.no_grad():
+        (x * 2).exp()
+    assert tp.next_sequence_nr() - before == 3

@@ -4,6 +4,12 @@
 and keeps each call's arguments, keyed by the node the call created; `captured(node)` finds them again from
 any capture still alive. verify re-runs the forward on them; replay maps a custom backward's result to
 grad_inputs with them.
+
+A capture lives as long as it is needed, whether or not the caller holds it: from `__enter__` until it exits,
+and after that for as long as one of the nodes it captured is alive (it is held by this module, and let go when
+its last captured node is freed, or at once on exit when it captured none). So
+`with gradstore.verify.capture(): loss = f(x)` followed by `gradstore.verify(loss)` works after a garbage
+collection too, and a capture never keeps a graph alive: it holds its nodes by weak reference.
 """
 
 from __future__ import annotations
@@ -116,6 +122,13 @@ class Capture:
     def _forget(self, i: int) -> None:
         self.calls.pop(i, None)
         self._refs.pop(i, None)
+        if self._handle is None and not self._weakly_held():
+            _HELD.discard(self)  # closed, and its last node is gone: nothing to keep it for
+
+    def _weakly_held(self) -> bool:
+        """True while some captured node is alive and held by weak reference (one held strongly, a node type
+        without weak references, keeps nothing alive through this module)."""
+        return any(isinstance(r, weakref.ref) for r in self._refs.values())
 
     def get(self, node) -> CapturedCall | None:
         """The captured call that created `node`, or None."""
@@ -136,6 +149,7 @@ class Capture:
         if self._scope is not None:
             self._tracker = self._scope.__enter__()
         self._handle = function_apply.add(self)
+        _HELD.add(self)  # open: kept whether or not the caller holds it
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -146,10 +160,13 @@ class Capture:
         finally:
             if self._scope is not None:
                 self._scope.__exit__(exc_type, exc, tb)
+            if not self._weakly_held():
+                _HELD.discard(self)  # nothing captured: nothing to keep it for
         return False
 
 
 _CAPTURES: weakref.WeakSet[Capture] = weakref.WeakSet()
+_HELD: set[Capture] = set()  # captures kept alive: open ones, and closed ones whose captured nodes live
 
 
 def live_captures() -> list[Capture]:

@@ -68,6 +68,8 @@ class Walk:
     edges: list[tuple[int, int, int, int]] = field(default_factory=list)
     index: dict[int, int] = field(default_factory=dict)
     scope: dict | None = None  # set by describe: (module, name) -> highest ordinal given in this key scope
+    seqs: list[int] | None = None  # set by describe: each node's sequence_nr
+    born: dict[int, tuple] | None = None  # set by describe: index -> (step, pass) of nodes of earlier steps
 
 
 def walk(roots: list) -> Walk:
@@ -101,25 +103,45 @@ _MEMO: dict = {}  # signature of a fresh pass -> (its NodeInfos, its key scope a
 _MEMO_SIZE = 32
 
 
-def _signature(w: Walk, param_names: dict[int, str], owner_key: tuple) -> tuple:
+def _signature(w: Walk, param_names: dict[int, str], owner_key: tuple) -> tuple[tuple, list[int]]:
     """Everything `describe` reads of a fresh pass (none of its nodes known, no parent scope), as a hashable value that
     holds no graph object: per node in walk order its raw name and, for an AccumulateGrad node, the name of
     its parameter (leaves are keyed by walk order, which the position gives), for any other node its class
     and its sequence_nr relative to the first module boundary; and the module boundaries (`owner_key`, see
-    `ModuleTracker.signature`), relative to the same base, on which `owner` depends."""
+    `ModuleTracker.signature`), relative to the same base, on which `owner` depends. Also returns every node's
+    sequence_nr (AccumulateGrad: `ACCUMULATE_GRAD_SEQUENCE_NR`), read in the same loop."""
     base = owner_key[0]
     parts = []  # three items per node, flat: one tuple in all rather than one per node
     extend = parts.extend
+    seqs: list[int] = []
+    keep = seqs.append
     sequence_nr = tp.sequence_nr
+    accumulate = tp.ACCUMULATE_GRAD_SEQUENCE_NR
     for node in w.nodes:
         name = node.name()
         if name.endswith(ACCUMULATE_GRAD):
             var = getattr(node, "variable", None)
             extend((name, type(node), param_names.get(id(var)) if var is not None else None))
+            keep(accumulate)
         else:
             seq = sequence_nr(node)
             extend((name, type(node), seq - base if seq >= 0 else None))
-    return tuple(parts), owner_key[1]
+            keep(seq)
+    return (tuple(parts), owner_key[1]), seqs
+
+
+def key_ordinal(key: str) -> int:
+    """The ordinal of a key 'module/Name#k' (-1 for a key without one)."""
+    _, sep, k = key.rpartition("#")
+    return int(k) if sep and k.isdigit() else -1
+
+
+def _earlier(seqs: list[int], first_seq: int) -> bool:
+    """True when some node of `seqs` (sequence numbers, -1 unknown) was created before `first_seq`."""
+    low = min(seqs, default=first_seq)
+    if low < 0:
+        low = min((s for s in seqs if s >= 0), default=first_seq)
+    return low < first_seq
 
 
 def describe(
@@ -130,19 +152,30 @@ def describe(
     parent_scope: dict | None = None,
     owner_key: tuple | None = None,
     region=None,
+    lineage=None,
+    device_threads: bool = False,
 ) -> list[NodeInfo]:
     """Give every walked node a `NodeInfo`, with keys 'module/Name#ordinal' or 'param:qualified.name'.
 
     Args:
-        w: the walk; `w.scope` is set to the key scope this pass used.
+        w: the walk; `w.scope` is set to the key scope this pass used, `w.seqs` to every node's sequence_nr
+            (`ACCUMULATE_GRAD_SEQUENCE_NR` for AccumulateGrad, -1 unknown) and `w.born` to {index: (step, pass)}
+            for the nodes created before this step (step None where no recorded step created it).
         owner: callable sequence_nr -> module qualified name ('' outside any module).
         param_names: id(parameter) -> qualified name.
         known: id(node) -> (node, NodeInfo, scope) for nodes already keyed earlier in this step (a second
             pass over the same graph, double backward); updated in place.
         parent_scope: the key scope of the enclosing pass, for a nested pass (reentrant checkpoint).
-        owner_key: `ModuleTracker.signature()` of the tracker behind `owner` (and `region`), or None. When given,
-            a fresh pass (none of its nodes known, no parent scope) whose graph has the same signature as an earlier
+        owner_key: `ModuleTracker.signature()` of the tracker behind `owner` (and `region`), or None. When given, a
+            fresh pass (none of its nodes known, no parent scope) whose graph has the same signature as an earlier
             one (the same code, step after step) reuses that pass's NodeInfos: the same keys as computing them again.
+        lineage: a `gradstore.recording.lineage.Lineage` (the nodes earlier steps keyed, by sequence number, and
+            the first sequence number of this step), or None. A node created before this step (a hidden state
+            that was not detached, a graph retained across steps) keeps the NodeInfo it got in the step that
+            created it; the nodes of this step take ordinals after it, so no two nodes of a step share a key.
+        device_threads: a pass of this step ran on an accelerator, whose device threads number the nodes they
+            create (double backward, recomputation) with counters of their own: a node below the step's first
+            number that the lineage does not know is then not said to be older than the step.
         region: callable sequence_nr -> the modules inside the compiled region running then (str) or None
             (`ModuleTracker.region`); sets `NodeInfo.region` of compiled nodes (CompiledFunctionBackward). None:
             no region is known.
@@ -153,18 +186,29 @@ def describe(
     graph lineage never share a key, while micro-batches and steps of the same code give the same keys.
     """
     memo_key = None
+    seqs = None
+    first_seq = lineage.first_seq if lineage is not None else None
     if owner_key is not None and parent_scope is None and not any(id(n) in known for n in w.nodes):
-        memo_key = _signature(w, param_names, owner_key)
-        hit = _MEMO.get(memo_key)
+        memo_key, seqs = _signature(w, param_names, owner_key)
+        if first_seq is not None and _earlier(seqs, first_seq):
+            memo_key = None  # nodes of an earlier step: keyed from the lineage, not the memo
+        hit = _MEMO.get(memo_key) if memo_key is not None else None
         if hit is not None:
             cached, scope_items = hit
             scope = dict(scope_items)
             for node, info in zip(w.nodes, cached):
                 known[id(node)] = (node, info, scope)
             w.scope = scope
+            w.seqs = seqs
             return list(cached)
+    if seqs is None:
+        sequence_nr = tp.sequence_nr
+        seqs = [sequence_nr(n) for n in w.nodes]
+    w.seqs = seqs
     infos: list[NodeInfo | None] = [None] * len(w.nodes)
     groups: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    taken: dict[tuple[str, str], int] = {}  # ordinals held by nodes of earlier steps
+    born: dict[int, tuple] = {}
     scope = parent_scope
     leaf_ordinal = 0
     for i, node in enumerate(w.nodes):
@@ -191,10 +235,22 @@ def describe(
             groups.setdefault(("", name), []).append((-1, leaf_ordinal, i))
             leaf_ordinal += 1
             continue
-        seq = tp.sequence_nr(node)
+        seq = seqs[i]
+        if first_seq is not None and 0 <= seq < first_seq:  # created before this step
+            earlier = lineage.lookup(seq)
+            if earlier is not None and earlier[0].name == name:
+                info = infos[i] = earlier[0]
+                born[i] = (earlier[1], earlier[2])
+                base = (info.module, info.name)
+                taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
+                continue
+            if not device_threads:
+                born[i] = (None, None)  # in a step that was not recorded, or before the scope: keyed as found
         groups.setdefault((owner(seq), name), []).append((seq, i, i))
     if scope is None:
         scope = {}
+    for base, ordinal in taken.items():
+        scope[base] = max(scope.get(base, -1), ordinal)
     for (module, name), members in groups.items():
         start = scope.get((module, name), -1) + 1
         prefix = f"{module}/" if module else ""
@@ -207,6 +263,7 @@ def describe(
         if id(node) not in known:
             known[id(node)] = (node, infos[i], scope)
     w.scope = scope
+    w.born = born or None
     if memo_key is not None:
         if len(_MEMO) >= _MEMO_SIZE:
             _MEMO.clear()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -144,6 +145,25 @@ def region_of(module: nn.Module, names: dict[int, str]) -> str:
     return ",".join(listed)
 
 
+def parameter_groups(models: list[tuple[str, nn.Module]]) -> list[tuple[tuple[str, ...], nn.Parameter]]:
+    """[(every qualified name, parameter)] of `models`, in `named_parameters`' order, the first name first: a tied
+    weight (`lm_head.weight` is `transformer.wte.weight`) has several. Modules are named as `walk_modules` names
+    them (a shared module under each of its names; wrappers take the name of what they wrap)."""
+    groups: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, mod in walk_modules(models):
+        for pname, p in mod.named_parameters(recurse=False):
+            qualified = f"{name}.{pname}" if name else pname
+            names = groups.setdefault(id(p), ([], p))[0]
+            if qualified not in names:
+                names.append(qualified)
+    return [(tuple(names), p) for names, p in groups.values()]
+
+
+def parameter_names(models: list[tuple[str, nn.Module]]) -> dict[int, tuple[str, ...]]:
+    """id(parameter) -> every qualified name it has under `models`, the first (`named_parameters`' name) first."""
+    return {id(p): names for names, p in parameter_groups(models)}
+
+
 def _compiling() -> bool:
     """True while torch.compile traces (its compiled graph then runs as one CompiledFunctionBackward node, whose
     owner is the module around the compiled call); `torch.compiler.is_compiling`, False where it is missing."""
@@ -151,30 +171,66 @@ def _compiling() -> bool:
     return bool(fn()) if fn is not None else False
 
 
+_TENSOR = torch.Tensor
+
+
+@dataclass
+class ForwardRecord:
+    """What a ModuleTracker saw in one step, handed to the step's findings (gradstore.recording.findings).
+
+    seqs, owners, owner_calls: the module boundaries (sequence number, innermost module name after it, index of
+    that module call in `calls` or -1), in order; calls: per module call, in order of entry,
+    [module name, sequence number at entry, context, last, sequence number at exit] where context is (pass,
+    seq) of the backward call running when it was entered (a recomputation) or None (a forward), last is the
+    index of the last call nested in it (itself when none) and the exit number is None while it still runs
+    (every Node created takes one number: exit - entry nodes were created inside); outputs: (call index,
+    sequence_nr, name)
+    of the grad_fn of each tensor a module call returned (its direct tensors, and those of a tuple, list or
+    dict it returned).
+    """
+
+    seqs: list = field(default_factory=list)
+    owners: list = field(default_factory=list)
+    owner_calls: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+
+
 class ModuleTracker:
     """Records module boundaries during forward and answers `owner(sequence_nr) -> qualified name` and
     `region(sequence_nr) -> the modules inside a compiled region`.
 
-    Use `install()` / `remove()` around the recorded scope; `clear()` between steps. Modules outside the
-    given models are named by their class, in angle brackets ('<Linear>'); a `torch.compile(module)` wrapper
-    (OptimizedModule) is named as the module it compiles, wherever it is found. Only modules run on the thread
-    that created the tracker count: the sequence counter is per thread, so another thread's forward would
-    interleave numbers that do not belong to this one's.
+    Use `install()` / `remove()` around the recorded scope; `clear()` between steps (`take()` hands the step's
+    boundaries, module calls and outputs over first). Modules outside the given models are named by their class,
+    in angle brackets ('<Linear>'), unless `refresh` (a callable returning fresh id(module) -> name) names
+    them: it is called once for each module not known yet (a layer assigned after the scope opened); a
+    `torch.compile(module)` wrapper (OptimizedModule) is named as the module it compiles, wherever it is found.
+    Only modules run on the thread that created the tracker count: the sequence counter is per thread, so
+    another thread's forward would interleave numbers that do not belong to this one's.
 
     Args:
         names: id(module) -> qualified name (`qualified_names`).
         regions: id(wrapper) -> the modules inside its compiled region (`compiled_regions`), for the
             `torch.compile` wrappers known in advance; others are found when they run.
+        refresh: None, or a callable returning fresh id(module) -> name (see above).
+
+    `context`: None, or a callable returning (pass, seq) of the backward call running on this thread (or None):
+    set while a backward pass runs, so that a module's forward re-run inside it (activation checkpointing) is
+    noted as such.
     """
 
-    def __init__(self, names: dict[int, str], regions: dict[int, str] | None = None):
+    def __init__(self, names: dict[int, str], regions: dict[int, str] | None = None, refresh=None):
         self.names = names
         self.regions = dict(regions or {})
+        self.refresh = refresh
+        self.context = None
         self._found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrappers met at run time
         self._thread = threading.get_ident()
-        self._seqs: list[int] = []
-        self._owners: list[str] = []
-        self._stack: list[str] = []
+        self._record = ForwardRecord()
+        self._seqs = self._record.seqs
+        self._owners = self._record.owners
+        self._stack: list[int] = []  # indices of the module calls running, innermost last
+        self._strangers: dict[int, weakref.ref] = {}  # id -> module that `refresh` did not name either
         # where the innermost compiled module changes: sequence numbers and that module's region (None: none)
         self._region_seqs: list[int] = []
         self._region_vals: list[str | None] = []
@@ -182,27 +238,43 @@ class ModuleTracker:
         self._handles = []
 
     @classmethod
-    def for_models(cls, models: list[tuple[str, nn.Module]]) -> ModuleTracker:
+    def for_models(cls, models: list[tuple[str, nn.Module]], refresh=None) -> ModuleTracker:
         """A tracker naming the modules of `models` ((prefix, model) pairs), with their compiled regions."""
         names = qualified_names(models)
-        return cls(names, compiled_regions(models, names))
+        return cls(names, compiled_regions(models, names), refresh=refresh)
 
     def _unknown(self, module: nn.Module) -> tuple[str, str | None]:
         """(name, region) of a module not in `names`: a `torch.compile` wrapper is named as the module it
-        compiles and has that module's region; any other module is '<ClassName>', with no region."""
+        compiles and has that module's region; any other module is named by `refresh` (asked once: a layer
+        swapped in since the names were taken), else '<ClassName>', with no region."""
         inner = tp.compiled_module_inner(module)
-        if inner is None:
-            return f"<{type(module).__name__}>", None
-        hit = self._found.get(module)
-        if hit is None:
-            base = unwrap(module)
-            name = self.names.get(id(base), f"<{type(base).__name__}>")
-            hit = (name, region_of(base, self.names))
+        if inner is not None:
+            hit = self._found.get(module)
+            if hit is None:
+                base = unwrap(module)
+                name = self.names.get(id(base))
+                if name is None:
+                    name, _ = self._unknown(base)
+                hit = (name, region_of(base, self.names))
+                try:
+                    self._found[module] = hit
+                except TypeError:
+                    pass
+            return hit
+        ref = self._strangers.get(id(module))
+        if (ref is None or ref() is not module) and self.refresh is not None:
             try:
-                self._found[module] = hit
+                self.names = self.refresh()
+            except Exception:
+                self.refresh = None
+            name = self.names.get(id(module))
+            if name is not None:
+                return name, None
+            try:
+                self._strangers[id(module)] = weakref.ref(module)
             except TypeError:
                 pass
-        return hit
+        return f"<{type(module).__name__}>", None
 
     def _pre(self, module, _args):
         if _compiling() or threading.get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
@@ -213,23 +285,49 @@ class ModuleTracker:
             name, region = self._unknown(module)
         elif self.regions:
             region = self.regions.get(id(module))
+        rec = self._record
         seq = tp.next_sequence_nr()
-        self._stack.append(name)
+        index = len(rec.calls)
+        context = self.context
+        rec.calls.append([name, seq, context() if context is not None else None, None, None])
+        self._stack.append(index)
         self._seqs.append(seq)
         self._owners.append(name)
+        rec.owner_calls.append(index)
         if region is not None:  # a torch.compile wrapper: its compiled region starts
             self._region_stack.append((id(module), region))
             self._region_seqs.append(seq)
             self._region_vals.append(region)
 
-    def _post(self, module, _args, _output):
+    def _post(self, module, _args, output):
         if _compiling() or threading.get_ident() != self._thread:
             return
-        if self._stack:
-            self._stack.pop()
+        rec = self._record
+        stack = self._stack
         seq = tp.next_sequence_nr()
+        if stack:
+            index = stack.pop()
+            call = rec.calls[index]
+            call[3] = len(rec.calls) - 1
+            call[4] = seq
+            # the grad_fn of each tensor it returned (read now: holding the output would keep its graph alive)
+            if isinstance(output, _TENSOR):
+                fn = output.grad_fn
+                if fn is not None:
+                    rec.outputs.append((index, tp.sequence_nr(fn), fn.name()))
+            elif isinstance(output, (tuple, list, dict)):
+                for t in output.values() if isinstance(output, dict) else output:
+                    if isinstance(t, _TENSOR):
+                        fn = t.grad_fn
+                        if fn is not None:
+                            rec.outputs.append((index, tp.sequence_nr(fn), fn.name()))
         self._seqs.append(seq)
-        self._owners.append(self._stack[-1] if self._stack else "")
+        if stack:
+            self._owners.append(rec.calls[stack[-1]][0])
+            rec.owner_calls.append(stack[-1])
+        else:
+            self._owners.append("")
+            rec.owner_calls.append(-1)
         regions = self._region_stack
         if regions and regions[-1][0] == id(module):
             regions.pop()
@@ -257,11 +355,22 @@ class ModuleTracker:
         self._region_stack.clear()
 
     def clear(self) -> None:
-        """Forget the boundaries seen so far (between steps)."""
-        self._seqs.clear()
-        self._owners.clear()
-        self._region_seqs.clear()
-        self._region_vals.clear()
+        """Forget the boundaries, module calls and outputs seen so far (between steps); what `take()` returned
+        is left as it is."""
+        self._record = ForwardRecord()
+        self._seqs = self._record.seqs
+        self._owners = self._record.owners
+        self._stack = []
+        self._region_seqs = []
+        self._region_vals = []
+
+    def take(self) -> ForwardRecord:
+        """What this step's forwards recorded so far (the tracker goes on appending to it until `clear()`)."""
+        return self._record
+
+    def modules_ran(self) -> set[str]:
+        """The names of the modules whose forward ran since `clear()`."""
+        return {c[0] for c in self._record.calls}
 
     def signature(self) -> tuple | None:
         """What `owner` and `region` depend on, as (base, value): the module boundaries seen so far with their

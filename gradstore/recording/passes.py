@@ -39,7 +39,7 @@ class StepState:
     native: the gradstore.recording.native module when this step's passes may hook in C++ (the call counter then lives
     there, shared by C++ and Python hooks), else None."""
 
-    def __init__(self, native=None):
+    def __init__(self, native=None, lineage=None):
         self.native = native
         self.native_step = native.step() if native is not None else None
         self._seq = itertools.count()  # next() is atomic under the GIL: hooks may fire on device threads
@@ -50,6 +50,12 @@ class StepState:
         self.open_calls = threading.local()
         self.faults: list[str] = []
         self.tracing_passes = 0  # engine calls of torch.compile's tracing, not recorded (torch_private.compile_tracing)
+        self.lineage = lineage  # gradstore.recording.lineage.Lineage of the scope, or None
+        self.has_grad: dict[str, bool] | None = None  # parameter -> .grad not None when the last backward returned
+        # a pass of this step ran on an accelerator: autograd's device threads create nodes there (double
+        # backward, recomputation) with sequence numbers of their own, which cannot be told from older ones
+        self.device_threads = False
+        self.warnings: dict[tuple, int] = {}  # (category, message, location) -> times shown in the step
 
     def next_seq(self) -> int:
         if self.native_step is not None:
@@ -90,6 +96,23 @@ class StepState:
         """Drop every reference to graph objects (end of step)."""
         self.known.clear()
         self.active.clear()
+
+    def note_grads(self, params: list[tuple[str, object]]) -> None:
+        """Note which parameters hold a `.grad` now (the end of a top-level backward pass, or of the step)."""
+        self.has_grad = {name: p.grad is not None for name, p in params}
+
+
+def _grad_state(p) -> tuple | None:
+    """What tells that a parameter's `.grad` changed: None, or (data_ptr, version): AccumulateGrad either puts a new
+    tensor there (a new allocation while the old one is alive: another address) or adds in place (the version
+    counter moves). Holds no reference to the gradient (one would stop AccumulateGrad from adding in place)."""
+    g = p.grad
+    if g is None:
+        return None
+    try:
+        return g.data_ptr(), g._version
+    except Exception:  # a tensor subclass without storage or version counter: compared by identity instead
+        return id(g), None
 
 
 def _world_size() -> int:
@@ -158,6 +181,8 @@ class PassRecorder:
         )
         step.pass_count += 1
         self.task: int | None = None
+        self.seq_start = tp.next_sequence_nr()  # nodes created while the engine runs (double backward, recompute)
+        self.grads_before = None
         self.t0 = time.perf_counter()
         self.open: dict[int, list] = {}
         self.calls: list[list] = []  # [node index, seq, start, duration, grad_outputs' Measured, versions]
@@ -172,6 +197,11 @@ class PassRecorder:
         self.native = None  # the C++ hooks' pass (gradstore.recording.native) when they record this pass
         roots = roots_of(outputs)
         self.record.roots = len(roots)
+        if any(getattr(getattr(o, "device", None), "type", "cpu") != "cpu" for o in outputs):
+            step.device_threads = True
+        if parent is None and kind == "backward":  # which .grad this pass changes, whoever writes it (at
+            # stats='params' no AccumulateGrad is hooked; DDP's reducer writes an unused parameter's .grad itself)
+            self.grads_before = [_grad_state(p) for _, p in params]
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
             step.active.append(self)
             self.record.setup = time.perf_counter() - self.t0
@@ -184,7 +214,21 @@ class PassRecorder:
             if name is not None:
                 param_names[id(sharded)] = param_names[id(unsharded)] = name
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
-        self.infos = describe(self.walk, owner, param_names, step.known, parent_scope, owner_key, region)
+        self.infos = describe(
+            self.walk,
+            owner,
+            param_names,
+            step.known,
+            parent_scope,
+            owner_key,
+            region,
+            step.lineage,
+            step.device_threads,
+        )
+        rec = self.record
+        rec.seqs, rec.born, rec.walk_edges = self.walk.seqs, self.walk.born, self.walk.edges
+        index = self.walk.index
+        rec.root_nodes = [index[id(r)] for r in roots if id(r) in index]
         if frame_of is not None:
             for i, node in enumerate(self.walk.nodes):
                 info = self.infos[i]
@@ -206,6 +250,7 @@ class PassRecorder:
         self._trusted = [info.kind in ("function", "accumulate_grad") for info in self.infos]
         filtered = options.modules is not None or options.params is not None
         wanted = [self._wanted(i.module, i.param) for i in self.infos] if filtered else None
+        rec.hooked = wanted
         # where the pass's graph task is first seen (see `_claim`): its roots, or any node if no root is hooked
         root_ids = {id(r) for r in roots}
         self._claimable = [id(n) in root_ids for n in self.walk.nodes]
@@ -315,6 +360,7 @@ class PassRecorder:
         pass's one host transfer, and hand the PassRecord to the step. Drops every graph reference."""
         rec = self.record
         t_end = time.perf_counter()
+        rec.seq_range = (self.seq_start, tp.next_sequence_nr())
         try:
             native = None
             if self.native is not None:  # the C++ hooks come off first, whatever happens next
@@ -329,6 +375,12 @@ class PassRecorder:
             stack[:] = [c for c in stack if c[0] != rec.number]
             param_nodes: dict[str, NodeInfo] = {}
             param_keys: list[str] = []
+            if rec.kind == "backward" and rec.parent_pass is None:  # what the optimizer will see, also after a fault
+                self.step.note_grads(self.params)
+                if self.grads_before is not None:
+                    rec.grads_changed = [
+                        name for (name, p), was in zip(self.params, self.grads_before) if _grad_state(p) != was
+                    ]
             if ok and rec.kind == "backward" and rec.parent_pass is None:
                 opts = self.options
                 # checksums make a bitwise comparison across ranks exact: taken when there are ranks to compare

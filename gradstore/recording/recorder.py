@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import inspect
 import socket
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,7 +17,7 @@ import torch.nn as nn
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
-from ..errors import RecordUsageError
+from ..errors import RecordUsageError, RecordUsageWarning
 from ..records import StepBatch
 from ..store import schema as s
 from ..store.database import DEFAULT_DB
@@ -23,16 +25,23 @@ from ..store.writer import writer_for
 from ..version import __version__
 from . import intercept, kernel, native
 from . import torch_private as tp
+from .findings import Findings, StepFacts
 from .frames import FrameTracker
+from .lineage import Lineage
 from .modules import (
     ModuleTracker,
+    compiled_regions,
     fsdp_aliases,
     fsdp_modules,
     named_models,
-    named_parameters,
+    parameter_groups,
+    parameter_names,
+    qualified_names,
 )
 from .options import Options
 from .passes import PassRecorder, StepState
+from .rows import LazyRows
+from .step_warnings import WarningLog
 
 _open_scope = None  # the record object whose scope is open in this process (scopes do not nest)
 
@@ -96,10 +105,18 @@ class record:
     Raises:
         RecordUsageError: a bad argument, or a scope opened inside another.
         SchemaTooNew: the database was written by a newer gradstore.
+    Every recorded step also notes why each parameter has (or has no) gradient, the module calls and the gradient
+    crossing their boundaries, the nodes born in an earlier step or a backward pass or never run, and the warnings
+    it raised (README "Why and where"; gradstore.recording.findings builds them on the writer thread).
+    Warns: RecordUsageWarning (once per record object) for a modules= or params= glob that matches no name, or
+    a scope without a model while modules ran.
     Relies on: `torch.autograd.graph._engine_run_backward` (interception), `Node.register_prehook` /
     `register_hook`, global module forward hooks (module attribution); under FSDP2, its parameter state
     (`gradstore.recording.torch_private.fsdp_parameters`) to name the AccumulateGrad nodes of its unsharded
     parameters; a DTensor gradient is measured on its local shard, with its placements (no collective).
+    `register_hook`, global module forward hooks (module attribution), the autograd sequence counter (private:
+    which module call created a node, and knowing an earlier step's node again), `warnings._showwarnmsg`
+    (CPython's display hook, wrapped while a step is recorded; `warnings.showwarning` where it is missing).
     """
 
     def __init__(
@@ -151,6 +168,13 @@ class record:
         self._frames: FrameTracker | None = None
         self._params: list = []
         self._fsdp: list = []  # the modules FSDP2 (fully_shard) manages, whose parameters the graph sees unsharded
+        self._recorded: list = []  # [(first name, parameter)] that param_status rows are written for
+        self._param_names: dict[str, tuple[str, ...]] = {}  # first name -> every name (tied weights)
+        self._lineage = Lineage()
+        self._warning_log: WarningLog | None = None
+        self._warned: set[str] = set()  # RecordUsageWarnings given (each once per record object)
+        self._named_nothing = False  # the scope has no model to name modules and parameters by
+        self._checked: set = set()  # (filter, models) already checked against the names
         self._step_started = 0.0
         self._step_number = 0
         self._in_scope = False
@@ -213,12 +237,16 @@ class record:
         self._in_scope = True
         _open_scope = self
         models = self.models or models
-        self._params = named_parameters(models)
+        self._named_nothing = not models
         self._fsdp = fsdp_modules(models)
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
-        self._tracker = ModuleTracker.for_models(models)
+        names = self._names_of(models)
+        self._tracker = ModuleTracker(names, compiled_regions(models, names), refresh=lambda: self._names_of(models))
         self._frames = FrameTracker() if self.options.frames else None
+        self._lineage.clear()
+        self._warning_log = WarningLog(self._step_warnings, self._thread, self._in_pass)
         try:
+            self._check_filters(models)
             self._begin_step()
         except BaseException:  # nothing of a scope that failed to open stays installed
             self._close_scope()
@@ -231,10 +259,66 @@ class record:
         finally:
             self._close_scope()
 
+    def _names_of(self, models: list) -> dict[int, str]:
+        """(Re)read the models' module and parameter names (at scope entry, and when the tracker meets a module
+        it does not know: a layer assigned after the scope opened); returns id(module) -> name."""
+        groups = parameter_groups(models)  # one traversal: every name, first names in named_parameters' order
+        names = {id(p): all_names for all_names, p in groups}
+        self._params = [(all_names[0], p) for all_names, p in groups]
+        opts = self.options
+        self._recorded = [
+            (n, p)
+            for n, p in self._params
+            if opts.wants_module(n.rsplit(".", 1)[0] if "." in n else "") and opts.wants_param(n)
+        ]
+        self._param_names = {n: names[id(p)] for n, p in self._recorded}
+        return qualified_names(models)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, RecordUsageWarning, stacklevel=5)
+
+    def _check_filters(self, models: list) -> None:
+        """Warn (once per record object) about a modules= or params= filter that matches nothing."""
+        opts = self.options
+        for what, globs in (("modules", opts.modules), ("params", opts.params)):
+            seen = (what, tuple(id(m) for _, m in models))
+            if globs is None or what in self._warned or seen in self._checked:
+                continue
+            self._checked.add(seen)
+            if what == "modules":
+                names = set(self._tracker.names.values())
+            else:
+                names = {n for all_names in parameter_names(models).values() for n in all_names}
+            idle = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in names)]
+            if idle:
+                have = ", ".join(repr(n) for n in sorted(names)[:6]) or "none: no model= given"
+                self._warn_once(
+                    what,
+                    f"gradstore.record({self.run!r}, {what}=...): {', '.join(map(repr, idle))} match"
+                    f"{'es' if len(idle) == 1 else ''} no {what[:-1]} name of the recorded model"
+                    f"{' (so nothing is hooked)' if len(idle) == len(globs) else ''}; names there: {have}"
+                    f"{', ...' if len(names) > 6 else ''}",
+                )
+
+    def _step_warnings(self):
+        """The warning counts of the step being recorded (WarningLog's sink), or None."""
+        state = self._state
+        return state.warnings if state is not None else None
+
+    def _in_pass(self) -> bool:
+        """True on a thread where a call of one of this recording's passes is running (autograd's threads)."""
+        state = self._state
+        return state is not None and state.open_call() is not None
+
     def _close_scope(self) -> None:
         """Remove everything the scope installed (interception, module and frame hooks); safe to call twice."""
         global _open_scope
         intercept.deactivate(self)
+        if self._warning_log is not None:
+            self._warning_log.remove()
+        self._warning_log = None
         if self._frames is not None:
             self._frames.remove()
         self._frames = None
@@ -243,6 +327,8 @@ class record:
         self._tracker = None
         self._params = []
         self._fsdp = []
+        self._recorded = []
+        self._lineage.clear()
         self._in_scope = False
         if _open_scope is self:
             _open_scope = None
@@ -254,18 +340,21 @@ class record:
         self._next_step += 1
         if self.options.wants_step(self._step_number):
             # the C++ hooks when built (the first build runs in the background: Python hooks meanwhile)
-            self._state = StepState(None if self.options.saved else native.load())
+            self._state = StepState(None if self.options.saved else native.load(), self._lineage)
+            self._lineage.begin(tp.next_sequence_nr())
             self._tracker.clear()
             self._tracker.install()
             if self._frames is not None:
                 self._frames.clear()
                 self._frames.install()
+            self._warning_log.install()
             intercept.activate(self)
         else:  # an unsampled step runs with no gradstore hook at all
             self._state = None
             if self._frames is not None:
                 self._frames.remove()
             self._tracker.remove()
+            self._warning_log.remove()
             intercept.deactivate(self)
 
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
@@ -284,6 +373,7 @@ class record:
             status = "nonfinite"
         if state.faults:
             error = "\n".join(filter(None, [error, "recorder faults: " + "; ".join(state.faults[:20])]))
+        records = sorted(state.records, key=lambda r: r.number)
         batch = StepBatch(
             run_id=self.run_id,
             rank=self.rank,
@@ -292,13 +382,46 @@ class record:
             ended_at=time.time(),
             status=status,
             error=error,
-            passes=sorted(state.records, key=lambda r: r.number),
+            passes=records,
             run_status=run_status,
             level=self.options.stats,
             tracing_passes=state.tracing_passes,
+            warnings=[(*key, n) for key, n in state.warnings.items()],
         )
+        self._add_findings(batch, state, records)
         state.release()
         self._writer.submit(batch, on_full=self.options.on_full, max_rows=self.options.queue_rows)
+
+    def _add_findings(self, batch: StepBatch, state: StepState, records: list) -> None:
+        """Hand what the step noted to its findings (built on the writer thread: gradstore.recording.findings)."""
+        if state.has_grad is None:  # no top-level backward pass returned: what .grad holds now
+            state.note_grads(self._recorded)
+        forward = self._tracker.take() if tp.has_sequence_nr() else None
+        if self._named_nothing and forward is not None and forward.calls:
+            self._warn_once(
+                "model",
+                f"gradstore.record({self.run!r}) was given no model (model=, or nn.Module arguments of the decorated "
+                "function) while modules ran: they are named by class ('<Linear>'), their parameters are not "
+                "named (no param_grads, param_status), and module_gains cannot tell a module's own parameters",
+            )
+        facts = StepFacts(
+            step=self._step_number,
+            records=records,
+            forward=forward,
+            first_seq=self._lineage.first_seq,
+            params=[(name, not p.requires_grad) for name, p in self._recorded],
+            names=self._param_names,
+            has_grad=state.has_grad,
+            level=self.options.stats,
+            dropped=lambda: batch.dropped > 0,
+        )
+        findings = Findings(facts)
+        batch.nodes = LazyRows.deferred(lambda: findings.result().nodes)
+        batch.param_names = LazyRows.deferred(lambda: findings.result().param_names)
+        batch.param_status = LazyRows.deferred(lambda: findings.result().param_status)
+        batch.module_calls = LazyRows.deferred(lambda: findings.result().module_calls)
+        batch.step_nodes = LazyRows.deferred(lambda: findings.result().step_nodes)
+        self._lineage.push(self._step_number, records)
 
     # ---- called by intercept for every backward pass ---------------------------------------------------
     def run_pass(self, original, outputs, args, kwargs, *, kind, retain_graph, create_graph, inputs):
@@ -319,6 +442,9 @@ class record:
                 "their own process (one run, one rank each), or join the threads first"
             )
             state = None
+        outer = state is not None and not state.active and self._tracker is not None
+        if outer:  # a module forward entered while this pass runs is a recomputation (activation checkpointing)
+            self._tracker.context = state.open_call
         if state is not None:
             try:
                 p = PassRecorder(
@@ -348,8 +474,12 @@ class record:
             ok = True
             return result
         finally:
-            if p is not None:
-                p.finish(ok)
+            try:
+                if p is not None:
+                    p.finish(ok)
+            finally:
+                if outer and self._tracker is not None:
+                    self._tracker.context = None
 
     # ---- public API ----------------------------------------------------------------------------------------
     def step(self) -> int:

@@ -36,6 +36,12 @@ class LazyRows(Sequence):
         self.fault: str | None = None
 
     @classmethod
+    def deferred(cls, build: Callable[[], list]) -> LazyRows:
+        """Rows whose number is not known before they are built: `len()` builds them (for the writer's side
+        tables, which the queue bound does not count)."""
+        return cls(-1, build)
+
+    @classmethod
     def of(cls, rows: list) -> LazyRows:
         """Rows already built (a list), behind the same interface."""
         lazy = cls(len(rows), list)
@@ -69,7 +75,7 @@ class LazyRows(Sequence):
         return self._rows is not None
 
     def __len__(self) -> int:
-        return self._len
+        return self._len if self._len >= 0 else len(self.rows())
 
     def __getitem__(self, i):
         return self.rows()[i]
@@ -87,7 +93,9 @@ class LazyRows(Sequence):
     __hash__ = None  # mutable-like, as a list
 
     def __repr__(self) -> str:
-        return f"LazyRows({self.rows()!r})" if self.built else f"LazyRows(<{self._len} rows, not built yet>)"
+        if self.built:
+            return f"LazyRows({self.rows()!r})"
+        return f"LazyRows(<{self._len if self._len >= 0 else 'some'} rows, not built yet>)"
 
 
 def tensor_rows(measured: list, infos: list[NodeInfo], param_keys: list[str], rows: list | None = None) -> list:

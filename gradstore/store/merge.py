@@ -9,7 +9,9 @@ the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank
   it), or is skipped with its passes, calls and tensors when `skip_existing=True`;
 - nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated;
 - passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range), with their
-  reasons, checksums and DTensor layouts (shardings matched by key).
+  reasons, checksums, sparse layouts and DTensor layouts (shardings matched by key);
+- the step findings (param_status, module_calls, step_nodes, step_warnings) are copied with their steps, and
+  param_names (every name of a parameter) added per run where OUT lacks the name.
 
 Everything goes through SQLAlchemy Core on the `gradstore.store.schema` tables, so OUT and the inputs may be
 SQLite files or database URLs. The whole merge is one transaction on OUT: an error leaves OUT as it was (a
@@ -304,6 +306,8 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
             [{"pid": pid, "lo": lo, "hi": hi} for pid, (lo, hi) in ranges.items()],
         )
 
+    _merge_findings(src, dst, run_map, step_map, node_map)
+
     layout_map = _merge_layouts(src, dst)
     sharding_map = _merge_shardings(src, dst)
     td, tn, tsh = s.tensor_data.c, s.tensor_notes.c, s.tensor_shardings.c
@@ -339,6 +343,33 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
             dst.execute(insert(s.tensor_shardings), new_layouts)
         report.tensors += len(rows)
     return report
+
+
+def _merge_findings(src, dst, run_map, step_map, node_map) -> None:
+    """param_names (added where OUT's run lacks the name) and the per-step findings tables of the copied steps."""
+    pn = s.param_names.c
+    for src_run, dst_run in run_map.items():
+        have = set(dst.execute(select(pn.name).where(pn.run_id == dst_run)).scalars())
+        rows = []
+        for r in src.execute(select(s.param_names).where(pn.run_id == src_run).order_by(pn.id)).mappings():
+            if r["name"] not in have:
+                have.add(r["name"])
+                rows.append(
+                    {**{k: v for k, v in r.items() if k != "id"}, "run_id": dst_run, "node_id": node_map[r["node_id"]]}
+                )
+        for chunk in _chunks(rows):
+            dst.execute(insert(s.param_names), chunk)
+    for table in (s.param_status, s.module_calls, s.step_nodes, s.step_warnings):
+        order = (table.c.step_id, table.c.node_id) if "id" not in table.c else None
+        for rows in _stream(src, table, order_by=order):
+            rows = [r for r in rows if r["step_id"] in step_map]
+            for r in rows:
+                r.pop("id", None)
+                r["step_id"] = step_map[r["step_id"]]
+                if "node_id" in r:
+                    r["node_id"] = node_map[r["node_id"]]
+            if rows:
+                dst.execute(insert(table), rows)
 
 
 def _merge_layouts(src, dst) -> dict[int, int]:

@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from ..errors import QueryParameterError, UnknownQuery
-from ..records import ROLES
+from ..records import PARAM_STATUSES, ROLES
 from .resources import queries_dir
 
 _PARAM_RE = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
@@ -79,7 +79,7 @@ _INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b", "all"
 _REAL_PARAMS = {"rtol", "atol"}
 
 
-_CHOICES = {"role": ROLES, "by": ("node", "module")}
+_CHOICES = {"role": ROLES, "by": ("node", "module"), "status": PARAM_STATUSES}
 
 
 def _typed(query: str, param: str, value):

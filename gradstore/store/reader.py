@@ -133,7 +133,9 @@ class Store:
         numel, norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced (a sparse
         gradient's layout, stored entries and whether it was coalesced; NULL for a dense one) (a DTensor's local
         shard: shape and numel are the shard's), then placements, mesh_shape, mesh_dims, coordinate,
-        global_shape, global_offset (NULL for a plain tensor). scope='global': the whole gradient combined from
+        global_shape, global_offset (NULL for a plain tensor), shared_with. A tied weight is one row under its
+        first name; `param=` any of its names finds it, and shared_with lists its other names (comma-separated;
+        '' for an untied parameter). scope='global': the whole gradient combined from
         every rank's shard, as `global_grads` (`rank` must be None then). Raises UnknownRun; ValueError for
         another scope, or a rank with 'global'.
         """
@@ -186,16 +188,138 @@ class Store:
         out["not_derivable"] = out["not_derivable"].fillna(0).astype(int)
         return out[cols]
 
+    def param_status(
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        param: str | None = None,
+        status: str | None = None,
+    ) -> pd.DataFrame:
+        """Why each parameter has (or has no) gradient, per step: one row per recorded step, rank and parameter
+        name (a tied weight: one row per name), non-ok rows of a step first, as queries/param_status.sql.
+
+        Columns: run, rank, step, param, module, status, shared_with (the other names of a tied weight, ''),
+        node_param (the name its node is keyed by), module_ran, reached, calls, has_grad (0/1, NULL where not
+        known). status is one of:
+          'ok': its AccumulateGrad ran in the step (or, calls = 0, a backward pass wrote its .grad otherwise:
+              DDP's reducer for a parameter this rank did not use) and the gradient is not all zeros;
+          'zero': every gradient it received was finite and all zeros (stats='health': min = max = 0;
+              stats='params': the final .grad);
+          'received': it got a gradient whose values were not measured (stats='shape'; stats='params' in a
+              pass that raised);
+          'frozen': requires_grad is False;
+          'not used': got nothing, and its module's forward did not run in the step;
+          'unreachable': got nothing although its module ran (or is not known): no pass's roots reach its
+              AccumulateGrad, or one reached it and did not run it (backward(inputs=...), autograd.grad);
+          'stale': got nothing this step, but .grad still holds an earlier gradient (the optimizer applies it).
+        A step whose backward raised has rows too: what each parameter got before the failure. At stats='params'
+        (no node hooks) a backward pass that changed .grad (a new tensor or an in-place addition) counts as a
+        gradient, and reached and calls are NULL. Parameters left out by record(params=, modules=) have no rows.
+        Raises UnknownRun; QueryParameterError for a status not in that list.
+        Relies on: `nn.Module.named_parameters(remove_duplicate=False)` (every name), global module forward hooks
+        (which modules ran), `Node.register_prehook` on AccumulateGrad nodes (which parameters got a gradient).
+        """
+        return self.query("param_status", run=run, step=step, rank=rank, param=param, status=status)
+
     def saved_memory(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """With record(saved=True): per step and module, saved_tensors (count), bytes (numel x element size),
         largest_numel."""
         return self.query("saved_memory", run=run, step=step, rank=rank)
 
-    def first_nonfinite(self, run: str | None = None, rank: int | None = None) -> pd.DataFrame:
-        """Per run and rank, the first call (execution order) with NaN/Inf in its grad_outputs or grad_inputs:
-        run, rank, step, pass, seq, key, name, module, frame, role, slot, numel, nan, posinf, neginf, norm, min, max.
-        Empty when every gradient was finite."""
-        return self.query("first_nonfinite", run=run, rank=rank)
+    def first_nonfinite(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, role: str | None = None
+    ) -> pd.DataFrame:
+        """Per run and rank, the first call (execution order) with NaN/Inf in its gradients (grad_outputs or
+        grad_inputs; `role=` one of them only; saved tensors never: `first_nonfinite_saved`), within `step`
+        when given: run, rank, step, pass, seq, key, name, module, frame, role,
+        slot, numel, nan, posinf, neginf, norm, min, max; one row per non-finite slot of that call. Empty when
+        every gradient was finite. Raises UnknownRun; ValueError for a role other than grad_output, grad_input."""
+        if role is not None and role not in ("grad_output", "grad_input"):
+            raise ValueError(f"first_nonfinite(role=...) is grad_output or grad_input (or None for both), got {role!r}")
+        return self.query("first_nonfinite", run=run, step=step, rank=rank, role=role)
+
+    def first_nonfinite_saved(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None
+    ) -> pd.DataFrame:
+        """With record(saved=True): per run and rank, the first call (execution order) whose node saved a tensor
+        holding NaN/Inf for its backward (a forward value, measured in the node's prehook), within `step` when
+        given: the columns of first_nonfinite, role 'saved' and slot = position in gradstore.saved_tensors(node).
+        As queries/first_nonfinite_saved.sql. Empty when every saved tensor was finite (or none was recorded)."""
+        return self.query("first_nonfinite_saved", run=run, step=step, rank=rank)
+
+    # ---- why and where ----------------------------------------------------------------------------------------
+    def module_gains(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
+    ) -> pd.DataFrame:
+        """Per module forward call per step, in backward order: the norm of the gradient flowing into the call
+        (w.r.t. its outputs), out of it (w.r.t. its inputs, not what goes to its own parameters) and their
+        ratio, as queries/module_gains.sql. The exploding or vanishing layer is the call whose ratio stands out.
+
+        Columns: run, rank, step, call (0, 1, ... in order of entry), module, ordinal (the module's 0th, 1st, ...
+        call in the step), first_seq (the seq of the first call of one of its nodes), in_norm, out_norm, ratio
+        (out_norm / in_norm; NULL where a boundary tensor was not measured, held NaN/Inf, or nothing flowed in),
+        in_tensors, out_tensors, in_unmeasured, out_unmeasured, nonfinite, nodes, ran, during_pass, recomputes.
+        What is summed, as sqrt(sum of squared norms) over the step's passes (L2 norms over finite elements):
+          in: the grad_outputs of the call's nodes (the nodes created while it, or a submodule, ran) at each slot
+              that an edge from a node outside the call feeds, each slot once per pass and whole, and the
+              gradient a pass seeds at a root inside the call (a loss computed in the module);
+          out: the grad_inputs the call's nodes send along edges to nodes outside the call, one per edge,
+              except to the AccumulateGrad of one of the module's own parameters (named under it).
+        A boundary node that was hooked and did not run passes 0. Parameter gradients are in neither sum: a
+        module whose weight gradient is unremarkable can still multiply the gradient it passes on, and
+        grad_norms(by='module') (which sums every grad_output and grad_input of the nodes the module itself
+        owns, its parameters' AccumulateGrad nodes included, and not its submodules') does not show that.
+        `module=` keeps that module and its submodules. Raises UnknownRun.
+        Relies on: global module forward hooks and the autograd sequence counter (which node a call created),
+        `Node.next_functions` (the edges), `Node.register_prehook` / `register_hook` (the gradients).
+        """
+        return self.query("module_gains", run=run, step=step, rank=rank, module=module)
+
+    def node_births(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
+        """The nodes a step reached that it did not create in its forward, as queries/node_births.sql: born in an
+        earlier step (born_step < step: a hidden state that was not detached, a graph retained across steps;
+        born_step NULL: a step that was not recorded, or before the recording) or in a backward pass (born_pass:
+        double backward; recomputed = 1: a module's forward re-run in a backward pass). Such a node keeps the key
+        and module of the step that created it. "Which pass reached back into step 3":
+        `store.node_births(run, step=4).query("born_step == 3")`.
+
+        Columns: run, rank, step, pass (the first pass that reached it), key, name, module, born_step, born_pass,
+        recomputed, ran. Raises UnknownRun.
+        Relies on: `Node._sequence_nr()` (private: unique per thread, in creation order) to know a node again
+        without holding it; nodes created on autograd's device threads are not told apart.
+        """
+        return self.query("node_births", run=run, step=step, rank=rank)
+
+    def never_ran(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
+    ) -> pd.DataFrame:
+        """Nodes created in a step that no pass ran, as queries/never_ran.sql, with why: 'not reachable' (a
+        module created it and no pass's roots reach it: a branch whose output does not reach the loss),
+        'reached, not run' (backward(inputs=...), torch.autograd.grad), 'recomputed, not run' (activation
+        checkpointing without reentrance rebuilds saved tensors with nodes that never run: not a missing call).
+
+        What is found: every node a pass's walk reached, and the grad_fn of each tensor a module returned (its
+        direct tensors and those of a returned tuple, list or dict). Not found: a node that no pass reaches and no
+        module returns (the TBackward0 under an unused Linear's AddmmBackward0, ops outside any module).
+        Columns: run, rank, step, key, name, module, why, pass, module_call, call_module, call_ordinal,
+        born_pass, recomputed. `module=` keeps that module and its submodules. Raises UnknownRun.
+        """
+        return self.query("never_ran", run=run, step=step, rank=rank, module=module)
+
+    def recomputations(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
+        """Module forwards re-run inside a backward pass (torch.utils.checkpoint, reentrant or not), as
+        queries/recomputations.sql: call, module, ordinal, during_pass, during_seq, running (the key of the node
+        whose call was executing), recomputes (the call number of the forward call it re-runs) and
+        original_ordinal, nodes, ran, in_norm, out_norm. Their nodes get the modules (and, where they match the
+        original call's outputs, the keys) of the original forward. Raises UnknownRun."""
+        return self.query("recomputations", run=run, step=step, rank=rank)
+
+    def warnings(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
+        """Warnings raised inside recorded steps (what Python showed; they reach the user unchanged), as
+        queries/warnings.sql: run, rank, step, category, message, location ('file:line'), count (times shown in
+        the step: under Python's default filter a warning is shown once per location). Raises UnknownRun."""
+        return self.query("warnings", run=run, step=step, rank=rank)
 
     # ---- comparing steps, runs and ranks -----------------------------------------------------------------------
     def history(

@@ -30,7 +30,18 @@ from sqlalchemy import (
     text,
 )
 
-from ..records import DTYPE, DTYPES, KIND, KINDS, ROLE, ROLES, STATUS, STATUSES  # noqa: F401 - re-exported
+from ..records import (  # noqa: F401 - re-exported
+    DTYPE,
+    DTYPES,
+    KIND,
+    KINDS,
+    PARAM_STATUS,
+    PARAM_STATUSES,
+    ROLE,
+    ROLES,
+    STATUS,
+    STATUSES,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -52,7 +63,10 @@ statuses = Table(
 )
 kinds = Table("kinds", metadata, Column("id", Integer, primary_key=True), Column("name", String(32), nullable=False))
 dtypes = Table("dtypes", metadata, Column("id", Integer, primary_key=True), Column("name", String(32), nullable=False))
-LOOKUPS = {"roles": ROLES, "statuses": STATUSES, "kinds": KINDS, "dtypes": DTYPES}
+param_statuses = Table(
+    "param_statuses", metadata, Column("id", Integer, primary_key=True), Column("name", String(32), nullable=False)
+)
+LOOKUPS = {"roles": ROLES, "statuses": STATUSES, "kinds": KINDS, "dtypes": DTYPES, "param_statuses": PARAM_STATUSES}
 
 # ---- the record --------------------------------------------------------------------------------------------
 runs = Table(
@@ -336,3 +350,84 @@ FROM tensor_shardings x JOIN shardings s ON s.id = x.sharding_id"""
 
 # the view for SQLAlchemy Core (select only; not part of `metadata`)
 dtensors = table("dtensors", *(column(c) for c in DTENSORS_VIEW_COLUMNS))
+# ---- why and where (revision 0006): parameter status, tied names, module calls, step nodes, warnings --------
+# every qualified name of each recorded parameter (a tied weight has several; nodes.param holds the first)
+param_names = Table(
+    "param_names",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id"), nullable=False),
+    Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),  # the parameter's node (param:<first name>)
+    Column("name", String(1024), nullable=False),
+    Column("module", String(1024), nullable=False),  # the module the name is under ('' for the model itself)
+    Column("shared_with", Text, nullable=False),  # the parameter's other names, comma-separated; '' when none
+    UniqueConstraint("run_id", "name"),
+)
+
+# per step and recorded parameter: why it has (or has no) gradient
+param_status = Table(
+    "param_status",
+    metadata,
+    Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
+    Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
+    Column("status", Integer, nullable=False),  # code of PARAM_STATUSES (lookup table param_statuses)
+    Column("module_ran", Integer),  # 0/1: its module's forward ran in the step; NULL: not known
+    Column("reached", Integer),  # 0/1: some pass's graph walk reached its AccumulateGrad; NULL: no walk
+    Column("calls", Integer),  # its AccumulateGrad's executions in the step; NULL: not hooked (stats='params')
+    Column("has_grad", Integer, nullable=False),  # 0/1: .grad not None when the step's last backward returned
+    PrimaryKeyConstraint("step_id", "node_id"),
+)
+
+# one forward call of a module (also one that re-ran inside a backward pass: activation checkpointing)
+module_calls = Table(
+    "module_calls",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
+    Column("call", Integer, nullable=False),  # 0, 1, ... in order of entry within the step
+    Column("last", Integer, nullable=False),  # the highest call number inside this one (itself when none)
+    Column("module", String(1024), nullable=False),
+    Column("ordinal", Integer, nullable=False),  # 0 for the module's first call in the step, 1, 2, ...
+    Column("during_pass", Integer),  # the pass it ran in (recomputation); NULL: the forward
+    Column("during_seq", Integer),  # seq of the call that was executing then; NULL: the forward
+    Column("recomputes", Integer),  # the call number of the forward call it recomputes; NULL: none found
+    Column("nodes", Integer, nullable=False),  # Nodes created inside it and its submodules (sequence numbers taken)
+    Column("ran", Integer),  # of those, how many ran in some pass of the step; NULL: not known (stats='params')
+    Column("first_seq", Integer),  # the seq of the first call of one of its nodes (backward order); NULL: none
+    Column("in_norm", Float),  # sqrt(sum of squares) of the gradients flowing in (w.r.t. its outputs)
+    Column("in_tensors", Integer, nullable=False),  # boundary grad_output slots summed into in_norm
+    Column("in_unmeasured", Integer, nullable=False),  # boundary slots without a measurement
+    Column("out_norm", Float),  # the same for the gradients flowing out (w.r.t. its inputs, not its parameters)
+    Column("out_tensors", Integer, nullable=False),
+    Column("out_unmeasured", Integer, nullable=False),
+    Column("nonfinite", Integer, nullable=False),  # NaN and +/-Inf elements in the boundary tensors
+    UniqueConstraint("step_id", "call"),
+)
+
+# the nodes of a step that were not created by its forward and run: born in an earlier step or in a backward pass,
+# or never run (not reachable, or reached and not run), or recomputed (activation checkpointing)
+step_nodes = Table(
+    "step_nodes",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("step_id", Integer, ForeignKey("steps.id"), nullable=False, index=True),
+    Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
+    Column("pass", Integer),  # the first pass of the step whose walk reached it; NULL: none did
+    Column("born_step", Integer),  # the step that created it; NULL: an earlier step not recorded
+    Column("born_pass", Integer),  # the pass (of born_step) whose backward created it; NULL: a forward
+    Column("module_call", Integer),  # module_calls.call of born_step it was created in; NULL: none
+    Column("ran", Integer),  # 0/1: it ran in a pass of this step; NULL: not known (no hooks on it)
+    Column("recomputed", Integer, nullable=False),  # 1: created by a module's forward re-run in a backward pass
+)
+
+# warnings raised inside a step (what Python showed), one row per category, message and location
+step_warnings = Table(
+    "step_warnings",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("step_id", Integer, ForeignKey("steps.id"), nullable=False, index=True),
+    Column("category", String(255), nullable=False),  # e.g. UserWarning, torch.jit.TracerWarning
+    Column("message", Text, nullable=False),
+    Column("location", String(2048), nullable=False),  # 'file:line' the warning names
+    Column("count", Integer, nullable=False),  # how many times it was shown in the step
+)

@@ -57,6 +57,28 @@ TENSOR_DATA_COLUMNS = (
     "zeros",
 )
 _BY_NODE = operator.itemgetter(TENSOR_DATA_COLUMNS.index("node_id"))
+# the findings' columns in the order gradstore.recording.findings builds them (after step_id, node_id)
+PARAM_STATUS_COLUMNS = ("status", "module_ran", "reached", "calls", "has_grad")
+MODULE_CALL_COLUMNS = (
+    "call",
+    "last",
+    "module",
+    "ordinal",
+    "during_pass",
+    "during_seq",
+    "recomputes",
+    "nodes",
+    "ran",
+    "first_seq",
+    "in_norm",
+    "in_tensors",
+    "in_unmeasured",
+    "out_norm",
+    "out_tensors",
+    "out_unmeasured",
+    "nonfinite",
+)
+STEP_NODE_COLUMNS = ("pass", "born_step", "born_pass", "module_call", "ran", "recomputed")
 
 _CHUNK = 500  # keys per IN (...) list
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
@@ -108,6 +130,7 @@ class Writer:
         self.rows_written = 0
         self._node_ids: dict[int, dict[str, int]] = {}  # run id -> node key -> nodes.id
         self._edges: set[tuple] = set()  # (run_id, (src key, src_slot, dst key, dst_slot)) already stored
+        self._param_names: set[tuple] = set()  # (run_id, name) already stored
         self._layout_ids: dict[tuple, int] = {}  # (dtype, shape, numel) -> layouts.id
         self._sharding_ids: dict = {}  # gradstore.records.Sharding -> shardings.id
         self._tensor_next: tuple[int, int] | None = None  # SQLite: (step_id it wrote last, next tensor id)
@@ -172,6 +195,15 @@ class Writer:
             "tensor_notes", ("id", "reason", "checksum", "layout", "nnz", "coalesced")
         )
         self._sharded_insert = self._driver_insert("tensor_shardings", ("id", "sharding_id"))
+        self._param_name_insert = self._driver_insert(
+            "param_names", ("run_id", "node_id", "name", "module", "shared_with")
+        )
+        self._param_status_insert = self._driver_insert("param_status", ("step_id", "node_id", *PARAM_STATUS_COLUMNS))
+        self._module_call_insert = self._driver_insert("module_calls", ("step_id", *MODULE_CALL_COLUMNS))
+        self._step_node_insert = self._driver_insert("step_nodes", ("step_id", "node_id", *STEP_NODE_COLUMNS))
+        self._warning_insert = self._driver_insert(
+            "step_warnings", ("step_id", "category", "message", "location", "count")
+        )
         mark = "%s" if self._pg else "?"
         self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
@@ -188,6 +220,7 @@ class Writer:
         self._closed = False
         self._node_ids = {}  # the parent may have been inside a step transaction that is yet to commit
         self._edges = set()
+        self._param_names = set()
         self._layout_ids = {}
         self._sharding_ids = {}
         self._tensor_next = self._tensor_next_pending = None
@@ -387,13 +420,42 @@ class Writer:
                     )
                 )
             self._write_calls_and_tensors(conn, cur, b, step_id, pass_ids, call_ids, added)
+        self._write_findings(conn, cur, b, step_id, added)
         if b.run_status is not None:
             cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
+
+    def _write_findings(self, conn, cur, b: StepBatch, step_id: int, added: list) -> None:
+        """The step's findings (gradstore.recording.findings, built here on first read): param_names (once per
+        run and name), param_status, module_calls, step_nodes; and its warnings."""
+        node_id = self._node_ids.get(b.run_id, {})
+        names = []
+        for key, name, module, shared in b.param_names:
+            if (b.run_id, name) not in self._param_names:
+                names.append((b.run_id, node_id[key], name, module, shared))
+        if names:
+            if self._pg:
+                cur.executemany(self._param_name_insert + " ON CONFLICT DO NOTHING", names)
+            else:
+                cur.executemany(self._param_name_insert.replace("INSERT", "INSERT OR IGNORE", 1), names)
+            for row in names:
+                self._param_names.add((b.run_id, row[2]))
+                added.append((self._param_names, (b.run_id, row[2])))
+        if b.param_status:
+            cur.executemany(self._param_status_insert, [(step_id, node_id[r[0]], *r[1:]) for r in b.param_status])
+        if b.module_calls:
+            cur.executemany(self._module_call_insert, [(step_id, *r) for r in b.module_calls])
+        if b.step_nodes:
+            cur.executemany(self._step_node_insert, [(step_id, node_id[r[0]], *r[1:]) for r in b.step_nodes])
+        if b.warnings:
+            cur.executemany(self._warning_insert, [(step_id, *w) for w in b.warnings])
 
     def _write_nodes(self, conn, b: StepBatch, added: list) -> None:
         run_id = b.run_id
         ids = self._node_ids.setdefault(run_id, {})
         new = {}
+        for n in b.nodes:  # parameters' nodes and nodes no pass walked (the step's findings)
+            if n.key not in ids:
+                new[n.key] = n
         for p in b.passes:
             for n in p.nodes:
                 if n.key not in ids:

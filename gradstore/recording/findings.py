@@ -1,0 +1,557 @@
+"""A step's findings: why each parameter has (or has no) gradient, the gradient crossing each module call's
+boundary, and the nodes of the step that were born elsewhere or never ran. Built on the writer thread, from what
+the step's passes and its module tracker noted anyway (the training thread only hands the lists over).
+
+Definitions (README "Why and where" says the same):
+
+- A module call's nodes are the nodes created while it ran, by it or by a submodule: those whose `sequence_nr`
+  falls after its entry and before its exit (gradstore.recording.modules.ForwardRecord). AccumulateGrad nodes
+  (parameters, leaves) and nodes of earlier steps belong to no module call.
+- Gradient flowing in (w.r.t. its outputs): the grad_outputs of its nodes at every slot that some edge from a
+  node outside it feeds (`outside.next_functions[k] == (node, slot)`), and every grad_output slot of a pass's
+  root inside it (the gradient `backward()` seeds). Each slot counts once per pass, whole: a slot also fed from
+  inside the module counts with that part.
+- Gradient flowing out (w.r.t. its inputs): the grad_inputs its nodes send along edges to nodes outside it,
+  except to the AccumulateGrad of one of its own parameters (a parameter named under the module); one per edge
+  (an input used by two ops inside the module sends two pieces).
+- in_norm, out_norm: sqrt(sum of squared norms) over those tensors and over the step's passes; a slot whose
+  node was hooked and did not run passes no gradient (0); a slot without a measurement (no hooks on the node:
+  modules=/params= filters; stats='shape', which measures no values; a skipped tensor) is counted in
+  in_unmeasured / out_unmeasured instead.
+
+Parameter status, in this order: 'frozen' (requires_grad is False at the end of the step); 'ok', 'zero' or
+'received' when its AccumulateGrad ran in some pass of the step, or a top-level backward pass changed its .grad
+otherwise (stats='params', which hooks no node; DDP's reducer writing a parameter this rank did not use; calls
+is 0 then and the final .grad is judged): 'zero' when every gradient it received was finite and all zeros (at
+stats='health' from min = max = 0), 'received' where no value was measured (stats='shape'; stats='params' in a
+pass that raised, whose .grad is not measured), else 'ok'; 'stale' when it received nothing but holds a .grad
+from before (what the step's last backward left); 'not used' when its module's forward did not run (any module
+of a tied parameter's names); 'unreachable' otherwise (its module ran, or is not known, and no pass ran its
+AccumulateGrad: not reachable from the roots, or reached and not run: `backward(inputs=...)`,
+`torch.autograd.grad`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from dataclasses import dataclass, field
+
+from ..records import PARAM_STATUS, ROLE, NodeInfo
+from . import torch_private as tp
+from .graph import key_ordinal
+
+_GO, _GI, _PARAM = ROLE["grad_output"], ROLE["grad_input"], ROLE["param_grad"]
+_ACC = tp.ACCUMULATE_GRAD_SEQUENCE_NR
+# positions in a tensors row: (key, seq, role, slot, *stats.ROW_COLUMNS)
+_KEY, _ROLE, _SLOT, _STATUS, _NUMEL, _NORM, _MIN, _MAX, _NAN, _PINF, _NINF, _ZEROS = (
+    0,
+    2,
+    3,
+    4,
+    8,
+    9,
+    10,
+    11,
+    14,
+    15,
+    16,
+    17,
+)
+_STATUS_OK, _STATUS_NONE = 0, 1
+
+
+def kind_of_name(name: str) -> str:
+    """A node's kind (records.KINDS) from its name alone, for a node seen only by name (the grad_fn of a module
+    output that no pass reached): built-in derivatives end in a digit ('AddmmBackward0'), custom Functions'
+    nodes in 'Backward'."""
+    if name == "AccumulateGrad":
+        return "accumulate_grad"
+    if name == "CompiledFunctionBackward":
+        return "compiled"
+    if name.endswith("Backward"):
+        return "custom_function"
+    return "function"
+
+
+@dataclass
+class StepFacts:
+    """What the training thread hands over at the end of a step (no tensor, no graph object).
+
+    step: the step number; records: the step's PassRecords; forward: the tracker's ForwardRecord (None without
+    module tracking); first_seq: the first sequence number of the step; params: [(first name, frozen)] of the
+    recorded parameters (the filters applied); names: first name -> every name; has_grad: first name ->
+    .grad not None when the step's last top-level backward returned (or at the end of the step); level: the
+    stats= level.
+    """
+
+    step: int
+    records: list
+    forward: object | None
+    first_seq: int
+    params: list[tuple[str, bool]]
+    names: dict[str, tuple[str, ...]]
+    has_grad: dict[str, bool]
+    level: str
+    dropped: object = None  # callable: True when the writer dropped the step's calls and tensors
+
+
+@dataclass
+class Result:
+    """The findings as rows for the writer (see StepBatch)."""
+
+    nodes: list = field(default_factory=list)
+    param_names: list = field(default_factory=list)
+    param_status: list = field(default_factory=list)
+    module_calls: list = field(default_factory=list)
+    step_nodes: list = field(default_factory=list)
+
+
+class Findings:
+    """Computes a step's Result once, on first use (normally on the writer thread); thread-safe enough for the
+    writer (one reader). A fault is warned about once and gives empty rows: the step's other rows are written."""
+
+    def __init__(self, facts: StepFacts):
+        self.facts = facts
+        self._result: Result | None = None
+
+    def result(self) -> Result:
+        if self._result is None:
+            try:
+                self._result = _build(self.facts)
+            except Exception as exc:
+                warnings.warn(
+                    f"gradstore: recorder fault (step findings not built): {type(exc).__name__}: {exc}"[:500],
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._result = Result()
+            self.facts = None  # what it was built from is not needed any more
+        return self._result
+
+
+class _Pass:
+    """One pass's rows, indexed."""
+
+    def __init__(self, rec):
+        self.rec = rec
+        n = rec.reachable if rec.seqs is not None else 0
+        self.infos = rec.nodes[:n]
+        self.seqs = rec.seqs or []
+        self.index = {info.key: i for i, info in enumerate(self.infos)}
+        self.calls = list(rec.calls)
+        self.ran: dict[int, int] = {}  # node index -> seq of its call
+        for c in self.calls:
+            i = self.index.get(c[0])
+            if i is not None and i not in self.ran:
+                self.ran[i] = c[1]
+        self.tensors = list(rec.tensors)
+        self.hooked = rec.hooked
+
+
+def _norm_of(row) -> float | None:
+    """A row's contribution (its norm; 0 for a None slot) or None where nothing was measured."""
+    status = row[_STATUS]
+    if status == _STATUS_NONE:
+        return 0.0
+    if status != _STATUS_OK:
+        return None
+    return row[_NORM]
+
+
+def _nonfinite(row) -> int:
+    return sum(v for v in (row[_NAN], row[_PINF], row[_NINF]) if v)
+
+
+def _zero(row) -> bool | None:
+    """True when the row's tensor is finite and all zeros, False when it is not, None when that is unknown."""
+    if row[_STATUS] == _STATUS_NONE:
+        return None
+    if row[_STATUS] != _STATUS_OK:
+        return None
+    if _nonfinite(row):
+        return False
+    if row[_ZEROS] is not None and row[_NUMEL] is not None:
+        return row[_ZEROS] == row[_NUMEL]
+    if row[_MIN] is not None and row[_MAX] is not None:
+        return row[_MIN] == 0 and row[_MAX] == 0
+    if row[_NORM] is not None and row[_NORM] != 0:
+        return False
+    return None
+
+
+def _value(measured: dict, hooked, ran: dict, i: int, role: int, slot: int) -> tuple[float | None, int]:
+    """(norm or None where not measured, non-finite elements) of node i's slot in one pass."""
+    row = measured.get((i, role, slot))
+    if row is not None:
+        return _norm_of(row), _nonfinite(row)
+    if (hooked is None or hooked[i]) and i not in ran:
+        return 0.0, 0  # hooked and did not run: no gradient passed
+    return None, 0
+
+
+def _original_call(calls: list, k: int, running: int | None, around: list[int]) -> int | None:
+    """The forward call that module call k (entered during a backward call whose node has sequence number
+    `running`) re-runs: a forward call of the same module that created the running node (a node unpacking its
+    saved tensors: non-reentrant checkpointing), else the first one entered after that node was created (a
+    custom Function's node, created before its forward runs: the reentrant checkpoint), else the last one."""
+    module = calls[k][0]
+    forward = [j for j in range(k) if calls[j][2] is None and calls[j][0] == module]
+    if not forward:
+        return None
+    for j in around:  # innermost first
+        if j in forward:
+            return j
+    if running is not None:
+        after = [j for j in forward if calls[j][1] >= running]
+        if after:
+            return after[0]
+    return forward[-1]
+
+
+def _module_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _build(f: StepFacts) -> Result:
+    out = Result()
+    if f.dropped is not None and f.dropped():
+        return out  # the calls and tensors were dropped: nothing here would be measured
+    passes = [_Pass(r) for r in f.records]
+    _params(f, passes, out)
+    if f.forward is not None:
+        _modules_and_nodes(f, passes, out)
+    return out
+
+
+# ---- parameters --------------------------------------------------------------------------------------------
+def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
+    walked = any(p.rec.seqs is not None for p in passes)
+    ran_modules = {c[0] for c in f.forward.calls} if f.forward is not None else None
+    calls: dict[str, int] = {}
+    zero: dict[str, list] = {}
+    reached: set[str] = set()
+    changed: set[str] = set()
+    final: dict[str, tuple] = {}  # key -> the last param_grad row
+    for p in passes:
+        reached.update(k for k in p.index if k.startswith("param:"))
+        for c in p.calls:
+            if c[0].startswith("param:"):
+                calls[c[0]] = calls.get(c[0], 0) + 1
+        for row in p.tensors:
+            key = row[_KEY]
+            if not key.startswith("param:"):
+                continue
+            if row[_ROLE] == _GO:
+                zero.setdefault(key, []).append(_zero(row))
+            elif row[_ROLE] == _PARAM:
+                final[key] = row
+        if p.rec.grads_changed:
+            changed.update(p.rec.grads_changed)
+    for name, frozen in f.params:
+        key = f"param:{name}"
+        names = f.names.get(name, (name,))
+        out.nodes.append(NodeInfo(key, "AccumulateGrad", "accumulate_grad", _module_of(name), name))
+        for n in names:
+            out.param_names.append((key, n, _module_of(n), ",".join(x for x in names if x != n)))
+        module_ran = None if ran_modules is None else int(any(_module_of(n) in ran_modules for n in names))
+        has_grad = f.has_grad.get(name, False)
+        n_calls = calls.get(key, 0) if walked else None
+        if n_calls:
+            got, zeros = True, zero.get(key, [])
+        else:  # no AccumulateGrad call (or none hooked: stats='params'): a backward that changed .grad gave it one
+            got = name in changed
+            row = final.get(key)
+            zeros = [_zero(row)] if row is not None else [None]
+        if frozen:
+            status = "frozen"
+        elif got:
+            if zeros and all(z is True for z in zeros):
+                status = "zero"
+            elif any(z is False for z in zeros):
+                status = "ok"
+            else:
+                status = "received"
+        elif has_grad:
+            status = "stale"
+        elif module_ran == 0:
+            status = "not used"
+        else:
+            status = "unreachable"
+        out.param_status.append(
+            (key, PARAM_STATUS[status], module_ran, int(key in reached) if walked else None, n_calls, int(has_grad))
+        )
+
+
+# ---- module calls and step nodes ---------------------------------------------------------------------------
+def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
+    fw = f.forward
+    step, first_seq = f.step, f.first_seq
+    calls = fw.calls
+    n = len(calls)
+    last = [c[3] if c[3] is not None else n - 1 for c in calls]
+    parent = [-1] * n
+    stack: list[int] = []
+    for k in range(n):
+        while stack and last[stack[-1]] < k:
+            stack.pop()
+        parent[k] = stack[-1] if stack else -1
+        stack.append(k)
+    bounds, owner_calls, owners = fw.seqs, fw.owner_calls, fw.owners
+    innermost_cache: dict[int, int] = {}
+
+    def innermost(seq: int) -> int:
+        """The module call of this step a node with `seq` was created in (-1: none)."""
+        if seq < first_seq or seq == _ACC or seq < 0:
+            return -1
+        hit = innermost_cache.get(seq)
+        if hit is None:
+            i = bisect.bisect_right(bounds, seq) - 1
+            hit = innermost_cache[seq] = owner_calls[i] if i >= 0 else -1
+        return hit
+
+    def owner(seq: int) -> str:
+        i = bisect.bisect_right(bounds, seq) - 1
+        return owners[i] if i >= 0 else ""
+
+    def chain(c: int) -> list[int]:
+        """c and its enclosing calls, innermost first."""
+        got = []
+        while c >= 0:
+            got.append(c)
+            c = parent[c]
+        return got
+
+    # the passes' sequence ranges: a node created while a pass ran was born in it (the innermost such pass)
+    ranges = sorted((r[1] - r[0], r[0], r[1], p.rec.number) for p in passes if (r := p.rec.seq_range) is not None)
+
+    def born_in(seq: int) -> int | None:
+        if seq < first_seq:
+            return None
+        return next((number for _, lo, hi, number in ranges if lo <= seq < hi), None)
+
+    # parameter names of each AccumulateGrad key, for "its own parameters"
+    names_of = {f"param:{name}": names for name, names in f.names.items()}
+    own_cache: dict[tuple[int, str], bool] = {}
+
+    def own(k: int, key: str) -> bool:
+        hit = own_cache.get((k, key))
+        if hit is None:
+            module = calls[k][0]
+            names = names_of.get(key, ())
+            hit = own_cache[(k, key)] = bool(names) and (
+                module == "" or any(nm.startswith(module + ".") for nm in names)
+            )
+        return hit
+
+    in_sq = [0.0] * n
+    out_sq = [0.0] * n
+    in_count = [0] * n
+    out_count = [0] * n
+    in_missing = [0] * n
+    out_missing = [0] * n
+    bad = [0] * n
+    first_call: list[int | None] = [None] * n
+    found: list[set] = [set() for _ in range(n)]
+    ran_found: list[set] = [set() for _ in range(n)]
+    walked_seqs: set[int] = set()
+    # per node identity (seq, or the key for nodes without one): the first pass reaching it, ran, born
+    seen: dict = {}
+    for p in passes:
+        rec = p.rec
+        if rec.seqs is None:
+            continue
+        measured: dict[tuple, tuple] = {}
+        for row in p.tensors:
+            role = row[_ROLE]
+            if role == _GO or role == _GI:
+                i = p.index.get(row[_KEY])
+                if i is not None:
+                    measured[(i, role, row[_SLOT])] = row
+        hooked = p.hooked
+        node_calls = [innermost(s) for s in p.seqs]
+
+        slots_in: set[tuple[int, int, int]] = set()  # (call, node, slot)
+        for j, slot, i, dslot in rec.walk_edges or ():
+            cj, ci = node_calls[j], node_calls[i]
+            if cj == ci:
+                continue
+            above_j = set(chain(cj))
+            for k in chain(ci):  # calls holding the destination and not the source: gradient flows in
+                if k in above_j:
+                    break
+                slots_in.add((k, i, dslot))
+            above_i = set(chain(ci))
+            dst_key = p.infos[i].key
+            for k in chain(cj):  # calls holding the source and not the destination: gradient flows out
+                if k in above_i:
+                    break
+                if p.infos[i].kind == "accumulate_grad" and own(k, dst_key):
+                    continue
+                v, nf = _value(measured, hooked, p.ran, j, _GI, slot)
+                out_count[k] += 1
+                bad[k] += nf
+                if v is None:
+                    out_missing[k] += 1
+                else:
+                    out_sq[k] += v * v
+        for r in rec.root_nodes or ():
+            root_slots = {s for (i, role, s) in measured if i == r and role == _GO} or {0}
+            for k in chain(node_calls[r]):
+                for s in root_slots:
+                    slots_in.add((k, r, s))
+        for k, i, slot in slots_in:
+            v, nf = _value(measured, hooked, p.ran, i, _GO, slot)
+            in_count[k] += 1
+            bad[k] += nf
+            if v is None:
+                in_missing[k] += 1
+            else:
+                in_sq[k] += v * v
+        for i, seq in enumerate(p.seqs):
+            ident = seq if 0 <= seq != _ACC else ("key", p.infos[i].key)
+            ran = i in p.ran
+            if ran:
+                call_seq = p.ran[i]
+                for k in chain(node_calls[i]):
+                    if first_call[k] is None or call_seq < first_call[k]:
+                        first_call[k] = call_seq
+            for k in chain(node_calls[i]):
+                found[k].add(ident)
+                if ran:
+                    ran_found[k].add(ident)
+            if 0 <= seq != _ACC:
+                walked_seqs.add(seq)
+            known = hooked is None or hooked[i]
+            entry = seen.get(ident)
+            if entry is None:
+                born = rec.born.get(i) if rec.born else None
+                seen[ident] = [p.infos[i], rec.number, ran if known else None, seq, born, node_calls[i]]
+            else:
+                if entry[2] is None and known:
+                    entry[2] = ran
+                elif known and ran:
+                    entry[2] = True
+                if entry[4] is None and rec.born and i in rec.born:
+                    entry[4] = rec.born[i]
+
+    # recomputation: a module call entered while a backward call ran; which forward call it re-runs
+    node_seq_of_call: dict[int, int] = {}
+    for p in passes:
+        for i, cs in p.ran.items():
+            if i < len(p.seqs):
+                node_seq_of_call[cs] = p.seqs[i]
+    recomputes: list[int | None] = [None] * n
+    for k in range(n):
+        ctx = calls[k][2]
+        if ctx is None or (parent[k] >= 0 and calls[parent[k]][2] is not None):
+            continue  # a forward call, or inside a recomputation already mapped from its top
+        running = node_seq_of_call.get(ctx[1])
+        original = _original_call(calls, k, running, chain(innermost(running)) if running is not None else [])
+        if original is None:
+            continue
+        recomputes[k] = original
+        if last[k] - k == last[original] - original:
+            for d in range(1, last[k] - k + 1):
+                if calls[k + d][0] == calls[original + d][0]:
+                    recomputes[k + d] = original + d
+
+    # module outputs no pass reached: nodes created in a forward (or a recomputation) that never ran
+    taken: dict[tuple[str, str], int] = {}
+    key_of_seq: dict[int, NodeInfo] = {}
+    for entry in seen.values():
+        info, seq = entry[0], entry[3]
+        if 0 <= seq != _ACC:
+            key_of_seq[seq] = info
+        if info.kind != "accumulate_grad":
+            base = (info.module, info.name)
+            taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
+    outputs_of: dict[int, list] = {}
+    for k, seq, _name in fw.outputs:
+        outputs_of.setdefault(k, [])
+        if seq not in outputs_of[k]:
+            outputs_of[k].append(seq)
+    unreached: dict[int, tuple] = {}
+    for _k, seq, name in fw.outputs:
+        if seq < first_seq or seq in walked_seqs or seq in unreached:
+            continue
+        unreached[seq] = (name, innermost(seq))
+    # forward calls' unreached outputs first (their keys are what recomputed copies map to)
+    order = sorted(unreached.items(), key=lambda kv: (kv[1][1] >= 0 and calls[kv[1][1]][2] is not None, kv[0]))
+    for seq, (name, k) in order:
+        recomputed = k >= 0 and calls[k][2] is not None
+        info = None
+        if recomputed:
+            original = recomputes[k]
+            if original is not None:
+                mine, theirs = outputs_of.get(k, []), outputs_of.get(original, [])
+                if seq in mine and mine.index(seq) < len(theirs):
+                    twin = key_of_seq.get(theirs[mine.index(seq)])
+                    if twin is not None and twin.name == name:
+                        info = twin
+        if info is None:
+            module = owner(seq)
+            base = (module, name)
+            ordinal = taken.get(base, -1) + 1
+            taken[base] = ordinal
+            info = NodeInfo(
+                f"{module}/{name}#{ordinal}" if module else f"{name}#{ordinal}", name, kind_of_name(name), module, None
+            )
+        key_of_seq[seq] = info
+        out.nodes.append(info)
+        for c in chain(k):
+            found[c].add(seq)
+        ctx_pass = calls[k][2][0] if recomputed else None
+        out.step_nodes.append((info.key, None, step, ctx_pass, k if k >= 0 else None, 0, int(recomputed)))
+
+    # step_nodes of the walked nodes that are not plain (born in this step's forward, and ran)
+    for entry in seen.values():
+        info, first_pass, ran, seq, born, k = entry
+        earlier = 0 <= seq < first_seq
+        in_pass = None if earlier or seq == _ACC or seq < 0 else born_in(seq)
+        recomputed = k >= 0 and calls[k][2] is not None
+        if not earlier and in_pass is None and ran is not False:
+            continue
+        if earlier:
+            born_step, born_pass = born if born is not None else (None, None)
+        else:
+            born_step, born_pass = step, in_pass
+        out.step_nodes.append(
+            (
+                info.key,
+                first_pass,
+                born_step,
+                born_pass,
+                k if k >= 0 else None,
+                None if ran is None else int(ran),
+                int(recomputed),
+            )
+        )
+
+    walked = any(p.rec.seqs is not None for p in passes)
+    ordinals: dict[str, int] = {}
+    for k, c in enumerate(calls):
+        ordinal = ordinals.get(c[0], 0)
+        ordinals[c[0]] = ordinal + 1
+        ctx = c[2]
+        out.module_calls.append(
+            (
+                k,
+                last[k],
+                c[0],
+                ordinal,
+                ctx[0] if ctx is not None else None,
+                ctx[1] if ctx is not None else None,
+                recomputes[k],
+                c[4] - c[1] if c[4] is not None and c[1] >= 0 else len(found[k]),
+                len(ran_found[k]) if walked else None,
+                first_call[k],
+                in_sq[k] ** 0.5 if in_count[k] > in_missing[k] else None,
+                in_count[k],
+                in_missing[k],
+                out_sq[k] ** 0.5 if out_count[k] > out_missing[k] else None,
+                out_count[k],
+                out_missing[k],
+                bad[k],
+            )
+        )

@@ -1,0 +1,204 @@
+"""Where a module amplifies or kills its gradient (store.module_gains): the norm of the gradient flowing into each
+module call (w.r.t. its outputs), out of it (w.r.t. its inputs) and their ratio. Ground truth from plain PyTorch:
+tensor hooks on each module call's input and output tensors, registered from module forward hooks, norms in
+float64. Never from gradstore's output.
+
+The trap this guards against: a layer that multiplies the gradient it passes on by 100 while its own weight
+gradient is unremarkable; per-parameter views then point at the layers before it, whose weight gradients grow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradstore
+
+
+class GradScale(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor` (a bug in a custom backward)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+class Layer(nn.Module):
+    def __init__(self, width, amplify=None):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.amplify = amplify
+
+    def forward(self, x):
+        if self.amplify is not None:
+            x = GradScale.apply(x, self.amplify)
+        return torch.tanh(self.lin(x))
+
+
+class Deep(nn.Module):
+    def __init__(self, depth=6, width=8, amplify_at=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([Layer(width, 100.0 if i == amplify_at else None) for i in range(depth)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Flows:
+    """Plain hooks: for each call of the watched modules, |dL/d output| and |dL/d input| (float64), by
+    (module name, call ordinal). The input is the module's first argument; the models here consume it only there."""
+
+    def __init__(self, model: nn.Module, names):
+        self.inn: dict[tuple[str, int], float] = {}
+        self.out: dict[tuple[str, int], float] = {}
+        self.calls: dict[str, int] = {}
+        self.handles = []
+        for name, m in model.named_modules():
+            if name in names:
+                self.handles.append(m.register_forward_pre_hook(lambda m, a, name=name: self._pre(name, a)))
+                self.handles.append(m.register_forward_hook(lambda m, a, o, name=name: self._post(name, o)))
+
+    def _pre(self, name, args):
+        k = self.calls.get(name, 0)
+        self.calls[name] = k + 1
+        x = args[0]
+        if x.requires_grad:
+            x.register_hook(lambda g, key=(name, k): self.out.__setitem__(key, float(g.double().norm())))
+
+    def _post(self, name, out):
+        k = self.calls[name] - 1
+        out.register_hook(lambda g, key=(name, k): self.inn.__setitem__(key, float(g.double().norm())))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _run(model, x, db=None, run="gains", **kw):
+    with gradstore.record(run, db=db, model=model, **kw) if db else _null():
+        y = model(x)
+        loss = (y * torch.linspace(-1, 1, y.shape[-1])).sum()
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _x():
+    torch.manual_seed(1)
+    return torch.randn(5, 8, requires_grad=True)
+
+
+def test_the_amplifying_layer_is_the_one_whose_ratio_stands_out(db):
+    names = [f"layers.{i}" for i in range(6)]
+    plain = _run(Deep(), _x())
+    model = Deep()
+    flows = Flows(model, set(names) | {""})
+    ref_grads = _run(model, _x())
+    flows.close()
+    recorded_model = Deep()
+    recorded = _run(recorded_model, _x(), db)
+    for n in plain:
+        assert torch.equal(plain[n], recorded[n]) and torch.equal(plain[n], ref_grads[n]), n
+
+    # the trap, in plain PyTorch: the gain is at layers.3, yet its own weight gradient is not the large one
+    ratio = {n: flows.out[(n, 0)] / flows.inn[(n, 0)] for n in names}
+    assert max(ratio, key=ratio.get) == "layers.3" and ratio["layers.3"] > 20 * max(
+        r for n, r in ratio.items() if n != "layers.3"
+    )
+    weight_norms = {n: float(plain[f"{n}.lin.weight"].double().norm()) for n in names}
+    assert max(weight_norms, key=weight_norms.get) != "layers.3"
+    assert weight_norms["layers.3"] < max(weight_norms[f"layers.{i}"] for i in range(3)) / 10
+
+    with gradstore.open(db) as store:
+        gains = store.module_gains("gains")
+        by_module = store.grad_norms("gains", by="module").set_index("module")
+    g = gains.set_index("module")
+    for n in names + [""]:
+        assert g.loc[n, "in_norm"] == pytest.approx(flows.inn[(n, 0)], rel=1e-9), n
+        assert g.loc[n, "out_norm"] == pytest.approx(flows.out[(n, 0)], rel=1e-9), n
+        assert g.loc[n, "ratio"] == pytest.approx(flows.out[(n, 0)] / flows.inn[(n, 0)], rel=1e-9), n
+        assert g.loc[n, "in_unmeasured"] == 0 and g.loc[n, "out_unmeasured"] == 0
+    assert gains.loc[gains.ratio.idxmax(), "module"] == "layers.3"
+    # one boundary tensor each way for a chain layer (its own weight and bias gradients are not in out)
+    assert (g.loc[names, "in_tensors"] == 1).all() and (g.loc[names, "out_tensors"] == 1).all()
+    # in backward order: the last layer first
+    order = [m for m in gains.module if m in names]
+    assert order == list(reversed(names))
+    # what grad_norms(by='module') sums: the grad_outputs of the nodes the module owns, parameters' included
+    lin3 = by_module.loc["layers.3.lin"]
+    assert lin3["grad_output_norm"] > g.loc["layers.3.lin", "in_norm"]
+
+
+def test_a_module_called_twice_has_one_row_per_call(db):
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = Layer(8)
+            self.mid = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.block(self.mid(self.block(x)))
+
+    model = Twice()
+    flows = Flows(model, {"block"})
+    _run(model, _x())
+    flows.close()
+    _run(Twice(), _x(), db, run="twice")
+    with gradstore.open(db) as store:
+        gains = store.module_gains("twice", module="block")
+    calls = gains[gains.module == "block"].set_index("ordinal")
+    assert sorted(calls.index) == [0, 1]
+    for k in (0, 1):
+        assert calls.loc[k, "in_norm"] == pytest.approx(flows.inn[("block", k)], rel=1e-9)
+        assert calls.loc[k, "out_norm"] == pytest.approx(flows.out[("block", k)], rel=1e-9)
+    assert list(gains[gains.module == "block"].ordinal) == [1, 0]  # backward order: the second call first
+    assert set(gains.module) == {"block", "block.lin"}  # module= keeps the submodules
+
+
+def test_stats_shape_measures_no_gain_and_says_so(db):
+    _run(Deep(), _x(), db, run="shape", stats="shape")
+    _run(Deep(), _x(), db, run="health", stats="health")
+    model = Deep()
+    flows = Flows(model, {"layers.3"})
+    _run(model, _x())
+    flows.close()
+    with gradstore.open(db) as store:
+        shape = store.module_gains("shape").set_index("module")
+        health = store.module_gains("health").set_index("module")
+    assert shape["ratio"].isna().all() and (shape.loc["layers.3", "in_unmeasured"] == 1)
+    assert shape["in_norm"].isna().all()
+    expected = flows.out[("layers.3", 0)] / flows.inn[("layers.3", 0)]
+    assert health.loc["layers.3", "ratio"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_unhooked_boundaries_are_unmeasured_not_zero(db):
+    """modules= hooks only layers.2: the gradient flowing into it comes from layers.3's node, which is hooked as
+    part of no selected module; out goes to layers.1 (not hooked either). Both are measured at layers.2's side."""
+    model = Deep()
+    flows = Flows(model, {"layers.2", "layers.4"})
+    _run(model, _x())
+    flows.close()
+    _run(Deep(), _x(), db, run="filtered", modules="layers.2")
+    with gradstore.open(db) as store:
+        g = store.module_gains("filtered").set_index("module")
+    assert g.loc["layers.2", "in_norm"] == pytest.approx(flows.inn[("layers.2", 0)], rel=1e-9)
+    assert g.loc["layers.2", "out_norm"] == pytest.approx(flows.out[("layers.2", 0)], rel=1e-9)
+    # layers.4: its nodes had no hooks; nothing measured, nothing claimed
+    assert g.loc["layers.4", "in_unmeasured"] == 1 and math.isnan(g.loc["layers.4", "ratio"])

@@ -1,0 +1,438 @@
+"""Why a parameter has no gradient (store.param_status), every name of a tied parameter, and what a step whose
+backward raised still records. Ground truth from plain PyTorch hooks: module forward hooks (which modules ran),
+hooks on the AccumulateGrad nodes (which parameters got a gradient, and what), a walk of `next_functions` (which
+AccumulateGrad nodes the loss reaches), `requires_grad` and `.grad`. Never from gradstore's output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradstore
+
+
+def graph_nodes_of(roots) -> set:
+    seen, stack = set(), list(roots)
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(n for n, _ in fn.next_functions)
+    return seen
+
+
+def grads_of(model: nn.Module) -> dict:
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_grads(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] is None) == (b[k] is None), k
+        if a[k] is not None:
+            assert torch.equal(a[k], b[k]), f"{k} changed by recording"
+
+
+class Truth:
+    """Plain hooks: modules whose forward ran; for each parameter, the gradients its AccumulateGrad received
+    (hooks on every AccumulateGrad the roots reach, registered before backward) and whether it was reached."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.ran: set[str] = set()
+        self.received: dict[str, list[torch.Tensor]] = {}
+        self.reached: set[str] = set()
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self._handles = [
+            m.register_forward_hook(lambda m, i, o, name=name: self.ran.add(name)) for name, m in model.named_modules()
+        ]
+
+    def before_backward(self, *roots) -> None:
+        for fn in graph_nodes_of([r.grad_fn for r in roots]):
+            if fn.name().endswith("AccumulateGrad") and id(fn.variable) in self.names:
+                n = self.names[id(fn.variable)]
+                self.reached.add(n)
+                self._handles.append(
+                    fn.register_hook(lambda gi, go, n=n: self.received.setdefault(n, []).append(go[0].clone()))
+                )
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def status(self, name: str) -> str:
+        """The status the store must give, from the plain facts (README's definitions)."""
+        p = dict(self.model.named_parameters())[name]
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        if not p.requires_grad:
+            return "frozen"
+        got = self.received.get(name, [])
+        if got:
+            return "zero" if all(bool(torch.isfinite(g).all()) and not g.any() for g in got) else "ok"
+        if p.grad is not None:
+            return "stale"
+        if module not in self.ran:
+            return "not used"
+        return "unreachable"
+
+
+# ---- case 10: https://github.com/pytorch/pytorch/issues/57776 (unused vs unreachable vs frozen vs zero) --------
+class C10Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Linear(4, 4)
+        self.aux_head = nn.Linear(4, 2)
+        self.proj = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.gate = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        h = self.frozen(torch.relu(self.backbone(x)))
+        _unused = self.proj(h)  # computed, then dropped
+        return (h * self.gate).sum() * 0 + h.sum()
+
+
+def _c10(db=None, stats="full", truth=False):
+    net = C10Net()
+    tr = Truth(net) if truth else None
+    torch.manual_seed(1)
+    x = torch.randn(3, 4)
+    rec = gradstore.record(f"c10-{stats}", db=db, model=net, stats=stats) if db else None
+    if rec is not None:
+        rec.__enter__()
+    try:
+        loss = net(x)
+        if tr is not None:
+            tr.before_backward(loss)
+        loss.backward()
+    finally:
+        if rec is not None:
+            rec.__exit__(None, None, None)
+    if tr is not None:
+        tr.close()
+    return net, tr
+
+
+@pytest.mark.parametrize("stats", ["full", "health", "params", "shape"])
+def test_case10_every_parameter_has_a_status_that_says_why(db, stats):
+    plain, _ = _c10()
+    net, truth = _c10(truth=True)
+    recorded, _ = _c10(db, stats)
+    assert_same_grads(grads_of(plain), grads_of(recorded))
+    # the case's facts, from the plain hooks
+    assert truth.ran == {"", "backbone", "frozen", "proj"}
+    assert sorted(truth.received) == ["backbone.bias", "backbone.weight", "gate"]  # 3 AccumulateGrad executions
+    expected = {n: truth.status(n) for n, _ in net.named_parameters()}
+    assert expected == {
+        "backbone.weight": "ok",
+        "backbone.bias": "ok",
+        "aux_head.weight": "not used",
+        "aux_head.bias": "not used",
+        "proj.weight": "unreachable",
+        "proj.bias": "unreachable",
+        "frozen.weight": "frozen",
+        "frozen.bias": "frozen",
+        "gate": "zero",
+    }
+    if stats == "shape":  # no values measured: a gradient is 'received', neither ok nor zero
+        expected = {n: "received" if s in ("ok", "zero") else s for n, s in expected.items()}
+    with gradstore.open(db) as store:
+        st = store.param_status(f"c10-{stats}").set_index("param")
+    assert dict(st["status"]) == expected
+    assert list(st["status"][: (st["status"] != "ok").sum()]) == [s for s in st["status"] if s != "ok"]  # non-ok first
+    for name in expected:
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        assert st.loc[name, "module_ran"] == int(module in truth.ran), name
+        assert st.loc[name, "has_grad"] == int(dict(recorded.named_parameters())[name].grad is not None), name
+        if stats == "params":  # no graph walk, no AccumulateGrad hooks
+            assert st.loc[name, "reached"] is None and st.loc[name, "calls"] is None
+        else:
+            assert st.loc[name, "reached"] == int(name in truth.reached), name
+            assert st.loc[name, "calls"] == len(truth.received.get(name, [])), name
+    assert (st["shared_with"] == "").all() and (st.index == st["node_param"]).all()
+
+
+def test_case10_the_unreachable_branch_is_a_node_that_never_ran(db):
+    """proj ran in the forward, and its AddmmBackward0 (its output's grad_fn) exists but never runs."""
+    net = C10Net()
+    called, proj_node, proj_ran = set(), {}, []
+    for name, mod in net.named_modules():
+        mod.register_forward_hook(lambda m, i, o, name=name: called.add(name))
+    net.proj.register_forward_hook(
+        lambda m, i, o: proj_node.update(
+            fn=o.grad_fn,
+            made=len(
+                [
+                    n
+                    for n in graph_nodes_of([o.grad_fn]) - graph_nodes_of([i[0].grad_fn])
+                    if "Accumulate" not in n.name()
+                ]
+            ),
+        )
+    )
+    loss = net(torch.randn(3, 4))
+    proj_node["fn"].register_hook(lambda gi, go: proj_ran.append(1))
+    loss.backward()
+    assert "proj" in called and not proj_ran and proj_node["fn"].name() == "AddmmBackward0"
+
+    _c10(db)
+    with gradstore.open(db) as store:
+        never = store.never_ran("c10-full")
+        gains = store.module_gains("c10-full").set_index("module")
+    assert list(never.name) == [proj_node["fn"].name()] and list(never.module) == ["proj"]
+    assert list(never.why) == ["not reachable"] and list(never.call_module) == ["proj"]
+    assert never.key.iloc[0] == "proj/AddmmBackward0#0"
+    # "this module ran in the forward, and none of its nodes got a gradient"
+    assert proj_node["made"] == 2  # its AddmmBackward0 and the TBackward0 of its weight
+    assert gains.loc["proj", "nodes"] == proj_node["made"] and gains.loc["proj", "ran"] == 0
+    assert (gains.drop(index="proj")["ran"] > 0).all()
+
+
+def test_stale_gradient_from_an_earlier_step(db):
+    """A parameter that got no gradient this step but still holds last step's .grad (no zero_grad for it): the
+    optimizer will apply it. Two steps; the head is used only in the first."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.head = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x, use_head):
+            h = self.body(x)
+            return self.head(h).sum() if use_head else h.sum()
+
+    def run(db=None):
+        m = M()
+        truths = []
+        rec = gradstore.record("stale", db=db, model=m) if db else None
+        ctx = rec.__enter__() if rec else None
+        for use_head in (True, False):
+            tr = Truth(m)
+            loss = m(torch.ones(2, 3), use_head)
+            tr.before_backward(loss)
+            loss.backward()
+            tr.close()
+            truths.append({n: tr.status(n) for n, _ in m.named_parameters()})
+            m.body.zero_grad()  # the head's gradient is kept
+            if ctx is not None and use_head:
+                ctx.step()
+        if rec:
+            rec.__exit__(None, None, None)
+        return m, truths
+
+    plain, truths = run()
+    recorded, _ = run(db)
+    assert_same_grads(grads_of(plain), grads_of(recorded))
+    assert truths[1]["head.weight"] == "stale" and truths[1]["body.weight"] == "ok"
+    with gradstore.open(db) as store:
+        st = store.param_status("stale")
+    for step, truth in enumerate(truths):
+        got = st[st.step == step].set_index("param")
+        assert dict(got["status"]) == truth
+    late = st[(st.step == 1) & (st.param == "head.weight")].iloc[0]
+    assert late.has_grad == 1 and late.calls == 0 and late.module_ran == 0
+
+
+def test_reached_but_not_run_is_unreachable_with_reached_set(db):
+    """backward(inputs=[w]): v's AccumulateGrad is reached from the root but the engine does not run it."""
+
+    class TwoBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+            self.v = nn.Parameter(torch.tensor([-1.0, 0.5, 4.0]))
+
+        def forward(self, a, b):
+            return (a * self.w).sum() + (b * self.v).exp().sum()
+
+    m = TwoBranch()
+    tr = Truth(m)
+    with gradstore.record("inputs", db=db, model=m):
+        loss = m(torch.ones(3), torch.ones(3))
+        tr.before_backward(loss)
+        loss.backward(inputs=[m.w])
+    tr.close()
+    assert tr.reached == {"w", "v"} and set(tr.received) == {"w"}
+    with gradstore.open(db) as store:
+        st = store.param_status("inputs").set_index("param")
+        never = store.never_ran("inputs")
+    assert st.loc["w", "status"] == tr.status("w") == "ok"
+    assert st.loc["v", "status"] == tr.status("v") == "unreachable"
+    assert st.loc["v", "reached"] == 1 and st.loc["v", "calls"] == 0
+    assert "reached, not run" in set(never.why) and "ExpBackward0" in set(never.name)
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises (a bug in a custom backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+class Failing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w3 = nn.Parameter(torch.ones(2))
+        self.lin1, self.lin2 = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = Boom.apply(x * self.w3)  # created first: the engine runs it last, after the AccumulateGrads above it
+        return self.lin1(x).sum() + self.lin2(h).sum()
+
+
+@pytest.mark.parametrize("stats", ["full", "params"])
+def test_a_step_whose_backward_raised_records_what_each_parameter_got(db, stats):
+    def run(db=None, truth=False):
+        m = Failing()
+        tr = Truth(m) if truth else None
+        err = None
+        try:
+            with gradstore.record("boom", db=db, model=m, stats=stats) if db else _null():
+                loss = m(torch.ones(1, 2))
+                if tr is not None:
+                    tr.before_backward(loss)
+                loss.backward()
+        except RuntimeError as exc:
+            err = exc
+        if tr is not None:
+            tr.close()
+        return m, tr, err
+
+    plain, _, plain_err = run()
+    m, tr, _ = run(truth=True)
+    recorded, _, rec_err = run(db)
+    assert type(rec_err) is type(plain_err) and str(rec_err) == str(plain_err)
+    assert_same_grads(grads_of(plain), grads_of(recorded))
+    # plain facts: lin1 and lin2 got their gradients before the failure, w3 never did
+    assert set(tr.received) == {"lin1.weight", "lin1.bias", "lin2.weight", "lin2.bias"}
+    with gradstore.open(db) as store:
+        assert store.steps("boom").status.tolist() == ["error"]
+        st = store.param_status("boom").set_index("param")
+    expected = {n: tr.status(n) for n, _ in m.named_parameters()}
+    if stats == "params":  # no node hooks, and a pass that raised measures no .grad: got one, values unknown
+        expected = {n: "received" if s == "ok" else s for n, s in expected.items()}
+    assert dict(st["status"]) == expected
+    assert st.loc["w3", "status"] == "unreachable" and st.loc["w3", "has_grad"] == 0
+    assert st.loc["lin1.weight", "status"] == ("ok" if stats == "full" else "received")
+    assert st.loc["lin1.weight", "has_grad"] == 1
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# ---- tied parameters: every name ------------------------------------------------------------------------------
+class TiedLM(nn.Module):
+    """GPT-2's tie: lm_head.weight is transformer.wte.weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(7, 4), "ln": nn.LayerNorm(4)})
+        self.lm_head = nn.Linear(4, 7, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(self.transformer.ln(self.transformer.wte(idx))).logsumexp(-1).mean()
+
+
+def test_every_name_of_a_tied_parameter_finds_the_shared_gradient(db):
+    plain = TiedLM()
+    plain(torch.tensor([[1, 2, 3]])).backward()
+    model = TiedLM()
+    all_names = dict(model.named_parameters(remove_duplicate=False))
+    assert all_names["lm_head.weight"] is all_names["transformer.wte.weight"]
+    with gradstore.record("tied", db=db, model=model):
+        model(torch.tensor([[1, 2, 3]])).backward()
+    assert_same_grads(grads_of(plain), grads_of(model))
+    grad = model.lm_head.weight.grad.double()
+    with gradstore.open(db) as store:
+        by_alias = store.param_grads("tied", param="lm_head.weight")
+        by_first = store.param_grads("tied", param="transformer.wte.weight")
+        everything = store.param_grads("tied")
+        st = store.param_status("tied").set_index("param")
+        hist = store.history("tied", param="lm_head.weight", role="param_grad")
+    assert len(by_alias) == len(by_first) == 1
+    row = by_alias.iloc[0]
+    assert row.param == "transformer.wte.weight" and row.shared_with == "lm_head.weight"
+    assert row["norm"] == pytest.approx(float(grad.norm()), rel=1e-9)
+    assert by_alias.equals(by_first)
+    assert len(everything) == len(list(model.parameters()))  # one row per parameter: the gradient once
+    assert set(everything[everything.param != "transformer.wte.weight"].shared_with) == {""}
+    assert st.loc["lm_head.weight", "shared_with"] == "transformer.wte.weight"
+    assert st.loc["transformer.wte.weight", "shared_with"] == "lm_head.weight"
+    assert st.loc["lm_head.weight", "module"] == "lm_head"
+    assert st.loc["lm_head.weight", "node_param"] == "transformer.wte.weight"
+    assert st.loc["lm_head.weight", "status"] == st.loc["transformer.wte.weight", "status"] == "ok"
+    assert len(hist) == 1 and hist.iloc[0]["norm"] == pytest.approx(float(grad.norm()), rel=1e-9)
+
+
+def test_a_tied_parameter_is_used_when_any_of_its_modules_runs(db):
+    """Only lm_head runs (wte is skipped): the shared weight's module ran through its second name."""
+
+    class HeadOnly(TiedLM):
+        def forward(self, h):
+            return self.lm_head(h).sum()
+
+    model = HeadOnly()
+    with gradstore.record("tied2", db=db, model=model):
+        model(torch.ones(2, 4)).backward()
+    with gradstore.open(db) as store:
+        st = store.param_status("tied2").set_index("param")
+    assert st.loc["transformer.wte.weight", "status"] == "ok" and st.loc["transformer.wte.weight", "module_ran"] == 1
+    assert st.loc["transformer.ln.weight", "status"] == "not used"
+
+
+def test_a_gradient_written_outside_the_graph_is_not_stale(db):
+    """DDP's reducer writes the .grad of a parameter this rank did not use (find_unused_parameters=True) from its
+    own hooks, during backward: the parameter's AccumulateGrad never runs, yet the optimizer gets a fresh
+    gradient. Simulated with plain PyTorch: a post-accumulate-grad hook on the used weight writes zeros into the
+    unused one, as the reducer does."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.used, self.unused = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.used(x).sum()
+
+    def run(db=None):
+        m = M()
+        tr = Truth(m)
+
+        def reducer(p):
+            for q in m.unused.parameters():
+                q.grad = torch.zeros_like(q)
+
+        m.used.weight.register_post_accumulate_grad_hook(reducer)
+        with gradstore.record("reducer", db=db, model=m) if db else _null():
+            loss = m(torch.ones(1, 2))
+            tr.before_backward(loss)
+            loss.backward()
+        tr.close()
+        return m, tr
+
+    plain, _ = run()
+    m, tr = run(db)
+    assert_same_grads(grads_of(plain), grads_of(m))
+    assert "unused.weight" not in tr.received and not m.unused.weight.grad.any()  # no AccumulateGrad; zeros written
+    with gradstore.open(db) as store:
+        st = store.param_status("reducer").set_index("param")
+    assert st.loc["unused.weight", "status"] == "zero" and st.loc["unused.weight", "calls"] == 0
+    assert st.loc["unused.weight", "module_ran"] == 0 and st.loc["used.weight", "status"] == "ok"
