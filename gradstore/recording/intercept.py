@@ -3,11 +3,13 @@ names it is bound to (torch.autograd.graph and torch.autograd).
 
 `Tensor.backward`, `torch.autograd.backward` (also an early-bound `from torch.autograd import backward`),
 `torch.autograd.grad` and the nested pass of a reentrant `torch.utils.checkpoint` all reach it. While no
-recorder is active the wrapper calls straight through.
+recorder is active the wrapper calls straight through. A process forked while a recorder is active starts
+without it: the engine entry point is restored in the child (the parent's stays wrapped).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 from . import torch_private as tp
@@ -77,3 +79,19 @@ def deactivate(recorder) -> None:
 def active():
     """The active recorder, or None."""
     return _active
+
+
+def _after_fork_in_child() -> None:
+    """The child of a fork: no recorder of the parent's receives its passes; the engine entry is the original."""
+    global _lock, _active, _original
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _active = None
+    if _original is not None:
+        for owner in tp.ENGINE_ENTRY_OWNERS:
+            if getattr(owner, tp.ENGINE_ENTRY_NAME, None) is _wrapper:
+                setattr(owner, tp.ENGINE_ENTRY_NAME, _original)
+        _original = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -112,6 +112,13 @@ class ModuleTracker:
         self._handles = []
         self._stack.clear()
 
+    def forget_in_child(self) -> None:
+        """In a process forked while the hooks were installed: remove them from this process (the parent's stay)
+        and forget the boundaries, so that the child's module calls (a DataLoader worker's transforms) are not
+        noted by a tracker that is its parent's."""
+        self.remove()
+        self.clear()
+
     def clear(self) -> None:
         """Forget the boundaries seen so far (between steps)."""
         self._seqs.clear()
