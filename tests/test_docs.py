@@ -29,7 +29,18 @@ def test_readme_documents_every_table_and_column():
 
     tables = {
         name: [c.name for c in schema.metadata.tables[name].columns]
-        for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
+        for name in (
+            "runs",
+            "steps",
+            "passes",
+            "nodes",
+            "edges",
+            "call_data",
+            "layouts",
+            "tensor_data",
+            "tensor_notes",
+            "claims",
+        )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
     tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)

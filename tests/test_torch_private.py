@@ -43,3 +43,30 @@ def test_cxx11_abi_flag_is_exposed():
     # the C++ hooks are compiled with -D_GLIBCXX_USE_CXX11_ABI=<this>; a build against the wrong ABI fails to load
     assert hasattr(torch._C, "_GLIBCXX_USE_CXX11_ABI")
     assert tp.cxx11_abi() is bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def test_innermost_function_mode():
+    from torch.overrides import TorchFunctionMode
+
+    assert tp.innermost_function_mode() is None
+    outer, inner = TorchFunctionMode(), TorchFunctionMode()
+    with outer:
+        assert tp.innermost_function_mode() is outer
+        with inner:
+            assert tp.innermost_function_mode() is inner
+        assert tp.innermost_function_mode() is outer
+    assert tp.innermost_function_mode() is None
+
+
+def test_functorch_wrapped_tensors_are_recognised():
+    seen = []
+
+    def f(x):
+        seen.append(tp.functorch_wrapped(x))
+        return x.sin().sum()
+
+    torch.func.grad(f)(torch.ones(3))
+    torch.func.vmap(f)(torch.ones(2, 3))
+    assert seen == [True, True]
+    assert not tp.functorch_wrapped(torch.ones(3))
+    assert not tp.functorch_wrapped(torch.nn.Parameter(torch.ones(3)))
