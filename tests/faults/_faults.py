@@ -205,6 +205,24 @@ def immutable(*paths: Path):
             subprocess.run(["chattr", "-i", str(p)], check=True)
 
 
+@contextlib.contextmanager
+def others_cannot_write(d: Path):
+    """For the block, `as_other_user` may not write directory `d` or the files in it. As root nothing is
+    needed (the child is nobody, `d` is root's 0755 and its files 0644); as another user the child is that user
+    too, so `d` and its files are made read-only (0555, 0444) and restored afterwards."""
+    if os.geteuid() == 0:
+        yield
+        return
+    modes = {p: p.stat().st_mode for p in [d, *d.iterdir()]}
+    for p in modes:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    try:
+        yield
+    finally:
+        for p, mode in modes.items():
+            p.chmod(mode)
+
+
 def as_other_user(fn, *args, timeout: float = 60.0):
     """Run fn(*args) in a forked child as a user who owns nothing here: as root, the child drops to uid/gid
     65534 (nobody), so the permission bits hold for it; its result comes back by a pipe (plain data).
