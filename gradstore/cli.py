@@ -323,7 +323,9 @@ def demo(db, run_name, steps, seed, nan_step, top):
 @main.command(short_help="List the runs in a database.")
 @click.argument("db")
 def runs(db):
-    """List the runs in database DB (a SQLite file or SQLAlchemy URL): status, steps, times, versions."""
+    """List the runs in database DB (a SQLite file or SQLAlchemy URL): status, steps, last step, times, versions.
+
+    Status `interrupted`: the process writing the run died with its scope open (no heartbeat within its lease)."""
     with _store(db) as store:
         df = store.runs()
     if df.empty:
@@ -334,6 +336,8 @@ def runs(db):
             "run": df["run"],
             "status": df["status"],
             "steps": df["steps"],
+            "last_step": df["last_step"].map(lambda v: "-" if pd.isna(v) else str(int(v))),
+            "last_step_at": df["last_step_at"].map(_when),
             "world_size": df["world_size"],
             "created": df["created_at"].map(_when),
             "finished": df["finished_at"].map(_when),
@@ -354,9 +358,13 @@ def _limited(df: pd.DataFrame, limit: int) -> tuple[pd.DataFrame, str]:
 
 
 def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> None:
-    r = store.query("runs", run=run).iloc[0]
+    r = store.runs(run=run).iloc[0]
+    status = r["status"]
+    if status == "interrupted":
+        last = "no step written" if pd.isna(r["last_step"]) else f"last step {int(r['last_step'])}"
+        status = f"interrupted ({last}, ended {_when(r['last_step_at'])}; its writer died with its scope open)"
     click.echo(
-        f"Run {run!r} in {db}: {r['status']}, world size {r['world_size']}, created {_when(r['created_at'])}, "
+        f"Run {run!r} in {db}: {status}, world size {r['world_size']}, created {_when(r['created_at'])}, "
         f"finished {_when(r['finished_at'])}; torch {r['torch_version']}, gradstore {r['gradstore_version']}, "
         f"host {r['host']}"
     )

@@ -10,11 +10,20 @@ class DatabaseNotFound(GradstoreError):
 
 
 class DatabaseUnavailable(GradstoreError):
-    """The database cannot be opened for recording (bad path, unreachable server)."""
+    """The database cannot be opened or written: a missing directory, a read-only file or directory, a full
+    disk, an unreadable file, an unreachable server."""
+
+
+class NotAGradstoreDatabase(GradstoreError):
+    """The file is not a gradstore database: not SQLite at all, empty, or an SQLite database of something else."""
 
 
 class SchemaTooNew(GradstoreError):
     """The database was written by a newer gradstore than the one installed."""
+
+
+class SchemaTooOld(GradstoreError):
+    """The database is at an older schema revision: `gradstore db upgrade DB` brings it up (reading never writes)."""
 
 
 class UnknownRun(GradstoreError):
@@ -31,6 +40,10 @@ class QueryParameterError(GradstoreError):
 
 class RecordUsageError(GradstoreError):
     """`record` was used in a way it cannot work (bad argument, nested scopes)."""
+
+
+class RankInUse(RecordUsageError):
+    """Another live process is writing the same (run, rank): two writers of one rank would mix their steps."""
 
 
 class UnknownNode(GradstoreError):

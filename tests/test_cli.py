@@ -208,7 +208,8 @@ def test_db_upgrade_creates_the_newest_revision(db):
     assert sql_count(db, "SELECT version_num FROM alembic_version") == head
     again = invoke("db", "upgrade", db)
     assert again.exit_code == 0 and f"already at schema revision {head}" in again.output
-    assert_one_line_error(invoke("db", "upgrade", Path(db).parent / "no" / "such" / "dir.db"), "database error")
+    missing = Path(db).parent / "no" / "such"
+    assert_one_line_error(invoke("db", "upgrade", missing / "dir.db"), f"its directory {missing} does not exist")
 
 
 def _commands(group, prefix=()):

@@ -46,6 +46,7 @@ def test_readme_documents_every_table_and_column():
             "module_calls",
             "step_nodes",
             "step_warnings",
+            "claims",
         )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views

@@ -75,9 +75,16 @@ def test_lookup_tables_match_code_lists(db):
             assert [r[0] for r in conn.execute(f"SELECT name FROM {table} ORDER BY id")] == names
 
 
-def test_committed_revision_0001_file_opens_and_reads(tmp_path):
+def test_committed_revision_0001_file_is_refused_by_readers_then_upgraded_and_read(tmp_path):
+    """Reading never writes: an old file is refused with the command that upgrades it, and left as it was;
+    `gradstore db upgrade` (database.upgrade) brings it to the newest revision, and then it reads."""
     path = tmp_path / "old.db"
     shutil.copy(ASSETS / "rev0001.db", path)
+    before = path.read_bytes()
+    with pytest.raises(gradstore.SchemaTooOld, match=f"revision 0001.*`gradstore db upgrade {path}`"):
+        gradstore.open(path)
+    assert path.read_bytes() == before and _revision(path) == "0001"
+    assert database.upgrade(path) == ("0001", database.head_revision())
     store = gradstore.open(path)
     assert store.run_names() == ["asset-run"]
     steps = store.steps("asset-run")
@@ -113,7 +120,7 @@ def test_missing_file_is_not_created_by_reading(db):
 def test_foreign_sqlite_file_is_refused(db):
     with sqlite3.connect(db) as conn:
         conn.execute("CREATE TABLE something (x)")
-    with pytest.raises(gradstore.GradstoreError, match="not a gradstore database"):
+    with pytest.raises(gradstore.NotAGradstoreDatabase, match="not a gradstore one .its tables: something"):
         gradstore.open(db)
 
 

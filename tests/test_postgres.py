@@ -24,7 +24,7 @@ from gradstore.store import database, queries, schema
 
 # columns that hold wall-clock times or durations: they differ between any two recordings
 VOLATILE = re.compile(
-    r"(^|_)(created_at|finished_at|started_at|ended_at|duration|start|setup|finish|waited)"
+    r"(^|_)(created_at|finished_at|started_at|ended_at|step_at|heartbeat_at|duration|start|setup|finish|waited)"
     r"(_a|_b|_abs|_rel)?$"
 )
 

@@ -101,6 +101,6 @@ def test_module_filter_is_exact_on_names_and_keeps_submodules(db):
 
 
 def test_a_database_that_cannot_be_opened_is_one_clear_error(tmp_path):
-    with pytest.raises(gradstore.DatabaseUnavailable, match="check that the directory exists"):
+    with pytest.raises(gradstore.DatabaseUnavailable, match=r"its directory .*no/such does not exist; create it"):
         with gradstore.record("r", db=str(tmp_path / "no" / "such" / "dir.db")):
             pass

@@ -209,3 +209,30 @@ def test_every_node_created_takes_one_sequence_number():
     with torch.no_grad():
         (x * 2).exp()
     assert tp.next_sequence_nr() - before == 3
+
+
+def test_innermost_function_mode():
+    from torch.overrides import TorchFunctionMode
+
+    assert tp.innermost_function_mode() is None
+    outer, inner = TorchFunctionMode(), TorchFunctionMode()
+    with outer:
+        assert tp.innermost_function_mode() is outer
+        with inner:
+            assert tp.innermost_function_mode() is inner
+        assert tp.innermost_function_mode() is outer
+    assert tp.innermost_function_mode() is None
+
+
+def test_functorch_wrapped_tensors_are_recognised():
+    seen = []
+
+    def f(x):
+        seen.append(tp.functorch_wrapped(x))
+        return x.sin().sum()
+
+    torch.func.grad(f)(torch.ones(3))
+    torch.func.vmap(f)(torch.ones(2, 3))
+    assert seen == [True, True]
+    assert not tp.functorch_wrapped(torch.ones(3))
+    assert not tp.functorch_wrapped(torch.nn.Parameter(torch.ones(3)))

@@ -125,6 +125,22 @@ class FrameTracker(TorchFunctionMode):
         if self._active:
             self.__exit__(None, None, None)
 
+    def forget_in_child(self) -> None:
+        """In a process forked while the tracker was active: stop it in this process (the parent's stays). Taken
+        off this thread's mode stack when it is the innermost mode there; else left on it, paused for good (ops
+        pass straight through), since popping another mode would break the stack."""
+        if not self._active:
+            return
+        if tp.innermost_function_mode() is self:
+            self.remove()
+            return
+        if self._apply_handle is not None:
+            self._apply_handle.remove()
+            self._apply_handle = None
+        self._paused = True
+        self._active = False
+        self.clear()
+
     @contextmanager
     def paused(self):
         """Within this block, ops pass straight through (no counter read, no stack walk): wrap backward passes

@@ -17,6 +17,7 @@ Relies on: `torch.autograd.function.Function.apply` being a classmethod defined 
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -88,3 +89,12 @@ def remove(listener) -> None:
 def active() -> bool:
     """True while the wrapper is installed."""
     return Function.__dict__.get("apply") is _WRAPPER
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

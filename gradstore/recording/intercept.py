@@ -11,10 +11,14 @@ wrapper while dynamo traces that function. Once `torch._dynamo` is imported, the
 where dynamo breaks its graph anyway), so the pass is recorded as an eager one. (Before that import no
 compiled function can exist; a scope that imports it, by calling `torch.compile` inside a step, gets the
 disabled wrapper from its next step on.)
+
+A process forked while a recorder is active starts without it: the engine entry point is restored in the
+child (the parent's stays wrapped).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 from . import torch_private as tp
@@ -105,3 +109,19 @@ def deactivate(recorder) -> None:
 def active():
     """The active recorder, or None."""
     return _active
+
+
+def _after_fork_in_child() -> None:
+    """The child of a fork: no recorder of the parent's receives its passes; the engine entry is the original."""
+    global _lock, _active, _original
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _active = None
+    if _original is not None:
+        for owner in tp.ENGINE_ENTRY_OWNERS:
+            if _installed(getattr(owner, tp.ENGINE_ENTRY_NAME, None)):
+                setattr(owner, tp.ENGINE_ENTRY_NAME, _original)
+        _original = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

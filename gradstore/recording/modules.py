@@ -354,6 +354,13 @@ class ModuleTracker:
         self._stack.clear()
         self._region_stack.clear()
 
+    def forget_in_child(self) -> None:
+        """In a process forked while the hooks were installed: remove them from this process (the parent's stay)
+        and forget the boundaries, so that the child's module calls (a DataLoader worker's transforms) are not
+        noted by a tracker that is its parent's."""
+        self.remove()
+        self.clear()
+
     def clear(self) -> None:
         """Forget the boundaries, module calls and outputs seen so far (between steps); what `take()` returned
         is left as it is."""

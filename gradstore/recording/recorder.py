@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
+import os
 import socket
 import threading
 import time
@@ -15,12 +16,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from sqlalchemy import func, insert, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from ..errors import RecordUsageError, RecordUsageWarning
 from ..records import StepBatch
+from ..store import claims
 from ..store import schema as s
-from ..store.database import DEFAULT_DB
+from ..store.database import DEFAULT_DB, explain
 from ..store.writer import writer_for
 from ..version import __version__
 from . import intercept, kernel, native
@@ -46,12 +48,41 @@ from .step_warnings import WarningLog
 _open_scope = None  # the record object whose scope is open in this process (scopes do not nest)
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise RecordUsageError(
+            f"the environment's {name}={value!r} is not a whole number; gradstore reads the rank from RANK and "
+            "WORLD_SIZE (as torchrun sets them) when no process group is initialised: fix or unset it"
+        ) from None
+
+
 def _rank_and_world_size() -> tuple[int, int]:
-    """(rank, world_size) from `torch.distributed` when a process group is initialised, else (0, 1)."""
+    """(rank, world_size): from `torch.distributed` when a process group is initialised; else from the
+    environment torchrun (and torch.distributed.launch, Slurm wrappers, ...) sets for each process, RANK and
+    WORLD_SIZE (LOCAL_RANK and LOCAL_WORLD_SIZE where RANK is not set); else (0, 1).
+
+    Raises RecordUsageError for a value that is not a whole number, or a rank outside 0 .. world_size - 1.
+    """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if rank is None:
+        rank, world_size = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE") or world_size
+    if rank is None:
+        return 0, 1
+    world_size = world_size if world_size is not None else rank + 1
+    if not 0 <= rank < world_size:
+        raise RecordUsageError(
+            f"the environment says rank {rank} of world size {world_size} (RANK / WORLD_SIZE): a rank is 0 .. "
+            "world_size - 1; fix the launcher's environment"
+        )
+    return rank, world_size
 
 
 def _versions() -> tuple[str, str]:
@@ -102,21 +133,34 @@ class record:
             function', in nodes.frame; a `torch.overrides.TorchFunctionMode`, about 4 µs per op).
         checksum: store a 64-bit checksum of each param_grad (tensors.checksum) for exact bitwise comparison
             across ranks; None (default) takes it when torch.distributed runs with world_size > 1.
+
+    The rank and world size come from `torch.distributed` when a process group is initialised, else from the
+    environment torchrun sets (RANK, WORLD_SIZE; LOCAL_RANK, LOCAL_WORLD_SIZE), else (0, 1). A scope claims its
+    (run, rank) when it opens (gradstore.store.claims) and gives it back when it ends (the decorator: when
+    the process ends); a process forked while a scope is open does not inherit it.
+
     Raises:
-        RecordUsageError: a bad argument, or a scope opened inside another.
+        RecordUsageError: a bad argument, a scope opened inside another, or a RANK / WORLD_SIZE in the
+            environment that is not a rank.
+        RankInUse: another live process is writing the same rank of the run.
         SchemaTooNew: the database was written by a newer gradstore.
+        NotAGradstoreDatabase: `db` is not an SQLite database, or an SQLite database of something else.
+        DatabaseUnavailable: the database cannot be written (a read-only file or directory, a missing
+            directory, a full disk, an unreachable server); the message names the file and the fix.
+    Warns: RecordUsageWarning (once per record object) for a modules= or params= glob that matches no name, or
+    a scope without a model while modules ran.
+
     Every recorded step also notes why each parameter has (or has no) gradient, the module calls and the gradient
     crossing their boundaries, the nodes born in an earlier step or a backward pass or never run, and the warnings
     it raised (README "Why and where"; gradstore.recording.findings builds them on the writer thread).
-    Warns: RecordUsageWarning (once per record object) for a modules= or params= glob that matches no name, or
-    a scope without a model while modules ran.
+
     Relies on: `torch.autograd.graph._engine_run_backward` (interception), `Node.register_prehook` /
-    `register_hook`, global module forward hooks (module attribution); under FSDP2, its parameter state
-    (`gradstore.recording.torch_private.fsdp_parameters`) to name the AccumulateGrad nodes of its unsharded
-    parameters; a DTensor gradient is measured on its local shard, with its placements (no collective).
     `register_hook`, global module forward hooks (module attribution), the autograd sequence counter (private:
     which module call created a node, and knowing an earlier step's node again), `warnings._showwarnmsg`
-    (CPython's display hook, wrapped while a step is recorded; `warnings.showwarning` where it is missing).
+    (CPython's display hook, wrapped while a step is recorded; `warnings.showwarning` where it is missing),
+    `os.register_at_fork`; under FSDP2, its parameter state (`gradstore.recording.torch_private.fsdp_parameters`)
+    to name the AccumulateGrad nodes of its unsharded parameters; a DTensor gradient is measured on its local
+    shard, with its placements (no collective).
     """
 
     def __init__(
@@ -178,16 +222,28 @@ class record:
         self._step_started = 0.0
         self._step_number = 0
         self._in_scope = False
+        self._scope_pid: int | None = None  # the process whose scope this is (a forked child's copy is not)
+        self._claimed_by: int | None = None  # the pid that holds the claim on (run, rank), None when released
 
     # ---- run and step bookkeeping ----------------------------------------------------------------------
     def _open_run(self) -> None:
-        """Find or create the run row (several ranks may race to create it) and the next step number."""
+        """Find or create the run row (several ranks may race to create it), claim this process's rank of it
+        (gradstore.store.claims: RankInUse when another live process writes that rank) and find the next step
+        number. Raises DatabaseUnavailable (with the reason) when the database cannot be written."""
         self.rank, world_size = _rank_and_world_size()
         self._writer = writer_for(self.db)
         if self.options.stats != "shape":
             kernel.load()  # built (first time on this machine) now, not inside the first backward pass
         native.load()  # loaded now; or its first build starts, in the background
         self._writer.flush()  # earlier scopes of this process may still be writing this run's steps
+        try:
+            self._claim_run(world_size)
+        except SQLAlchemyError as exc:
+            raise explain(self.db, exc, writing=True) from None
+        self._writer.hold(self.run_id, self.rank)
+        self._claimed_by = os.getpid()
+
+    def _claim_run(self, world_size: int) -> None:
         engine = self._writer.engine
         by_name = select(s.runs.c.id, s.runs.c.world_size).where(s.runs.c.name == self.run)
         with engine.connect() as conn:
@@ -213,6 +269,7 @@ class record:
                 pass  # another rank created it between our look and our insert: use theirs
         with engine.begin() as conn:
             self.run_id, known_world_size = conn.execute(by_name).one()
+            claims.take(conn, self.run_id, self.rank, self.run)  # RankInUse: nothing below is written
             conn.execute(
                 update(s.runs)
                 .where(s.runs.c.id == self.run_id)
@@ -221,7 +278,14 @@ class record:
             last = conn.execute(
                 select(func.max(s.steps.c.step)).where(s.steps.c.run_id == self.run_id, s.steps.c.rank == self.rank)
             ).scalar()
-        self._next_step = 0 if last is None else last + 1
+        following = 0 if last is None else last + 1
+        self._next_step = following if self._next_step is None else max(self._next_step, following)
+
+    def _release_claim(self) -> None:
+        """End of a `with` scope: this process's claim on the rank goes (after the scope's steps are written)."""
+        if self._claimed_by == os.getpid() and self._writer is not None:
+            self._writer.release(self.run_id, self.rank)
+        self._claimed_by = None
 
     def _enter(self, models: list[nn.Module]) -> None:
         if self._in_scope:
@@ -232,9 +296,10 @@ class record:
                 f"gradstore.record({_open_scope.run!r}) is already recording in this process; "
                 "scopes do not nest: end it first, or record both in one scope"
             )
-        if self.run_id is None:
-            self._open_run()
+        if self.run_id is None or self._claimed_by != os.getpid():
+            self._open_run()  # first scope, a `with` scope again, or a forked child: claim the rank (again)
         self._in_scope = True
+        self._scope_pid = os.getpid()
         _open_scope = self
         models = self.models or models
         self._named_nothing = not models
@@ -253,6 +318,8 @@ class record:
             raise
 
     def _exit(self, exc: BaseException | None, run_status: str | None) -> None:
+        if self._scope_pid != os.getpid():
+            return  # a forked child leaving its parent's scope: the parent's step and run are not its own
         try:
             self._end_step(exc, run_status)
             native.load()  # says now, on this thread, if the C++ hooks' background build failed
@@ -311,6 +378,16 @@ class record:
         """True on a thread where a call of one of this recording's passes is running (autograd's threads)."""
         state = self._state
         return state is not None and state.open_call() is not None
+
+    def _forget_in_child(self) -> None:
+        """In a process forked while this scope was open: the scope is the parent's. Drop what it installed in
+        this process's copy (interception, module and frame hooks) and its step; the parent's are untouched."""
+        self._state = None
+        if self._frames is not None:
+            self._frames.forget_in_child()
+        if self._tracker is not None:
+            self._tracker.forget_in_child()
+        self._close_scope()
 
     def _close_scope(self) -> None:
         """Remove everything the scope installed (interception, module and frame hooks); safe to call twice."""
@@ -488,6 +565,11 @@ class record:
         Raises RecordUsageError outside a `with record(...)` block.
         """
         if not self._in_scope:
+            if self._scope_pid is not None and self._scope_pid != os.getpid():
+                raise RecordUsageError(
+                    f"rec.step(): this scope of record({self.run!r}) belongs to process {self._scope_pid}, which "
+                    "forked this one; a forked child records nothing of its parent's scope: open a scope of its own"
+                )
             raise RecordUsageError("rec.step() works inside `with gradstore.record(...) as rec:` only")
         self._end_step(None)
         self._begin_step()
@@ -503,7 +585,10 @@ class record:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._scope_pid != os.getpid():
+            return False  # a forked child leaving its parent's scope
         self._exit(exc, run_status="error" if exc is not None else "finished")
+        self._release_claim()
         self._writer.flush()
         return False  # the exception, if any, reaches the caller unchanged
 
@@ -535,6 +620,22 @@ class record:
         """Block until every recorded step is in the database."""
         if self._writer is not None:
             self._writer.flush()
+
+
+def _after_fork_in_child() -> None:
+    """A process forked while a scope was open (a DataLoader worker, multiprocessing, os.fork): the scope is
+    the parent's, so this process's copy of it is dropped; the child may open a scope of its own."""
+    global _open_scope
+    scope, _open_scope = _open_scope, None
+    if scope is not None:
+        try:
+            scope._forget_in_child()
+        except Exception:  # never in the way of the child
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _module_arguments(signature, args, kwargs) -> list[tuple[str, nn.Module]]:

@@ -144,6 +144,19 @@ def _skip_reason(t: torch.Tensor) -> str | None:
     return None
 
 
+def _unreadable(t) -> str | None:
+    """Why a tensor whose reading raised cannot be read, for the kinds a hook meets (asked only after it raised:
+    nothing on the hot path): a nested tensor, a torch.func transform's wrapper. None for any other."""
+    try:
+        if t.is_nested:
+            return "nested tensor: statistics are computed for dense (strided) tensors only"
+        if tp.functorch_wrapped(t):
+            return "torch.func (grad, vmap, jacrev, ...) wrapped tensor: its values cannot be read from a node hook"
+    except Exception:
+        pass
+    return None
+
+
 # ---- the reductions ------------------------------------------------------------------------------------------
 def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
     """All reductions with exact non-finite counts, in float64, on x's device, with no branch on data."""
@@ -357,7 +370,7 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
         m.vec = _reduce(t.detach(), level)  # detached: the masked path's torch ops record no graph
         return m
     except Exception as exc:  # a recorder fault must never reach the training code
-        reason = f"{type(exc).__name__}: {exc}"[:500]
+        reason = _unreadable(t) or f"{type(exc).__name__}: {exc}"[:500]
         if m is None:
             return Measured("skipped", reason=reason)
         return Measured("skipped", reason=reason, dtype=m.dtype, shape=m.shape, numel=m.numel, nondense=m.nondense)

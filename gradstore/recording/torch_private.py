@@ -75,6 +75,28 @@ def compiled_autograd_active() -> bool:
     return bool(getattr(ca, "compiled_autograd_enabled", False) or getattr(ca, "in_compiled_autograd_region", False))
 
 
+def innermost_function_mode():
+    """The innermost TorchFunctionMode active on this thread, or None (`torch.overrides._get_current_function_mode`,
+    private; None where it is missing)."""
+    import torch.overrides
+
+    fn = getattr(torch.overrides, "_get_current_function_mode", None)
+    try:
+        return fn() if fn is not None else None
+    except Exception:
+        return None
+
+
+def functorch_wrapped(t) -> bool:
+    """True for a tensor wrapped by a `torch.func` transform (grad, vjp, jacrev, vmap: a TensorWrapper or a
+    BatchedTensor), via `torch._C._functorch.is_functorch_wrapped_tensor` (private; False where it is missing)."""
+    fn = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    try:
+        return bool(fn(t)) if fn is not None else False
+    except Exception:
+        return False
+
+
 # The engine entry point that `Tensor.backward`, `torch.autograd.backward` and `torch.autograd.grad` all reach,
 # and the module attributes it is bound under.
 ENGINE_ENTRY_OWNERS = (torch.autograd.graph, torch.autograd)

@@ -72,7 +72,8 @@ def merge(out: str | Path, inputs: list, *, skip_existing: bool = False) -> list
 
     Raises:
         GradstoreError: no input, an input named twice or equal to `out`.
-        DatabaseNotFound / GradstoreError / SchemaTooNew: an input that is missing or not a gradstore database.
+        DatabaseNotFound / NotAGradstoreDatabase / SchemaTooNew: an input that is missing or not a gradstore
+            database; SchemaTooOld: an input at an older revision (inputs are only read: upgrade it first).
         MergeConflict: an input step (run, rank, step) that `out` already holds (also one merged from an
             earlier input of the same call), unless `skip_existing`. Nothing is written then.
     """
@@ -93,9 +94,9 @@ def merge(out: str | Path, inputs: list, *, skip_existing: bool = False) -> list
     sources = []
     try:
         for db in inputs:
-            sources.append(open_existing(db))
+            sources.append(open_existing(db)[0])
         created = not is_url(out) and not Path(out).exists()
-        target = make_engine(out)
+        target = make_engine(out, immediate=True)
         try:
             ensure_schema(target, str(out))
             reports = []

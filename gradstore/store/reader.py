@@ -7,6 +7,7 @@ whose columns are documented in that file's header and in README.md.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -15,12 +16,15 @@ from sqlalchemy import select
 from ..errors import GradstoreError, UnknownRun
 from . import queries
 from . import schema as s
-from .database import open_existing
+from .database import open_existing, open_sqlite_reader
 from .writer import flush_pending
 
 
 class Store:
-    """A recorded database, opened for reading. Create it with `gradstore.open(db)`.
+    """A recorded database, opened for reading (it never writes: see `open`). Create it with `gradstore.open(db)`.
+
+    `immutable` (bool): the SQLite file was opened immutable=1 (read-only media, or a directory this process
+    cannot write, with no writer at the time).
 
     Raises (from every helper): UnknownRun for a run name not in the database.
     """
@@ -28,11 +32,20 @@ class Store:
     def __init__(self, db: str | Path):
         flush_pending(db)  # this process's own recording may still be writing
         self.db = db
-        self.engine = open_existing(db)
+        self.engine, self.immutable = open_existing(db)
 
     def close(self) -> None:
         """Release the database connections."""
         self.engine.dispose()
+
+    def _refresh(self) -> None:
+        """A file opened immutable (no -wal beside it, and SQLite could not create its -shm): once a -wal file
+        appears, a writer has opened it, and the file may change under an immutable reader: reopen with mode=ro
+        (the writer created the -shm SQLite then reads)."""
+        if self.immutable and Path(f"{self.db}-wal").exists():
+            old = self.engine
+            self.engine, self.immutable = open_sqlite_reader(Path(self.db))
+            old.dispose()
 
     def __enter__(self) -> Store:
         return self
@@ -42,6 +55,7 @@ class Store:
 
     def run_names(self) -> list[str]:
         """Names of every run, oldest first."""
+        self._refresh()
         with self.engine.connect() as conn:
             return list(conn.execute(select(s.runs.c.name).order_by(s.runs.c.id)).scalars())
 
@@ -58,12 +72,19 @@ class Store:
         Raises UnknownQuery, QueryParameterError, UnknownRun.
         """
         self._check_run(params.get("run"))
+        self._refresh()
+        q = queries.get(name)
+        if "now" in q.params and params.get("now") is None:
+            params["now"] = time.time()  # the reference time that tells a live run from an interrupted one
         return queries.run(self.engine, name, params)
 
     # ---- the tables ------------------------------------------------------------------------------------------
-    def runs(self) -> pd.DataFrame:
-        """Runs: run, status, world_size, created_at, finished_at (s since epoch), versions, host, steps."""
-        return self.query("runs")
+    def runs(self, run: str | None = None) -> pd.DataFrame:
+        """Runs (or the one named `run`): run, status (running / finished / error, or interrupted: its writer
+        died with its scope open, see queries/runs.sql), world_size, created_at, finished_at (s since epoch),
+        versions, host, steps, last_step (the highest step number written, any rank), last_step_at (when it
+        ended), heartbeat_at (the latest heartbeat of a process writing it; NULL once every scope ended)."""
+        return self.query("runs", run=run)
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Steps: run, rank, step, status (ok/error/nonfinite), passes, tracing_passes (torch.compile's tracing
@@ -472,8 +493,16 @@ def open(db: str | Path = "gradstore.db") -> Store:  # noqa: A001 - the public n
 
     Args:
         db: SQLite file path or SQLAlchemy URL.
+    Nothing is written: a SQLite file is opened so that no statement can change it (`PRAGMA query_only`, or
+    SQLite's read-only mode=ro where this process may not write it; on read-only media or in a directory it
+    cannot write, immutable=1 where no -wal file is beside it: see
+    `gradstore.store.database.open_sqlite_reader`), and a database at an older schema revision is refused.
+
     Raises:
         DatabaseNotFound: no such file (nothing is created).
+        NotAGradstoreDatabase: not an SQLite database, an empty one, or one of something else.
+        SchemaTooOld: an older schema revision; `gradstore db upgrade DB` upgrades it (once, in one transaction).
         SchemaTooNew: written by a newer gradstore.
+        DatabaseUnavailable: the file cannot be read (the message says why and what to do).
     """
     return Store(db)

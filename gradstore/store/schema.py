@@ -158,6 +158,24 @@ edges = Table(
     UniqueConstraint("src", "src_slot", "dst", "dst_slot"),
 )
 
+# ---- claims: who is writing each (run, rank) now (revision 0007_faults) -------------------------------------
+# one row per rank being recorded, held by one process from its scope's start to its end (gradstore.store.claims):
+# its pid and host, and the heartbeat its writer thread renews; the claim stands while heartbeat_at + lease (s)
+# is in the future. A run whose status says running but that has no standing claim was interrupted.
+claims = Table(
+    "claims",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id"), nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("heartbeat_at", Float, nullable=False),  # s since the epoch, renewed by the writer thread
+    Column("lease", Float, nullable=False),  # s after heartbeat_at that the claim stands
+    UniqueConstraint("run_id", "rank"),
+)
+
 # ---- calls: a compact table and a view ---------------------------------------------------------------------
 # `calls` (what every query reads) is a VIEW with the columns of revisions 0001-0002; the rows live in call_data:
 #   start and duration as INTEGER nanoseconds (SQLite stores a small integer in 1 to 6 bytes, a REAL in 8); the

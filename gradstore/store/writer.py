@@ -10,7 +10,14 @@ with BEGIN IMMEDIATE (the file's write lock, waited for up to the busy timeout),
 whole step are one writer's at a time; on PostgreSQL ids come from sequences and rows of shared tables (nodes,
 edges, layouts) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
 PostgreSQL deadlock or serialization failure) is retried whole. A forked child gets fresh writers: the
-parent's queue, thread and connections are not its own.
+parent's queue, thread, connections and claims are not its own.
+
+Besides steps, the writer thread keeps its process's claims (gradstore.store.claims) alive: every
+`claims.heartbeat_interval()` seconds it renews them, whether or not steps arrive; and on SQLite it checkpoints
+the WAL (PASSIVE: it never waits for a reader) at most that often once steps were written since the last
+checkpoint, so the database file itself holds every step committed more than about one interval ago (SQLite's
+own checkpoint at WAL_AUTOCHECKPOINT_PAGES pages bounds it by size as well). Both run on the writer thread,
+between steps: nothing is added to a training step or a hook.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from ..errors import DatabaseUnavailable
+from ..errors import GradstoreError
 from ..records import KIND, StepBatch
+from . import claims
 from . import schema as s
-from .database import ensure_schema, is_url, make_engine
+from .database import ensure_schema, explain, is_url, make_engine, transient
 
 # tensor_data's columns in the order the writer builds its rows
 TENSOR_DATA_COLUMNS = (
@@ -82,22 +90,6 @@ STEP_NODE_COLUMNS = ("pass", "born_step", "born_pass", "module_call", "ran", "re
 
 _CHUNK = 500  # keys per IN (...) list
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
-_TRANSIENT_PG = {"40001", "40P01"}  # serialization_failure, deadlock_detected
-
-
-def _transient(exc: BaseException) -> bool:
-    """True for a failure that a retry of the whole transaction can cure: SQLite busy/locked, a PostgreSQL
-    deadlock or serialization failure, a dropped connection."""
-    if not isinstance(exc, DBAPIError):
-        return False
-    if exc.connection_invalidated:
-        return True
-    orig = exc.orig
-    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    if code in _TRANSIENT_PG:
-        return True
-    text = str(orig).lower()
-    return "database is locked" in text or "database is busy" in text or "database table is locked" in text
 
 
 def _insert_ignore(engine: Engine, table, index_elements):
@@ -118,13 +110,10 @@ class Writer:
         self.engine = make_engine(db, immediate=True)
         try:
             ensure_schema(self.engine, str(db))
-        except SQLAlchemyError as exc:
+            self._probe_write()
+        except (SQLAlchemyError, GradstoreError) as exc:
             self.engine.dispose()
-            cause = getattr(exc, "orig", None) or exc
-            raise DatabaseUnavailable(
-                f"cannot open the gradstore database {db}: {cause}; check that the directory exists and is "
-                "writable (or, for a URL, that the server is reachable)"
-            ) from None
+            raise explain(db, exc, writing=True) from None
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         self.rows_written = 0
@@ -140,7 +129,13 @@ class Writer:
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
+        self._io = threading.Lock()  # held by the writer thread while it is inside the database driver
         self._pg = self.engine.dialect.name == "postgresql"
+        self._claims: dict[tuple[int, int], int] = {}  # (run_id, rank) -> scopes holding it in this process
+        self._lost: set[tuple[int, int]] = set()  # claims another process took over (warned once)
+        self._next_beat = 0.0  # time.monotonic() of the next heartbeat
+        self._unchecked = False  # SQLite: steps committed since the last checkpoint of the WAL
+        self._next_checkpoint = 0.0
         # statements built once, run with the driver's cursor (execute / executemany)
         returning = " RETURNING id" if self._pg else ""
         self._step_insert = (
@@ -224,8 +219,24 @@ class Writer:
         self._layout_ids = {}
         self._sharding_ids = {}
         self._tensor_next = self._tensor_next_pending = None
+        self._io = threading.Lock()
+        self._claims = {}  # the parent's claims stay the parent's (their pid is not this process's)
+        self._lost = set()
+        self._unchecked = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
+
+    def _probe_write(self) -> None:
+        """Fail now, not at the first step, when the database cannot be written (SQLite: a read-only file or
+        directory, read-only media): a write inside a transaction that is rolled back."""
+        if self.engine.dialect.name != "sqlite":
+            return
+        with self.engine.connect() as conn:
+            tx = conn.begin()
+            try:
+                conn.exec_driver_sql("UPDATE alembic_version SET version_num = version_num")
+            finally:
+                tx.rollback()
 
     def _running(self) -> bool:
         """True when the writer thread is alive, starting it first in a forked child (call with _cond held)."""
@@ -267,6 +278,45 @@ class Writer:
             self._pending.append(("run_status", run_id, status, at))
             self._cond.notify_all()
 
+    def hold(self, run_id: int, rank: int) -> None:
+        """Note that a scope of this process holds the claim on (run_id, rank) (taken with `claims.take`): the
+        writer thread renews it until as many `release` calls."""
+        with self._cond:
+            key = (run_id, rank)
+            self._claims[key] = self._claims.get(key, 0) + 1
+            self._lost.discard(key)
+            self._next_beat = time.monotonic() + claims.heartbeat_interval()
+            self._running()
+            self._cond.notify_all()
+
+    def release(self, run_id: int, rank: int) -> None:
+        """A scope holding (run_id, rank) ended: when it was the last one, the claim is deleted (after the steps
+        queued before it are written)."""
+        with self._cond:
+            key = (run_id, rank)
+            n = self._claims.get(key, 0) - 1
+            if n > 0:
+                self._claims[key] = n
+                return
+            self._claims.pop(key, None)
+            self._running()
+            self._pending.append(("release", run_id, rank))
+            self._cond.notify_all()
+
+    def release_all(self) -> None:
+        """Queue the deletion of every claim this process holds (end of the process)."""
+        with self._cond:
+            for run_id, rank in self._claims:
+                self._pending.append(("release", run_id, rank))
+            self._claims.clear()
+            self._running()
+            self._cond.notify_all()
+
+    def held(self) -> list[tuple[int, int]]:
+        """The (run_id, rank) claims this process's scopes hold."""
+        with self._cond:
+            return list(self._claims)
+
     def flush(self) -> None:
         """Block until every submitted step is written (or has failed and been reported)."""
         with self._cond:
@@ -274,7 +324,8 @@ class Writer:
                 self._cond.wait(timeout=1.0)
 
     def close(self) -> None:
-        """Flush, stop the thread and release the engine."""
+        """Flush, release this process's claims, stop the thread and release the engine."""
+        self.release_all()
         self.flush()
         with self._cond:
             self._closed = True
@@ -288,26 +339,87 @@ class Writer:
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
-                    self._cond.wait()
-                if not self._pending:
+                    wait = self._idle_wait()
+                    if wait is not None and wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                if not self._pending and self._closed:
                     return
-                item = self._pending.popleft()
+                item = self._pending.popleft() if self._pending else None
                 self._busy = True
+            self._io.acquire()  # a fork waits for it (see _before_fork): SQLite's mutexes are not fork-safe
             try:
-                if isinstance(item, tuple):
-                    self._retrying(self._write_run_status, item)
+                if item is None:
+                    pass  # time for a heartbeat or a checkpoint (below)
+                elif isinstance(item, tuple):
+                    write = self._write_release if item[0] == "release" else self._write_run_status
+                    self._retrying(write, item)
                 else:
                     self._retrying(self.write, item)
+                    self._unchecked = not self._pg
             except Exception as exc:
                 msg = f"step {getattr(item, 'step', '?')}: {type(exc).__name__}: {exc}"
                 self.errors.append(msg)
                 warnings.warn(f"gradstore: could not write to {self.db}: {msg}", RuntimeWarning, stacklevel=1)
             finally:
+                try:
+                    self._periodic()
+                finally:
+                    self._io.release()
                 with self._cond:
                     self._busy = False
-                    if not isinstance(item, tuple):
+                    if item is not None and not isinstance(item, tuple):
                         self._pending_rows -= item.rows()
                     self._cond.notify_all()
+
+    def _idle_wait(self) -> float | None:
+        """Seconds until the next heartbeat or checkpoint is due (call with _cond held); None: nothing is due."""
+        now, due = time.monotonic(), []
+        if self._claims:
+            due.append(self._next_beat - now)
+        if self._unchecked:
+            due.append(self._next_checkpoint - now)
+        return min(due) if due else None
+
+    def _periodic(self) -> None:
+        """On the writer thread, between steps: renew this process's claims and checkpoint the WAL when due.
+        A failure here is not a step's: it is tried again at the next interval (a lost claim is warned about)."""
+        now, interval = time.monotonic(), claims.heartbeat_interval()
+        if self._claims and now >= self._next_beat:
+            self._next_beat = now + interval
+            try:
+                with self.engine.begin() as conn:
+                    lost = claims.renew(conn, self.held())
+            except Exception:
+                lost = []
+            for key in lost:
+                if key not in self._lost and key in self._claims:
+                    self._lost.add(key)
+                    msg = (
+                        f"rank {key[1]} of run id {key[0]} was taken over by another process (this one's heartbeat "
+                        "had lapsed): its steps and this process's may now be mixed"
+                    )
+                    self.errors.append(msg)
+                    warnings.warn(f"gradstore: {msg}", RuntimeWarning, stacklevel=1)
+        if self._unchecked and now >= self._next_checkpoint:
+            self._next_checkpoint = now + interval
+            self._unchecked = False
+            self.checkpoint()
+
+    def checkpoint(self) -> tuple[int, int, int] | None:
+        """SQLite: copy the WAL's committed pages into the database file (`PRAGMA wal_checkpoint(PASSIVE)`: as
+        far as no reader's snapshot prevents, without waiting); returns SQLite's (busy, pages in the WAL, pages
+        checkpointed), or None on PostgreSQL or when it could not run. Never raises."""
+        if self._pg:
+            return None
+        try:
+            raw = self.engine.raw_connection()
+            try:
+                return tuple(raw.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone())
+            finally:
+                raw.close()
+        except Exception:
+            return None
 
     def _retrying(self, write, item) -> None:
         """Run one transaction, again (whole) after a transient failure, with a growing pause."""
@@ -316,10 +428,14 @@ class Writer:
                 write(item)
                 return
             except DBAPIError as exc:
-                if attempt == _ATTEMPTS - 1 or not _transient(exc):
+                if attempt == _ATTEMPTS - 1 or not transient(exc):
                     raise
                 self.retries += 1
                 time.sleep(min(0.05 * 2**attempt, 2.0))
+
+    def _write_release(self, item) -> None:
+        with self.engine.begin() as conn:
+            claims.release(conn, item[1], item[2])
 
     def _write_run_status(self, item) -> None:
         with self.engine.begin() as conn:
@@ -762,23 +878,47 @@ def flush_pending(db) -> None:
 
 @atexit.register
 def _flush_all() -> None:
-    """At exit: write what is pending, then close the connections (SQLite folds its WAL file back into the
-    database when the last connection closes, so the .db file alone holds the record)."""
+    """At exit: write what is pending, release this process's claims, then close the connections (SQLite folds
+    its WAL file back into the database when the last connection closes, so the .db file alone holds the
+    record)."""
     for w in list(_writers.values()):
         try:
             if w.pid == os.getpid():
+                w.release_all()  # the decorator's claims are held until the process ends
                 w.flush()
                 w.engine.dispose()
         except Exception:
             pass
 
 
+# A fork while a writer thread is inside SQLite (or psycopg) would hand the child that library's mutexes in the
+# state of the moment (SQLite takes a process-wide one for every allocation): a child that then opens a database
+# could wait forever. So a fork waits, up to FORK_WAIT_S, for each writer thread of this process to leave the
+# driver (it holds `_io` while it writes a step, a heartbeat, a release or a checkpoint); an idle writer costs
+# the fork nothing.
+FORK_WAIT_S = 5.0
+_held_for_fork: list = []
+
+
+def _before_fork() -> None:
+    deadline = time.monotonic() + FORK_WAIT_S
+    for w in list(_writers.values()):
+        if w.pid == os.getpid() and w._io.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            _held_for_fork.append(w._io)
+
+
+def _after_fork_in_parent() -> None:
+    while _held_for_fork:
+        _held_for_fork.pop().release()
+
+
 def _after_fork_in_child() -> None:
     global _writers_lock
     _writers_lock = threading.Lock()  # the parent's may have been held by another thread at the fork
+    _held_for_fork.clear()
     for w in _writers.values():
         w._after_fork_in_child()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

@@ -30,6 +30,10 @@
 #include <unordered_map>
 #include <vector>
 
+namespace torch::dynamo::autograd {
+class CompiledNodeArgs;  // declared by function_hook.h where compiled autograd exists; here for the others
+}  // namespace torch::dynamo::autograd
+
 namespace {
 
 using torch::autograd::Node;
@@ -252,46 +256,61 @@ bool kernel_stats(const at::Tensor& t, Level level, Result& r) {
   return true;
 }
 
-// what gradstore.recording.stats.measure (level health/full) or shape_only (level shape) records for t
-Result measure(const at::Tensor& t, Level level) {
-  Result r;
-  if (!t.defined()) return r;  // K_NONE: the slot held None
+// a tensor whose memory the C++ side may read: not nested (a NestedTensorImpl has no sizes), with storage (a
+// torch.func wrapper -- grad, vmap, jacrev -- has none), of a plain type, dense layout, not meta
+bool readable(const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (plain_type(impl) && t.layout() == at::kStrided && !t.is_meta()) {
-    auto st = t.scalar_type();
-    int16_t code = G.dtype_code[(int)st & 0xff];
-    if (code >= 0) {
-      if (level == SHAPE) {
-        r.kind = K_SHAPE;
-        set_shape(r, t, code);
-        return r;
-      }
-      if ((st == at::kFloat || st == at::kDouble) && t.device().is_cpu() && !t.is_neg() && !t.is_conj() &&
-          dense(t)) {
-        set_shape(r, t, code);
-        if (r.numel == 0) {
-          r.kind = K_SHAPE;  // 'ok', empty: norm 0, zero counts
-          return r;
-        }
-        int k = st == at::kFloat ? 0 : 1;
-        bool have = level == FULL ? G.full[k] != nullptr : G.health[k] != nullptr;
-        if (have && (r.numel < 2 * G.split || at::get_num_threads() <= 1)) {
-          if (kernel_stats(t, level, r)) {
-            r.kind = K_STATS;
-            return r;
-          }
-        }
-      }
-    }
+  return !t.is_nested() && impl->has_storage() && plain_type(impl) && t.layout() == at::kStrided && !t.is_meta();
+}
+
+// the C++ side's own measurement of t into r; false: hand t to Python
+bool measure_here(const at::Tensor& t, Level level, Result& r) {
+  if (!readable(t)) return false;
+  auto st = t.scalar_type();
+  int16_t code = G.dtype_code[(int)st & 0xff];
+  if (code < 0) return false;
+  if (level == SHAPE) {
+    r.kind = K_SHAPE;
+    set_shape(r, t, code);
+    return true;
+  }
+  if (!((st == at::kFloat || st == at::kDouble) && t.device().is_cpu() && !t.is_neg() && !t.is_conj() && dense(t)))
+    return false;
+  set_shape(r, t, code);
+  if (r.numel == 0) {
+    r.kind = K_SHAPE;  // 'ok', empty: norm 0, zero counts
+    return true;
+  }
+  int k = st == at::kFloat ? 0 : 1;
+  bool have = level == FULL ? G.full[k] != nullptr : G.health[k] != nullptr;
+  if (have && (r.numel < 2 * G.split || at::get_num_threads() <= 1) && kernel_stats(t, level, r)) {
+    r.kind = K_STATS;
+    return true;
+  }
+  return false;
+}
+
+// what gradstore.recording.stats.measure (level health/full) or shape_only (level shape) records for t; anything
+// the C++ side cannot read (or that throws while it reads it) is measured by Python, as the Python hooks would
+Result measure(const at::Tensor& t, Level level) {
+  if (!t.defined()) return Result();  // K_NONE: the slot held None
+  try {
+    Result r;
+    if (measure_here(t, level, r)) return r;
+  } catch (const std::exception&) {
   }
   return python_measure(t, level);
 }
 
-int64_t version_of(const at::Tensor& t) {
+int64_t version_of(const at::Tensor& t) {  // -1: none (as Python's `_version` raising, for the reuse rules)
   if (!t.defined()) return -1;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->is_inference()) return -1;
-  return impl->version_counter().current_version();
+  try {
+    return impl->version_counter().current_version();
+  } catch (const std::exception&) {
+    return -1;
+  }
 }
 
 // the pass's one result per distinct gradient: an object seen before at the same version reuses its entry
@@ -325,13 +344,14 @@ void remember(Pass& p, const at::Tensor& t, int32_t entry) {  // caller holds p.
 
 bool same_memory(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined() || !b.defined()) return false;
-  if (a.layout() != at::kStrided || b.layout() != at::kStrided) return false;
-  if (a.unsafeGetTensorImpl()->has_storage() == false || b.unsafeGetTensorImpl()->has_storage() == false)
+  if (!readable(a) || !readable(b)) return false;
+  try {
+    if (a.const_data_ptr() != b.const_data_ptr()) return false;
+    return a.scalar_type() == b.scalar_type() && a.device() == b.device() && a.numel() == b.numel() &&
+           a.numel() > 0 && dense(a) && dense(b);
+  } catch (const std::exception&) {
     return false;
-  if (a.const_data_ptr() != b.const_data_ptr()) return false;
-  if (!plain_type(a.unsafeGetTensorImpl()) || !plain_type(b.unsafeGetTensorImpl())) return false;
-  return a.scalar_type() == b.scalar_type() && a.device() == b.device() && a.numel() == b.numel() &&
-         a.numel() > 0 && dense(a) && dense(b);
+  }
 }
 
 // ---- the graph task a hook fires for --------------------------------------------------------------------------
@@ -467,6 +487,11 @@ struct Dispatch {
   }
 };
 
+// Compiled autograd (torch._dynamo.compiled_autograd) asks each hook of a Node to register itself for tracing
+// (compiled_args); the base class raises "compiled_args nyi". gradstore's hooks register nothing: a compiled pass
+// never runs them, exactly as if they were not there. gradstore records a compiled-autograd pass with Python
+// hooks (gradstore.recording.passes), and a Node that outlives a recording (a parameter's AccumulateGrad held by
+// DDP's reducer or an optimizer in backward) keeps these hooks with an empty pass list: invisible.
 struct DispatchPre : torch::autograd::FunctionPreHook {
   std::shared_ptr<Dispatch> d;
   explicit DispatchPre(std::shared_ptr<Dispatch> d) : d(std::move(d)) {}
@@ -474,6 +499,9 @@ struct DispatchPre : torch::autograd::FunctionPreHook {
     for (auto& [pass, i] : d->snapshot()) pre_call(*pass, i, grads);
     return grads;  // the same tensors: never a changed gradient
   }
+  // both spellings: older torch declares compiled_args non-const, newer const; the one the base has is overridden
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const {}
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) {}
 };
 
 struct DispatchPost : torch::autograd::FunctionPostHook {
@@ -483,6 +511,8 @@ struct DispatchPost : torch::autograd::FunctionPostHook {
     for (auto& [pass, i] : d->snapshot()) post_call(*pass, i, grad_inputs, grad_outputs);
     return grad_inputs;
   }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const {}
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) {}
 };
 
 std::mutex g_install;  // serialises the first hooking of Nodes (two passes may hook one Node at once)

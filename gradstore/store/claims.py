@@ -1,0 +1,127 @@
+"""One writer per (run, rank): the claims table (revision 0007_faults).
+
+A process that records a rank of a run claims it first (`take`, in the transaction that opens the run): one row
+per (run, rank) with the process's pid and host, when it started, and a heartbeat that the process's writer
+thread renews every `heartbeat_interval()` seconds (`renew`). The claim stands while `heartbeat_at + lease` is in
+the future (lease: LEASE_HEARTBEATS heartbeats), and, when its holder runs on this host, while its pid is alive.
+A second process claiming a rank whose claim stands gets `RankInUse`; a claim that no longer stands (its holder
+was killed, or its machine lost) is taken over, so a restarted job resumes its record. The holder deletes its
+row when its scope ends (`release`). Readers tell a live run from an interrupted one by its claims
+(queries/runs.sql).
+
+PostgreSQL: the claiming transaction takes an advisory lock on (run_id, rank) first, so two processes claiming
+the same rank take turns; SQLite: the writer's transactions hold the file's write lock (BEGIN IMMEDIATE).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from sqlalchemy import delete, insert, select, update
+
+from ..errors import RankInUse
+from . import schema as s
+
+HEARTBEAT_S = 10.0  # seconds between heartbeats (the environment's GRADSTORE_HEARTBEAT_S overrides it)
+LEASE_HEARTBEATS = 6  # a claim stands this many heartbeats after the last one
+
+
+def heartbeat_interval() -> float:
+    """Seconds between a writer's heartbeats: $GRADSTORE_HEARTBEAT_S when set (a positive number), else
+    HEARTBEAT_S."""
+    value = os.environ.get("GRADSTORE_HEARTBEAT_S")
+    try:
+        return max(float(value), 0.01) if value else HEARTBEAT_S
+    except ValueError:
+        return HEARTBEAT_S
+
+
+def lease() -> float:
+    """Seconds a claim stands after its last heartbeat (LEASE_HEARTBEATS heartbeats)."""
+    return LEASE_HEARTBEATS * heartbeat_interval()
+
+
+def this_host() -> str:
+    """The host name claims record (`socket.gethostname()`)."""
+    return socket.gethostname()
+
+
+def pid_alive(pid: int) -> bool:
+    """True when process `pid` exists on this host and is not a zombie (killed, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, but another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def stands(row, now: float, host: str | None = None) -> bool:
+    """True when the claim `row` (a claims row: pid, host, heartbeat_at, lease) still holds its rank at time
+    `now` (s since the epoch): its heartbeat is within its lease and, where its holder is on this host, the
+    holder's pid is alive."""
+    if row.heartbeat_at + row.lease < now:
+        return False
+    if row.host == (host or this_host()) and not pid_alive(row.pid):
+        return False
+    return True
+
+
+def take(conn, run_id: int, rank: int, run_name: str) -> None:
+    """Claim (run_id, rank) for this process inside the caller's transaction: insert the claim, renew it when
+    it is already this process's, or take it over when its holder no longer stands.
+
+    Raises RankInUse (naming the holder's pid, host and heartbeat, and what to do) when another process's claim
+    stands.
+    """
+    now, host, pid = time.time(), this_host(), os.getpid()
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({int(run_id)}, {int(rank)})")
+    c = s.claims.c
+    row = conn.execute(select(s.claims).where(c.run_id == run_id, c.rank == rank)).first()
+    mine = {"pid": pid, "host": host, "started_at": now, "heartbeat_at": now, "lease": lease()}
+    if row is None:
+        conn.execute(insert(s.claims).values(run_id=run_id, rank=rank, **mine))
+        return
+    if (row.pid, row.host) != (pid, host) and stands(row, now, host):
+        raise RankInUse(
+            f"rank {rank} of run {run_name!r} is being written by process {row.pid} on {row.host} (claimed "
+            f"{now - row.started_at:.0f} s ago, last heartbeat {now - row.heartbeat_at:.0f} s ago): two processes "
+            "writing one rank would mix their steps. Give this process a rank of its own (torchrun sets RANK; or "
+            "call init_process_group before the scope) or another run name, or end the other process. A claim "
+            f"whose process died is taken over: at once on the same host, else {row.lease:.0f} s after its last "
+            "heartbeat"
+        )
+    conn.execute(update(s.claims).where(c.id == row.id).values(**mine))
+
+
+def renew(conn, keys) -> list[tuple[int, int]]:
+    """Renew this process's claims on `keys` ((run_id, rank) pairs) at the current time; returns the keys
+    that are no longer this process's (another process took them over)."""
+    now, host, pid = time.time(), this_host(), os.getpid()
+    c = s.claims.c
+    lost = []
+    for run_id, rank in keys:
+        n = conn.execute(
+            update(s.claims)
+            .where(c.run_id == run_id, c.rank == rank, c.pid == pid, c.host == host)
+            .values(heartbeat_at=now, lease=lease())
+        ).rowcount
+        if n == 0:
+            lost.append((run_id, rank))
+    return lost
+
+
+def release(conn, run_id: int, rank: int) -> None:
+    """Delete this process's claim on (run_id, rank), if it still holds it."""
+    c = s.claims.c
+    conn.execute(
+        delete(s.claims).where(c.run_id == run_id, c.rank == rank, c.pid == os.getpid(), c.host == this_host())
+    )
