@@ -13,6 +13,7 @@ from .errors import (  # noqa: E402
     UnknownNode,
     UnknownQuery,
     UnknownRun,
+    ValuesNotRecorded,
     VerifyUsageError,
 )
 from .inspect.context import track_modules  # noqa: E402
@@ -52,4 +53,5 @@ __all__ = [
     "SavedTensorsFreed",
     "UnknownNode",
     "VerifyUsageError",
+    "ValuesNotRecorded",
 ]

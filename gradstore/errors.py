@@ -33,6 +33,10 @@ class RecordUsageError(GradstoreError):
     """`record` was used in a way it cannot work (bad argument, nested scopes)."""
 
 
+class ValuesNotRecorded(GradstoreError):
+    """A gradient whose elements were not stored was asked for (Store.tensor; record(values=...) stores them)."""
+
+
 class UnknownNode(GradstoreError):
     """A node key that is not in a run (gradstore explain DB RUN KEY)."""
 

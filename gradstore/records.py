@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 # ---- integer codes ---------------------------------------------------------------------------------------
 # Each list is frozen: a code never changes meaning. New names are appended by a new Alembic revision.
-ROLES = ["grad_output", "grad_input", "param_grad", "saved"]
+ROLES = ["grad_output", "grad_input", "param_grad", "saved", "activation"]  # activation: revision 0008_inside
 STATUSES = ["ok", "none", "skipped"]
-KINDS = ["function", "accumulate_grad", "custom_function", "compiled", "other"]
+KINDS = ["function", "accumulate_grad", "custom_function", "compiled", "other", "forward"]  # forward: 0008_inside
 # torch dtypes as str(dtype) without the "torch." prefix, as of torch 2.13; code 0 is "other".
 DTYPES = [
     "other",
@@ -118,6 +118,15 @@ class PassRecord:
     finish: float | None = None  # seconds: hook removal, param grads, host transfer, rows
     measured: int = 0  # reductions done in node hooks
     reused: int = 0  # reductions avoided (same tensor, or a grad_input that is a grad_output's memory)
+    # record(slices=/values=/saved=True/forward=True), each a sequence (plain list or LazyRows) whose first item
+    # is the index of the row of `tensors` it belongs to:
+    #   slices: (row, dim, slices, zero, nonfinite, norm_min, norm_median, norm_max, zero_first, nonfinite_first,
+    #            reason); values: (row, dtype code, shape, little-endian bytes);
+    #   saved_versions: (row, version, saved_version, note)
+    slices: list[tuple] = field(default_factory=list)
+    values: list[tuple] = field(default_factory=list)
+    saved_versions: list[tuple] = field(default_factory=list)
+    loss: float | None = None  # record(forward=True): the value of the pass's one scalar root
 
 
 @dataclass
@@ -136,7 +145,14 @@ class StepBatch:
     level: str = "full"
     dropped: int = 0  # rows dropped because the writer fell behind (on_full='drop')
     waited: float = 0.0  # seconds the training thread waited for the writer (on_full='wait')
+    # record(forward=True): the forward's module calls (NodeInfo of kind 'forward') and their activation rows
+    # (node key, seq, role code, slot, *ROW_COLUMNS), seq from the step's counter shared with backward calls
+    forward_nodes: list[NodeInfo] = field(default_factory=list)
+    activations: list[tuple] = field(default_factory=list)
+    # record(values=...): bytes of elements stored in the step, and matching gradients the budget left out
+    values_bytes: int | None = None
+    values_left_out: int | None = None
 
     def rows(self) -> int:
         """Calls and tensor rows in the batch (what the queue bound counts)."""
-        return sum(len(p.calls) + len(p.tensors) for p in self.passes)
+        return sum(len(p.calls) + len(p.tensors) for p in self.passes) + len(self.activations)

@@ -53,7 +53,7 @@ def named_parameters(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.
     return out
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
     """True while torch.compile traces (its compiled graph then runs as one CompiledFunctionBackward node, whose
     owner is the module around the compiled call); `torch.compiler.is_compiling`, False where it is missing."""
     fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -82,14 +82,14 @@ class ModuleTracker:
         return name if name is not None else f"<{type(module).__name__}>"
 
     def _pre(self, module, _args):
-        if _compiling() or threading.get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
+        if compiling() or threading.get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
             return
         self._stack.append(self._name(module))
         self._seqs.append(tp.next_sequence_nr())
         self._owners.append(self._stack[-1])
 
     def _post(self, module, _args, _output):
-        if _compiling() or threading.get_ident() != self._thread:
+        if compiling() or threading.get_ident() != self._thread:
             return
         if self._stack:
             self._stack.pop()

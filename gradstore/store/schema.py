@@ -18,6 +18,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     Sequence,
@@ -85,6 +86,10 @@ steps = Table(
     Column("level", String(16), nullable=False),  # stats level: full / health / params / shape
     Column("dropped", Integer, nullable=False),  # rows dropped because the writer fell behind (on_full='drop')
     Column("waited", Float, nullable=False),  # seconds the step waited for the writer (on_full='wait')
+    # record(values=...) (revision 0008_inside; NULL without it): bytes of gradient elements stored in the step,
+    # and matching gradients whose elements the step's byte budget left out
+    Column("values_bytes", BigInteger),
+    Column("values_left_out", Integer),
     UniqueConstraint("run_id", "rank", "step"),
 )
 
@@ -109,6 +114,7 @@ passes = Table(
     # the lowest and highest id of the pass's calls (NULL: no calls); see call_data below
     Column("first_call", Integer),
     Column("last_call", Integer),
+    Column("loss", Float),  # record(forward=True): the value of the pass's one scalar root (0008_inside)
     UniqueConstraint("step_id", "pass"),
 )
 
@@ -230,6 +236,53 @@ tensor_notes = Table(
     Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
     Column("reason", Text),  # why a row is skipped
     Column("checksum", BigInteger),  # param_grad rows: a 64-bit checksum of the bytes (bitwise comparison)
+)
+
+# ---- inside the tensor, and the forward side (revision 0008_inside) ----------------------------------------------
+# Side tables keyed by the tensor's id (as tensor_notes), each filled only when its record() option is on.
+# record(slices=...): a gradient summarised along one dimension: `slices` slices, how many are all zero and how
+# many hold NaN or Inf, the min / median / max of the finite slices' L2 norms, the first indices (comma-separated,
+# at most 8) of the all-zero and the non-finite slices; `reason` (the rest NULL) where it could not be summarised
+tensor_slices = Table(
+    "tensor_slices",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("dim", Integer),  # the dimension (>= 0) the slices run along
+    Column("slices", BigInteger),
+    Column("zero", BigInteger),
+    Column("nonfinite", BigInteger),
+    Column("norm_min", Float),
+    Column("norm_median", Float),  # the lower median (torch.median's) over the finite slices
+    Column("norm_max", Float),
+    Column("zero_first", String(255)),
+    Column("nonfinite_first", String(255)),
+    Column("reason", Text),
+)
+# record(values=...): the elements of a small gradient, little-endian, in C order; dtype code and shape as in layouts
+tensor_values = Table(
+    "tensor_values",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("dtype", Integer, nullable=False),
+    Column("shape", String(255), nullable=False),
+    Column("data", LargeBinary, nullable=False),
+)
+# record(saved=True): a saved tensor's version counter when measured and when the node saved it (they differ when
+# it was modified in place since; saved_version NULL, with a note, where it could not be checked)
+saved_versions = Table(
+    "saved_versions",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("version", Integer),
+    Column("saved_version", Integer),
+    Column("note", Text),
+)
+# record(forward=True): an activation row's place in the step (seq: the step's counter, shared with backward calls)
+activations = Table(
+    "activations",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("seq", Integer, nullable=False),
 )
 
 # n, the finite elements, and the norm derived from mean and std (in this order of operations: the writer checks

@@ -13,7 +13,11 @@
  * gs_m2_*:     returns the sum of squared differences from `mean`
  *
  * A NaN anywhere makes the sums NaN, an Inf makes them Inf or NaN: the caller checks the sum of squares
- * for finiteness (a float32's square cannot overflow a double) and counts non-finite values elsewhere.
+ * for finiteness and counts non-finite values elsewhere. Finite values can make it infinite too: float64
+ * values past 1.3e154 (their squares pass the largest double), and at health float32 values past 1.8e19
+ * (their squares pass the largest float in the float32 blocks); a float32's square cannot overflow a double
+ * at full. The caller then measures the tensor again with its values scaled by a power of two
+ * (gradstore/recording/stats.py, `_masked`): the true norm, not Inf.
  * min and max skip NaN, so they are meaningful only when the sums are finite.
  */
 #include <math.h>
