@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 # ---- integer codes ---------------------------------------------------------------------------------------
 # Each list is frozen: a code never changes meaning. New names are appended by a new Alembic revision.
-ROLES = ["grad_output", "grad_input", "param_grad", "saved", "activation"]  # activation: revision 0008_inside
+ROLES = ["grad_output", "grad_input", "param_grad", "saved", "activation", "loss"]  # the last two: 0008_inside
 STATUSES = ["ok", "none", "skipped"]
 KINDS = ["function", "accumulate_grad", "custom_function", "compiled", "other", "forward"]  # forward: 0008_inside
 # torch dtypes as str(dtype) without the "torch." prefix, as of torch 2.13; code 0 is "other".
@@ -89,7 +89,8 @@ class PassRecord:
     """Everything recorded about one pass, as plain data for the writer.
 
     calls: (node key, seq, start seconds since pass start, duration seconds or None);
-    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS);
+    tensors: tuples (node key, seq, role code, slot, *stats.ROW_COLUMNS); seq is None for param_grad rows, and
+        for a row with no call but a place in the step's order (a loss row) the number from the step's counter;
     edges: (src key, src slot, dst key, dst slot).
     At the end of a pass, calls, tensors and edges are `gradstore.recording.rows.LazyRows`: their length is
     known at once, the tuples are built on first read (by the writer, on its thread). Any of them may be
@@ -126,7 +127,6 @@ class PassRecord:
     slices: list[tuple] = field(default_factory=list)
     values: list[tuple] = field(default_factory=list)
     saved_versions: list[tuple] = field(default_factory=list)
-    loss: float | None = None  # record(forward=True): the value of the pass's one scalar root
 
 
 @dataclass

@@ -8,7 +8,7 @@ SELECT r.name AS run, st.rank, st.step, a.seq, n.key, n.name, n.module, t.slot,
        su.name AS status, t.reason, d.name AS dtype, t.shape, t.numel,
        t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros
 FROM tensors t
-JOIN activations a ON a.id = t.id
+JOIN forward_seqs a ON a.id = t.id
 JOIN steps st ON st.id = t.step_id
 JOIN runs r ON r.id = st.run_id
 JOIN nodes n ON n.id = t.node_id

@@ -1,5 +1,5 @@
--- title: First non-finite gradient (and forward activation)
--- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs hold NaN or +/-Inf: one row per non-finite slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first module call of the forward whose output tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): one row per non-finite output slot (phase forward, role activation, pass NULL, key module/forward#k, seq from the step's counter shared with the backward calls).
+-- title: First non-finite gradient (and forward activation or loss)
+-- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs hold NaN or +/-Inf: one row per non-finite slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls).
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
 WITH bad AS (
@@ -16,14 +16,14 @@ WITH bad AS (
     SELECT run_id, rank, step, seq, call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
     FROM bad
 ), fbad AS (  -- record(forward=True): non-finite activations
-    SELECT st.run_id, st.rank, st.step, a.seq, t.id AS tid, t.node_id, t.slot, t.numel, t.nan, t.posinf, t.neginf,
-           t.norm, t.min, t.max
+    SELECT st.run_id, st.rank, st.step, a.seq, t.id AS tid, t.node_id, t.pass_id, t.role, t.slot, t.numel, t.nan,
+           t.posinf, t.neginf, t.norm, t.min, t.max
     FROM tensors t
-    JOIN activations a ON a.id = t.id
+    JOIN forward_seqs a ON a.id = t.id
     JOIN steps st ON st.id = t.step_id
     JOIN runs r ON r.id = st.run_id
     WHERE t.nan + t.posinf + t.neginf > 0
-      AND t.role = 4
+      AND t.role IN (4, 5)
       AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
       AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
 ), ffirst AS (  -- the first module call with one, where it comes before the first non-finite backward call
@@ -46,12 +46,14 @@ WITH bad AS (
     JOIN roles ro ON ro.id = t.role
     WHERE ranked.nth = 1 AND t.nan + t.posinf + t.neginf > 0
     UNION ALL
-    SELECT r.id, -1, 4, r.name, f.rank, f.step, NULL, f.seq, n.key, n.name, n.module, n.frame,
-           'activation', f.slot, f.numel, f.nan, f.posinf, f.neginf, f.norm, f.min, f.max, 'forward'
+    SELECT r.id, -1, f.role, r.name, f.rank, f.step, p.pass, f.seq, n.key, n.name, n.module, n.frame,
+           ro.name, f.slot, f.numel, f.nan, f.posinf, f.neginf, f.norm, f.min, f.max, 'forward'
     FROM ffirst
     JOIN fbad f ON f.run_id = ffirst.run_id AND f.rank = ffirst.rank AND f.step = ffirst.step AND f.seq = ffirst.seq
     JOIN runs r ON r.id = f.run_id
     JOIN nodes n ON n.id = f.node_id
+    JOIN roles ro ON ro.id = f.role
+    LEFT JOIN passes p ON p.id = f.pass_id
 )
 SELECT run, rank, step, pass, seq, key, name, module, frame, role, slot, numel, nan, posinf, neginf, norm, min, max,
        phase

@@ -63,7 +63,7 @@ class ForwardRecorder:
     def __init__(self, names: dict[int, str], options):
         self.names = names
         self.options = options
-        self.level = options.node_level or "full"
+        self.level = options.node_level or "full"  # forward=True is refused at stats='params'
         self._thread = threading.get_ident()
         self._handle = None
         self.step = None

@@ -135,6 +135,11 @@ class Options:
                 f"record(saved=True) measures saved tensors in node hooks; stats={stats!r} "
                 "records no node statistics: use stats='full' or 'health'"
             )
+        if forward and stats == "params":
+            raise RecordUsageError(
+                "record(forward=True) keys each pass's loss by its node, and stats='params' walks no graph: "
+                "use stats='full', 'health' or 'shape'"
+            )
         if checksum is not None and not isinstance(checksum, bool):
             raise RecordUsageError(f"record(checksum=...) is True, False or None (automatic), got {checksum!r}")
         for name, n, least in (("max_numel", max_numel, 1), ("values_budget", values_budget, 0)):

@@ -105,6 +105,7 @@ def _world_size() -> int:
 
 _task_id = tp.current_graph_task_id
 _ROLE_OUT, _ROLE_IN, _ROLE_PARAM, _ROLE_SAVED = "grad_output", "grad_input", "param_grad", "saved"
+_ROLE_LOSS = "loss"
 
 
 class PassRecorder:
@@ -169,7 +170,6 @@ class PassRecorder:
         # slices=, values=, saved=True: what the hooks see inside tensors, beside their statistics
         self.inside = PassInside(step.values) if options.inside or options.saved else None
         self._inside_of: list | None = None  # per node: (slice dim, sliced, valued) (options.inside_of)
-        self.loss = _loss_of(outputs) if options.forward else None
         roots = roots_of(outputs)
         self.record.roots = len(roots)
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
@@ -189,6 +189,8 @@ class PassRecorder:
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
                         step.known[id(node)] = (node, self.infos[i]) + step.known[id(node)][2:]
+        if options.forward:  # the roots (the loss), as they are when the pass starts
+            self._measure_roots(outputs)
         self._node_of = self.walk.nodes if options.saved else None
         # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
         self._trusted = [info.kind in ("function", "accumulate_grad") for info in self.infos]
@@ -245,6 +247,20 @@ class PassRecorder:
             step.active.remove(self)
             raise
         self.record.setup = time.perf_counter() - self.t0
+
+    def _measure_roots(self, outputs) -> None:
+        """record(forward=True): a loss row (role 'loss', slot = position among the outputs given) for each root
+        tensor, under its node's key, with a number from the step's counter (its place among the forward's module
+        calls and the backward calls); measured now, before the engine runs. A pseudo call [node index, seq]
+        keys the row (it is no call: no call row is made of it)."""
+        index = self.walk.index
+        for slot, out in enumerate(outputs):
+            if not isinstance(out, torch.Tensor):
+                continue
+            roots = roots_of([out])
+            at = index.get(id(roots[0])) if roots else None
+            if at is not None:
+                self.measured.append(([at, self.step.next_seq()], _ROLE_LOSS, slot, measure(out, self.measurer.level)))
 
     def _wanted(self, module: str, param: str | None) -> bool:
         """The modules= and params= filters: a parameter's node needs both, any other node the first."""
@@ -421,7 +437,6 @@ class PassRecorder:
             self.measurer.clear()
             self.open.clear()
             self.inside = None
-            self.loss = None
             self.step.records.append(rec)
         return rec
 
@@ -445,22 +460,14 @@ class PassRecorder:
         rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
 
     def _extra(self) -> list:
-        """What rides in the pass's host copy beside the statistics: slice results, value copies, the loss."""
-        extra = self.inside.tensors() if self.inside else []
-        if isinstance(self.loss, torch.Tensor):
-            extra.append(self.loss)
-        return extra
+        """What rides in the pass's host copy beside the statistics: slice results and value copies."""
+        return self.inside.tensors() if self.inside else []
 
     def _side_rows(self, extra: list, index) -> None:
-        """The record's loss and side rows (slices, values, saved versions) from `extra` (after `to_rows`, or
-        CPU tensors still); `index()` gives the tensor rows' positions by reference. Built lazily, like the
-        tensor rows, where they are first read."""
+        """The record's side rows (slices, values, saved versions) from `extra` (after `to_rows`, or CPU tensors
+        still); `index()` gives the tensor rows' positions by reference. Built lazily, like the tensor rows,
+        where they are first read."""
         rec, inside = self.record, self.inside
-        if isinstance(self.loss, torch.Tensor):
-            loss = extra.pop()
-            rec.loss = float(loss) if loss is not None else None
-        elif self.loss is not None:
-            rec.loss = self.loss
         if not inside:
             return
         built: list = []
@@ -488,7 +495,9 @@ class PassRecorder:
             m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
             for m in fallbacks
         ]
-        params = self.measured  # (None, 'param_grad', 0, Measured): nothing else is measured in Python here
+        # (None, 'param_grad', 0, Measured), and loss rows ([node index, seq], 'loss', slot, Measured): nothing else
+        # is measured in Python here
+        params = self.measured
         results = handed + [m for _, _, _, m in params]
         rows = None
         extra = self._extra()
@@ -498,8 +507,8 @@ class PassRecorder:
             params = [(c, role, slot, None) for c, role, slot, _ in params]  # no device tensor kept
         else:
             rec.nonfinite = any_nonfinite(results)
-        # param_grad rows follow the C++ hooks' `count` rows; no call row has a side row here
-        self._side_rows(extra, lambda: {("param", k): count + j for j, k in enumerate(param_keys)})
+        # these rows follow the C++ hooks' `count` rows; no call row has a side row here
+        self._side_rows(extra, lambda: {ref: count + at for ref, at in _row_index(params, param_keys).items()})
         module = self.step.native
 
         def build() -> list:
@@ -524,19 +533,3 @@ def _row_index(measured: list, param_keys: list[str]) -> dict:
     for at, (call, role, slot, _) in enumerate(measured):
         index[("param", next(keys)) if call is None else (call[1], role, slot)] = at
     return index
-
-
-def _loss_of(outputs):
-    """record(forward=True): the value of a pass's one scalar root, a float (CPU) or a float64 0-d copy on its
-    device (read in the pass's host copy, with no synchronisation here); None for several roots, a root of
-    more than one element, or one that is not floating point."""
-    try:
-        if len(outputs) != 1 or not isinstance(outputs[0], torch.Tensor):
-            return None
-        out = outputs[0]
-        if out.numel() != 1 or not out.is_floating_point() or type(out) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-        value = out.detach().reshape(()).to(torch.float64, copy=True)
-        return float(value) if value.device.type == "cpu" else value
-    except Exception:
-        return None

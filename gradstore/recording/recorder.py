@@ -104,8 +104,8 @@ class record:
         values_budget: bytes of elements values= stores per step at most (default 8 MiB: 8388608);
             matching gradients past it are counted in steps.values_left_out.
         forward: also record the forward: the statistics of every module call's output tensors (role
-            'activation', nodes 'module/forward#k'), and each pass's loss (passes.loss: the value of its one
-            scalar root). Off by default.
+            'activation', nodes 'module/forward#k'), and each pass's roots (role 'loss': its loss, measured
+            as the pass starts; `Store.losses`). Off by default; not at stats='params'.
     Raises:
         RecordUsageError: a bad argument, or a scope opened inside another.
         SchemaTooNew: the database was written by a newer gradstore.

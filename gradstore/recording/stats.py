@@ -154,7 +154,7 @@ def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
         zeros = (x == 0).sum(dtype=torch.float64)
         mean_s = xs.sum() / nfinite
         dev = torch.where(finite, xs - mean_s, 0.0)
-        std = torch.sqrt((dev * dev).sum() / (nfinite - 1)) * scale
+        std = torch.where(mn == mx, 0.0, torch.sqrt((dev * dev).sum() / (nfinite - 1)) * scale)  # as the kernel
         mean = mean_s * scale
     else:
         zeros = mean = std = torch.full((), _ABSENT, dtype=torch.float64, device=x.device)
@@ -166,9 +166,10 @@ def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
     chunks of _CHUNK elements (a float64 copy of one chunk at a time bounds the extra memory)."""
     flat = a.reshape(-1)
     total = 0.0
-    for i in range(0, flat.size, _CHUNK):
-        c = flat[i : i + _CHUNK].astype(np.float64, copy=False)
-        total += float(np.dot(c, c))
+    with np.errstate(over="ignore"):  # squares past the largest double: Inf, which the caller measures again scaled
+        for i in range(0, flat.size, _CHUNK):
+            c = flat[i : i + _CHUNK].astype(np.float64, copy=False)
+            total += float(np.dot(c, c))
     return total
 
 

@@ -8,7 +8,9 @@ the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank
 - steps are appended per (run, rank, step); one that OUT already holds is an error (`MergeConflict`, naming
   it), or is skipped with its passes, calls and tensors when `skip_existing=True`;
 - nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated;
-- passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range).
+- passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range), and with each
+  tensor the rows keyed by its id (tensor_notes, and revision 0008_inside's tensor_slices, tensor_values,
+  saved_versions, forward_seqs).
 
 Everything goes through SQLAlchemy Core on the `gradstore.store.schema` tables, so OUT and the inputs may be
 SQLite files or database URLs. The whole merge is one transaction on OUT: an error leaves OUT as it was (a
@@ -31,6 +33,8 @@ _CHUNK = 5_000  # rows read, mapped and inserted at a time
 _IN = 500  # values per IN (...) list
 
 _STATUS_RANK = {"finished": 0, "running": 1, "error": 2}  # the merged run keeps the worst
+# the tables keyed by a tensor's id, copied with it under its new id
+_SIDE_TABLES = (s.tensor_notes, s.tensor_slices, s.tensor_values, s.saved_versions, s.forward_seqs)
 
 
 class MergeConflict(GradstoreError):
@@ -304,21 +308,22 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
         )
 
     layout_map = _merge_layouts(src, dst)
-    td, tn = s.tensor_data.c, s.tensor_notes.c
+    td = s.tensor_data.c
     for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
         rows = [r for r in rows if r["step_id"] in step_map]
-        notes = {}  # this chunk's reasons and checksums
+        side = {table: {} for table in _SIDE_TABLES}  # this chunk's rows of the tables keyed by a tensor's id
         for ids in _chunks([r["id"] for r in rows], _IN):
-            notes.update(
-                (r["id"], r)
-                for r in src.execute(select(tn.id, tn.reason, tn.checksum).where(tn.id.in_(ids))).mappings()
-            )
+            for table, found in side.items():
+                found.update(
+                    (r["id"], dict(r)) for r in src.execute(select(table).where(table.c.id.in_(ids))).mappings()
+                )
         new_ids = _reserve_tensor_ids(dst, len(rows))
-        new_notes = []
+        new_side = {table: [] for table in _SIDE_TABLES}
         for r, new_id in zip(rows, new_ids):
-            note = notes.get(r["id"])
-            if note is not None:
-                new_notes.append({"id": new_id, "reason": note["reason"], "checksum": note["checksum"]})
+            for table, found in side.items():
+                row = found.get(r["id"])
+                if row is not None:
+                    new_side[table].append({**row, "id": new_id})
             r["id"] = new_id
             r["step_id"] = step_map[r["step_id"]]
             r["node_id"] = node_map[r["node_id"]]
@@ -330,8 +335,9 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
                 r["layout_id"] = layout_map[r["layout_id"]]
         if rows:
             dst.execute(insert(s.tensor_data), rows)
-        if new_notes:
-            dst.execute(insert(s.tensor_notes), new_notes)
+        for table, side_rows in new_side.items():
+            if side_rows:
+                dst.execute(insert(table), side_rows)
         report.tensors += len(rows)
     return report
 

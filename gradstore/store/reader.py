@@ -332,6 +332,13 @@ class Store:
         zeros. Raises UnknownRun."""
         return self.query("activations", run=run, step=step, rank=rank, module=module)
 
+    def losses(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
+        """With record(forward=True): the roots of every backward pass (role 'loss'), as queries/losses.sql: run,
+        rank, step, pass, seq, key, name, module, slot, value (a one-element root's value when finite, else NULL:
+        see nan, posinf, neginf), status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf,
+        zeros. Raises UnknownRun."""
+        return self.query("losses", run=run, step=step, rank=rank)
+
     def saved(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
     ) -> pd.DataFrame:

@@ -114,7 +114,6 @@ passes = Table(
     # the lowest and highest id of the pass's calls (NULL: no calls); see call_data below
     Column("first_call", Integer),
     Column("last_call", Integer),
-    Column("loss", Float),  # record(forward=True): the value of the pass's one scalar root (0008_inside)
     UniqueConstraint("step_id", "pass"),
 )
 
@@ -229,6 +228,9 @@ tensor_data = Table(
 # first_nonfinite reads only the rows that hold NaN or Inf: a partial index keeps that lookup small
 NONFINITE = "nan + posinf + neginf > 0"
 Index("ix_tensor_data_nonfinite", tensor_data.c.step_id, sqlite_where=text(NONFINITE), postgresql_where=text(NONFINITE))
+# record(forward=True)'s loss rows (role 5), one per root of a pass: a loss curve reads only them (0008_inside)
+LOSS = "role = 5"
+Index("ix_tensor_data_loss", tensor_data.c.step_id, sqlite_where=text(LOSS), postgresql_where=text(LOSS))
 
 tensor_notes = Table(
     "tensor_notes",
@@ -277,9 +279,10 @@ saved_versions = Table(
     Column("saved_version", Integer),
     Column("note", Text),
 )
-# record(forward=True): an activation row's place in the step (seq: the step's counter, shared with backward calls)
-activations = Table(
-    "activations",
+# record(forward=True): the place in the step of a row that has no call (seq: the step's counter, shared with the
+# backward calls): an activation row (its module call's) and a loss row (its pass's start)
+forward_seqs = Table(
+    "forward_seqs",
     metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
     Column("seq", Integer, nullable=False),

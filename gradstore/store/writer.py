@@ -30,7 +30,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ..errors import DatabaseUnavailable
-from ..records import KIND, StepBatch
+from ..records import KIND, ROLE, StepBatch
 from . import schema as s
 from .database import ensure_schema, is_url, make_engine
 
@@ -56,6 +56,7 @@ TENSOR_DATA_COLUMNS = (
     "zeros",
 )
 _BY_NODE = operator.itemgetter(TENSOR_DATA_COLUMNS.index("node_id"))
+_FORWARD_ROLES = (ROLE["activation"], ROLE["loss"])  # rows with no call whose seq goes to forward_seqs
 
 _CHUNK = 500  # keys per IN (...) list
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
@@ -159,7 +160,6 @@ class Writer:
                     "finish",
                     "first_call",
                     "last_call",
-                    "loss",
                 ),
             )
             + returning
@@ -189,7 +189,7 @@ class Writer:
             "values": self._driver_insert("tensor_values", ("id", "dtype", "shape", "data")),
             "saved_versions": self._driver_insert("saved_versions", ("id", "version", "saved_version", "note")),
         }
-        self._activation_insert = self._driver_insert("activations", ("id", "seq"))
+        self._seq_insert = self._driver_insert("forward_seqs", ("id", "seq"))
         mark = "%s" if self._pg else "?"
         self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
@@ -403,7 +403,6 @@ class Writer:
                             p.finish,
                             min(ids) if ids else None,
                             max(ids) if ids else None,
-                            p.loss,
                         ),
                     )
                 )
@@ -542,7 +541,7 @@ class Writer:
         if n_tensors:
             tids = self._reserve_ids(cur, "tensor_data", n_tensors)
             layout = self._layout_ids.get
-            rows, notes, unknown = [], [], []
+            rows, notes, unknown, seqs = [], [], [], []
             append = rows.append
             sqrt = math.sqrt
             k = 0
@@ -581,8 +580,10 @@ class Writer:
                         if n > 0 and sqrt((n - 1) * std * std + n * mean * mean) == norm:
                             norm = None
                     # None for param_grad rows (and a row whose call was not kept); activation rows have neither a
-                    # call nor a pass (their seq is the step's, in the activations table)
+                    # call nor a pass; activation and loss rows keep their seq in forward_seqs
                     cid = call_of.get(seq) if pass_id is not None else None
+                    if cid is None and role in _FORWARD_ROLES:
+                        seqs.append((tid, seq))
                     if cid is None:  # no call to take the pass from: the row names its pass
                         append(
                             (
@@ -640,13 +641,15 @@ class Writer:
             cur.executemany(self._tensor_insert, rows)
             if notes:
                 cur.executemany(self._note_insert, notes)
+            if seqs:
+                cur.executemany(self._seq_insert, seqs)
             self._write_side_rows(cur, b, tids, starts + [k])
         self.rows_written += n_tensors + n_calls
 
     def _write_side_rows(self, cur, b: StepBatch, tids, starts: list[int]) -> None:
         """The rows keyed by a tensor's id (revision 0008_inside): each pass's slices, values and saved versions
-        (their first item is the row's position in the pass's tensors), and the activations' seq. `starts`: the
-        index in `tids` of each pass's first row, then of the first activation row, then the end."""
+        (their first item is the row's position in the pass's tensors). `starts`: the index in `tids` of each
+        pass's first row, then of the first activation row, then the end."""
         side: dict[str, list] = {"slices": [], "values": [], "saved_versions": []}
         for i, p in enumerate(b.passes):
             first, n = starts[i], starts[i + 1] - starts[i]
@@ -655,9 +658,6 @@ class Writer:
         for name, rows in side.items():
             if rows:
                 cur.executemany(self._side_inserts[name], rows)
-        first = starts[len(b.passes)]
-        if b.activations:
-            cur.executemany(self._activation_insert, [(tids[first + j], row[1]) for j, row in enumerate(b.activations)])
 
     def _fill_layouts(self, conn, b: StepBatch, rows: list, unknown: list[int], added: list) -> None:
         """Insert the layouts the rows at `unknown` need and put their ids in those rows (a new shape: rare)."""

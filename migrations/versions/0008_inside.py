@@ -5,17 +5,19 @@ Revises: 0003
 Create Date: 2026-12-01
 
 What changes (every existing table, view and row keeps its meaning; the new columns are NULL in old rows):
-- roles gets code 4, 'activation' (record(forward=True): a module call's output in the forward); kinds gets
-  code 5, 'forward' (the node of a module call: key 'module/forward#k');
+- roles gets code 4, 'activation' (record(forward=True): a module call's output in the forward) and code 5,
+  'loss' (record(forward=True): a root of a backward pass, measured as the pass starts); kinds gets code 5,
+  'forward' (the node of a module call: key 'module/forward#k');
 - steps.values_bytes, steps.values_left_out (record(values=...): bytes of gradient elements stored in the
   step, and matching gradients whose elements the step's byte budget left out);
-- passes.loss (record(forward=True): the value of the pass's one scalar root);
 - new side tables keyed by the tensor's id (as tensor_notes): tensor_slices (record(slices=...)),
   tensor_values (record(values=...): the elements as little-endian bytes), saved_versions (record(saved=True):
-  the saved tensor's version counter now and when it was saved), activations (the activation rows' seq).
+  the saved tensor's version counter now and when it was saved), forward_seqs (the place in the step's order
+  of the activation and loss rows, which have no call);
+- ix_tensor_data_loss, a partial index of the loss rows (a loss curve reads only them).
 
-Downgrade drops the side tables and columns, and the rows that only this revision can hold: activation tensor
-rows (role 4) and their forward nodes (kind 5), with their lookup codes.
+Downgrade drops the side tables, index and columns, and the rows that only this revision can hold: activation
+and loss tensor rows (roles 4 and 5) with their notes, the forward nodes (kind 5), and their lookup codes.
 
 A frozen copy: this file must not import gradstore.store.schema.
 """
@@ -28,8 +30,9 @@ down_revision = "0003"
 branch_labels = None
 depends_on = None
 
-_ROLE_ACTIVATION = 4
+_ROLE_ACTIVATION, _ROLE_LOSS = 4, 5
 _KIND_FORWARD = 5
+_LOSS = "role = 5"
 
 
 def _side(name: str, *columns) -> None:
@@ -39,11 +42,10 @@ def _side(name: str, *columns) -> None:
 def upgrade() -> None:
     roles = sa.table("roles", sa.column("id", sa.Integer), sa.column("name", sa.String))
     kinds = sa.table("kinds", sa.column("id", sa.Integer), sa.column("name", sa.String))
-    op.bulk_insert(roles, [{"id": _ROLE_ACTIVATION, "name": "activation"}])
+    op.bulk_insert(roles, [{"id": _ROLE_ACTIVATION, "name": "activation"}, {"id": _ROLE_LOSS, "name": "loss"}])
     op.bulk_insert(kinds, [{"id": _KIND_FORWARD, "name": "forward"}])
     op.add_column("steps", sa.Column("values_bytes", sa.BigInteger))
     op.add_column("steps", sa.Column("values_left_out", sa.Integer))
-    op.add_column("passes", sa.Column("loss", sa.Float))
     _side(
         "tensor_slices",
         sa.Column("dim", sa.Integer),
@@ -69,17 +71,21 @@ def upgrade() -> None:
         sa.Column("saved_version", sa.Integer),
         sa.Column("note", sa.Text),
     )
-    _side("activations", sa.Column("seq", sa.Integer, nullable=False))
+    _side("forward_seqs", sa.Column("seq", sa.Integer, nullable=False))
+    op.create_index(
+        "ix_tensor_data_loss", "tensor_data", ["step_id"], sqlite_where=sa.text(_LOSS), postgresql_where=sa.text(_LOSS)
+    )
 
 
 def downgrade() -> None:
-    for name in ("activations", "saved_versions", "tensor_values", "tensor_slices"):
+    op.drop_index("ix_tensor_data_loss", table_name="tensor_data")
+    for name in ("forward_seqs", "saved_versions", "tensor_values", "tensor_slices"):
         op.drop_table(name)
-    op.execute(f"DELETE FROM tensor_notes WHERE id IN (SELECT id FROM tensor_data WHERE role = {_ROLE_ACTIVATION})")
-    op.execute(f"DELETE FROM tensor_data WHERE role = {_ROLE_ACTIVATION}")
+    roles = f"({_ROLE_ACTIVATION}, {_ROLE_LOSS})"
+    op.execute(f"DELETE FROM tensor_notes WHERE id IN (SELECT id FROM tensor_data WHERE role IN {roles})")
+    op.execute(f"DELETE FROM tensor_data WHERE role IN {roles}")
     op.execute(f"DELETE FROM nodes WHERE kind = {_KIND_FORWARD}")
-    op.execute(f"DELETE FROM roles WHERE id = {_ROLE_ACTIVATION}")
+    op.execute(f"DELETE FROM roles WHERE id IN {roles}")
     op.execute(f"DELETE FROM kinds WHERE id = {_KIND_FORWARD}")
-    op.drop_column("passes", "loss")
     op.drop_column("steps", "values_left_out")
     op.drop_column("steps", "values_bytes")
