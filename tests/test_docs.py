@@ -29,7 +29,21 @@ def test_readme_documents_every_table_and_column():
 
     tables = {
         name: [c.name for c in schema.metadata.tables[name].columns]
-        for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
+        for name in (
+            "runs",
+            "steps",
+            "passes",
+            "nodes",
+            "edges",
+            "call_data",
+            "layouts",
+            "tensor_data",
+            "tensor_notes",
+            "tensor_slices",
+            "tensor_values",
+            "saved_versions",
+            "forward_seqs",
+        )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
     tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)
@@ -40,6 +54,6 @@ def test_readme_documents_every_table_and_column():
 
 
 def test_readme_names_the_query_helpers():
-    for name in ("grad_norms", "param_grads", "first_nonfinite"):
+    for name in ("grad_norms", "param_grads", "first_nonfinite", "slices", "activations", "losses", "saved"):
         assert f"store.{name}(" in README
         assert name in queries.available()

@@ -47,7 +47,8 @@ def test_float64_whose_squares_overflow_gets_its_true_norm(t, level):
     assert row["min"] == float(t.min()) and row["max"] == float(t.max())
     if level == "full":
         assert row["mean"] == pytest.approx(want["mean"], rel=1e-14)
-        assert row["std"] == pytest.approx(want["std"], rel=1e-14)
+        # std within float64 rounding of the values' magnitude (equal values give 0 to within that rounding)
+        assert row["std"] == pytest.approx(want["std"], rel=1e-14, abs=1e-15 * float(t.abs().max()))
         assert row["zeros"] == int((t == 0).sum())
 
 

@@ -205,11 +205,44 @@ def test_recording_with_slices_changes_no_gradient_and_no_other_row(tmp_path):
         assert torch.equal(g, p) and torch.equal(g, q.grad)
 
 
-def test_summarise_is_one_device_tensor_with_no_host_value():
-    # the hook's result stays where the gradient is (read in the pass's one host copy): a tensor, not floats
-    t = torch.randn(5, 4)
-    out = sl.summarise(t, 0)
-    assert isinstance(out, torch.Tensor) and out.shape == (sl.VEC_LEN,) and out.dtype == torch.float64
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_the_kernel_and_the_torch_ops_agree(monkeypatch, dim):
+    """On the CPU the fused kernel's one pass gives host values; the torch ops (other devices, no kernel) give a
+    float64 device tensor that rides in the pass's host copy. The same numbers either way."""
+    from gradstore.recording import kernel
+
+    t = torch.randn(6, 5, 7)
+    t[2] = 0
+    t[:, 3] = 0
+    t[4, 1, 6] = float("nan")
+    fused = sl.summarise(t, dim)
+    if kernel.load() is not None:
+        assert isinstance(fused, tuple) and len(fused) == sl.VEC_LEN
+    monkeypatch.setattr(kernel, "load", lambda: None)
+    ops = sl.summarise(t, dim)
+    assert isinstance(ops, torch.Tensor) and ops.shape == (sl.VEC_LEN,) and ops.dtype == torch.float64
+    a, b = sl.row(dim, fused), sl.row(dim, ops)
+    assert a[:4] == b[:4] and a[7:] == b[7:]
+    assert a[4:7] == pytest.approx(b[4:7], rel=1e-12)
+    assert_row(
+        dict(
+            zip(
+                (
+                    "dim",
+                    "slices",
+                    "zero",
+                    "nonfinite",
+                    "norm_min",
+                    "norm_median",
+                    "norm_max",
+                    "zero_first",
+                    "nonfinite_first",
+                ),
+                (dim % 3, *a[1:9]),
+            )
+        ),
+        expected(t, dim),
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -226,3 +259,32 @@ def test_on_cuda_the_same_as_on_the_cpu(tmp_path):
         out[device + "-norms"] = frame[["norm_min", "norm_median", "norm_max"]].to_numpy()
     assert out["cpu"] == out["cuda"]
     assert out["cpu-norms"] == pytest.approx(out["cuda-norms"], rel=1e-5, nan_ok=True)
+
+
+def test_off_by_default_nothing_is_added_to_a_pass(db, monkeypatch):
+    """With none of slices=, values=, saved=True, forward=True a pass gets no side object, no per-node
+    selection, and the C++ hooks where they are built; with slices= only the selected nodes' hooks change."""
+    from gradstore.recording import passes
+
+    seen = []
+    finish = passes.PassRecorder.finish
+
+    def spy(self, ok):
+        seen.append((self.inside, self._inside_of, self.native is not None, len(self.handles)))
+        return finish(self, ok)
+
+    monkeypatch.setattr(passes.PassRecorder, "finish", spy)
+    net = Net()
+    with gradstore.record("off", db=db, model=net):
+        net(TOKENS).backward()
+    inside, selection, native_hooks, _ = seen[-1]
+    assert inside is None and selection is None
+    from gradstore.recording import native
+
+    assert native_hooks == (native.available("full") is not None)
+    with gradstore.record("on", db=db, model=net, slices="head.bias"):
+        net(TOKENS).backward()
+    inside, selection, native_hooks, handles = seen[-1]
+    assert not native_hooks and handles > 0  # this pass: the Python hooks
+    assert [i for i, (_, sliced, _) in enumerate(selection) if sliced] != []
+    assert sum(sliced for _, sliced, _ in selection) == 1  # the one AccumulateGrad node of head.bias

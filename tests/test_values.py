@@ -189,3 +189,24 @@ def test_float64_overflow_and_nonfinite_elements_compare_sensibly(db):
     assert row.values_max_abs == math.inf  # 1e308 - (-1e308) overflows: an infinite difference
     assert row.values_rel == math.inf and row.values_compared == "yes"
     assert row.values_cosine is None or math.isnan(row.values_cosine)  # a NaN element: no cosine
+
+
+@pytest.mark.parametrize("stats", ["health", "shape"])
+def test_values_at_the_other_levels(db, stats):
+    net = Net()
+    with gradstore.record("v", db=db, model=net, values="fc", stats=stats):
+        net(torch.randn(5, 4)).backward()
+    assert torch.equal(gradstore.open(db).tensor("v", param="fc.bias"), net.fc.bias.grad)
+
+
+def test_the_command_line_names_elements_that_differ(db):
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    for run, c in (("a", [1.0, 2.0]), ("b", [2.0, 1.0])):
+        w = nn.Parameter(torch.zeros(2))
+        with gradstore.record(run, db=db, model=nn.ParameterList([w]), values="*"):
+            (w * torch.tensor(c)).sum().backward()
+    out = CliRunner().invoke(main, ["diff", db, "a", "b"]).output
+    assert "first at MulBackward0#0 grad_inputs[0]" in out and "elements differ: max |a - b| 1 (rel 0.5" in out

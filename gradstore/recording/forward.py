@@ -55,14 +55,17 @@ class ForwardRecorder:
         names: id(module) -> qualified name (gradstore.recording.modules.qualified_names); other modules are
             named by their class in angle brackets, as module attribution names them.
         options: gradstore.recording.options.Options (level; the modules= filter applies).
+        wrappers: ids of wrapper modules (DistributedDataParallel, DataParallel) whose calls are not recorded:
+            their outputs are the wrapped model's, and keys stay those of the plain model.
     Use: `install()` / `remove()` around the scope; `begin(step)` when a recorded step starts (its StepState:
     the shared call counter, faults), `backward_done()` after each top-level backward pass, `take()` at the
     end of the step.
     """
 
-    def __init__(self, names: dict[int, str], options):
+    def __init__(self, names: dict[int, str], options, wrappers: frozenset = frozenset()):
         self.names = names
         self.options = options
+        self.wrappers = wrappers
         self.level = options.node_level or "full"  # forward=True is refused at stats='params'
         self._thread = threading.get_ident()
         self._handle = None
@@ -97,7 +100,7 @@ class ForwardRecorder:
 
     def _post(self, module, _args, output) -> None:
         step = self.step
-        if step is None or threading.get_ident() != self._thread or compiling():
+        if step is None or threading.get_ident() != self._thread or id(module) in self.wrappers or compiling():
             return
         try:
             name = self.names.get(id(module))

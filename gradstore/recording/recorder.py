@@ -24,7 +24,7 @@ from ..version import __version__
 from . import intercept, kernel, native
 from .forward import ForwardRecorder
 from .frames import FrameTracker
-from .modules import ModuleTracker, named_models, named_parameters, qualified_names
+from .modules import ModuleTracker, named_models, named_parameters, qualified_names, unwrap
 from .options import Options
 from .passes import PassRecorder, StepState
 from .stats import NONFINITE_COLUMNS
@@ -238,7 +238,9 @@ class record:
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
         self._tracker = ModuleTracker(qualified_names(models))
         self._frames = FrameTracker() if self.options.frames else None
-        self._forward = ForwardRecorder(self._tracker.names, self.options) if self.options.forward else None
+        if self.options.forward:
+            wrappers = frozenset(id(m) for _, m in models if unwrap(m) is not m)
+            self._forward = ForwardRecorder(self._tracker.names, self.options, wrappers)
         try:
             self._begin_step()
         except BaseException:  # nothing of a scope that failed to open stays installed

@@ -133,9 +133,11 @@ def _skip_reason(t: torch.Tensor) -> str | None:
 def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
     """All reductions with exact non-finite counts, in float64, on x's device, with no branch on data.
 
-    The finite elements are scaled by a power of two near the largest finite magnitude before any square or
-    sum (exact: the results are bit for bit those of the unscaled sums wherever those do not overflow), so a
-    finite float64 gradient whose squares overflow (|x| past 1.3e154) still gets its true norm and std."""
+    A float64 gradient's finite elements are scaled by a power of two near the largest finite magnitude before
+    any square or sum (exact: the results are bit for bit those of the unscaled sums wherever those do not
+    overflow), so one whose squares overflow (|x| past 1.3e154) still gets its true norm and std. Narrower
+    dtypes need no scaling (their squares in float64 cannot overflow) and take no extra pass."""
+    wide = x.dtype == torch.float64
     x = x.to(torch.float64)
     finite = torch.isfinite(x)
     nfinite = finite.sum(dtype=torch.float64)
@@ -144,20 +146,26 @@ def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
     neginf = (x == -math.inf).sum(dtype=torch.float64)
     mn = torch.where(finite, x, math.inf).amin()
     mx = torch.where(finite, x, -math.inf).amax()
-    # 2^e with the largest finite |x| in [2^(e-1), 2^e) (1 when there is none, or only zeros); e <= 1023, where
-    # 2^e is still finite (and >= -1022: a normal number)
-    big = torch.where(nfinite > 0, torch.maximum(mn.abs(), mx.abs()), 1.0)
-    scale = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent.clamp(-1022, 1023))
-    xs = torch.where(finite, x, 0.0).div_(scale)
-    norm = torch.linalg.vector_norm(xs) * scale
+    xs = torch.where(finite, x, 0.0)
+    scale = None
+    if wide:
+        # 2^e with the largest finite |x| in [2^(e-1), 2^e) (1 when there is none, or only zeros); e <= 1023,
+        # where 2^e is still finite (and >= -1022: a normal number)
+        big = torch.where(nfinite > 0, torch.maximum(mn.abs(), mx.abs()), 1.0)
+        scale = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent.clamp(-1022, 1023))
+        xs.div_(scale)
+    norm = torch.linalg.vector_norm(xs)
     if level == "full":
         zeros = (x == 0).sum(dtype=torch.float64)
-        mean_s = xs.sum() / nfinite
-        dev = torch.where(finite, xs - mean_s, 0.0)
-        std = torch.where(mn == mx, 0.0, torch.sqrt((dev * dev).sum() / (nfinite - 1)) * scale)  # as the kernel
-        mean = mean_s * scale
+        mean = xs.sum() / nfinite
+        dev = torch.where(finite, xs - mean, 0.0)
+        std = ((dev * dev).sum() / (nfinite - 1)).sqrt_()
+        if scale is not None:
+            mean, std = mean * scale, std * scale
     else:
         zeros = mean = std = torch.full((), _ABSENT, dtype=torch.float64, device=x.device)
+    if scale is not None:
+        norm = norm * scale
     return torch.stack([nan, posinf, neginf, zeros, nfinite, norm, mn, mx, mean, std])
 
 

@@ -37,9 +37,15 @@ class ValueTaker:
 
     def take(self, t: torch.Tensor | None, m) -> torch.Tensor | None:
         """A contiguous copy of t's elements on t's device, or None: t is None, was not measured as a plain
-        dense real tensor (`m`: its Measured, status other than 'ok'), has more than max_numel elements, or
-        does not fit in what is left of the budget (then counted in `left_out`). Never raises."""
-        if t is None or type(m) is not Measured or m.status != "ok" or m.numel is None or m.numel > self.max_numel:
+        dense real tensor (`m`: its Measured with a status other than 'ok'; at level 'shape' a `shape_only`
+        tuple, which is one), has more than max_numel elements, or does not fit in what is left of the budget
+        (then counted in `left_out`). Never raises."""
+        if t is None:
+            return None
+        if type(m) is Measured:
+            if m.status != "ok" or m.numel is None or m.numel > self.max_numel:
+                return None
+        elif type(m) is not tuple or t.numel() > self.max_numel:
             return None
         try:
             nbytes = t.numel() * t.element_size()
