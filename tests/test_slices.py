@@ -288,3 +288,13 @@ def test_off_by_default_nothing_is_added_to_a_pass(db, monkeypatch):
     assert not native_hooks and handles > 0  # this pass: the Python hooks
     assert [i for i, (_, sliced, _) in enumerate(selection) if sliced] != []
     assert sum(sliced for _, sliced, _ in selection) == 1  # the one AccumulateGrad node of head.bias
+
+
+def test_bad_arguments_say_what_is_accepted():
+    for bad in (3, [""], {"wte.weight": "0"}, {"wte.weight": True}, {}):
+        with pytest.raises(gradstore.RecordUsageError, match="slices="):
+            gradstore.record("s", slices=bad)
+    with pytest.raises(gradstore.RecordUsageError, match="forward=True"):
+        gradstore.record("s", forward=True, stats="params")
+    with pytest.raises(gradstore.RecordUsageError, match="forward="):
+        gradstore.record("s", forward="yes")

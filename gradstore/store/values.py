@@ -119,6 +119,15 @@ def add_columns(frame, stored_a: dict, stored_b: dict, rtol: float = 0.0, atol: 
     """`frame` (rows of queries/diff.sql or first_divergence.sql, with id_a, id_b) with VALUE_COLUMNS added, and a
     boolean column `values_differ` (None where not compared); with `mark`, ',values' (or 'values') is appended to
     `differs` where the elements differ. stored_a / stored_b: tensor id -> (dtype, shape, data) of each side."""
+    if not stored_a and not stored_b:  # nothing stored on either side: no row is compared (no per-row work)
+        out = frame.copy()
+        out["values_compared"] = [
+            "no: no values on either side" if side == "both" else "no: a row of one side only" for side in frame["side"]
+        ]
+        for c in VALUE_COLUMNS[1:]:
+            out[c] = None
+        out["values_differ"] = None
+        return out
     rows = {c: [] for c in (*VALUE_COLUMNS, "values_differ")}
     differs = list(frame["differs"]) if "differs" in frame else []
     for i, (ida, idb, side) in enumerate(zip(frame["id_a"], frame["id_b"], frame["side"])):
