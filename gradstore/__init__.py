@@ -17,6 +17,7 @@ from .errors import (  # noqa: E402
     UnknownNode,
     UnknownQuery,
     UnknownRun,
+    ValuesNotRecorded,
     VerifyUsageError,
 )
 from .inspect.context import track_modules  # noqa: E402
@@ -60,4 +61,5 @@ __all__ = [
     "SavedTensorsFreed",
     "UnknownNode",
     "VerifyUsageError",
+    "ValuesNotRecorded",
 ]

@@ -782,7 +782,14 @@ def _difference_words(row, label_a: str, label_b: str) -> str:
         return "no difference"
     if fields[0] == "checksum" and len(fields) > 1:  # show a statistic's values; the checksum confirms it
         fields = fields[1:] + fields[:1]
+    if fields[0] == "values" and len(fields) > 1:  # a statistic's values first; the elements confirm them
+        fields = fields[1:] + fields[:1]
     first, rest = fields[0], fields[1:]
+    if first == "values":  # record(values=...): the stored elements differ while the statistics agree
+        cos = row.get("values_cosine")
+        return f"elements differ: max |a - b| {row['values_max_abs']:.4g} (rel {row['values_rel']:.2g}" + (
+            ")" if _missing(cos) else f", cosine {cos:.6g})"
+        )
     a, b = row[f"{first}_a"], row[f"{first}_b"]
     if first in _STATS:
         sa, sb = _num_pair(a, b)

@@ -46,6 +46,10 @@ class RankInUse(RecordUsageError):
     """Another live process is writing the same (run, rank): two writers of one rank would mix their steps."""
 
 
+class ValuesNotRecorded(GradstoreError):
+    """A gradient whose elements were not stored was asked for (Store.tensor; record(values=...) stores them)."""
+
+
 class UnknownNode(GradstoreError):
     """A node key that is not in a run (gradstore explain DB RUN KEY)."""
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 # ---- integer codes ---------------------------------------------------------------------------------------
 # Each list is frozen: a code never changes meaning. New names are appended by a new Alembic revision.
-ROLES = ["grad_output", "grad_input", "param_grad", "saved"]
+ROLES = ["grad_output", "grad_input", "param_grad", "saved", "activation", "loss"]  # the last two: 0008_inside
 STATUSES = ["ok", "none", "skipped"]
 # why a parameter has (or has no) gradient in a step (revision 0006; see README "param_status")
 PARAM_STATUSES = ["ok", "zero", "received", "frozen", "not used", "unreachable", "stale"]
-KINDS = ["function", "accumulate_grad", "custom_function", "compiled", "other"]
+KINDS = ["function", "accumulate_grad", "custom_function", "compiled", "other", "forward"]  # forward: 0008_inside
 # torch dtypes as str(dtype) without the "torch." prefix, as of torch 2.13; code 0 is "other".
 DTYPES = [
     "other",
@@ -125,8 +125,9 @@ class PassRecord:
     """Everything recorded about one pass, as plain data for the writer.
 
     calls: (node key, seq, start seconds since pass start, duration seconds or None);
-    tensors: tuples (node key, seq (None for param_grad rows), role code, slot, *stats.ROW_COLUMNS, sharding: a
-    `Sharding` for a DTensor's local shard, else None);
+    tensors: tuples (node key, seq, role code, slot, *stats.ROW_COLUMNS, sharding: a `Sharding` for a
+        DTensor's local shard, else None); seq is None for param_grad rows, and for a row with no call but a
+        place in the step's order (a loss row) the number from the step's counter;
     edges: (src key, src slot, dst key, dst slot).
     At the end of a pass, calls, tensors and edges are `gradstore.recording.rows.LazyRows`: their length is
     known at once, the tuples are built on first read (by the writer, on its thread). Any of them may be
@@ -164,6 +165,14 @@ class PassRecord:
     born: dict[int, tuple[int | None, int | None]] | None = None  # walked index -> (step, pass) of an earlier
     # step's node (step None: an earlier step that was not recorded, or before the scope)
     grads_changed: list[str] | None = None  # stats='params': parameters whose .grad this pass changed
+    # record(slices=/values=/saved=True/forward=True), each a sequence (plain list or LazyRows) whose first item
+    # is the index of the row of `tensors` it belongs to:
+    #   slices: (row, dim, slices, zero, nonfinite, norm_min, norm_median, norm_max, zero_first, nonfinite_first,
+    #            reason); values: (row, dtype code, shape, little-endian bytes);
+    #   saved_versions: (row, version, saved_version, note)
+    slices: list[tuple] = field(default_factory=list)
+    values: list[tuple] = field(default_factory=list)
+    saved_versions: list[tuple] = field(default_factory=list)
 
 
 @dataclass
@@ -192,7 +201,14 @@ class StepBatch:
     module_calls: Sequence[tuple] = field(default_factory=list)  # see schema.module_calls, by column
     step_nodes: Sequence[tuple] = field(default_factory=list)  # (node key, pass, born_step, born_pass, ...)
     warnings: Sequence[tuple] = field(default_factory=list)  # (category, message, location, count)
+    # record(forward=True): the forward's module calls (NodeInfo of kind 'forward') and their activation rows
+    # (node key, seq, role code, slot, *ROW_COLUMNS), seq from the step's counter shared with backward calls
+    forward_nodes: list[NodeInfo] = field(default_factory=list)
+    activations: list[tuple] = field(default_factory=list)
+    # record(values=...): bytes of elements stored in the step, and matching gradients the budget left out
+    values_bytes: int | None = None
+    values_left_out: int | None = None
 
     def rows(self) -> int:
         """Calls and tensor rows in the batch (what the queue bound counts)."""
-        return sum(len(p.calls) + len(p.tensors) for p in self.passes)
+        return sum(len(p.calls) + len(p.tensors) for p in self.passes) + len(self.activations)

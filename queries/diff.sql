@@ -1,5 +1,5 @@
 -- title: Diff of two runs, steps or ranks, node by node
--- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do, missing for a row of one side only, not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls); rows only in b come last in b's order.
+-- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do, missing for a row of one side only, not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine.
 -- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
 -- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
@@ -154,7 +154,11 @@ SELECT ra.name AS run_a,
             WHEN (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
                   AND (ta.checksum IS NULL OR tb.checksum IS NULL))
                  THEN 'no statistics on side ' || CASE WHEN ta.norm IS NULL THEN 'a' ELSE 'b' END
-                      || ' (recorded at stats=''shape''): only dtype and shape compared' END AS reason
+                      || ' (recorded at stats=''shape''): only dtype and shape compared' END AS reason,
+       ta.id AS id_a,
+       tb.id AS id_b,
+       LENGTH(va.data) AS values_a,
+       LENGTH(vb.data) AS values_b
 FROM pairs pr
 LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.node_id = pr.a_nid AND ta.id = pr.a_tid
 LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.node_id = pr.b_nid AND tb.id = pr.b_tid
@@ -172,6 +176,8 @@ LEFT JOIN statuses sua ON sua.id = ta.status
 LEFT JOIN statuses sub ON sub.id = tb.status
 LEFT JOIN dtypes da ON da.id = ta.dtype
 LEFT JOIN dtypes db ON db.id = tb.dtype
+LEFT JOIN tensor_values va ON va.id = ta.id
+LEFT JOIN tensor_values vb ON vb.id = tb.id
 JOIN roles ro ON ro.id = COALESCE(ta.role, tb.role)
 CROSS JOIN prm
 ORDER BY CASE WHEN prm.run_a IS NULL THEN COALESCE(sa.run_id, sb.run_id) END,

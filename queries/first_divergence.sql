@@ -1,5 +1,5 @@
 -- title: First divergence between two runs, steps or ranks
--- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs.
+-- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there.
 -- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
 -- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
@@ -161,6 +161,10 @@ WITH prm AS (  -- a NULL side takes the other side's value
                   AND (ta.checksum IS NULL OR tb.checksum IS NULL))
                  THEN 'no statistics on side ' || CASE WHEN ta.norm IS NULL THEN 'a' ELSE 'b' END
                       || ' (recorded at stats=''shape''): only dtype and shape compared' END AS reason,
+           ta.id AS id_a,
+           tb.id AS id_b,
+           LENGTH(va.data) AS values_a,
+           LENGTH(vb.data) AS values_b,
            CASE WHEN prm.run_a IS NULL THEN COALESCE(sa.run_id, sb.run_id) ELSE 0 END AS o_run,
            CASE WHEN prm.rank_a IS NULL THEN COALESCE(sa.rank, sb.rank) ELSE 0 END AS o_rank,
            CASE WHEN prm.step_a IS NULL THEN COALESCE(sa.step, sb.step) ELSE 0 END AS o_step, CASE WHEN ta.id IS NULL THEN 1 ELSE 0 END AS o_b_only,
@@ -183,6 +187,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
     LEFT JOIN statuses sub ON sub.id = tb.status
     LEFT JOIN dtypes da ON da.id = ta.dtype
     LEFT JOIN dtypes db ON db.id = tb.dtype
+    LEFT JOIN tensor_values va ON va.id = ta.id
+    LEFT JOIN tensor_values vb ON vb.id = tb.id
     JOIN roles ro ON ro.id = COALESCE(ta.role, tb.role)
     CROSS JOIN prm
 ), diverged AS (  -- the rows that differ, numbered by call in execution order
@@ -199,7 +205,8 @@ SELECT run_a, run_b, rank_a, rank_b, step_a, step_b, pass_a, pass_b, seq_a, seq_
        max_a, max_b, max_abs, max_rel,
        mean_a, mean_b, mean_abs, mean_rel,
        std_a, std_b, std_abs, std_rel,
-       nan_a, nan_b, posinf_a, posinf_b, neginf_a, neginf_b, zeros_a, zeros_b, checksum_a, checksum_b, reason
+       nan_a, nan_b, posinf_a, posinf_b, neginf_a, neginf_b, zeros_a, zeros_b, checksum_a, checksum_b, reason,
+       id_a, id_b, values_a, values_b
 FROM diverged
 WHERE nth = 1
 ORDER BY o_run, o_rank, o_role, slot;

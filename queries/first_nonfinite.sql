@@ -1,9 +1,9 @@
--- title: First non-finite gradient
--- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call, with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot.
+-- title: First non-finite gradient (and forward activation or loss)
+-- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls).
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
 -- param step: step number; NULL for every step
--- param role: grad_output or grad_input (only that side of a call); NULL for both
+-- param role: grad_output, grad_input, activation or loss (only rows of that role); NULL for all four
 WITH bad AS (
     SELECT st.run_id, st.rank, st.step, c.seq, t.call_id
     FROM tensors t
@@ -19,19 +19,53 @@ WITH bad AS (
       AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
       AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
 ), ranked AS (
-    SELECT call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
+    SELECT run_id, rank, step, seq, call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
     FROM bad
+), fbad AS (  -- record(forward=True): non-finite activations and losses
+    SELECT st.run_id, st.rank, st.step, a.seq, t.id AS tid, t.node_id, t.pass_id, t.role, t.slot, t.numel, t.nan,
+           t.posinf, t.neginf, t.norm, t.min, t.max
+    FROM tensors t
+    JOIN forward_seqs a ON a.id = t.id
+    JOIN steps st ON st.id = t.step_id
+    JOIN runs r ON r.id = st.run_id
+    JOIN roles ro ON ro.id = t.role
+    WHERE t.nan + t.posinf + t.neginf > 0
+      AND t.role IN (4, 5)  -- activation, loss
+      AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
+      AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+), ffirst AS (  -- the first module call with one, where it comes before the first non-finite backward call
+    SELECT f.run_id, f.rank, f.step, f.seq
+    FROM (SELECT run_id, rank, step, seq, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
+          FROM fbad) f
+    LEFT JOIN ranked b ON b.run_id = f.run_id AND b.rank = f.rank AND b.nth = 1
+    WHERE f.nth = 1 AND (b.step IS NULL OR f.step < b.step OR (f.step = b.step AND f.seq < b.seq))
+), found AS (
+    SELECT r.id AS o_run, 0 AS o_phase, t.role AS o_role,
+           r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.frame,
+           ro.name AS role, t.slot, t.numel, t.nan, t.posinf, t.neginf, t.norm, t.min, t.max, 'backward' AS phase
+    FROM ranked
+    JOIN calls c ON c.id = ranked.call_id
+    JOIN tensors t ON t.step_id = c.step_id AND t.node_id = c.node_id AND t.call_id = c.id
+    JOIN passes p ON p.id = c.pass_id
+    JOIN steps st ON st.id = c.step_id
+    JOIN runs r ON r.id = st.run_id
+    JOIN nodes n ON n.id = c.node_id
+    JOIN roles ro ON ro.id = t.role
+    WHERE ranked.nth = 1 AND t.nan + t.posinf + t.neginf > 0 AND t.role IN (0, 1)
+      AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
+    UNION ALL
+    SELECT r.id, -1, f.role, r.name, f.rank, f.step, p.pass, f.seq, n.key, n.name, n.module, n.frame,
+           ro.name, f.slot, f.numel, f.nan, f.posinf, f.neginf, f.norm, f.min, f.max, 'forward'
+    FROM ffirst
+    JOIN fbad f ON f.run_id = ffirst.run_id AND f.rank = ffirst.rank AND f.step = ffirst.step AND f.seq = ffirst.seq
+    JOIN runs r ON r.id = f.run_id
+    JOIN nodes n ON n.id = f.node_id
+    JOIN roles ro ON ro.id = f.role
+    LEFT JOIN passes p ON p.id = f.pass_id
 )
-SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.frame,
-       ro.name AS role, t.slot, t.numel, t.nan, t.posinf, t.neginf, t.norm, t.min, t.max
-FROM ranked
-JOIN calls c ON c.id = ranked.call_id
-JOIN tensors t ON t.step_id = c.step_id AND t.node_id = c.node_id AND t.call_id = c.id
-JOIN passes p ON p.id = c.pass_id
-JOIN steps st ON st.id = c.step_id
-JOIN runs r ON r.id = st.run_id
-JOIN nodes n ON n.id = c.node_id
-JOIN roles ro ON ro.id = t.role
-WHERE ranked.nth = 1 AND t.nan + t.posinf + t.neginf > 0 AND t.role IN (0, 1)
-  AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
-ORDER BY r.id, st.rank, t.role, t.slot;
+SELECT run, rank, step, pass, seq, key, name, module, frame, role, slot, numel, nan, posinf, neginf, norm, min, max,
+       phase
+FROM found
+ORDER BY o_run, rank, o_phase, o_role, slot;

@@ -36,4 +36,4 @@ WHERE t.node_id IN (  -- the run's matching nodes first: an index lookup, not a 
       SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
       WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
         AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER)))
-ORDER BY r.id, st.step, st.rank, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot;
+ORDER BY r.id, st.step, st.rank, CASE WHEN p.pass IS NULL THEN 1 ELSE 0 END, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot, t.id;

@@ -30,4 +30,4 @@ WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
   AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
   AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
        OR SUBSTR(n.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.')
-ORDER BY r.id, st.step, st.rank, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot;
+ORDER BY r.id, st.step, st.rank, CASE WHEN p.pass IS NULL THEN 1 ELSE 0 END, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot, t.id;

@@ -65,3 +65,22 @@ def test_benchmark_command_runs_end_to_end_in_quick_mode(tmp_path):
     assert results["writer"]["bytes"]["file_bytes_per_tensor_row"] > 0
     assert results["rss"]["none"] and results["rss"]["full"]
     assert all(e["status"] == "ok" for e in results["depth"].values()), results["depth"]
+
+
+def test_inside_benchmark_runs_alone(tmp_path):
+    """`python -m benchmarks.inside` (issue 13's options on the reference step) runs and counts its rows."""
+    out = tmp_path / "INSIDE.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.inside", "--tiny", "--repeats", "1", "--warmup", "0", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert all(r["status"] == "ok" for r in results.values()), {k: r["status"] for k, r in results.items()}
+    assert results["gradstore full, slices=*"]["counts"]["tensor_slices rows"] > 0
+    assert results["gradstore full, values=*"]["counts"]["value bytes"] > 0
+    assert results["gradstore full, forward=True"]["counts"]["forward_seqs rows"] > 0
+    assert "| gradstore full, forward=True |" in out.read_text()

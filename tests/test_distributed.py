@@ -473,3 +473,42 @@ def test_ddp_locally_unused_param_has_a_param_grad_but_no_local_call(tmp_path):
     for p in r0["final"]:  # every parameter has a final .grad on both ranks, bitwise equal
         assert rows[(0, p)][0] == rows[(1, p)][0] == checksum_of(_t(r0["final"][p]))
         assert rows[(1, p)][1] == 0  # status ok
+
+
+# ---- (f) record(values=..., forward=True) across ranks: elements compared rank against rank --------------------
+def _ddp_values(rank, db):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+
+    @gradstore.record("vals", db=db, model=ddp, values="*", forward=True)
+    def train_step(x):
+        ddp(x).pow(2).sum().backward()
+
+    torch.manual_seed(100 + rank)
+    x = torch.randn(3, 4)
+    train_step(x)
+    # plain PyTorch, without gradstore: this rank's local gradient of fc2.weight, and the all-reduced one
+    plain = Net()
+    plain.load_state_dict(model.state_dict())
+    plain(x).pow(2).sum().backward()
+    return {"local": plain.fc2.weight.grad.tolist(), "final": model.fc2.weight.grad.tolist()}
+
+
+def test_ddp_values_compare_ranks_element_by_element(tmp_path):
+    db = str(tmp_path / "vals.db")
+    out = run_distributed(_ddp_values, db)
+    store = gradstore.open(db)
+    d = store.diff("vals", rank_a=0, rank_b=1)
+    local = d[(d.key == "param:fc2.weight") & (d.role == "grad_output")].iloc[0]  # before the all-reduce
+    a, b = _t(out[0]["local"]), _t(out[1]["local"])
+    assert torch.equal(store.tensor("vals", param="fc2.weight", role="grad_output", rank=0), a)
+    assert local.values_compared == "yes" and "values" in local.differs.split(",")
+    assert local.values_max_abs == pytest.approx(float((a - b).abs().max()), rel=1e-6)
+    cos = float(torch.dot(a.double().reshape(-1), b.double().reshape(-1)) / (a.double().norm() * b.double().norm()))
+    assert local.values_cosine == pytest.approx(cos, rel=1e-9)
+    final = d[(d.key == "param:fc2.weight") & (d.role == "param_grad")].iloc[0]  # after it: bitwise equal
+    assert final.values_compared == "yes" and final.values_max_abs == 0.0 and "values" not in final.differs
+    assert out[0]["final"] == out[1]["final"]
+    # the forward of the DDP-wrapped model has the plain model's keys (the wrapper's own call is not recorded)
+    assert set(store.activations("vals").key) == {"fc1/forward#0", "fc2/forward#0", "forward#0"}

@@ -47,6 +47,10 @@ def test_readme_documents_every_table_and_column():
             "step_nodes",
             "step_warnings",
             "claims",
+            "tensor_slices",
+            "tensor_values",
+            "saved_versions",
+            "forward_seqs",
         )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
@@ -71,6 +75,10 @@ def test_readme_names_the_query_helpers():
         "never_ran",
         "recomputations",
         "warnings",
+        "slices",
+        "activations",
+        "losses",
+        "saved",
     ):
         assert f"store.{name}(" in README
         assert name in queries.available()

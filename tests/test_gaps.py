@@ -81,7 +81,7 @@ def test_first_nonfinite_reports_gradient_rows_only_and_saved_tensors_have_their
         saved = store.first_nonfinite_saved("nan")
         none_at_0 = store.first_nonfinite("nan", step=0)
         at_1 = store.first_nonfinite("nan", step=1)
-        with pytest.raises(ValueError, match="grad_output or grad_input"):
+        with pytest.raises(ValueError, match="grad_output, grad_input, activation, loss"):
             store.first_nonfinite("nan", role="saved")
     assert set(grads.name) == {first_grad} and set(grads.role) == {"grad_input"} and list(grads.step) == [1]
     assert set(outs.name) == {first_out} and set(outs.role) == {"grad_output"}

@@ -219,3 +219,27 @@ def test_merge_into_postgresql_keeps_every_value(sources, pg_url):
         assert merged.history("job", param="0.bias", role="param_grad")["checksum"].notna().all()
         bad = merged.rank_divergence("job")
         assert list(zip(bad.step, bad.param, bad.compared)) == [(s, "0.bias", "checksum") for s in range(STEPS)]
+
+
+def test_rows_keyed_by_a_tensor_id_follow_it(tmp_path, monkeypatch):
+    """Revision 0008_inside's side tables (slices, values, saved versions, forward seqs) are copied with their
+    tensors under the new ids: every helper reads the same on the merged file as on the sources."""
+    inside = dict(slices="*", values="*", forward=True, saved=True)
+    for rank, name in ((0, "a.db"), (1, "b.db")):
+        monkeypatch.setattr(recorder, "_rank_and_world_size", lambda rank=rank: (rank, 2))
+        model = make_model()
+        with gradstore.record("job", db=str(tmp_path / name), model=model, **inside):
+            model(torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+    out = str(tmp_path / "out.db")
+    merge(out, [str(tmp_path / "a.db"), str(tmp_path / "b.db")])
+    with gradstore.open(out) as merged:
+        for rank, name in ((0, "a.db"), (1, "b.db")):
+            with gradstore.open(str(tmp_path / name)) as src:
+                for helper in ("slices", "activations", "losses", "saved"):
+                    a = getattr(src, helper)("job", rank=rank)
+                    b = getattr(merged, helper)("job", rank=rank)
+                    assert len(a) > 0 and a.equals(b), helper
+                assert torch.equal(
+                    src.tensor("job", param="0.bias", rank=rank), merged.tensor("job", param="0.bias", rank=rank)
+                )
+            assert len(merged.losses("job", rank=rank)) == 1

@@ -57,7 +57,7 @@ def test_new_database_is_created_at_head_by_alembic(db):
         "alembic_version",
     } <= tables
     assert views == {"tensors", "calls", "dtensors"}
-    assert roles == ["grad_output", "grad_input", "param_grad", "saved"]
+    assert roles == ["grad_output", "grad_input", "param_grad", "saved", "activation", "loss"]
 
 
 def test_migrated_schema_matches_runtime_tables(db):
@@ -502,7 +502,7 @@ def test_upgrade_0003_to_0005_compile_adds_columns_and_keeps_every_value(tmp_pat
     with sqlite3.connect(path) as conn:
         steps_before = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
         nodes_before = conn.execute("SELECT * FROM nodes ORDER BY id").fetchall()
-    assert database.upgrade(path) == ("0003", database.head_revision())
+    _migrate(path, "0005_compile")
     assert [tuple(map(repr, r)) for r in _rows_0001(path)] == [tuple(map(repr, r)) for r in tensors_before]
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in calls_before]
     with sqlite3.connect(path) as conn:
@@ -678,3 +678,99 @@ def test_upgrade_0003_to_0006_on_postgresql(pg_url):
 
         assert not _FINDINGS_TABLES & set(sa_inspect(conn).get_table_names())
     engine.dispose()
+
+
+# ---- revision 0008_inside: slices, values, activations, losses, saved versions -------------------------------
+_STEP_COLUMNS = "id, run_id, rank, step, started_at, ended_at, status, error, passes, level, dropped, waited"
+_PASS_COLUMNS = (
+    "id, step_id, pass, parent_pass, parent_seq, kind, create_graph, retain_graph, roots, inputs, nodes, "
+    "started_at, duration, setup, finish, first_call, last_call"
+)
+
+
+def _snapshot(path) -> dict:
+    """Every row of the tables and views revision 0003 has, as reprs (floats bit for bit, NULL as None)."""
+    with sqlite3.connect(path) as conn:
+        out = {
+            "tensors": conn.execute(f"SELECT {_TENSOR_COLUMNS} FROM tensors ORDER BY id").fetchall(),
+            "calls": conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY id").fetchall(),
+            "steps": conn.execute(f"SELECT {_STEP_COLUMNS} FROM steps ORDER BY id").fetchall(),
+            "passes": conn.execute(f"SELECT {_PASS_COLUMNS} FROM passes ORDER BY id").fetchall(),
+            "nodes": conn.execute("SELECT * FROM nodes ORDER BY id").fetchall(),
+            "edges": conn.execute("SELECT * FROM edges ORDER BY id").fetchall(),
+            "runs": conn.execute("SELECT * FROM runs ORDER BY id").fetchall(),
+        }
+    return {k: [tuple(map(repr, r)) for r in v] for k, v in out.items()}
+
+
+def _first_columns(snapshot: dict, like: dict) -> dict:
+    """`snapshot`'s rows cut to as many columns as `like`'s rows have: the later revisions' columns (nodes.region,
+    ...) come after revision 0003's."""
+    return {t: [r[: len(like[t][0])] if like[t] else r for r in rows] for t, rows in snapshot.items()}
+
+
+def test_upgrade_committed_0003_file_keeps_every_row_and_records_the_new_rows(tmp_path):
+    """tests/assets/rev0003-inside.db (written by gradstore at revision 0003: tests/assets/make_rev0003_inside.py),
+    upgraded: every row of every table and view reads back as before; the new lookup codes, columns and tables are
+    there;
+    and recording into it goes on with slices=, values=, forward=True and saved=True."""
+    import torch
+
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-inside.db", path)
+    assert _revision(path) == "0003"
+    before = _snapshot(path)
+    assert len(before["tensors"]) > 50 and any("nan" in r[17] or r[17] != "0" for r in before["tensors"])
+    assert database.upgrade(path) == ("0003", database.head_revision())
+    assert _first_columns(_snapshot(path), before) == before
+    with sqlite3.connect(path) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        roles = [r[0] for r in conn.execute("SELECT name FROM roles ORDER BY id")]
+        kinds = [r[0] for r in conn.execute("SELECT name FROM kinds ORDER BY id")]
+        new_columns = conn.execute("SELECT values_bytes, values_left_out FROM steps").fetchall()
+        index = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'ix_tensor_data_loss'").fetchone()[0]
+    assert {"tensor_slices", "tensor_values", "saved_versions", "forward_seqs"} <= tables
+    assert roles[4:] == ["activation", "loss"] and kinds[5:] == ["forward"]
+    assert set(new_columns) == {(None, None)}  # old steps: not recorded with values=
+    assert "role = 5" in index
+    model = torch.nn.Linear(4, 2)
+    with gradstore.record("asset-0003", db=str(path), model=model, slices="*", values="*", forward=True, saved=True):
+        model(torch.ones(3, 4)).pow(2).mean().backward()
+    with gradstore.open(path) as store:
+        assert list(store.steps("asset-0003").step) == [0, 1, 2, 3]
+        assert len(store.slices("asset-0003", step=3)) > 0 and len(store.activations("asset-0003", step=3)) == 1
+        assert torch.equal(store.tensor("asset-0003", param="weight"), model.weight.grad)
+        assert len(store.losses("asset-0003")) == 1 and len(store.saved("asset-0003", step=3)) > 0
+        assert store.saved("asset-0003", step=0).modified.isna().all()  # recorded at 0003: not checked
+
+
+def test_downgrade_0008_to_0003_restores_the_old_tables(tmp_path):
+    import torch
+
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-inside.db", path)
+    before = _snapshot(path)
+    database.upgrade(path)
+    model = torch.nn.Linear(4, 2)
+    with gradstore.record("new", db=str(path), model=model, slices="*", values="*", forward=True):
+        model(torch.ones(3, 4)).sum().backward()
+    _migrate(path, "0003", down=True)
+    assert _revision(path) == "0003"
+    with sqlite3.connect(path) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        step_columns = {r[1] for r in conn.execute("PRAGMA table_info(steps)")}
+        roles = [r[0] for r in conn.execute("SELECT name FROM roles ORDER BY id")]
+        leftovers = conn.execute("SELECT COUNT(*) FROM tensor_data WHERE role > 3").fetchone()[0]
+        forward_nodes = conn.execute("SELECT COUNT(*) FROM nodes WHERE kind = 5").fetchone()[0]
+        new_rows = conn.execute(
+            "SELECT COUNT(*) FROM tensors t JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id "
+            "WHERE r.name = 'new'"
+        ).fetchone()[0]
+    assert not {"tensor_slices", "tensor_values", "saved_versions", "forward_seqs"} & tables
+    assert not {"values_bytes", "values_left_out"} & step_columns
+    assert roles == ["grad_output", "grad_input", "param_grad", "saved"] and leftovers == 0 and forward_nodes == 0
+    assert new_rows > 0  # the gradient rows recorded at 0008 stay
+    after = _first_columns(_snapshot(path), before)
+    for table in before:
+        assert after[table][: len(before[table])] == before[table], table
+    assert database.upgrade(path) == ("0003", database.head_revision())  # and up again

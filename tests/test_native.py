@@ -138,6 +138,18 @@ def test_nonfinite_gradients_take_the_python_path(tmp_path, monkeypatch):
     assert any(r[16] and r[16] > 0 for r in rows) and any(r[17] and r[17] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("stats", ["full", "health"])
+def test_float64_gradients_whose_squares_overflow(tmp_path, monkeypatch, stats):
+    """Finite float64 gradients around 1e200: the kernel's sum of squares is Inf, the C++ hooks hand them to the
+    scaled measurement: the same rows as the Python hooks, finite norms, no non-finite count."""
+    make = mlp_state(torch.float64, lambda m, x: m(x).sum() * 1e200)
+    out = record_both(tmp_path, monkeypatch, make, plain_run, steps=1, stats=stats)  # (SGD on 1e200 overflows)
+    assert_same(out)
+    rows = [r for r in out["native"][0] if r[6] == 0]  # status ok
+    assert max(r[11] for r in rows) > 1e200 and all(r[11] < float("inf") for r in rows)
+    assert all(r[16] == r[17] == r[18] == 0 for r in rows)
+
+
 class Scale(torch.autograd.Function):
     """A user Function whose backward changes the incoming gradient in place through .data (no version bump)
     and returns a non-dense view: the C++ hooks must measure its grad_inputs afresh."""

@@ -236,3 +236,23 @@ def test_functorch_wrapped_tensors_are_recognised():
     assert seen == [True, True]
     assert not tp.functorch_wrapped(torch.ones(3))
     assert not tp.functorch_wrapped(torch.nn.Parameter(torch.ones(3)))
+
+
+def test_saved_tensor_unpack_reports_both_version_counters():
+    # gradstore.recording.saved.saved_versions reads "is at version N; expected version M" from autograd's own
+    # version check (a built-in node's `_saved_*` getter; `SavedTensor.unpack()` of a custom Function's input)
+    from gradstore.recording.saved import saved_versions
+
+    x = torch.randn(3, requires_grad=True) * 1
+    node = (x * x).grad_fn
+    raw = node._raw_saved_self
+    assert type(raw).__name__ == "SavedTensor" and hasattr(raw, "unpack")
+    x.add_(1)
+    for read in (lambda: node._saved_self, raw.unpack):
+        try:
+            read()
+        except RuntimeError as exc:
+            assert "is at version 1; expected version 0" in str(exc)
+        else:
+            raise AssertionError("a saved tensor modified in place unpacked without the version error")
+    assert saved_versions(node) == [(1, 0, None), (1, 0, None)]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "reduce.c"
-ABI_VERSION = 1
+ABI_VERSION = 2
 _FLAGS = ("-O3", "-fPIC", "-shared", "-Wno-psabi")
 SPLIT = 1 << 19  # elements per share below which a tensor is reduced on the calling thread alone
 _OUT = ctypes.c_double * 5
@@ -57,6 +57,8 @@ class Kernel:
             for suffix in ("f32", "f64"):
                 fn = self._fn[name, suffix] = getattr(lib, f"gs_{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, restype
+        self._slices = lib.gs_slices_f32
+        self._slices.argtypes, self._slices.restype = (ptr, n, n, n, ctypes.c_void_p), None
         self.lib = lib
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -127,6 +129,12 @@ class Kernel:
         if len(parts) == 1:
             return parts[0]
         return sum(p[0] for p in parts), min(p[1] for p in parts), max(p[2] for p in parts)
+
+    def slices(self, ptr: int, outer: int, k: int, inner: int, out: int) -> None:
+        """Per-slice sums of squares of a contiguous float32 block of shape (outer, k, inner), in float64:
+        out (a pointer to k doubles)[i] = sum of the squares of slice i along the middle dimension (one pass, on
+        this thread; see kernels/reduce.c, gs_slices_f32)."""
+        self._slices(ptr, outer, k, inner, out)
 
     def m2(self, suffix: str, ptr: int, n: int, itemsize: int, mean: float) -> float:
         """Sum of squared differences of n values from `mean`, in float64."""

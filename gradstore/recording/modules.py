@@ -164,7 +164,7 @@ def parameter_names(models: list[tuple[str, nn.Module]]) -> dict[int, tuple[str,
     return {id(p): names for names, p in parameter_groups(models)}
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
     """True while torch.compile traces (its compiled graph then runs as one CompiledFunctionBackward node, whose
     owner is the module around the compiled call); `torch.compiler.is_compiling`, False where it is missing."""
     fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
@@ -277,7 +277,7 @@ class ModuleTracker:
         return f"<{type(module).__name__}>", None
 
     def _pre(self, module, _args):
-        if _compiling() or threading.get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
+        if compiling() or threading.get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
             return
         name = self.names.get(id(module))
         region = None
@@ -300,7 +300,7 @@ class ModuleTracker:
             self._region_vals.append(region)
 
     def _post(self, module, _args, output):
-        if _compiling() or threading.get_ident() != self._thread:
+        if compiling() or threading.get_ident() != self._thread:
             return
         rec = self._record
         stack = self._stack

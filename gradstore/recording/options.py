@@ -1,4 +1,5 @@
-"""What a recording records: statistics level, step sampling, module and parameter filters, back-pressure.
+"""What a recording records: statistics level, step sampling, module and parameter filters, back-pressure, and
+the opt-in looks inside tensors (slices=, values=) and at the forward (forward=).
 
 Filters are applied before any reduction: a node that is not selected gets no hook at all.
 """
@@ -6,12 +7,44 @@ Filters are applied before any reduction: a node that is not selected gets no ho
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import RecordUsageError
 from .stats import LEVELS
 
 ON_FULL = ("wait", "drop")
+MAX_NUMEL = 4096  # record(values=...): the largest gradient whose elements are stored, by default
+VALUES_BUDGET = 8 << 20  # record(values=...): bytes of elements stored per step at most, by default (8 MiB)
+
+
+def _slice_globs(value) -> tuple[tuple[str, int | None], ...] | None:
+    """record(slices=...) as ((glob, dim or None), ...): a glob, a list of globs, or a dict glob -> dim."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        pairs = tuple(value.items())
+        ok = bool(pairs) and all(
+            isinstance(g, str) and g and (d is None or (isinstance(d, int) and not isinstance(d, bool)))
+            for g, d in pairs
+        )
+        if not ok:
+            raise RecordUsageError(
+                "record(slices=...) takes a glob, a list of globs, or a dict of glob -> dimension (an int, or "
+                f"None for the default: the last for grad_inputs, 0 for parameter gradients), got {value!r}"
+            )
+        return pairs
+    return tuple((g, None) for g in _globs(value, "slices"))
+
+
+def matches(glob: str, key: str, module: str, param: str | None) -> bool:
+    """True when `glob` (fnmatch, case-sensitive) selects a node: it matches the node's key
+    ('transformer.h.0.attn/SoftmaxBackward0#0', 'param:transformer.wte.weight'), its module's qualified name or
+    that of one of the module's parents (as modules= does: 'transformer.h.0' covers its submodules' nodes), or
+    the qualified name of its parameter ('transformer.wte.weight', for a parameter's AccumulateGrad node)."""
+    if fnmatch.fnmatchcase(key, glob) or (param is not None and fnmatch.fnmatchcase(param, glob)):
+        return True
+    parts = module.split(".") if module else [""]
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), glob) for i in range(len(parts), 0, -1))
 
 
 def _globs(value, what: str) -> tuple[str, ...] | None:
@@ -44,6 +77,13 @@ class Options:
     saved: bool = False
     frames: bool = False
     checksum: bool | None = None
+    slices: tuple[tuple[str, int | None], ...] | None = None  # ((glob, dim or None), ...)
+    values: tuple[str, ...] | None = None
+    max_numel: int = MAX_NUMEL
+    values_budget: int = VALUES_BUDGET
+    forward: bool = False
+    # (key, module, param) -> (slice dim or None, slices matched, values matched), filled as nodes are seen
+    _inside: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def make(
@@ -58,6 +98,11 @@ class Options:
         saved=False,
         frames=False,
         checksum=None,
+        slices=None,
+        values=None,
+        max_numel=None,
+        values_budget=None,
+        forward=False,
     ) -> Options:
         """Validate user arguments; raises RecordUsageError naming the argument and what it accepts."""
         if stats not in LEVELS:
@@ -82,7 +127,7 @@ class Options:
             )
         if isinstance(queue_rows, bool) or not isinstance(queue_rows, int) or queue_rows < 1:
             raise RecordUsageError(f"record(queue_rows=...) takes a whole number >= 1, got {queue_rows!r}")
-        for name, flag in (("saved", saved), ("frames", frames)):
+        for name, flag in (("saved", saved), ("frames", frames), ("forward", forward)):
             if not isinstance(flag, bool):
                 raise RecordUsageError(f"record({name}=...) is True or False, got {flag!r}")
         if saved and stats in ("params", "shape"):
@@ -90,8 +135,23 @@ class Options:
                 f"record(saved=True) measures saved tensors in node hooks; stats={stats!r} "
                 "records no node statistics: use stats='full' or 'health'"
             )
+        if forward and stats == "params":
+            raise RecordUsageError(
+                "record(forward=True) keys each pass's loss by its node, and stats='params' walks no graph: "
+                "use stats='full', 'health' or 'shape'"
+            )
         if checksum is not None and not isinstance(checksum, bool):
             raise RecordUsageError(f"record(checksum=...) is True, False or None (automatic), got {checksum!r}")
+        for name, n, least in (("max_numel", max_numel, 1), ("values_budget", values_budget, 0)):
+            if n is None:
+                continue
+            if values is None:
+                raise RecordUsageError(
+                    f"record({name}=...) bounds record(values=...): give values= (a glob or a list of globs on "
+                    "node keys, modules or parameters) too"
+                )
+            if isinstance(n, bool) or not isinstance(n, int) or n < least:
+                raise RecordUsageError(f"record({name}=...) takes a whole number >= {least}, got {n!r}")
         return cls(
             stats,
             every,
@@ -103,7 +163,33 @@ class Options:
             saved,
             frames,
             checksum,
+            _slice_globs(slices),
+            _globs(values, "values"),
+            MAX_NUMEL if max_numel is None else max_numel,
+            VALUES_BUDGET if values_budget is None else values_budget,
+            forward,
         )
+
+    @property
+    def inside(self) -> bool:
+        """True when slices= or values= may select a node (its pass then takes the Python hooks)."""
+        return self.slices is not None or self.values is not None
+
+    def inside_of(self, key: str, module: str, param: str | None) -> tuple[int | None, bool, bool]:
+        """(dim, sliced, valued) for a node: whether slices= and values= select it (`matches`), and the slice
+        dimension its first matching slices= glob names (None: the default). Cached per node."""
+        hit = self._inside.get((key, module, param))
+        if hit is None:
+            dim, sliced = None, False
+            for glob, d in self.slices or ():
+                if matches(glob, key, module, param):
+                    dim, sliced = d, True
+                    break
+            valued = any(matches(g, key, module, param) for g in self.values or ())
+            if len(self._inside) > 100_000:
+                self._inside.clear()
+            hit = self._inside[(key, module, param)] = (dim, sliced, valued)
+        return hit
 
     def wants_step(self, step: int) -> bool:
         """True when step number `step` is to be recorded (every= and steps=)."""

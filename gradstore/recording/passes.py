@@ -21,14 +21,17 @@ import warnings
 from dataclasses import replace
 from functools import partial
 
+import torch
+
 from ..records import NodeInfo, PassRecord
 from . import native as native_hooks
 from . import torch_private as tp
 from .graph import describe, roots_of, walk
+from .inside import PassInside
 from .native import LEVEL_CODES
 from .options import Options
 from .rows import LazyRows, call_rows, edge_rows, tensor_rows
-from .saved import saved_tensors
+from .saved import saved_tensors, saved_versions
 from .stats import NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, shape_only, to_rows
 
 
@@ -56,6 +59,7 @@ class StepState:
         # backward, recomputation) with sequence numbers of their own, which cannot be told from older ones
         self.device_threads = False
         self.warnings: dict[tuple, int] = {}  # (category, message, location) -> times shown in the step
+        self.values = None  # record(values=...): the step's gradstore.recording.values.ValueTaker
 
     def next_seq(self) -> int:
         if self.native_step is not None:
@@ -124,6 +128,7 @@ def _world_size() -> int:
 
 _task_id = tp.current_graph_task_id
 _ROLE_OUT, _ROLE_IN, _ROLE_PARAM, _ROLE_SAVED = "grad_output", "grad_input", "param_grad", "saved"
+_ROLE_LOSS = "loss"
 
 
 class PassRecorder:
@@ -195,6 +200,9 @@ class PassRecorder:
         self._trusted: list[bool] = []
         self._claimable: list[bool] = []
         self.native = None  # the C++ hooks' pass (gradstore.recording.native) when they record this pass
+        # slices=, values=, saved=True: what the hooks see inside tensors, beside their statistics
+        self.inside = PassInside(step.values) if options.inside or options.saved else None
+        self._inside_of: list | None = None  # per node: (slice dim, sliced, valued) (options.inside_of)
         roots = roots_of(outputs)
         self.record.roots = len(roots)
         if any(getattr(getattr(o, "device", None), "type", "cpu") != "cpu" for o in outputs):
@@ -237,6 +245,8 @@ class PassRecorder:
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
                         step.known[id(node)] = (node, self.infos[i]) + step.known[id(node)][2:]
+        if options.forward:  # the roots (the loss), as they are when the pass starts
+            self._measure_roots(outputs)
         if tp.compiled_autograd_active():
             # compiled autograd traces every Python node hook into its compiled backward graph with dynamo (and
             # runs only such hooks): gradstore's would break that graph at every node and exhaust dynamo's
@@ -258,7 +268,11 @@ class PassRecorder:
             self._claimable = [True] * len(self._claimable)
         step.active.append(self)
         level = options.node_level or "full"
-        if step.native is not None and not options.saved and step.native_level(level):
+        selected = False
+        if options.inside:  # a node that slices= or values= selects takes the Python hooks, and so its pass
+            self._inside_of = [options.inside_of(i.key, i.module, i.param) for i in self.infos]
+            selected = any(sliced or valued for _, sliced, valued in self._inside_of)
+        if step.native is not None and not options.saved and not selected and step.native_level(level):
             try:
                 self.native = step.native.install(
                     step.native_step,
@@ -276,17 +290,42 @@ class PassRecorder:
         try:
             prehook, hook = self._prehook, self._hook  # one bound method each; a partial per node adds the index
             handles = self.handles
-            for i, node in enumerate(self.walk.nodes):
-                if wanted is not None and not wanted[i]:
-                    continue
-                handles.append(node.register_prehook(partial(prehook, i)))
-                handles.append(node.register_hook(partial(hook, i)))
+            if not selected:
+                for i, node in enumerate(self.walk.nodes):
+                    if wanted is not None and not wanted[i]:
+                        continue
+                    handles.append(node.register_prehook(partial(prehook, i)))
+                    handles.append(node.register_hook(partial(hook, i)))
+            else:  # the selected nodes' hooks also take slices and copies: only theirs, the others' are as above
+                for i, node in enumerate(self.walk.nodes):
+                    if wanted is not None and not wanted[i]:
+                        continue
+                    if self._inside_of[i][1] or self._inside_of[i][2]:
+                        handles.append(node.register_prehook(partial(self._prehook_inside, i)))
+                        handles.append(node.register_hook(partial(self._hook_inside, i)))
+                    else:
+                        handles.append(node.register_prehook(partial(prehook, i)))
+                        handles.append(node.register_hook(partial(hook, i)))
         except BaseException:
             for h in self.handles:
                 h.remove()
             step.active.remove(self)
             raise
         self.record.setup = time.perf_counter() - self.t0
+
+    def _measure_roots(self, outputs) -> None:
+        """record(forward=True): a loss row (role 'loss', slot = position among the outputs given) for each root
+        tensor, under its node's key, with a number from the step's counter (its place among the forward's module
+        calls and the backward calls); measured now, before the engine runs. A pseudo call [node index, seq]
+        keys the row (it is no call: no call row is made of it)."""
+        index = self.walk.index
+        for slot, out in enumerate(outputs):
+            if not isinstance(out, torch.Tensor):
+                continue
+            roots = roots_of([out])
+            at = index.get(id(roots[0])) if roots else None
+            if at is not None:
+                self.measured.append(([at, self.step.next_seq()], _ROLE_LOSS, slot, measure(out, self.measurer.level)))
 
     def _wanted(self, module: str, param: str | None) -> bool:
         """The modules= and params= filters: a parameter's node needs both, any other node the first."""
@@ -321,8 +360,12 @@ class PassRecorder:
             for slot, m in enumerate(ms):
                 measured.append((call, _ROLE_OUT, slot, m))
             if self._node_of is not None:  # record(saved=True): what the node keeps for its backward, alive here
-                for slot, (_name, t) in enumerate(saved_tensors(self._node_of[i])):
+                node = self._node_of[i]
+                saved = saved_tensors(node)
+                for slot, ((_name, t), check) in enumerate(zip(saved, saved_versions(node, saved))):
                     measured.append((call, _ROLE_SAVED, slot, measure_one(t)))
+                    if t is not None:  # its version counter now and when it was saved
+                        self.inside.version((call[1], _ROLE_SAVED, slot), check)
             self.open[i] = call
             self.step.open_stack().append((self.record.number, call[1]))
             call[2] = time.perf_counter() - self.t0
@@ -352,6 +395,46 @@ class PassRecorder:
                 measured.append((call, _ROLE_IN, slot, m))
         except Exception as exc:
             self.step.fault("hook", exc)
+        return None
+
+    def _prehook_inside(self, i: int, grad_outputs):
+        """The prehook of a node that slices= or values= selects: `_prehook`, then its grad_outputs' copies
+        (values=) and, for a parameter's AccumulateGrad node, its grad_output's slices (slices=)."""
+        try:
+            before = self.open.get(i)
+            self._prehook(i, grad_outputs)
+            call = self.open.get(i)
+            if call is None or call is before:  # not this pass's call (or a fault, already noted)
+                return None
+            dim, sliced, valued = self._inside_of[i]
+            sliced = sliced and self.infos[i].param is not None
+            for slot, (g, m) in enumerate(zip(grad_outputs, call[4])):
+                self.inside.take((call[1], _ROLE_OUT, slot), _ROLE_OUT, g, m, sliced, dim, valued)
+        except Exception as exc:
+            self.step.fault("prehook (slices/values)", exc)
+        return None
+
+    def _hook_inside(self, i: int, grad_inputs, grad_outputs):
+        """The hook of a node that slices= or values= selects: `_hook`, then its grad_inputs' slices and
+        copies."""
+        try:
+            call = self.open.get(i)
+            self._hook(i, grad_inputs, grad_outputs)
+            if call is None or self.open.get(i) is call:  # the call did not end here: not this pass's
+                return None
+            # the results `_hook` just appended for this call (other threads' hooks may have come between)
+            found: dict[int, Measured] = {}
+            for entry in reversed(self.measured):
+                if entry[0] is call:
+                    if entry[1] != _ROLE_IN:
+                        break
+                    found[entry[2]] = entry[3]
+            dim, sliced, valued = self._inside_of[i]
+            for slot, g in enumerate(grad_inputs):
+                if slot in found:
+                    self.inside.take((call[1], _ROLE_IN, slot), _ROLE_IN, g, found[slot], sliced, dim, valued)
+        except Exception as exc:
+            self.step.fault("hook (slices/values)", exc)
         return None
 
     # ---- after the engine returns ------------------------------------------------------------------------
@@ -400,6 +483,10 @@ class PassRecorder:
                     level = opts.param_level
                     m = shape_only(p.grad) if level == "shape" else measure(p.grad, level, checksum=take_checksum)
                     self.measured.append((None, _ROLE_PARAM, 0, m))
+                    if opts.inside:
+                        dim, sliced, valued = opts.inside_of(key, module, name)
+                        if sliced or valued:
+                            self.inside.take(("param", key), _ROLE_PARAM, p.grad, m, sliced, dim, valued)
             infos = self.infos
             walked = {i.key for i in infos} if param_nodes else ()
             rec.nodes = list(infos) + [n for k, n in param_nodes.items() if k not in walked]
@@ -424,6 +511,7 @@ class PassRecorder:
             self.calls = []
             self.measurer.clear()
             self.open.clear()
+            self.inside = None
             self.step.records.append(rec)
         return rec
 
@@ -431,17 +519,45 @@ class PassRecorder:
         """The record's calls and tensors from the Python hooks' lists (and the parameter gradients)."""
         rec, infos, calls, measured = self.record, self.infos, self.calls, self.measured
         rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
-        if needs_transfer([m for _, _, _, m in measured]):
+        extra = self._extra()
+        heads = measured
+        if needs_transfer([m for _, _, _, m in measured]) or _on_device(extra):
             # results left in tensors (a device, or a non-finite CPU tensor): the pass's one host copy now,
             # while the tensors are this pass's; the rows are then built from host values
-            rows = to_rows([m for _, _, _, m in measured])
+            rows = to_rows([m for _, _, _, m in measured], extra)
             rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
             heads = [(c, role, slot, None) for c, role, slot, _ in measured]  # no device tensor kept
             rec.tensors = LazyRows(len(rows), lambda: tensor_rows(heads, infos, param_keys, rows))
         else:  # host values only: the rows are built where they are first read (the writer thread)
             rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
             rec.tensors = LazyRows(len(measured), lambda: tensor_rows(measured, infos, param_keys))
+        self._side_rows(extra, lambda: _row_index(heads, param_keys))
         rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
+
+    def _extra(self) -> list:
+        """What rides in the pass's host copy beside the statistics: slice results and value copies."""
+        return self.inside.tensors() if self.inside else []
+
+    def _side_rows(self, extra: list, index) -> None:
+        """The record's side rows (slices, values, saved versions) from `extra` (after `to_rows`, or CPU tensors
+        still); `index()` gives the tensor rows' positions by reference. Built lazily, like the tensor rows,
+        where they are first read."""
+        rec, inside = self.record, self.inside
+        if not inside:
+            return
+        built: list = []
+
+        def part(k: int):
+            def build():
+                if not built:
+                    built.extend(inside.rows(index(), extra))
+                return built[k]
+
+            return build
+
+        rec.slices = LazyRows(len(inside.slices), part(0))
+        rec.values = LazyRows(len(inside.copies), part(1))
+        rec.saved_versions = LazyRows(len(inside.versions), part(2))
 
     def _native_rows(self, native: tuple, param_keys: list[str]) -> None:
         """The record's calls and tensors from the C++ hooks' pass (`native`: what its finish() returned), then
@@ -454,15 +570,20 @@ class PassRecorder:
             m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
             for m in fallbacks
         ]
-        params = self.measured  # (None, 'param_grad', 0, Measured): nothing else is measured in Python here
+        # (None, 'param_grad', 0, Measured), and loss rows ([node index, seq], 'loss', slot, Measured): nothing else
+        # is measured in Python here
+        params = self.measured
         results = handed + [m for _, _, _, m in params]
         rows = None
-        if needs_transfer(results):
-            rows = to_rows(results)
+        extra = self._extra()
+        if needs_transfer(results) or _on_device(extra):
+            rows = to_rows(results, extra)
             rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
             params = [(c, role, slot, None) for c, role, slot, _ in params]  # no device tensor kept
         else:
             rec.nonfinite = any_nonfinite(results)
+        # these rows follow the C++ hooks' `count` rows; no call row has a side row here
+        self._side_rows(extra, lambda: {ref: count + at for ref, at in _row_index(params, param_keys).items()})
         module = self.step.native
 
         def build() -> list:
@@ -473,3 +594,17 @@ class PassRecorder:
             )
 
         rec.tensors = LazyRows(count + len(params), build)
+
+
+def _on_device(tensors: list) -> bool:
+    """True when one of `tensors` lives on a device other than the CPU (it must be copied while it is ours)."""
+    return any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors)
+
+
+def _row_index(measured: list, param_keys: list[str]) -> dict:
+    """Position of each tensor row of the Python hooks' `measured` by reference: (seq, role, slot) for a call's
+    row, ("param", node key) for a param_grad row (gradstore.recording.inside)."""
+    index, keys = {}, iter(param_keys)
+    for at, (call, role, slot, _) in enumerate(measured):
+        index[("param", next(keys)) if call is None else (call[1], role, slot)] = at
+    return index

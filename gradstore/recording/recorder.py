@@ -28,6 +28,7 @@ from ..version import __version__
 from . import intercept, kernel, native
 from . import torch_private as tp
 from .findings import Findings, StepFacts
+from .forward import ForwardRecorder
 from .frames import FrameTracker
 from .lineage import Lineage
 from .modules import (
@@ -39,13 +40,18 @@ from .modules import (
     parameter_groups,
     parameter_names,
     qualified_names,
+    unwrap,
 )
 from .options import Options
 from .passes import PassRecorder, StepState
 from .rows import LazyRows
+from .stats import NONFINITE_COLUMNS
 from .step_warnings import WarningLog
+from .values import ValueTaker
 
 _open_scope = None  # the record object whose scope is open in this process (scopes do not nest)
+# nan, posinf, neginf in an activation row (node key, seq, role, slot, *stats.ROW_COLUMNS)
+_ACTIVATION_NONFINITE = tuple(4 + i for i in NONFINITE_COLUMNS)
 
 
 def _env_int(name: str) -> int | None:
@@ -133,6 +139,21 @@ class record:
             function', in nodes.frame; a `torch.overrides.TorchFunctionMode`, about 4 µs per op).
         checksum: store a 64-bit checksum of each param_grad (tensors.checksum) for exact bitwise comparison
             across ranks; None (default) takes it when torch.distributed runs with world_size > 1.
+        slices: slice statistics of the gradients of the nodes it selects (a glob or a list of globs, or a dict
+            glob -> dimension; see `gradstore.recording.options.matches` for what a glob is matched against):
+            per tensor, summarised along one dimension (default: the last for grad_inputs, 0 for a parameter's
+            gradients: its AccumulateGrad node's grad_output and its param_grad row), the number of slices,
+            how many are all zero, how many hold NaN/Inf, min / median / max of the slice norms and the first
+            8 indices of all-zero and non-finite slices (`Store.slices`). Off (None) by default.
+        values: store the elements of the selected nodes' gradients (globs as for slices; grad_outputs,
+            grad_inputs and param_grad rows) of at most `max_numel` elements, as little-endian bytes, so that
+            `Store.diff` / `first_divergence` compare them and `Store.tensor` gives them back. Off by default.
+        max_numel: the largest gradient (elements) whose elements values= stores (default 4096).
+        values_budget: bytes of elements values= stores per step at most (default 8 MiB: 8388608);
+            matching gradients past it are counted in steps.values_left_out.
+        forward: also record the forward: the statistics of every module call's output tensors (role
+            'activation', nodes 'module/forward#k'), and each pass's roots (role 'loss': its loss, measured
+            as the pass starts; `Store.losses`). Off by default; not at stats='params'.
 
     The rank and world size come from `torch.distributed` when a process group is initialised, else from the
     environment torchrun sets (RANK, WORLD_SIZE; LOCAL_RANK, LOCAL_WORLD_SIZE), else (0, 1). A scope claims its
@@ -180,6 +201,11 @@ class record:
         saved: bool = False,
         frames: bool = False,
         checksum: bool | None = None,
+        slices=None,
+        values=None,
+        max_numel: int | None = None,
+        values_budget: int | None = None,
+        forward: bool = False,
     ):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
@@ -197,6 +223,11 @@ class record:
             saved=saved,
             frames=frames,
             checksum=checksum,
+            slices=slices,
+            values=values,
+            max_numel=max_numel,
+            values_budget=values_budget,
+            forward=forward,
         )
         self.run = run
         self.db = db
@@ -210,6 +241,7 @@ class record:
         self._thread: int | None = None
         self._tracker: ModuleTracker | None = None
         self._frames: FrameTracker | None = None
+        self._forward: ForwardRecorder | None = None
         self._params: list = []
         self._fsdp: list = []  # the modules FSDP2 (fully_shard) manages, whose parameters the graph sees unsharded
         self._recorded: list = []  # [(first name, parameter)] that param_status rows are written for
@@ -310,6 +342,9 @@ class record:
         self._frames = FrameTracker() if self.options.frames else None
         self._lineage.clear()
         self._warning_log = WarningLog(self._step_warnings, self._thread, self._in_pass)
+        if self.options.forward:
+            wrappers = frozenset(id(m) for _, m in models if unwrap(m) is not m)
+            self._forward = ForwardRecorder(self._tracker.names, self.options, wrappers)
         try:
             self._check_filters(models)
             self._begin_step()
@@ -399,6 +434,9 @@ class record:
         if self._frames is not None:
             self._frames.remove()
         self._frames = None
+        if self._forward is not None:
+            self._forward.remove()
+        self._forward = None
         if self._tracker is not None:
             self._tracker.remove()
         self._tracker = None
@@ -419,26 +457,42 @@ class record:
             # the C++ hooks when built (the first build runs in the background: Python hooks meanwhile)
             self._state = StepState(None if self.options.saved else native.load(), self._lineage)
             self._lineage.begin(tp.next_sequence_nr())
+            if self.options.values is not None:
+                self._state.values = ValueTaker(self.options.max_numel, self.options.values_budget)
             self._tracker.clear()
             self._tracker.install()
             if self._frames is not None:
                 self._frames.clear()
                 self._frames.install()
             self._warning_log.install()
+            if self._forward is not None:
+                self._forward.begin(self._state)
+                self._forward.install()
             intercept.activate(self)
         else:  # an unsampled step runs with no gradstore hook at all
             self._state = None
             if self._frames is not None:
                 self._frames.remove()
+            if self._forward is not None:
+                self._forward.remove()
             self._tracker.remove()
             self._warning_log.remove()
             intercept.deactivate(self)
 
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
         state, self._state = self._state, None
-        # an unsampled step, or one in which no backward pass ran (the empty step after a loop's last
-        # rec.step(), an eval-only call): nothing to record; only the run's status may change
-        if state is None or (exc is None and not state.records and not state.faults and not state.tracing_passes):
+        forward_nodes, activations = [], []
+        if state is not None and self._forward is not None:
+            try:
+                forward_nodes, activations = self._forward.take()
+            except Exception as exc_forward:
+                state.fault("end of step (forward)", exc_forward)
+        # an unsampled step, or one in which no backward pass ran and (with forward=True) no module was called
+        # (the empty step after a loop's last rec.step(), an eval-only call): nothing to record; only the run's
+        # status may change
+        if state is None or (
+            exc is None and not state.records and not state.faults and not state.tracing_passes and not activations
+        ):
             if run_status is not None:
                 self._writer.set_run_status(self.run_id, run_status, time.time())
             return
@@ -446,7 +500,9 @@ class record:
         if exc is not None:
             status = "error"
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        elif any(r.nonfinite for r in state.records):
+        elif any(r.nonfinite for r in state.records) or any(
+            row[i] for row in activations for i in _ACTIVATION_NONFINITE
+        ):
             status = "nonfinite"
         if state.faults:
             error = "\n".join(filter(None, [error, "recorder faults: " + "; ".join(state.faults[:20])]))
@@ -464,7 +520,11 @@ class record:
             level=self.options.stats,
             tracing_passes=state.tracing_passes,
             warnings=[(*key, n) for key, n in state.warnings.items()],
+            forward_nodes=forward_nodes,
+            activations=activations,
         )
+        if state.values is not None:
+            batch.values_bytes, batch.values_left_out = state.values.bytes, state.values.left_out
         self._add_findings(batch, state, records)
         state.release()
         self._writer.submit(batch, on_full=self.options.on_full, max_rows=self.options.queue_rows)
@@ -554,6 +614,8 @@ class record:
             try:
                 if p is not None:
                     p.finish(ok)
+                    if self._forward is not None and not state.active:  # a top-level pass: the next forward's keys
+                        self._forward.backward_done()
             finally:
                 if outer and self._tracker is not None:
                     self._tracker.context = None

@@ -24,6 +24,9 @@ run unpack hooks); `_HAS_RAW` says which path this PyTorch takes.
 
 from __future__ import annotations
 
+import re
+from functools import partial
+
 import torch
 from torch.autograd.function import BackwardCFunction
 
@@ -224,6 +227,87 @@ def saved_tensors(node) -> SavedTensors:
         return SavedTensors(items, packed=tuple(packed))
     except Exception:  # never raise into a hook
         return SavedTensors()
+
+
+_VERSIONS = re.compile(r"is at version (\d+); expected version (\d+)")
+
+
+def _version(t) -> int | None:
+    try:
+        return t._version
+    except Exception:
+        return None
+
+
+def _checked(read, version: int | None) -> tuple[int | None, int | None, str | None]:
+    """(version, saved_version, note) from unpacking a saved tensor with `read()`: autograd's own version check,
+    whose error text 'is at version N; expected version M' gives both counters."""
+    try:
+        read()
+        return version, version, None
+    except RuntimeError as exc:
+        found = _VERSIONS.search(str(exc))
+        if found is not None:
+            return int(found.group(1)), int(found.group(2)), None
+        return version, None, f"version not checked: {str(exc)[:200]}"
+    except Exception as exc:
+        return version, None, f"version not checked: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def saved_versions(node, saved: SavedTensors | None = None) -> list[tuple[int | None, int | None, str | None]]:
+    """For each entry of `saved_tensors(node)`, in order: (version, saved_version, note): the tensor's version
+    counter now (`Tensor._version`) and when the node saved it. They differ when it was modified in place since
+    it was saved (the node's backward would raise 'modified by an inplace operation'). Never raises.
+
+    Args:
+        node: a `torch.autograd.graph.Node`.
+        saved: `saved_tensors(node)`, when the caller has it.
+    Returns:
+        one tuple per entry; saved_version None, with a note saying why, where it cannot be read without side
+        effects: an entry held by a saved_tensors_hooks pack hook (unpacking runs user code), a custom
+        Function's ctx attribute (autograd does not track it), a None entry, or an unpacking error other than
+        the version check's.
+    Relies on: the `node._saved_*` getters (built-in nodes), `SavedTensor.unpack()` (private: a custom
+        Function's saved inputs, and elements of saved lists), `BackwardCFunction.saved_tensors` (a custom
+        Function's saved outputs, checked together), each of which checks the version counter; and the text
+        of that check's error. Without an unpack hook none of them runs user code.
+    """
+    if saved is None:
+        saved = saved_tensors(node)
+    out = []
+    custom = is_custom(node)
+    for name, t in saved:
+        version = _version(t) if t is not None else None
+        try:
+            if t is None:
+                out.append((None, None, "no tensor"))
+            elif name in saved.packed:
+                out.append(
+                    (version, None, "held by a saved_tensors_hooks pack hook: not unpacked, version not checked")
+                )
+            elif name.startswith("ctx."):
+                out.append((version, None, "a ctx attribute of a custom Function: autograd keeps no saved version"))
+            elif custom:
+                holder = node._raw_saved_tensors[int(name[len("saved_tensors[") : -1])]
+                check = _checked(holder.unpack, version)
+                if check[1] is None:  # saved as the Function's output: unpacked with the others only
+                    check = _checked(lambda: node.saved_tensors, version)
+                    if check[1] is not None and check[1] != check[0]:
+                        check = (
+                            version,
+                            None,
+                            f"among the Function's saved tensors one is at version {check[0]} "
+                            f"but was saved at {check[1]}; this one (an output) cannot be checked alone",
+                        )
+                out.append(check)
+            elif "[" in name:  # an element of a saved list
+                base, j = name[: name.index("[")], int(name[name.index("[") + 1 : -1])
+                out.append(_checked(getattr(node, RAW_PREFIX + base[len(SAVED_PREFIX) :])[j].unpack, version))
+            else:
+                out.append(_checked(partial(getattr, node, name), version))
+        except Exception as exc:
+            out.append((version, None, f"version not checked: {type(exc).__name__}: {str(exc)[:200]}"))
+    return out
 
 
 def saved_values(node) -> list[tuple[str, object]]:

@@ -41,8 +41,10 @@ from .checksum import checksum_on_device
 
 LEVELS = ("full", "health", "params", "shape")
 
-# positions in the per-tensor vector of reductions; NaN marks "not computed at this level"
-NAN, POSINF, NEGINF, ZEROS, NFINITE, NORM, MIN, MAX, MEAN, M2 = range(10)
+# positions in the per-tensor vector of reductions; NaN marks "not computed at this level". STD is the finished
+# standard deviation (Bessel-corrected; any value when NFINITE < 2), not a sum of squared deviations: that sum
+# overflows for finite float64 gradients whose standard deviation does not
+NAN, POSINF, NEGINF, ZEROS, NFINITE, NORM, MIN, MAX, MEAN, STD = range(10)
 VEC_LEN = 10
 _ABSENT = math.nan
 _LARGE = 1 << 16  # above this many elements, torch's multi-threaded kernels beat NumPy's per-call advantage
@@ -159,25 +161,42 @@ def _unreadable(t) -> str | None:
 
 # ---- the reductions ------------------------------------------------------------------------------------------
 def _masked(x: torch.Tensor, level: str = "full") -> torch.Tensor:
-    """All reductions with exact non-finite counts, in float64, on x's device, with no branch on data."""
+    """All reductions with exact non-finite counts, in float64, on x's device, with no branch on data.
+
+    A float64 gradient's finite elements are scaled by a power of two near the largest finite magnitude before
+    any square or sum (exact: the results are bit for bit those of the unscaled sums wherever those do not
+    overflow), so one whose squares overflow (|x| past 1.3e154) still gets its true norm and std. Narrower
+    dtypes need no scaling (their squares in float64 cannot overflow) and take no extra pass."""
+    wide = x.dtype == torch.float64
     x = x.to(torch.float64)
     finite = torch.isfinite(x)
     nfinite = finite.sum(dtype=torch.float64)
     nan = torch.isnan(x).sum(dtype=torch.float64)
     posinf = (x == math.inf).sum(dtype=torch.float64)
     neginf = (x == -math.inf).sum(dtype=torch.float64)
-    xz = torch.where(finite, x, 0.0)
-    norm = torch.linalg.vector_norm(xz)
     mn = torch.where(finite, x, math.inf).amin()
     mx = torch.where(finite, x, -math.inf).amax()
+    xs = torch.where(finite, x, 0.0)
+    scale = None
+    if wide:
+        # 2^e with the largest finite |x| in [2^(e-1), 2^e) (1 when there is none, or only zeros); e <= 1023,
+        # where 2^e is still finite (and >= -1022: a normal number)
+        big = torch.where(nfinite > 0, torch.maximum(mn.abs(), mx.abs()), 1.0)
+        scale = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent.clamp(-1022, 1023))
+        xs.div_(scale)
+    norm = torch.linalg.vector_norm(xs)
     if level == "full":
         zeros = (x == 0).sum(dtype=torch.float64)
-        mean = xz.sum() / nfinite
-        dev = torch.where(finite, x - mean, 0.0)
-        m2 = (dev * dev).sum()
+        mean = xs.sum() / nfinite
+        dev = torch.where(finite, xs - mean, 0.0)
+        std = ((dev * dev).sum() / (nfinite - 1)).sqrt_()
+        if scale is not None:
+            mean, std = mean * scale, std * scale
     else:
-        zeros = mean = m2 = torch.full((), _ABSENT, dtype=torch.float64, device=x.device)
-    return torch.stack([nan, posinf, neginf, zeros, nfinite, norm, mn, mx, mean, m2])
+        zeros = mean = std = torch.full((), _ABSENT, dtype=torch.float64, device=x.device)
+    if scale is not None:
+        norm = norm * scale
+    return torch.stack([nan, posinf, neginf, zeros, nfinite, norm, mn, mx, mean, std])
 
 
 def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
@@ -185,9 +204,10 @@ def _sum_of_squares(x: torch.Tensor, a: np.ndarray) -> float:
     chunks of _CHUNK elements (a float64 copy of one chunk at a time bounds the extra memory)."""
     flat = a.reshape(-1)
     total = 0.0
-    for i in range(0, flat.size, _CHUNK):
-        c = flat[i : i + _CHUNK].astype(np.float64, copy=False)
-        total += float(np.dot(c, c))
+    with np.errstate(over="ignore"):  # squares past the largest double: Inf, which the caller measures again scaled
+        for i in range(0, flat.size, _CHUNK):
+            c = flat[i : i + _CHUNK].astype(np.float64, copy=False)
+            total += float(np.dot(c, c))
     return total
 
 
@@ -206,11 +226,13 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
     suffix, n, ptr, size = _KERNEL_SUFFIX[x.dtype], x.numel(), x.data_ptr(), x.element_size()
     if level != "full":
         sumsq, mn, mx = k.health(suffix, ptr, n, size)
-        if not math.isfinite(sumsq):  # NaN or Inf somewhere (or a float64 square past 1.8e308)
+        # NaN or Inf somewhere, or squares past the largest value: a float64 |x| past 1.3e154, or a float32 one
+        # past 1.8e19 (its squares are added in float32 blocks here): the masked path counts or scales them
+        if not math.isfinite(sumsq):
             return _masked(x, level)
         return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
     s, sumsq, mn, mx, zeros = k.full(suffix, ptr, n, size)
-    if not (math.isfinite(s) and math.isfinite(sumsq)):
+    if not (math.isfinite(s) and math.isfinite(sumsq)):  # NaN, Inf, or float64 squares or sums overflowing
         return _masked(x, level)
     mean = s / n
     m2 = sumsq - s * mean
@@ -218,7 +240,13 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
         m2 = 0.0
     elif m2 < 1e-4 * s * mean:  # the mean dominates: sumsq - s*mean cancels; redo around the mean
         m2 = k.m2(suffix, ptr, n, size, mean)
-    return (0.0, 0.0, 0.0, zeros, float(n), math.sqrt(sumsq), mn, mx, mean, max(m2, 0.0))
+    return (0.0, 0.0, 0.0, zeros, float(n), math.sqrt(sumsq), mn, mx, mean, _std(m2, n))
+
+
+def _std(m2: float, n: int) -> float:
+    """The Bessel-corrected standard deviation of n values from their sum of squared deviations m2 (NaN for
+    n < 2, where it is not defined)."""
+    return math.sqrt(max(m2, 0.0) / (n - 1)) if n > 1 else _ABSENT
 
 
 def _cpu(x: torch.Tensor, level: str):
@@ -247,6 +275,8 @@ def _cpu_numpy(x: torch.Tensor, level: str):
     if not (math.isfinite(mn) and math.isfinite(mx)):  # NaN propagates through min/max
         return _masked(x, level)
     sumsq = _sum_of_squares(x, a)
+    if not math.isfinite(sumsq):  # finite values whose squares overflow: the masked path scales them
+        return _masked(x, level)
     if level != "full":
         return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
     mean = s / n
@@ -257,7 +287,7 @@ def _cpu_numpy(x: torch.Tensor, level: str):
         m2 = float(np.dot(d.reshape(-1), d.reshape(-1)))
     elif mn == mx:
         m2 = 0.0
-    return (0.0, 0.0, 0.0, float(zeros), float(n), math.sqrt(sumsq), mn, mx, mean, m2)
+    return (0.0, 0.0, 0.0, float(zeros), float(n), math.sqrt(sumsq), mn, mx, mean, _std(m2, n))
 
 
 def _reduce(x: torch.Tensor, level: str = "full"):
@@ -269,8 +299,9 @@ def _with_implicit_zeros(vec, zeros: int, level: str, device: torch.device):
     """The reductions of a sparse tensor's stored values (`vec`, as `_reduce` gives them, or None when it
     stores none) turned into those of the dense tensor it represents, which also holds `zeros` implicit
     zeros: counts and the finite count grow by them, min and max take 0 in, the sum and sum of squares (so
-    the norm) stay, and the mean and the squared deviations (M2) are combined as two groups' are (Chan et
-    al.): M2 = M2_v + n_v * (mean_v - mean)^2 + zeros * mean^2. Quantities a level does not compute stay NaN.
+    the norm) stay, and the mean and the standard deviation are combined as two groups' are (Chan et al.), by
+    their sums of squared deviations: M2 = (n_v - 1) * std_v^2 + n_v * (mean_v - mean)^2 + zeros * mean^2, and
+    std = sqrt(M2 / (n - 1)). Quantities a level does not compute stay NaN.
     A host tuple gives a host tuple, a device tensor a device tensor (no transfer)."""
     absent = _ABSENT
     if vec is None:
@@ -285,11 +316,16 @@ def _with_implicit_zeros(vec, zeros: int, level: str, device: torch.device):
     total = torch.where(nf > 0, mean_v * nf, 0.0)  # NaN at 'health' (no mean): stays NaN
     mean = total / n
     dev = torch.where(nf > 0, mean_v - mean, 0.0)
-    m2 = v[M2] + nf * dev * dev + zeros * mean * mean
+    if level == "full":
+        m2_v = torch.where(nf > 1, v[STD] * v[STD] * (nf - 1), 0.0)
+        m2 = m2_v + nf * dev * dev + zeros * mean * mean
+        std = torch.where(n > 1, torch.sqrt(torch.clamp(m2, min=0.0) / (n - 1)), math.nan)
+    else:  # no std at this level
+        std = v[STD]
     zero = torch.zeros((), dtype=torch.float64, device=v.device)
     out = torch.stack(
         [v[NAN], v[POSINF], v[NEGINF], v[ZEROS] + zeros, n, v[NORM], torch.minimum(v[MIN], zero),
-         torch.maximum(v[MAX], zero), mean, m2]
+         torch.maximum(v[MAX], zero), mean, std]
     )  # fmt: skip
     return out if isinstance(vec, torch.Tensor) else tuple(out.tolist())
 
@@ -528,14 +564,14 @@ def _opt(v: float):
 
 def _derive(v) -> tuple:
     nfinite = int(v[NFINITE])
-    zeros, m2 = _opt(v[ZEROS]), _opt(v[M2])
+    zeros, std = _opt(v[ZEROS]), _opt(v[STD])
     has = nfinite > 0
     return (
         float(v[NORM]),
         float(v[MIN]) if has else None,
         float(v[MAX]) if has else None,
         _opt(float(v[MEAN])) if has else None,
-        math.sqrt(max(m2, 0.0) / (nfinite - 1)) if (nfinite > 1 and m2 is not None) else None,
+        float(std) if (nfinite > 1 and std is not None) else None,
         int(v[NAN]),
         int(v[POSINF]),
         int(v[NEGINF]),
@@ -607,38 +643,67 @@ def any_nonfinite(measured: list) -> bool:
     return False
 
 
-def to_rows(measured: list) -> list[tuple]:
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` (C order) as int64 words, zero-padded to a whole word: anything can ride in an int64 copy."""
+    b = t.contiguous().reshape(-1).view(torch.uint8)
+    pad = -b.numel() % 8
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    return b.view(torch.int64)
+
+
+def _unwords(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`_words` undone on the host: a tensor of like's dtype and shape."""
+    n = like.numel() * like.element_size()
+    return words.view(torch.uint8)[:n].view(like.dtype).reshape(like.shape)
+
+
+def to_rows(measured: list, extra: list | None = None) -> list[tuple]:
     """Turn a pass's results (`Measured`, or `shape_only`'s `(dtype, torch.Size)` tuples) into row tuples
     (ROW_COLUMNS order, then the `Sharding` of a DTensor's shard or None), with one host copy per device
     (statistics and checksums travel together: the float64 statistics as their int64 bit patterns).
 
+    extra: tensors of any dtype and shape (slice statistics, copies of gradients' elements, a loss) to bring to
+    the host in the same copy per device; each device tensor in the list is replaced by its host copy (same
+    dtype and shape), or by None where its copy failed. CPU tensors stay as they are.
     A fault in a transfer marks the affected rows skipped with the reason.
     """
-    by_device: dict[torch.device, tuple[list[int], list[int]]] = {}
+    by_device: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
     for i, m in enumerate(measured):
         if type(m) is tuple:
             continue
         if isinstance(m.vec, torch.Tensor):
-            by_device.setdefault(m.vec.device, ([], []))[0].append(i)
+            by_device.setdefault(m.vec.device, ([], [], []))[0].append(i)
         if isinstance(m.checksum, torch.Tensor):
-            by_device.setdefault(m.checksum.device, ([], []))[1].append(i)
+            by_device.setdefault(m.checksum.device, ([], [], []))[1].append(i)
+    for j, t in enumerate(extra or ()):
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            by_device.setdefault(t.device, ([], [], []))[2].append(j)
     host: dict[int, list] = {}
     sums: dict[int, int] = {}
     failed: dict[int, str] = {}
-    for vec_idx, sum_idx in by_device.values():
+    for vec_idx, sum_idx, extra_idx in by_device.values():
         try:
             parts = []
             if vec_idx:
                 parts.append(torch.stack([measured[i].vec for i in vec_idx]).view(torch.int64).reshape(-1))
             if sum_idx:
                 parts.append(torch.stack([measured[i].checksum.reshape(()) for i in sum_idx]))
+            words = [_words(extra[j]) for j in extra_idx]
+            parts.extend(words)
             packed = (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu()
             nv = len(vec_idx) * VEC_LEN
             if vec_idx:
                 host.update(zip(vec_idx, packed[:nv].view(torch.float64).reshape(-1, VEC_LEN).tolist()))
-            sums.update(zip(sum_idx, packed[nv:].tolist()))
+            sums.update(zip(sum_idx, packed[nv : nv + len(sum_idx)].tolist()))
+            at = nv + len(sum_idx)
+            for j, w in zip(extra_idx, words):
+                extra[j] = _unwords(packed[at : at + w.numel()], extra[j])
+                at += w.numel()
         except Exception as exc:
             failed.update(dict.fromkeys(vec_idx + sum_idx, f"{type(exc).__name__}: {exc}"[:500]))
+            for j in extra_idx:
+                extra[j] = None
     rows = []
     for i, m in enumerate(measured):
         if type(m) is tuple:

@@ -9,7 +9,9 @@ the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank
   it), or is skipped with its passes, calls and tensors when `skip_existing=True`;
 - nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated;
 - passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range), with their
-  reasons, checksums, sparse layouts and DTensor layouts (shardings matched by key);
+  reasons, checksums, sparse layouts and DTensor layouts (shardings matched by key), and with each tensor the
+  rows keyed by its id (tensor_notes, tensor_shardings, and revision 0008_inside's tensor_slices,
+  tensor_values, saved_versions, forward_seqs);
 - the step findings (param_status, module_calls, step_nodes, step_warnings) are copied with their steps, and
   param_names (every name of a parameter) added per run where OUT lacks the name.
 
@@ -34,6 +36,8 @@ _CHUNK = 5_000  # rows read, mapped and inserted at a time
 _IN = 500  # values per IN (...) list
 
 _STATUS_RANK = {"finished": 0, "running": 1, "error": 2}  # the merged run keeps the worst
+# the tables keyed by a tensor's id, copied with it under its new id
+_SIDE_TABLES = (s.tensor_notes, s.tensor_shardings, s.tensor_slices, s.tensor_values, s.saved_versions, s.forward_seqs)
 
 
 class MergeConflict(GradstoreError):
@@ -311,22 +315,25 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
 
     layout_map = _merge_layouts(src, dst)
     sharding_map = _merge_shardings(src, dst)
-    td, tn, tsh = s.tensor_data.c, s.tensor_notes.c, s.tensor_shardings.c
+    td = s.tensor_data.c
     for rows in _stream(src, s.tensor_data, order_by=(td.step_id, td.node_id, td.id)):
         rows = [r for r in rows if r["step_id"] in step_map]
-        notes, layouts = {}, {}  # this chunk's notes (reasons, checksums, sparse layouts); its DTensor layouts
+        side = {table: {} for table in _SIDE_TABLES}  # this chunk's rows of the tables keyed by a tensor's id
         for ids in _chunks([r["id"] for r in rows], _IN):
-            notes.update((r["id"], r) for r in src.execute(select(s.tensor_notes).where(tn.id.in_(ids))).mappings())
-            layouts.update((i, sid) for i, sid in src.execute(select(tsh.id, tsh.sharding_id).where(tsh.id.in_(ids))))
+            for table, found in side.items():
+                found.update(
+                    (r["id"], dict(r)) for r in src.execute(select(table).where(table.c.id.in_(ids))).mappings()
+                )
         new_ids = _reserve_tensor_ids(dst, len(rows))
-        new_notes, new_layouts = [], []
+        new_side = {table: [] for table in _SIDE_TABLES}
         for r, new_id in zip(rows, new_ids):
-            note = notes.get(r["id"])
-            if note is not None:
-                new_notes.append({**note, "id": new_id})
-            layout = layouts.get(r["id"])
-            if layout is not None:
-                new_layouts.append({"id": new_id, "sharding_id": sharding_map[layout]})
+            for table, found in side.items():
+                row = found.get(r["id"])
+                if row is not None:
+                    row = {**row, "id": new_id}
+                    if table is s.tensor_shardings:  # its DTensor layout, by the layout's id in OUT
+                        row["sharding_id"] = sharding_map[row["sharding_id"]]
+                    new_side[table].append(row)
             r["id"] = new_id
             r["step_id"] = step_map[r["step_id"]]
             r["node_id"] = node_map[r["node_id"]]
@@ -338,10 +345,9 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
                 r["layout_id"] = layout_map[r["layout_id"]]
         if rows:
             dst.execute(insert(s.tensor_data), rows)
-        if new_notes:
-            dst.execute(insert(s.tensor_notes), new_notes)
-        if new_layouts:
-            dst.execute(insert(s.tensor_shardings), new_layouts)
+        for table, side_rows in new_side.items():
+            if side_rows:
+                dst.execute(insert(table), side_rows)
         report.tensors += len(rows)
     return report
 

@@ -75,7 +75,7 @@ def get(name: str) -> Query:
 
 
 # parameters that the SQL casts to a number: checked here, since CAST('abc' AS INTEGER) is 0 in SQLite
-_INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b", "all"}
+_INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b", "all", "slot"}
 _REAL_PARAMS = {"rtol", "atol", "now"}
 
 

@@ -13,11 +13,14 @@ from pathlib import Path
 import pandas as pd
 from sqlalchemy import select
 
-from ..errors import GradstoreError, UnknownRun
+from ..errors import GradstoreError, UnknownRun, ValuesNotRecorded
 from . import queries
 from . import schema as s
+from . import values as stored_values
 from .database import open_existing, open_sqlite_reader
 from .writer import flush_pending
+
+_NONFINITE_ROLES = ("grad_output", "grad_input", "activation", "loss")  # first_nonfinite(role=...)
 
 
 class Store:
@@ -252,12 +255,17 @@ class Store:
         self, run: str | None = None, step: int | None = None, rank: int | None = None, role: str | None = None
     ) -> pd.DataFrame:
         """Per run and rank, the first call (execution order) with NaN/Inf in its gradients (grad_outputs or
-        grad_inputs; `role=` one of them only; saved tensors never: `first_nonfinite_saved`), within `step`
-        when given: run, rank, step, pass, seq, key, name, module, frame, role,
-        slot, numel, nan, posinf, neginf, norm, min, max; one row per non-finite slot of that call. Empty when
-        every gradient was finite. Raises UnknownRun; ValueError for a role other than grad_output, grad_input."""
-        if role is not None and role not in ("grad_output", "grad_input"):
-            raise ValueError(f"first_nonfinite(role=...) is grad_output or grad_input (or None for both), got {role!r}")
+        grad_inputs; saved tensors never: `first_nonfinite_saved`), within `step` when given: run, rank, step,
+        pass, seq, key, name, module, frame, role, slot, numel, nan, posinf, neginf, norm, min, max, phase
+        ('backward'); one row per non-finite slot of that call. With record(forward=True), first the forward
+        event (phase 'forward': a module call's outputs, role 'activation', or a pass's loss, role 'loss') whose
+        tensors hold NaN/Inf, when it comes before that call. `role=` keeps rows of that role only. Empty when
+        every gradient (and forward tensor) was finite. As queries/first_nonfinite.sql.
+        Raises UnknownRun; ValueError for a role other than grad_output, grad_input, activation, loss."""
+        if role is not None and role not in _NONFINITE_ROLES:
+            raise ValueError(
+                f"first_nonfinite(role=...) is one of {', '.join(_NONFINITE_ROLES)} (or None for all), got {role!r}"
+            )
         return self.query("first_nonfinite", run=run, step=step, rank=rank, role=role)
 
     def first_nonfinite_saved(
@@ -379,13 +387,19 @@ class Store:
 
         Columns: run_a, run_b, rank_a, rank_b, step_a, step_b, pass_a, pass_b, seq_a, seq_b, key, name, module,
         param, role, slot, occurrence, side (both / a / b: the row exists in one side only), differs (the fields
-        that differ bitwise, comma-separated; '' when equal; 'missing' for a one-sided row), status_a/_b,
-        dtype_a/_b, shape_a/_b, numel_a/_b, then for norm, min, max, mean, std: _a, _b, _abs (|a - b|), _rel
-        (|a - b| / max(|a|, |b|)), and nan, posinf, neginf, zeros, checksum: _a, _b.
+        that differ bitwise, comma-separated; '' when equal; 'missing' for a one-sided row; 'values' where the
+        stored elements differ), status_a/_b, dtype_a/_b, shape_a/_b, numel_a/_b, then for norm, min, max,
+        mean, std: _a, _b, _abs (|a - b|), _rel (|a - b| / max(|a|, |b|)), and nan, posinf, neginf, zeros,
+        checksum: _a, _b; id_a, id_b (the tensor ids), values_a, values_b (bytes of stored elements, NULL
+        without record(values=...)); and, compared here in Python from the elements both sides stored
+        (gradstore.store.values): values_compared ('yes', or 'no: ' and why), values_max_abs (max |a - b|),
+        values_rel (values_max_abs / the largest |element| of either side), values_cosine.
         Raises UnknownRun; GradstoreError for a step or rank that side's run did not record.
         """
         self._check_sides(run_a, run_b, step_a, step_b, rank_a, rank_b)
-        return self.query("diff", run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a, rank_b=rank_b)
+        sides = dict(run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a, rank_b=rank_b)
+        frame = self.query("diff", **sides)
+        return self._compare_values(frame, sides, 0.0, 0.0).drop(columns=["values_differ"])
 
     def first_divergence(
         self,
@@ -410,17 +424,143 @@ class Store:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"first_divergence({name}=...) is a finite number >= 0, got {value!r}")
         self._check_sides(run_a, run_b, step_a, step_b, rank_a, rank_b)
-        return self.query(
-            "first_divergence",
-            run_a=run_a,
-            run_b=run_b,
-            step_a=step_a,
-            step_b=step_b,
-            rank_a=rank_a,
-            rank_b=rank_b,
-            rtol=float(rtol),
-            atol=float(atol),
-        )
+        sides = dict(run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a, rank_b=rank_b)
+        first = self.query("first_divergence", **sides, rtol=float(rtol), atol=float(atol))
+        stored = self._stored_values(sides)
+        first = self._compare_values(first, sides, float(rtol), float(atol), stored)
+        if stored[0] and stored[1]:  # elements on both sides: a call whose elements alone differ may come first
+            every = self._compare_values(self.query("diff", **sides), sides, float(rtol), float(atol), stored)
+            first = stored_values.first_divergence(
+                first, every, run_a is None and run_b is None, rank_a is None and rank_b is None
+            )
+        return first.drop(columns=["values_differ"])
+
+    # ---- stored elements (record(values=...)) ------------------------------------------------------------------
+    def _stored_values(self, sides: dict) -> tuple[dict, dict]:
+        """tensor id -> (dtype, shape, data) of the elements stored on each side of a comparison."""
+        out = []
+        for me, other in (("a", "b"), ("b", "a")):
+            pick = {
+                n: sides[f"{n}_{me}"] if sides[f"{n}_{me}"] is not None else sides[f"{n}_{other}"]
+                for n in ("run", "step", "rank")
+            }
+            frame = self.query("tensor_values", **pick)
+            out.append(
+                {
+                    int(i): (d, sh, bytes(data))
+                    for i, d, sh, data in zip(frame.id, frame.dtype, frame["shape"], frame.data)
+                }
+            )
+        return out[0], out[1]
+
+    def _compare_values(self, frame: pd.DataFrame, sides: dict, rtol: float, atol: float, stored=None) -> pd.DataFrame:
+        """`frame` with the values_* columns (gradstore.store.values.add_columns) and `differs` marked."""
+        if stored is None:
+            has = frame["values_a"].notna().any() and frame["values_b"].notna().any() if len(frame) else False
+            stored = self._stored_values(sides) if has else ({}, {})
+        return stored_values.add_columns(frame, stored[0], stored[1], rtol, atol)
+
+    def tensor(
+        self,
+        run: str,
+        key: str | None = None,
+        role: str | None = None,
+        slot: int = 0,
+        step: int | None = None,
+        rank: int | None = None,
+        occurrence: int = 0,
+        param: str | None = None,
+    ):
+        """A gradient whose elements were stored (record(values=...)), as a torch.Tensor (CPU, its dtype and shape).
+
+        Args:
+            run: the run's name.
+            key: the node key ('fc/AddmmBackward0#0', 'param:fc.weight'); or `param` (a parameter's qualified name:
+                key 'param:NAME', role 'param_grad' unless given).
+            role: 'grad_output', 'grad_input' or 'param_grad'; None: the only role stored for that key and slot.
+            slot: position in grad_outputs / grad_inputs (0 for param_grad rows).
+            step: the step; None: the last step that stored it. rank: the rank; None: the lowest that stored it.
+            occurrence: 0 for the first row of that key, role and slot in the step, 1, 2, ... for micro-batches.
+        Returns: torch.Tensor (decoded from little-endian bytes: gradstore.store.values.decode).
+        Raises: UnknownRun; ValuesNotRecorded when no such stored gradient exists (the message says which are
+            stored for that key, and how many the step's byte budget left out); ValueError for a bad role.
+        """
+        if param is not None:
+            key = key or f"param:{param}"
+            role = role or "param_grad"
+        if key is None:
+            raise ValueError("tensor(...) needs key= (a node key) or param= (a parameter's qualified name)")
+        _check_role(role)
+        self._check_run(run)
+        frame = self.query("tensor_values", run=run, key=key, step=step, rank=rank)
+        sel = frame[(frame["slot"] == slot) & (frame["occurrence"] == occurrence)]
+        if role is not None:
+            sel = sel[sel["role"] == role]
+        if sel["role"].nunique() > 1:
+            raise ValuesNotRecorded(
+                f"{key} slot {slot} has stored elements for roles {', '.join(sorted(sel['role'].unique()))}: give role="
+            )
+        if sel.empty:
+            have = ", ".join(
+                f"{r.role}[{r.slot}] step {r.step} rank {r.rank} occurrence {r.occurrence}"
+                for r in frame.head(10).itertuples()
+            )
+            steps = self.steps(run, rank=rank, step=step)
+            left = int(steps["values_left_out"].fillna(0).sum()) if len(steps) else 0
+            raise ValuesNotRecorded(
+                f"run {run!r} has no stored elements for {key} {role or ''}[{slot}] occurrence {occurrence}"
+                + (f" at step {step}" if step is not None else "")
+                + (f"; stored for that key: {have}" if have else "; none are stored for that key")
+                + (f"; the byte budget left out {left} matching gradients in those steps" if left else "")
+                + " (record(values=...) stores the gradients of the nodes it selects with at most max_numel elements)"
+            )
+        if step is None:
+            sel = sel[sel["step"] == sel["step"].max()]
+        row = sel.sort_values("rank").iloc[0]
+        return stored_values.decode(bytes(row["data"]), row["dtype"], row["shape"])
+
+    # ---- inside tensors, the forward, saved tensors ---------------------------------------------------------------
+    def slices(
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        role: str | None = None,
+        module: str | None = None,
+        key: str | None = None,
+    ) -> pd.DataFrame:
+        """With record(slices=...): each selected gradient summarised along one dimension, as queries/slices.sql:
+        run, rank, step, pass, seq, key, name, module, param, role, slot, shape, dim, slices, zero (all-zero
+        slices), nonfinite (slices holding NaN/Inf), norm_min, norm_median, norm_max (over the finite slices),
+        zero_first, nonfinite_first (first 8 indices, comma-separated), reason. Raises UnknownRun; ValueError for
+        a bad role."""
+        _check_role(role)
+        return self.query("slices", run=run, step=step, rank=rank, role=role, module=module, key=key)
+
+    def activations(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
+    ) -> pd.DataFrame:
+        """With record(forward=True): every module call's output statistics in forward order, as
+        queries/activations.sql: run, rank, step, seq, key ('module/forward#k'), name (the module's class),
+        module, slot, status, reason, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf,
+        zeros. Raises UnknownRun."""
+        return self.query("activations", run=run, step=step, rank=rank, module=module)
+
+    def losses(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
+        """With record(forward=True): the roots of every backward pass (role 'loss'), as queries/losses.sql: run,
+        rank, step, pass, seq, key, name, module, slot, value (a one-element root's value when finite, else NULL:
+        see nan, posinf, neginf), status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf,
+        zeros. Raises UnknownRun."""
+        return self.query("losses", run=run, step=step, rank=rank)
+
+    def saved(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
+    ) -> pd.DataFrame:
+        """With record(saved=True): every saved tensor's statistics and whether it was modified in place after it
+        was saved, as queries/saved.sql: run, rank, step, pass, seq, key, name, module, slot, status, reason,
+        dtype, shape, numel, norm ... zeros, version, saved_version, modified (1 / 0 / NULL: not checked),
+        note. Raises UnknownRun."""
+        return self.query("saved", run=run, step=step, rank=rank, module=module)
 
     def rank_divergence(self, run: str, step: int | None = None, all: bool = False) -> pd.DataFrame:  # noqa: A002
         """The parameters whose final gradients at a step (the param_grad rows of the step's last top-level

@@ -18,6 +18,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     Sequence,
@@ -101,6 +102,10 @@ steps = Table(
     Column("waited", Float, nullable=False),  # seconds the step waited for the writer (on_full='wait')
     # backward passes torch.compile ran while tracing (AOTAutograd on fake / functional tensors): not recorded
     Column("tracing_passes", Integer, nullable=False, server_default=text("0")),
+    # record(values=...) (revision 0008_inside; NULL without it): bytes of gradient elements stored in the step,
+    # and matching gradients whose elements the step's byte budget left out
+    Column("values_bytes", BigInteger),
+    Column("values_left_out", Integer),
     UniqueConstraint("run_id", "rank", "step"),
 )
 
@@ -259,6 +264,9 @@ tensor_data = Table(
 # first_nonfinite reads only the rows that hold NaN or Inf: a partial index keeps that lookup small
 NONFINITE = "nan + posinf + neginf > 0"
 Index("ix_tensor_data_nonfinite", tensor_data.c.step_id, sqlite_where=text(NONFINITE), postgresql_where=text(NONFINITE))
+# record(forward=True)'s loss rows (role 5), one per root of a pass: a loss curve reads only them (0008_inside)
+LOSS = "role = 5"
+Index("ix_tensor_data_loss", tensor_data.c.step_id, sqlite_where=text(LOSS), postgresql_where=text(LOSS))
 
 tensor_notes = Table(
     "tensor_notes",
@@ -270,6 +278,54 @@ tensor_notes = Table(
     Column("layout", String(16)),
     Column("nnz", BigInteger),
     Column("coalesced", Integer),
+)
+
+# ---- inside the tensor, and the forward side (revision 0008_inside) ----------------------------------------------
+# Side tables keyed by the tensor's id (as tensor_notes), each filled only when its record() option is on.
+# record(slices=...): a gradient summarised along one dimension: `slices` slices, how many are all zero and how
+# many hold NaN or Inf, the min / median / max of the finite slices' L2 norms, the first indices (comma-separated,
+# at most 8) of the all-zero and the non-finite slices; `reason` (the rest NULL) where it could not be summarised
+tensor_slices = Table(
+    "tensor_slices",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("dim", Integer),  # the dimension (>= 0) the slices run along
+    Column("slices", BigInteger),
+    Column("zero", BigInteger),
+    Column("nonfinite", BigInteger),
+    Column("norm_min", Float),
+    Column("norm_median", Float),  # the lower median (torch.median's) over the finite slices
+    Column("norm_max", Float),
+    Column("zero_first", String(255)),
+    Column("nonfinite_first", String(255)),
+    Column("reason", Text),
+)
+# record(values=...): the elements of a small gradient, little-endian, in C order; dtype code and shape as in layouts
+tensor_values = Table(
+    "tensor_values",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("dtype", Integer, nullable=False),
+    Column("shape", String(255), nullable=False),
+    Column("data", LargeBinary, nullable=False),
+)
+# record(saved=True): a saved tensor's version counter when measured and when the node saved it (they differ when
+# it was modified in place since; saved_version NULL, with a note, where it could not be checked)
+saved_versions = Table(
+    "saved_versions",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("version", Integer),
+    Column("saved_version", Integer),
+    Column("note", Text),
+)
+# record(forward=True): the place in the step of a row that has no call (seq: the step's counter, shared with the
+# backward calls): an activation row (its module call's) and a loss row (its pass's start)
+forward_seqs = Table(
+    "forward_seqs",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),  # the tensor's id
+    Column("seq", Integer, nullable=False),
 )
 
 # n, the finite elements, and the norm derived from mean and std (in this order of operations: the writer checks

@@ -38,7 +38,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ..errors import GradstoreError
-from ..records import KIND, StepBatch
+from ..records import KIND, ROLE, StepBatch
 from . import claims
 from . import schema as s
 from .database import ensure_schema, explain, is_url, make_engine, transient
@@ -87,6 +87,7 @@ MODULE_CALL_COLUMNS = (
     "nonfinite",
 )
 STEP_NODE_COLUMNS = ("pass", "born_step", "born_pass", "module_call", "ran", "recomputed")
+_FORWARD_ROLES = (ROLE["activation"], ROLE["loss"])  # rows with no call whose seq goes to forward_seqs
 
 _CHUNK = 500  # keys per IN (...) list
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
@@ -154,6 +155,8 @@ class Writer:
                     "dropped",
                     "waited",
                     "tracing_passes",
+                    "values_bytes",
+                    "values_left_out",
                 ),
             )
             + returning
@@ -199,6 +202,27 @@ class Writer:
         self._warning_insert = self._driver_insert(
             "step_warnings", ("step_id", "category", "message", "location", "count")
         )
+        self._side_inserts = {  # revision 0008_inside: rows keyed by a tensor's id, each (id, ...)
+            "slices": self._driver_insert(
+                "tensor_slices",
+                (
+                    "id",
+                    "dim",
+                    "slices",
+                    "zero",
+                    "nonfinite",
+                    "norm_min",
+                    "norm_median",
+                    "norm_max",
+                    "zero_first",
+                    "nonfinite_first",
+                    "reason",
+                ),
+            ),
+            "values": self._driver_insert("tensor_values", ("id", "dtype", "shape", "data")),
+            "saved_versions": self._driver_insert("saved_versions", ("id", "version", "saved_version", "note")),
+        }
+        self._seq_insert = self._driver_insert("forward_seqs", ("id", "seq"))
         mark = "%s" if self._pg else "?"
         self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
@@ -261,6 +285,8 @@ class Writer:
                     batch.dropped = n
                     for p in batch.passes:
                         p.calls, p.tensors = [], []
+                        p.slices, p.values, p.saved_versions = [], [], []  # they point into p.tensors
+                    batch.activations = []
                     n = 0
                 else:
                     t0 = time.perf_counter()
@@ -499,11 +525,13 @@ class Writer:
                 b.dropped,
                 b.waited,
                 b.tracing_passes,
+                b.values_bytes,
+                b.values_left_out,
             ),
         )
         self._write_nodes(conn, b, added)
         self._write_edges(conn, b, added)
-        if b.passes:
+        if b.passes or b.activations:
             # call ids first: each pass row records the id range of its calls (passes.first_call, last_call)
             n_calls = sum(len(p.calls) for p in b.passes)
             call_ids = self._reserve_ids(cur, "call_data", n_calls) if n_calls else []
@@ -576,6 +604,9 @@ class Writer:
             for n in p.nodes:
                 if n.key not in ids:
                     new[n.key] = n
+        for n in b.forward_nodes:
+            if n.key not in ids:
+                new[n.key] = n
         if not new:
             return
         keys = sorted(new)  # one order for every writer: concurrent inserts of shared keys cannot deadlock
@@ -708,15 +739,18 @@ class Writer:
                         (cid, pass_id, node_id[key], seq, round(start * 1e9), None if dur is None else round(dur * 1e9))
                     )
             cur.executemany(self._call_insert, call_rows)
-        n_tensors = sum(len(p.tensors) for p in b.passes)
+        n_tensors = sum(len(p.tensors) for p in b.passes) + len(b.activations)
         if n_tensors:
             tids = self._reserve_ids(cur, "tensor_data", n_tensors)
             layout = self._layout_ids.get
-            rows, notes, unknown, sharded = [], [], [], []
+            rows, notes, unknown, sharded, seqs = [], [], [], [], []
             append = rows.append
             sqrt = math.sqrt
             k = 0
-            for p, pass_id in zip(b.passes, pass_ids):
+            starts = []  # the first id's index in tids of each pass's rows, then of the activations
+            sources = [(p.tensors, pass_id) for p, pass_id in zip(b.passes, pass_ids)] + [(b.activations, None)]
+            for tensors, pass_id in sources:
+                starts.append(k)
                 for (
                     key,
                     seq,
@@ -741,7 +775,7 @@ class Writer:
                     nnz,
                     coalesced,
                     sharding,
-                ) in p.tensors:
+                ) in tensors:
                     tid = tids[k]
                     lay = layout((dtype, shape, numel))
                     if lay is None and (dtype is not None or shape is not None or numel is not None):
@@ -751,7 +785,11 @@ class Writer:
                         n = numel - nan - pinf - ninf
                         if n > 0 and sqrt((n - 1) * std * std + n * mean * mean) == norm:
                             norm = None
-                    cid = call_of.get(seq)  # None for param_grad rows (and a row whose call was not kept)
+                    # None for param_grad rows (and a row whose call was not kept); activation rows have neither a
+                    # call nor a pass; activation and loss rows keep their seq in forward_seqs
+                    cid = call_of.get(seq) if pass_id is not None else None
+                    if cid is None and role in _FORWARD_ROLES:
+                        seqs.append((tid, seq))
                     if cid is None:  # no call to take the pass from: the row names its pass
                         append(
                             (
@@ -817,12 +855,28 @@ class Writer:
                 if new:
                     self._write_shardings(conn, new, added)
                 cur.executemany(self._sharded_insert, [(tid, ids[sh]) for tid, sh in sharded])
+            if seqs:
+                cur.executemany(self._seq_insert, seqs)
+            self._write_side_rows(cur, b, tids, starts + [k])
         self.rows_written += n_tensors + n_calls
+
+    def _write_side_rows(self, cur, b: StepBatch, tids, starts: list[int]) -> None:
+        """The rows keyed by a tensor's id (revision 0008_inside): each pass's slices, values and saved versions
+        (their first item is the row's position in the pass's tensors). `starts`: the index in `tids` of each
+        pass's first row, then of the first activation row, then the end."""
+        side: dict[str, list] = {"slices": [], "values": [], "saved_versions": []}
+        for i, p in enumerate(b.passes):
+            first, n = starts[i], starts[i + 1] - starts[i]
+            for name, rows in (("slices", p.slices), ("values", p.values), ("saved_versions", p.saved_versions)):
+                side[name].extend((tids[first + at], *rest) for at, *rest in rows if 0 <= at < n)
+        for name, rows in side.items():
+            if rows:
+                cur.executemany(self._side_inserts[name], rows)
 
     def _fill_layouts(self, conn, b: StepBatch, rows: list, unknown: list[int], added: list) -> None:
         """Insert the layouts the rows at `unknown` need and put their ids in those rows (a new shape: rare)."""
         triples = {}
-        flat = [t for p in b.passes for t in p.tensors]
+        flat = [t for p in b.passes for t in p.tensors] + list(b.activations)
         for i in unknown:
             t = flat[i]
             triples[(t[6], t[7], t[8])] = None

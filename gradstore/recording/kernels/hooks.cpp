@@ -39,7 +39,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 5;
+constexpr int ABI = 6;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -235,7 +235,7 @@ bool kernel_stats(const at::Tensor& t, Level level, Result& r) {
   double* v = r.vec;
   if (level == HEALTH) {
     G.health[k](ptr, n, out);
-    if (!std::isfinite(out[0])) return false;
+    if (!std::isfinite(out[0])) return false;  // as at full; and float32 squares past 1.8e19 (float32 blocks)
     double nan = std::nan("");
     double vals[10] = {0.0, 0.0, 0.0, nan, (double)n, std::sqrt(out[0]), out[1], out[2], nan, nan};
     std::copy(vals, vals + 10, v);
@@ -243,6 +243,7 @@ bool kernel_stats(const at::Tensor& t, Level level, Result& r) {
   }
   G.full[k](ptr, n, out);
   double s = out[0], sumsq = out[1], mn = out[2], mx = out[3], zeros = out[4];
+  // NaN or Inf, or finite float64 values whose squares overflow: the Python measurement counts or scales them
   if (!(std::isfinite(s) && std::isfinite(sumsq))) return false;
   double mean = s / n;
   double m2 = sumsq - s * mean;
@@ -251,7 +252,9 @@ bool kernel_stats(const at::Tensor& t, Level level, Result& r) {
   } else if (m2 < 1e-4 * s * mean) {  // the mean dominates: sumsq - s*mean cancels; redo around the mean
     m2 = G.m2[k](ptr, n, mean);
   }
-  double vals[10] = {0.0, 0.0, 0.0, zeros, (double)n, std::sqrt(sumsq), mn, mx, mean, std::max(m2, 0.0)};
+  // the Bessel-corrected std (gradstore.recording.stats._std): vec[9] holds it, not the sum of squared deviations
+  double sd = n > 1 ? std::sqrt(std::max(m2, 0.0) / (double)(n - 1)) : std::nan("");
+  double vals[10] = {0.0, 0.0, 0.0, zeros, (double)n, std::sqrt(sumsq), mn, mx, mean, sd};
   std::copy(vals, vals + 10, v);
   return true;
 }
@@ -767,14 +770,12 @@ inline PyObject* none() {
 void derive(const double* v, PyObject* row, int at) {
   long long nfinite = (long long)v[4];
   bool has = nfinite > 0;
-  double zeros = v[3], m2 = v[9];
+  double zeros = v[3], sd = v[9];
   PyTuple_SET_ITEM(row, at, PyFloat_FromDouble(v[5]));
   PyTuple_SET_ITEM(row, at + 1, has ? PyFloat_FromDouble(v[6]) : none());
   PyTuple_SET_ITEM(row, at + 2, has ? PyFloat_FromDouble(v[7]) : none());
   PyTuple_SET_ITEM(row, at + 3, has && !std::isnan(v[8]) ? PyFloat_FromDouble(v[8]) : none());
-  PyTuple_SET_ITEM(row, at + 4, nfinite > 1 && !std::isnan(m2)
-                                    ? PyFloat_FromDouble(std::sqrt(std::max(m2, 0.0) / (double)(nfinite - 1)))
-                                    : none());
+  PyTuple_SET_ITEM(row, at + 4, nfinite > 1 && !std::isnan(sd) ? PyFloat_FromDouble(sd) : none());
   PyTuple_SET_ITEM(row, at + 5, PyLong_FromLongLong((long long)v[0]));
   PyTuple_SET_ITEM(row, at + 6, PyLong_FromLongLong((long long)v[1]));
   PyTuple_SET_ITEM(row, at + 7, PyLong_FromLongLong((long long)v[2]));

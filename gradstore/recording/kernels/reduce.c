@@ -11,9 +11,15 @@
  *              is within (BLOCK + 1) * 2^-24 ~ 1e-6 relative (the norm within 5e-7), at about 60 % of the
  *              full-precision cost
  * gs_m2_*:     returns the sum of squared differences from `mean`
+ * gs_slices_f32: per-slice sums of squares, in double, of a float32 block of shape (outer, k, inner)
+ *              (record(slices=...): gradstore/recording/slices.py)
  *
  * A NaN anywhere makes the sums NaN, an Inf makes them Inf or NaN: the caller checks the sum of squares
- * for finiteness (a float32's square cannot overflow a double) and counts non-finite values elsewhere.
+ * for finiteness and counts non-finite values elsewhere. Finite values can make it infinite too: float64
+ * values past 1.3e154 (their squares pass the largest double), and at health float32 values past 1.8e19
+ * (their squares pass the largest float in the float32 blocks); a float32's square cannot overflow a double
+ * at full. The caller then measures the tensor again with its values scaled by a power of two
+ * (gradstore/recording/stats.py, `_masked`): the true norm, not Inf.
  * min and max skip NaN, so they are meaningful only when the sums are finite.
  */
 #include <math.h>
@@ -174,4 +180,42 @@ static inline void zeros_f64(const double *p, dvec a, dvec b, dmask *z0, dmask *
 DEFINE(float, f32, svec, smask)
 DEFINE(double, f64, dvec, dmask)
 
-int gs_abi_version(void) { return 1; }
+/* out[i] = the sum over o, j of x[(o * k + i) * inner + j]^2 (slice i along the middle dimension), in double.
+ * A float32's square in double can neither overflow nor vanish (the smallest subnormal's is 2e-90), so out[i]
+ * is 0 exactly when slice i is all zero, and not finite exactly when it holds a NaN or an infinity. One pass in
+ * memory order: with inner == 1 (slices along the last dimension) the k sums are updated a vector at a time,
+ * else each run of `inner` values is summed in vector lanes. */
+void gs_slices_f32(const float *x, int64_t outer, int64_t k, int64_t inner, double *out) {
+    for (int64_t i = 0; i < k; i++) out[i] = 0;
+    if (inner == 1) {
+        for (int64_t o = 0; o < outer; o++) {
+            const float *row = x + o * k;
+            int64_t i = 0;
+            for (; i + W <= k; i += W) {
+                dvec a = wide_f32(load_f32(row + i)), acc;
+                memcpy(&acc, out + i, sizeof acc);
+                acc += a * a;
+                memcpy(out + i, &acc, sizeof acc);
+            }
+            for (; i < k; i++) { double d = (double)row[i]; out[i] += d * d; }
+        }
+        return;
+    }
+    for (int64_t o = 0; o < outer; o++) {
+        for (int64_t i = 0; i < k; i++) {
+            const float *p = x + (o * k + i) * inner;
+            dvec q0 = {0}, q1 = {0};
+            int64_t j = 0, stop = inner - inner % LANES;
+            for (; j < stop; j += LANES) {
+                dvec a = wide_f32(load_f32(p + j)), b = wide_f32(load_f32(p + j + W));
+                q0 += a * a; q1 += b * b;
+            }
+            double s = 0;
+            for (int l = 0; l < W; l++) s += q0[l] + q1[l];
+            for (; j < inner; j++) { double d = (double)p[j]; s += d * d; }
+            out[i] += s;
+        }
+    }
+}
+
+int gs_abi_version(void) { return 2; }
