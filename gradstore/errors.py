@@ -47,3 +47,16 @@ class SavedTensorsFreed(ReplayError):
 
 class VerifyUsageError(GradstoreError):
     """gradstore.verify was called in a way it cannot work (no captured forward inputs, bad argument)."""
+
+
+class NonFiniteGradient(GradstoreError):
+    """A recorded step's gradients held NaN or Inf, with `record(on_nonfinite="raise")`: raised after the step
+    is written. `row` is its first non-finite gradient (a dict with the columns of `Store.first_nonfinite`: key,
+    name, module, frame, role, slot, counts, ...; None at stats='shape'); `run`, `rank`, `step` say where."""
+
+    def __init__(self, message: str, row: dict | None = None, run: str | None = None, rank=None, step=None):
+        super().__init__(message)
+        self.row = row
+        self.run, self.rank, self.step = run, rank, step
+        for name in ("key", "name", "module", "frame", "role", "slot"):
+            setattr(self, name, row.get(name) if row else None)

@@ -1,21 +1,23 @@
 -- title: Parameter gradients per step
--- description: Each parameter's .grad as it stood when the step's last top-level backward pass returned (after gradient accumulation and, under DDP, after the all-reduce): status (none when .grad was None) and statistics over finite elements, exact non-finite counts.
+-- description: Each parameter's .grad per step, from one of two rows: the one taken when the step's last top-level backward pass returned (final 0: after gradient accumulation and, under DDP, after the all-reduce) or the one taken when the step ended (final 1: as the optimizer saw it, after any in-place change that followed the pass: a division, GradScaler.unscale_, clipping; pass is NULL). which = 'pass' gives the first, 'final' the second where the step has one and else the first, NULL (or 'all') both. status (none when .grad was None) and statistics over finite elements, exact non-finite counts.
 -- param run: run name; NULL for every run
 -- param rank: rank; NULL for every rank
 -- param step: step number; NULL for every step
 -- param param: qualified parameter name; NULL for all
-SELECT run, rank, step, pass, param, module, status, dtype, shape, numel,
+-- param which: pass, final or all; NULL for all
+SELECT run, rank, step, pass, final, param, module, status, dtype, shape, numel,
        norm, min, max, mean, std, nan, posinf, neginf, zeros
 FROM (
-    SELECT r.id AS run_order, r.name AS run, st.rank, st.step, p.pass, n.param, n.module,
+    SELECT r.id AS run_order, r.name AS run, st.rank, st.step, p.pass, t.final, n.param, n.module,
            su.name AS status, d.name AS dtype, t.shape, t.numel,
            t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, n.id AS node_order,
-           ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
+           ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.final ORDER BY p.pass DESC) AS latest,
+           MAX(t.final) OVER (PARTITION BY t.step_id, t.node_id) AS has_final
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
     JOIN runs r ON r.id = st.run_id
     JOIN nodes n ON n.id = t.node_id
-    JOIN passes p ON p.id = t.pass_id
+    LEFT JOIN passes p ON p.id = t.pass_id
     JOIN statuses su ON su.id = t.status
     LEFT JOIN dtypes d ON d.id = t.dtype
     WHERE t.role = 2
@@ -33,4 +35,7 @@ FROM (
             AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
 ) AS last_pass
 WHERE latest = 1
-ORDER BY run_order, step, rank, node_order;
+  AND (CAST(:which AS TEXT) IS NULL OR CAST(:which AS TEXT) = 'all'
+       OR (CAST(:which AS TEXT) = 'pass' AND final = 0)
+       OR (CAST(:which AS TEXT) = 'final' AND (final = 1 OR has_final = 0)))
+ORDER BY run_order, step, rank, node_order, final;

@@ -79,7 +79,7 @@ _INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b"}
 _REAL_PARAMS = {"rtol", "atol"}
 
 
-_CHOICES = {"role": ROLES, "by": ("node", "module")}
+_CHOICES = {"role": ROLES, "by": ("node", "module"), "which": ("pass", "final", "all")}
 
 
 def _typed(query: str, param: str, value):

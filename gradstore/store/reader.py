@@ -66,9 +66,50 @@ class Store:
         return self.query("runs")
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
-        """Steps: run, rank, step, status (ok/error/nonfinite), passes, level, dropped (rows), waited (s),
-        started_at, ended_at, duration (s), error."""
-        return self.query("steps", run=run, rank=rank, step=step)
+        """Steps: run, rank, step, status (ok/error/nonfinite), passes, level (the stats level; 'summary' for a
+        flight-recorder step written without its detail), dropped (rows), waited (s), started_at, ended_at,
+        duration (s), error; then one column per step value the steps logged (`values`; a name equal to one of
+        the columns before it gets the prefix 'value:'), NaN where a step has none."""
+        frame = self.query("steps", run=run, rank=rank, step=step)
+        long = self.query("values", run=run, rank=rank, step=step)
+        if long.empty or frame.empty:
+            return frame
+        wide = _pivot(long, keys=["run", "rank", "step"])
+        wide.columns = [f"value:{c}" if c in frame.columns else c for c in wide.columns]
+        return frame.merge(wide, how="left", left_on=["run", "rank", "step"], right_index=True)
+
+    def values(self, run: str, names=None, rank: int | None = None) -> pd.DataFrame:
+        """The step values of `run`: one column per name, one row per (step, rank) that logged any (the index),
+        values as floats (NaN where that step did not log the name, or logged NaN; `query("values", ...)` gives
+        the long form, where a NaN is a row with value NaN and an absent value is no row).
+
+        Args:
+            run: the run's name. names: a name or a list of names (columns in that order; a name no step logged
+            is a column of NaN); None: every name, sorted. rank: one rank; None: every rank.
+        Raises: UnknownRun.
+        """
+        self._check_run(run)
+        long = self.query("values", run=run, rank=rank)
+        if isinstance(names, str):
+            names = [names]
+        if names is not None:
+            long = long[long["name"].isin(list(names))]
+        wide = _pivot(long, keys=["step", "rank"])
+        if names is not None:
+            wide = wide.reindex(columns=list(names))
+        return wide
+
+    def param_norms(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, param: str | None = None
+    ) -> pd.DataFrame:
+        """Flight-recorder summaries (record(keep=N)): run, rank, step, status, level, param, module, norm (final
+        gradient, over finite elements), nonfinite (NaN + Inf count), one row per step and parameter."""
+        return self.query("param_norms", run=run, step=step, rank=rank, param=param)
+
+    def dumps(self, run: str | None = None, rank: int | None = None) -> pd.DataFrame:
+        """Flight-recorder dumps: run, rank, step (whose trigger fired), reason (nonfinite / spike / error /
+        manual), first_step, last_step (the steps written in full), at (s since the epoch)."""
+        return self.query("dumps", run=run, rank=rank)
 
     def passes(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Backward passes: run, rank, step, pass, kind (backward/grad), parent_pass, parent_seq, create_graph,
@@ -118,11 +159,22 @@ class Store:
         return self.query("grad_norms", run=run, by=by, step=step, rank=rank, module=module)
 
     def param_grads(
-        self, run: str | None = None, step: int | None = None, rank: int | None = None, param: str | None = None
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        param: str | None = None,
+        which: str = "final",
     ) -> pd.DataFrame:
-        """Each parameter's .grad per step (after the step's last backward pass): run, rank, step, pass, param,
-        module, status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros."""
-        return self.query("param_grads", run=run, step=step, rank=rank, param=param)
+        """Each parameter's .grad per step: run, rank, step, pass, final, param, module, status, dtype, shape,
+        numel, norm, min, max, mean, std, nan, posinf, neginf, zeros.
+
+        which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN), or,
+            for a step without that row (recorded before schema revision 0009_loop), as the step's last
+            top-level backward pass returned it (final = 0); 'pass': always the latter; 'all': both rows.
+        Raises UnknownRun; QueryParameterError for another `which`.
+        """
+        return self.query("param_grads", run=run, step=step, rank=rank, param=param, which=which)
 
     def saved_memory(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """With record(saved=True): per step and module, saved_tensors (count), bytes (numel x element size),
@@ -262,6 +314,16 @@ class Store:
             step_b if step_b is not None else step_a,
             rank_b if rank_b is not None else rank_a,
         )
+
+
+def _pivot(long: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """The long values frame (keys..., name, value) as one column per name, indexed by `keys`; NULL is NaN."""
+    if long.empty:
+        return pd.DataFrame(index=pd.MultiIndex.from_arrays([[] for _ in keys], names=keys))
+    long = long.assign(value=pd.to_numeric(long["value"], errors="coerce").astype(float))
+    wide = long.pivot_table(index=keys, columns="name", values="value", aggfunc="last", dropna=False)
+    wide.columns.name = None
+    return wide.sort_index()
 
 
 def _check_role(role: str | None) -> None:

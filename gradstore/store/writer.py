@@ -32,6 +32,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from ..errors import DatabaseUnavailable
 from ..records import KIND, StepBatch
 from . import schema as s
+from . import values as step_values
 from .database import ensure_schema, is_url, make_engine
 
 # tensor_data's columns in the order the writer builds its rows
@@ -210,6 +211,7 @@ class Writer:
                     batch.dropped = n
                     for p in batch.passes:
                         p.calls, p.tensors = [], []
+                    batch.final = []
                     n = 0
                 else:
                     t0 = time.perf_counter()
@@ -327,6 +329,8 @@ class Writer:
         return cur.fetchone()[0] if self._pg else cur.lastrowid
 
     def _write_step(self, conn, cur, b: StepBatch, added: list) -> None:
+        paramstyle = self.engine.dialect.paramstyle
+        summary_id = step_values.reopen(cur, paramstyle, b) if b.replace else None
         step_id = self._insert_id(
             cur,
             self._step_insert,
@@ -338,14 +342,17 @@ class Writer:
                 b.ended_at,
                 b.status,
                 b.error,
-                len(b.passes),
+                len(b.passes) if b.pass_count is None else b.pass_count,
                 b.level,
                 b.dropped,
                 b.waited,
             ),
         )
+        if summary_id is not None:
+            step_values.move(cur, paramstyle, summary_id, step_id)
         self._write_nodes(conn, b, added)
         self._write_edges(conn, b, added)
+        step_values.write(cur, paramstyle, step_id, b, self._node_ids[b.run_id])
         if b.passes:
             # call ids first: each pass row records the id range of its calls (passes.first_call, last_call)
             n_calls = sum(len(p.calls) for p in b.passes)
@@ -379,6 +386,8 @@ class Writer:
                     )
                 )
             self._write_calls_and_tensors(conn, cur, b, step_id, pass_ids, call_ids, added)
+        elif b.final:
+            self._write_calls_and_tensors(conn, cur, b, step_id, [], [], added)
         if b.run_status is not None:
             cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
 
@@ -390,6 +399,9 @@ class Writer:
             for n in p.nodes:
                 if n.key not in ids:
                     new[n.key] = n
+        for n in b.final_nodes:
+            if n.key not in ids:
+                new.setdefault(n.key, n)
         if not new:
             return
         keys = sorted(new)  # one order for every writer: concurrent inserts of shared keys cannot deadlock
@@ -506,7 +518,9 @@ class Writer:
                         (cid, pass_id, node_id[key], seq, round(start * 1e9), None if dur is None else round(dur * 1e9))
                     )
             cur.executemany(self._call_insert, call_rows)
-        n_tensors = sum(len(p.tensors) for p in b.passes)
+        # the passes' rows, then the final param_grad rows, which have no pass (nor call)
+        sources = [(p.tensors, pass_id) for p, pass_id in zip(b.passes, pass_ids)] + [(b.final, None)]
+        n_tensors = sum(len(rows) for rows, _ in sources)
         if n_tensors:
             tids = self._reserve_ids(cur, "tensor_data", n_tensors)
             layout = self._layout_ids.get
@@ -514,7 +528,7 @@ class Writer:
             append = rows.append
             sqrt = math.sqrt
             k = 0
-            for p, pass_id in zip(b.passes, pass_ids):
+            for tensors, pass_id in sources:
                 for (
                     key,
                     seq,
@@ -535,7 +549,7 @@ class Writer:
                     ninf,
                     zeros,
                     csum,
-                ) in p.tensors:
+                ) in tensors:
                     tid = tids[k]
                     lay = layout((dtype, shape, numel))
                     if lay is None and (dtype is not None or shape is not None or numel is not None):
@@ -608,7 +622,7 @@ class Writer:
     def _fill_layouts(self, conn, b: StepBatch, rows: list, unknown: list[int], added: list) -> None:
         """Insert the layouts the rows at `unknown` need and put their ids in those rows (a new shape: rare)."""
         triples = {}
-        flat = [t for p in b.passes for t in p.tensors]
+        flat = [t for p in b.passes for t in p.tensors] + list(b.final)
         for i in unknown:
             t = flat[i]
             triples[(t[6], t[7], t[8])] = None
