@@ -8,7 +8,8 @@ When is "over": the `.grad` the optimizer reads. The final rows are taken
   `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` or `GradScaler.unscale_` returns inside the step (each
   replaces the earlier snapshot: gradstore.recording.observers);
 - else just before an optimizer's `step()` (torch.optim's global step pre-hook), or when it returns if a
-  backward pass ran inside it (a closure: LBFGS, Lightning), or when `GradScaler.step` skipped it;
+  backward pass ran inside it (a closure: LBFGS, Lightning), or when `GradScaler.step` skipped it, or just
+  before `Optimizer.zero_grad` / `Module.zero_grad` clears them;
 - else when the step ends (a step whose loop has no optimizer).
 A backward pass that finishes after a snapshot voids it (the gradients have changed again), so gradient
 accumulation micro-batches end up in the snapshot.

@@ -17,7 +17,9 @@ through otherwise (and on any thread but the recording's):
   gradstore.recording.torch_private, left out where it cannot be read);
 - torch.optim's global step hooks (`torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`,
   public): the final gradients just before an optimizer steps, unless already taken after the last backward
-  pass, and when it returns if a backward pass ran inside it (a closure).
+  pass, and when it returns if a backward pass ran inside it (a closure);
+- `torch.optim.Optimizer.zero_grad` and `torch.nn.Module.zero_grad`: the final gradients just before they are
+  cleared, unless already taken after the last backward pass (a loop that zeroes them inside the step).
 Every wrapper returns the wrapped function's result unchanged and passes its exceptions through; a fault of
 gradstore's own is noted on the step and never reaches the caller.
 """
@@ -150,6 +152,17 @@ def _after_scaler_step(t: Observed, scaler, optimizer, scale: float | None) -> N
             t.final.take_if_missing("GradScaler.step (skipped the optimizer step)")
 
 
+def _zero_grad(original):
+    @functools.wraps(original)
+    def zero_grad(self, *args, **kwargs):
+        t = _here()
+        if t is not None:
+            _guarded("zero_grad", t.final.take_if_missing, "zero_grad")
+        return original(self, *args, **kwargs)
+
+    return zero_grad
+
+
 def _optimizer_pre_hook(optimizer, args, kwargs):
     t = _here()
     if t is not None:
@@ -171,6 +184,8 @@ _WRAPS = (
     (torch.nn.utils, "clip_grads_with_norm_", _clip_with_norm),
     (grad_scaler.GradScaler, "unscale_", _unscale),
     (grad_scaler.GradScaler, "step", _scaler_step),
+    (torch.optim.Optimizer, "zero_grad", _zero_grad),
+    (torch.nn.Module, "zero_grad", _zero_grad),
 )
 
 

@@ -202,7 +202,8 @@ class Store:
 
         Columns: run, rank, step, pass, seq, key, name, module, param, role, slot, occurrence (0 for the first
         row of that key, role and slot in the step; micro-batches count up), status, dtype, shape, numel, norm,
-        min, max, mean, std, nan, posinf, neginf, zeros, checksum. With no filter: every gradient of the run.
+        min, max, mean, std, nan, posinf, neginf, zeros, checksum, final (1 for the param_grad row taken when
+        the step ended, last in its step). With no filter: every gradient of the run.
         Raises UnknownRun; ValueError for a role other than grad_output, grad_input, param_grad.
         """
         _check_role(role)

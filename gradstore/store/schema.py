@@ -303,7 +303,7 @@ param_norms = Table(
     Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
     Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
     Column("norm", Float),
-    Column("nonfinite", Integer, nullable=False),
+    Column("nonfinite", Integer),  # NULL where not counted (stats="shape")
     PrimaryKeyConstraint("step_id", "node_id"),
     sqlite_with_rowid=False,
 )

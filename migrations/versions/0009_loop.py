@@ -66,7 +66,7 @@ def upgrade() -> None:
         sa.Column("step_id", sa.Integer, sa.ForeignKey("steps.id"), nullable=False),
         sa.Column("node_id", sa.Integer, sa.ForeignKey("nodes.id"), nullable=False),
         sa.Column("norm", sa.Float),
-        sa.Column("nonfinite", sa.Integer, nullable=False),
+        sa.Column("nonfinite", sa.Integer),
         sa.PrimaryKeyConstraint("step_id", "node_id"),
         sqlite_with_rowid=False,
     )
