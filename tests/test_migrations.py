@@ -404,3 +404,106 @@ def test_views_are_the_runtime_definitions(db):
     with sqlite3.connect(db) as conn:
         views = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'view'"))
     assert views == {"calls": schema.CALLS_VIEW, "tensors": schema.TENSORS_VIEW}
+
+
+# ---- revision 0009_loop: step values, flight-recorder summaries and dumps, final param_grad rows -------------------
+_LOOP_TABLES = {"step_values", "param_norms", "dumps"}
+
+
+def _tables(path) -> set[str]:
+    with sqlite3.connect(path) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _record_loop_step(db, run):
+    """One more step of the asset's model shape: a division after backward (final rows), a logged value."""
+    import torch
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    with gradstore.record(run, db=str(db), model=net) as rec:
+        net(torch.randn(5, 3)).pow(2).mean().backward()
+        for p in net.parameters():
+            p.grad.div_(4)
+        rec.log(loss=0.5)
+
+
+def test_upgrade_0003_to_0009_loop_keeps_every_row_and_adds_the_loop_tables(tmp_path):
+    """The committed revision-0003 file: every tensor and call reads back as before (and final = 0), the new
+    tables start empty, recording goes on with final rows and values; down to 0003 and up again."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003.db", path)
+    assert _revision(path) == "0003"
+    before, calls = _rows_0001(path), _calls(path)
+    assert len(before) == 156 and sum(r[5] == 2 for r in before) == 24  # what the asset holds (3 steps x 2 passes)
+    with sqlite3.connect(path) as conn:
+        steps = conn.execute("SELECT id, step, status, passes, level FROM steps ORDER BY id").fetchall()
+    _migrate(path, "0009_loop")
+    assert _revision(path) == "0009_loop" and _LOOP_TABLES <= _tables(path)
+    with sqlite3.connect(path) as conn:
+        after = conn.execute(f"SELECT {_TENSOR_COLUMNS}, final FROM tensors ORDER BY id").fetchall()
+        empty = [conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in sorted(_LOOP_TABLES)]
+        view = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
+    assert [tuple(map(repr, r[:-1])) for r in after] == [tuple(map(repr, r)) for r in before]
+    assert {r[-1] for r in after} == {0} and empty == [0, 0, 0] and view == schema.TENSORS_VIEW
+    assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in calls]
+    store = gradstore.open(path)
+    assert list(store.steps("asset-run-0003")[["step", "status", "passes"]].itertuples(index=False, name=None)) == [
+        (s[1], s[2], s[3]) for s in steps
+    ]
+    assert set(store.param_grads("asset-run-0003")["final"]) == {0}  # no final rows before 0009: the pass rows
+    _record_loop_step(path, "asset-run-0003")
+    store = gradstore.open(path)
+    assert store.steps("asset-run-0003")["step"].tolist() == [0, 1, 2, 3]
+    assert store.values("asset-run-0003").loc[(3, 0), "loss"] == 0.5
+    new = store.param_grads("asset-run-0003", step=3, which="all")
+    assert sorted(new["final"]) == [0, 0, 0, 0, 1, 1, 1, 1]
+    pairs = new.pivot(index="param", columns="final", values="norm")
+    assert ((pairs[1] * 4 - pairs[0]).abs() <= 1e-6 * pairs[0]).all()  # the final rows hold the divided .grad
+    store.close()
+    _migrate(path, "0003", down=True)
+    assert _revision(path) == "0003" and not _LOOP_TABLES & _tables(path)
+    with sqlite3.connect(path) as conn:
+        old_view = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
+        finals = conn.execute("SELECT COUNT(*) FROM tensors WHERE role = 2 AND pass_id IS NULL").fetchone()[0]
+    assert "final" not in old_view and finals == 0  # the final rows went with the revision
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)][: len(before)] == [tuple(map(repr, r)) for r in before]
+    assert database.upgrade(path) == ("0003", "0009_loop")
+
+
+def test_0009_loop_down_and_up_on_postgresql(pg_url):
+    """On PostgreSQL: a flight-recorder run with values and final rows at 0009_loop; down to 0003 drops the new
+    tables and rows (the foreign keys allow it), up again gives an empty loop schema that records."""
+    import torch
+    from sqlalchemy import inspect, text
+
+    database.upgrade(pg_url)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1)
+    with gradstore.record("pg-loop", db=pg_url, model=net, keep=2) as rec:
+        for i in range(3):
+            x = torch.randn(4, 3)
+            if i == 2:
+                x[0, 0] = float("nan")
+            net(x).sum().backward()
+            rec.log(i=i)
+            if i < 2:
+                rec.step()
+    store = gradstore.open(pg_url)
+    assert list(store.steps("pg-loop")["level"]) == ["summary", "full", "full"]
+    assert len(store.values("pg-loop")) == 3 and len(store.dumps("pg-loop")) == 1
+    store.close()
+    _migrate(pg_url, "0003", down=True)
+    engine = database.make_engine(pg_url)
+    with engine.connect() as conn:
+        tables = set(inspect(conn).get_table_names())
+        finals = conn.execute(text("SELECT COUNT(*) FROM tensors WHERE role = 2 AND pass_id IS NULL")).scalar()
+    assert not _LOOP_TABLES & tables and finals == 0
+    _migrate(pg_url, "0009_loop")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM step_values")).scalar() == 0
+    engine.dispose()
+    with gradstore.record("pg-loop", db=pg_url, model=net):
+        net(torch.randn(4, 3)).sum().backward()
+        gradstore.log(again=1.0)
+    assert gradstore.open(pg_url).values("pg-loop")["again"].dropna().tolist() == [1.0]
