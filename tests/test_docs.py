@@ -29,7 +29,20 @@ def test_readme_documents_every_table_and_column():
 
     tables = {
         name: [c.name for c in schema.metadata.tables[name].columns]
-        for name in ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
+        for name in (
+            "runs",
+            "steps",
+            "passes",
+            "nodes",
+            "edges",
+            "call_data",
+            "layouts",
+            "tensor_data",
+            "tensor_notes",
+            "step_values",
+            "param_norms",
+            "dumps",
+        )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
     tables["tensors"] = list(schema.TENSORS_VIEW_COLUMNS)
@@ -43,3 +56,20 @@ def test_readme_names_the_query_helpers():
     for name in ("grad_norms", "param_grads", "first_nonfinite"):
         assert f"store.{name}(" in README
         assert name in queries.available()
+
+
+def test_the_flight_recorder_example_prints_what_the_readme_shows(tmp_path):
+    """README.md's worked example (a NaN at step 9, read back) runs as written and prints the lines shown under it
+    (numbers masked: the last digits of a float may differ between CPUs)."""
+    import subprocess
+    import sys
+
+    start = README.index("A worked example: a bad sample at step 9")
+    code, shown = re.findall(r"```python\n(.*?)```\s*```\n(.*?)```", README[start:], flags=re.S)[0]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def masked(text):
+        return [re.sub(r"-?\d+\.\d+(e[-+]?\d+)?", "<float>", line.rstrip()) for line in text.strip().splitlines()]
+
+    assert masked(proc.stdout) == masked(shown)
