@@ -13,8 +13,11 @@ Three measurements (benchmarks/README.md, "The flight recorder", has the figures
   steps quickly): `--disk-steps` steps recorded with keep=N and with stats="full", the file (database and WAL,
   after a checkpoint) measured, per 1,000 steps; and what one dump of N steps adds.
 - `ring`: memory the ring holds per step: the process's resident set and Python's traced allocations
-  (tracemalloc) after N steps into a ring of keep=N, minus the same after one step into keep=1, divided by the
-  N - 1 steps held (C++ hook results are in the resident set only).
+  (tracemalloc) after N steps into a ring of keep=N, minus the same into keep=1, divided by the N - 1 steps held
+  (C++ hook results are in the resident set only); measured twice: in this process (glibc's default malloc,
+  whose dynamic mmap threshold lets the step's big transient tensors land between the ring's small objects, so
+  the resident set grows by more than the ring holds) and in a child process with MALLOC_MMAP_THRESHOLD_=131072
+  (big tensors always mmapped: the growth is what the ring holds).
 Prints a Markdown report and writes it (and the raw numbers as JSON) to `--out`.
 """
 
@@ -50,6 +53,7 @@ def parse_args(argv=None):
         "--disk-steps", type=int, default=None, help="steps written per disk run (default 1000; --quick: 30)"
     )
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--ring-only", action="store_true", help=argparse.SUPPRESS)  # the ring section's child
     p.add_argument(
         "--out", default=str(BENCH_DIR / "FLIGHT.md"), help="the Markdown report (raw numbers next to it, .json)"
     )
@@ -109,6 +113,11 @@ def disk_section(spec, a, work: Path) -> dict:
                 empty = _file_bytes(db)  # the schema, the run, the first step (nodes, edges, layouts)
         fn.recorder.flush()
         total = _file_bytes(db)
+        with sqlite3.connect(db) as conn:  # bytes per table and index (SQLite's dbstat)
+            try:
+                tables = dict(conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name ORDER BY 2 DESC"))
+            except sqlite3.Error:
+                tables = {}
         out[label] = {
             "bytes": total,
             "bytes_after_first_step": empty,
@@ -128,6 +137,7 @@ def disk_section(spec, a, work: Path) -> dict:
                 rec.dump()
             rec.flush()
             out["dump"] = {"steps": a.keep, "bytes": _file_bytes(db) - before}
+            out["tables_before_dump"] = tables
             with gradstore.open(str(db)) as store:
                 levels = store.steps("disk-flight")["level"].value_counts().to_dict()
             out["dump"]["levels"] = levels
@@ -174,6 +184,18 @@ def ring_section(spec, a, work: Path) -> dict:
     held = a.keep - 1
     out["per_step_rss"] = (out["ring"]["rss"] - out["baseline"]["rss"]) / held if held else None
     out["per_step_python"] = (out["ring"]["python"] - out["baseline"]["python"]) / held if held else None
+    if not a.ring_only:  # the same in a child whose malloc maps every big tensor on its own
+        import subprocess
+
+        child_out = work / "ring-child.md"
+        args = [sys.executable, "-m", "benchmarks.flight", "--sections", "ring", "--ring-only", "--out", str(child_out)]
+        args += ["--keep", str(a.keep)] + (["--tiny"] if a.tiny else [])
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+        proc = subprocess.run(args, cwd=BENCH_DIR.parent, env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode == 0:
+            out["fixed_malloc"] = json.loads(child_out.with_suffix(".json").read_text())["ring"]
+        else:
+            out["fixed_malloc"] = {"error": proc.stderr[-500:]}
     return out
 
 
@@ -210,17 +232,29 @@ def render(results: dict) -> str:
             lines.append(f"| `{label}` | {d['per_1000_steps'] / 1e6:.2f} MB | {d['bytes'] / 1e6:.2f} MB |")
         dump = disk["dump"]
         lines += ["", f"One dump of {dump['steps']} steps adds {dump['bytes'] / 1e6:.2f} MB.", ""]
+        tables = disk.get("tables_before_dump") or {}
+        if tables:
+            top = ", ".join(f"{name} {size / 1e3:.0f} KB" for name, size in list(tables.items())[:6])
+            lines += [f"The flight recorder's file by table (before the dump): {top}.", ""]
     ring = results.get("ring")
     if ring:
         rows = ring["rows_per_step"]
         lines += [
             f"## Ring memory (keep={ring['keep']})",
             "",
-            f"- resident set per step held: {ring['per_step_rss'] / 1e3:.0f} KB",
+            f"- resident set per step held: {ring['per_step_rss'] / 1e3:.0f} KB (glibc's default malloc)",
             f"- of which Python objects (tracemalloc): {ring['per_step_python'] / 1e3:.0f} KB",
             f"- one step's rows: {rows['tensors']} tensor rows, {rows['calls']} calls",
-            "",
         ]
+        fixed = ring.get("fixed_malloc")
+        if fixed and "error" not in fixed:
+            lines.append(
+                f"- with MALLOC_MMAP_THRESHOLD_=131072 (what the ring holds): {fixed['per_step_rss'] / 1e3:.0f} KB "
+                f"resident per step, {fixed['per_step_python'] / 1e3:.0f} KB Python objects"
+            )
+        elif fixed:
+            lines.append(f"- the fixed-malloc child failed: {fixed['error']}")
+        lines.append("")
     return "\n".join(lines)
 
 

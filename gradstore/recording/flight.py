@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import replace
 
 from ..records import StepBatch
+from .stats import ROW_COLUMNS
 
 SPIKE_WINDOW = 100  # steps whose total gradient norm make the running median
 SPIKE_MIN = 10  # totals known before a spike can fire
@@ -35,8 +36,9 @@ SPIKE_MIN = 10  # totals known before a spike can fire
 def summary_norms(final_rows: list) -> list[tuple[str, float | None, int | None]]:
     """(param node key, norm over finite elements or None, NaN + Inf count or None) of each final row."""
     out = []
+    norm_at, nan_at = 4 + ROW_COLUMNS.index("norm"), 4 + ROW_COLUMNS.index("nan")  # rows: key, seq, role, slot, ...
     for row in final_rows:
-        norm, nan, posinf, neginf = row[9], row[14], row[15], row[16]
+        norm, nan, posinf, neginf = row[norm_at], row[nan_at], row[nan_at + 1], row[nan_at + 2]
         counts = None if nan is None else nan + (posinf or 0) + (neginf or 0)
         out.append((row[0], norm, counts))
     return out

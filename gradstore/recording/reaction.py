@@ -13,14 +13,10 @@ import warnings
 
 from ..errors import NonFiniteGradient
 from ..records import ROLES, StepBatch
+from .stats import ROW_COLUMNS
 
 # positions in a tensor row: (key, seq, role, slot, *stats.ROW_COLUMNS)
-_ROW = {
-    name: i + 4
-    for i, name in enumerate(
-        ("status", "reason", "dtype", "shape", "numel", "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf")
-    )
-}
+_ROW = {name: i + 4 for i, name in enumerate(ROW_COLUMNS)}
 _NAN, _POSINF, _NEGINF = _ROW["nan"], _ROW["posinf"], _ROW["neginf"]
 _ROLE_ORDER = {0: 0, 1: 1, 3: 2, 2: 3}  # grad_output, grad_input, saved, param_grad
 
@@ -100,8 +96,8 @@ class LastStep:
             summary so far; the detail is in the ring) or 'dumped' (flight recorder: written in full by a dump).
         dump (str | None): the trigger that made this step dump the ring ('nonfinite', 'spike', 'error',
             'manual'), else None.
-        grad_norm (float | None): the total norm of the final parameter gradients over their finite elements,
-            where they were measured with statistics.
+        grad_norm (float | None): the total norm (sqrt of the sum of squares) of the final parameter gradients'
+            norms over their finite elements; None at stats='shape'.
         amp_skipped (bool): a GradScaler skipped the optimizer step (its inf check found Inf/NaN).
     The property `first_nonfinite` gives the first non-finite gradient's row (a dict, see
     gradstore.recording.reaction.first_nonfinite), or None; it is found when first read.

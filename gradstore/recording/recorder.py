@@ -303,7 +303,9 @@ class record:
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
         state, self._state = self._state, None
         final, self._final = self._final, None
-        values = self._values.take() if state is not None else self._values.clear()  # unsampled: not kept
+        values, value_faults = self._values.take() if state is not None else (self._values.clear(), [])
+        for text in value_faults:  # unsampled steps' values are not kept
+            state.fault_text(text)
         # an unsampled step, or one in which no backward pass ran (the empty step after a loop's last
         # rec.step(), an eval-only call, the step after a NonFiniteGradient this recording raised): nothing to
         # record; only the run's status may change
@@ -342,10 +344,11 @@ class record:
             values=values,
         )
         state.release()
-        written, dump, grad_norm = "full", None, None
+        written, dump = "full", None
+        norms = summary_norms(final_rows)
+        grad_norm = total_norm(norms)
         if self._flight is not None:
-            batch.param_norms = summary_norms(final_rows)
-            grad_norm = total_norm(batch.param_norms)
+            batch.param_norms = norms
             batches, dump = self._flight.end_step(batch, exc is not None, amp_skipped(values), grad_norm)
             written = "dumped" if dump is not None else "summary"
         else:

@@ -74,8 +74,14 @@ class StepValues:
         self.values = {}
         return {}
 
-    def take(self) -> dict[str, float]:
-        """The step's values as floats (a tensor logged by `add` is read now, with `Tensor.item()`); the next
-        step starts empty."""
+    def take(self) -> tuple[dict[str, float], list[str]]:
+        """(the step's values as floats, faults): a tensor logged by `add` is read now, with `Tensor.item()`; one
+        that cannot be read is left out and named in the faults. The next step starts empty."""
         values, self.values = self.values, {}
-        return {k: float(v.item()) if isinstance(v, torch.Tensor) else float(v) for k, v in values.items()}
+        out, faults = {}, []
+        for k, v in values.items():
+            try:
+                out[k] = float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+            except Exception as exc:
+                faults.append(f"step value {k!r}: {type(exc).__name__}: {exc}")
+        return out, faults
