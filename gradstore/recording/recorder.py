@@ -443,9 +443,9 @@ class record:
             raise RecordUsageError(
                 "rec.log(...) works while the recording is open (inside its `with` block or decorated function)"
             )
-        items = {**(values or {}), **named}
         if values is not None and not isinstance(values, dict):
             raise RecordUsageError(f"rec.log(values) takes a dict of name -> number, got {type(values).__name__}")
+        items = {**(values or {}), **named}
         checked = StepValues()
         for name, value in items.items():
             checked.set(name, value)
