@@ -150,8 +150,15 @@ def test_on_nonfinite_raise_stops_the_trainer_after_the_step_is_written(tmp_path
 
 # ---- DDP: two ranks, each recording its own steps -------------------------------------------------------------
 def _ddp_rank(rank: int, port: int, db: str, out: str):
+    # OMP_NUM_THREADS: accelerate would otherwise set more torch threads for a multi-CPU run, and the intra-op
+    # pool inherited through fork from a parent that already used it hangs
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        OMP_NUM_THREADS="1",
     )
     from accelerate.state import AcceleratorState, PartialState
 
