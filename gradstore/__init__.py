@@ -5,6 +5,7 @@ from .errors import (  # noqa: E402
     DatabaseNotFound,
     DatabaseUnavailable,
     GradstoreError,
+    NonFiniteGradient,
     NotAGradstoreDatabase,
     QueryParameterError,
     RankInUse,
@@ -25,13 +26,15 @@ from .inspect.explain import Explanation, RecordedExplanation, explain  # noqa: 
 from .inspect.replay import replay, replay_check  # noqa: E402
 from .inspect.verify import verify  # noqa: E402
 from .recording.frames import FrameTracker  # noqa: E402
-from .recording.recorder import record  # noqa: E402
+from .recording.recorder import log, record  # noqa: E402
 from .recording.saved import saved_bytes, saved_tensors  # noqa: E402
 from .store.reader import Store, open  # noqa: E402
 from .version import __version__  # noqa: E402
 
 __all__ = [
     "record",
+    "log",
+    "NonFiniteGradient",
     "open",
     "Store",
     "GradstoreError",

@@ -596,7 +596,7 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         click.echo("  (none)")
 
     grads = store.param_grads(run=run, rank=rank, step=step)
-    click.echo("\nLargest parameter .grad norms (after the step's last backward pass):")
+    click.echo("\nLargest parameter .grad norms (as the step left them for the optimizer; see param_grads):")
     top = grads.sort_values("norm", ascending=False).head(limit)
     click.echo(_table(top[["rank", "param", "status", "shape", "norm", "min", "max", "nan", "posinf", "neginf"]]))
 

@@ -68,3 +68,16 @@ class VerifyUsageError(GradstoreError):
 
 class RecordUsageWarning(UserWarning):
     """`record` will work but name or hook less than it was asked to (a filter that matches nothing, no model)."""
+
+
+class NonFiniteGradient(GradstoreError):
+    """A recorded step's gradients held NaN or Inf, with `record(on_nonfinite="raise")`: raised after the step
+    is written. `row` is its first non-finite gradient (a dict with the columns of `Store.first_nonfinite`: key,
+    name, module, frame, role, slot, counts, ...; None at stats='shape'); `run`, `rank`, `step` say where."""
+
+    def __init__(self, message: str, row: dict | None = None, run: str | None = None, rank=None, step=None):
+        super().__init__(message)
+        self.row = row
+        self.run, self.rank, self.step = run, rank, step
+        for name in ("key", "name", "module", "frame", "role", "slot"):
+            setattr(self, name, row.get(name) if row else None)

@@ -188,7 +188,7 @@ class StepBatch:
     error: str | None
     passes: list[PassRecord] = field(default_factory=list)
     run_status: str | None = None  # when set, the run row is updated to it (end of a scope)
-    level: str = "full"
+    level: str = "full"  # the stats level; 'summary' for a flight-recorder step written without its detail
     dropped: int = 0  # rows dropped because the writer fell behind (on_full='drop')
     waited: float = 0.0  # seconds the training thread waited for the writer (on_full='wait')
     tracing_passes: int = 0  # backward passes torch.compile ran while tracing (fake / functional tensors): not recorded
@@ -209,6 +209,17 @@ class StepBatch:
     values_bytes: int | None = None
     values_left_out: int | None = None
 
+    # the parameter gradients as they stood when the step ended (or its optimizer stepped): param_grad tensor
+    # rows (node key, None, role, slot, *ROW_COLUMNS) written without a pass (the `final` rows), and their nodes
+    final: list = field(default_factory=list)
+    final_nodes: list[NodeInfo] = field(default_factory=list)
+    values: dict[str, float] = field(default_factory=dict)  # step values (rec.log and gradstore's own)
+    # flight recorder (record(keep=N)): (param node key, norm over finite elements or None, non-finite count)
+    param_norms: list[tuple[str, float | None, int]] = field(default_factory=list)
+    pass_count: int | None = None  # steps.passes when `passes` is left out (a summary); None: len(passes)
+    replace: bool = False  # the step's summary row is in the database: this batch brings its detail
+    dump: tuple[str, int, int] | None = None  # (reason, first step, last step) of a flight-recorder dump
+
     def rows(self) -> int:
         """Calls and tensor rows in the batch (what the queue bound counts)."""
-        return sum(len(p.calls) + len(p.tensors) for p in self.passes) + len(self.activations)
+        return sum(len(p.calls) + len(p.tensors) for p in self.passes) + len(self.activations) + len(self.final)

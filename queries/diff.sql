@@ -1,5 +1,5 @@
 -- title: Diff of two runs, steps or ranks, node by node
--- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do, missing for a row of one side only, not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine.
+-- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do, missing for a row of one side only, not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls, the step's final param_grad rows, taken when it ended, after all its passes and as their last occurrence); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine.
 -- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
 -- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
@@ -16,7 +16,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
 ), a AS (  -- side a's gradients, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
+                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
            c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
@@ -33,7 +33,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
 ), b AS (  -- side b's gradients, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
+                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
            c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
@@ -56,8 +56,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
     GROUP BY p.id
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable)
     SELECT a.sid AS a_sid, a.nid AS a_nid, a.tid AS a_tid, b.sid AS b_sid, b.nid AS b_nid, b.tid AS b_tid, a.occurrence,
-           COALESCE(a.seq, ea.seq, -1) AS a_ord,
-           CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, -1) END AS b_ord
+           COALESCE(a.seq, ea.seq, CASE WHEN a.pid IS NULL THEN 2147483647 ELSE -1 END) AS a_ord,
+           CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END) END AS b_ord
     FROM a CROSS JOIN prm
     LEFT JOIN b ON b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
         AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
@@ -66,7 +66,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
     LEFT JOIN ends ea ON ea.pid = a.pid AND a.seq IS NULL
     LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
     UNION ALL
-    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, COALESCE(b.seq, eb.seq, -1)
+    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END)
     FROM b CROSS JOIN prm
     LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
     WHERE NOT EXISTS (SELECT 1 FROM a WHERE b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence

@@ -1,5 +1,5 @@
 -- title: First divergence between two runs, steps or ranks
--- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there.
+-- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; the step's final param_grad rows, taken when it ended, after all its passes; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there.
 -- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
 -- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
@@ -22,7 +22,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
 ), a AS (  -- side a's gradients, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
+                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
            c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
@@ -39,7 +39,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
 ), b AS (  -- side b's gradients, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
+                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
            c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
@@ -62,8 +62,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
     GROUP BY p.id
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable)
     SELECT a.sid AS a_sid, a.nid AS a_nid, a.tid AS a_tid, b.sid AS b_sid, b.nid AS b_nid, b.tid AS b_tid, a.occurrence,
-           COALESCE(a.seq, ea.seq, -1) AS a_ord,
-           CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, -1) END AS b_ord
+           COALESCE(a.seq, ea.seq, CASE WHEN a.pid IS NULL THEN 2147483647 ELSE -1 END) AS a_ord,
+           CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END) END AS b_ord
     FROM a CROSS JOIN prm
     LEFT JOIN b ON b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
         AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
@@ -72,7 +72,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
     LEFT JOIN ends ea ON ea.pid = a.pid AND a.seq IS NULL
     LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
     UNION ALL
-    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, COALESCE(b.seq, eb.seq, -1)
+    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END)
     FROM b CROSS JOIN prm
     LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
     WHERE NOT EXISTS (SELECT 1 FROM a WHERE b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence

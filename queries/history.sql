@@ -1,5 +1,5 @@
 -- title: History of a node, module or parameter over steps
--- description: The gradient statistics of one node (key), one module and its submodules (module), or one parameter (param: its AccumulateGrad node's grad_outputs and its param_grad rows) in every recorded step and rank, in order of step, rank, pass and seq (param_grad rows after their pass's calls). occurrence counts earlier rows of the same key, role and slot in the same step (0 for the first call; micro-batches and retained-graph passes give 1, 2, ...). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; checksum is set for param_grad rows when recorded (NULL = unknown); layout, nnz and coalesced describe a sparse gradient (NULL when dense).
+-- description: The gradient statistics of one node (key), one module and its submodules (module), or one parameter (param: its AccumulateGrad node's grad_outputs and its param_grad rows) in every recorded step and rank, in order of step, rank, pass and seq (param_grad rows after their pass's calls; final = 1 marks the param_grad row taken when the step ended, as the optimizer saw the gradient, last in its step). occurrence counts earlier rows of the same key, role and slot in the same step (0 for the first call; micro-batches and retained-graph passes give 1, 2, ...). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; checksum is set for param_grad rows when recorded (NULL = unknown); layout, nnz and coalesced describe a sparse gradient (NULL when dense).
 -- param run: run name; NULL for every run
 -- param key: node key (e.g. fc/AddmmBackward0#0 or param:fc.weight); NULL for all
 -- param module: qualified module name; the module and its submodules; NULL for all
@@ -9,10 +9,10 @@
 SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.param,
        ro.name AS role, t.slot,
        ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                          ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence,
+                          ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
        su.name AS status, d.name AS dtype, t.shape, t.numel,
        t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.checksum,
-       t.layout, t.nnz, t.coalesced
+       t.layout, t.nnz, t.coalesced, t.final
 FROM tensors t
 JOIN steps st ON st.id = t.step_id
 JOIN runs r ON r.id = st.run_id
@@ -36,4 +36,4 @@ WHERE t.node_id IN (  -- the run's matching nodes first: an index lookup, not a 
       SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
       WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
         AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER)))
-ORDER BY r.id, st.step, st.rank, CASE WHEN p.pass IS NULL THEN 1 ELSE 0 END, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot, t.id;
+ORDER BY r.id, st.step, st.rank, t.final, CASE WHEN p.pass IS NULL THEN 1 ELSE 0 END, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, t.role, t.slot, t.id;

@@ -7,9 +7,9 @@
 -- param role: grad_output, grad_input or param_grad; NULL for all
 -- param slot: slot; NULL for all
 WITH v AS (
-    SELECT t.id, t.step_id, t.node_id, t.role, t.slot, t.pass_id, t.call_id,
+    SELECT t.id, t.step_id, t.node_id, t.role, t.slot, t.pass_id, t.call_id, t.final,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY p.pass, c.seq, t.id) - 1 AS occurrence
+                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence
     FROM tensors t
     JOIN nodes n ON n.id = t.node_id
     LEFT JOIN passes p ON p.id = t.pass_id
@@ -35,4 +35,4 @@ LEFT JOIN passes p ON p.id = v.pass_id
 LEFT JOIN calls c ON c.id = v.call_id
 WHERE (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
   AND (CAST(:slot AS INTEGER) IS NULL OR v.slot = CAST(:slot AS INTEGER))
-ORDER BY r.id, st.step, st.rank, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, v.role, v.slot;
+ORDER BY r.id, st.step, st.rank, v.final, p.pass, CASE WHEN c.seq IS NULL THEN 1 ELSE 0 END, c.seq, n.id, v.role, v.slot;

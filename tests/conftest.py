@@ -18,7 +18,16 @@ pd.set_option("display.max_columns", 40)
 # Without the variable the PostgreSQL variants are skipped. tests/test_postgres.py uses `pg_url` directly.
 PG_URL_ENV = "GRADSTORE_TEST_PG_URL"
 PG_URL = os.environ.get(PG_URL_ENV)
-BACKEND_MODULES = {"test_recorder.py", "test_concurrency.py", "test_slices.py", "test_values.py", "test_forward.py"}
+BACKEND_MODULES = {
+    "test_recorder.py",
+    "test_concurrency.py",
+    "test_slices.py",
+    "test_values.py",
+    "test_forward.py",
+    "test_flight.py",
+    "test_step_values.py",
+    "test_on_nonfinite.py",
+}
 SQLITE_ONLY = {"test_memory_does_not_grow"}  # about the recorder's memory, not the database: once is enough
 BACKENDS = [
     pytest.param("sqlite", id="sqlite"),

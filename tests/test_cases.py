@@ -164,10 +164,12 @@ class Frames:
             self.steps = st.steps(run=run)
             self.passes = st.passes(run=run)
             self.calls = st.calls(run=run)
-            self.tensors = st.tensors(run=run)
+            tensors = st.tensors(run=run)
+            # what the hooks saw in the passes; the steps' final param_grad rows (taken when each step ended) apart
+            self.tensors, self.final = tensors[tensors.final == 0], tensors[tensors.final == 1]
             self.nodes = st.nodes(run=run)
             self.edges = st.edges(run=run)
-            self.param_grads = st.param_grads(run=run)
+            self.param_grads = st.param_grads(run=run, which="pass")
             self.first_nonfinite = st.first_nonfinite(run=run)
 
     def calls_of(self, step=None, pass_=None):

@@ -215,14 +215,18 @@ def test_diff_aligns_every_gradient_and_flags_exactly_the_changed_ones(store):
     first_seq = int(d[d.key == "2/AddmmBackward0#0"].seq_a.iloc[0])
     before = d[d.seq_a < first_seq]
     assert len(before) > 0 and (before.differs == "").all() and (before.norm_abs == 0).all()
-    # param_grad rows: module 4's parameters unchanged, module 0's and 2's scaled
-    pg = d[d.role == "param_grad"].set_index("param")
+    # param_grad rows: module 4's parameters unchanged, module 0's and 2's scaled; each parameter has the row of
+    # its pass (occurrence 0) and the step's final row (occurrence 1, no pass: .grad before zero_grad cleared it)
+    pg = d[d.role == "param_grad"]
+    assert sorted(zip(pg.occurrence, pg.pass_a.isna())) == [(0, False)] * 6 + [(1, True)] * 6
     _, plain_grads = twin(0)
     _, scaled_grads = twin(0, scale_module2=1.5)
-    for name in ("0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"):
-        assert pg.loc[name, "norm_a"] == pytest.approx(norm64(plain_grads[name]), rel=1e-9)
-        assert pg.loc[name, "norm_b"] == pytest.approx(norm64(scaled_grads[name]), rel=1e-9)
-        assert (pg.loc[name, "differs"] == "") == name.startswith("4.")
+    for occurrence in (0, 1):
+        rows = pg[pg.occurrence == occurrence].set_index("param")
+        for name in ("0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"):
+            assert rows.loc[name, "norm_a"] == pytest.approx(norm64(plain_grads[name]), rel=1e-9)
+            assert rows.loc[name, "norm_b"] == pytest.approx(norm64(scaled_grads[name]), rel=1e-9)
+            assert (rows.loc[name, "differs"] == "") == name.startswith("4.")
 
 
 def test_nan_injected_at_one_module(store):
@@ -273,17 +277,28 @@ def test_micro_batches_are_aligned_by_occurrence(store):
     grads, _ = twin(1)
     assert first.iloc[0].norm_a == pytest.approx(norm64(grads["2"]), rel=1e-9)
     d = store.diff("micro", "micro_scaled")
-    assert (d.side == "both").all() and sorted(set(d.occurrence)) == [0, 1, 2]
-    assert (d.occurrence == d["pass_a"]).all() and (d["pass_a"] == d["pass_b"]).all()
+    in_passes, final = d[d.pass_a.notna()], d[d.pass_a.isna()]
+    assert (d.side == "both").all() and sorted(set(in_passes.occurrence)) == [0, 1, 2]
+    assert (in_passes.occurrence == in_passes["pass_a"]).all() and (in_passes["pass_a"] == in_passes["pass_b"]).all()
+    # the step's final rows (.grad when it ended: after the three passes) come last, one per parameter
+    assert set(final.role) == {"param_grad"} and set(final.occurrence) == {3} and len(final) == 6
+    assert final.pass_b.isna().all()
     changed = d[d.differs != ""]
     nodes = changed[changed.role != "param_grad"]
     assert set(nodes.occurrence) == {1} and set(nodes.key) == DOWNSTREAM_OF_2
-    # .grad accumulates: from pass 1 on, every parameter that received module 2's gradient differs; module 4's
-    # parameters never
+    # .grad accumulates: from pass 1 on, every parameter that received module 2's gradient differs (and so do
+    # their final rows); module 4's parameters never
     pg = changed[changed.role == "param_grad"]
-    assert sorted(zip(pg["pass_a"], pg.param)) == sorted(
-        (p, n) for p in (1, 2) for n in ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert sorted(zip(pg["occurrence"], pg.param)) == sorted(
+        (p, n) for p in (1, 2, 3) for n in ("0.weight", "0.bias", "2.weight", "2.bias")
     )
+    last = d[(d.role == "param_grad") & (d.occurrence == 2)].set_index("param")
+    for name, row in final.set_index("param").iterrows():  # nothing changed .grad after the last pass
+        assert (row.norm_a, row.norm_b, row.checksum_a) == (
+            last.loc[name, "norm_a"],
+            last.loc[name, "norm_b"],
+            last.loc[name, "checksum_a"],
+        )
 
 
 def test_rows_only_in_one_side_are_flagged(store, recorded):
@@ -306,8 +321,11 @@ def test_history_of_a_node_a_module_and_a_parameter(store):
     par = store.history("base", param="2.weight")
     assert set(par.key) == {"param:2.weight"}
     assert sorted(set(par.role)) == ["grad_output", "param_grad"]
-    pg = par[par.role == "param_grad"]
-    assert list(pg.norm) == pytest.approx([norm64(twin(s)[1]["2.weight"]) for s in range(STEPS)], rel=1e-9)
+    pg = par[par.role == "param_grad"]  # the pass's row and the step's final row (final = 1), both unchanged
+    assert list(pg.final) == [0, 1] * STEPS
+    assert list(pg.norm) == pytest.approx(
+        [norm64(twin(s)[1]["2.weight"]) for s in range(STEPS) for _ in (0, 1)], rel=1e-9
+    )
     assert len(store.history("base")) == len(store.tensors("base"))
     with pytest.raises(ValueError, match="grad_output, grad_input or param_grad"):
         store.history("base", role="gradient")

@@ -614,7 +614,7 @@ def test_ddp_with_torch_compile_both_ways_on_2_ranks(tmp_path):
                     db,
                     "SELECT st.step || ':' || n.param, t.norm FROM tensors t JOIN steps st ON st.id = t.step_id JOIN "
                     "runs ru ON ru.id = st.run_id JOIN nodes n ON n.id = t.node_id WHERE ru.name = ? AND st.rank = ? "
-                    "AND t.role = 2",
+                    "AND t.role = 2 AND t.pass_id IS NOT NULL",  # the pass's rows (the final ones: .grad set to None)
                     order,
                     rank,
                 )
@@ -635,7 +635,11 @@ def test_fsdp2_with_torch_compile_on_2_ranks(tmp_path):
         assert r["breaks"][0] == r["breaks"][1], r["breaks"]  # FSDP2's own graph break, not one more
     _compiled_run_checks(db, "fsdp2")
     # FSDP2's parameters are DTensors: each rank's param_grad row is its local shard, measured, with its layout
-    params = _sql(db, "SELECT DISTINCT t.status FROM tensors t WHERE t.role = 2")
+    params = _sql(db, "SELECT DISTINCT t.status FROM tensors t WHERE t.role = 2 AND t.pass_id IS NOT NULL")
     assert params == [(0,)], params
-    sharded = _sql(db, "SELECT COUNT(*) FROM tensors t JOIN dtensors d ON d.id = t.id WHERE t.role = 2")
+    # the final rows: the loop set .grad to None before each step ended
+    assert _sql(db, "SELECT DISTINCT t.status FROM tensors t WHERE t.role = 2 AND t.pass_id IS NULL") == [(1,)]
+    sharded = _sql(
+        db, "SELECT COUNT(*) FROM tensors t JOIN dtensors d ON d.id = t.id WHERE t.role = 2 AND t.pass_id IS NOT NULL"
+    )
     assert sharded[0][0] > 0

@@ -73,8 +73,9 @@ def _writer_process(rank, db, barrier):
         "steps": steps,
         "passes": steps * passes,
         "calls": steps * passes * plain["calls"],
-        "tensors": steps * passes * (plain["slots"] + plain["params"]),
-        "param_rows": steps * passes * plain["params"],
+        # each pass's rows, and each step's final param_grad rows (taken when the step ended)
+        "tensors": steps * passes * (plain["slots"] + plain["params"]) + steps * plain["params"],
+        "param_rows": steps * (passes + 1) * plain["params"],
         "nodes": plain["nodes"],
         "edges": plain["edges"],
     }
@@ -126,7 +127,8 @@ def test_many_processes_record_one_run_without_errors_or_lost_rows(db):
                 text("""
             SELECT COUNT(*) FROM tensors t LEFT JOIN nodes n ON n.id = t.node_id
             LEFT JOIN calls c ON c.id = t.call_id LEFT JOIN passes p ON p.id = t.pass_id
-            WHERE n.id IS NULL OR p.id IS NULL OR (t.call_id IS NOT NULL AND c.id IS NULL)""")
+            WHERE n.id IS NULL OR (t.final = 0 AND p.id IS NULL) OR (t.call_id IS NOT NULL AND c.id IS NULL)
+               OR (t.final = 1 AND t.pass_id IS NOT NULL)""")
             ).scalar()
             == 0
         )
@@ -209,7 +211,7 @@ def test_a_transient_failure_retries_the_whole_step(db, monkeypatch):
         assert conn.execute(text("SELECT COUNT(*) FROM nodes")).scalar() == plain["nodes"]
         assert (
             conn.execute(text("""SELECT COUNT(*) FROM tensors t JOIN nodes n ON n.id = t.node_id""")).scalar()
-            == plain["slots"] + plain["params"]
+            == plain["slots"] + 2 * plain["params"]  # the pass's rows and the step's final param_grad rows
         )
 
 
@@ -238,7 +240,7 @@ def test_a_driver_error_from_the_raw_cursor_is_retried_too(db, monkeypatch):
     plain = _plain_counts(model, torch.randn(4, FEATURES))
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0] == 1
-        assert conn.execute("SELECT COUNT(*) FROM tensors").fetchone()[0] == plain["slots"] + plain["params"]
+        assert conn.execute("SELECT COUNT(*) FROM tensors").fetchone()[0] == plain["slots"] + 2 * plain["params"]
         stored = {tuple(r) for r in conn.execute("SELECT dtype, shape, numel FROM layouts")}
     assert set(w._layout_ids) == stored  # the retry re-inserted what the rolled-back try had cached
 

@@ -51,6 +51,9 @@ def test_readme_documents_every_table_and_column():
             "tensor_values",
             "saved_versions",
             "forward_seqs",
+            "step_values",
+            "param_norms",
+            "dumps",
         )
     }
     tables["calls"] = list(schema.CALLS_VIEW_COLUMNS)  # the views
@@ -82,3 +85,22 @@ def test_readme_names_the_query_helpers():
     ):
         assert f"store.{name}(" in README
         assert name in queries.available()
+
+
+def test_the_flight_recorder_example_prints_what_the_readme_shows(tmp_path, monkeypatch):
+    """README.md's worked example (a NaN at step 9, read back) runs as written and prints the lines shown under it
+    (numbers masked: the last digits of a float may differ between CPUs)."""
+    import contextlib
+    import io
+
+    start = README.index("A worked example: a bad sample at step 9")
+    code, shown = re.findall(r"```python\n(.*?)```\s*```\n(.*?)```", README[start:], flags=re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+
+    def masked(text):
+        return [re.sub(r"-?\d+\.\d+(e[-+]?\d+)?", "<float>", line.rstrip()) for line in text.strip().splitlines()]
+
+    assert masked(out.getvalue()) == masked(shown)

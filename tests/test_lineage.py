@@ -152,6 +152,11 @@ def test_nodes_of_an_unrecorded_step_are_born_earlier_in_no_recorded_step(db):
 
 
 def test_no_graph_is_kept_alive_by_the_lineage(db):
+    def nodes_alive() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.autograd.graph.Node))
+
+    before = nodes_alive()  # what earlier tests of this process left alive (0 when run alone)
     model = RNN()
     with gradstore.record("leak", db=db, model=model) as rec:
         for _ in range(3):
@@ -159,9 +164,8 @@ def test_no_graph_is_kept_alive_by_the_lineage(db):
             h.sum().backward()
             rec.step()
         del h
-        gc.collect()
-        alive = sum(1 for o in gc.get_objects() if isinstance(o, torch.autograd.graph.Node))
-    assert alive == 0
+        alive = nodes_alive()
+    assert alive <= before
 
 
 # ---- double backward: nodes born in pass 0, run in pass 1 (case 17) --------------------------------------------

@@ -243,3 +243,43 @@ def test_rows_keyed_by_a_tensor_id_follow_it(tmp_path, monkeypatch):
                     src.tensor("job", param="0.bias", rank=rank), merged.tensor("job", param="0.bias", rank=rank)
                 )
             assert len(merged.losses("job", rank=rank)) == 1
+
+
+def _record_flight(db, rank, monkeypatch):
+    """A flight-recorder run of rank `rank`: step values, summaries, and a dump at the NaN of step 3."""
+    monkeypatch.setattr(recorder, "_rank_and_world_size", lambda: (rank, 2))
+    model = make_model()
+    g = torch.Generator().manual_seed(10 + rank)
+    with gradstore.record("loop", db=db, model=model, keep=2) as rec:
+        for i in range(5):
+            x = torch.randn(3, 4, generator=g)
+            if i == 3:
+                x[0, 0] = float("nan")
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            rec.log(loss=loss, rank_value=rank)
+            model.zero_grad()
+            if i < 4:
+                rec.step()
+
+
+def test_merge_carries_step_values_summaries_and_dumps(tmp_path, monkeypatch):
+    a, b, out = (str(tmp_path / n) for n in ("a.db", "b.db", "out.db"))
+    _record_flight(a, 0, monkeypatch)
+    _record_flight(b, 1, monkeypatch)
+    reports = merge(out, [a, b])
+    assert [r.values for r in reports] == [10, 10]  # 5 steps x 2 names each
+    merged = gradstore.open(out)
+    sources = [gradstore.open(a), gradstore.open(b)]
+    expected = pd.concat([s.values("loop") for s in sources]).sort_index()
+    pd.testing.assert_frame_equal(merged.values("loop").sort_index(), expected)
+    for frame in ("param_norms", "dumps"):
+        got = getattr(merged, frame)("loop").drop(columns=["at"], errors="ignore")
+        want = pd.concat([getattr(s, frame)("loop") for s in sources]).drop(columns=["at"], errors="ignore")
+        pd.testing.assert_frame_equal(
+            got.sort_values(list(got.columns[:4])).reset_index(drop=True),
+            want.sort_values(list(want.columns[:4])).reset_index(drop=True),
+        )
+    assert list(merged.dumps("loop")["rank"]) == [0, 1]
+    levels = merged.steps("loop").set_index(["rank", "step"])["level"]
+    assert list(levels.loc[0]) == ["summary", "summary", "full", "full", "summary"] == list(levels.loc[1])

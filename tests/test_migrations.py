@@ -524,12 +524,13 @@ def test_upgrade_0003_to_0005_compile_adds_columns_and_keeps_every_value(tmp_pat
         rows = store.tensors("after-upgrade")
         assert list(store.steps("after-upgrade").tracing_passes) == [0]
     sparse = rows[rows.layout.notna()]
-    assert len(sparse) == 3 and set(sparse.layout) == {"sparse_coo"} and set(sparse.nnz) == {3}
+    # grad_input, AccumulateGrad's grad_output, param_grad after the pass and the step's final param_grad row
+    assert len(sparse) == 4 and set(sparse.layout) == {"sparse_coo"} and set(sparse.nnz) == {3}
     with sqlite3.connect(path) as conn:
         only_layout = conn.execute(
             "SELECT COUNT(*) FROM tensor_notes WHERE reason IS NULL AND checksum IS NULL"
         ).fetchone()
-    assert only_layout == (3,)
+    assert only_layout == (4,)
     _migrate(path, "0003", down=True)
     assert _revision(path) == "0003"
     with sqlite3.connect(path) as conn:
@@ -551,8 +552,12 @@ _FINDINGS_TABLES = {"param_statuses", "param_names", "param_status", "module_cal
 _REV3_TABLES = ("runs", "steps", "passes", "nodes", "edges", "call_data", "layouts", "tensor_data", "tensor_notes")
 
 
-def _everything(conn_or_path) -> dict:
-    """Every row of revision 0003's tables and views, by id, as reprs (floats bit for bit)."""
+_FINAL_ROW = "role = 2 AND pass_id IS NULL AND call_id IS NULL"  # revision 0009_loop's final param_grad rows
+
+
+def _everything(conn_or_path, without_final: bool = False) -> dict:
+    """Every row of revision 0003's tables and views, by id, as reprs (floats bit for bit); `without_final`: the
+    final param_grad rows (and their notes) left out, which a downgrade below 0009_loop deletes."""
     from sqlalchemy import text
 
     out = {}
@@ -562,7 +567,12 @@ def _everything(conn_or_path) -> dict:
         }
     for name in (*_REV3_TABLES, "calls", "tensors"):
         order = "step_id, node_id, id" if name == "tensor_data" else "id"
-        sql = f"SELECT {', '.join(columns[name])} FROM {name} ORDER BY {order}"
+        where = ""
+        if without_final and name in ("tensor_data", "tensors"):
+            where = f" WHERE NOT ({_FINAL_ROW})"
+        elif without_final and name == "tensor_notes":
+            where = f" WHERE id NOT IN (SELECT id FROM tensor_data WHERE {_FINAL_ROW})"
+        sql = f"SELECT {', '.join(columns[name])} FROM {name}{where} ORDER BY {order}"
         if isinstance(conn_or_path, (str, Path)):
             with sqlite3.connect(conn_or_path) as conn:
                 rows = conn.execute(sql).fetchall()
@@ -570,6 +580,10 @@ def _everything(conn_or_path) -> dict:
             rows = [tuple(r) for r in conn_or_path.execute(text(sql))]
         out[name] = [tuple(map(repr, r)) for r in rows]
     return out
+
+
+# ---- revision 0009_loop: step values, flight-recorder summaries and dumps, final param_grad rows -------------------
+_LOOP_TABLES = {"step_values", "param_norms", "dumps"}
 
 
 def _tables(path) -> set[str]:
@@ -627,7 +641,7 @@ def test_committed_revision_0003_file_upgrades_keeping_every_row(tmp_path):
     assert st.loc["head.weight", "shared_with"] == "emb.weight" and st.loc["emb.weight", "status"] == "ok"
     assert st.loc["frozen.weight", "status"] == "frozen" and st.loc["aux.weight", "status"] == "not used"
     assert list(pg.param) == ["emb.weight"] and list(pg.shared_with) == ["head.weight"]
-    after = _everything(path)
+    after = _everything(path, without_final=True)
     _migrate(path, "0003", down=True)
     assert _revision(path) == "0003" and not _FINDINGS_TABLES & _tables(path)
     assert _everything(path) == after  # the step recorded at 0006 keeps its 0003 rows
@@ -774,3 +788,98 @@ def test_downgrade_0008_to_0003_restores_the_old_tables(tmp_path):
     for table in before:
         assert after[table][: len(before[table])] == before[table], table
     assert database.upgrade(path) == ("0003", database.head_revision())  # and up again
+
+
+def _record_loop_step(db, run):
+    """One more step of the asset's model shape: a division after backward (final rows), a logged value."""
+    import torch
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    with gradstore.record(run, db=str(db), model=net) as rec:
+        net(torch.randn(5, 3)).pow(2).mean().backward()
+        for p in net.parameters():
+            p.grad.div_(4)
+        rec.log(loss=0.5)
+
+
+def test_upgrade_0003_to_0009_loop_keeps_every_row_and_adds_the_loop_tables(tmp_path):
+    """The committed revision-0003 file tests/assets/rev0003-loop.db: every tensor and call reads back as before (and
+    final = 0), the new tables start empty, recording goes on with final rows and values; down to 0003 and up
+    again."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-loop.db", path)
+    assert _revision(path) == "0003"
+    before, calls = _rows_0001(path), _calls(path)
+    assert len(before) == 156 and sum(r[5] == 2 for r in before) == 24  # what the asset holds (3 steps x 2 passes)
+    with sqlite3.connect(path) as conn:
+        steps = conn.execute("SELECT id, step, status, passes, level FROM steps ORDER BY id").fetchall()
+    _migrate(path, "0009_loop")
+    assert _revision(path) == "0009_loop" and _LOOP_TABLES <= _tables(path)
+    with sqlite3.connect(path) as conn:
+        after = conn.execute(f"SELECT {_TENSOR_COLUMNS}, final FROM tensors ORDER BY id").fetchall()
+        empty = [conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in sorted(_LOOP_TABLES)]
+        view = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
+    assert [tuple(map(repr, r[:-1])) for r in after] == [tuple(map(repr, r)) for r in before]
+    assert {r[-1] for r in after} == {0} and empty == [0, 0, 0] and view == schema.TENSORS_VIEW
+    assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in calls]
+    store = gradstore.open(path)
+    assert list(store.steps("asset-run-0003")[["step", "status", "passes"]].itertuples(index=False, name=None)) == [
+        (s[1], s[2], s[3]) for s in steps
+    ]
+    assert set(store.param_grads("asset-run-0003")["final"]) == {0}  # no final rows before 0009: the pass rows
+    _record_loop_step(path, "asset-run-0003")
+    store = gradstore.open(path)
+    assert store.steps("asset-run-0003")["step"].tolist() == [0, 1, 2, 3]
+    assert store.values("asset-run-0003").loc[(3, 0), "loss"] == 0.5
+    new = store.param_grads("asset-run-0003", step=3, which="all")
+    assert sorted(new["final"]) == [0, 0, 0, 0, 1, 1, 1, 1]
+    pairs = new.pivot(index="param", columns="final", values="norm")
+    assert ((pairs[1] * 4 - pairs[0]).abs() <= 1e-6 * pairs[0]).all()  # the final rows hold the divided .grad
+    store.close()
+    _migrate(path, "0003", down=True)
+    assert _revision(path) == "0003" and not _LOOP_TABLES & _tables(path)
+    with sqlite3.connect(path) as conn:
+        old_view = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'tensors'").fetchone()[0]
+        finals = conn.execute("SELECT COUNT(*) FROM tensors WHERE role = 2 AND pass_id IS NULL").fetchone()[0]
+    assert "final" not in old_view and finals == 0  # the final rows went with the revision
+    assert [tuple(map(repr, r)) for r in _rows_0001(path)][: len(before)] == [tuple(map(repr, r)) for r in before]
+    assert database.upgrade(path) == ("0003", database.head_revision())
+
+
+def test_0009_loop_down_and_up_on_postgresql(pg_url):
+    """On PostgreSQL: a flight-recorder run with values and final rows at 0009_loop; down to 0003 drops the new
+    tables and rows (the foreign keys allow it), up again gives an empty loop schema that records."""
+    import torch
+    from sqlalchemy import inspect, text
+
+    database.upgrade(pg_url)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1)
+    with gradstore.record("pg-loop", db=pg_url, model=net, keep=2) as rec:
+        for i in range(3):
+            x = torch.randn(4, 3)
+            if i == 2:
+                x[0, 0] = float("nan")
+            net(x).sum().backward()
+            rec.log(i=i)
+            if i < 2:
+                rec.step()
+    store = gradstore.open(pg_url)
+    assert list(store.steps("pg-loop")["level"]) == ["summary", "full", "full"]
+    assert len(store.values("pg-loop")) == 3 and len(store.dumps("pg-loop")) == 1
+    store.close()
+    _migrate(pg_url, "0003", down=True)
+    engine = database.make_engine(pg_url)
+    with engine.connect() as conn:
+        tables = set(inspect(conn).get_table_names())
+        finals = conn.execute(text("SELECT COUNT(*) FROM tensors WHERE role = 2 AND pass_id IS NULL")).scalar()
+    assert not _LOOP_TABLES & tables and finals == 0
+    _migrate(pg_url, "0009_loop")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM step_values")).scalar() == 0
+    engine.dispose()
+    with gradstore.record("pg-loop", db=pg_url, model=net):
+        net(torch.randn(4, 3)).sum().backward()
+        gradstore.log(again=1.0)
+    assert gradstore.open(pg_url).values("pg-loop")["again"].dropna().tolist() == [1.0]

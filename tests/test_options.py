@@ -76,10 +76,12 @@ def test_levels_record_what_they_promise(tmp_path):
     assert tensors["mean"].isna().all() and tensors["std"].isna().all() and tensors.zeros.isna().all()
     calls, tensors, steps, grads = results["params"]
     assert calls.empty and set(tensors.role) == {"param_grad"}
-    pg = tensors.set_index("param")
-    for name, g in grads.items():
-        assert math.isclose(pg.loc[name, "norm"], float(g.double().norm()), rel_tol=1e-6)
-        assert math.isclose(pg.loc[name, "mean"], float(g.double().mean()), rel_tol=1e-6, abs_tol=1e-12)
+    assert sorted(tensors.final) == [0] * len(grads) + [1] * len(grads)  # the pass's rows and the step's final
+    for final in (0, 1):  # nothing changed .grad between the pass and zero_grad: both rows hold it
+        pg = tensors[tensors.final == final].set_index("param")
+        for name, g in grads.items():
+            assert math.isclose(pg.loc[name, "norm"], float(g.double().norm()), rel_tol=1e-6)
+            assert math.isclose(pg.loc[name, "mean"], float(g.double().mean()), rel_tol=1e-6, abs_tol=1e-12)
     calls, tensors, steps, grads = results["shape"]
     assert len(calls) == expected_calls
     assert tensors.norm.isna().all() and tensors["shape"].notna().all() and tensors.dtype.eq("float32").all()

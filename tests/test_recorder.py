@@ -16,14 +16,18 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.autograd import backward as early_backward  # bound before any recording scope patches anything
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.checkpoint import checkpoint
 
 import gradstore
 import gradstore.recording.torch_private as tp
+from gradstore.recording import final_grads as gs_final
 from gradstore.recording import intercept
 from gradstore.recording import passes as gs_passes
 
 ORIGINAL_ENGINE_ENTRY = torch.autograd.graph._engine_run_backward
+ORIGINAL_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
+ORIGINAL_SCALER_STEP = torch.amp.GradScaler.step
 
 
 # ---- independent helpers (plain PyTorch) ---------------------------------------------------------------------
@@ -618,9 +622,9 @@ def _live(cls) -> int:
 def _count_hook_activity(monkeypatch) -> list:
     """Count every entry into a gradstore hook (each hook asks for the graph task id first) and every measure."""
     hits = []
-    real_task, real_measure = tp.current_graph_task_id, gs_passes.measure
+    real_task, real_measure = tp.current_graph_task_id, gs_final.measure
     monkeypatch.setattr(tp, "current_graph_task_id", lambda: (hits.append("task"), real_task())[1])
-    monkeypatch.setattr(gs_passes, "measure", lambda t: (hits.append("measure"), real_measure(t))[1])
+    monkeypatch.setattr(gs_final, "measure", lambda t, *a, **k: (hits.append("measure"), real_measure(t, *a, **k))[1])
     return hits
 
 
@@ -629,6 +633,9 @@ def _assert_clean_after(db, run, loss, m, hooks_before, monkeypatch):
     assert torch.autograd._engine_run_backward is ORIGINAL_ENGINE_ENTRY
     assert _global_module_hooks() == hooks_before
     assert intercept.active() is None
+    assert torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP_GRAD_NORM  # gradstore's observers are gone too
+    assert torch.amp.GradScaler.step is ORIGINAL_SCALER_STEP
+    assert not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
     assert _live(gs_passes.PassRecorder) == 0  # a hook left on a living node would keep its recorder alive
     before = {k: len(v) for k, v in read(db, run).items()}
     hits = _count_hook_activity(monkeypatch)

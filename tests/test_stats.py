@@ -383,9 +383,10 @@ def test_pipeline_statistics(db, dtype):
     assert list(mul_in.status) == ["ok", "none"]  # w needs no gradient
     acc_out = t[(t.key == "param:p") & (t.role == "grad_output")]
     assert len(acc_out) == 1
-    param_row = t[(t.key == "param:p") & (t.role == "param_grad")]
-    assert len(param_row) == 1 and len(pg) == 1 and pg.param.iloc[0] == "p"
-    for frame in (mul_in.iloc[[0]], acc_out, param_row, pg):
+    param_rows = t[(t.key == "param:p") & (t.role == "param_grad")]  # the pass's row and the step's final row
+    assert sorted(param_rows.final) == [0, 1] and len(pg) == 1 and pg.param.iloc[0] == "p"
+    param_row, final_row = param_rows[param_rows.final == 0], param_rows[param_rows.final == 1]
+    for frame in (mul_in.iloc[[0]], acc_out, param_row, final_row, pg):
         r = frame.iloc[0]
         assert r["status"] == "ok"
         assert r["dtype"] == str(dtype).removeprefix("torch.")

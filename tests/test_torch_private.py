@@ -256,3 +256,23 @@ def test_saved_tensor_unpack_reports_both_version_counters():
         else:
             raise AssertionError("a saved tensor modified in place unpacked without the version error")
     assert saved_versions(node) == [(1, 0, None), (1, 0, None)]
+
+
+def test_grad_scaler_found_inf_reads_what_step_decided():
+    """After GradScaler.step and before update: the count of devices whose unscaled gradients held Inf/NaN,
+    from the scaler's private per-optimizer state (0.0 when it stepped, > 0 when it skipped the step)."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert tp.grad_scaler_found_inf(scaler, opt) is None  # nothing unscaled yet
+    scaler.scale((w * 2).sum()).backward()
+    scaler.step(opt)
+    assert tp.grad_scaler_found_inf(scaler, opt) == 0.0 and not torch.equal(w.detach(), torch.ones(3))
+    scaler.update()
+    opt.zero_grad()
+    before = w.detach().clone()
+    scaler.scale((w * float("inf")).sum()).backward()
+    scaler.step(opt)
+    assert tp.grad_scaler_found_inf(scaler, opt) == 1.0 and torch.equal(w.detach(), before)  # skipped
+    scaler.update()
+    assert tp.grad_scaler_found_inf(scaler, opt) is None  # update() starts the next step's state

@@ -47,6 +47,11 @@ def matches(glob: str, key: str, module: str, param: str | None) -> bool:
     return any(fnmatch.fnmatchcase(".".join(parts[:i]), glob) for i in range(len(parts), 0, -1))
 
 
+ON_NONFINITE = ("warn", "raise")  # or a callable
+DUMP_ON = ("nonfinite", "spike", "error")  # the flight recorder's triggers (record(keep=N))
+SPIKE_FACTOR = 10.0
+
+
 def _globs(value, what: str) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -82,6 +87,10 @@ class Options:
     max_numel: int = MAX_NUMEL
     values_budget: int = VALUES_BUDGET
     forward: bool = False
+    on_nonfinite: object = None  # None, 'warn', 'raise' or a callable taking the first non-finite row (dict)
+    keep: int | None = None  # flight recorder: the last `keep` steps held in memory
+    dump_on: tuple[str, ...] = ()
+    spike_factor: float = SPIKE_FACTOR
     # (key, module, param) -> (slice dim or None, slices matched, values matched), filled as nodes are seen
     _inside: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -103,6 +112,10 @@ class Options:
         max_numel=None,
         values_budget=None,
         forward=False,
+        on_nonfinite=None,
+        keep=None,
+        dump_on=None,
+        spike_factor=None,
     ) -> Options:
         """Validate user arguments; raises RecordUsageError naming the argument and what it accepts."""
         if stats not in LEVELS:
@@ -152,6 +165,12 @@ class Options:
                 )
             if isinstance(n, bool) or not isinstance(n, int) or n < least:
                 raise RecordUsageError(f"record({name}=...) takes a whole number >= {least}, got {n!r}")
+        if on_nonfinite is not None and on_nonfinite not in ON_NONFINITE and not callable(on_nonfinite):
+            raise RecordUsageError(
+                "record(on_nonfinite=...) is 'warn', 'raise' or a function taking the first non-finite row "
+                f"(a dict), got {on_nonfinite!r}"
+            )
+        dump_on, spike_factor = _flight(keep, dump_on, spike_factor, stats, every, steps)
         return cls(
             stats,
             every,
@@ -168,6 +187,10 @@ class Options:
             MAX_NUMEL if max_numel is None else max_numel,
             VALUES_BUDGET if values_budget is None else values_budget,
             forward,
+            on_nonfinite,
+            keep,
+            dump_on,
+            spike_factor,
         )
 
     @property
@@ -216,3 +239,44 @@ class Options:
     def param_level(self) -> str:
         """Statistics level of param_grad rows: all statistics except at stats='shape'/'health'."""
         return "full" if self.stats == "params" else self.stats
+
+
+def _flight(keep, dump_on, spike_factor, stats, every, steps) -> tuple[tuple[str, ...], float]:
+    """Check the flight recorder's options; returns (dump_on, spike_factor) with their defaults filled in."""
+    if keep is None:
+        for name, value in (("dump_on", dump_on), ("spike_factor", spike_factor)):
+            if value is not None:
+                raise RecordUsageError(f"record({name}=...) is an option of the flight recorder: give keep=N too")
+        return (), SPIKE_FACTOR
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise RecordUsageError(f"record(keep=...) takes a whole number >= 1 (steps held in memory), got {keep!r}")
+    if every != 1 or steps is not None:
+        raise RecordUsageError(
+            "record(keep=N) measures every step into its ring: it does not combine with every= or steps="
+        )
+    if dump_on is None:
+        dump_on = DUMP_ON
+    elif isinstance(dump_on, str):
+        dump_on = (dump_on,)
+    try:
+        dump_on = tuple(dump_on)
+    except TypeError:
+        dump_on = None
+    if dump_on is None or not all(d in DUMP_ON for d in dump_on):
+        raise RecordUsageError(
+            f"record(dump_on=...) takes some of {', '.join(map(repr, DUMP_ON))} (or () for rec.dump() only), "
+            f"got {dump_on!r}"
+        )
+    if spike_factor is None:
+        spike_factor = SPIKE_FACTOR
+    if isinstance(spike_factor, bool) or not isinstance(spike_factor, (int, float)) or not spike_factor > 1:
+        raise RecordUsageError(
+            f"record(spike_factor=...) is a number > 1 (times the running median of the total gradient norm), "
+            f"got {spike_factor!r}"
+        )
+    if "spike" in dump_on and stats == "shape":
+        raise RecordUsageError(
+            "record(keep=..., dump_on=('spike', ...)) compares gradient norms; stats='shape' measures none: "
+            "use stats='health' or 'full', or leave 'spike' out of dump_on"
+        )
+    return dump_on, float(spike_factor)

@@ -26,13 +26,14 @@ import torch
 from ..records import NodeInfo, PassRecord
 from . import native as native_hooks
 from . import torch_private as tp
+from .final_grads import measure_params, wanted
 from .graph import describe, roots_of, walk
 from .inside import PassInside
 from .native import LEVEL_CODES
 from .options import Options
 from .rows import LazyRows, call_rows, edge_rows, tensor_rows
 from .saved import saved_tensors, saved_versions
-from .stats import NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, shape_only, to_rows
+from .stats import NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, to_rows
 
 
 class StepState:
@@ -117,13 +118,6 @@ def _grad_state(p) -> tuple | None:
         return g.data_ptr(), g._version
     except Exception:  # a tensor subclass without storage or version counter: compared by identity instead
         return id(g), None
-
-
-def _world_size() -> int:
-    """`torch.distributed.get_world_size()` when a process group is initialised, else 1."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 _task_id = tp.current_graph_task_id
@@ -329,8 +323,7 @@ class PassRecorder:
 
     def _wanted(self, module: str, param: str | None) -> bool:
         """The modules= and params= filters: a parameter's node needs both, any other node the first."""
-        opts = self.options
-        return opts.wants_module(module) and (param is None or opts.wants_param(param))
+        return wanted(self.options, module, param)
 
     # ---- the hot path ----------------------------------------------------------------------------------
     # a hook is this pass's when it fires for the pass's own graph task (a nested pass, or another thread's,
@@ -466,22 +459,11 @@ class PassRecorder:
                     ]
             if ok and rec.kind == "backward" and rec.parent_pass is None:
                 opts = self.options
-                # checksums make a bitwise comparison across ranks exact: taken when there are ranks to compare
-                # (or checksum=True), never at 'shape'
-                take_checksum = opts.param_level != "shape" and (
-                    opts.checksum if opts.checksum is not None else _world_size() > 1
-                )
-                sharded_of = self._sharded_of
-                for name, p in self.params:
-                    p = sharded_of.get(id(p), p)  # FSDP2 writes .grad to the sharded parameter
-                    module = name.rsplit(".", 1)[0] if "." in name else ""
-                    if not getattr(p, "requires_grad", False) or not self._wanted(module, name):
-                        continue
-                    key = f"param:{name}"
-                    param_nodes[key] = NodeInfo(key, "AccumulateGrad", "accumulate_grad", module, name)
+                nodes, results, measured = measure_params(self.params, opts, self._sharded_of)
+                for info, m, p in zip(nodes, results, measured):
+                    key, module, name = info.key, info.module, info.param
+                    param_nodes[key] = info
                     param_keys.append(key)
-                    level = opts.param_level
-                    m = shape_only(p.grad) if level == "shape" else measure(p.grad, level, checksum=take_checksum)
                     self.measured.append((None, _ROLE_PARAM, 0, m))
                     if opts.inside:
                         dim, sliced, valued = opts.inside_of(key, module, name)

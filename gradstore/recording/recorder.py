@@ -18,16 +18,18 @@ import torch.nn as nn
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from ..errors import RecordUsageError, RecordUsageWarning
+from ..errors import NonFiniteGradient, RecordUsageError, RecordUsageWarning
 from ..records import StepBatch
 from ..store import claims
 from ..store import schema as s
 from ..store.database import DEFAULT_DB, explain
 from ..store.writer import writer_for
 from ..version import __version__
-from . import intercept, kernel, native
+from . import intercept, kernel, native, observers
 from . import torch_private as tp
+from .final_grads import FinalGrads
 from .findings import Findings, StepFacts
+from .flight import FlightRecorder, summary_norms, total_norm
 from .forward import ForwardRecorder
 from .frames import FrameTracker
 from .lineage import Lineage
@@ -44,8 +46,10 @@ from .modules import (
 )
 from .options import Options
 from .passes import PassRecorder, StepState
+from .reaction import LastStep, Reaction, amp_skipped, first_nonfinite
 from .rows import LazyRows
 from .stats import NONFINITE_COLUMNS
+from .step_values import StepValues
 from .step_warnings import WarningLog
 from .values import ValueTaker
 
@@ -154,11 +158,30 @@ class record:
         forward: also record the forward: the statistics of every module call's output tensors (role
             'activation', nodes 'module/forward#k'), and each pass's roots (role 'loss': its loss, measured
             as the pass starts; `Store.losses`). Off by default; not at stats='params'.
+        on_nonfinite: what to do after a step whose status is nonfinite is written: 'warn' (once per
+            recording, naming the first non-finite node, module, step and frame), 'raise'
+            (`gradstore.NonFiniteGradient`, carrying them), or a function called with that row (a dict with
+            the columns of `Store.first_nonfinite`); None (default): nothing. A step in which a GradScaler
+            skipped the optimizer step does not trigger it. Costs nothing on finite steps.
+        keep: the flight recorder: hold the full detail of the last `keep` steps in memory, write only a
+            summary of each step (status, step values, each parameter's final gradient norm), and write the
+            detail of the held steps when a trigger of `dump_on` fires or `rec.dump()` is called
+            (gradstore.recording.flight). Does not combine with every= or steps=.
+        dump_on: the flight recorder's triggers, some of 'nonfinite', 'spike', 'error' (default: all three;
+            () for rec.dump() only).
+        spike_factor: 'spike' fires when the total final gradient norm exceeds spike_factor (default 10) times
+            the running median of the previous steps' totals.
 
     The rank and world size come from `torch.distributed` when a process group is initialised, else from the
     environment torchrun sets (RANK, WORLD_SIZE; LOCAL_RANK, LOCAL_WORLD_SIZE), else (0, 1). A scope claims its
     (run, rank) when it opens (gradstore.store.claims) and gives it back when it ends (the decorator: when
     the process ends); a process forked while a scope is open does not inherit it.
+
+    Step values: `rec.log(name=value, ...)` (also `gradstore.log`) stores scalars with the step; gradstore adds
+    a GradScaler's scale and skipped steps and what clip_grad_norm_ returned (gradstore.recording.observers).
+    Final gradients: besides the param_grad rows taken when each top-level backward pass returns, the step's
+    parameter gradients as the optimizer saw them are stored as param_grad rows with final = 1
+    (gradstore.recording.final_grads).
 
     Raises:
         RecordUsageError: a bad argument, a scope opened inside another, or a RANK / WORLD_SIZE in the
@@ -206,6 +229,10 @@ class record:
         max_numel: int | None = None,
         values_budget: int | None = None,
         forward: bool = False,
+        on_nonfinite=None,
+        keep: int | None = None,
+        dump_on=None,
+        spike_factor: float | None = None,
     ):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
@@ -228,6 +255,10 @@ class record:
             max_numel=max_numel,
             values_budget=values_budget,
             forward=forward,
+            on_nonfinite=on_nonfinite,
+            keep=keep,
+            dump_on=dump_on,
+            spike_factor=spike_factor,
         )
         self.run = run
         self.db = db
@@ -256,6 +287,12 @@ class record:
         self._in_scope = False
         self._scope_pid: int | None = None  # the process whose scope this is (a forked child's copy is not)
         self._claimed_by: int | None = None  # the pid that holds the claim on (run, rank), None when released
+        self._values = StepValues()
+        self._final: FinalGrads | None = None
+        self._flight: FlightRecorder | None = None
+        self._reaction = Reaction(self.options.on_nonfinite) if self.options.on_nonfinite is not None else None
+        self._raised: BaseException | None = None  # the NonFiniteGradient this recording raised last
+        self.last_step: LastStep | None = None
 
     # ---- run and step bookkeeping ----------------------------------------------------------------------
     def _open_run(self) -> None:
@@ -345,6 +382,8 @@ class record:
         if self.options.forward:
             wrappers = frozenset(id(m) for _, m in models if unwrap(m) is not m)
             self._forward = ForwardRecorder(self._tracker.names, self.options, wrappers)
+        if self.options.keep is not None and self._flight is None:
+            self._flight = FlightRecorder(self.options.keep, self.options.dump_on, self.options.spike_factor)
         try:
             self._check_filters(models)
             self._begin_step()
@@ -431,6 +470,8 @@ class record:
         if self._warning_log is not None:
             self._warning_log.remove()
         self._warning_log = None
+        observers.deactivate()
+        self._final = None
         if self._frames is not None:
             self._frames.remove()
         self._frames = None
@@ -469,8 +510,12 @@ class record:
                 self._forward.begin(self._state)
                 self._forward.install()
             intercept.activate(self)
+            fsdp = self._fsdp
+            self._final = FinalGrads(self._params, self.options, (lambda: fsdp_aliases(fsdp)) if fsdp else None)
+            observers.activate(observers.Observed(self._thread, self._values, self._final, self._state.fault))
         else:  # an unsampled step runs with no gradstore hook at all
             self._state = None
+            self._final = None
             if self._frames is not None:
                 self._frames.remove()
             if self._forward is not None:
@@ -478,9 +523,14 @@ class record:
             self._tracker.remove()
             self._warning_log.remove()
             intercept.deactivate(self)
+            observers.deactivate()
 
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
         state, self._state = self._state, None
+        final, self._final = self._final, None
+        values, value_faults = self._values.take() if state is not None else (self._values.clear(), [])
+        for text in value_faults:  # unsampled steps' values are not kept
+            state.fault_text(text)
         forward_nodes, activations = [], []
         if state is not None and self._forward is not None:
             try:
@@ -488,20 +538,29 @@ class record:
             except Exception as exc_forward:
                 state.fault("end of step (forward)", exc_forward)
         # an unsampled step, or one in which no backward pass ran and (with forward=True) no module was called
-        # (the empty step after a loop's last rec.step(), an eval-only call): nothing to record; only the run's
-        # status may change
+        # (the empty step after a loop's last rec.step(), an eval-only call, the step after a NonFiniteGradient
+        # this recording raised): nothing to record; only the run's status may change
+        quiet = exc is None or exc is self._raised
         if state is None or (
-            exc is None and not state.records and not state.faults and not state.tracing_passes and not activations
+            quiet and not state.records and not state.faults and not state.tracing_passes and not activations
         ):
             if run_status is not None:
                 self._writer.set_run_status(self.run_id, run_status, time.time())
             return
+        final_nodes, final_rows, final_nonfinite = [], [], False
+        if final is not None:
+            try:
+                final_nodes, final_rows, final_nonfinite = final.rows()
+            except Exception as e:  # a recorder fault: the step's other rows are still written
+                state.fault("final parameter gradients", e)
         status, error = "ok", None
         if exc is not None:
             status = "error"
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        elif any(r.nonfinite for r in state.records) or any(
-            row[i] for row in activations for i in _ACTIVATION_NONFINITE
+        elif (
+            final_nonfinite
+            or any(r.nonfinite for r in state.records)
+            or any(row[i] for row in activations for i in _ACTIVATION_NONFINITE)
         ):
             status = "nonfinite"
         if state.faults:
@@ -522,12 +581,35 @@ class record:
             warnings=[(*key, n) for key, n in state.warnings.items()],
             forward_nodes=forward_nodes,
             activations=activations,
+            final=final_rows,
+            final_nodes=final_nodes,
+            values=values,
         )
         if state.values is not None:
             batch.values_bytes, batch.values_left_out = state.values.bytes, state.values.left_out
         self._add_findings(batch, state, records)
         state.release()
-        self._writer.submit(batch, on_full=self.options.on_full, max_rows=self.options.queue_rows)
+        written, dump = "full", None
+        norms = summary_norms(final_rows)
+        grad_norm = total_norm(norms)
+        if self._flight is not None:
+            batch.param_norms = norms
+            batches, dump = self._flight.end_step(batch, exc is not None, amp_skipped(values), grad_norm)
+            written = "dumped" if dump is not None else "summary"
+        else:
+            batches = [batch]
+        for b in batches:
+            self._writer.submit(b, on_full=self.options.on_full, max_rows=self.options.queue_rows)
+        self.last_step = LastStep(batch, self.run, written, dump, grad_norm)
+        if status == "nonfinite" and self._reaction is not None and not amp_skipped(values):
+            self._writer.flush()  # the step is in the database before the loop hears of it
+            try:
+                self._reaction(first_nonfinite(batch, self.run), self.db, batch.step, self.run, self.rank)
+            except NonFiniteGradient as e:
+                self._raised = e
+                if run_status is not None:
+                    self._writer.set_run_status(self.run_id, "error", time.time())
+                raise
 
     def _add_findings(self, batch: StepBatch, state: StepState, records: list) -> None:
         """Hand what the step noted to its findings (built on the writer thread: gradstore.recording.findings)."""
@@ -613,7 +695,9 @@ class record:
         finally:
             try:
                 if p is not None:
-                    p.finish(ok)
+                    rec = p.finish(ok)
+                    if ok and self._final is not None and rec.kind == "backward" and rec.parent_pass is None:
+                        self._final.after_pass()  # .grad changed: a snapshot taken before it no longer stands
                     if self._forward is not None and not state.active:  # a top-level pass: the next forward's keys
                         self._forward.backward_done()
             finally:
@@ -633,9 +717,64 @@ class record:
                     "forked this one; a forked child records nothing of its parent's scope: open a scope of its own"
                 )
             raise RecordUsageError("rec.step() works inside `with gradstore.record(...) as rec:` only")
-        self._end_step(None)
-        self._begin_step()
+        try:
+            self._end_step(None)
+        finally:  # also when on_nonfinite raises: the next step is open, the loop may go on
+            self._begin_step()
         return self._step_number
+
+    def log(self, values: dict | None = None, /, **named) -> None:
+        """Store scalars with the current step (table step_values; `Store.values`, and columns of `Store.steps`).
+
+        Args:
+            values: a dict name -> value, for names that are not Python identifiers ('train/loss').
+            **named: name=value. A value is a real number: int, float, bool, a NumPy scalar, or a tensor of one
+                element (read with `Tensor.item()`, which waits for its device). NaN and +-Inf are kept. A name
+                logged twice in a step keeps the last value.
+        Values of a step that is not recorded (every=, steps=) are not kept.
+        Raises:
+            RecordUsageError: outside a recording scope, or a value that is not a real scalar (nothing of the
+                call is kept then).
+        """
+        if not self._in_scope:
+            raise RecordUsageError(
+                "rec.log(...) works while the recording is open (inside its `with` block or decorated function)"
+            )
+        if values is not None and not isinstance(values, dict):
+            raise RecordUsageError(f"rec.log(values) takes a dict of name -> number, got {type(values).__name__}")
+        items = {**(values or {}), **named}
+        checked = StepValues()
+        for name, value in items.items():
+            checked.set(name, value)
+        self._values.values.update(checked.values)
+
+    def final_grads(self) -> None:
+        """Take the step's final parameter gradients now (param_grad rows with final = 1), replacing an earlier
+        snapshot of the step: for code that changes `.grad` and then steps its optimizer in ways gradstore does
+        not see (the trainer callbacks call it where the frameworks hand the gradients to the optimizer). A
+        backward pass that finishes afterwards voids it again. Does nothing in a step that is not recorded.
+
+        Raises RecordUsageError outside a recording scope."""
+        if not self._in_scope:
+            raise RecordUsageError("rec.final_grads() works while the recording is open")
+        if self._final is not None:
+            try:
+                self._final.take("rec.final_grads()")
+            except Exception as exc:
+                if self._state is not None:
+                    self._state.fault("final parameter gradients", exc)
+
+    def dump(self) -> None:
+        """Flight recorder (record(keep=N)): write the full detail of the steps held in memory now, and of the
+        current step when it ends; one row of `dumps` (reason 'manual') says which.
+
+        Raises RecordUsageError without keep=, or outside a recording scope."""
+        if self._flight is None or not self._in_scope:
+            raise RecordUsageError(
+                "rec.dump() writes the flight recorder's ring: record(..., keep=N), inside its scope"
+            )
+        for b in self._flight.dump_now(self._step_number):
+            self._writer.submit(b, on_full=self.options.on_full, max_rows=self.options.queue_rows)
 
     @property
     def current_step(self) -> int | None:
@@ -713,3 +852,11 @@ def _module_arguments(signature, args, kwargs) -> list[tuple[str, nn.Module]]:
     if not found:
         found = [(str(i), a) for i, a in enumerate((*args, *kwargs.values())) if isinstance(a, nn.Module)]
     return [("", found[0][1])] if len(found) == 1 else found
+
+
+def log(values: dict | None = None, /, **named) -> None:
+    """Store step values with the step being recorded in this process: `rec.log` of the open recording
+    (handy inside a decorated function). Raises RecordUsageError when no recording is open."""
+    if _open_scope is None:
+        raise RecordUsageError("gradstore.log(...) needs an open recording (gradstore.record as decorator or `with`)")
+    _open_scope.log(values, **named)

@@ -304,3 +304,20 @@ def sparse_values(t: torch.Tensor) -> torch.Tensor:
     if t.layout in _COMPRESSED:
         return t.values()
     raise TypeError(f"not a sparse layout: {t.layout}")
+
+
+def grad_scaler_found_inf(scaler, optimizer) -> float | None:
+    """After `scaler.step(optimizer)` (and before `scaler.update()`): the number of devices on which the
+    unscaled gradients of `optimizer` held an Inf or NaN (`GradScaler.step` then skipped `optimizer.step()`),
+    0.0 when it stepped, None where it cannot be read (no unscale recorded for that optimizer, or the private
+    state changed). Reads `GradScaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]` (private;
+    the same values `GradScaler.step` itself read, so `.item()` waits for nothing new)."""
+    try:
+        states = scaler._per_optimizer_states
+        state = states.get(id(optimizer)) if isinstance(states, dict) else None
+        found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+        if not found:
+            return None
+        return float(sum(float(v.item()) for v in found.values()))
+    except Exception:
+        return None

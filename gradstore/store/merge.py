@@ -13,7 +13,8 @@ the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank
   rows keyed by its id (tensor_notes, tensor_shardings, and revision 0008_inside's tensor_slices,
   tensor_values, saved_versions, forward_seqs);
 - the step findings (param_status, module_calls, step_nodes, step_warnings) are copied with their steps, and
-  param_names (every name of a parameter) added per run where OUT lacks the name.
+  param_names (every name of a parameter) added per run where OUT lacks the name;
+- step values, flight-recorder summaries (param_norms) and dumps go with their steps and runs.
 
 Everything goes through SQLAlchemy Core on the `gradstore.store.schema` tables, so OUT and the inputs may be
 SQLite files or database URLs. The whole merge is one transaction on OUT: an error leaves OUT as it was (a
@@ -62,6 +63,7 @@ class MergeReport:
     tensors: int = 0
     nodes: int = 0
     edges: int = 0
+    values: int = 0  # step_values rows copied
     skipped: list[tuple[str, int, int]] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
 
@@ -349,6 +351,7 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
             if side_rows:
                 dst.execute(insert(table), side_rows)
         report.tensors += len(rows)
+    _merge_loop(src, dst, run_map, step_map, node_map, names, report)
     return report
 
 
@@ -377,6 +380,30 @@ def _merge_findings(src, dst, run_map, step_map, node_map) -> None:
                     r["node_id"] = node_map[r["node_id"]]
             if rows:
                 dst.execute(insert(table), rows)
+
+
+def _merge_loop(src, dst, run_map, step_map, node_map, names, report) -> None:
+    """Step values, flight-recorder summaries (param_norms) and dumps rows of the merged steps and runs."""
+    for table in (s.step_values, s.param_norms):
+        for rows in _stream(src, table, order_by=(table.c.step_id,)):
+            rows = [r for r in rows if r["step_id"] in step_map]
+            for r in rows:
+                r["step_id"] = step_map[r["step_id"]]
+                if "node_id" in r:
+                    r["node_id"] = node_map[r["node_id"]]
+            if rows:
+                dst.execute(insert(table), rows)
+            if table is s.step_values:
+                report.values += len(rows)
+    skipped = set(report.skipped)
+    dumps = [
+        {**{k: v for k, v in r.items() if k != "id"}, "run_id": run_map[r["run_id"]]}
+        for part in _stream(src, s.dumps)
+        for r in part
+        if (names[r["run_id"]], r["rank"], r["step"]) not in skipped
+    ]
+    if dumps:
+        dst.execute(insert(s.dumps), dumps)
 
 
 def _merge_layouts(src, dst) -> dict[int, int]:

@@ -79,7 +79,7 @@ _INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b", "all"
 _REAL_PARAMS = {"rtol", "atol", "now"}
 
 
-_CHOICES = {"role": ROLES, "by": ("node", "module"), "status": PARAM_STATUSES}
+_CHOICES = {"role": ROLES, "by": ("node", "module"), "status": PARAM_STATUSES, "which": ("pass", "final", "all")}
 
 
 def _typed(query: str, param: str, value):

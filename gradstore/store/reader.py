@@ -91,9 +91,50 @@ class Store:
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Steps: run, rank, step, status (ok/error/nonfinite), passes, tracing_passes (torch.compile's tracing
-        calls of autograd, not recorded), level, dropped (rows), waited (s), started_at, ended_at, duration (s),
-        error."""
-        return self.query("steps", run=run, rank=rank, step=step)
+        calls of autograd, not recorded), level (the stats level; 'summary' for a flight-recorder step written
+        without its detail), dropped (rows), waited (s), values_bytes and values_left_out (record(values=...)),
+        started_at, ended_at, duration (s), error; then one column per step value the steps logged (`values`; a name
+        equal to one of the columns before it gets the prefix 'value:'), NaN where a step has none."""
+        frame = self.query("steps", run=run, rank=rank, step=step)
+        long = self.query("values", run=run, rank=rank, step=step)
+        if long.empty or frame.empty:
+            return frame
+        wide = _pivot(long, keys=["run", "rank", "step"])
+        wide.columns = [f"value:{c}" if c in frame.columns else c for c in wide.columns]
+        return frame.merge(wide, how="left", left_on=["run", "rank", "step"], right_index=True)
+
+    def values(self, run: str, names=None, rank: int | None = None) -> pd.DataFrame:
+        """The step values of `run`: one column per name, one row per (step, rank) that logged any (the index),
+        values as floats (NaN where that step did not log the name, or logged NaN; `query("values", ...)` gives
+        the long form, where a NaN is a row with value NaN and an absent value is no row).
+
+        Args:
+            run: the run's name. names: a name or a list of names (columns in that order; a name no step logged
+            is a column of NaN); None: every name, sorted. rank: one rank; None: every rank.
+        Raises: UnknownRun.
+        """
+        self._check_run(run)
+        long = self.query("values", run=run, rank=rank)
+        if isinstance(names, str):
+            names = [names]
+        if names is not None:
+            long = long[long["name"].isin(list(names))]
+        wide = _pivot(long, keys=["step", "rank"])
+        if names is not None:
+            wide = wide.reindex(columns=list(names))
+        return wide
+
+    def param_norms(
+        self, run: str | None = None, step: int | None = None, rank: int | None = None, param: str | None = None
+    ) -> pd.DataFrame:
+        """Flight-recorder summaries (record(keep=N)): run, rank, step, status, level, param, module, norm (final
+        gradient, over finite elements), nonfinite (NaN + Inf count), one row per step and parameter."""
+        return self.query("param_norms", run=run, step=step, rank=rank, param=param)
+
+    def dumps(self, run: str | None = None, rank: int | None = None) -> pd.DataFrame:
+        """Flight-recorder dumps: run, rank, step (whose trigger fired), reason (nonfinite / spike / error /
+        manual), first_step, last_step (the steps written in full), at (s since the epoch)."""
+        return self.query("dumps", run=run, rank=rank)
 
     def passes(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Backward passes: run, rank, step, pass, kind (backward/grad), parent_pass, parent_seq, create_graph,
@@ -150,18 +191,24 @@ class Store:
         rank: int | None = None,
         param: str | None = None,
         scope: str = "rank",
+        which: str = "final",
     ) -> pd.DataFrame:
-        """Each parameter's .grad per step (after the step's last backward pass), as queries/param_grads.sql.
+        """Each parameter's .grad per step, as queries/param_grads.sql.
 
-        scope='rank' (default): one row per rank: run, rank, step, pass, param, module, status, dtype, shape,
-        numel, norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced (a sparse
+        scope='rank' (default): one row per rank: run, rank, step, pass, final, param, module, status, dtype,
+        shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced (a sparse
         gradient's layout, stored entries and whether it was coalesced; NULL for a dense one) (a DTensor's local
         shard: shape and numel are the shard's), then placements, mesh_shape, mesh_dims, coordinate,
         global_shape, global_offset (NULL for a plain tensor), shared_with. A tied weight is one row under its
         first name; `param=` any of its names finds it, and shared_with lists its other names (comma-separated;
-        '' for an untied parameter). scope='global': the whole gradient combined from
-        every rank's shard, as `global_grads` (`rank` must be None then). Raises UnknownRun; ValueError for
-        another scope, or a rank with 'global'.
+        '' for an untied parameter). scope='global': the whole gradient combined from every rank's shard, as
+        `global_grads` (`rank` must be None then; the rows of the step's last backward pass).
+
+        which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN), or,
+            for a step without that row (recorded before schema revision 0009_loop), as the step's last
+            top-level backward pass returned it (final = 0); 'pass': always the latter; 'all': both rows.
+        Raises UnknownRun; QueryParameterError for another `which`; ValueError for another scope, or a rank
+        with 'global'.
         """
         if scope == "global":
             if rank is not None:
@@ -169,7 +216,7 @@ class Store:
             return self.global_grads(run, step=step, param=param)
         if scope != "rank":
             raise ValueError(f"param_grads(scope=...) is 'rank' or 'global', got {scope!r}")
-        return self.query("param_grads", run=run, step=step, rank=rank, param=param)
+        return self.query("param_grads", run=run, step=step, rank=rank, param=param, which=which)
 
     def global_grads(self, run: str | None = None, step: int | None = None, param: str | None = None) -> pd.DataFrame:
         """Each parameter's whole gradient per step, combined from every rank's param_grad row (what
@@ -365,7 +412,8 @@ class Store:
 
         Columns: run, rank, step, pass, seq, key, name, module, param, role, slot, occurrence (0 for the first
         row of that key, role and slot in the step; micro-batches count up), status, dtype, shape, numel, norm,
-        min, max, mean, std, nan, posinf, neginf, zeros, checksum. With no filter: every gradient of the run.
+        min, max, mean, std, nan, posinf, neginf, zeros, checksum, final (1 for the param_grad row taken when
+        the step ended, last in its step). With no filter: every gradient of the run.
         Raises UnknownRun; ValueError for a role other than grad_output, grad_input, param_grad.
         """
         _check_role(role)
@@ -621,6 +669,16 @@ class Store:
             step_b if step_b is not None else step_a,
             rank_b if rank_b is not None else rank_a,
         )
+
+
+def _pivot(long: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """The long values frame (keys..., name, value) as one column per name, indexed by `keys`; NULL is NaN."""
+    if long.empty:
+        return pd.DataFrame(index=pd.MultiIndex.from_arrays([[] for _ in keys], names=keys))
+    long = long.assign(value=pd.to_numeric(long["value"], errors="coerce").astype(float))
+    wide = long.pivot_table(index=keys, columns="name", values="value", aggfunc="last", dropna=False)
+    wide.columns.name = None
+    return wide.sort_index()
 
 
 def _check_role(role: str | None) -> None:

@@ -358,7 +358,10 @@ TENSORS_VIEW_COLUMNS = (
     "layout",
     "nnz",
     "coalesced",
+    "final",
 )
+# a param_grad row taken when the step ended (`.grad` as the optimizer saw it) has no pass and no call
+FINAL = "t.role = 2 AND t.pass_id IS NULL AND t.call_id IS NULL"
 TENSORS_VIEW = f"""CREATE VIEW tensors AS
 SELECT t.id, t.step_id,
        COALESCE(t.pass_id, (SELECT c.pass_id FROM call_data c WHERE c.id = t.call_id)) AS pass_id,
@@ -372,7 +375,8 @@ SELECT t.id, t.step_id,
        (SELECT x.checksum FROM tensor_notes x WHERE x.id = t.id) AS checksum,
        (SELECT x.layout FROM tensor_notes x WHERE x.id = t.id) AS layout,
        (SELECT x.nnz FROM tensor_notes x WHERE x.id = t.id) AS nnz,
-       (SELECT x.coalesced FROM tensor_notes x WHERE x.id = t.id) AS coalesced
+       (SELECT x.coalesced FROM tensor_notes x WHERE x.id = t.id) AS coalesced,
+       CASE WHEN {FINAL} THEN 1 ELSE 0 END AS final
 FROM tensor_data t"""
 
 # the view for SQLAlchemy Core (select only; not part of `metadata`, so Alembic's comparison leaves it alone)
@@ -504,4 +508,47 @@ step_warnings = Table(
     Column("message", Text, nullable=False),
     Column("location", String(2048), nullable=False),  # 'file:line' the warning names
     Column("count", Integer, nullable=False),  # how many times it was shown in the step
+)
+
+
+# ---- the loop around the pass (revision 0009_loop) ---------------------------------------------------------
+# step_values: scalars per step (rec.log, the trainer callbacks, gradstore's own GradScaler / clip_grad_norm_
+# values), one row per step and name; `value` NULL means NaN (SQLite stores a NaN as NULL; PostgreSQL is written
+# the same way, so both read alike)
+step_values = Table(
+    "step_values",
+    metadata,
+    Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
+    Column("name", String(255), nullable=False),
+    Column("value", Float),
+    PrimaryKeyConstraint("step_id", "name"),
+    sqlite_with_rowid=False,
+)
+
+# param_norms: the flight recorder's summary of a step (record(keep=N)): each parameter's final gradient norm
+# over its finite elements (NULL where not measured) and its count of NaN and infinite elements
+param_norms = Table(
+    "param_norms",
+    metadata,
+    Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
+    Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
+    Column("norm", Float),
+    Column("nonfinite", Integer),  # NULL where not counted (stats="shape")
+    PrimaryKeyConstraint("step_id", "node_id"),
+    sqlite_with_rowid=False,
+)
+
+# dumps: one row per flight-recorder dump: the step whose trigger fired, why (nonfinite / spike / error /
+# manual), and the steps written in full (first_step..last_step of that rank)
+dumps = Table(
+    "dumps",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id"), nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("reason", String(16), nullable=False),
+    Column("first_step", Integer, nullable=False),
+    Column("last_step", Integer, nullable=False),
+    Column("at", Float, nullable=False),
 )

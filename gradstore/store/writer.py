@@ -39,7 +39,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ..errors import GradstoreError
 from ..records import KIND, ROLE, StepBatch
-from . import claims
+from . import claims, step_values
 from . import schema as s
 from .database import ensure_schema, explain, is_url, make_engine, transient
 
@@ -287,6 +287,7 @@ class Writer:
                         p.calls, p.tensors = [], []
                         p.slices, p.values, p.saved_versions = [], [], []  # they point into p.tensors
                     batch.activations = []
+                    batch.final = []
                     n = 0
                 else:
                     t0 = time.perf_counter()
@@ -509,6 +510,8 @@ class Writer:
         return cur.fetchone()[0] if self._pg else cur.lastrowid
 
     def _write_step(self, conn, cur, b: StepBatch, added: list) -> None:
+        paramstyle = self.engine.dialect.paramstyle
+        summary_id = step_values.reopen(cur, paramstyle, b) if b.replace else None
         step_id = self._insert_id(
             cur,
             self._step_insert,
@@ -520,7 +523,7 @@ class Writer:
                 b.ended_at,
                 b.status,
                 b.error,
-                len(b.passes),
+                len(b.passes) if b.pass_count is None else b.pass_count,
                 b.level,
                 b.dropped,
                 b.waited,
@@ -529,8 +532,11 @@ class Writer:
                 b.values_left_out,
             ),
         )
+        if summary_id is not None:
+            step_values.move(cur, paramstyle, summary_id, step_id)
         self._write_nodes(conn, b, added)
         self._write_edges(conn, b, added)
+        step_values.write(cur, paramstyle, step_id, b, self._node_ids[b.run_id])
         if b.passes or b.activations:
             # call ids first: each pass row records the id range of its calls (passes.first_call, last_call)
             n_calls = sum(len(p.calls) for p in b.passes)
@@ -564,6 +570,8 @@ class Writer:
                     )
                 )
             self._write_calls_and_tensors(conn, cur, b, step_id, pass_ids, call_ids, added)
+        elif b.final:
+            self._write_calls_and_tensors(conn, cur, b, step_id, [], [], added)
         self._write_findings(conn, cur, b, step_id, added)
         if b.run_status is not None:
             cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
@@ -607,6 +615,9 @@ class Writer:
         for n in b.forward_nodes:
             if n.key not in ids:
                 new[n.key] = n
+        for n in b.final_nodes:
+            if n.key not in ids:
+                new.setdefault(n.key, n)
         if not new:
             return
         keys = sorted(new)  # one order for every writer: concurrent inserts of shared keys cannot deadlock
@@ -739,7 +750,10 @@ class Writer:
                         (cid, pass_id, node_id[key], seq, round(start * 1e9), None if dur is None else round(dur * 1e9))
                     )
             cur.executemany(self._call_insert, call_rows)
-        n_tensors = sum(len(p.tensors) for p in b.passes) + len(b.activations)
+        # the passes' rows, then the forward's activation rows and the final param_grad rows, which have no pass
+        sources = [(p.tensors, pass_id) for p, pass_id in zip(b.passes, pass_ids)]
+        sources += [(b.activations, None), (b.final, None)]
+        n_tensors = sum(len(rows) for rows, _ in sources)
         if n_tensors:
             tids = self._reserve_ids(cur, "tensor_data", n_tensors)
             layout = self._layout_ids.get
@@ -747,8 +761,7 @@ class Writer:
             append = rows.append
             sqrt = math.sqrt
             k = 0
-            starts = []  # the first id's index in tids of each pass's rows, then of the activations
-            sources = [(p.tensors, pass_id) for p, pass_id in zip(b.passes, pass_ids)] + [(b.activations, None)]
+            starts = []  # the first id's index in tids of each pass's rows, then of the activations, the final rows
             for tensors, pass_id in sources:
                 starts.append(k)
                 for (
@@ -863,7 +876,7 @@ class Writer:
     def _write_side_rows(self, cur, b: StepBatch, tids, starts: list[int]) -> None:
         """The rows keyed by a tensor's id (revision 0008_inside): each pass's slices, values and saved versions
         (their first item is the row's position in the pass's tensors). `starts`: the index in `tids` of each
-        pass's first row, then of the first activation row, then the end."""
+        pass's first row, then of the first activation row, then of the first final row, then the end."""
         side: dict[str, list] = {"slices": [], "values": [], "saved_versions": []}
         for i, p in enumerate(b.passes):
             first, n = starts[i], starts[i + 1] - starts[i]
@@ -876,7 +889,7 @@ class Writer:
     def _fill_layouts(self, conn, b: StepBatch, rows: list, unknown: list[int], added: list) -> None:
         """Insert the layouts the rows at `unknown` need and put their ids in those rows (a new shape: rare)."""
         triples = {}
-        flat = [t for p in b.passes for t in p.tensors] + list(b.activations)
+        flat = [t for p in b.passes for t in p.tensors] + list(b.activations) + list(b.final)
         for i in unknown:
             t = flat[i]
             triples[(t[6], t[7], t[8])] = None

@@ -60,7 +60,8 @@ def plain_counts() -> dict:
     loss.backward()
     for h in handles:
         h.remove()
-    return {"calls": counts["calls"], "tensors": counts["slots"] + len(list(m.parameters()))}
+    # each parameter's .grad twice: after the pass (param_grad), and as the step left it (the final row)
+    return {"calls": counts["calls"], "tensors": counts["slots"] + 2 * len(list(m.parameters()))}
 
 
 def whole_steps(db, run: str) -> list[int]:
@@ -88,9 +89,16 @@ def whole_steps(db, run: str) -> list[int]:
 
 
 # ---- processes ------------------------------------------------------------------------------------------------
+def _one_thread(target, *args):
+    # a forked child of a process whose OpenMP thread team ran (torch's intra-op parallelism) can hang in its
+    # first parallel op; with one intra-op thread torch runs every op inline, as tests/_procs.py's children do
+    torch.set_num_threads(1)
+    target(*args)
+
+
 def fork(target, *args) -> mp.Process:
-    """Start target(*args) in a forked process (torch is not imported again)."""
-    p = mp.get_context("fork").Process(target=target, args=args, daemon=True)
+    """Start target(*args) in a forked process (torch is not imported again), with one intra-op thread."""
+    p = mp.get_context("fork").Process(target=_one_thread, args=(target, *args), daemon=True)
     p.start()
     return p
 

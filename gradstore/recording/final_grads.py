@@ -1,0 +1,113 @@
+"""Parameter gradients: measured when a top-level backward pass returns (a pass's param_grad rows), and again as
+they stand when the step is over (the step's `final` rows: after any in-place change that follows the pass, a
+manual `div_`, `GradScaler.unscale_`, clipping, a pipeline schedule's `scale_grads`).
+
+When is "over": the `.grad` the optimizer reads. The final rows are taken
+- at `rec.final_grads()` (the trainer callbacks call it where the frameworks put the gradients before the
+  optimizer: HuggingFace `on_pre_optimizer_step`, Lightning `on_before_optimizer_step`), and again whenever
+  `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` or `GradScaler.unscale_` returns inside the step (each
+  replaces the earlier snapshot: gradstore.recording.observers);
+- else just before an optimizer's `step()` (torch.optim's global step pre-hook), or when it returns if a
+  backward pass ran inside it (a closure: LBFGS, Lightning), or when `GradScaler.step` skipped it, or just
+  before `Optimizer.zero_grad` / `Module.zero_grad` clears them;
+- else when the step ends (a step whose loop has no optimizer).
+A backward pass that finishes after a snapshot voids it (the gradients have changed again), so gradient
+accumulation micro-batches end up in the snapshot.
+"""
+
+from __future__ import annotations
+
+from ..records import ROLE, NodeInfo
+from .options import Options
+from .stats import NONFINITE_COLUMNS, measure, shape_only, to_rows
+
+
+def world_size() -> int:
+    """`torch.distributed.get_world_size()` when a process group is initialised, else 1."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def measure_params(
+    params: list[tuple[str, object]], options: Options, sharded_of: dict | None = None
+) -> tuple[list[NodeInfo], list, list]:
+    """Measure every recorded parameter's `.grad` now, at the options' parameter level.
+
+    Args:
+        params: [(qualified name, Parameter)] of the recorded models; those without requires_grad, or left out
+            by the modules= / params= filters, are skipped.
+        options: the recording's Options (param_level; checksum: taken when torch.distributed runs with more
+            than one rank or checksum=True, never at level 'shape').
+        sharded_of: id(unsharded FSDP2 parameter) -> its sharded parameter (`gradstore.recording.modules.
+            fsdp_aliases`): FSDP2 writes the reduce-scattered `.grad` to the sharded one, which is measured.
+    Returns:
+        (the parameters' NodeInfos (key 'param:<name>'), their results: `Measured` or `shape_only` tuples, the
+        parameters measured), in the same order. A `.grad` of None is measured as status 'none'.
+    """
+    level = options.param_level
+    take_checksum = level != "shape" and (options.checksum if options.checksum is not None else world_size() > 1)
+    nodes, results, measured = [], [], []
+    for name, p in params:
+        if sharded_of:
+            p = sharded_of.get(id(p), p)
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        if not getattr(p, "requires_grad", False) or not wanted(options, module, name):
+            continue
+        nodes.append(NodeInfo(f"param:{name}", "AccumulateGrad", "accumulate_grad", module, name))
+        results.append(shape_only(p.grad) if level == "shape" else measure(p.grad, level, checksum=take_checksum))
+        measured.append(p)
+    return nodes, results, measured
+
+
+def wanted(options: Options, module: str, param: str | None) -> bool:
+    """The modules= and params= filters: a parameter's node needs both, any other node the first."""
+    return options.wants_module(module) and (param is None or options.wants_param(param))
+
+
+class FinalGrads:
+    """The final parameter gradients of one step (see the module's docstring for when they are taken).
+
+    Args: params: [(qualified name, Parameter)]; options: the recording's Options; aliases: a function giving
+    the (sharded, unsharded) pairs of the FSDP2 parameters at the moment of a snapshot (`fsdp_aliases`).
+    """
+
+    def __init__(self, params: list[tuple[str, object]], options: Options, aliases=None):
+        self.params = params
+        self.options = options
+        self._aliases = aliases
+        self.nodes: list[NodeInfo] = []
+        self.results: list | None = None  # None: no valid snapshot
+        self.taken_by: str | None = None
+        self.passes = 0  # top-level backward passes finished in the step
+
+    def take(self, why: str) -> None:
+        """Measure the gradients now, replacing an earlier snapshot of the step. `why` names the moment."""
+        sharded_of = {id(u): sh for sh, u in self._aliases()} if self._aliases is not None else None
+        self.nodes, self.results, _ = measure_params(self.params, self.options, sharded_of)
+        self.taken_by = why
+
+    def take_if_missing(self, why: str) -> None:
+        """Measure now unless the step already holds a snapshot taken after its last backward pass."""
+        if self.results is None and self.passes:
+            self.take(why)
+
+    def after_pass(self) -> None:
+        """A top-level backward pass finished: `.grad` changed after any snapshot, which no longer stands."""
+        self.passes += 1
+        self.results = None
+        self.taken_by = None
+
+    def rows(self) -> tuple[list[NodeInfo], list[tuple], bool]:
+        """(nodes, tensor rows (key, None, role code of param_grad, 0, *ROW_COLUMNS), any non-finite) of the
+        snapshot, taking it first if the step has none; empty when no top-level backward pass ran. The rows are
+        built here, on the training thread (one host copy per device for results still in device tensors)."""
+        self.take_if_missing("end of step")
+        if self.results is None:
+            return [], [], False
+        results, nodes = self.results, self.nodes
+        self.results = None
+        rows = to_rows(results)
+        nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+        role = ROLE["param_grad"]
+        return nodes, [(n.key, None, role, 0) + row for n, row in zip(nodes, rows)], nonfinite

@@ -1,0 +1,125 @@
+"""The flight recorder (`record(..., keep=N, dump_on=(...), spike_factor=...)`): every step is measured in full
+(at the chosen stats level) into a ring of the last N steps held in memory; only a compact summary of each step
+is written (its steps row with level 'summary', its step values, and each parameter's final gradient norm and
+non-finite count in `param_norms`); the full detail of the steps in the ring is written when a trigger fires:
+
+- 'nonfinite': the step's status is nonfinite (a node's or a parameter's gradient held NaN or Inf), and the
+  step before it was not (a run that stays non-finite dumps once, at its first such step); a step in which a
+  GradScaler skipped the optimizer step (AMP's own overflow handling) does not trigger;
+- 'spike': the total norm of the final parameter gradients (over finite elements) is more than `spike_factor`
+  times the median of the previous (up to) SPIKE_WINDOW steps' totals, once at least SPIKE_MIN are known, and
+  the step before was no spike;
+- 'error': the step raised;
+- `rec.dump()`: the ring is written at once, and the current step in full when it ends.
+
+A dumped step is an ordinary step (the same step number, rank and rows as if recorded without keep=); its
+summary row makes way for it (gradstore.store.step_values.reopen). Each dump is a row of `dumps`.
+
+Memory: the ring holds up to N steps' measurements (the rows are not built until written): on the reference
+GPT-2 step (benchmarks/flight.py) about the size of that step's rows; see benchmarks/README.md for the figure.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import replace
+
+from ..records import StepBatch
+from .stats import ROW_COLUMNS
+
+SPIKE_WINDOW = 100  # steps whose total gradient norm make the running median
+SPIKE_MIN = 10  # totals known before a spike can fire
+
+
+def summary_norms(final_rows: list) -> list[tuple[str, float | None, int | None]]:
+    """(param node key, norm over finite elements or None, NaN + Inf count or None) of each final row."""
+    out = []
+    norm_at, nan_at = 4 + ROW_COLUMNS.index("norm"), 4 + ROW_COLUMNS.index("nan")  # rows: key, seq, role, slot, ...
+    for row in final_rows:
+        norm, nan, posinf, neginf = row[norm_at], row[nan_at], row[nan_at + 1], row[nan_at + 2]
+        counts = None if nan is None else nan + (posinf or 0) + (neginf or 0)
+        out.append((row[0], norm, counts))
+    return out
+
+
+def total_norm(norms: list[tuple[str, float | None, int | None]]) -> float | None:
+    """sqrt(sum of squares) of the parameters' norms; None when any is unknown or there are none."""
+    if not norms or any(n is None for _, n, _ in norms):
+        return None
+    return math.sqrt(sum(n * n for _, n, _ in norms))
+
+
+class FlightRecorder:
+    """The ring of one recording and its triggers.
+
+    Args: keep: steps held (int >= 1); dump_on: the triggers (subset of 'nonfinite', 'spike', 'error');
+    spike_factor: float > 1.
+    """
+
+    def __init__(self, keep: int, dump_on: tuple[str, ...], spike_factor: float):
+        self.keep = keep
+        self.dump_on = frozenset(dump_on)
+        self.spike_factor = spike_factor
+        self.ring: deque[StepBatch] = deque(maxlen=keep - 1)  # the earlier steps; a dump adds the current one
+        self.totals: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.was_nonfinite = False
+        self.was_spike = False
+        self.full_next = False  # rec.dump(): the current step is written in full when it ends
+        self.pending_row: tuple[str, int, int] | None = None
+
+    def _trigger(self, batch: StepBatch, failed: bool, skipped_by_amp: bool, total: float | None) -> str | None:
+        nonfinite = batch.status == "nonfinite" and not skipped_by_amp
+        spike = False
+        if total is not None and not nonfinite and batch.status == "ok":
+            if len(self.totals) >= SPIKE_MIN:
+                median = statistics.median(self.totals)
+                spike = median > 0 and total > self.spike_factor * median
+            self.totals.append(total)
+        reason = None
+        if failed and "error" in self.dump_on:
+            reason = "error"
+        elif nonfinite and not self.was_nonfinite and "nonfinite" in self.dump_on:
+            reason = "nonfinite"
+        elif spike and not self.was_spike and "spike" in self.dump_on:
+            reason = "spike"
+        self.was_nonfinite, self.was_spike = nonfinite, spike
+        return reason
+
+    def end_step(
+        self, batch: StepBatch, failed: bool, skipped_by_amp: bool, total: float | None
+    ) -> tuple[list[StepBatch], str | None]:
+        """The batches to write for the step that ended (its summary, or a dump), and the trigger that fired
+        (or 'manual', or None). `batch` is the step in full, with its param_norms and values."""
+        reason = self._trigger(batch, failed, skipped_by_amp, total)
+        if reason is None and not self.full_next:
+            self.ring.append(batch)
+            summary = replace(batch, passes=[], final=[], pass_count=len(batch.passes), level="summary", dump=None)
+            return [summary], None
+        out = self._detail_of_ring()
+        row = self.pending_row
+        if reason is not None:
+            first = out[0].step if out else batch.step
+            row = (reason, first, batch.step)
+        batch.dump = row
+        self.full_next, self.pending_row = False, None
+        out.append(batch)
+        return out, reason or "manual"
+
+    def dump_now(self, current_step: int) -> list[StepBatch]:
+        """`rec.dump()`: the ring's steps in full now (the last one carries the dumps row); the current step is
+        written in full when it ends (and carries the row when the ring was empty)."""
+        out = self._detail_of_ring()
+        if out:
+            out[-1].dump = ("manual", out[0].step, out[-1].step)
+        else:
+            self.pending_row = ("manual", current_step, current_step)
+        self.full_next = True
+        return out
+
+    def _detail_of_ring(self) -> list[StepBatch]:
+        """The ring's steps as detail for their summaries already written (values and norms stay with those)."""
+        out = [replace(b, values={}, param_norms=[], replace=True, dump=None) for b in self.ring]
+        self.ring.clear()
+        return out

@@ -1,0 +1,223 @@
+"""What gradstore notes by itself around the pass while a recorded step is open: a `torch.amp.GradScaler`'s scale
+and whether its `step()` skipped the optimizer, what `torch.nn.utils.clip_grad_norm_` returned, and the moments
+that fix the step's final parameter gradients (gradstore.recording.final_grads).
+
+While a sampled step is open (`activate`), these public callables are wrapped process-wide and call straight
+through otherwise (and on any thread but the recording's):
+- `torch.nn.utils.clip_grad_norm_` (also as `torch.nn.utils.clip_grad.clip_grad_norm_`): its returned total norm
+  is logged as step value `clip_grad_norm` ('#1', '#2', ... for further calls in the step; read with
+  `Tensor.item()` when the step ends, so no device wait is added), and the final gradients are taken again after
+  it (clipping changed them);
+- `torch.nn.utils.clip_grads_with_norm_` (the second half of clip_grad_norm_, public): the total norm it is given,
+  the same way; `torch.nn.utils.clip_grad_value_`: the final gradients again;
+- `torch.amp.GradScaler.unscale_` (also `torch.cuda.amp.GradScaler`, a subclass): the final gradients again;
+- `torch.amp.GradScaler.step`: `grad_scaler.scale` (`get_scale()` before the step: the scale this step's loss
+  was multiplied by; 1.0 for a disabled scaler) and `grad_scaler.skipped` (1.0 when the scaler found Inf/NaN and
+  did not call `optimizer.step()`, else 0.0; read from the scaler's private state through
+  gradstore.recording.torch_private, left out where it cannot be read);
+- torch.optim's global step hooks (`torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`,
+  public): the final gradients just before an optimizer steps, unless already taken after the last backward
+  pass, and when it returns if a backward pass ran inside it (a closure);
+- `torch.optim.Optimizer.zero_grad` and `torch.nn.Module.zero_grad`: the final gradients just before they are
+  cleared, unless already taken after the last backward pass (a loop that zeroes them inside the step).
+Every wrapper returns the wrapped function's result unchanged and passes its exceptions through; a fault of
+gradstore's own is noted on the step and never reaches the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+from torch.amp import grad_scaler
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from . import torch_private as tp
+
+_lock = threading.Lock()
+_target = None  # the open step: an Observed
+_saved: list[tuple[object, str, object, object]] = []  # (owner, attribute, original, wrapper) while installed
+_handles: list = []
+
+
+class Observed:
+    """What the wrappers report into: the recording thread's id, the step's values (a
+    gradstore.recording.step_values.StepValues), its FinalGrads, and `fault(where, exc)`, which notes a recorder
+    fault on the step."""
+
+    def __init__(self, thread: int, values, final, fault):
+        self.thread = thread
+        self.values = values
+        self.final = final
+        self.fault = fault
+
+
+def _here() -> Observed | None:
+    t = _target
+    return t if t is not None and threading.get_ident() == t.thread else None
+
+
+def _guarded(where: str, fn, *args) -> None:
+    """Run gradstore's own `fn(*args)`; a fault goes to the step, never to the caller."""
+    t = _target
+    try:
+        fn(*args)
+    except Exception as exc:
+        if t is not None:
+            t.fault(where, exc)
+
+
+def _log_tensor_or_float(t: Observed, name: str, value) -> None:
+    t.values.add(name, value.detach() if isinstance(value, torch.Tensor) else float(value))
+
+
+def _clip_norm(original):
+    @functools.wraps(original)
+    def clip_grad_norm_(*args, **kwargs):
+        result = original(*args, **kwargs)
+        t = _here()
+        if t is not None:
+            _guarded("clip_grad_norm_", _log_tensor_or_float, t, "clip_grad_norm", result)
+            _guarded("clip_grad_norm_", t.final.take, "clip_grad_norm_")
+        return result
+
+    return clip_grad_norm_
+
+
+def _clip_with_norm(original):
+    @functools.wraps(original)
+    def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
+        result = original(parameters, max_norm, total_norm, *args, **kwargs)
+        t = _here()
+        if t is not None:
+            _guarded("clip_grads_with_norm_", _log_tensor_or_float, t, "clip_grad_norm", total_norm)
+            _guarded("clip_grads_with_norm_", t.final.take, "clip_grads_with_norm_")
+        return result
+
+    return clip_grads_with_norm_
+
+
+def _clip_value(original):
+    @functools.wraps(original)
+    def clip_grad_value_(*args, **kwargs):
+        result = original(*args, **kwargs)
+        t = _here()
+        if t is not None:
+            _guarded("clip_grad_value_", t.final.take, "clip_grad_value_")
+        return result
+
+    return clip_grad_value_
+
+
+def _unscale(original):
+    @functools.wraps(original)
+    def unscale_(self, optimizer):
+        result = original(self, optimizer)
+        t = _here()
+        if t is not None:
+            _guarded("GradScaler.unscale_", t.final.take, "GradScaler.unscale_")
+        return result
+
+    return unscale_
+
+
+def _scaler_step(original):
+    @functools.wraps(original)
+    def step(self, optimizer, *args, **kwargs):
+        t = _here()
+        scale = None
+        if t is not None:
+            try:
+                scale = self.get_scale() if self.is_enabled() else 1.0
+            except Exception as exc:
+                t.fault("GradScaler.step", exc)
+        result = original(self, optimizer, *args, **kwargs)
+        if t is not None:
+            _guarded("GradScaler.step", _after_scaler_step, t, self, optimizer, scale)
+        return result
+
+    return step
+
+
+def _after_scaler_step(t: Observed, scaler, optimizer, scale: float | None) -> None:
+    if scale is not None:
+        t.values.add("grad_scaler.scale", scale)
+    found = tp.grad_scaler_found_inf(scaler, optimizer) if scaler.is_enabled() else 0.0
+    if found is not None:
+        t.values.add("grad_scaler.skipped", 1.0 if found else 0.0)
+        if found:
+            t.final.take_if_missing("GradScaler.step (skipped the optimizer step)")
+
+
+def _zero_grad(original):
+    @functools.wraps(original)
+    def zero_grad(self, *args, **kwargs):
+        t = _here()
+        if t is not None:
+            _guarded("zero_grad", t.final.take_if_missing, "zero_grad")
+        return original(self, *args, **kwargs)
+
+    return zero_grad
+
+
+def _optimizer_pre_hook(optimizer, args, kwargs):
+    t = _here()
+    if t is not None:
+        _guarded("optimizer step pre-hook", t.final.take_if_missing, "optimizer step")
+    return None
+
+
+def _optimizer_post_hook(optimizer, args, kwargs):
+    t = _here()
+    if t is not None:
+        _guarded("optimizer step post-hook", t.final.take_if_missing, "optimizer step (after its closure)")
+
+
+_WRAPS = (
+    (torch.nn.utils, "clip_grad_norm_", _clip_norm),
+    (torch.nn.utils.clip_grad, "clip_grad_norm_", _clip_norm),
+    (torch.nn.utils, "clip_grad_value_", _clip_value),
+    (torch.nn.utils.clip_grad, "clip_grad_value_", _clip_value),
+    (torch.nn.utils, "clip_grads_with_norm_", _clip_with_norm),
+    (grad_scaler.GradScaler, "unscale_", _unscale),
+    (grad_scaler.GradScaler, "step", _scaler_step),
+    (torch.optim.Optimizer, "zero_grad", _zero_grad),
+    (torch.nn.Module, "zero_grad", _zero_grad),
+)
+
+
+def activate(target: Observed) -> None:
+    """Report into `target` (the step now open) until `deactivate`; installs the wrappers and hooks."""
+    global _target
+    with _lock:
+        if not _saved:
+            made: dict[int, object] = {}  # one wrapper per original (two module names, one function)
+            for owner, name, wrap in _WRAPS:
+                original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+                if original is None:
+                    continue
+                wrapper = made.get(id(original))
+                if wrapper is None:
+                    wrapper = made[id(original)] = wrap(original)
+                _saved.append((owner, name, original, wrapper))
+                setattr(owner, name, wrapper)
+            _handles.append(register_optimizer_step_pre_hook(_optimizer_pre_hook))
+            _handles.append(register_optimizer_step_post_hook(_optimizer_post_hook))
+        _target = target
+
+
+def deactivate() -> None:
+    """Stop reporting and put every wrapped callable back; safe to call twice."""
+    global _target
+    with _lock:
+        _target = None
+        while _saved:
+            owner, name, original, wrapper = _saved.pop()
+            current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+            if current is wrapper:  # not when someone wrapped it again meanwhile: theirs stays theirs
+                setattr(owner, name, original)
+        while _handles:
+            _handles.pop().remove()

@@ -1,0 +1,162 @@
+"""Telling the loop about the step that just ended: `rec.last_step`, and `record(on_nonfinite=...)`.
+
+After a step whose status is nonfinite is written (the recorder waits for the writer first, so nothing is
+lost), on_nonfinite='warn' warns once per recording with the first non-finite gradient, 'raise' raises
+`gradstore.NonFiniteGradient` carrying it, and a callable is called with it (a dict with the columns of
+`Store.first_nonfinite`). A step in which a `torch.amp.GradScaler` skipped the optimizer step (its loss scale
+overflowed, which AMP handles by itself) keeps its status, nonfinite, but does not trigger a reaction.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..errors import NonFiniteGradient
+from ..records import ROLES, StepBatch
+from .stats import ROW_COLUMNS
+
+# positions in a tensor row: (key, seq, role, slot, *stats.ROW_COLUMNS)
+_ROW = {name: i + 4 for i, name in enumerate(ROW_COLUMNS)}
+_NAN, _POSINF, _NEGINF = _ROW["nan"], _ROW["posinf"], _ROW["neginf"]
+_ROLE_ORDER = {0: 0, 1: 1, 3: 2, 2: 3}  # grad_output, grad_input, saved, param_grad
+
+
+def _nonfinite(row) -> bool:
+    return bool(row[_NAN] or row[_POSINF] or row[_NEGINF])
+
+
+def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
+    """The step's first non-finite gradient, as a row of `Store.first_nonfinite` (run, rank, step, pass, seq,
+    key, name, module, frame, role, slot, numel, nan, posinf, neginf, norm, min, max): the first node call in
+    execution order (grad_outputs before grad_inputs, by slot), else the first parameter gradient of a pass,
+    else of the step's final rows (pass and seq None). None when the step recorded no non-finite value (or
+    only statuses, as at stats='shape')."""
+    best, best_key, where = None, None, None
+    infos = {}
+    for p in batch.passes:
+        for info in p.nodes:
+            infos.setdefault(info.key, info)
+        for row in p.tensors:
+            if not _nonfinite(row):
+                continue
+            seq = row[1]
+            key = (0, seq, _ROLE_ORDER.get(row[2], 9), row[3]) if seq is not None else (1, p.number, 0, 0)
+            if best_key is None or key < best_key:
+                best, best_key, where = row, key, p.number
+    if best is None:
+        for info in batch.final_nodes:
+            infos.setdefault(info.key, info)
+        for row in batch.final:
+            if _nonfinite(row):
+                best, where = row, None
+                break
+    if best is None:
+        return None
+    info = infos.get(best[0])
+    return {
+        "run": run,
+        "rank": batch.rank,
+        "step": batch.step,
+        "pass": where,
+        "seq": best[1],
+        "key": best[0],
+        "name": info.name if info else None,
+        "module": info.module if info else None,
+        "frame": info.frame if info else None,
+        "role": ROLES[best[2]],
+        "slot": best[3],
+        "numel": best[_ROW["numel"]],
+        "nan": best[_NAN],
+        "posinf": best[_POSINF],
+        "neginf": best[_NEGINF],
+        "norm": best[_ROW["norm"]],
+        "min": best[_ROW["min"]],
+        "max": best[_ROW["max"]],
+    }
+
+
+def amp_skipped(values: dict[str, float]) -> bool:
+    """True when a GradScaler skipped the optimizer step in this step (step value grad_scaler.skipped)."""
+    return any(
+        v == 1.0 for k, v in values.items() if k == "grad_scaler.skipped" or k.startswith("grad_scaler.skipped#")
+    )
+
+
+class LastStep:
+    """What the loop can read about the step that ended last (`rec.last_step`; with the decorator,
+    `train_step.recorder.last_step`).
+
+    Attributes:
+        step (int), rank (int): its number and rank.
+        status (str): 'ok', 'error' or 'nonfinite' (some gradient, of a node or a parameter, held NaN or Inf).
+        error (str | None): the exception's text (and recorder faults).
+        passes (int): backward passes in the step.
+        values (dict[str, float]): its step values.
+        written (str): 'full' (its rows are written, at its stats level), 'summary' (flight recorder: only the
+            summary so far; the detail is in the ring) or 'dumped' (flight recorder: written in full by a dump).
+        dump (str | None): the trigger that made this step dump the ring ('nonfinite', 'spike', 'error',
+            'manual'), else None.
+        grad_norm (float | None): the total norm (sqrt of the sum of squares) of the final parameter gradients'
+            norms over their finite elements; None at stats='shape'.
+        amp_skipped (bool): a GradScaler skipped the optimizer step (its inf check found Inf/NaN).
+    The property `first_nonfinite` gives the first non-finite gradient's row (a dict, see
+    gradstore.recording.reaction.first_nonfinite), or None; it is found when first read.
+    """
+
+    def __init__(self, batch: StepBatch, run: str, written: str, dump: str | None, grad_norm: float | None):
+        self.step = batch.step
+        self.rank = batch.rank
+        self.status = batch.status
+        self.error = batch.error
+        self.passes = len(batch.passes) if batch.pass_count is None else batch.pass_count
+        self.values = dict(batch.values)
+        self.written = written
+        self.dump = dump
+        self.grad_norm = grad_norm
+        self.amp_skipped = amp_skipped(batch.values)
+        self._batch, self._run, self._first = batch, run, None
+
+    @property
+    def first_nonfinite(self) -> dict | None:
+        if self._batch is not None:
+            self._first = first_nonfinite(self._batch, self._run) if self.status == "nonfinite" else None
+            self._batch = None  # the step's rows are not kept once this is known
+        return self._first
+
+    def __repr__(self) -> str:
+        return f"LastStep(step={self.step}, rank={self.rank}, status={self.status!r}, written={self.written!r})"
+
+
+def describe(row: dict | None, db) -> str:
+    """One sentence naming the first non-finite gradient of a step and where it is written."""
+    if row is None:
+        return "a non-finite gradient was recorded (no statistics name the tensor at this stats level)"
+    slot = "param_grad" if row["role"] == "param_grad" else f"{row['role']}s[{row['slot']}]"
+    counts = ", ".join(f"{row[k]} {k}" for k in ("nan", "posinf", "neginf") if row[k])
+    where = f"module {row['module']!r}" if row["module"] else "outside any module"
+    frame = f", created at {row['frame']}" if row["frame"] else ""
+    return (
+        f"step {row['step']} of run {row['run']!r} (rank {row['rank']}): first non-finite gradient at "
+        f"{row['key']} {slot} ({counts}; {where}{frame}); written to {db}: "
+        f"gradstore.open({str(db)!r}).first_nonfinite({row['run']!r})"
+    )
+
+
+class Reaction:
+    """`record(on_nonfinite=...)` for one recording: 'warn' (once), 'raise', or a callable."""
+
+    def __init__(self, how):
+        self.how = how
+        self.warned = False
+
+    def __call__(self, row: dict | None, db, step: int, run: str, rank: int) -> None:
+        """React to a written nonfinite step; may raise NonFiniteGradient (or what the callable raises)."""
+        if callable(self.how):
+            self.how(row if row is not None else {"run": run, "rank": rank, "step": step})
+            return
+        text = describe(row, db)
+        if self.how == "raise":
+            raise NonFiniteGradient(f"gradstore: {text}", row=row, run=run, rank=rank, step=step)
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"gradstore: {text} (warned once per recording)", RuntimeWarning, stacklevel=4)

@@ -1,0 +1,188 @@
+"""The flight recorder: `record(..., keep=N, dump_on=(...), spike_factor=...)`.
+
+Every step is measured in full into a ring of the last N steps; only a summary is written (steps row with level
+'summary', step values, per-parameter final gradient norms in param_norms) until a trigger writes the ring. The
+dumped steps must be ordinary steps: each test records the same loop a second time without keep= (same seed,
+same inputs) and compares the dumped steps' rows with that plain record, value for value.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+import gradstore
+from gradstore.records import StepBatch
+
+STATS = ["status", "dtype", "shape", "numel", "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros"]
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def _inputs(n: int, nan_at=(), spike_at=()) -> list[tuple[torch.Tensor, float]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        x = torch.randn(6, 3, generator=g)
+        if i in nan_at:
+            x[0, 0] = float("nan")
+        out.append((x, 1000.0 if i in spike_at else 1.0))
+    return out
+
+
+def _train(db, run, inputs, fail_at=None, **options):
+    """The loop, decorated: forward, backward (loss scaled by the input's factor), SGD, zero_grad; logs the loss."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    @gradstore.record(run, db=db, model=net, **options)
+    def step(x, factor, i):
+        loss = net(x).pow(2).mean() * factor
+        loss.backward()
+        gradstore.log(loss=loss)
+        if i == fail_at:
+            raise RuntimeError("data loader broke")
+        opt.step()
+        opt.zero_grad()
+
+    outcomes = []
+    for i, (x, factor) in enumerate(inputs):
+        try:
+            step(x, factor, i)
+        except RuntimeError:
+            pass
+        outcomes.append(step.recorder.last_step)
+    return step.recorder, outcomes, [p.detach().clone() for p in net.parameters()]
+
+
+def _rows(store, run, steps) -> pd.DataFrame:
+    t = store.tensors(run)
+    t = t[t.step.isin(steps)]
+    return t[["step", "pass", "seq", "key", "role", "slot", "final", *STATS]].reset_index(drop=True)
+
+
+def test_nan_dumps_the_last_n_steps_as_ordinary_steps(db):
+    inputs = _inputs(10, nan_at={6, 7, 8, 9})
+    rec, outcomes, params = _train(db, "flight", inputs, keep=3)
+    _, _, plain_params = _train(db, "plain", inputs)
+    for a, b in zip(params, plain_params):  # recording changed nothing (NaN where the plain run has NaN)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    store = gradstore.open(db)
+    steps = store.steps("flight").set_index("step")
+    assert list(steps.index) == list(range(10))
+    assert list(steps["level"]) == ["summary"] * 4 + ["full"] * 3 + ["summary"] * 3  # one dump: the first NaN
+    assert list(steps["status"]) == ["ok"] * 6 + ["nonfinite"] * 4
+    assert list(steps["passes"]) == [1] * 10
+    assert [o.written for o in outcomes] == ["summary"] * 6 + ["dumped"] + ["summary"] * 3
+    assert [o.dump for o in outcomes][6] == "nonfinite"
+    dumps = store.dumps("flight")
+    assert list(zip(dumps["step"], dumps["reason"], dumps["first_step"], dumps["last_step"])) == [
+        (6, "nonfinite", 4, 6)
+    ]
+    # the dumped steps are what a recording without keep= wrote for them, row for row
+    flight, plain = _rows(store, "flight", [4, 5, 6]), _rows(store, "plain", [4, 5, 6])
+    assert len(flight) > 30
+    pd.testing.assert_frame_equal(flight, plain)
+    assert store.tensors("flight", step=3).empty  # a summary step has no detail
+    assert store.first_nonfinite("flight").iloc[0]["step"] == 6
+    pd.testing.assert_frame_equal(
+        store.first_nonfinite("flight").drop(columns="run"), store.first_nonfinite("plain").drop(columns="run")
+    )
+    assert store.diff("flight", "plain", step_a=5)["differs"].eq("").all()
+    # every step's summary: its values and each parameter's final gradient norm, as the plain record's final rows
+    values = store.values("flight")
+    assert len(values) == 10 and list(values["loss"].iloc[:6]) == list(store.values("plain")["loss"].iloc[:6])
+    norms = store.param_norms("flight")
+    final = store.param_grads("plain")
+    assert len(norms) == 10 * 4
+    merged = norms.merge(final, on=["step", "param"], suffixes=("", "_plain"))
+    assert len(merged) == 40 and (merged["norm"] == merged["norm_plain"]).all()
+    expected = merged["nan"] + merged["posinf"] + merged["neginf"]
+    assert (merged["nonfinite"] == expected).all() and merged["nonfinite"].iloc[-1] > 0
+    assert set(norms[norms.step < 4]["level"]) == {"summary"} and set(norms[norms.step == 5]["level"]) == {"full"}
+
+
+def test_a_spike_of_the_total_gradient_norm_dumps(db):
+    inputs = _inputs(16, spike_at={14})
+    rec, outcomes, _ = _train(db, "spike", inputs, keep=2, dump_on="spike", spike_factor=50)
+    store = gradstore.open(db)
+    dumps = store.dumps("spike")
+    assert list(zip(dumps["step"], dumps["reason"], dumps["first_step"], dumps["last_step"])) == [(14, "spike", 13, 14)]
+    totals = [o.grad_norm for o in outcomes]
+    median = pd.Series(totals[:14]).median()
+    assert totals[14] > 50 * median and max(totals[:14]) < 50 * median  # the test's own check of the trigger
+    norms = store.param_norms("spike")
+    total_14 = (norms[norms.step == 14]["norm"] ** 2).sum() ** 0.5
+    assert total_14 == pytest.approx(totals[14], rel=1e-12)
+    assert list(store.steps("spike")["level"]) == ["summary"] * 13 + ["full", "full", "summary"]
+
+
+def test_an_error_in_the_step_dumps_and_still_raises(db):
+    rec, outcomes, _ = _train(db, "err", _inputs(5), fail_at=3, keep=2)
+    store = gradstore.open(db)
+    steps = store.steps("err")
+    assert list(steps["status"]) == ["ok", "ok", "ok", "error", "ok"]
+    assert list(steps["level"]) == ["summary", "summary", "full", "full", "summary"]
+    assert "data loader broke" in steps["error"].iloc[3]
+    assert list(store.dumps("err")["reason"]) == ["error"]
+
+
+def test_rec_dump_writes_the_ring_now_and_the_current_step_when_it_ends(db):
+    net = _net()
+    with gradstore.record("manual", db=db, model=net, keep=3, dump_on=()) as rec:
+        for i, (x, _) in enumerate(_inputs(6, nan_at={1})):
+            net(x).pow(2).mean().backward()
+            net.zero_grad()
+            if i == 4:
+                rec.dump()
+                rec.flush()
+                at_dump = gradstore.open(db).steps("manual")
+                assert list(at_dump["level"]) == ["summary", "summary", "full", "full"]  # steps 2 and 3, now
+            if i < 5:
+                rec.step()
+    store = gradstore.open(db)
+    assert list(store.steps("manual")["level"]) == ["summary", "summary", "full", "full", "full", "summary"]
+    dumps = store.dumps("manual")
+    assert list(zip(dumps["reason"], dumps["first_step"], dumps["last_step"])) == [("manual", 2, 3)]
+    assert store.steps("manual")["status"].iloc[1] == "nonfinite"  # dump_on=(): the NaN did not dump
+    with pytest.raises(gradstore.RecordUsageError, match="keep=N"):
+        gradstore.record("x", db=db).dump()
+
+
+def test_the_ring_holds_at_most_n_steps(db):
+    """Once the ring is full, the step batches alive stay as many, however many steps run (other tests' objects
+    may be alive too: the count is compared with itself)."""
+    net = _net()
+    counts = []
+    with gradstore.record("ring", db=db, model=net, keep=4) as rec:
+        for i, (x, _) in enumerate(_inputs(24)):
+            net(x).pow(2).mean().backward()
+            net.zero_grad()
+            rec.step()
+            if i in (8, 15, 23):
+                rec.flush()
+                gc.collect()
+                counts.append(sum(1 for o in gc.get_objects() if type(o) is StepBatch))
+    assert len(set(counts)) == 1, counts
+    assert list(gradstore.open(db).steps("ring")["level"].unique()) == ["summary"]
+
+
+def test_flight_options_are_checked():
+    for kw, match in (
+        ({"keep": 0}, "keep"),
+        ({"keep": 3, "every": 2}, "every="),
+        ({"keep": 3, "dump_on": ("nan",)}, "dump_on"),
+        ({"keep": 3, "spike_factor": 1.0}, "spike_factor"),
+        ({"dump_on": ("spike",)}, "give keep=N"),
+        ({"keep": 3, "stats": "shape"}, "shape"),
+    ):
+        with pytest.raises(gradstore.RecordUsageError, match=match):
+            gradstore.record("x", **kw)
+    gradstore.record("x", keep=3, stats="shape", dump_on=("nonfinite",))  # shape without the spike trigger is fine

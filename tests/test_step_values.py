@@ -1,0 +1,344 @@
+"""Step values (`rec.log`, `gradstore.log`, and what gradstore notes by itself: a GradScaler's scale and skipped
+steps, clip_grad_norm_'s total norm) and the step's final parameter gradients (param_grad rows with final = 1).
+
+Expected values come from plain PyTorch in the test (the value the loop logged, `scaler.get_scale()` read by the
+loop itself, the norm `clip_grad_norm_` returned, `.grad` read with torch at the moment that matters); every
+recorded run is compared with the same loop run without gradstore, bit for bit (`torch.equal`).
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import gradstore
+from gradstore.recording import observers
+
+ORIGINAL_CLIP = torch.nn.utils.clip_grad_norm_
+ORIGINAL_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+def _net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 3, generator=g) for _ in range(n)]
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(t.detach().double().norm())
+
+
+# ---- rec.log ------------------------------------------------------------------------------------------------------
+def test_logged_values_are_stored_per_step_and_read_back_as_columns(db):
+    net = _net()
+    logged = []
+    with gradstore.record("v", db=db, model=net) as rec:
+        for i, x in enumerate(_batches(3)):
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            rec.log(loss=loss, lr=0.5 / (i + 1), flag=i == 1)
+            rec.log({"train/acc": np.float32(0.25 * i)})
+            logged.append(loss.item())
+            net.zero_grad()
+            if i < 2:
+                rec.step()
+    store = gradstore.open(db)
+    values = store.values("v")
+    assert list(values.index) == [(0, 0), (1, 0), (2, 0)] and list(values.index.names) == ["step", "rank"]
+    assert list(values.columns) == ["flag", "loss", "lr", "train/acc"]
+    assert list(values["loss"]) == logged  # a one-element tensor is read with .item(): the same float
+    assert list(values["lr"]) == [0.5, 0.25, 0.5 / 3]
+    assert list(values["flag"]) == [0.0, 1.0, 0.0] and list(values["train/acc"]) == [0.0, 0.25, 0.5]
+    assert list(store.values("v", names=["lr", "never"]).columns) == ["lr", "never"]
+    assert store.values("v", names="never")["never"].isna().all()
+    steps = store.steps("v")  # joined in as extra columns
+    assert list(steps["loss"]) == logged and list(steps["step"]) == [0, 1, 2]
+    long = store.query("values", run="v", value_name="lr")
+    assert list(zip(long["step"], long["value"])) == [(0, 0.5), (1, 0.25), (2, 0.5 / 3)]
+
+
+def test_nan_and_infinities_survive_and_a_name_like_a_steps_column_is_prefixed(db):
+    with gradstore.record("nan", db=db) as rec:
+        x = torch.ones(2, requires_grad=True)
+        x.sum().backward()
+        rec.log(a=float("nan"), b=float("inf"), c=-float("inf"), status=3, duration=1.5)
+        rec.log(a=float("nan"))  # the last value of a name wins
+    store = gradstore.open(db)
+    v = store.values("nan").iloc[0]
+    assert math.isnan(v["a"]) and v["b"] == math.inf and v["c"] == -math.inf
+    steps = store.steps("nan")
+    assert steps["status"].iloc[0] == "ok" and steps["value:status"].iloc[0] == 3.0
+    assert steps["value:duration"].iloc[0] == 1.5 and "duration" in steps
+    if "://" not in db:  # plain SQL sees a NaN as NULL (SQLite cannot store a NaN)
+        with sqlite3.connect(db) as conn:
+            assert conn.execute("SELECT value FROM step_values WHERE name = 'a'").fetchone() == (None,)
+
+
+def test_bad_values_are_refused_with_their_name_and_nothing_of_the_call_is_kept(db):
+    with gradstore.record("bad", db=db) as rec:
+        torch.ones(2, requires_grad=True).sum().backward()
+        for bad, match in (
+            ({"x": "high"}, "'x' must be a real number"),
+            ({"x": 1j}, "'x' must be a real number"),
+            ({"x": torch.ones(2)}, "'x' must be a real scalar"),
+            ({"": 1.0}, "non-empty str"),
+        ):
+            with pytest.raises(gradstore.RecordUsageError, match=match):
+                rec.log({"ok": 1.0, **bad})
+        rec.log(kept=2.0)
+    assert list(gradstore.open(db).values("bad").columns) == ["kept"]
+    with pytest.raises(gradstore.RecordUsageError, match="open"):
+        rec.log(x=1.0)
+    with pytest.raises(gradstore.RecordUsageError, match="open recording"):
+        gradstore.log(x=1.0)
+
+
+def test_gradstore_log_inside_a_decorated_step_and_unsampled_steps_keep_nothing(db):
+    net = _net()
+
+    @gradstore.record("deco", db=db, model=net, every=2)
+    def step(x):
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        gradstore.log(loss=loss.item())
+        net.zero_grad()
+        return loss.item()
+
+    losses = [step(x) for x in _batches(4)]
+    values = gradstore.open(db).values("deco")
+    assert list(values.index.get_level_values("step")) == [0, 2]  # steps 1 and 3 are not recorded
+    assert list(values["loss"]) == [losses[0], losses[2]]
+
+
+# ---- final parameter gradients ---------------------------------------------------------------------------------------
+def test_a_grad_divided_after_backward_is_stored_divided_in_the_final_row(db):
+    net = _net()
+    x = _batches(1)[0]
+    with gradstore.record("div", db=db, model=net):
+        net(x).pow(2).sum().backward()
+        before = {n: _norm(p.grad) for n, p in net.named_parameters()}
+        for p in net.parameters():
+            p.grad.div_(4)
+        after = {n: p.grad.clone() for n, p in net.named_parameters()}
+    store = gradstore.open(db)
+    rows = store.param_grads("div", which="all")
+    assert sorted(zip(rows["param"], rows["final"])) == sorted((n, f) for n in before for f in (0, 1))
+    for name, g in after.items():
+        at_pass = rows[(rows.param == name) & (rows.final == 0)].iloc[0]
+        final = rows[(rows.param == name) & (rows.final == 1)].iloc[0]
+        assert at_pass["norm"] == pytest.approx(before[name], rel=1e-6) and at_pass["pass"] == 0
+        assert final["norm"] == pytest.approx(_norm(g), rel=1e-6)
+        assert final["norm"] == pytest.approx(before[name] / 4, rel=1e-6)
+        assert final["min"] == pytest.approx(float(g.min()), rel=1e-6) and pd_isna(final["pass"])
+    # which= chooses; the default shows the final row and says so
+    assert set(store.param_grads("div")["final"]) == {1}
+    assert set(store.param_grads("div", which="pass")["final"]) == {0}
+    with pytest.raises(gradstore.QueryParameterError, match="which"):
+        store.param_grads("div", which="last")
+    t = store.tensors("div", role="param_grad")
+    assert sorted(t["final"]) == [0] * len(before) + [1] * len(before)
+
+
+def pd_isna(v) -> bool:
+    import pandas as pd
+
+    return bool(pd.isna(v))
+
+
+def test_final_rows_are_taken_before_the_optimizer_steps_and_after_every_micro_batch(db):
+    """Two micro-batches, a division, the optimizer step and zero_grad inside the step: the final rows hold
+    `.grad` as the optimizer read it (the test reads it in a step pre-hook of its own)."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append({n: _norm(p.grad) for n, p in net.named_parameters()}))
+
+    @gradstore.record("opt", db=db, model=net)
+    def step(xs):
+        for x in xs:
+            net(x).pow(2).mean().backward()
+        for p in net.parameters():
+            p.grad.mul_(0.5)
+        opt.step()
+        opt.zero_grad()
+
+    batches = _batches(6)
+    for i in range(3):
+        step(batches[2 * i : 2 * i + 2])
+    final = gradstore.open(db).param_grads("opt")
+    assert set(final["final"]) == {1} and list(gradstore.open(db).steps("opt")["passes"]) == [2, 2, 2]
+    for i, norms in enumerate(seen):
+        got = final[final.step == i].set_index("param")["norm"]
+        for name, norm in norms.items():
+            assert got[name] == pytest.approx(norm, rel=1e-6)
+
+
+def test_a_closure_optimizer_gets_its_final_rows_after_the_closure(db):
+    net = _net()
+    opt = torch.optim.LBFGS(net.parameters(), lr=0.1, max_iter=1)
+    x = _batches(1)[0]
+    seen = []
+    opt.register_step_post_hook(lambda o, a, k: seen.append({n: _norm(p.grad) for n, p in net.named_parameters()}))
+
+    def closure():
+        opt.zero_grad()
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with gradstore.record("lbfgs", db=db, model=net):
+        opt.step(closure)
+    final = gradstore.open(db).param_grads("lbfgs").set_index("param")
+    assert set(final["final"]) == {1}
+    for name, norm in seen[0].items():
+        assert final.loc[name, "norm"] == pytest.approx(norm, rel=1e-6)
+
+
+def test_rec_final_grads_replaces_the_snapshot_and_a_later_pass_voids_it(db):
+    net = _net()
+    xs = _batches(2)
+    with gradstore.record("explicit", db=db, model=net) as rec:
+        net(xs[0]).pow(2).sum().backward()
+        for p in net.parameters():
+            p.grad.mul_(3)
+        rec.final_grads()
+        taken = {n: _norm(p.grad) for n, p in net.named_parameters()}
+        for p in net.parameters():
+            p.grad.zero_()  # after the snapshot: not seen
+        rec.step()
+        net(xs[0]).pow(2).sum().backward()
+        rec.final_grads()
+        net(xs[1]).pow(2).sum().backward()  # a pass after the snapshot: .grad changed, taken again at the end
+        ended = {n: _norm(p.grad) for n, p in net.named_parameters()}
+    final = gradstore.open(db).param_grads("explicit")
+    for step, expected in ((0, taken), (1, ended)):
+        got = final[final.step == step].set_index("param")["norm"]
+        for name, norm in expected.items():
+            assert got[name] == pytest.approx(norm, rel=1e-6)
+
+
+# ---- what gradstore notes by itself -----------------------------------------------------------------------------
+def _clipped_loop(net, opt, batches, rec=None):
+    returned, grads = [], []
+    for x in batches:
+        net(x).pow(2).sum().backward()
+        returned.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)))
+        grads.append([p.grad.clone() for p in net.parameters()])
+        opt.step()
+        opt.zero_grad()
+        if rec is not None:
+            rec.step()
+    return returned, grads, [p.detach().clone() for p in net.parameters()]
+
+
+def test_clip_grad_norm_is_observed_without_changing_its_result(db):
+    batches = _batches(3)
+    net = _net()
+    plain = _clipped_loop(net, torch.optim.SGD(net.parameters(), lr=0.1), batches)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with gradstore.record("clip", db=db, model=net) as rec:
+        assert torch.nn.utils.clip_grad_norm_ is not ORIGINAL_CLIP  # observed while the scope is open
+        recorded = _clipped_loop(net, opt, batches, rec)
+    assert torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP and torch.optim.Optimizer.zero_grad is ORIGINAL_ZERO_GRAD
+    assert recorded[0] == plain[0]  # the returned norms, bit for bit
+    assert all(torch.equal(a, b) for ga, gb in zip(plain[1], recorded[1]) for a, b in zip(ga, gb))
+    assert all(torch.equal(a, b) for a, b in zip(plain[2], recorded[2]))
+    store = gradstore.open(db)
+    assert list(store.values("clip")["clip_grad_norm"]) == plain[0]
+    final = store.param_grads("clip")  # after clipping: the clipped gradients
+    for step, grads in enumerate(plain[1]):
+        got = final[final.step == step]["norm"].tolist()
+        names = [n for n, _ in net.named_parameters()]
+        by_name = dict(zip(final[final.step == step]["param"], got))
+        for name, g in zip(names, grads):
+            assert by_name[name] == pytest.approx(_norm(g), rel=1e-6)
+
+
+def test_repeated_clipping_in_a_step_is_numbered(db):
+    net = _net()
+    with gradstore.record("twice", db=db, model=net):
+        net(_batches(1)[0]).pow(2).sum().backward()
+        first = float(torch.nn.utils.clip_grad_norm_(net[0].parameters(), 1e-3))
+        second = float(torch.nn.utils.clip_grad.clip_grad_norm_(net[2].parameters(), 1e-3))
+    values = gradstore.open(db).values("twice").iloc[0]
+    assert (values["clip_grad_norm"], values["clip_grad_norm#1"]) == (first, second)
+
+
+def _amp_loop(net, opt, scaler, batches, poison_at, rec=None):
+    scales, skipped, params = [], [], []
+    for i, x in enumerate(batches):
+        loss = net(x).pow(2).mean()
+        if i == poison_at:
+            loss = loss * float("inf")
+        scales.append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        before = [p.detach().clone() for p in net.parameters()]
+        scaler.step(opt)
+        skipped.append(all(torch.equal(a, p) for a, p in zip(before, net.parameters())))
+        scaler.update()
+        opt.zero_grad()
+        params.append([p.detach().clone() for p in net.parameters()])
+        if rec is not None:
+            rec.step()
+    return scales, skipped, params
+
+
+def test_grad_scaler_scale_and_skipped_steps_are_logged(db):
+    batches = _batches(4)
+
+    def fresh():
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        return net, opt, torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+    net, opt, scaler = fresh()
+    plain = _amp_loop(net, opt, scaler, batches, poison_at=1)
+    net, opt, scaler = fresh()
+    with gradstore.record("amp", db=db, model=net) as rec:
+        recorded = _amp_loop(net, opt, scaler, batches, poison_at=1, rec=rec)
+    assert plain[0] == recorded[0] and plain[1] == recorded[1]
+    assert all(torch.equal(a, b) for pa, pb in zip(plain[2], recorded[2]) for a, b in zip(pa, pb))
+    assert plain[1] == [False, True, False, False]  # the test's own view: step 1 left the parameters alone
+    store = gradstore.open(db)
+    values = store.values("amp")
+    assert list(values["grad_scaler.scale"]) == plain[0]
+    assert list(values["grad_scaler.skipped"]) == [1.0 if s else 0.0 for s in plain[1]]
+    steps = store.steps("amp")
+    assert list(steps["status"]) == ["ok", "nonfinite", "ok", "ok"]
+    # the final rows are the unscaled gradients (GradScaler.unscale_ ran inside step)
+    final = store.param_grads("amp", step=0).set_index("param")
+    net2, _, _ = fresh()
+    loss = net2(batches[0]).pow(2).mean()
+    loss.backward()
+    for name, p in net2.named_parameters():
+        assert final.loc[name, "norm"] == pytest.approx(_norm(p.grad), rel=1e-6)
+
+
+def test_observers_pass_through_outside_the_recording_thread_and_scope(db):
+    import threading
+
+    net = _net()
+    out = {}
+    with gradstore.record("thread", db=db, model=net):
+        net(_batches(1)[0]).pow(2).sum().backward()
+
+        def other():
+            out["norm"] = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1e6))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert "clip_grad_norm" not in gradstore.open(db).values("thread").columns  # another thread's call
+    assert out["norm"] > 0
+    observers.deactivate()  # twice is harmless
+    assert torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP
