@@ -1,7 +1,7 @@
 -- title: First non-finite gradient
 -- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs hold NaN or +/-Inf: one row per non-finite slot of that call, with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot.
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
 WITH bad AS (
     SELECT st.run_id, st.rank, st.step, c.seq, t.call_id
     FROM tensors t
@@ -10,8 +10,8 @@ WITH bad AS (
     JOIN runs r ON r.id = st.run_id
     WHERE t.nan + t.posinf + t.neginf > 0
       AND t.call_id IS NOT NULL
-      AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
+      AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+      AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
 ), ranked AS (
     SELECT call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
     FROM bad

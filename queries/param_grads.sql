@@ -1,9 +1,9 @@
 -- title: Parameter gradients per step
 -- description: Each parameter's .grad as it stood when the step's last top-level backward pass returned (after gradient accumulation and, under DDP, after the all-reduce): status (none when .grad was None) and statistics over finite elements, exact non-finite counts.
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
--- param step: step number; NULL for every step
--- param param: qualified parameter name; NULL for all
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
+-- param step: step number; empty (NULL) for every step
+-- param param: qualified parameter name; empty (NULL) for all
 SELECT run, rank, step, pass, param, module, status, dtype, shape, numel,
        norm, min, max, mean, std, nan, posinf, neginf, zeros
 FROM (
@@ -22,15 +22,15 @@ FROM (
       AND t.node_id IN (  -- the parameters' nodes first: an index lookup, not a table scan
           SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
           WHERE n2.param IS NOT NULL
-            AND (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT)))
-      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+            AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (NULLIF(CAST(:param AS TEXT), '') IS NULL OR n2.param = NULLIF(CAST(:param AS TEXT), '')))
+      AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
       AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
-          WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER))
-            AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
+          WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st2.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+            AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st2.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER)))
 ) AS last_pass
 WHERE latest = 1
 ORDER BY run_order, step, rank, node_order;

@@ -1,7 +1,7 @@
 -- title: Parameter gradients that differ across ranks
 -- description: At each step, every parameter whose final gradient (its param_grad row of the step's last top-level backward pass: .grad after gradient accumulation and, under DDP, after the all-reduce) differs between the lowest rank that recorded the step (rank_a) and another rank (rank_b): one row per parameter and differing rank. Compared by checksum where both ranks have one (compared = checksum: a bitwise comparison), else by every statistic (compared = statistics: status, dtype, shape, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal). differs lists the fields that differ, in that order (missing: the parameter has a param_grad row on one rank only; side says which). Statistics side by side (_a, _b) with absolute and relative differences as in the diff query. Empty when every rank agrees (or only one rank recorded the step).
--- param run: run name; NULL for every run
--- param step: step number; NULL for every step
+-- param run: run name; empty (NULL) for every run
+-- param step: step number; empty (NULL) for every step
 WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
     SELECT t.id AS tid, t.step_id AS sid, st.run_id, st.step, st.rank, t.node_id,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
@@ -12,19 +12,19 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
       AND t.node_id IN (  -- the parameters' nodes first: an index lookup, not a table scan
           SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
           WHERE n2.param IS NOT NULL
-            AND (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT)))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+            AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), '')))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
       AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
-          WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
+          WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st2.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER)))
 ), g AS (
     SELECT tid, sid, run_id, step, rank, node_id FROM latest_rows WHERE latest = 1
 ), ref AS (  -- the reference rank of each step: the lowest that recorded it
     SELECT st.run_id, st.step, MIN(st.rank) AS rank
     FROM steps st JOIN runs r ON r.id = st.run_id
-    WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+    WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
     GROUP BY st.run_id, st.step
 ), other_ranks AS (  -- every other rank that recorded the step
     SELECT st.run_id, st.step, ref.rank AS rank_a, st.rank AS rank_b

@@ -46,7 +46,7 @@ class Store:
             return list(conn.execute(select(s.runs.c.name).order_by(s.runs.c.id)).scalars())
 
     def _check_run(self, run: str | None) -> None:
-        if run is None:
+        if run is None or run == "":  # every run, as the query files read NULL and ''
             return
         names = self.run_names()
         if run not in names:
