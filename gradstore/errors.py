@@ -47,3 +47,7 @@ class SavedTensorsFreed(ReplayError):
 
 class VerifyUsageError(GradstoreError):
     """gradstore.verify was called in a way it cannot work (no captured forward inputs, bad argument)."""
+
+
+class MissingDependency(GradstoreError):
+    """An optional dependency is not installed: the message names the extra to install (gradstore[view])."""
