@@ -62,13 +62,24 @@ def make_engine(db: str | Path, immediate: bool = False) -> Engine:
     return engine
 
 
-def _alembic_config(connection):
+def _alembic_config(connection, on_version_apply=None):
     from alembic.config import Config  # imported lazily: only needed when the schema is checked
 
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.attributes["connection"] = connection
+    if on_version_apply is not None:  # migrations/env.py hands it to Alembic's context.configure
+        cfg.attributes["on_version_apply"] = on_version_apply
     return cfg
+
+
+def pending_revisions(current: str | None) -> list[str]:
+    """The revisions an upgrade from `current` (None: an empty database) to the newest applies, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory(str(migrations_dir()))
+    revs = [r.revision for r in script.iterate_revisions(script.get_current_head(), current)]
+    return [r for r in reversed(revs) if r != current]
 
 
 def head_revision() -> str:
@@ -101,10 +112,11 @@ def _check_known(revision: str | None, db_label: str) -> None:
         ) from None
 
 
-def ensure_schema(engine: Engine, db_label: str = "the database") -> str:
+def ensure_schema(engine: Engine, db_label: str = "the database", on_version_apply=None) -> str:
     """Bring the schema to the newest revision, creating it in an empty database.
 
-    Returns the revision now in place. Raises `SchemaTooNew` when the database was written by a newer
+    on_version_apply: Alembic's callback, called after each revision is applied (`upgrade` uses it for
+    progress). Returns the revision now in place. Raises `SchemaTooNew` when the database was written by a newer
     gradstore. Safe when several processes open one new database at once: on PostgreSQL they take turns
     (an advisory lock), on SQLite a loser of the race re-checks.
     """
@@ -124,7 +136,7 @@ def ensure_schema(engine: Engine, db_label: str = "the database") -> str:
                     # one migrating process at a time; the others then find the schema at head (Alembic reads
                     # the revision inside this transaction, after the lock)
                     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_SCHEMA_LOCK})")
-                command.upgrade(_alembic_config(conn), "head")
+                command.upgrade(_alembic_config(conn, on_version_apply), "head")
             return head
         except (OperationalError, IntegrityError, ProgrammingError):
             if attempt == 4:
@@ -153,15 +165,28 @@ def open_existing(db: str | Path) -> Engine:
     return engine
 
 
-def upgrade(db: str | Path) -> tuple[str | None, str]:
+def upgrade(db: str | Path, progress=None) -> tuple[str | None, str]:
     """Upgrade (or create) the database at `db` to the newest schema revision.
 
-    Returns (revision before, revision after). Raises `SchemaTooNew` as `ensure_schema`.
+    progress: called as progress(applied, total, revision): first with applied = 0 and the first revision to
+    apply, then after each revision is applied (revision: the one applied). Not called when there is nothing to
+    do. Returns (revision before, revision after). Raises `SchemaTooNew` as `ensure_schema`.
     """
     engine = make_engine(db)
     try:
         before = current_revision(engine)
-        after = ensure_schema(engine, str(db))
+        _check_known(before, str(db))
+        pending = pending_revisions(before) if progress is not None else []
+        applied = 0
+
+        def step_done(*, step, **_kw) -> None:
+            nonlocal applied
+            applied += 1
+            progress(applied, len(pending), step.up_revision_id)
+
+        if pending:
+            progress(0, len(pending), pending[0])
+        after = ensure_schema(engine, str(db), on_version_apply=step_done if pending else None)
         return before, after
     finally:
         engine.dispose()

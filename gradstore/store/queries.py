@@ -119,9 +119,9 @@ def frame(rows: list, columns: list[str]) -> pd.DataFrame:
     """
     rows = [tuple(r) for r in rows]
     df = pd.DataFrame.from_records(rows, columns=columns, coerce_float=True)
-    for i, col in enumerate(columns):
+    for i in range(len(columns)):
         kind = df.dtypes.iloc[i]
-        if kind != object and not (kind == "float64" and df.iloc[:, i].isna().any()):
+        if not pd.api.types.is_object_dtype(kind) and not (kind == "float64" and df.iloc[:, i].isna().any()):
             continue  # all ints (already int64), or floats with no NULL
         values = [r[i] for r in rows]
         if any(v is not None for v in values) and all(v is None or type(v) is int for v in values):
