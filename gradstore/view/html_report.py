@@ -128,7 +128,7 @@ def _status_strip(steps: pd.DataFrame):
         grid[ri[r], ci[s]] = codes.get(st, 2)
     fig, ax = new_axes(None, (11.0, 0.9 + 0.32 * len(ranks)))
     cmap = colors.ListedColormap([_STATUS_COLOURS["ok"], _STATUS_COLOURS["nonfinite"], _STATUS_COLOURS["error"]])
-    cmap.set_bad("#e9e9e9")
+    cmap = cmap.with_extremes(bad="#e9e9e9")
     ax.pcolormesh(
         np.arange(len(nums) + 1) - 0.5,
         np.arange(len(ranks) + 1) - 0.5,

@@ -129,8 +129,7 @@ def heatmap(
         shown = np.where(drawn, g.value, np.nan)
         zeros = drawn & (g.value == 0)
         shown = np.where(zeros, vmin / 10, shown)  # below vmin: the colour map's "under" colour
-        cm = mpl.colormaps[cmap or "viridis"].copy()
-        cm.set_under(ZERO_COLOUR)
+        cm = mpl.colormaps[cmap or "viridis"].with_extremes(under=ZERO_COLOUR)
     else:
         nz = np.abs(vals[vals != 0])
         lin = float(nz.min()) if nz.size else 1e-12
@@ -138,8 +137,8 @@ def heatmap(
         scale = colors.SymLogNorm(linthresh=lin, vmin=-top, vmax=top, base=10)
         shown = np.where(drawn, g.value, np.nan)
         zeros = np.zeros_like(drawn)
-        cm = mpl.colormaps[cmap or "coolwarm"].copy()
-    cm.set_bad((0, 0, 0, 0))  # transparent: the hatched background shows "not measured"
+        cm = mpl.colormaps[cmap or "coolwarm"]
+    cm = cm.with_extremes(bad=(0, 0, 0, 0))  # transparent: the hatched background shows "not measured"
     ax.set_facecolor(MISSING_FACE)
     ax.patch.set_hatch("////")
     ax.patch.set_edgecolor(MISSING_HATCH)
