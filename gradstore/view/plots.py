@@ -152,7 +152,8 @@ def heatmap(
         if nrows <= 40 and ncols <= 40:
             for i, j in zip(*np.nonzero(bad)):
                 word = _nonfinite_word(g.nan[i, j], g.posinf[i, j], g.neginf[i, j])
-                ax.text(j, i, word, ha="center", va="center", fontsize=min(7, font), color="white", weight="bold")
+                size = min(7, font) * (0.75 if len(word) > 4 else 1.0)
+                ax.text(j, i, word, ha="center", va="center", fontsize=size, color="white", weight="bold")
     ax.set_xlim(-0.5, ncols - 0.5)
     ax.set_ylim(nrows - 0.5, -0.5)  # first label on top
     ax.set_yticks(np.arange(nrows))
@@ -261,6 +262,10 @@ def history(
                 zorder=5,
                 clip_on=False,
             )
+    if len(data):  # the edge markers (a blended transform) do not take part in autoscaling: every step in view
+        lo, hi = int(data["step"].min()), int(data["step"].max())
+        pad = max(0.5, 0.03 * (hi - lo))
+        ax.set_xlim(lo - pad, hi + pad)
     positive = data["value"][data["value"] > 0]
     if log and len(positive):
         ax.set_yscale("log")
