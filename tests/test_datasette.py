@@ -125,8 +125,12 @@ def test_every_canned_query_returns_the_helpers_rows(served):
     store = gradstore.open(db)
     compared = 0
     for q in queries.available().values():
+        sets = []
         for given in _bindings(store):
             given = {p: v for p, v in given.items() if p in q.params}
+            if given not in sets:  # each distinct set of this query's parameters once
+                sets.append(given)
+        for given in sets:
             form = {p: given.get(p, "") for p in q.params}  # every parameter sent; the ones not given empty
             url = f"{base}/{name}/{browse.PREFIX}{q.name}.json?" + urllib.parse.urlencode(form)
             got = _get(url)

@@ -31,6 +31,13 @@ def demo_db(tmp_path_factory):
     return db
 
 
+@pytest.fixture(scope="module")
+def demo_page(demo_db, tmp_path_factory):
+    """(path, text) of the report of run 'demo', written once by `gradstore report`."""
+    out = tmp_path_factory.mktemp("page") / "demo.html"
+    return out, _write(demo_db, "demo", out)
+
+
 def _write(db, run, out) -> str:
     result = CliRunner().invoke(main, ["report", db, run, "-o", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -78,8 +85,8 @@ def _spread(png: Path) -> tuple[float, float]:
     return float(grey.std()), float((grey < 235).mean())
 
 
-def test_report_is_self_contained_and_tells_the_story(demo_db, tmp_path):
-    page = _write(demo_db, "demo", tmp_path / "demo.html")
+def test_report_is_self_contained_and_tells_the_story(demo_db, demo_page):
+    page = demo_page[1]
     assert "<script" not in page.lower()
     assert "Content-Security-Policy" in page and "default-src 'none'" in page
     for attr, value in re.findall(r'\b(src|href)="([^"]*)"', page):
@@ -118,9 +125,8 @@ def test_a_run_with_two_ranks_says_where_they_differ(tmp_path):
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (.ci/run installs Debian's chromium)")
-def test_chromium_renders_the_report_with_no_console_message(demo_db, tmp_path):
-    out = tmp_path / "demo.html"
-    _write(demo_db, "demo", out)
+def test_chromium_renders_the_report_with_no_console_message(demo_page, tmp_path):
+    out = demo_page[0]
     png = tmp_path / "demo.png"
     console = _screenshot(out, png, tmp_path)
     assert console == []

@@ -23,10 +23,10 @@ import pandas as pd
 
 from ..errors import GradstoreError
 from ..version import __version__
-from . import story
+from . import cells, story
 from .backward_graph import graph
 from .extras import require
-from .plots import figure_class, heatmap, history, new_axes
+from .plots import figure_class, heatmap, new_axes
 
 SECTIONS = ("run", "steps", "first non-finite gradient", "heatmap", "parameters", "ranks", "step values")
 _STATUS_COLOURS = {"ok": "#9ccf9c", "nonfinite": "#ff1f5b", "error": "#222222"}
@@ -344,18 +344,33 @@ def _params_section(page: _Page, store, run: str) -> None:
         page.add('<p class="note">One measured step per parameter: no change to draw.</p>')
         return
     names = top["param"].head(6).tolist()
-    cols = 3 if len(names) > 2 else len(names)
-    rows = int(np.ceil(len(names) / cols))
-    fig = figure_class()(figsize=(4.0 * cols, 2.8 * rows), layout="constrained")
-    for i, name in enumerate(names):
-        ax = fig.add_subplot(rows, cols, i + 1)
-        history(store, run, param=name, ax=ax)
-        ax.set_title(name, fontsize=8, loc="left")
-        ax.tick_params(labelsize=7)
-        ax.xaxis.label.set_size(8)
-        ax.yaxis.label.set_size(8)
-        if ax.get_legend() is not None:
-            ax.get_legend().remove()
+    fig, ax = new_axes(None, (10.0, 4.2))
+    edge = ax.get_xaxis_transform()
+    for name in names:
+        s = cells.series(store, run, param=name)
+        s = s[s["rank"] == s["rank"].min()]
+        bad = (s["nan"].fillna(0) + s["posinf"].fillna(0) + s["neginf"].fillna(0)) > 0
+        y = s["value"].where(~bad & (s["value"] > 0))
+        (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=name)
+        if bad.any():
+            ax.scatter(
+                s["step"][bad],
+                np.full(int(bad.sum()), 0.96),
+                transform=edge,
+                marker="X",
+                s=60,
+                color=line.get_color(),
+                edgecolors="#c40030",
+                linewidths=1.0,
+                zorder=5,
+                clip_on=False,
+            )
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("L2 norm of .grad (log scale)")
+    ax.set_title("X on the top edge: the step's .grad held NaN or Inf", fontsize=9, loc="left")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     page.add(_png(fig, "gradient norm history of the parameters that changed most"))
 
 
