@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import io
+import textwrap
 
 import numpy as np
 
@@ -171,7 +172,7 @@ def heatmap(
     role_words = "parameter .grad" if g.role == "param_grad" else f"{g.role}s"
     title = f"{run}: {_UNITS[stat]} of {role_words} by {what}"
     if g.notes:
-        title += "\n" + "; ".join(g.notes)
+        title += "\n" + textwrap.fill("; ".join(g.notes), width=max(40, int(ax.figure.get_figwidth() * 9)))
     ax.set_title(title, fontsize=10, loc="left")
     bar = ax.figure.colorbar(mesh, ax=ax, extend="min" if log and zeros.any() else "neither", shrink=0.9)
     bar.set_label(f"{_UNITS[stat]} ({'log' if log else 'symmetric log'} scale)", fontsize=8)
