@@ -1,10 +1,20 @@
 """gradstore: record every autograd node event and gradient statistic of a PyTorch backward pass into a
-database, and read it back as pandas DataFrames."""
+database, and read it back as pandas DataFrames.
 
-from .errors import (  # noqa: E402
+The errors and the version load with the package; the rest of the public API loads on first use (PEP 562's
+module `__getattr__`), so that `import gradstore` (and the `gradstore` command's `--help`) does not import torch,
+pandas or SQLAlchemy. `from gradstore import record` and `gradstore.open(...)` work as usual.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .errors import (
     DatabaseNotFound,
     DatabaseUnavailable,
     GradstoreError,
+    MissingDependency,
     NonFiniteGradient,
     NotAGradstoreDatabase,
     QueryParameterError,
@@ -21,20 +31,29 @@ from .errors import (  # noqa: E402
     ValuesNotRecorded,
     VerifyUsageError,
 )
-from .inspect.context import track_modules  # noqa: E402
-from .inspect.explain import Explanation, RecordedExplanation, explain  # noqa: E402
-from .inspect.replay import replay, replay_check  # noqa: E402
-from .inspect.verify import verify  # noqa: E402
-from .recording.frames import FrameTracker  # noqa: E402
-from .recording.recorder import log, record  # noqa: E402
-from .recording.saved import saved_bytes, saved_tensors  # noqa: E402
-from .store.reader import Store, open  # noqa: E402
-from .version import __version__  # noqa: E402
+from .version import __version__
+
+# public name -> the module that defines it (imported when the name is first read)
+_LAZY = {
+    "record": ".recording.recorder",
+    "log": ".recording.recorder",
+    "open": ".store.reader",
+    "Store": ".store.reader",
+    "explain": ".inspect.explain",
+    "Explanation": ".inspect.explain",
+    "RecordedExplanation": ".inspect.explain",
+    "track_modules": ".inspect.context",
+    "replay": ".inspect.replay",
+    "replay_check": ".inspect.replay",
+    "verify": ".inspect.verify",
+    "saved_tensors": ".recording.saved",
+    "saved_bytes": ".recording.saved",
+    "FrameTracker": ".recording.frames",
+}
 
 __all__ = [
     "record",
     "log",
-    "NonFiniteGradient",
     "open",
     "Store",
     "GradstoreError",
@@ -49,6 +68,7 @@ __all__ = [
     "QueryParameterError",
     "RecordUsageError",
     "RecordUsageWarning",
+    "NonFiniteGradient",
     "__version__",
     "explain",
     "Explanation",
@@ -65,4 +85,19 @@ __all__ = [
     "UnknownNode",
     "VerifyUsageError",
     "ValuesNotRecorded",
+    "MissingDependency",
 ]
+
+
+def __getattr__(name: str):
+    """The lazily loaded part of the public API (see the module docstring); AttributeError for other names."""
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'gradstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -11,6 +11,11 @@ queries, upgrade a database's schema.
     gradstore diff DB RUN_A RUN_B        where two runs (or two steps or ranks of one) first part
     gradstore ranks DB RUN [--step N]    do the ranks' parameter gradients agree at a step
     gradstore merge OUT IN...            join per-rank or per-machine databases into one
+    gradstore report DB RUN [-o F]       one self-contained HTML page telling a run's story
+    gradstore datasette DB [--port P]    browse DB in Datasette, with queries/ as canned queries
+
+Commands that can take long (merge, db upgrade, report) show a progress bar on stderr when it is a terminal,
+and nothing when it is piped or redirected. `gradstore --help` imports neither torch nor the plotting libraries.
 
 Every error gradstore raises on purpose (GradstoreError), a database error, and a malformed option come out
 as one line on stderr (`Error: ...`) with exit status 1 (2 for click's own usage errors), never a traceback.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -68,6 +74,37 @@ def _store(db: str):
         yield store
     finally:
         store.close()
+
+
+@contextmanager
+def _progress(description: str, total: int | None = None):
+    """A rich progress bar on stderr while it is a terminal; yields update(completed=None, total=None,
+    description=None). Piped or redirected (or under click's test runner) it draws nothing."""
+    if not sys.stderr.isatty():
+        yield lambda **_kw: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+
+        def update(completed=None, total=None, description=None):
+            fields = {
+                k: v
+                for k, v in (("completed", completed), ("total", total), ("description", description))
+                if v is not None
+            }
+            bar.update(task, **fields)
+
+        yield update
 
 
 # ---- formatting ------------------------------------------------------------------------------------------
@@ -350,11 +387,52 @@ def runs(db):
 
 
 def _limited(df: pd.DataFrame, limit: int) -> tuple[pd.DataFrame, str]:
+    """The first and last rows of `df`, `limit` in all, and a line saying how many were left out ('' for none)."""
     if len(df) <= limit:
         return df, ""
     half = max(limit // 2, 1)
     shown = pd.concat([df.head(half), df.tail(limit - half)]) if limit > 1 else df.head(1)
     return shown, f"  ... {len(df) - len(shown):,} more rows not shown (--limit, or `gradstore query`)"
+
+
+def _table_keeping(df: pd.DataFrame, keep: list[int], gap: callable) -> str:
+    """`df` as `_table` prints it, but only the rows at positions `keep`; where rows are left out, a line at that
+    place says which ('  ... N rows not shown: <gap(rows left out)>')."""
+    keep = sorted(set(keep))
+    if len(keep) == len(df):
+        return _table(df)
+    lines = _table(df.iloc[keep]).splitlines()
+    out = [lines[0]]
+    prev = -1
+    for line, pos in zip(lines[1:], keep):
+        if pos > prev + 1:
+            hidden = df.iloc[prev + 1 : pos]
+            out.append(f"  ... {len(hidden):,} rows not shown: {gap(hidden)}")
+        out.append(line)
+        prev = pos
+    if prev < len(df) - 1:
+        hidden = df.iloc[prev + 1 :]
+        out.append(f"  ... {len(hidden):,} rows not shown: {gap(hidden)}")
+    return "\n".join(out)
+
+
+def _step_ranges(steps) -> str:
+    """'0-3, 5, 7-9' from step numbers."""
+    nums = sorted({int(s) for s in steps})
+    parts, start, prev = [], None, None
+    for n in nums + [None]:
+        if start is not None and (n is None or n != prev + 1):
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = None
+        if n is not None and start is None:
+            start = n
+        prev = n
+    return ", ".join(parts)
+
+
+def _steps_gap(hidden: pd.DataFrame) -> str:
+    statuses = ", ".join(f"{n:,} {s}" for s, n in hidden["status"].value_counts().items())
+    return f"steps {_step_ranges(hidden['step'])} ({statuses})"
 
 
 def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> None:
@@ -396,10 +474,15 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     )
     counts = steps["status"].value_counts()
     click.echo("\nSteps (" + ", ".join(f"{n} {status}" for status, n in counts.items()) + "); times in seconds:")
-    shown, more = _limited(out, limit)
-    click.echo(_table(shown))
-    if more:
-        click.echo(more)
+    # the steps that are not ok first (up to the limit), then the first and last steps around them
+    positions = list(range(len(out)))
+    keep = [i for i in positions if out["status"].iloc[i] != "ok"][:limit]
+    rest = [i for i in positions if i not in set(keep)]
+    room = max(limit - len(keep), 0)
+    keep += rest[: (room + 1) // 2] + (rest[-(room // 2) :] if room // 2 else [])
+    click.echo(_table_keeping(out, keep, _steps_gap))
+    if len(keep) < len(out):
+        click.echo("  (every row: --limit N, or gradstore query DB steps -p run=RUN)")
     traced = int(steps["tracing_passes"].sum())
     if traced:
         click.echo(f"torch.compile's tracing ran {traced} backward pass(es) in these steps: not recorded")
@@ -418,6 +501,67 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
         nonfinite = steps[steps["status"] == "nonfinite"]
         detail = int(nonfinite["step"].iloc[0]) if len(nonfinite) else detail
     click.echo(f"\nOne step in detail: gradstore show {db} {run} --step {detail}")
+
+
+def _nonfinite_mask(df: pd.DataFrame) -> pd.Series:
+    """True for rows whose exact NaN / +Inf / -Inf counts are not all zero."""
+    if df.empty:
+        return pd.Series([], dtype=bool)
+    return (df["nan"].fillna(0) + df["posinf"].fillna(0) + df["neginf"].fillna(0)).astype("int64") > 0
+
+
+def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int) -> None:
+    """The step's non-finite parameter .grad and node gradients, before any list sorted by norm (a norm is over
+    the finite elements: an all-NaN gradient has norm 0 and would sort last)."""
+    bad_params = grads[_nonfinite_mask(grads)]
+    node_rows = tensors[tensors["role"].isin(["grad_output", "grad_input"])]
+    bad_nodes = node_rows[_nonfinite_mask(node_rows)]
+    if bad_params.empty and bad_nodes.empty:
+        measured = int(tensors["nan"].notna().sum()) if not tensors.empty else 0
+        click.echo(
+            f"\nNon-finite gradients: none (exact NaN/Inf counts of {measured:,} of {len(tensors):,} gradient rows"
+            + (
+                ""
+                if measured == len(tensors)
+                else "; the others were not measured: None slots, skipped, or shape level"
+            )
+            + ")"
+        )
+        return
+    click.echo(
+        f"\nNon-finite parameter .grad (after the step's last backward pass): {len(bad_params):,} of {len(grads):,}"
+        + (":" if len(bad_params) else "")
+    )
+    if len(bad_params):
+        cols = ["rank", "param", "shape", "numel", "nan", "posinf", "neginf", "norm"]
+        click.echo(
+            _table_keeping(
+                bad_params[cols],
+                list(range(min(limit, len(bad_params)))),
+                lambda h: ", ".join(h["param"].head(5)) + (", ..." if len(h) > 5 else ""),
+            )
+        )
+    click.echo(
+        f"\nNon-finite node gradients, in execution order: {len(bad_nodes):,} of {len(node_rows):,} rows"
+        + (":" if len(bad_nodes) else "")
+    )
+    if len(bad_nodes):
+        out = pd.DataFrame(
+            {
+                "rank": bad_nodes["rank"],
+                "pass": bad_nodes["pass"],
+                "seq": bad_nodes["seq"],
+                "node": bad_nodes["key"],
+                "slot": [_slot_label(r, s) for r, s in zip(bad_nodes["role"], bad_nodes["slot"])],
+                "numel": bad_nodes["numel"],
+                "nan": bad_nodes["nan"],
+                "posinf": bad_nodes["posinf"],
+                "neginf": bad_nodes["neginf"],
+            }
+        )
+        click.echo(
+            _table_keeping(out, list(range(min(limit, len(out)))), lambda h: f"seq {h['seq'].min()}-{h['seq'].max()}")
+        )
 
 
 def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, limit: int) -> None:
@@ -556,9 +700,16 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         )
     )
 
+    tensors = store.tensors(run=run, rank=rank, step=step)
+    grads = store.param_grads(run=run, rank=rank, step=step)
+    _show_nonfinite(tensors, grads, limit)
+
     calls = store.calls(run=run, rank=rank, step=step)
-    click.echo(f"\nSlowest calls of {len(calls):,} (seq = execution order in the step):")
     slow = calls.sort_values("duration", ascending=False).head(limit)
+    left = f"; the other {len(calls) - len(slow):,} were faster" if len(calls) > len(slow) else ""
+    click.echo(
+        f"\nSlowest calls: the {len(slow):,} slowest of {len(calls):,}{left} (seq = execution order in the step):"
+    )
     click.echo(
         _table(
             pd.DataFrame(
@@ -574,7 +725,6 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         )
     )
 
-    tensors = store.tensors(run=run, rank=rank, step=step)
     click.echo(f"\nGradient statistics rows ({len(tensors):,}) by role and status:")
     if not tensors.empty:
         nonfinite = tensors["nan"].fillna(0) + tensors["posinf"].fillna(0) + tensors["neginf"].fillna(0)
@@ -595,9 +745,22 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     else:
         click.echo("  (none)")
 
-    grads = store.param_grads(run=run, rank=rank, step=step)
-    click.echo("\nLargest parameter .grad norms (as the step left them for the optimizer; see param_grads):")
-    top = grads.sort_values("norm", ascending=False).head(limit)
+    bad = _nonfinite_mask(grads)
+    finite = grads[~bad & (grads["status"] == "ok")]
+    top = finite.sort_values("norm", ascending=False).head(limit)
+    others = []
+    if len(finite) > len(top):
+        others.append(f"{len(finite) - len(top):,} smaller not shown")
+    if bad.any():
+        others.append(f"{int(bad.sum()):,} non-finite listed above")
+    unmeasured = len(grads) - len(finite) - int(bad.sum())
+    if unmeasured:
+        others.append(f"{unmeasured:,} with no .grad or not measured (status none / skipped)")
+    click.echo(
+        f"\nLargest finite parameter .grad norms (as the step left them for the optimizer; see param_grads): the "
+        f"{len(top):,} largest "
+        f"of {len(grads):,}" + (f"; {', '.join(others)}" if others else "") + ":"
+    )
     click.echo(_table(top[["rank", "param", "status", "shape", "norm", "min", "max", "nan", "posinf", "neginf"]]))
 
     bad = _first_nonfinite_line(store, run, step=step)
@@ -727,7 +890,13 @@ def upgrade(db_path):
     """Upgrade database DB to the newest schema revision, creating it (and its file) when new."""
     from .store.database import upgrade as upgrade_db
 
-    before, after = upgrade_db(db_path)
+    with _progress(f"upgrading {db_path}") as update:
+
+        def progress(applied: int, total: int, revision: str) -> None:
+            verb = "applying" if applied == 0 else "applied"
+            update(completed=applied, total=total, description=f"{db_path}: {verb} schema revision {revision}")
+
+        before, after = upgrade_db(db_path, progress=progress)
     if before == after:
         click.echo(f"{db_path}: already at schema revision {after}")
     else:
@@ -1035,7 +1204,13 @@ def merge(out, inputs, skip_existing):
     """
     from .store.merge import merge as merge_databases
 
-    reports = merge_databases(out, list(inputs), skip_existing=skip_existing)
+    with _progress(f"merging into {out} (rows)") as update:
+        reports = merge_databases(
+            out,
+            list(inputs),
+            skip_existing=skip_existing,
+            progress=lambda done, total: update(completed=done, total=total),
+        )
     for r in reports:
         runs = ", ".join([f"{n!r} (new)" for n in r.runs_created] + [repr(n) for n in r.runs_matched]) or "none"
         ranks_txt = f" of rank{'s' if len(r.ranks) > 1 else ''} {', '.join(map(str, r.ranks))}" if r.ranks else ""
@@ -1047,6 +1222,75 @@ def merge(out, inputs, skip_existing):
             line += f"; {len(r.skipped):,} steps already in {out} skipped"
         click.echo(line)
     click.echo(f"merged {len(reports)} database{'s' if len(reports) > 1 else ''} into {out}")
+
+
+# ---- pictures: the HTML report, Datasette -------------------------------------------------------------------
+
+
+@main.command(short_help="Write one self-contained HTML page telling a run's story.")
+@click.argument("db")
+@click.argument("run")
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    default=None,
+    metavar="FILE",
+    help="The HTML file to write (default: RUN.html in the current directory).",
+)
+def report(db, run, out):
+    """Write the report of run RUN of database DB: its steps and statuses, the first non-finite gradient (node,
+    module, frame, the path that carried it, a drawing of its neighbourhood), the heatmap of gradient norms by
+    module, the parameters whose gradients changed most, rank agreement and step values where recorded.
+
+    One HTML file with everything inline (no network, no script): open it in any browser, attach it, keep it as a
+    CI artifact. Needs the view extra: pip install 'gradstore[view]' (and Graphviz's dot for the graph).
+    """
+    from .view.html_report import SECTIONS, write_report
+
+    with _progress(f"report of {run!r}", total=len(SECTIONS)) as update:
+        done = iter(range(len(SECTIONS)))
+        path = write_report(
+            db, run, out=out, progress=lambda name: update(completed=next(done), description=f"report: {name}")
+        )
+    click.echo(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): open it in a browser")
+
+
+@main.command("datasette", short_help="Browse a database in Datasette, with queries/ as canned queries.")
+@click.argument("db")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8001, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+@click.option(
+    "--max-rows", default=10_000, show_default=True, type=click.IntRange(min=1), help="Most rows a query returns."
+)
+@click.option(
+    "--time-limit", default=30.0, show_default=True, type=click.FloatRange(min=0.1), help="Seconds a query may run."
+)
+@click.option(
+    "--metadata",
+    "print_metadata",
+    is_flag=True,
+    help="Print the Datasette metadata (JSON) and exit, for `datasette DB -m FILE` of your own.",
+)
+def datasette_command(db, host, port, max_rows, time_limit, print_metadata):
+    """Serve SQLite database DB with Datasette: every file of queries/ as a canned query named q_NAME (q_steps,
+    q_first_nonfinite, ...: never the name of a table or view), with its title, description and parameters;
+    a parameter left empty means all. Tables and views show role, status, dtype and kind codes as names.
+
+    Needs the datasette extra: pip install 'gradstore[datasette]'. Stop it with Ctrl-C.
+    """
+    from .view import browse
+
+    if print_metadata:
+        import json
+
+        click.echo(json.dumps(browse.metadata(db), indent=2))
+        return
+    name = browse.database_name(db)
+    click.echo(
+        f"Datasette on http://{host}:{port}/{name} (canned queries: http://{host}:{port}/{name}#queries)", err=True
+    )
+    browse.serve(db, host=host, port=port, max_rows=max_rows, time_limit_ms=int(time_limit * 1000))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -81,3 +81,7 @@ class NonFiniteGradient(GradstoreError):
         self.run, self.rank, self.step = run, rank, step
         for name in ("key", "name", "module", "frame", "role", "slot"):
             setattr(self, name, row.get(name) if row else None)
+
+
+class MissingDependency(GradstoreError):
+    """An optional dependency is not installed: the message names the extra to install (gradstore[view])."""

@@ -11,10 +11,14 @@ config = context.config
 
 
 def _run(connection):
+    extra = {}
+    if config.attributes.get("on_version_apply") is not None:  # progress of `gradstore db upgrade`
+        extra["on_version_apply"] = config.attributes["on_version_apply"]
     context.configure(
         connection=connection,
         target_metadata=None,
         render_as_batch=True,  # SQLite cannot ALTER most things: batch mode copies the table
+        **extra,
     )
     with context.begin_transaction():
         context.run_migrations()

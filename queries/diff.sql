@@ -1,18 +1,18 @@
 -- title: Diff of two runs, steps or ranks, node by node
 -- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do, missing for a row of one side only, not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls, the step's final param_grad rows, taken when it ended, after all its passes and as their last occurrence); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine.
--- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
--- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
--- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
--- param step_b: side b's step; NULL: step_a's
--- param rank_a: side a's rank; NULL: rank_b's (both NULL: every rank, paired by rank)
--- param rank_b: side b's rank; NULL: rank_a's
+-- param run_a: side a's run name; empty (NULL): run_b's (both empty: each run against itself)
+-- param run_b: side b's run name; empty (NULL): run_a's (two steps or two ranks of one run)
+-- param step_a: side a's step; empty (NULL): step_b's (both empty: every step, paired by step number)
+-- param step_b: side b's step; empty (NULL): step_a's
+-- param rank_a: side a's rank; empty (NULL): rank_b's (both empty: every rank, paired by rank)
+-- param rank_b: side b's rank; empty (NULL): rank_a's
 WITH prm AS (  -- a NULL side takes the other side's value
-    SELECT COALESCE(CAST(:run_a AS TEXT), CAST(:run_b AS TEXT)) AS run_a,
-           COALESCE(CAST(:run_b AS TEXT), CAST(:run_a AS TEXT)) AS run_b,
-           COALESCE(CAST(:step_a AS INTEGER), CAST(:step_b AS INTEGER)) AS step_a,
-           COALESCE(CAST(:step_b AS INTEGER), CAST(:step_a AS INTEGER)) AS step_b,
-           COALESCE(CAST(:rank_a AS INTEGER), CAST(:rank_b AS INTEGER)) AS rank_a,
-           COALESCE(CAST(:rank_b AS INTEGER), CAST(:rank_a AS INTEGER)) AS rank_b
+    SELECT COALESCE(NULLIF(CAST(:run_a AS TEXT), ''), NULLIF(CAST(:run_b AS TEXT), '')) AS run_a,
+           COALESCE(NULLIF(CAST(:run_b AS TEXT), ''), NULLIF(CAST(:run_a AS TEXT), '')) AS run_b,
+           COALESCE(CAST(NULLIF(CAST(:step_a AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:step_b AS TEXT), '') AS INTEGER)) AS step_a,
+           COALESCE(CAST(NULLIF(CAST(:step_b AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:step_a AS TEXT), '') AS INTEGER)) AS step_b,
+           COALESCE(CAST(NULLIF(CAST(:rank_a AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:rank_b AS TEXT), '') AS INTEGER)) AS rank_a,
+           COALESCE(CAST(NULLIF(CAST(:rank_b AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:rank_a AS TEXT), '') AS INTEGER)) AS rank_b
 ), a AS (  -- side a's gradients, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot

@@ -1,10 +1,10 @@
 -- title: Flight-recorder dumps
 -- description: One row per dump of a flight recorder (record(keep=N)): the step whose trigger fired, the reason (nonfinite: a NaN/Inf gradient; spike: the total gradient norm above spike_factor times its running median; error: the step raised; manual: rec.dump()), the steps written in full (first_step to last_step of that rank) and when (seconds since the epoch).
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
 SELECT r.name AS run, d.rank, d.step, d.reason, d.first_step, d.last_step, d.at
 FROM dumps d
 JOIN runs r ON r.id = d.run_id
-WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-  AND (CAST(:rank AS INTEGER) IS NULL OR d.rank = CAST(:rank AS INTEGER))
+WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+  AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR d.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
 ORDER BY r.id, d.rank, d.step, d.id;

@@ -1,24 +1,24 @@
 -- title: First divergence between two runs, steps or ranks
 -- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; the step's final param_grad rows, taken when it ended, after all its passes; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there.
--- param run_a: side a's run name; NULL: run_b's (both NULL: each run against itself)
--- param run_b: side b's run name; NULL: run_a's (two steps or two ranks of one run)
--- param step_a: side a's step; NULL: step_b's (both NULL: every step, paired by step number)
--- param step_b: side b's step; NULL: step_a's
--- param rank_a: side a's rank; NULL: rank_b's (both NULL: every rank, paired by rank)
--- param rank_b: side b's rank; NULL: rank_a's
--- param rtol: relative tolerance (>= 0); NULL: 0
--- param atol: absolute tolerance (>= 0); NULL: 0
+-- param run_a: side a's run name; empty (NULL): run_b's (both empty: each run against itself)
+-- param run_b: side b's run name; empty (NULL): run_a's (two steps or two ranks of one run)
+-- param step_a: side a's step; empty (NULL): step_b's (both empty: every step, paired by step number)
+-- param step_b: side b's step; empty (NULL): step_a's
+-- param rank_a: side a's rank; empty (NULL): rank_b's (both empty: every rank, paired by rank)
+-- param rank_b: side b's rank; empty (NULL): rank_a's
+-- param rtol: relative tolerance (>= 0); empty (NULL): 0
+-- param atol: absolute tolerance (>= 0); empty (NULL): 0
 WITH prm AS (  -- a NULL side takes the other side's value
-    SELECT COALESCE(CAST(:run_a AS TEXT), CAST(:run_b AS TEXT)) AS run_a,
-           COALESCE(CAST(:run_b AS TEXT), CAST(:run_a AS TEXT)) AS run_b,
-           COALESCE(CAST(:step_a AS INTEGER), CAST(:step_b AS INTEGER)) AS step_a,
-           COALESCE(CAST(:step_b AS INTEGER), CAST(:step_a AS INTEGER)) AS step_b,
-           COALESCE(CAST(:rank_a AS INTEGER), CAST(:rank_b AS INTEGER)) AS rank_a,
-           COALESCE(CAST(:rank_b AS INTEGER), CAST(:rank_a AS INTEGER)) AS rank_b,
-           COALESCE(CAST(:rtol AS DOUBLE PRECISION), 0.0) AS rtol,
-           COALESCE(CAST(:atol AS DOUBLE PRECISION), 0.0) AS atol,
-           CASE WHEN COALESCE(CAST(:rtol AS DOUBLE PRECISION), 0.0) = 0.0
-                 AND COALESCE(CAST(:atol AS DOUBLE PRECISION), 0.0) = 0.0 THEN 1 ELSE 0 END AS exact
+    SELECT COALESCE(NULLIF(CAST(:run_a AS TEXT), ''), NULLIF(CAST(:run_b AS TEXT), '')) AS run_a,
+           COALESCE(NULLIF(CAST(:run_b AS TEXT), ''), NULLIF(CAST(:run_a AS TEXT), '')) AS run_b,
+           COALESCE(CAST(NULLIF(CAST(:step_a AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:step_b AS TEXT), '') AS INTEGER)) AS step_a,
+           COALESCE(CAST(NULLIF(CAST(:step_b AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:step_a AS TEXT), '') AS INTEGER)) AS step_b,
+           COALESCE(CAST(NULLIF(CAST(:rank_a AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:rank_b AS TEXT), '') AS INTEGER)) AS rank_a,
+           COALESCE(CAST(NULLIF(CAST(:rank_b AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:rank_a AS TEXT), '') AS INTEGER)) AS rank_b,
+           COALESCE(CASE WHEN CAST(:rtol AS TEXT) = '' THEN NULL ELSE CAST(:rtol AS DOUBLE PRECISION) END, 0.0) AS rtol,
+           COALESCE(CASE WHEN CAST(:atol AS TEXT) = '' THEN NULL ELSE CAST(:atol AS DOUBLE PRECISION) END, 0.0) AS atol,
+           CASE WHEN COALESCE(CASE WHEN CAST(:rtol AS TEXT) = '' THEN NULL ELSE CAST(:rtol AS DOUBLE PRECISION) END, 0.0) = 0.0
+                 AND COALESCE(CASE WHEN CAST(:atol AS TEXT) = '' THEN NULL ELSE CAST(:atol AS DOUBLE PRECISION) END, 0.0) = 0.0 THEN 1 ELSE 0 END AS exact
 ), a AS (  -- side a's gradients, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot

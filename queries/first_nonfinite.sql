@@ -1,9 +1,9 @@
 -- title: First non-finite gradient (and forward activation or loss)
 -- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls).
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
--- param step: step number; NULL for every step
--- param role: grad_output, grad_input, activation or loss (only rows of that role); NULL for all four
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
+-- param step: step number; empty (NULL) for every step
+-- param role: grad_output, grad_input, activation or loss (only rows of that role); empty (NULL) for all four
 WITH bad AS (
     SELECT st.run_id, st.rank, st.step, c.seq, t.call_id
     FROM tensors t
@@ -14,10 +14,10 @@ WITH bad AS (
     WHERE t.nan + t.posinf + t.neginf > 0
       AND t.call_id IS NOT NULL
       AND t.role IN (0, 1)  -- gradients: grad_output, grad_input
-      AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
-      AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+      AND (NULLIF(CAST(:role AS TEXT), '') IS NULL OR ro.name = NULLIF(CAST(:role AS TEXT), ''))
+      AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+      AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
 ), ranked AS (
     SELECT run_id, rank, step, seq, call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
     FROM bad
@@ -31,10 +31,10 @@ WITH bad AS (
     JOIN roles ro ON ro.id = t.role
     WHERE t.nan + t.posinf + t.neginf > 0
       AND t.role IN (4, 5)  -- activation, loss
-      AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
-      AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+      AND (NULLIF(CAST(:role AS TEXT), '') IS NULL OR ro.name = NULLIF(CAST(:role AS TEXT), ''))
+      AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+      AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
 ), ffirst AS (  -- the first module call with one, where it comes before the first non-finite backward call
     SELECT f.run_id, f.rank, f.step, f.seq
     FROM (SELECT run_id, rank, step, seq, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
@@ -54,7 +54,7 @@ WITH bad AS (
     JOIN nodes n ON n.id = c.node_id
     JOIN roles ro ON ro.id = t.role
     WHERE ranked.nth = 1 AND t.nan + t.posinf + t.neginf > 0 AND t.role IN (0, 1)
-      AND (CAST(:role AS TEXT) IS NULL OR ro.name = CAST(:role AS TEXT))
+      AND (NULLIF(CAST(:role AS TEXT), '') IS NULL OR ro.name = NULLIF(CAST(:role AS TEXT), ''))
     UNION ALL
     SELECT r.id, -1, f.role, r.name, f.rank, f.step, p.pass, f.seq, n.key, n.name, n.module, n.frame,
            ro.name, f.slot, f.numel, f.nan, f.posinf, f.neginf, f.norm, f.min, f.max, 'forward'

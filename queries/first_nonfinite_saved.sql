@@ -1,8 +1,8 @@
 -- title: First non-finite saved tensor
 -- description: With record(saved=True): per run and rank, in execution order (step, then seq), the first call whose node had saved a tensor holding NaN or +/-Inf for its backward (a forward value: measured in the node's prehook), one row per such saved tensor (slot = position in gradstore.saved_tensors(node)), with node, module, frame, step and pass. A non-finite forward value is often where a non-finite gradient comes from; first_nonfinite gives the first non-finite gradient.
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
--- param step: step number; NULL for every step
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
+-- param step: step number; empty (NULL) for every step
 WITH bad AS (
     SELECT st.run_id, st.rank, st.step, c.seq, t.call_id
     FROM tensors t
@@ -12,9 +12,9 @@ WITH bad AS (
     WHERE t.nan + t.posinf + t.neginf > 0
       AND t.call_id IS NOT NULL
       AND t.role = 3  -- saved tensors
-      AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+      AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+      AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
 ), ranked AS (
     SELECT call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
     FROM bad

@@ -1,8 +1,8 @@
 -- title: Global parameter gradients from every rank's shard
 -- description: Per step and parameter, the statistics of the whole gradient (what p.grad.full_tensor() holds) combined from the ranks' param_grad rows of the step's last top-level backward pass, and the total norm over the parameters. rule says how the rows were combined: sharded (a DTensor with Shard / _StridedShard placements: the regions of the tensor, each counted once, the lowest measured replica of a region where Replicate dimensions copy it), replicated (a plain tensor, as DDP's all-reduced .grad, or a DTensor replicated everywhere: one copy, the lowest rank's) or partial (a DTensor with a Partial placement: each element is the reduction of one term per rank). status is ok (combined from every region), none (.grad was None on every rank) or incomplete (a region's row is missing, skipped, recorded without statistics, or the ranks disagree on the layout: nothing is derived; not_derivable says which). numel, norm (sqrt of the sum of squares), min, max, mean, std (Bessel-corrected, from the regions' means and spreads), nan, posinf, neginf and zeros (sums) are exact combinations of the regions' statistics, all over the finite elements as in param_grads. A Partial placement keeps only what per-rank statistics determine: numel, the mean of a Partial(sum) or Partial(avg) gradient (its elements' sum is the sum of the terms' sums) and the max of Partial(max) (the min of Partial(min)), when every term is finite; its norm, the other extremes, std, zeros and non-finite counts depend on how the terms' elements line up and are NULL, and not_derivable names them. total_norm: sqrt of the sum of squared norms over the step's selected parameters that have a gradient (NULL when one of them has no derivable norm: see its not_derivable); with param = NULL it is the norm clip_grad_norm_ computes over all parameters. shards: the rows counted (one per region and Partial term); ranks: the ranks that have a row.
--- param run: run name; NULL for every run
--- param step: step number; NULL for every step
--- param param: qualified parameter name; NULL for all (total_norm then covers every parameter)
+-- param run: run name; empty (NULL) for every run
+-- param step: step number; empty (NULL) for every step
+-- param param: qualified parameter name; empty (NULL) for all (total_norm then covers every parameter)
 WITH latest AS (  -- each rank's param_grad rows, the latest pass first
     SELECT t.id AS tid, t.step_id AS sid, st.run_id, st.step, st.rank, t.node_id,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
@@ -13,12 +13,12 @@ WITH latest AS (  -- each rank's param_grad rows, the latest pass first
       AND t.node_id IN (  -- the parameters' nodes first: an index lookup, not a table scan
           SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
           WHERE n2.param IS NOT NULL
-            AND (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT)))
+            AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (NULLIF(CAST(:param AS TEXT), '') IS NULL OR n2.param = NULLIF(CAST(:param AS TEXT), '')))
       AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
-          WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
+          WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st2.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER)))
 ), g AS (  -- the final .grad of each parameter on each rank: the local shard's statistics and its layout
     SELECT l.run_id, l.step, l.rank, l.node_id, t.status, t.numel, t.norm, t.min, t.max, t.mean, t.std,
            t.nan, t.posinf, t.neginf, t.zeros,

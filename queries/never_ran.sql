@@ -1,9 +1,9 @@
 -- title: Nodes that never ran in a step
 -- description: Per step and rank, the nodes created in the step that no pass ran: why = 'not reachable' (created by a module's forward, no pass's roots reach it: a branch whose output does not reach the loss; found from the grad_fn of each tensor a module returned, so nodes inside a module that feed only such an output are not listed), 'reached, not run' (a pass walked to it but the engine did not run it: backward(inputs=...), torch.autograd.grad), 'recomputed, not run' (created by a module's forward re-run inside a backward pass, activation checkpointing without reentrance, whose nodes only rebuild saved tensors: not a missing call). module_call, call_module, call_ordinal: the module call it was created in (module_calls.call, its module and ordinal).
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
--- param step: step number; NULL for every step
--- param module: qualified module name of the node; the module and its submodules; NULL for all
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
+-- param step: step number; empty (NULL) for every step
+-- param module: qualified module name of the node; the module and its submodules; empty (NULL) for all
 SELECT r.name AS run, st.rank, st.step, n.key, n.name, n.module,
        CASE WHEN sn.recomputed = 1 AND sn.pass IS NULL THEN 'recomputed, not run'
             WHEN sn.pass IS NULL THEN 'not reachable'
@@ -15,9 +15,9 @@ JOIN runs r ON r.id = st.run_id
 JOIN nodes n ON n.id = sn.node_id
 LEFT JOIN module_calls mc ON mc.step_id = sn.step_id AND mc.call = sn.module_call
 WHERE sn.ran = 0
-  AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-  AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
-  AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
-  AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
-       OR SUBSTR(n.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.')
+  AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+  AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+  AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
+  AND (NULLIF(CAST(:module AS TEXT), '') IS NULL OR n.module = NULLIF(CAST(:module AS TEXT), '')
+       OR SUBSTR(n.module, 1, LENGTH(NULLIF(CAST(:module AS TEXT), '')) + 1) = NULLIF(CAST(:module AS TEXT), '') || '.')
 ORDER BY r.id, st.step, st.rank, sn.id;

@@ -1,8 +1,8 @@
 -- title: Nodes a step reached that it did not create in its forward
 -- description: Per step and rank, every node one of its passes reached (or a module's recomputation created) that was born elsewhere: in an earlier step (born_step < step: a hidden state that was not detached, a graph retained across steps; born_step NULL: in a step that was not recorded, or before the recording began) or in a backward pass (born_pass: double backward, a reentrant checkpoint's recomputation; recomputed = 1 for nodes of a module forward re-run inside a backward pass). Such a node keeps the key and module it got when it was created. pass: the first pass of the step whose walk reached it (NULL: none did); ran: 0/1 (NULL: it had no hooks).
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
--- param step: step number; NULL for every step
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
+-- param step: step number; empty (NULL) for every step
 SELECT r.name AS run, st.rank, st.step, sn.pass, n.key, n.name, n.module, sn.born_step, sn.born_pass,
        sn.recomputed, sn.ran
 FROM step_nodes sn
@@ -10,7 +10,7 @@ JOIN steps st ON st.id = sn.step_id
 JOIN runs r ON r.id = st.run_id
 JOIN nodes n ON n.id = sn.node_id
 WHERE (sn.born_step IS NULL OR sn.born_step <> st.step OR sn.born_pass IS NOT NULL)
-  AND (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-  AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
-  AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+  AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+  AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+  AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
 ORDER BY r.id, st.step, st.rank, CASE WHEN sn.born_step IS NULL THEN -1 ELSE sn.born_step END, sn.id;

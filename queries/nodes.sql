@@ -1,12 +1,12 @@
 -- title: Nodes
 -- description: Every autograd node seen in a run: its stable key, name, kind, owning module ('' outside any module), parameter (AccumulateGrad of a parameter), the user-code frame that created it (record(frames=True)), for a compiled region (CompiledFunctionBackward) of a torch.compile'd module the modules inside it (comma-separated), and the step it was first seen in.
--- param run: run name; NULL for every run
--- param module: qualified module name; the module and its submodules; NULL for all
+-- param run: run name; empty (NULL) for every run
+-- param module: qualified module name; the module and its submodules; empty (NULL) for all
 SELECT r.name AS run, n.key, n.name, k.name AS kind, n.module, n.param, n.frame, n.region, n.first_step
 FROM nodes n
 JOIN runs r ON r.id = n.run_id
 JOIN kinds k ON k.id = n.kind
-WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-  AND (CAST(:module AS TEXT) IS NULL OR n.module = CAST(:module AS TEXT)
-       OR SUBSTR(n.module, 1, LENGTH(CAST(:module AS TEXT)) + 1) = CAST(:module AS TEXT) || '.')
+WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+  AND (NULLIF(CAST(:module AS TEXT), '') IS NULL OR n.module = NULLIF(CAST(:module AS TEXT), '')
+       OR SUBSTR(n.module, 1, LENGTH(NULLIF(CAST(:module AS TEXT), '')) + 1) = NULLIF(CAST(:module AS TEXT), '') || '.')
 ORDER BY r.id, n.id;

@@ -1,10 +1,10 @@
 -- title: Parameter gradients per step
 -- description: Each parameter's .grad per step, from one of two rows: the one taken when the step's last top-level backward pass returned (final 0: after gradient accumulation and, under DDP, after the all-reduce) or the one taken when the step ended (final 1: as the optimizer saw it, after any in-place change that followed the pass: a division, GradScaler.unscale_, clipping; pass is NULL). which = 'pass' gives the first, 'final' the second where the step has one and else the first, NULL (or 'all') both. status (none when .grad was None) and statistics over finite elements, exact non-finite counts; a sparse gradient (nn.Embedding(sparse=True)) as the dense tensor it represents, with its layout, nnz and coalesced (NULL when dense). Under FSDP2 or tensor parallelism .grad is a DTensor: its row is this rank's local shard (shape, numel and statistics are the shard's) with the layout: placements, mesh_shape, mesh_dims, coordinate, global_shape, global_offset (NULL for a plain tensor); global_grads combines the ranks' shards. A tied weight is one parameter with one gradient: param is its first name, shared_with its other names (comma-separated, '' for an untied one); asking for any of its names finds it. Why a parameter has no gradient: param_status.
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
--- param step: step number; NULL for every step
--- param param: qualified parameter name (any of a tied weight's names); NULL for all
--- param which: pass, final or all; NULL for all
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
+-- param step: step number; empty (NULL) for every step
+-- param param: qualified parameter name (any of a tied weight's names); empty (NULL) for all
+-- param which: pass, final or all; empty (NULL) for all
 SELECT run, rank, step, pass, final, param, module, status, dtype, shape, numel,
        norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced,
        placements, mesh_shape, mesh_dims, coordinate, global_shape, global_offset,
@@ -30,19 +30,19 @@ FROM (
       AND t.node_id IN (  -- the parameters' nodes first: an index lookup, not a table scan
           SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
           WHERE n2.param IS NOT NULL
-            AND (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:param AS TEXT) IS NULL OR n2.param = CAST(:param AS TEXT)
-                 OR n2.id IN (SELECT pn.node_id FROM param_names pn WHERE pn.name = CAST(:param AS TEXT))))
-      AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+            AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (NULLIF(CAST(:param AS TEXT), '') IS NULL OR n2.param = NULLIF(CAST(:param AS TEXT), '')
+                 OR n2.id IN (SELECT pn.node_id FROM param_names pn WHERE pn.name = NULLIF(CAST(:param AS TEXT), ''))))
+      AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
       AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
-          WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:rank AS INTEGER) IS NULL OR st2.rank = CAST(:rank AS INTEGER))
-            AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
+          WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st2.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+            AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st2.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER)))
 ) AS last_pass
 WHERE latest = 1
-  AND (CAST(:which AS TEXT) IS NULL OR CAST(:which AS TEXT) = 'all'
-       OR (CAST(:which AS TEXT) = 'pass' AND final = 0)
-       OR (CAST(:which AS TEXT) = 'final' AND (final = 1 OR has_final = 0)))
+  AND (NULLIF(CAST(:which AS TEXT), '') IS NULL OR NULLIF(CAST(:which AS TEXT), '') = 'all'
+       OR (NULLIF(CAST(:which AS TEXT), '') = 'pass' AND final = 0)
+       OR (NULLIF(CAST(:which AS TEXT), '') = 'final' AND (final = 1 OR has_final = 0)))
 ORDER BY run_order, step, rank, node_order, final;

@@ -1,8 +1,8 @@
 -- title: Backward passes
 -- description: One row per backward pass: kind (backward accumulates into .grad; grad is torch.autograd.grad), flags, number of roots, inputs= and reachable nodes, the parent pass and call of a nested pass (reentrant checkpoint), duration in seconds (from hook registration to the engine's return), and the recorder's own seconds on the training thread before the engine ran (setup: graph walk, keys, hooks) and after (finish: hook removal, parameter gradients, host transfer, rows).
--- param run: run name; NULL for every run
--- param rank: rank; NULL for every rank
--- param step: step number; NULL for every step
+-- param run: run name; empty (NULL) for every run
+-- param rank: rank; empty (NULL) for every rank
+-- param step: step number; empty (NULL) for every step
 SELECT r.name AS run, st.rank, st.step, p.pass, p.kind, p.parent_pass, p.parent_seq,
        p.create_graph, p.retain_graph, p.roots, p.inputs, p.nodes,
        (SELECT COUNT(*) FROM calls c WHERE c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id) AS calls,
@@ -10,7 +10,7 @@ SELECT r.name AS run, st.rank, st.step, p.pass, p.kind, p.parent_pass, p.parent_
 FROM passes p
 JOIN steps st ON st.id = p.step_id
 JOIN runs r ON r.id = st.run_id
-WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-  AND (CAST(:rank AS INTEGER) IS NULL OR st.rank = CAST(:rank AS INTEGER))
-  AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+  AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+  AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
 ORDER BY r.id, st.step, st.rank, p.pass;

@@ -1,8 +1,8 @@
 -- title: Parameter gradients that differ across ranks, or could not be compared
 -- description: At each step, every parameter's final gradient on each rank (its param_grad row of the step's last top-level backward pass: .grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank that recorded the step has no param_grad row for the parameter (side says which rank has one). result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side: nothing is claimed about its values), equal or sharded (layouts agree; values not compared, by design). Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
--- param run: run name; NULL for every run
--- param step: step number; NULL for every step
--- param all: 1 to list every comparison (the equal and sharded ones too); NULL: only those that differ or were not compared
+-- param run: run name; empty (NULL) for every run
+-- param step: step number; empty (NULL) for every step
+-- param all: 1 to list every comparison (the equal and sharded ones too); empty (NULL): only those that differ or were not compared
 WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
     SELECT t.id AS tid, t.step_id AS sid, st.run_id, st.step, st.rank, t.node_id,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
@@ -13,12 +13,12 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
       AND t.node_id IN (  -- the parameters' nodes first: an index lookup, not a table scan
           SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
           WHERE n2.param IS NOT NULL
-            AND (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT)))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+            AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), '')))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
       AND t.step_id IN (  -- the run's steps too: with node_id, one seek per (step, node) in the table
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
-          WHERE (CAST(:run AS TEXT) IS NULL OR r2.name = CAST(:run AS TEXT))
-            AND (CAST(:step AS INTEGER) IS NULL OR st2.step = CAST(:step AS INTEGER)))
+          WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st2.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER)))
 ), g AS (  -- the final row of each parameter on each rank, with its layout: which region it holds
     SELECT l.tid, l.sid, l.run_id, l.step, l.rank, l.node_id,
            CASE WHEN d.id IS NULL THEN -1 ELSE COALESCE(d.shard, -2) END AS shard,  -- -1: a plain tensor
@@ -34,8 +34,8 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
 ), recorded AS (  -- the ranks that recorded each step
     SELECT st.run_id, st.step, st.rank
     FROM steps st JOIN runs r ON r.id = st.run_id
-    WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
-      AND (CAST(:step AS INTEGER) IS NULL OR st.step = CAST(:step AS INTEGER))
+    WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
 ), pairs AS (
     -- a copy of a region, against the region's lowest holder: must agree
     SELECT b.run_id, b.step, b.node_id, h.rank AS rank_a, b.rank AS rank_b, 'replicated' AS rule,
@@ -201,5 +201,5 @@ JOIN runs r ON r.id = v.run_id
 JOIN nodes n ON n.id = v.node_id
 LEFT JOIN statuses sua ON sua.id = v.sa
 LEFT JOIN statuses sub ON sub.id = v.sb
-WHERE v.result IN ('differs', 'not compared') OR CAST(:all AS INTEGER) = 1
+WHERE v.result IN ('differs', 'not compared') OR CAST(NULLIF(CAST(:all AS TEXT), '') AS INTEGER) = 1
 ORDER BY v.run_id, v.step, v.node_id, v.rank_b, v.rank_a;

@@ -1,11 +1,11 @@
 -- title: Runs
 -- description: Every recorded run with its status, world size, versions, number of recorded steps (all ranks) and its last step; a run whose writer died with its scope open (killed, out of memory, machine lost) shows status interrupted.
--- param run: run name; NULL for every run
--- param now: the current time in seconds since the epoch (gradstore binds it); a run is interrupted when no claim on one of its ranks stands at that time (heartbeat_at + lease < now) while its status says running or one of its claims lapsed; NULL shows the stored status (running, even for a dead writer). (README: how to bind it in sqlite3)
+-- param run: run name; empty (NULL) for every run
+-- param now: the current time in seconds since the epoch (gradstore binds it); a run is interrupted when no claim on one of its ranks stands at that time (heartbeat_at + lease < now) while its status says running or one of its claims lapsed; empty (NULL) shows the stored status (running, even for a dead writer). (README: how to bind it in sqlite3)
 SELECT r.name AS run,
-       CASE WHEN CAST(:now AS DOUBLE PRECISION) IS NOT NULL
+       CASE WHEN CASE WHEN CAST(:now AS TEXT) = '' THEN NULL ELSE CAST(:now AS DOUBLE PRECISION) END IS NOT NULL
                  AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.run_id = r.id
-                                 AND c.heartbeat_at + c.lease >= CAST(:now AS DOUBLE PRECISION))
+                                 AND c.heartbeat_at + c.lease >= CASE WHEN CAST(:now AS TEXT) = '' THEN NULL ELSE CAST(:now AS DOUBLE PRECISION) END)
                  AND (r.status = 'running' OR EXISTS (SELECT 1 FROM claims c WHERE c.run_id = r.id))
             THEN 'interrupted' ELSE r.status END AS status,
        r.world_size, r.created_at, r.finished_at,
@@ -15,5 +15,5 @@ SELECT r.name AS run,
        (SELECT MAX(st.ended_at) FROM steps st WHERE st.run_id = r.id) AS last_step_at,
        (SELECT MAX(c.heartbeat_at) FROM claims c WHERE c.run_id = r.id) AS heartbeat_at
 FROM runs r
-WHERE (CAST(:run AS TEXT) IS NULL OR r.name = CAST(:run AS TEXT))
+WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
 ORDER BY r.id;

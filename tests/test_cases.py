@@ -16,6 +16,7 @@ import math
 import warnings
 from collections import Counter
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -148,7 +149,8 @@ def maybe_record(run, db, model=None):
 
 
 def isnull(v) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
+    """NULL as a frame holds it: None, NaN (a float column) or pd.NA (a nullable Int64 column)."""
+    return v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
 
 
 def grads_of(**tensors) -> dict:

@@ -138,7 +138,7 @@ def test_show_run_and_step(demo_db):
     assert result.exit_code == 0, result.output
     out = result.output
     step_calls = sql_count(path, "SELECT COUNT(*) FROM calls c JOIN steps s ON s.id = c.step_id WHERE s.step = 1")
-    assert f"Slowest calls of {step_calls:,}" in out
+    assert f"the 3 slowest of {step_calls:,}" in out
     assert "Backward passes" in out and "param_grad" in out and "transformer.wte.weight" in out
     assert len(out.splitlines()) < 60  # readable, not every row
 

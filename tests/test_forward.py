@@ -5,6 +5,7 @@ and the loss tensor itself."""
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -250,4 +251,4 @@ def test_custom_function_and_pack_hooks_say_what_was_checked(db):
     assert twice.modified.tolist()[:2] == [0, 0]  # the saved input and output, checked
     assert twice.modified.isna().tolist()[2] and "ctx attribute" in twice.note.tolist()[2]
     sin = saved[saved.name == "SinBackward0"].iloc[0]
-    assert math.isnan(sin.modified) and "pack hook" in sin.note
+    assert pd.isna(sin.modified) and "pack hook" in sin.note

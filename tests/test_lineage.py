@@ -145,7 +145,7 @@ def test_nodes_of_an_unrecorded_step_are_born_earlier_in_no_recorded_step(db):
     _rnn(db, every=2, steps=3)  # step 1 is not recorded
     with gradstore.open(db) as store:
         births = store.node_births("rnn", step=2)
-    got = Counter((None if b != b else int(b), n) for b, n in zip(births.born_step, births.name))
+    got = Counter((None if pd.isna(b) else int(b), n) for b, n in zip(births.born_step, births.name))
     expected = Counter({(0, n): k for n, k in back[2][0].items()})
     expected += Counter({(None, n): k for n, k in back[2][1].items()})
     assert got == expected

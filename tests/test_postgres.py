@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 
+import pandas as pd
 import pytest
 import torch
 from alembic.autogenerate import compare_metadata
@@ -85,7 +86,7 @@ def _bindings(store) -> dict:
 
 
 def _same(x, y) -> bool:
-    missing = lambda v: v is None or (isinstance(v, float) and math.isnan(v))  # noqa: E731
+    missing = lambda v: v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))  # noqa: E731
     if missing(x) or missing(y):
         return missing(x) and missing(y)
     if isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool):

@@ -119,13 +119,24 @@ def make_engine(db: str | Path, immediate: bool = False) -> Engine:
     return engine
 
 
-def _alembic_config(connection):
+def _alembic_config(connection, on_version_apply=None):
     from alembic.config import Config  # imported lazily: only needed when the schema is checked
 
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.attributes["connection"] = connection
+    if on_version_apply is not None:  # migrations/env.py hands it to Alembic's context.configure
+        cfg.attributes["on_version_apply"] = on_version_apply
     return cfg
+
+
+def pending_revisions(current: str | None) -> list[str]:
+    """The revisions an upgrade from `current` (None: an empty database) to the newest applies, oldest first."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory(str(migrations_dir()))
+    revs = [r.revision for r in script.iterate_revisions(script.get_current_head(), current)]
+    return [r for r in reversed(revs) if r != current]
 
 
 def head_revision() -> str:
@@ -167,15 +178,16 @@ def _foreign_tables(conn) -> list[str]:
     return sorted(inspect(conn).get_table_names())
 
 
-def ensure_schema(engine: Engine, db_label: str = "the database") -> str:
+def ensure_schema(engine: Engine, db_label: str = "the database", on_version_apply=None) -> str:
     """Bring the schema to the newest revision, creating it in an empty database, in one transaction.
 
-    Returns the revision now in place. The whole upgrade (every revision between the file's and the newest)
-    is one transaction: on SQLite one `BEGIN IMMEDIATE ... COMMIT` (the write lock first, then the revision
-    is read again under it), on PostgreSQL one transaction under an advisory lock; a failure or a kill leaves
-    the database at its old revision. Safe when several processes open one new database at once (they take
-    turns). Only a transient failure (busy, locked, deadlock) is tried again; any other error is raised as
-    it happened.
+    on_version_apply: Alembic's callback, called after each revision is applied inside the transaction
+    (`upgrade` uses it for progress). Returns the revision now in place. The whole upgrade (every revision
+    between the file's and the newest) is one transaction: on SQLite one `BEGIN IMMEDIATE ... COMMIT` (the
+    write lock first, then the revision is read again under it), on PostgreSQL one transaction under an
+    advisory lock; a failure or a kill leaves the database at its old revision. Safe when several processes
+    open one new database at once (they take turns). Only a transient failure (busy, locked, deadlock) is
+    tried again; any other error is raised as it happened.
 
     Raises: `SchemaTooNew` (written by a newer gradstore); `NotAGradstoreDatabase` (SQLite: a database with
     tables but no gradstore schema revision); SQLAlchemy's errors otherwise (callers explain them).
@@ -209,7 +221,7 @@ def ensure_schema(engine: Engine, db_label: str = "the database") -> str:
                         if tables:
                             raise _not_gradstore(db_label, tables, writing=True)
                     if current != head:
-                        command.upgrade(_alembic_config(conn), "head")
+                        command.upgrade(_alembic_config(conn, on_version_apply), "head")
             return head
         except SQLAlchemyError as exc:
             if attempt == _ATTEMPTS - 1 or not transient(exc):
@@ -464,18 +476,31 @@ def open_existing(db: str | Path) -> tuple[Engine, bool]:
         raise
 
 
-def upgrade(db: str | Path) -> tuple[str | None, str]:
+def upgrade(db: str | Path, progress=None) -> tuple[str | None, str]:
     """Upgrade (or create) the database at `db` to the newest schema revision, in one transaction.
 
-    Returns (revision before, revision after). Raises `SchemaTooNew` as `ensure_schema`,
-    `NotAGradstoreDatabase` for a foreign SQLite database, `DatabaseUnavailable` when the upgrade could not
-    be done (the message names the cause; the database is left at its old revision).
+    progress: called as progress(applied, total, revision): first with applied = 0 and the first revision to
+    apply, then after each revision is applied (revision: the one applied; it commits with the last one). Not
+    called when there is nothing to do. Returns (revision before, revision after). Raises `SchemaTooNew` as
+    `ensure_schema`, `NotAGradstoreDatabase` for a foreign SQLite database, `DatabaseUnavailable` when the upgrade
+    could not be done (the message names the cause; the database is left at its old revision).
     """
     engine = make_engine(db, immediate=True)
     before = None
     try:
         before = current_revision(engine)
-        after = ensure_schema(engine, str(db))
+        _check_known(before, str(db))
+        pending = pending_revisions(before) if progress is not None else []
+        applied = 0
+
+        def step_done(*, step, **_kw) -> None:
+            nonlocal applied
+            applied += 1
+            progress(applied, len(pending), step.up_revision_id)
+
+        if pending:
+            progress(0, len(pending), pending[0])
+        after = ensure_schema(engine, str(db), on_version_apply=step_done if pending else None)
         return before, after
     except SQLAlchemyError as exc:
         err = explain(db, exc, writing=True)

@@ -23,10 +23,11 @@ SQLite file that the merge itself created is removed again).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 
 from ..errors import GradstoreError
 from . import schema as s
@@ -72,9 +73,27 @@ def _identity(db) -> str:
     return str(db) if is_url(db) else str(Path(db).resolve())
 
 
-def merge(out: str | Path, inputs: list, *, skip_existing: bool = False) -> list[MergeReport]:
+def count_rows(engine) -> int:
+    """Rows `merge` copies from a database: steps, passes, calls and tensors (for a progress bar's total)."""
+    with engine.connect() as conn:
+        return sum(
+            conn.execute(select(func.count()).select_from(t)).scalar() or 0
+            for t in (s.steps, s.passes, s.call_data, s.tensor_data)
+        )
+
+
+def merge(
+    out: str | Path,
+    inputs: list,
+    *,
+    skip_existing: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[MergeReport]:
     """Merge the gradstore databases `inputs` into `out` (created when missing); returns one MergeReport per
     input, in order.
+
+    progress: called as progress(rows_done, rows_total) as rows are copied (steps, passes, calls and tensors
+    of every input; rows skipped with skip_existing count as done), first with rows_done = 0.
 
     Raises:
         GradstoreError: no input, an input named twice or equal to `out`.
@@ -106,10 +125,23 @@ def merge(out: str | Path, inputs: list, *, skip_existing: bool = False) -> list
         try:
             ensure_schema(target, str(out))
             reports = []
+            total = sum(count_rows(e) for e in sources) if progress is not None else 0
+            done = 0
+
+            def tick(n: int) -> None:
+                nonlocal done
+                done += n
+                if progress is not None:
+                    progress(min(done, total), total)
+
+            tick(0)
             with target.begin() as dst:
                 for db, engine in zip(inputs, sources):
                     with engine.connect() as src:
-                        reports.append(_merge_one(src, dst, db, str(out), skip_existing))
+                        before = done
+                        reports.append(_merge_one(src, dst, db, str(out), skip_existing, tick))
+                        if progress is not None:
+                            tick(count_rows(engine) - (done - before))  # what was skipped counts as done
             return reports
         except BaseException:
             target.dispose()
@@ -274,10 +306,11 @@ def _merge_edges(src, dst, run_map, node_map, report) -> None:
         report.edges += len(new_rows)
 
 
-def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
+def _merge_one(src, dst, db: str, out: str, skip_existing: bool, tick: Callable[[int], None]) -> MergeReport:
     report = MergeReport(source=db)
     run_map, names = _merge_runs(src, dst, report)
     step_map = _merge_steps(src, dst, run_map, names, db, out, skip_existing, report)
+    tick(len(step_map))
     node_map = _merge_nodes(src, dst, run_map, report)
     _merge_edges(src, dst, run_map, node_map, report)
 
@@ -289,6 +322,7 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
             r["first_call"] = r["last_call"] = None  # set below, from the calls' new ids
         src_ids = [r.pop("id") for r in rows]
         pass_map.update(zip(src_ids, _insert_returning_ids(dst, s.passes, rows)))
+        tick(len(rows))
     report.passes = len(pass_map)
 
     call_map: dict[int, int] = {}
@@ -301,6 +335,7 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
         src_ids = [r.pop("id") for r in rows]
         new_ids = _insert_returning_ids(dst, s.call_data, rows)
         call_map.update(zip(src_ids, new_ids))
+        tick(len(rows))
         for r, cid in zip(rows, new_ids):
             lo_hi = ranges.setdefault(r["pass_id"], [cid, cid])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], cid), max(lo_hi[1], cid)
@@ -351,6 +386,7 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool) -> MergeReport:
             if side_rows:
                 dst.execute(insert(table), side_rows)
         report.tensors += len(rows)
+        tick(len(rows))
     _merge_loop(src, dst, run_map, step_map, node_map, names, report)
     return report
 

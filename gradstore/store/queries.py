@@ -4,9 +4,17 @@ Header format (the same file runs unchanged in `sqlite3`, where unbound paramete
 
     -- title: First non-finite gradient
     -- description: ...
-    -- param run: run name; NULL for every run
+    -- param run: run name; empty (NULL) for every run
 
-Parameters are written `:name` in the SQL; a parameter left out is NULL, which every query reads as "all".
+Parameters are written `:name` in the SQL; a parameter left out is NULL, which every query reads as "all", and so
+is an empty one (''), as Datasette passes a form field left blank: each file reads a parameter through
+`NULLIF(CAST(:p AS TEXT), '')` (a number: cast again, `CAST(NULLIF(CAST(:p AS TEXT), '') AS INTEGER)`; a real:
+`CASE WHEN CAST(:p AS TEXT) = '' THEN NULL ELSE CAST(:p AS DOUBLE PRECISION) END`, since SQLite's REAL-to-text
+conversion keeps 15 digits), which runs alike in SQLite and PostgreSQL.
+
+Frames keep integers exact: a column whose values are all integers or NULL (counts, steps, seqs, the 64-bit
+checksums) comes back as pandas' nullable Int64, not float64 (a float64 holds 53 bits: a checksum would lose its
+low bits, and a count would print as 3.0).
 """
 
 from __future__ import annotations
@@ -101,11 +109,32 @@ def _typed(query: str, param: str, value):
         raise QueryParameterError(f"query {query!r}: parameter {param} takes {kind}, got {value!r}") from None
 
 
-def run(engine: Engine, name: str, params: dict | None = None) -> pd.DataFrame:
-    """Run the named query on `engine` and return a pandas DataFrame (columns as the SQL names them).
+def frame(rows: list, columns: list[str]) -> pd.DataFrame:
+    """The rows of a query result as a DataFrame, as `pandas.read_sql` builds it (`coerce_float=True`: a
+    PostgreSQL NUMERIC becomes a float), except that a column holding Python ints and NULLs becomes the nullable
+    `Int64` dtype with every value exact (read_sql would make it float64, rounding integers above 2**53).
 
-    Raises QueryParameterError for a parameter the query does not declare (naming the ones it does), or a
-    rank, step or tolerance that is not a number.
+    rows: sequences of values in `columns` order (the DB-API's rows; SQLAlchemy Rows are made plain tuples first,
+    since pandas reads a Row's `.dtype`, a column here, as an array's dtype).
+    """
+    rows = [tuple(r) for r in rows]
+    df = pd.DataFrame.from_records(rows, columns=columns, coerce_float=True)
+    for i in range(len(columns)):
+        kind = df.dtypes.iloc[i]
+        if not pd.api.types.is_object_dtype(kind) and not (kind == "float64" and df.iloc[:, i].isna().any()):
+            continue  # all ints (already int64), or floats with no NULL
+        values = [r[i] for r in rows]
+        if any(v is not None for v in values) and all(v is None or type(v) is int for v in values):
+            df.isetitem(i, pd.array(values, dtype="Int64"))
+    return df
+
+
+def run(engine: Engine, name: str, params: dict | None = None) -> pd.DataFrame:
+    """Run the named query on `engine` and return a pandas DataFrame (columns as the SQL names them; integer
+    columns with NULLs as nullable Int64, see `frame`).
+
+    A parameter given as None or '' means "all" (the query's NULL). Raises QueryParameterError for a parameter
+    the query does not declare (naming the ones it does), or a rank, step or tolerance that is not a number.
     """
     q = get(name)
     params = dict(params or {})
@@ -115,6 +144,9 @@ def run(engine: Engine, name: str, params: dict | None = None) -> pd.DataFrame:
             f"query {name!r} has no parameter {', '.join(sorted(unknown))}; "
             f"its parameters: {', '.join(q.params) or 'none'}"
         )
-    bound = {p: _typed(name, p, params.get(p)) for p in q.params}
+    bound = {p: _typed(name, p, None if params.get(p) == "" else params.get(p)) for p in q.params}
     with engine.connect() as conn:
-        return pd.read_sql(text(q.sql.rstrip().rstrip(";")), conn, params=bound)
+        result = conn.execute(text(q.sql.rstrip().rstrip(";")), bound)
+        columns = list(result.keys())
+        rows = result.fetchall()
+    return frame(rows, columns)

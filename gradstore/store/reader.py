@@ -63,7 +63,7 @@ class Store:
             return list(conn.execute(select(s.runs.c.name).order_by(s.runs.c.id)).scalars())
 
     def _check_run(self, run: str | None) -> None:
-        if run is None:
+        if run is None or run == "":  # every run, as the query files read NULL and ''
             return
         names = self.run_names()
         if run not in names:
@@ -183,6 +183,24 @@ class Store:
         if by not in ("node", "module"):
             raise ValueError(f"grad_norms(by=...) is 'node' or 'module', got {by!r}")
         return self.query("grad_norms", run=run, by=by, step=step, rank=rank, module=module)
+
+    def grad_cells(
+        self,
+        run: str | None = None,
+        by: str = "node",
+        role: str | None = None,
+        rank: int | None = None,
+        module: str | None = None,
+    ) -> pd.DataFrame:
+        """Per step, rank and node key (by='node') or module (by='module'), the gradients of one role (default
+        grad_output) summed so that they combine again exactly (queries/grad_cells.sql): run, rank, step, key,
+        module, tensor_rows, measured (rows with a measured norm), numel, finite (elements), sumsq (sum of squared
+        L2 norms over finite elements), total (sum of the finite elements), min, max, absmax, nan, posinf, neginf,
+        zeros (exact counts). gradstore.view.heatmap draws it. Raises ValueError for another `by`,
+        QueryParameterError for an unknown role."""
+        if by not in ("node", "module"):
+            raise ValueError(f"grad_cells(by=...) is 'node' or 'module', got {by!r}")
+        return self.query("grad_cells", run=run, by=by, role=role, rank=rank, module=module)
 
     def param_grads(
         self,

@@ -1,0 +1,304 @@
+"""The numbers behind the plots, with pandas and NumPy only: a labels x steps grid of one gradient statistic (the
+heatmap's) and one series per run and rank (the history's), combined exactly from the Store's frames.
+
+Gradients combine through additive parts: the number of measured rows, elements, finite elements, the sum of
+squared L2 norms (`sumsq`: the norm of several tensors together is its square root), the sum of the finite
+elements (`total`), min, max, the largest |x| and the exact NaN / +Inf / -Inf / zero counts. A statistic is then
+read off those parts; a cell or step with no measured row is missing (NaN), never 0, and a non-finite count is
+kept beside the value, because the statistics are taken over the finite elements only (an all-NaN gradient has
+norm 0.0 and nan > 0).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from ..errors import GradstoreError
+
+STATS = ("norm", "absmax", "min", "max", "mean")
+BY = ("module", "param", "node")
+TOP_LEVEL = "(top level)"  # the label of module '': the recorded model's own forward, or code outside any module
+_SUMMED = ("measured", "numel", "finite", "sumsq", "total", "nan", "posinf", "neginf", "zeros")
+
+
+def additive(rows: pd.DataFrame) -> pd.DataFrame:
+    """The additive parts of each gradient row of a `tensors`, `history` or `param_grads` frame.
+
+    Returns `rows` with columns measured (1 where status is ok and a norm was measured, else 0), finite, sumsq,
+    total, absmax added (numel, min, max, nan, posinf, neginf, zeros as they were, as float64).
+    """
+    out = rows.copy()
+    for col in ("numel", "norm", "min", "max", "mean", "nan", "posinf", "neginf", "zeros"):
+        out[col] = pd.to_numeric(out[col], errors="coerce").astype("float64")
+    ok = out["norm"].notna()
+    if "status" in out:
+        ok &= out["status"] == "ok"
+    out["measured"] = ok.astype("float64")
+    out["finite"] = out["numel"] - out["nan"] - out["posinf"] - out["neginf"]
+    out["sumsq"] = out["norm"] ** 2
+    out["total"] = out["mean"] * out["finite"]
+    out["absmax"] = np.fmax(out["min"].abs(), out["max"].abs())
+    return out
+
+
+def combine(parts: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Combine rows of additive parts (`additive`, or the grad_cells query) that share `keys`: sums of the
+    summed parts (NaN where every row's part is NaN), min of min, max of max and absmax. One row per key."""
+    agg = {c: pd.NamedAgg(c, lambda s: s.sum(min_count=1)) for c in _SUMMED if c in parts}
+    agg.update({"min": pd.NamedAgg("min", "min"), "max": pd.NamedAgg("max", "max")})
+    agg["absmax"] = pd.NamedAgg("absmax", "max")
+    frame = parts.copy()
+    for c in (*_SUMMED, "min", "max", "absmax"):
+        if c in frame:
+            frame[c] = pd.to_numeric(frame[c], errors="coerce").astype("float64")
+    return frame.groupby(keys, sort=False, dropna=False).agg(**agg).reset_index()
+
+
+def values(parts: pd.DataFrame, stat: str) -> pd.Series:
+    """The statistic `stat` (one of STATS) of combined parts: norm = sqrt(sumsq), mean = total / finite, absmax,
+    min, max; NaN where nothing was measured (or, for mean, no element was finite)."""
+    if stat not in STATS:
+        raise ValueError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
+    measured = parts["measured"].fillna(0) > 0
+    if stat == "norm":
+        v = np.sqrt(parts["sumsq"])
+    elif stat == "mean":
+        v = parts["total"] / parts["finite"].where(parts["finite"] > 0)
+    else:
+        v = parts[stat]
+    return v.where(measured).astype("float64")
+
+
+def nonfinite(parts: pd.DataFrame) -> pd.Series:
+    """NaN + +Inf + -Inf elements of combined parts (0 where unknown)."""
+    return parts["nan"].fillna(0) + parts["posinf"].fillna(0) + parts["neginf"].fillna(0)
+
+
+def natural_key(label: str) -> list:
+    """Sort key that puts 'h.2' before 'h.10' (numbers compared as numbers)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", label)]
+
+
+def truncate(label: str, depth: int) -> str:
+    """The first `depth` dotted parts of a module or parameter name ('transformer.h.0.attn', 3 -> 'transformer.h.0')."""
+    if label == TOP_LEVEL:
+        return label
+    return ".".join(label.split(".")[:depth])
+
+
+def _under(names: pd.Series, prefix: str) -> pd.Series:
+    return (names == prefix) | names.str.startswith(prefix + ".")
+
+
+@dataclass
+class Grid:
+    """A labels x steps grid of one statistic: what `gradstore.view.heatmap` draws.
+
+    run, rank, by ('module' / 'param' / 'node'), stat, role; labels (rows, top to bottom) and steps (columns);
+    value: float64 array (len(labels), len(steps)), NaN where nothing was measured; nan, posinf, neginf: the
+    exact counts (0 where unknown); measured: bool array, True where at least one gradient was measured;
+    depth: the module depth rows were grouped to (None: not grouped); notes: sentences for the title.
+    """
+
+    run: str
+    rank: int
+    by: str
+    stat: str
+    role: str
+    labels: list[str]
+    steps: list[int]
+    value: np.ndarray
+    nan: np.ndarray
+    posinf: np.ndarray
+    neginf: np.ndarray
+    measured: np.ndarray
+    depth: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def nonfinite(self) -> np.ndarray:
+        """bool array: cells where some gradient held NaN or +/-Inf."""
+        return (self.nan + self.posinf + self.neginf) > 0
+
+
+def ranks_of(store, run: str) -> list[int]:
+    """The ranks that recorded steps of `run`, sorted. Raises UnknownRun."""
+    return sorted(int(r) for r in store.steps(run=run)["rank"].unique())
+
+
+def pick_rank(store, run: str, rank: int | None) -> tuple[int, str]:
+    """(rank, note): `rank` checked against the ranks recorded, or the lowest one when None (the note says so
+    when there are others). Raises UnknownRun, GradstoreError (no steps, or no such rank)."""
+    ranks = ranks_of(store, run)
+    if not ranks:
+        raise GradstoreError(f"run {run!r} has no steps yet: nothing to draw")
+    if rank is None:
+        note = f"rank {ranks[0]} of ranks {', '.join(map(str, ranks))} (rank=... for another)" if len(ranks) > 1 else ""
+        return ranks[0], note
+    if int(rank) not in ranks:
+        raise GradstoreError(f"run {run!r} has no rank {rank}; its ranks: {', '.join(map(str, ranks))}")
+    return int(rank), ""
+
+
+def grid(
+    store,
+    run: str,
+    by: str = "module",
+    stat: str = "norm",
+    role: str | None = None,
+    steps=None,
+    rank: int | None = None,
+    prefix: str | None = None,
+    depth: int | None = None,
+    max_rows: int = 60,
+) -> Grid:
+    """The grid `gradstore.view.heatmap` draws; see there for the arguments. Rows are grouped to a module
+    depth (exact: the parts are combined again) when `depth` is given, or automatically, to the deepest depth
+    that keeps at most `max_rows` rows, when by is 'module' or 'param' and there are more rows than that.
+
+    Raises UnknownRun, ValueError (by, stat, role, depth), GradstoreError (no such rank, nothing recorded).
+    """
+    if by not in BY:
+        raise ValueError(f"by is one of {', '.join(BY)}, got {by!r}")
+    if stat not in STATS:
+        raise ValueError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
+    if depth is not None and (not isinstance(depth, int) or depth < 1):
+        raise ValueError(f"depth is a whole number >= 1 (module name parts kept), got {depth!r}")
+    rank, rank_note = pick_rank(store, run, rank)
+    notes = [rank_note] if rank_note else []
+    recorded = store.steps(run=run, rank=rank)["step"].astype(int).tolist()
+    if steps is not None:
+        wanted = {int(s) for s in steps}
+        recorded = [s for s in recorded if s in wanted]
+        if not recorded:
+            raise GradstoreError(f"run {run!r} rank {rank} recorded none of the steps asked for")
+    if by == "param":
+        if role not in (None, "param_grad"):
+            raise ValueError("by='param' draws the parameters' .grad (role param_grad); leave role out")
+        role = "param_grad"
+        rows = store.param_grads(run=run, rank=rank)
+        rows = rows[rows["param"].notna()]
+        if prefix:
+            rows = rows[_under(rows["param"], prefix)]
+        parts = additive(rows).assign(label=lambda f: f["param"])
+    else:
+        role = role or "grad_output"
+        if role not in ("grad_output", "grad_input", "param_grad", "saved"):
+            raise ValueError(f"role is grad_output, grad_input, param_grad or saved, got {role!r}")
+        parts = store.grad_cells(run=run, by="node" if by == "node" else "module", role=role, rank=rank, module=prefix)
+        label = parts["key"] if by == "node" else parts["module"].map(lambda m: m if m else TOP_LEVEL)
+        parts = parts.assign(label=label)
+    parts = parts[parts["step"].isin(recorded)]
+    labels = sorted(set(parts["label"]), key=natural_key)
+    if not labels:
+        what = f"under {prefix!r} " if prefix else ""
+        raise GradstoreError(f"run {run!r} rank {rank} has no {role} gradients {what}to draw by {by}")
+    if depth is None and by != "node" and len(labels) > max_rows:
+        for d in range(max(len(lab.split(".")) for lab in labels), 0, -1):
+            if len({truncate(lab, d) for lab in labels}) <= max_rows:
+                depth = d
+                break
+        else:
+            depth = 1
+        notes.append(f"{len(labels)} {by}s grouped to depth {depth} (depth=, prefix= or max_rows= to change)")
+    elif by == "node" and len(labels) > max_rows:
+        notes.append(f"{len(labels)} nodes (prefix=MODULE or by='module' for fewer rows)")
+    if depth is not None:
+        parts = parts.assign(label=parts["label"].map(lambda lab: truncate(lab, depth)))
+        labels = sorted(set(parts["label"]), key=natural_key)
+    cells = combine(parts, ["label", "step"])
+    cells = cells.assign(value=values(cells, stat), bad=nonfinite(cells))
+    row = {lab: i for i, lab in enumerate(labels)}
+    col = {s: j for j, s in enumerate(recorded)}
+    shape = (len(labels), len(recorded))
+    value = np.full(shape, np.nan)
+    counts = {c: np.zeros(shape) for c in ("nan", "posinf", "neginf")}
+    measured = np.zeros(shape, dtype=bool)
+    i = cells["label"].map(row).to_numpy()
+    j = cells["step"].map(col).to_numpy()
+    value[i, j] = cells["value"].to_numpy()
+    for c, arr in counts.items():
+        arr[i, j] = cells[c].fillna(0).to_numpy()
+    measured[i, j] = cells["measured"].fillna(0).to_numpy() > 0
+    return Grid(
+        run=run,
+        rank=rank,
+        by=by,
+        stat=stat,
+        role=role,
+        labels=labels,
+        steps=recorded,
+        value=value,
+        nan=counts["nan"],
+        posinf=counts["posinf"],
+        neginf=counts["neginf"],
+        measured=measured,
+        depth=depth,
+        notes=notes,
+    )
+
+
+def series(
+    store,
+    runs,
+    param: str | None = None,
+    module: str | None = None,
+    key: str | None = None,
+    stat: str = "norm",
+    role: str | None = None,
+    rank=None,
+) -> pd.DataFrame:
+    """One statistic of one parameter, module (with its submodules) or node per step, for each run and rank:
+    what `gradstore.view.history` draws; see there for the arguments.
+
+    Returns a frame with run, rank, step, value (NaN: not measured in that step, or no row), nan, posinf,
+    neginf (exact counts over the step's rows), measured (rows), label ('RUN rank R', or 'RUN' for one rank),
+    one row per recorded step of each run and rank, in step order. Several rows of one step (calls of a
+    module's nodes, micro-batches) combine exactly (norm: sqrt of the summed squares); for param_grad rows
+    the step's last pass counts (the .grad after accumulation).
+    Raises UnknownRun, ValueError (not exactly one of param / module / key; stat; role), GradstoreError (rank).
+    """
+    if sum(x is not None for x in (param, module, key)) != 1:
+        raise ValueError("give exactly one of param=, module= or key=")
+    if stat not in STATS:
+        raise ValueError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
+    runs = [runs] if isinstance(runs, str) else list(runs)
+    if not runs:
+        raise ValueError("runs is a run name or a list of them")
+    role = role or ("param_grad" if param is not None else "grad_output")
+    out = []
+    for run in runs:
+        recorded = store.steps(run=run)[["rank", "step"]].astype(int)
+        all_ranks = sorted(recorded["rank"].unique())
+        if rank is None:
+            ranks = all_ranks
+        else:
+            ranks = [int(r) for r in (rank if isinstance(rank, (list, tuple, range)) else [rank])]
+            missing = [r for r in ranks if r not in all_ranks]
+            if missing:
+                raise GradstoreError(
+                    f"run {run!r} has no rank {missing[0]}; its ranks: {', '.join(map(str, all_ranks))}"
+                )
+        rows = store.history(run, key=key, module=module, param=param, role=role)
+        rows = rows[rows["rank"].isin(ranks)]
+        if role == "param_grad" and not rows.empty:
+            last = rows.groupby(["rank", "step"])["pass"].transform("max")
+            rows = rows[rows["pass"] == last]
+        parts = combine(additive(rows), ["rank", "step"]) if not rows.empty else None
+        frame = recorded[recorded["rank"].isin(ranks)].sort_values(["rank", "step"])
+        if parts is not None:
+            parts = parts.assign(
+                value=values(parts, stat), rank=parts["rank"].astype(int), step=parts["step"].astype(int)
+            )
+            frame = frame.merge(parts[["rank", "step", "value", "nan", "posinf", "neginf", "measured"]], how="left")
+        else:
+            frame = frame.assign(value=np.nan, nan=np.nan, posinf=np.nan, neginf=np.nan, measured=np.nan)
+        several = len(ranks) > 1
+        frame = frame.assign(run=run, label=[f"{run} rank {r}" if several else run for r in frame["rank"]])
+        out.append(frame)
+    cols = ["run", "rank", "step", "value", "nan", "posinf", "neginf", "measured", "label"]
+    return pd.concat(out, ignore_index=True)[cols]

@@ -1,0 +1,509 @@
+"""`gradstore report DB RUN`: one self-contained HTML file that tells a run's story.
+
+The page holds everything it shows: pictures are inline (PNG and SVG as base64 `data:` URIs), the style sheet
+is inline, there is no script, and a Content-Security-Policy allows nothing else, so it opens offline, from a
+mail attachment or a CI artifact, and loads nothing from a network. Sections, in order: the run (status,
+versions, row counts), its steps and their statuses, the first non-finite gradient (node, module, user-code
+frame, the path along the graph's edges that carried it, and a drawing of its neighbourhood), the heatmap of
+gradient norms by module, the parameters whose gradients changed most, rank agreement when several ranks
+recorded, and step values when the Store has them (`Store.values`, when this gradstore records them).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..errors import GradstoreError
+from ..version import __version__
+from . import cells, story
+from .backward_graph import graph
+from .extras import require
+from .plots import figure_class, heatmap, new_axes
+
+SECTIONS = ("run", "steps", "first non-finite gradient", "heatmap", "parameters", "ranks", "step values")
+_STATUS_COLOURS = {"ok": "#9ccf9c", "nonfinite": "#ff1f5b", "error": "#222222"}
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; color: #1d2330; margin: 0;
+       background: #fafbfc; line-height: 1.45; }
+main { max-width: 1180px; margin: 0 auto; padding: 24px 32px 48px; background: #ffffff; }
+h1 { font-size: 26px; margin: 0 0 4px; } h2 { font-size: 19px; margin: 34px 0 8px; border-bottom: 1px solid #dde2ea;
+     padding-bottom: 4px; }
+h3 { font-size: 15px; margin: 18px 0 6px; }
+.meta { color: #5a6478; font-size: 13px; } nav a { margin-right: 14px; font-size: 13px; color: #2f5fb3; }
+.bad { color: #c40030; font-weight: 600; } .good { color: #1f7a36; font-weight: 600; } .note { color: #5a6478; }
+.callout { border-left: 5px solid #c40030; background: #fff3f5; padding: 10px 14px; margin: 10px 0; }
+.calm { border-left: 5px solid #4c9a5e; background: #f2faf3; padding: 10px 14px; margin: 10px 0; }
+table { border-collapse: collapse; font-size: 12.5px; margin: 8px 0; }
+th, td { border: 1px solid #dde2ea; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f1f4f9; } td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+code { font-family: Menlo, Consolas, monospace; font-size: 12px; background: #f1f4f9; padding: 0 3px; }
+img { max-width: 100%; height: auto; display: block; margin: 8px 0; }
+ol.path li { margin: 2px 0; } footer { margin-top: 40px; font-size: 12px; color: #7a8396; }
+"""
+
+
+def _e(v) -> str:
+    return html.escape("" if v is None else str(v))
+
+
+def _png(fig, alt: str) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=96)
+    data = base64.b64encode(buf.getvalue()).decode("ascii")
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _svg(svg: bytes, alt: str) -> str:
+    data = base64.b64encode(svg).decode("ascii")
+    return f'<img alt="{_e(alt)}" src="data:image/svg+xml;base64,{data}">'
+
+
+def _num(v, digits: int = 4) -> str:
+    if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)):
+        return "-"
+    if isinstance(v, (int, np.integer)):
+        return f"{int(v):,}"
+    return f"{float(v):.{digits}g}"
+
+
+def _table(df: pd.DataFrame, numeric: set[str] = frozenset()) -> str:
+    """A frame as an HTML table (escaped), numbers right-aligned, NULL as '-'."""
+    head = "".join(f'<th class="{"num" if c in numeric else ""}">{_e(c)}</th>' for c in df.columns)
+    body = []
+    for row in df.itertuples(index=False):
+        cells = []
+        for c, v in zip(df.columns, row):
+            if c in numeric:
+                cells.append(f'<td class="num">{_num(v)}</td>')
+            else:
+                cells.append(
+                    f"<td>{'-' if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else _e(v)}</td>"
+                )
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _when(ts) -> str:
+    if ts is None or pd.isna(ts):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
+
+
+def _ranges(steps: list[int]) -> str:
+    """'0-3, 5, 7-9' from sorted step numbers."""
+    out, start, prev = [], None, None
+    for s in steps:
+        if start is None:
+            start = prev = s
+        elif s == prev + 1:
+            prev = s
+        else:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = s
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ", ".join(out)
+
+
+def _status_strip(steps: pd.DataFrame):
+    """A rank x step strip, one cell per recorded step coloured by its status."""
+    colors = require("matplotlib.colors", "gradstore report")
+    mpatches = require("matplotlib.patches", "gradstore report")
+    ranks = sorted(steps["rank"].unique())
+    nums = sorted(steps["step"].unique())
+    codes = {"ok": 0, "nonfinite": 1, "error": 2}
+    grid = np.full((len(ranks), len(nums)), np.nan)
+    ri = {r: i for i, r in enumerate(ranks)}
+    ci = {s: j for j, s in enumerate(nums)}
+    for r, s, st in zip(steps["rank"], steps["step"], steps["status"]):
+        grid[ri[r], ci[s]] = codes.get(st, 2)
+    fig, ax = new_axes(None, (11.0, 0.9 + 0.32 * len(ranks)))
+    cmap = colors.ListedColormap([_STATUS_COLOURS["ok"], _STATUS_COLOURS["nonfinite"], _STATUS_COLOURS["error"]])
+    cmap = cmap.with_extremes(bad="#e9e9e9")
+    ax.pcolormesh(
+        np.arange(len(nums) + 1) - 0.5,
+        np.arange(len(ranks) + 1) - 0.5,
+        np.ma.masked_invalid(grid),
+        cmap=cmap,
+        vmin=-0.5,
+        vmax=2.5,
+    )
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r}" for r in ranks], fontsize=8)
+    every = max(1, int(np.ceil(len(nums) / 30)))
+    ax.set_xticks(range(0, len(nums), every))
+    ax.set_xticklabels([str(s) for s in nums[::every]], fontsize=8)
+    ax.set_xlabel("step", fontsize=9)
+    handles = [mpatches.Patch(facecolor=c, label=s) for s, c in _STATUS_COLOURS.items()]
+    handles.append(mpatches.Patch(facecolor="#e9e9e9", label="not recorded"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return fig
+
+
+class _Page:
+    def __init__(self):
+        self.parts: list[str] = []
+        self.nav: list[tuple[str, str]] = []
+        self.notes: list[str] = []
+
+    def section(self, anchor: str, title: str) -> None:
+        self.nav.append((anchor, title))
+        self.parts.append(f'<h2 id="{anchor}">{_e(title)}</h2>')
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+
+
+def _run_section(page: _Page, store, run: str, db: str) -> pd.DataFrame:
+    r = store.query("runs", run=run).iloc[0]
+    steps = store.steps(run=run)
+    page.add(f"<h1>Run {_e(run)}</h1>")
+    page.add(
+        f'<p class="meta">{_e(db)} &middot; status {_e(r["status"])} &middot; world size {_e(r["world_size"])} '
+        f"&middot; created {_when(r['created_at'])}, finished {_when(r['finished_at'])} &middot; torch "
+        f"{_e(r['torch_version'])}, gradstore {_e(r['gradstore_version'])} &middot; host {_e(r['host'])}</p>"
+    )
+    return steps
+
+
+def _steps_section(page: _Page, steps: pd.DataFrame, run: str) -> None:
+    page.section("steps", "Steps")
+    if steps.empty:
+        page.add('<p class="note">No steps recorded yet.</p>')
+        return
+    ranks = sorted(steps["rank"].unique())
+    counts = steps["status"].value_counts()
+    words = ", ".join(
+        f'<span class="{"good" if s == "ok" else "bad"}">{int(n):,} {_e(s)}</span>' for s, n in counts.items()
+    )
+    nums = sorted(int(s) for s in steps["step"].unique())
+    levels = ", ".join(f"{_e(lv)} ({int(n):,})" for lv, n in steps["level"].value_counts().items())
+    page.add(
+        f"<p>{len(steps):,} step records on {len(ranks)} rank{'s' if len(ranks) > 1 else ''} "
+        f"(steps {_e(_ranges(nums))}): {words}. Recorded at stats level {levels}.</p>"
+    )
+    page.add(_png(_status_strip(steps), f"status of each step of {run}"))
+    bad = steps[steps["status"] != "ok"]
+    if bad.empty:
+        page.add('<p class="calm">Every recorded step has status ok.</p>')
+        return
+    shown = bad.head(50)
+    out = pd.DataFrame(
+        {
+            "step": shown["step"],
+            "rank": shown["rank"],
+            "status": shown["status"],
+            "passes": shown["passes"],
+            "error": shown["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:300]),
+        }
+    )
+    page.add("<h3>Steps whose status is not ok</h3>" + _table(out, {"step", "rank", "passes"}))
+    if len(bad) > len(shown):
+        page.add(
+            f'<p class="note">{len(bad) - len(shown):,} more steps not ok, not listed: steps '
+            f"{_e(_ranges(sorted(int(s) for s in bad['step'].iloc[len(shown) :].unique())))}.</p>"
+        )
+
+
+def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> story.NonfiniteStart | None:
+    page.section("nonfinite", "First non-finite gradient")
+    start = story.first_nonfinite(store, run)
+    unmeasured = steps[steps["level"] == "shape"]
+    params_only = steps[steps["level"] == "params"]
+    caveats = []
+    if len(unmeasured):
+        caveats.append(f"{len(unmeasured):,} step records at stats='shape' measured no values: not checked for NaN/Inf")
+    if len(params_only):
+        caveats.append(
+            f"{len(params_only):,} step records at stats='params' hold parameter .grad only: their nodes "
+            "were not checked"
+        )
+    if start is None:
+        pg = store.param_grads(run=run)
+        badp = pg[(pg["nan"].fillna(0) + pg["posinf"].fillna(0) + pg["neginf"].fillna(0)) > 0]
+        if len(badp):
+            page.add(
+                f'<p class="callout">No recorded node call saw NaN or Inf, but parameter .grad held them: '
+                f"{badp['param'].nunique()} parameters, first at step {int(badp['step'].min())} "
+                f"(e.g. <code>{_e(badp['param'].iloc[0])}</code>).</p>"
+            )
+        elif steps.empty:
+            page.add('<p class="note">No steps recorded.</p>')
+        else:
+            page.add(
+                '<p class="calm">No recorded gradient held NaN or Inf (exact counts, in every measured gradient).</p>'
+            )
+        for c in caveats:
+            page.add(f'<p class="note">{_e(c)}.</p>')
+        return None
+    slots = "; ".join(
+        f"{_e(r.role)}s[{int(r.slot)}] of {int(r.numel):,} elements: {int(r.nan):,} NaN, {int(r.posinf):,} +Inf, "
+        f"{int(r.neginf):,} -Inf"
+        for r in start.slots.itertuples()
+    )
+    frame = (
+        f"<code>{_e(start.frame)}</code>"
+        if start.frame
+        else '<span class="note">not recorded (record(frames=True) keeps it)</span>'
+    )
+    origin = (
+        "Its grad_outputs were finite and its grad_inputs were not: <b>its own backward made them</b>."
+        if start.made_here
+        else "They were already in its grad_outputs when it ran: they came from the pass's root gradient, or from "
+        "a node the record does not hold."
+    )
+    page.add(
+        f'<div class="callout"><p><b>{_e(start.name)}</b> <code>{_e(start.key)}</code><br>module '
+        f"<code>{_e(start.module or '(top level)')}</code> &middot; created at {frame}<br>rank {start.rank}, "
+        f"step {start.step}, pass {start.pass_}, seq {start.seq} (execution order in the step)</p>"
+        f"<p>{slots}.</p><p>{origin}</p></div>"
+    )
+    if start.path:
+        hops = []
+        for e in start.path:
+            where = (
+                f"parameter <code>{_e(e.dst_param)}</code>"
+                if e.dst_param
+                else f"module <code>{_e(e.dst_module or '(top level)')}</code>"
+            )
+            counts = ", ".join(f"{n:,} {w}" for w, n in (("NaN", e.nan), ("+Inf", e.posinf), ("-Inf", e.neginf)) if n)
+            hops.append(
+                f"<li><code>{_e(e.src)}</code> grad_inputs[{e.src_slot}] &rarr; <code>{_e(e.dst)}</code> "
+                f"grad_outputs[{e.dst_slot}] ({where}; {counts})</li>"
+            )
+        page.add(
+            "<h3>The path that carried it</h3><p>Following the graph's edges (next_functions) from that node, the "
+            "shortest chain of non-finite gradients to the first parameter it reached:</p>"
+            f'<ol class="path">{"".join(hops)}</ol>'
+        )
+    page.add(
+        f"<p>In that pass the non-finite gradients travelled {len(start.edges):,} edges and reached "
+        f"{start.reached_nodes:,} nodes; after step {start.step}, {len(start.params):,} parameter .grad "
+        f"held NaN or Inf"
+        + (
+            f" (<code>{'</code>, <code>'.join(_e(p) for p in start.params[:8])}</code>"
+            + (f" and {len(start.params) - 8} more" if len(start.params) > 8 else "")
+            + ")"
+            if start.params
+            else ""
+        )
+        + ".</p>"
+    )
+    try:
+        g = graph(store, run, step=start.step, rank=start.rank, around=start.key, depth=2, max_nodes=60)
+        page.add(_svg(g.pipe(format="svg"), f"backward graph around {start.key}"))
+    except GradstoreError as exc:
+        page.add(f'<p class="note">Graph not drawn: {_e(exc)}</p>')
+    except Exception as exc:  # noqa: BLE001 - graphviz's ExecutableNotFound and CalledProcessError
+        page.add(
+            f'<p class="note">Graph not drawn: {_e(type(exc).__name__)}: {_e(exc)} (the graph needs Graphviz\'s '
+            "<code>dot</code>: apt install graphviz)</p>"
+        )
+    for c in caveats:
+        page.add(f'<p class="note">{_e(c)}.</p>')
+    return start
+
+
+def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
+    page.section("heatmap", "Gradient norms by module and step")
+    try:
+        fig = heatmap(store, run, by="module")
+    except GradstoreError as exc:
+        page.add(f'<p class="note">No heatmap: {_e(exc)}</p>')
+        return
+    page.add(
+        "<p>L2 norm of the grad_outputs flowing into each module's nodes (over finite elements, combined over "
+        "calls), log colour scale. Red cells held NaN or Inf (exact counts); hatched cells were not measured; "
+        "white cells are exactly 0.</p>"
+    )
+    page.add(_png(fig, f"heatmap of gradient norms by module for {run}"))
+
+
+def _params_section(page: _Page, store, run: str) -> None:
+    page.section("params", "Parameters whose gradients changed most")
+    top = story.changed_most(store, run, top=10)
+    if top.empty:
+        page.add('<p class="note">No parameter .grad rows recorded.</p>')
+        return
+    page.add(
+        "<p>Each parameter's .grad after the step's last backward pass: parameters with non-finite steps first, "
+        "then by the ratio of their largest to smallest finite norm over the recorded steps.</p>"
+    )
+    page.add(_table(top, {"steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"}))
+    if top["steps"].max() < 2:
+        page.add('<p class="note">One measured step per parameter: no change to draw.</p>')
+        return
+    names = top["param"].head(6).tolist()
+    fig, ax = new_axes(None, (10.0, 4.2))
+    edge = ax.get_xaxis_transform()
+    for name in names:
+        s = cells.series(store, run, param=name)
+        s = s[s["rank"] == s["rank"].min()]
+        bad = (s["nan"].fillna(0) + s["posinf"].fillna(0) + s["neginf"].fillna(0)) > 0
+        y = s["value"].where(~bad & (s["value"] > 0))
+        (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=name)
+        if bad.any():
+            ax.scatter(
+                s["step"][bad],
+                np.full(int(bad.sum()), 0.96),
+                transform=edge,
+                marker="X",
+                s=60,
+                color=line.get_color(),
+                edgecolors="#c40030",
+                linewidths=1.0,
+                zorder=5,
+                clip_on=False,
+            )
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("L2 norm of .grad (log scale)")
+    ax.set_title("X on the top edge: the step's .grad held NaN or Inf", fontsize=9, loc="left")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    page.add(_png(fig, "gradient norm history of the parameters that changed most"))
+
+
+def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
+    page.section("ranks", "Ranks")
+    world = int(store.query("runs", run=run)["world_size"].iloc[0])
+    ranks = sorted(steps["rank"].unique()) if len(steps) else []
+    if len(ranks) < 2:
+        if world > 1:
+            page.add(
+                f'<p class="note">World size {world}, but only rank{"s" if len(ranks) != 1 else ""} '
+                f"{', '.join(map(str, ranks)) or '(none)'} in this database: ranks not compared. Merge the other "
+                "ranks' files with <code>gradstore merge</code> to compare them.</p>"
+            )
+        else:
+            page.add('<p class="note">One rank recorded: nothing to compare across ranks.</p>')
+        return
+    agree = story.rank_agreement(store, run)
+    if agree.empty:
+        page.add('<p class="note">No step was recorded by two ranks: ranks not compared.</p>')
+        return
+    differing = agree[agree["differing"] > 0]
+    if differing.empty:
+        how = "bitwise (checksums)" if (agree["compared"] == "checksum").all() else "by their statistics"
+        page.add(
+            f'<p class="calm">At all {len(agree):,} steps recorded by several ranks, every parameter\'s final .grad '
+            f"agrees across ranks ({how}).</p>"
+        )
+    else:
+        first = differing.iloc[0]
+        page.add(
+            f'<p class="callout">Ranks differ at {len(differing):,} of {len(agree):,} steps compared, first at step '
+            f"{int(first['step'])}: {int(first['differing'])} of {int(first['params'])} parameter .grad differ "
+            f"(first <code>{_e(first['first'])}</code>). Node by node: <code>gradstore diff DB {_e(run)} --step-a "
+            f"{int(first['step'])} --rank-a {int(ranks[0])} --rank-b {int(ranks[1])}</code>.</p>"
+        )
+    page.add(_table(agree.head(200), {"step", "ranks", "params", "differing"}))
+
+
+def _values_section(page: _Page, store, run: str) -> None:
+    reader = getattr(store, "values", None)
+    if not callable(reader):
+        page.notes.append(
+            "Step values (loss, learning rate, ...) are not shown: this gradstore's Store has no values() helper."
+        )
+        return
+    page.section("values", "Step values")
+    try:
+        vals = reader(run)
+    except GradstoreError as exc:
+        page.add(f'<p class="note">Step values not read: {_e(exc)}</p>')
+        return
+    if vals is None or len(vals) == 0:
+        page.add('<p class="note">No step values recorded in this run.</p>')
+        return
+    keys = {"run", "rank", "step"}
+    names = [c for c in vals.columns if c not in keys and pd.api.types.is_numeric_dtype(vals[c])]
+    if not names:
+        page.add('<p class="note">No numeric step values recorded in this run.</p>')
+        return
+    cols = min(3, len(names))
+    rows = int(np.ceil(len(names) / cols))
+    fig = figure_class()(figsize=(4.0 * cols, 2.6 * rows), layout="constrained")
+    for i, name in enumerate(names):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        groups = vals.groupby("rank") if "rank" in vals else [(None, vals)]
+        for rank, f in groups:
+            ax.plot(
+                f["step"],
+                pd.to_numeric(f[name], errors="coerce"),
+                marker="o",
+                markersize=2,
+                label=None if rank is None else f"rank {rank}",
+            )
+        ax.set_title(str(name), fontsize=9, loc="left")
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    page.add(_png(fig, "step values over steps"))
+    page.add(_table(vals.tail(10), set(names) | {"step", "rank"}))
+
+
+def report_html(store, run: str, progress: Callable[[str], None] | None = None) -> str:
+    """The report of run `run` of an open Store as one HTML document (str), self-contained (see the module).
+
+    progress: called with each section's name (one of SECTIONS) as it starts (the CLI shows a progress bar).
+    Raises UnknownRun; MissingDependency without matplotlib (pip install 'gradstore[view]'). A graph that
+    cannot be drawn (no Graphviz `dot`) is a note in the page, not an error.
+    """
+    tick = progress or (lambda _name: None)
+    page = _Page()
+    tick("run")
+    steps = _run_section(page, store, run, str(store.db))
+    tick("steps")
+    _steps_section(page, steps, run)
+    tick("first non-finite gradient")
+    _nonfinite_section(page, store, run, steps)
+    tick("heatmap")
+    if len(steps):
+        _heatmap_section(page, store, run, steps)
+    tick("parameters")
+    _params_section(page, store, run)
+    tick("ranks")
+    _ranks_section(page, store, run, steps)
+    tick("step values")
+    _values_section(page, store, run)
+    nav = "".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in page.nav)
+    notes = "".join(f"<p>{_e(n)}</p>" for n in page.notes)
+    head, body = page.parts[0], "".join(page.parts[1:])
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
+        "style-src 'unsafe-inline'\">"
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>gradstore: {_e(run)}</title>'
+        f"<style>{_CSS}</style></head><body><main>{head}<nav>{nav}</nav>{body}"
+        f"<footer>{notes}<p>Written by gradstore {_e(__version__)} on {_when(time.time())} from "
+        f'{_e(store.db)}. Every number comes from the record; see README.md, "Reading".</p></footer>'
+        "</main></body></html>\n"
+    )
+
+
+def write_report(db, run: str, out=None, progress: Callable[[str], None] | None = None) -> Path:
+    """Write the report of run `run` of database `db` (path or URL) to `out` (default: RUN.html, the run name
+    with characters other than letters, digits, '-', '_' and '.' replaced by '_') and return its path.
+
+    Raises DatabaseNotFound, UnknownRun, MissingDependency (see report_html).
+    """
+    from ..store.reader import Store
+
+    if out is None:
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run) or "run"
+        out = f"{safe}.html"
+    with Store(db) as store:
+        text = report_html(store, run, progress=progress)
+    path = Path(out)
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -1,0 +1,298 @@
+"""Plots of a record with matplotlib (the `gradstore[view]` extra, imported when a plot is drawn): `heatmap`, a
+labels x steps map of one gradient statistic, and `history`, one statistic over steps for one or more runs or
+ranks.
+
+Each takes `ax=None` (draws into the matplotlib Axes given, or a new Figure) and returns the Figure: it shows
+inline in Jupyter and saves with `fig.savefig("x.png")` (or .svg, .pdf). Non-finite gradients are drawn as
+such, from their exact NaN / +Inf / -Inf counts, never as the statistic over their finite elements (an all-NaN
+gradient has norm 0.0); what was not measured is drawn apart from what was measured as 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import textwrap
+
+import numpy as np
+
+from . import cells
+from .extras import require
+
+NONFINITE_COLOUR = "#ff1f5b"  # no colour of viridis or coolwarm is near it
+ZERO_COLOUR = "#ffffff"
+MISSING_FACE = "#e9e9e9"
+MISSING_HATCH = "#a0a0a0"
+_UNITS = {
+    "norm": "L2 norm",
+    "absmax": "largest |x|",
+    "min": "min",
+    "max": "max",
+    "mean": "mean",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def figure_class():
+    """matplotlib's Figure with a `_repr_png_`, so that a returned figure shows inline in Jupyter whatever the
+    backend (and once: it is not registered with pyplot, whose inline backend would show it a second time)."""
+    figure = require("matplotlib.figure", "gradstore.view")
+
+    class Picture(figure.Figure):
+        """A matplotlib Figure that renders itself as PNG in Jupyter."""
+
+        def _repr_png_(self) -> bytes:
+            buf = io.BytesIO()
+            self.savefig(buf, format="png", dpi=100)
+            return buf.getvalue()
+
+    return Picture
+
+
+def new_axes(ax, size: tuple[float, float]):
+    """(figure, axes): the Axes given and its figure, or a new constrained-layout Picture of `size` inches."""
+    if ax is not None:
+        return ax.figure, ax
+    fig = figure_class()(figsize=size, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _nonfinite_word(nan: float, posinf: float, neginf: float) -> str:
+    parts = [w for w, n in (("NaN", nan), ("+Inf", posinf), ("-Inf", neginf)) if n > 0]
+    return "/".join(parts)
+
+
+def heatmap(
+    store,
+    run: str,
+    by: str = "module",
+    stat: str = "norm",
+    role: str | None = None,
+    steps=None,
+    rank: int | None = None,
+    prefix: str | None = None,
+    depth: int | None = None,
+    max_rows: int = 60,
+    ax=None,
+    cmap: str | None = None,
+):
+    """A map of one gradient statistic: one row per module, parameter or node, one column per recorded step.
+
+    Args:
+        store: a `gradstore.Store` (`gradstore.open(db)`).
+        run: the run name.
+        by: 'module' (every node of a module and its calls combined; default), 'param' (each parameter's .grad
+            after the step's last backward pass) or 'node' (one row per node key).
+        stat: 'norm' (combined L2 norm over finite elements; default), 'absmax' (largest |x|), 'min', 'max',
+            'mean'. norm and absmax use a log colour scale; min, max and mean a symmetric log scale.
+        role: for by='module' or 'node': 'grad_output' (what flows into the nodes, as their prehooks saw it;
+            default), 'grad_input' (what flows out) or 'saved'. by='param' draws param_grad rows.
+        steps: the steps to draw (an iterable of ints, e.g. range(100, 200)); default every recorded step.
+        rank: the rank to draw (default: the lowest recorded; the title says so when there are others).
+        prefix: only this module (and its submodules), or for by='param' the parameters under this name.
+        depth: group rows to the first `depth` parts of their dotted name (exactly combined); by default rows
+            are grouped only when there are more than `max_rows`, to the deepest depth that fits.
+        ax: a matplotlib Axes to draw into (default: a new Figure sized to the rows).
+        cmap: a matplotlib colour map name (default viridis, or coolwarm for the signed statistics).
+
+    Returns the matplotlib Figure. Cells: a colour from the scale where measured; NONFINITE_COLOUR (and the
+    words NaN / +Inf / -Inf where cells are large enough) where any gradient of the cell held NaN or Inf, from
+    the exact counts (the statistic over the finite elements is not drawn there); white where the statistic is
+    exactly 0 (log scales); grey hatching where nothing was measured (no call, a None slot, a skipped tensor, a
+    level that does not measure it). Rows with a non-finite cell have red labels.
+    Raises UnknownRun, ValueError (by, stat, role, depth), GradstoreError (no such rank, nothing recorded),
+    MissingDependency (matplotlib not installed: pip install 'gradstore[view]').
+    """
+    colors = require("matplotlib.colors", "gradstore.view.heatmap")
+    mpl = require("matplotlib", "gradstore.view.heatmap")
+    mpatches = require("matplotlib.patches", "gradstore.view.heatmap")
+    ticker = require("matplotlib.ticker", "gradstore.view.heatmap")
+    g = cells.grid(
+        store, run, by=by, stat=stat, role=role, steps=steps, rank=rank, prefix=prefix, depth=depth, max_rows=max_rows
+    )
+    nrows, ncols = g.value.shape
+    longest = max(len(lab) for lab in g.labels)
+    font = 8 if nrows <= 60 else max(4.5, 8 - (nrows - 60) / 60)
+    width = min(18.0, max(6.5, 0.22 * ncols + 0.0085 * longest * font + 2.5))
+    height = min(60.0, max(3.2, nrows * font / 55 + 2.4))
+    fig, ax = new_axes(ax, (width, height))
+
+    bad = g.nonfinite
+    drawn = g.measured & ~bad & np.isfinite(g.value)
+    vals = g.value[drawn]
+    log = stat in ("norm", "absmax")
+    if log:
+        pos = vals[vals > 0]
+        vmin, vmax = (float(pos.min()), float(pos.max())) if pos.size else (1e-8, 1.0)
+        if vmin == vmax:
+            vmin, vmax = vmin / 2, vmax * 2
+        scale = colors.LogNorm(vmin=vmin, vmax=vmax)
+        shown = np.where(drawn, g.value, np.nan)
+        zeros = drawn & (g.value == 0)
+        shown = np.where(zeros, vmin / 10, shown)  # below vmin: the colour map's "under" colour
+        cm = mpl.colormaps[cmap or "viridis"].with_extremes(under=ZERO_COLOUR)
+    else:
+        nz = np.abs(vals[vals != 0])
+        lin = float(nz.min()) if nz.size else 1e-12
+        top = float(np.abs(vals).max()) if vals.size and np.abs(vals).max() > 0 else 1.0
+        scale = colors.SymLogNorm(linthresh=lin, vmin=-top, vmax=top, base=10)
+        shown = np.where(drawn, g.value, np.nan)
+        zeros = np.zeros_like(drawn)
+        cm = mpl.colormaps[cmap or "coolwarm"]
+    cm = cm.with_extremes(bad=(0, 0, 0, 0))  # transparent: the hatched background shows "not measured"
+    ax.set_facecolor(MISSING_FACE)
+    ax.patch.set_hatch("////")
+    ax.patch.set_edgecolor(MISSING_HATCH)
+    ax.patch.set_linewidth(0)
+    x = np.arange(ncols + 1) - 0.5
+    y = np.arange(nrows + 1) - 0.5
+    mesh = ax.pcolormesh(x, y, np.ma.masked_invalid(shown), cmap=cm, norm=scale, shading="flat")
+    if bad.any():
+        flag = colors.ListedColormap([NONFINITE_COLOUR])
+        ax.pcolormesh(x, y, np.ma.masked_where(~bad, np.ones_like(g.value)), cmap=flag, vmin=0, vmax=1)
+        if nrows <= 40 and ncols <= 40:
+            for i, j in zip(*np.nonzero(bad)):
+                word = _nonfinite_word(g.nan[i, j], g.posinf[i, j], g.neginf[i, j])
+                size = min(7, font) * (0.75 if len(word) > 4 else 1.0)
+                ax.text(j, i, word, ha="center", va="center", fontsize=size, color="white", weight="bold")
+    ax.set_xlim(-0.5, ncols - 0.5)
+    ax.set_ylim(nrows - 0.5, -0.5)  # first label on top
+    ax.set_yticks(np.arange(nrows))
+    ax.set_yticklabels(g.labels, fontsize=font)
+    for i, tick in enumerate(ax.get_yticklabels()):
+        if bad[i].any():
+            tick.set_color("#c40030")
+            tick.set_fontweight("bold")
+    every = max(1, int(np.ceil(ncols / 25)))
+    ax.set_xticks(np.arange(0, ncols, every))
+    ax.set_xticklabels([str(s) for s in g.steps[::every]], fontsize=8)
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.set_xlabel("step" + ("" if g.steps == list(range(g.steps[0], g.steps[-1] + 1)) else " (recorded steps only)"))
+    what = {"module": "module", "param": "parameter", "node": "node"}[by]
+    role_words = "parameter .grad" if g.role == "param_grad" else f"{g.role}s"
+    title = f"{run}: {_UNITS[stat]} of {role_words} by {what}"
+    if g.notes:
+        title += "\n" + textwrap.fill("; ".join(g.notes), width=max(40, int(ax.figure.get_figwidth() * 9)))
+    ax.set_title(title, fontsize=10, loc="left")
+    bar = ax.figure.colorbar(mesh, ax=ax, extend="min" if log and zeros.any() else "neither", shrink=0.9)
+    bar.set_label(f"{_UNITS[stat]} ({'log' if log else 'symmetric log'} scale)", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    handles = [
+        mpatches.Patch(facecolor=NONFINITE_COLOUR, label="NaN / Inf in a gradient (exact counts)"),
+        mpatches.Patch(facecolor=MISSING_FACE, edgecolor=MISSING_HATCH, hatch="////", label="not measured"),
+    ]
+    if log and zeros.any():
+        handles.append(mpatches.Patch(facecolor=ZERO_COLOUR, edgecolor="#777777", label="exactly 0"))
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(0.0, -0.06 - 0.6 / max(height, 1)),
+        ncol=3,
+        fontsize=7,
+        frameon=False,
+        handlelength=1.4,
+    )
+    return fig
+
+
+def history(
+    store,
+    runs,
+    param: str | None = None,
+    module: str | None = None,
+    key: str | None = None,
+    stat: str = "norm",
+    role: str | None = None,
+    rank=None,
+    ax=None,
+):
+    """One gradient statistic of one parameter, module or node over steps: a line per run (and per rank).
+
+    Args:
+        store: a `gradstore.Store`.
+        runs: a run name or a list of them (each a line, or a line per rank).
+        param / module / key: exactly one: a parameter (its .grad after the step's last backward pass, role
+            param_grad, unless role says otherwise), a module (its nodes and their submodules' combined) or a
+            node key.
+        stat: 'norm' (default), 'absmax', 'min', 'max' or 'mean'; norm and absmax on a log axis.
+        role: 'grad_output' (default for module and key), 'grad_input' or 'param_grad' (default for param).
+        rank: None (every rank recorded: a line each when there are several), a rank, or a list of ranks.
+        ax: a matplotlib Axes to draw into (default: a new Figure).
+
+    Returns the matplotlib Figure. A step whose gradients held NaN or Inf is an X on the top edge, in its
+    line's colour (its value over the finite elements is not drawn); on a log axis a value of exactly 0 is a
+    triangle on the bottom edge; a step with nothing measured is a gap in the line.
+    Raises UnknownRun, ValueError, GradstoreError (no such rank), MissingDependency (no matplotlib).
+    """
+    ticker = require("matplotlib.ticker", "gradstore.view.history")
+    mlines = require("matplotlib.lines", "gradstore.view.history")
+    data = cells.series(store, runs, param=param, module=module, key=key, stat=stat, role=role, rank=rank)
+    fig, ax = new_axes(ax, (8.0, 4.2))
+    log = stat in ("norm", "absmax")
+    edge = ax.get_xaxis_transform()  # x in data, y in axes fractions
+    any_bad = any_zero = False
+    for label, f in data.groupby("label", sort=False):
+        bad = (f["nan"].fillna(0) + f["posinf"].fillna(0) + f["neginf"].fillna(0)) > 0
+        y = f["value"].where(~bad)
+        zero = (y == 0) if log else y.isna() & False
+        (line,) = ax.plot(f["step"], y.where(~zero) if log else y, marker="o", markersize=3, linewidth=1.4, label=label)
+        if bad.any():
+            any_bad = True
+            ax.scatter(
+                f["step"][bad],
+                np.full(int(bad.sum()), 0.96),
+                transform=edge,
+                marker="X",
+                s=70,
+                color=line.get_color(),
+                edgecolors="#c40030",
+                linewidths=1.2,
+                zorder=5,
+                clip_on=False,
+            )
+        if log and zero.any():
+            any_zero = True
+            ax.scatter(
+                f["step"][zero],
+                np.full(int(zero.sum()), 0.03),
+                transform=edge,
+                marker="v",
+                s=40,
+                facecolors="none",
+                edgecolors=line.get_color(),
+                zorder=5,
+                clip_on=False,
+            )
+    if len(data):  # the edge markers (a blended transform) do not take part in autoscaling: every step in view
+        lo, hi = int(data["step"].min()), int(data["step"].max())
+        pad = max(0.5, 0.03 * (hi - lo))
+        ax.set_xlim(lo - pad, hi + pad)
+    positive = data["value"][data["value"] > 0]
+    if log and len(positive):
+        ax.set_yscale("log")
+        if positive.max() / positive.min() < 100:  # within two decades: plain numbers read better than 10^x
+            plain = ticker.FuncFormatter(lambda v, _: f"{v:.3g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    role_eff = role or ("param_grad" if param is not None else "grad_output")
+    ax.set_ylabel(f"{_UNITS[stat]} of {'.grad' if role_eff == 'param_grad' else role_eff + 's'}")
+    what = f"parameter {param}" if param is not None else (f"module {module}" if module is not None else key)
+    ax.set_title(f"{_UNITS[stat]} of {what}", fontsize=10, loc="left")
+    ax.grid(True, which="major", alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if any_bad:
+        handles.append(
+            mlines.Line2D([], [], marker="X", linestyle="", color="#888888", markeredgecolor="#c40030", markersize=8)
+        )
+        labels.append("NaN / Inf in the gradient")
+    if any_zero:
+        handles.append(
+            mlines.Line2D(
+                [], [], marker="v", linestyle="", markerfacecolor="none", markeredgecolor="#555555", markersize=7
+            )
+        )
+        labels.append("exactly 0 (off the log axis)")
+    ax.legend(handles, labels, fontsize=8, loc="best")
+    return fig

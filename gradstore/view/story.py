@@ -1,0 +1,236 @@
+"""What a run's record says, as plain data for the report and the graph: the first non-finite gradient and the
+path that carried it along the graph's edges, the parameters whose gradients changed most, and where ranks
+disagree. pandas only; everything comes from the Store's helpers (queries/ files).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass
+class PathEdge:
+    """One edge a non-finite gradient travelled: slot `src_slot` of `src`'s grad_inputs into slot `dst_slot` of
+    `dst`'s grad_outputs (src.next_functions[src_slot] == (dst, dst_slot)), with the exact NaN / +Inf / -Inf
+    counts of that gradient (summed over the pass's calls) and the module and parameter of `dst`."""
+
+    src: str
+    src_slot: int
+    dst: str
+    dst_slot: int
+    nan: int
+    posinf: int
+    neginf: int
+    dst_module: str
+    dst_param: str | None
+
+
+@dataclass
+class NonfiniteStart:
+    """The first call (execution order) whose gradients held NaN or Inf, on one rank, and where they went.
+
+    run, rank, step, pass_ (the backward pass within the step), seq; key, name, module, frame (the user-code line
+    with record(frames=True), else None) of the node; slots: its non-finite slots (role, slot, numel, nan, posinf,
+    neginf); made_here: True when its grad_outputs were finite and a grad_input was not (its own backward made
+    them), False when they arrived in its grad_outputs (from the pass's root gradient or from a node the record
+    does not hold); path: the shortest chain of non-finite edges from it to the first parameter it reached (or to
+    the farthest node reached when it reached none); edges: every non-finite edge reachable from it in that pass;
+    reached_nodes: nodes those edges reach; params: parameters whose .grad held NaN or Inf after that step.
+    """
+
+    run: str
+    rank: int
+    step: int
+    pass_: int
+    seq: int
+    key: str
+    name: str
+    module: str
+    frame: str | None
+    slots: pd.DataFrame
+    made_here: bool
+    path: list[PathEdge] = field(default_factory=list)
+    edges: list[PathEdge] = field(default_factory=list)
+    reached_nodes: int = 0
+    params: list[str] = field(default_factory=list)
+
+
+def _count(v) -> int:
+    return 0 if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else int(v)
+
+
+def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart | None:
+    """The first non-finite gradient of `run` (on `rank`, or the lowest rank that has one) and its path, or None
+    when every recorded gradient was finite. Raises UnknownRun.
+
+    The path follows the recorded edges from the first non-finite call: an edge carried a non-finite gradient
+    when its source's grad_inputs[src_slot] (or, where that was not recorded, its destination's
+    grad_outputs[dst_slot]) held NaN or Inf in that pass.
+    """
+    rows = store.first_nonfinite(run=run, rank=rank)
+    if rows.empty:
+        return None
+    rank = int(rows["rank"].min())
+    rows = rows[rows["rank"] == rank]
+    r = rows.iloc[0]
+    step, pass_ = int(r["step"]), int(r["pass"])
+    tensors = store.tensors(run=run, step=step, rank=rank)
+    tensors = tensors[(tensors["pass"] == pass_) | tensors["pass"].isna()]
+    grads = tensors[tensors["role"].isin(["grad_output", "grad_input"])].copy()
+    for c in ("nan", "posinf", "neginf"):
+        grads[c] = grads[c].fillna(0).astype("int64")
+    counts = grads.groupby(["key", "role", "slot"])[["nan", "posinf", "neginf"]].sum()
+    lookup = {idx: tuple(int(x) for x in v) for idx, v in zip(counts.index, counts.to_numpy())}
+
+    key = r["key"]
+    own = grads[grads["key"] == key]
+    bad_out = (own["role"] == "grad_output") & ((own["nan"] + own["posinf"] + own["neginf"]) > 0)
+    bad_in = (own["role"] == "grad_input") & ((own["nan"] + own["posinf"] + own["neginf"]) > 0)
+    made_here = bool(bad_in.any()) and not bool(bad_out.any())
+
+    nodes = store.nodes(run=run).set_index("key")
+    ran = set(grads["key"])
+    edges = store.edges(run=run)
+    edges = edges[edges["src"].isin(ran)]
+    by_src: dict[str, list] = {}
+    for e in edges.itertuples(index=False):
+        by_src.setdefault(e.src, []).append(e)
+
+    def carried(e) -> tuple[int, int, int] | None:
+        c = lookup.get((e.src, "grad_input", int(e.src_slot)))
+        if c is None:
+            c = lookup.get((e.dst, "grad_output", int(e.dst_slot)))
+        return c if c is not None and sum(c) > 0 else None
+
+    parent: dict[str, PathEdge] = {}
+    seen, order, found = {key}, [key], []
+    queue = deque([key])
+    while queue:
+        u = queue.popleft()
+        for e in by_src.get(u, []):
+            c = carried(e)
+            if c is None:
+                continue
+            dst_mod = nodes["module"].get(e.dst, "")
+            dst_param = nodes["param"].get(e.dst)
+            edge = PathEdge(
+                e.src,
+                int(e.src_slot),
+                e.dst,
+                int(e.dst_slot),
+                *c,
+                dst_mod,
+                dst_param if isinstance(dst_param, str) else None,
+            )
+            found.append(edge)
+            if e.dst not in seen:
+                seen.add(e.dst)
+                parent[e.dst] = edge
+                order.append(e.dst)
+                queue.append(e.dst)
+    target = next(
+        (k for k in order[1:] if isinstance(nodes["param"].get(k), str)), order[-1] if len(order) > 1 else None
+    )
+    path: list[PathEdge] = []
+    while target is not None and target in parent:
+        edge = parent[target]
+        path.append(edge)
+        target = edge.src
+    path.reverse()
+    pg = store.param_grads(run=run, step=step, rank=rank)
+    bad_params = pg[(pg["nan"].fillna(0) + pg["posinf"].fillna(0) + pg["neginf"].fillna(0)) > 0]["param"].tolist()
+    frame = r["frame"] if isinstance(r["frame"], str) else None
+    slots = rows[["role", "slot", "numel", "nan", "posinf", "neginf"]].reset_index(drop=True)
+    return NonfiniteStart(
+        run=run,
+        rank=rank,
+        step=step,
+        pass_=pass_,
+        seq=int(r["seq"]),
+        key=key,
+        name=str(r["name"]),
+        module=str(r["module"] or ""),
+        frame=frame,
+        slots=slots,
+        made_here=made_here,
+        path=path,
+        edges=found,
+        reached_nodes=len(seen) - 1,
+        params=bad_params,
+    )
+
+
+def changed_most(store, run: str, rank: int | None = None, top: int = 10) -> pd.DataFrame:
+    """The parameters whose .grad norm (after each step's last backward pass) moved most over the recorded
+    steps of `rank` (default the lowest): param, module, steps (with a finite norm), first, last, smallest,
+    largest (finite norms), ratio (largest / smallest positive finite norm; NaN with fewer than two), nonfinite
+    (steps whose .grad held NaN or Inf). Non-finite parameters first, then by ratio, largest first; `top` rows.
+    Raises UnknownRun."""
+    pg = store.param_grads(run=run, rank=rank)
+    if pg.empty:
+        return pd.DataFrame(
+            columns=["param", "module", "steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"]
+        )
+    if rank is None:
+        pg = pg[pg["rank"] == pg["rank"].min()]
+    pg = pg.assign(
+        bad=(pg["nan"].fillna(0) + pg["posinf"].fillna(0) + pg["neginf"].fillna(0)) > 0,
+        norm=pd.to_numeric(pg["norm"], errors="coerce").astype("float64"),
+    )
+    rows = []
+    for (param, module), f in pg.groupby(["param", "module"], sort=False, dropna=False):
+        f = f.sort_values("step")
+        good = f[~f["bad"] & f["norm"].notna() & (f["status"] == "ok")]
+        pos = good["norm"][good["norm"] > 0]
+        rows.append(
+            {
+                "param": param,
+                "module": module,
+                "steps": len(good),
+                "first": good["norm"].iloc[0] if len(good) else np.nan,
+                "last": good["norm"].iloc[-1] if len(good) else np.nan,
+                "smallest": good["norm"].min() if len(good) else np.nan,
+                "largest": good["norm"].max() if len(good) else np.nan,
+                "ratio": pos.max() / pos.min() if len(pos) >= 2 else np.nan,
+                "nonfinite": int(f["bad"].sum()),
+            }
+        )
+    out = pd.DataFrame(rows)
+    out = out.sort_values(["nonfinite", "ratio"], ascending=[False, False], na_position="last", kind="stable")
+    return out.head(top).reset_index(drop=True)
+
+
+def rank_agreement(store, run: str) -> pd.DataFrame:
+    """Per step recorded by more than one rank: step, ranks (how many), params (parameters with a .grad row on
+    the lowest rank), differing (parameters whose final .grad differs from the lowest rank's on some rank),
+    compared ('checksum' where every differing or agreeing row had checksums, else 'statistics'), first (the
+    first differing parameter, or None). Empty when no step has two ranks. Raises UnknownRun."""
+    steps = store.steps(run=run)
+    multi = steps.groupby("step")["rank"].nunique()
+    multi = multi[multi > 1]
+    if multi.empty:
+        return pd.DataFrame(columns=["step", "ranks", "params", "differing", "compared", "first"])
+    bad = store.rank_divergence(run)
+    hist = store.history(run, role="param_grad")
+    rows = []
+    for step, n in multi.items():
+        at = hist[hist["step"] == step]
+        lowest = at[at["rank"] == at["rank"].min()] if len(at) else at
+        diff = bad[bad["step"] == step]
+        params = list(dict.fromkeys(diff["param"]))
+        checks = at["checksum"].notna().all() if len(at) else False
+        rows.append(
+            {
+                "step": int(step),
+                "ranks": int(n),
+                "params": int(lowest["param"].nunique()) if len(lowest) else 0,
+                "differing": len(params),
+                "compared": "checksum" if checks else "statistics",
+                "first": params[0] if params else None,
+            }
+        )
+    return pd.DataFrame(rows)

@@ -1,0 +1,264 @@
+"""gradstore.view: the numbers behind the plots agree with plain PyTorch, the pictures draw non-finite, missing
+and zero cells as what they are (read back from the rendered pixels), the graph holds the live graph's nodes and
+edges, and the first non-finite gradient's path is the chain worked out by hand."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradstore
+from gradstore.view import cells, graph, heatmap, history, story
+from gradstore.view.plots import MISSING_FACE, NONFINITE_COLOUR
+
+pytest.importorskip("matplotlib")
+
+
+class Net(nn.Module):
+    """a -> tanh -> b, plus `spare`, whose output is multiplied by 0 (an exactly zero gradient) and which is not
+    used at all in step 2 (its .grad is None there: not measured)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(4, 2)
+        self.spare = nn.Linear(3, 2)
+
+    def forward(self, x, step):
+        h = self.a(x)
+        if step == 1:  # a gradient hook of the user's that turns a's gradient into NaN
+            h.register_hook(lambda g: g * float("nan"))
+        out = self.b(torch.tanh(h))
+        if step != 2:
+            out = out + self.spare(x) * 0.0
+        return out
+
+
+def _record(db, run, seed, steps=4):
+    """Record `steps` steps; return {step: {param: p.grad.double() or None}} measured by plain PyTorch."""
+    torch.manual_seed(0)
+    model = Net()
+    gen = torch.Generator().manual_seed(seed)
+    seen = {}
+    with gradstore.record(run, db=db, model=model) as rec:
+        for step in range(steps):
+            x = torch.randn(5, 3, generator=gen)
+            model(x, step).pow(2).mean().backward()
+            seen[step] = {
+                n: None if p.grad is None else p.grad.detach().double().clone() for n, p in model.named_parameters()
+            }
+            model.zero_grad(set_to_none=True)
+            if step < steps - 1:
+                rec.step()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    db = str(tmp_path_factory.mktemp("view") / "v.db")
+    a = _record(db, "run-a", seed=1)
+    b = _record(db, "run-b", seed=2)
+    return db, a, b
+
+
+def _finite_norm(t: torch.Tensor) -> float:
+    t = t[torch.isfinite(t)]
+    return float(t.pow(2).sum().sqrt())
+
+
+def test_param_grid_matches_plain_pytorch(recorded):
+    db, seen, _ = recorded
+    g = cells.grid(gradstore.open(db), "run-a", by="param")
+    assert g.steps == [0, 1, 2, 3]
+    assert g.labels == ["a.bias", "a.weight", "b.bias", "b.weight", "spare.bias", "spare.weight"]
+    for i, name in enumerate(g.labels):
+        for j, step in enumerate(g.steps):
+            grad = seen[step][name]
+            if grad is None:  # spare at step 2: no .grad, so nothing measured: missing, not 0
+                assert not g.measured[i, j] and math.isnan(g.value[i, j])
+                continue
+            bad = int((~torch.isfinite(grad)).sum())
+            assert g.nonfinite[i, j] == (bad > 0), (name, step)
+            assert g.nan[i, j] == int(torch.isnan(grad).sum())
+            assert g.value[i, j] == pytest.approx(_finite_norm(grad), rel=1e-6, abs=0)
+    a_w = g.labels.index("a.weight")
+    assert g.nonfinite[a_w, 1] and g.value[a_w, 1] == 0.0  # all NaN: norm 0 over no finite element
+    spare = g.labels.index("spare.weight")
+    assert [g.value[spare, j] == 0.0 for j in (0, 1, 3)] == [True, True, True]
+
+
+def test_grouping_by_depth_combines_exactly(recorded):
+    db, seen, _ = recorded
+    g = cells.grid(gradstore.open(db), "run-a", by="param", depth=1)
+    assert g.labels == ["a", "b", "spare"] and g.depth == 1
+    j = g.steps.index(3)
+    expected = math.sqrt(_finite_norm(seen[3]["b.weight"]) ** 2 + _finite_norm(seen[3]["b.bias"]) ** 2)
+    assert g.value[g.labels.index("b"), j] == pytest.approx(expected, rel=1e-6)
+    # too many rows for max_rows: grouped by itself, and the title says so
+    auto = cells.grid(gradstore.open(db), "run-a", by="param", max_rows=3)
+    assert auto.depth == 1 and "grouped to depth 1" in auto.notes[0]
+
+
+def test_module_grid_norms_are_the_grad_outputs_of_the_modules_nodes(recorded):
+    db, _, _ = recorded
+    store = gradstore.open(db)
+    g = cells.grid(store, "run-a", by="module")
+    t = store.tensors("run-a", step=3, role="grad_output", module="b")
+    expected = math.sqrt(float((t[t["module"] == "b"]["norm"] ** 2).sum()))
+    assert g.value[g.labels.index("b"), g.steps.index(3)] == pytest.approx(expected, rel=1e-12)
+    assert g.nonfinite[g.labels.index("a"), g.steps.index(1)]
+    assert not g.nonfinite[g.labels.index("b"), g.steps.index(1)]  # the NaN was made below b
+
+
+def _pixel(fig, ax, x, y, half=3):
+    """The RGB pixels (0-255) of a small square around data point (x, y) of `ax`, as rendered by Agg."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    img = np.asarray(canvas.buffer_rgba())[..., :3].astype(int)
+    px, py = ax.transData.transform((x, y))
+    row, col = int(round(img.shape[0] - py)), int(round(px))
+    return img[row - half : row + half + 1, col - half : col + half + 1].reshape(-1, 3)
+
+
+def _rgb(hex_colour: str) -> np.ndarray:
+    return np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)])
+
+
+def test_heatmap_draws_nonfinite_missing_and_zero_cells_apart(recorded, tmp_path):
+    db, _, _ = recorded
+    store = gradstore.open(db)
+    fig = heatmap(store, "run-a", by="param")
+    ax = fig.axes[0]
+    g = cells.grid(store, "run-a", by="param")
+    a_w, spare = g.labels.index("a.weight"), g.labels.index("spare.weight")
+    # the all-NaN gradient (norm 0.0 over its finite elements) is the non-finite colour, not the scale's low end
+    nan_cell = _pixel(fig, ax, 1.3, a_w - 0.3, half=2)  # off the centre, where the word NaN is written
+    assert (np.abs(nan_cell - _rgb(NONFINITE_COLOUR)).max(axis=1) <= 2).mean() > 0.9
+    # an exactly zero gradient is white; the step where spare had no .grad is grey hatching, not white
+    zero_cell = _pixel(fig, ax, 0, spare)
+    assert (zero_cell >= 250).all()
+    missing = _pixel(fig, ax, 2, spare)
+    assert (missing.max(axis=1) - missing.min(axis=1) <= 3).all()  # grey
+    assert (missing < 245).all() and (np.abs(missing - _rgb(MISSING_FACE)).max(axis=1) <= 3).any()
+    # a measured finite cell is neither
+    calm = _pixel(fig, ax, 0, a_w)
+    assert (np.abs(calm - _rgb(NONFINITE_COLOUR)).max(axis=1) > 40).all()
+    for ext in ("png", "svg"):
+        fig.savefig(tmp_path / f"h.{ext}")
+        assert (tmp_path / f"h.{ext}").stat().st_size > 5_000
+    assert fig._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"  # shows inline in Jupyter
+
+
+def test_heatmap_into_an_axes_of_ones_own(recorded):
+    import matplotlib.figure
+
+    db, _, _ = recorded
+    mine = matplotlib.figure.Figure()
+    ax1, ax2 = mine.subplots(1, 2)
+    out = heatmap(gradstore.open(db), "run-a", by="module", ax=ax2)
+    assert out is mine and ax2.get_title(loc="left").startswith("run-a: L2 norm of grad_outputs by module")
+
+
+def test_history_series_of_two_runs_match_plain_pytorch(recorded):
+    db, a, b = recorded
+    store = gradstore.open(db)
+    s = cells.series(store, ["run-a", "run-b"], param="b.weight")
+    for run, seen in (("run-a", a), ("run-b", b)):
+        got = s[s["run"] == run].set_index("step")["value"]
+        assert list(got.index) == [0, 1, 2, 3]
+        for step in range(4):
+            assert got[step] == pytest.approx(_finite_norm(seen[step]["b.weight"]), rel=1e-6)
+    aw = cells.series(store, "run-a", param="a.weight").set_index("step")
+    assert aw.loc[1, "nan"] == 12 and aw.loc[0, "nan"] == 0  # 4 x 3 NaN at step 1
+    spare = cells.series(store, "run-a", param="spare.weight").set_index("step")
+    assert math.isnan(spare.loc[2, "value"]) and spare.loc[0, "value"] == 0.0  # missing vs zero
+    fig = history(store, ["run-a", "run-b"], param="a.weight")
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["run-a", "run-b", "NaN / Inf in the gradient"]
+    with pytest.raises(ValueError, match="exactly one"):
+        history(store, "run-a", param="a.weight", module="a")
+    with pytest.raises(gradstore.UnknownRun):
+        history(store, "nope", param="a.weight")
+
+
+def _live_graph(loss):
+    """(node names with counts, number of edges) of the live autograd graph reachable from loss.grad_fn."""
+    seen, names, edges, todo = set(), {}, 0, [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        name = fn.name().replace("torch::autograd::", "")
+        names[name] = names.get(name, 0) + 1
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                edges += 1
+                todo.append(nxt)
+    return names, edges
+
+
+def test_graph_holds_the_live_graphs_nodes_and_edges(tmp_path):
+    gv = pytest.importorskip("graphviz")
+    db = str(tmp_path / "g.db")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    with gradstore.record("g", db=db, model=model):
+        loss = model(torch.randn(2, 3)).sum()
+        names, n_edges = _live_graph(loss)
+        loss.backward()
+    g = graph(gradstore.open(db), "g", step=0)
+    assert isinstance(g, gv.Digraph)
+    drawn = [line for line in g.body if "label=" in line and "->" not in line]
+    drawn_names = {}
+    for line in drawn:
+        first = line.split('label="', 1)[1].split("\n")[0].split(" #")[0]
+        drawn_names[first] = drawn_names.get(first, 0) + 1
+    assert drawn_names == names
+    assert sum("->" in line for line in g.body) == n_edges
+    near = graph(gradstore.open(db), "g", step=0, around="1/TanhBackward0#0", depth=1)
+    near_names = sorted(
+        line.split('label="', 1)[1].split("\n")[0] for line in near.body if "->" not in line and "label=" in line
+    )
+    assert near_names == ["AddmmBackward0 #0", "AddmmBackward0 #0", "TanhBackward0 #0"]  # one edge each way
+    with pytest.raises(gradstore.GradstoreError, match="around=KEY"):
+        graph(gradstore.open(db), "g", step=0, max_nodes=2)
+    if shutil.which("dot"):
+        png = tmp_path / "g.png"
+        g.render(outfile=str(png), cleanup=True)
+        assert png.read_bytes()[:4] == b"\x89PNG"
+        assert b"<svg" in g.pipe(format="svg")
+
+
+def test_first_nonfinite_path_of_a_sqrt_at_zero(tmp_path):
+    """loss = sqrt(sum(lin(x)**2)) with lin's output exactly 0: SqrtBackward0 turns the finite seed 1 into +Inf
+    (1 / (2 sqrt(0))), SumBackward0 spreads it, PowBackward0 makes NaN (Inf * 2 * 0), AddmmBackward0 carries it
+    to lin.bias's AccumulateGrad first (addmm's next_functions: bias, input, weight.t())."""
+    db = str(tmp_path / "s.db")
+    lin = nn.Linear(3, 3)
+    nn.init.zeros_(lin.weight)
+    nn.init.zeros_(lin.bias)
+    with gradstore.record("s", db=db, model=lin, frames=True):
+        lin(torch.ones(2, 3)).pow(2).sum().sqrt().backward()
+    assert torch.isnan(lin.bias.grad).all()  # what plain PyTorch says
+    start = story.first_nonfinite(gradstore.open(db), "s")
+    assert start.name == "SqrtBackward0" and start.made_here
+    assert start.slots[["role", "posinf"]].values.tolist() == [["grad_input", 1]]
+    assert "test_view.py" in start.frame
+    hops = [e.dst.split("/")[-1] for e in start.path]
+    assert hops == ["SumBackward0#0", "PowBackward0#0", "AddmmBackward0#0", "param:bias"]
+    assert start.path[-1].dst_param == "bias"
+    assert start.path[1].posinf == 6 and start.path[1].nan == 0  # SumBackward0 spreads +Inf over 2 x 3
+    assert start.path[2].nan == 6  # PowBackward0: Inf * 2 * 0
+    assert sorted(start.params) == ["bias", "weight"]
+    # the graph marks it
+    g = graph(gradstore.open(db), "s")
+    first = [line for line in g.body if "FIRST NON-FINITE" in line]
+    assert len(first) == 1 and "SqrtBackward0" in first[0]
