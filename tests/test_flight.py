@@ -186,3 +186,36 @@ def test_flight_options_are_checked():
         with pytest.raises(gradstore.RecordUsageError, match=match):
             gradstore.record("x", **kw)
     gradstore.record("x", keep=3, stats="shape", dump_on=("nonfinite",))  # shape without the spike trigger is fine
+
+
+def test_a_dumped_step_has_the_findings_of_a_plain_step_and_a_summary_none(db):
+    """The step findings (param_status, module_calls, step_nodes, warnings) go with a step's detail: a dumped step
+    has those of the same step recorded without keep=, a summary step none, and no row points at a step row
+    that the dump replaced (PostgreSQL enforces the foreign keys; on SQLite the test checks them)."""
+    import sqlalchemy as sa
+
+    inputs = _inputs(8, nan_at={5, 6, 7})
+    _train(db, "flight", inputs, keep=2)
+    _train(db, "plain", inputs)
+    store = gradstore.open(db)
+    levels = store.steps("flight").set_index("step")["level"]
+    dumped = [s for s, lvl in levels.items() if lvl == "full"]
+    summaries = [s for s, lvl in levels.items() if lvl == "summary"]
+    assert dumped == [4, 5] and summaries  # the ring (keep=2): the step of the first NaN and the one before
+    cols = ["step", "param", "status", "module_ran", "reached", "calls", "has_grad"]
+    got = store.param_status("flight")[cols]
+    want = store.param_status("plain")[cols]
+    assert set(got.step) == set(dumped)
+    pd.testing.assert_frame_equal(
+        got.reset_index(drop=True), want[want.step.isin(dumped)].reset_index(drop=True), check_dtype=False
+    )
+    gains = store.module_gains("flight")
+    plain_gains = store.module_gains("plain")
+    assert set(gains.step) == set(dumped)
+    assert len(gains) == len(plain_gains[plain_gains.step.isin(dumped)])
+    with store.engine.connect() as conn:
+        for table in ("param_status", "module_calls", "step_nodes", "step_warnings", "step_values", "param_norms"):
+            orphans = conn.execute(
+                sa.text(f"SELECT COUNT(*) FROM {table} x WHERE x.step_id NOT IN (SELECT id FROM steps)")
+            ).scalar()
+            assert orphans == 0, table

@@ -95,7 +95,21 @@ class FlightRecorder:
         reason = self._trigger(batch, failed, skipped_by_amp, total)
         if reason is None and not self.full_next:
             self.ring.append(batch)
-            summary = replace(batch, passes=[], final=[], pass_count=len(batch.passes), level="summary", dump=None)
+            # a summary: the step row, its values and its parameter norms; the detail (the passes, final rows,
+            # activations and the step's findings) is written only if the step is dumped, under the new step row
+            summary = replace(
+                batch,
+                passes=[],
+                final=[],
+                activations=[],
+                param_status=[],
+                module_calls=[],
+                step_nodes=[],
+                warnings=[],
+                pass_count=len(batch.passes),
+                level="summary",
+                dump=None,
+            )
             return [summary], None
         out = self._detail_of_ring()
         row = self.pending_row
