@@ -611,14 +611,14 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         odd = status[status["status"] != "ok"]
         ok = int((status["status"] == "ok").sum())
         click.echo(
-            f"\nParameters that did not get a usable gradient ({len(odd)} of {len(status)} names; {ok} ok): "
-            "status says why (README: param_status)"
+            f"\nParameters without a gradient, or with an all-zero one ({len(odd)} of {len(status)} names; {ok} ok): "
+            "status says why (README: param_status; ok says nothing of NaN/Inf, listed below)"
         )
         shown_odd, more = _limited(odd, limit)
         click.echo(
             _table(
                 shown_odd[["rank", "param", "status", "module_ran", "reached", "calls", "has_grad", "shared_with"]],
-                empty="  (none: every parameter got a gradient)",
+                empty="  (none: every parameter got a gradient that is not all zero)",
             )
         )
         if more:

@@ -170,7 +170,8 @@ def test_the_ring_holds_at_most_n_steps(db):
                 rec.flush()
                 gc.collect()
                 counts.append(sum(1 for o in gc.get_objects() if type(o) is StepBatch))
-    assert len(set(counts)) == 1, counts
+    # the ring's N batches, give or take the one the writer or rec.last_step still holds: no growth with the steps
+    assert max(counts) - min(counts) <= 1, counts
     assert list(gradstore.open(db).steps("ring")["level"].unique()) == ["summary"]
 
 

@@ -124,6 +124,30 @@ def test_a_run_with_two_ranks_says_where_they_differ(tmp_path):
     assert "(first <code>0.weight</code>)" in page
 
 
+def test_a_run_that_logged_step_values_shows_them(tmp_path):
+    """rec.log values (and the flight recorder's summaries) in the report: the logged loss, by step, as logged."""
+    import torch
+
+    db = str(tmp_path / "v.db")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    losses = []
+    with gradstore.record("logged", db=db, model=model, keep=2) as rec:
+        for i in range(3):
+            loss = model(torch.randn(4, 3)).pow(2).mean()
+            loss.backward()
+            rec.log(loss=loss.detach(), lr=0.1 * (i + 1))
+            losses.append(float(loss))
+            model.zero_grad()
+            if i < 2:
+                rec.step()
+    page = _write(db, "logged", tmp_path / "v.html")
+    assert 'id="values">Step values' in page and "No step values" not in page
+    for i, v in enumerate(losses):  # the table of the last steps: step, rank, loss and lr as logged
+        cells = "".join(f'<td class="num">{x}</td>' for x in (i, 0, f"{v:.4g}", f"{0.1 * (i + 1):.4g}"))
+        assert cells in page, (i, v)
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (.ci/run installs Debian's chromium)")
 def test_chromium_renders_the_report_with_no_console_message(demo_page, tmp_path):
     out = demo_page[0]

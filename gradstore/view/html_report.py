@@ -346,9 +346,11 @@ def _params_section(page: _Page, store, run: str) -> None:
     names = top["param"].head(6).tolist()
     fig, ax = new_axes(None, (10.0, 4.2))
     edge = ax.get_xaxis_transform()
+    steps: list[int] = []
     for name in names:
         s = cells.series(store, run, param=name)
         s = s[s["rank"] == s["rank"].min()]
+        steps += [int(v) for v in s["step"]]
         bad = (s["nan"].fillna(0) + s["posinf"].fillna(0) + s["neginf"].fillna(0)) > 0
         y = s["value"].where(~bad & (s["value"] > 0))
         (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=name)
@@ -365,6 +367,11 @@ def _params_section(page: _Page, store, run: str) -> None:
                 zorder=5,
                 clip_on=False,
             )
+    if steps:  # the edge markers (a blended transform) do not take part in autoscaling: every step in view
+        lo, hi = min(steps), max(steps)
+        pad = max(0.5, 0.03 * (hi - lo))
+        ax.set_xlim(lo - pad, hi + pad)
+    ax.xaxis.set_major_locator(require("matplotlib.ticker", "gradstore report").MaxNLocator(integer=True))
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("L2 norm of .grad (log scale)")
@@ -411,18 +418,13 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
 
 
 def _values_section(page: _Page, store, run: str) -> None:
-    reader = getattr(store, "values", None)
-    if not callable(reader):
-        page.notes.append(
-            "Step values (loss, learning rate, ...) are not shown: this gradstore's Store has no values() helper."
-        )
-        return
     page.section("values", "Step values")
     try:
-        vals = reader(run)
+        vals = store.values(run)  # one column per name, indexed by (step, rank)
     except GradstoreError as exc:
         page.add(f'<p class="note">Step values not read: {_e(exc)}</p>')
         return
+    vals = vals.reset_index()  # step and rank as columns
     if vals is None or len(vals) == 0:
         page.add('<p class="note">No step values recorded in this run.</p>')
         return

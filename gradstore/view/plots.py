@@ -267,6 +267,7 @@ def history(
         lo, hi = int(data["step"].min()), int(data["step"].max())
         pad = max(0.5, 0.03 * (hi - lo))
         ax.set_xlim(lo - pad, hi + pad)
+    ax.xaxis.set_major_locator(require("matplotlib.ticker", "gradstore.view.history").MaxNLocator(integer=True))
     positive = data["value"][data["value"] > 0]
     if log and len(positive):
         ax.set_yscale("log")
