@@ -257,7 +257,10 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> sto
         else '<span class="note">not recorded (record(frames=True) keeps it)</span>'
     )
     origin = (
-        "Its grad_outputs were finite and its grad_inputs were not: <b>its own backward made them</b>."
+        "Its grad_outputs were finite and its grad_inputs were not: <b>its backward made them</b>, from finite "
+        "incoming gradients and the values it saved in the forward. Those values may already have been NaN or Inf "
+        "(a forward that went non-finite: the loss then is too), or the derivative itself is not finite there "
+        "(sqrt or log at 0, a division by 0); record(forward=True) or record(saved=True) tells the two apart."
         if start.made_here
         else "They were already in its grad_outputs when it ran: they came from the pass's root gradient, or from "
         "a node the record does not hold."
@@ -323,8 +326,8 @@ def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
         return
     page.add(
         "<p>L2 norm of the grad_outputs flowing into each module's nodes (over finite elements, combined over "
-        "calls), log colour scale. Red cells held NaN or Inf (exact counts); hatched cells were not measured; "
-        "white cells are exactly 0.</p>"
+        "calls), log colour scale. Red cells held NaN or Inf (exact counts); hatched cells hold no value (not "
+        "measured, or no gradient: a .grad of None, a None slot); white cells are exactly 0.</p>"
     )
     page.add(_png(fig, f"heatmap of gradient norms by module for {run}"))
 

@@ -179,7 +179,12 @@ def heatmap(
     bar.ax.tick_params(labelsize=7)
     handles = [
         mpatches.Patch(facecolor=NONFINITE_COLOUR, label="NaN / Inf in a gradient (exact counts)"),
-        mpatches.Patch(facecolor=MISSING_FACE, edgecolor=MISSING_HATCH, hatch="////", label="not measured"),
+        mpatches.Patch(
+            facecolor=MISSING_FACE,
+            edgecolor=MISSING_HATCH,
+            hatch="////",
+            label="no value (not measured, or None)",
+        ),
     ]
     if log and zeros.any():
         handles.append(mpatches.Patch(facecolor=ZERO_COLOUR, edgecolor="#777777", label="exactly 0"))
@@ -187,7 +192,7 @@ def heatmap(
         handles=handles,
         loc="upper left",
         bbox_to_anchor=(0.0, -0.06 - 0.6 / max(height, 1)),
-        ncol=3,
+        ncol=1,
         fontsize=7,
         frameon=False,
         handlelength=1.4,
