@@ -386,6 +386,22 @@ def runs(db):
     click.echo(_table(out))
 
 
+def _status_why(row) -> str:
+    """One line of README's param_status table for a row of Store.param_status (its status and the facts)."""
+    status, reached = row.status, row.reached
+    if status == "unreachable":
+        if reached == 1:
+            return "a pass reached its AccumulateGrad and did not run it: torch.autograd.grad or backward(inputs=...)"
+        return "its module ran, but no pass's roots reach it (detached, or a branch the loss does not use)"
+    return {
+        "frozen": "requires_grad=False",
+        "zero": "received gradients, all exactly 0",
+        "received": "received a gradient whose values were not measured at this stats level",
+        "stale": "received nothing this step; .grad still holds an earlier step's",
+        "not used": "its module's forward did not run in the step",
+    }.get(status, "")
+
+
 def _limited(df: pd.DataFrame, limit: int) -> tuple[pd.DataFrame, str]:
     """The first and last rows of `df`, `limit` in all, and a line saying how many were left out ('' for none)."""
     if len(df) <= limit:
@@ -615,9 +631,10 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             "status says why (README: param_status; ok says nothing of NaN/Inf, listed below)"
         )
         shown_odd, more = _limited(odd, limit)
+        shown_odd = shown_odd.assign(why=[_status_why(r) for r in shown_odd.itertuples()])
         click.echo(
             _table(
-                shown_odd[["rank", "param", "status", "module_ran", "reached", "calls", "has_grad", "shared_with"]],
+                shown_odd[["rank", "param", "status", "why", "module_ran", "reached", "calls", "has_grad"]],
                 empty="  (none: every parameter got a gradient that is not all zero)",
             )
         )

@@ -272,12 +272,13 @@ def test_show_step_says_why_parameters_lack_gradients_and_what_the_step_warned(d
     start = next(i for i, line in enumerate(lines) if line.startswith("Parameters without a gradient, or"))
     assert "(4 of 6 names; 2 ok)" in lines[start]
     rows = [line.split() for line in lines[start + 2 : start + 6]]
-    assert {(r[1], r[2], r[3]) for r in rows} == {
-        ("frozen.bias", "frozen", "1"),
-        ("frozen.weight", "frozen", "1"),
-        ("unused.bias", "not", "used"),
-        ("unused.weight", "not", "used"),
+    assert {(r[1], " ".join(r[2:5])) for r in rows} == {  # name, then status and the start of why
+        ("frozen.bias", "frozen requires_grad=False 1"),
+        ("frozen.weight", "frozen requires_grad=False 1"),
+        ("unused.bias", "not used its"),
+        ("unused.weight", "not used its"),
     }
+    assert out.count("its module's forward did not run in the step") == 2
     assert "Warnings raised inside the step" in out and "check this" in out and "UserWarning" in out
     assert "Module gains" in out
     run_view = invoke("show", db, "why").output
