@@ -26,7 +26,7 @@ from ..version import __version__
 from . import cells, story
 from .backward_graph import graph
 from .extras import require
-from .plots import figure_class, heatmap, new_axes
+from .plots import figure_class, heatmap, mark_nonfinite_steps, new_axes, steps_in_view
 
 SECTIONS = ("run", "steps", "first non-finite gradient", "heatmap", "parameters", "ranks", "step values")
 _STATUS_COLOURS = {"ok": "#9ccf9c", "nonfinite": "#ff1f5b", "error": "#222222"}
@@ -348,7 +348,6 @@ def _params_section(page: _Page, store, run: str) -> None:
         return
     names = top["param"].head(6).tolist()
     fig, ax = new_axes(None, (10.0, 4.2))
-    edge = ax.get_xaxis_transform()
     steps: list[int] = []
     for name in names:
         s = cells.series(store, run, param=name)
@@ -358,23 +357,8 @@ def _params_section(page: _Page, store, run: str) -> None:
         y = s["value"].where(~bad & (s["value"] > 0))
         (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=name)
         if bad.any():
-            ax.scatter(
-                s["step"][bad],
-                np.full(int(bad.sum()), 0.96),
-                transform=edge,
-                marker="X",
-                s=60,
-                color=line.get_color(),
-                edgecolors="#c40030",
-                linewidths=1.0,
-                zorder=5,
-                clip_on=False,
-            )
-    if steps:  # the edge markers (a blended transform) do not take part in autoscaling: every step in view
-        lo, hi = min(steps), max(steps)
-        pad = max(0.5, 0.03 * (hi - lo))
-        ax.set_xlim(lo - pad, hi + pad)
-    ax.xaxis.set_major_locator(require("matplotlib.ticker", "gradstore report").MaxNLocator(integer=True))
+            mark_nonfinite_steps(ax, s["step"][bad], line.get_color(), size=60)
+    steps_in_view(ax, steps)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("L2 norm of .grad (log scale)")

@@ -200,6 +200,36 @@ def heatmap(
     return fig
 
 
+def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
+    """Draw an X on the top edge of `ax` at each step of `steps` (a sequence of step numbers: the steps whose
+    gradient held NaN or Inf), in a line's `colour` with a red edge; `size` in points squared. The markers sit
+    in axes coordinates vertically (x in data), so they take no part in autoscaling: call `steps_in_view`."""
+    ax.scatter(
+        list(steps),
+        np.full(len(steps), 0.96),
+        transform=ax.get_xaxis_transform(),  # x in data, y in axes fractions
+        marker="X",
+        s=size,
+        color=colour,
+        edgecolors="#c40030",
+        linewidths=1.2,
+        zorder=5,
+        clip_on=False,
+    )
+
+
+def steps_in_view(ax, steps) -> None:
+    """Set the x axis of `ax` to show every step of `steps` (step numbers; a little padding either side), with
+    integer ticks: the edge markers of `mark_nonfinite_steps` would otherwise fall outside the data limits."""
+    ticker = require("matplotlib.ticker", "gradstore.view")
+    steps = [int(v) for v in steps]
+    if steps:
+        lo, hi = min(steps), max(steps)
+        pad = max(0.5, 0.03 * (hi - lo))
+        ax.set_xlim(lo - pad, hi + pad)
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+
+
 def history(
     store,
     runs,
@@ -243,18 +273,7 @@ def history(
         (line,) = ax.plot(f["step"], y.where(~zero) if log else y, marker="o", markersize=3, linewidth=1.4, label=label)
         if bad.any():
             any_bad = True
-            ax.scatter(
-                f["step"][bad],
-                np.full(int(bad.sum()), 0.96),
-                transform=edge,
-                marker="X",
-                s=70,
-                color=line.get_color(),
-                edgecolors="#c40030",
-                linewidths=1.2,
-                zorder=5,
-                clip_on=False,
-            )
+            mark_nonfinite_steps(ax, f["step"][bad], line.get_color())
         if log and zero.any():
             any_zero = True
             ax.scatter(
@@ -268,11 +287,7 @@ def history(
                 zorder=5,
                 clip_on=False,
             )
-    if len(data):  # the edge markers (a blended transform) do not take part in autoscaling: every step in view
-        lo, hi = int(data["step"].min()), int(data["step"].max())
-        pad = max(0.5, 0.03 * (hi - lo))
-        ax.set_xlim(lo - pad, hi + pad)
-    ax.xaxis.set_major_locator(require("matplotlib.ticker", "gradstore.view.history").MaxNLocator(integer=True))
+    steps_in_view(ax, data["step"])
     positive = data["value"][data["value"] > 0]
     if log and len(positive):
         ax.set_yscale("log")
