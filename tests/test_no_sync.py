@@ -163,17 +163,28 @@ def test_the_device_path_copies_once_at_the_end_of_the_pass(tmp_path, monkeypatc
     assert tensors.norm.notna().all()
 
 
-def test_the_counter_sees_a_call_inside_the_window(tmp_path, monkeypatch, host_calls):
-    """Control: a user tensor hook calling `.item()` during the backward pass is counted, once per call."""
+HOST_CALLS = {
+    "item": lambda g: g.sum().item(),
+    "cpu": lambda g: g.cpu(),
+    "tolist": lambda g: g.sum().tolist(),
+    "__bool__": lambda g: bool(g.sum() > 0),
+    "__float__": lambda g: float(g.sum()),
+    "__int__": lambda g: int(g.sum()),
+}
+
+
+@pytest.mark.parametrize("method", sorted(HOST_CALLS))
+def test_the_counter_sees_a_call_inside_the_window(tmp_path, monkeypatch, host_calls, method):
+    """Control: a user tensor hook making one host call during the backward pass is counted, once."""
     select_hooks(monkeypatch, "python")
     model = make_model()
     with gradstore.record("r", db=str(tmp_path / "c.db"), model=model, stats="full"):
         h = model[0](IDS)
-        h.register_hook(lambda g: (g.sum().item(), None)[1])
+        h.register_hook(lambda g: (HOST_CALLS[method](g), None)[1])
         loss = nn.functional.cross_entropy(model[1:](h), TARGET)
         with host_calls.backward():
             loss.backward()
-    assert [name for name, _ in host_calls.calls] == ["item"]
+    assert [name for name, _ in host_calls.calls] == [method]
 
 
 @pytest.mark.parametrize("hooks", ["python", "native"])

@@ -13,7 +13,8 @@ Where the reductions run:
   mean no NaN and no Inf, and the results are read on the spot. std comes from the sum of squares, recomputed
   around the mean (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and
   torch (a float64-accumulated sum, torch.aminmax, float64 dot products by chunks, a zero count).
-  A tensor that holds NaN or Inf takes the masked path, which counts them exactly.
+  A tensor that holds NaN or Inf takes the masked path, which counts them exactly, except one that is NaN
+  throughout (the kernel's min and max, which skip NaN, saw nothing): its results are known without it.
 - Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
   device until `to_rows` copies each device's stack to the host once per pass.
 
