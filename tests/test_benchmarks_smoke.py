@@ -84,3 +84,37 @@ def test_inside_benchmark_runs_alone(tmp_path):
     assert results["gradstore full, values=*"]["counts"]["value bytes"] > 0
     assert results["gradstore full, forward=True"]["counts"]["forward_seqs rows"] > 0
     assert "| gradstore full, forward=True |" in out.read_text()
+
+
+def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
+    """`python -m benchmarks.steady --quick --tiny` (issue 17's steady-state blocks) writes its report; the NaN
+    storm's rows and the ratio of the two recorded steps are there. Nothing about speed is asserted."""
+    out = tmp_path / "STEADY.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.steady", "--quick", "--tiny", "--models", "mlp,cnn,nan", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = out.read_text()
+    for row in ("| `mlp` | 1 | `full` |", "| `cnn` | 1 | `params` |", "| `nan` | 1 | `full NaN / full finite` |"):
+        assert row in report, f"no row {row}:\n{report}"
+    results = json.loads(out.with_suffix(".json").read_text())
+    for name in ("none", "full", "shape", "params"):
+        assert len(results["runs"]["mlp/1"][name]["ratios"]) == 2  # --quick: 2 timed rounds
+    assert results["models"]["mlp"]["nodes"] > 100
+
+
+def test_gpu_check_says_so_without_cuda():
+    """`python -m benchmarks.gpu_check` imports and exits 0 with a message where there is no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the script would measure (run it by hand)")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no CUDA device" in proc.stdout

@@ -478,3 +478,41 @@ def test_dtensor_layout_folds_the_coordinate_by_placement_kind(monkeypatch):
     out = dtensor.describe(_FakeDTensor((4,), _Mesh((2,), None), (Shard(0),)))
     assert (out.coordinate, out.global_offset, out.shard, out.replica, out.partial) == (None, None, None, None, None)
     assert dtensor.placements_text((Partial("max"),)) == "(Partial(max),)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("level", ["full", "health"])
+@pytest.mark.parametrize("n", [1, 7, 16, 1000, 3 * kernel.SPLIT + 5])
+def test_an_all_nan_gradient_gives_the_masked_results_without_the_masked_path(dtype, level, n, reductions, monkeypatch):
+    """A gradient that is NaN throughout (a NaN storm) is answered from the kernel's pass alone: the values the
+    masked path gives (NaN where it has NaN), the same rows, and the independent reference's statistics."""
+    if reductions == "numpy":
+        pytest.skip("the shortcut reads the fused kernel's min and max")
+    t = torch.full((n,), NAN, dtype=dtype)
+    t[n // 2] = -NAN  # a NaN with its sign bit set is a NaN too
+    expected = stats._masked(t, level).tolist()
+    real_masked, calls = stats._masked, []
+    monkeypatch.setattr(stats, "_masked", lambda x, lv="full": (calls.append(x.numel()), real_masked(x, lv))[1])
+
+    got = stats._reduce(t, level)
+    assert calls == [] and isinstance(got, tuple)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert (math.isnan(g) and math.isnan(e)) or (g == e and math.copysign(1, g) == math.copysign(1, e)), (
+            got,
+            expected,
+        )
+    assert stats._derive(got) == stats._derive(expected)
+    row = stats.to_dicts([stats.measure(t, level)])[0]
+    assert (row["nan"], row["posinf"], row["neginf"], row["norm"]) == (n, 0, 0, 0.0)
+    assert row["min"] is row["max"] is row["mean"] is row["std"] is None
+
+    # one value that is not NaN, anywhere: the masked path counts it
+    for value, where in ((INF, 0), (-INF, n - 1), (0.0, n // 3), (1.5, n - 1)):
+        calls.clear()
+        u = t.clone()
+        u[where] = value
+        stats._reduce(u, level)
+        if n > 1 or not math.isfinite(value):  # (a single finite value is the kernel's common case)
+            assert calls == [n], (value, where)
+        assert_matches(u)

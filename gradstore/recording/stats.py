@@ -13,7 +13,8 @@ Where the reductions run:
   mean no NaN and no Inf, and the results are read on the spot. std comes from the sum of squares, recomputed
   around the mean (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and
   torch (a float64-accumulated sum, torch.aminmax, float64 dot products by chunks, a zero count).
-  A tensor that holds NaN or Inf takes the masked path, which counts them exactly.
+  A tensor that holds NaN or Inf takes the masked path, which counts them exactly, except one that is NaN
+  throughout (the kernel's min and max, which skip NaN, saw nothing): its results are known without it.
 - Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
   device until `to_rows` copies each device's stack to the host once per pass.
 
@@ -229,11 +230,11 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
         # NaN or Inf somewhere, or squares past the largest value: a float64 |x| past 1.3e154, or a float32 one
         # past 1.8e19 (its squares are added in float32 blocks here): the masked path counts or scales them
         if not math.isfinite(sumsq):
-            return _masked(x, level)
+            return _all_nan(n, level) if mn == math.inf and mx == -math.inf else _masked(x, level)
         return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
     s, sumsq, mn, mx, zeros = k.full(suffix, ptr, n, size)
     if not (math.isfinite(s) and math.isfinite(sumsq)):  # NaN, Inf, or float64 squares or sums overflowing
-        return _masked(x, level)
+        return _all_nan(n, level) if mn == math.inf and mx == -math.inf else _masked(x, level)
     mean = s / n
     m2 = sumsq - s * mean
     if mn == mx:
@@ -241,6 +242,18 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
     elif m2 < 1e-4 * s * mean:  # the mean dominates: sumsq - s*mean cancels; redo around the mean
         m2 = k.m2(suffix, ptr, n, size, mean)
     return (0.0, 0.0, 0.0, zeros, float(n), math.sqrt(sumsq), mn, mx, mean, _std(m2, n))
+
+
+def _all_nan(n: int, level: str) -> tuple:
+    """What `_masked` gives for n > 0 values that are all NaN, without its passes over them: the kernel's min and
+    max skip NaN, so a min of +Inf and a max of -Inf after a non-finite sum mean that no value is finite or
+    infinite. The same values as `_masked(x, level).tolist()` (NaN where it has NaN; tests/test_stats.py compares):
+    n NaN, no finite value, norm 0, min +Inf, max -Inf, mean 0/0 (NaN), std sqrt(0 / -1) (-0.0) at 'full';
+    zeros, mean and std absent (NaN) at 'health'. A NaN storm (every gradient NaN) then costs the kernel's one
+    pass per gradient instead of the masked path's dozen float64 passes."""
+    if level == "full":
+        return (float(n), 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf, math.nan, -0.0)
+    return (float(n), 0.0, 0.0, _ABSENT, 0.0, 0.0, math.inf, -math.inf, _ABSENT, _ABSENT)
 
 
 def _std(m2: float, n: int) -> float:

@@ -1,0 +1,439 @@
+"""`python -m benchmarks.steady`: issue 17's steady-state cost of recording, the writer's work inside the time.
+
+    python -m benchmarks.steady                     # ~10-15 min on 2 shared cores; writes benchmarks/STEADY.md
+    python -m benchmarks.steady --quick --tiny      # a smoke run (seconds): checks the script, not the numbers
+    python -m benchmarks.steady --models mlp --threads 1 --levels none,full
+    python -m benchmarks.steady --profile mlp       # cProfile of recorded steps of one model, by own time
+
+What is timed: a *block* of K consecutive steps. A recorded block is K steps of the function decorated with
+`gradstore.record(run, db=..., model=model, stats=level)` followed by `rec.flush()` (which returns once the
+writer thread has every one of those steps in the database), so the writer's work, and any core or GIL it
+takes from training, is inside the measured time. A `none` block is K plain steps of the same function. The
+blocks of every level run interleaved (one block each per round, `none` first, after warm-up rounds;
+`gc.collect()` once per round, untimed); each recorded block's time is divided by the `none` block of the same
+round, and the report gives the median of those per-round ratios (and the median block time per step).
+
+Models (each step: forward, loss, `loss.backward()`, SGD step, `zero_grad(set_to_none=True)`, CPU):
+- `gpt2`: the reference step of benchmarks/common.py (HuggingFace GPT-2, 4 layers x 256, batch 8 x 128);
+- `mlp`: a deep narrow residual MLP, many small nodes: `--mlp-blocks` (48) blocks of LayerNorm -> Linear ->
+  GELU -> Linear plus the residual, width `--mlp-width` (128), batch 64, a 10-class head, cross-entropy;
+- `cnn`: a small CNN with batch norm: three 3x3 convolutions (16, 32, 64 channels, the last two stride 2), each
+  followed by BatchNorm2d and ReLU, global average pool, a 10-class head; batch 16 x 3 x 32 x 32.
+- `nan`: the NaN storm: the reference step with its loss multiplied by NaN (every gradient of the backward
+  non-finite) against the same step multiplied by 1.0, recorded at `full` and not; these steps skip the SGD
+  update (only `zero_grad`), so the weights stay finite and the NaN and finite steps run the same forward.
+  The figure of issue 17's target is `full` NaN / `full` finite, from the same rounds.
+
+Everything here measures; nothing is imported by gradstore. Not part of `python -m benchmarks.run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+from .common import BENCH_DIR, REFERENCE, TINY, Bench, environment, log, median, quiet
+
+LEVELS = ("none", "full", "shape", "params")
+MODELS = ("gpt2", "mlp", "cnn", "nan")
+NOTES_MARK = "<!-- notes below this line are kept by python -m benchmarks.steady -->"
+
+# issue 17's targets, 1 thread (medians of steady-state ratios to no recording)
+TARGETS = {("mlp", "full"): 1.10, ("mlp", "shape"): 1.05, ("nan", "full NaN / full finite"): 1.30}
+PARAMS_TARGET = 1.03
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.steady", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 rounds after 1 warm-up, short blocks: checks the script")
+    p.add_argument("--tiny", action="store_true", help="toy sizes of every model (a 1-layer GPT-2, an 8-block MLP)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--levels", default=",".join(LEVELS), help="levels compared (none is always first)")
+    p.add_argument("--threads", default="1,2", help="torch thread counts (default 1,2; --quick: 1)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7; --quick: 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds (default 1)")
+    p.add_argument("--block", type=int, default=None, help="steps per block for every model (default: per model)")
+    p.add_argument("--mlp-blocks", type=int, default=48, help="residual blocks of the mlp model (default 48)")
+    p.add_argument("--mlp-width", type=int, default=128, help="width of the mlp model (default 128)")
+    p.add_argument("--profile", default=None, help="instead of timing: cProfile of recorded steps of this model")
+    p.add_argument("--profile-levels", default="full,shape,params", help="levels profiled (with --profile)")
+    p.add_argument("--out", default=str(BENCH_DIR / "STEADY.md"), help="the report (raw numbers next to it, .json)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the models and runs of the existing .json next to --out (this run's replace theirs): a long "
+        "measurement in parts",
+    )
+    a = p.parse_args(argv)
+    a.models = [m for m in a.models.split(",") if m]
+    bad = set(a.models) - set(MODELS)
+    if bad:
+        p.error(f"unknown models {sorted(bad)}; choose from {MODELS}")
+    a.levels = ["none"] + [lv for lv in a.levels.split(",") if lv and lv != "none"]
+    a.threads = [1] if a.quick and a.threads == "1,2" else [int(t) for t in a.threads.split(",") if t]
+    a.rounds = a.rounds or (2 if a.quick else 7)
+    a.warmup = a.warmup if a.warmup is not None else 1
+    return a
+
+
+# ---- the models --------------------------------------------------------------------------------------------
+class Model:
+    """A model, its SGD optimizer and a fixed batch; `step(model, self)` is one training step."""
+
+    name = "?"
+    block = 10  # steps per timed block
+    describe = ""
+
+    def loss(self, model):
+        raise NotImplementedError
+
+    def step(self, model, owner) -> None:
+        loss = owner.loss(model)
+        loss.backward()
+        owner.opt.step()
+        owner.opt.zero_grad(set_to_none=True)
+
+    def nodes(self) -> int:
+        """Nodes of one backward graph (a walk of next_functions from the loss's grad_fn)."""
+        seen, todo = set(), [self.loss(self.model).grad_fn]
+        while todo:
+            n = todo.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            todo.extend(f for f, _ in n.next_functions)
+        return len(seen)
+
+
+class Gpt2(Model):
+    name = "gpt2"
+    block = 3
+
+    def __init__(self, tiny: bool):
+        self.bench = Bench(TINY if tiny else REFERENCE)
+        self.model, self.opt = self.bench.model, self.bench.opt
+        self.describe = self.bench.spec.describe()
+
+    def loss(self, model):
+        return model(input_ids=self.bench.ids, labels=self.bench.ids).loss
+
+
+class ResMlp(Model):
+    name = "mlp"
+    block = 20
+
+    def __init__(self, tiny: bool, blocks: int, width: int):
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        blocks, width = (8, 32) if tiny else (blocks, width)
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm = nn.LayerNorm(width)
+                self.fc1 = nn.Linear(width, width)
+                self.fc2 = nn.Linear(width, width)
+
+            def forward(self, x):
+                return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+        self.model = nn.Sequential(*[Block() for _ in range(blocks)], nn.LayerNorm(width), nn.Linear(width, 10))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(64, width)
+        self.y = torch.randint(0, 10, (64,))
+        self.describe = (
+            f"residual MLP, {blocks} blocks of LayerNorm -> Linear({width}, {width}) -> GELU -> Linear({width}, "
+            f"{width}) + residual, LayerNorm, Linear({width}, 10); batch 64; cross-entropy; SGD"
+        )
+
+    def loss(self, model):
+        import torch
+
+        return torch.nn.functional.cross_entropy(model(self.x), self.y)
+
+
+class SmallCnn(Model):
+    name = "cnn"
+    block = 10
+
+    def __init__(self, tiny: bool):
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        side = 8 if tiny else 32
+
+        def unit(cin, cout, stride):
+            return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+
+        self.model = nn.Sequential(
+            *unit(3, 16, 1),
+            *unit(16, 32, 2),
+            *unit(32, 64, 2),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, 10),
+        )
+        self.model.train()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(16, 3, side, side)
+        self.y = torch.randint(0, 10, (16,))
+        self.describe = (
+            f"CNN: Conv2d 3x3 (16, 32 stride 2, 64 stride 2 channels) each with BatchNorm2d and ReLU, global "
+            f"average pool, Linear(64, 10); batch 16 x 3 x {side} x {side}; cross-entropy; SGD"
+        )
+
+    def loss(self, model):
+        import torch
+
+        return torch.nn.functional.cross_entropy(model(self.x), self.y)
+
+
+class NanStorm(Gpt2):
+    """The reference step with its loss scaled by `scale` (1.0: finite; NaN: every gradient non-finite), no SGD
+    update (the NaN step would make the weights NaN), so that NaN and finite steps run the same forward."""
+
+    name = "nan"
+
+    def __init__(self, tiny: bool):
+        super().__init__(tiny)
+        self.scale = 1.0
+        self.describe += "; loss x NaN (every gradient non-finite) or x 1.0; no SGD update (zero_grad only)"
+
+    def loss(self, model):
+        return super().loss(model) * self.scale
+
+    def step(self, model, owner) -> None:
+        owner.loss(model).backward()
+        owner.opt.zero_grad(set_to_none=True)
+
+
+def build(name: str, a) -> Model:
+    if name == "gpt2":
+        return Gpt2(a.tiny)
+    if name == "mlp":
+        return ResMlp(a.tiny, a.mlp_blocks, a.mlp_width)
+    if name == "cnn":
+        return SmallCnn(a.tiny)
+    return NanStorm(a.tiny)
+
+
+# ---- the blocks --------------------------------------------------------------------------------------------
+class Slot:
+    """One configuration: `run()` times one block of K steps (recorded ones end in `rec.flush()`)."""
+
+    def __init__(self, m: Model, level: str, tmp: Path, k: int, scale: float = 1.0, name: str | None = None):
+        import gradstore
+
+        self.m, self.level, self.k, self.scale = m, level, k, scale
+        self.name = name or level
+        if level == "none":
+            self.rec, self.fn = None, m.step
+        else:
+            run = f"{m.name}-{self.name}".replace(" ", "-")
+            self.rec = gradstore.record(run, db=str(tmp / f"{run}.db"), model=m.model, stats=level)
+            self.fn = self.rec(m.step)
+
+    def run(self) -> float:
+        m, fn = self.m, self.fn
+        if isinstance(m, NanStorm):
+            m.scale = self.scale
+        t0 = time.perf_counter()
+        for _ in range(self.k):
+            fn(m.model, m)
+        if self.rec is not None:
+            self.rec.flush()
+        return time.perf_counter() - t0
+
+
+def interleave(slots: list[Slot], rounds: int, warmup: int, label: str) -> dict:
+    """Blocks interleaved, `slots[0]` (none) first in each round. Returns {name: {"block_s": [...],
+    "ratios": [block / baseline block of the same round]}}."""
+    out = {s.name: {"block_s": [], "ratios": []} for s in slots}
+    for r in range(warmup + rounds):
+        gc.collect()
+        times = {s.name: s.run() for s in slots}
+        if r < warmup:
+            log(f"{label} warm-up round {r + 1}/{warmup}")
+            continue
+        base = times[slots[0].name]
+        for s in slots:
+            out[s.name]["block_s"].append(times[s.name])
+            out[s.name]["ratios"].append(times[s.name] / base)
+        log(
+            f"{label} round {r - warmup + 1}/{rounds}: "
+            + ", ".join(f"{n} {t / slots[0].k * 1e3:.1f} ms" for n, t in times.items())
+        )
+    for s in slots:
+        e = out[s.name]
+        e["step_ms"] = median(e["block_s"]) / s.k * 1e3
+        e["ratio"] = median(e["ratios"])
+        e["k"] = s.k
+    return out
+
+
+def measure(a) -> dict:
+    import torch
+
+    results = {"args": {k: v for k, v in vars(a).items()}, "env": environment(), "models": {}, "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="gradstore-steady-") as tmp:
+        tmp = Path(tmp)
+        for name in a.models:
+            m = build(name, a)
+            k = a.block or (2 if a.quick else m.block)
+            results["models"][name] = {"describe": m.describe, "nodes": m.nodes(), "k": k}
+            for threads in a.threads:
+                torch.set_num_threads(threads)
+                sub = tmp / f"{name}-{threads}"
+                sub.mkdir()
+                if name == "nan":
+                    slots = [
+                        Slot(m, "none", sub, k, 1.0, "none finite"),
+                        Slot(m, "none", sub, k, float("nan"), "none NaN"),
+                        Slot(m, "full", sub, k, 1.0, "full finite"),
+                        Slot(m, "full", sub, k, float("nan"), "full NaN"),
+                    ]
+                else:
+                    slots = [Slot(m, lv, sub, k) for lv in a.levels]
+                res = interleave(slots, a.rounds, a.warmup, f"{name} {threads}t")
+                if name == "nan":  # the target's figure: NaN over finite, both recorded, per round
+                    nan, fin = res["full NaN"]["block_s"], res["full finite"]["block_s"]
+                    res["full NaN / full finite"] = {
+                        "ratios": [x / y for x, y in zip(nan, fin)],
+                        "ratio": median([x / y for x, y in zip(nan, fin)]),
+                    }
+                results["runs"][f"{name}/{threads}"] = res
+                for s in slots:
+                    if s.rec is not None:
+                        s.rec.flush()
+            del m
+            gc.collect()
+    return results
+
+
+# ---- the report --------------------------------------------------------------------------------------------
+def _verdict(model: str, row: str, threads: int, ratio) -> str:
+    if threads != 1 or ratio is None:
+        return ""
+    target = TARGETS.get((model, row)) or (PARAMS_TARGET if row == "params" else None)
+    if target is None:
+        return ""
+    return f"<= {target:.2f}: " + ("met" if ratio <= target else f"missed by {ratio - target:.2f}")
+
+
+def report(res: dict) -> str:
+    env = res["env"]
+    lines = [
+        "# Steady-state cost of recording (issue 17)",
+        "",
+        "Written by `python -m benchmarks.steady` (see benchmarks/README.md, *Steady state*). Blocks of K "
+        "consecutive steps; a recorded block ends in `rec.flush()`, so the writer's work is inside the time; "
+        "ratio = median over rounds of (recorded block / `none` block of the same round). Interleaved, "
+        "1 warm-up round, then the rounds listed per row.",
+        "",
+        "## Machine",
+        "",
+    ]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    try:
+        lines.append(f"- load average at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    except OSError:
+        pass
+    lines += ["", "## Models", "", "| model | what | nodes per backward |", "|---|---|---|"]
+    for name, d in res["models"].items():
+        lines.append(f"| `{name}` | {d['describe']} | {d['nodes']} |")
+    lines += [
+        "",
+        "## Ratios",
+        "",
+        "| model | threads | configuration | K | step (ms, block / K) | ratio (median of per-round ratios) | "
+        "per-round ratios | issue 17 target (1 thread) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, run in res["runs"].items():
+        model, threads = key.split("/")
+        for row, e in run.items():
+            step = f"{e['step_ms']:.1f}" if "step_ms" in e else ""
+            spread = ", ".join(f"{r:.2f}" for r in e["ratios"])
+            verdict = _verdict(model, row, int(threads), e["ratio"])
+            k = e.get("k", "")
+            lines.append(
+                f"| `{model}` | {threads} | `{row}` | {k} | {step} | {e['ratio']:.2f} | {spread} | {verdict} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write(res: dict, out: Path) -> None:
+    notes = ""
+    if out.exists():
+        text = out.read_text()
+        if NOTES_MARK in text:
+            notes = text[text.index(NOTES_MARK) :]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report(res) + ("\n" + notes if notes else ""))
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+
+
+# ---- the profile -------------------------------------------------------------------------------------------
+def profile(a) -> str:
+    """cProfile of `block` recorded steps (and their flush) per level, after warm-up steps: top functions by own
+    time, per step, and the total against the same steps unrecorded (cProfile's own overhead is in both)."""
+    import torch
+
+    torch.set_num_threads(a.threads[0])
+    m = build(a.profile, a)
+    k = a.block or m.block
+    out = [f"# profile of `{a.profile}` ({m.describe}; {m.nodes()} nodes), {k} steps per level, {a.threads[0]} thread"]
+    with tempfile.TemporaryDirectory(prefix="gradstore-steady-prof-") as tmp:
+        for level in ["none"] + [lv for lv in a.profile_levels.split(",") if lv]:
+            s = Slot(m, level, Path(tmp), k)
+            s.run()  # warm-up: the first landing, the C++ hooks' build
+            prof = cProfile.Profile()
+            prof.enable()
+            wall = s.run()
+            prof.disable()
+            buf = io.StringIO()
+            st = pstats.Stats(prof, stream=buf)
+            st.sort_stats("tottime").print_stats(25)
+            out.append(f"\n## {level}: {wall / k * 1e3:.2f} ms per step under cProfile\n")
+            out.append(buf.getvalue())
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    quiet()
+    a = parse_args(argv)
+    if a.profile:
+        print(profile(a))
+        return 0
+    res = measure(a)
+    out = Path(a.out)
+    if a.merge and out.with_suffix(".json").exists():
+        old = json.loads(out.with_suffix(".json").read_text())
+        res["models"] = {**old.get("models", {}), **res["models"]}
+        res["runs"] = {**old.get("runs", {}), **res["runs"]}
+        res["env"]["earlier parts"] = (
+            old["env"].get("date", "?")
+            + " (load "
+            + str(old["env"].get("load average (1/5/15 min, at start)", "?"))
+            + ")"
+            + ("; " + old["env"]["earlier parts"] if "earlier parts" in old["env"] else "")
+        )
+    write(res, out)
+    print(report(res))
+    log(f"wrote {out} and {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
