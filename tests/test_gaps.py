@@ -211,3 +211,18 @@ def test_a_scope_without_a_model_warns_once_and_a_named_one_not_at_all(db):
             torch.ones(2, requires_grad=True).sum().backward()
     got = _usage_warnings(caught)
     assert len(got) == 1 and "'nomodel') was given no model" in got[0]
+
+
+def test_usage_warnings_name_the_users_line(db):
+    """A RecordUsageWarning points at the user's code (the `with` statement or the decorated call), not at a line
+    of gradstore, whether it is raised when the scope opens (a filter) or when the step ends (no model)."""
+    net = Swappable()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = gradstore.record("f", db=db, model=net, modules="decoder.*")(lambda x: net(x).sum().backward())
+        step(torch.ones(1, 3))
+        with gradstore.record("g", db=db):  # no model while modules run: warned as the scope ends
+            net(torch.ones(1, 3)).sum().backward()
+    ours = [w for w in caught if issubclass(w.category, gradstore.RecordUsageWarning)]
+    assert len(ours) == 2, [str(w.message) for w in ours]
+    assert [w.filename for w in ours] == [__file__, __file__]

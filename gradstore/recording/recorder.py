@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import inspect
 import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -97,6 +99,23 @@ def _rank_and_world_size() -> tuple[int, int]:
 
 def _versions() -> tuple[str, str]:
     return torch.__version__, __version__
+
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # gradstore/
+_CONTEXTLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` for a warning raised by `Recorder._warn_once` that names the user's line: the first frame
+    outside gradstore (and outside the standard library's contextlib and functools, which a `with` statement and
+    a decorated function go through), counted from `_warn_once`'s frame (1: `_warn_once` itself, 2: its caller)."""
+    frame, level = sys._getframe(2), 2  # the caller of _warn_once
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not (name.startswith(_PACKAGE_DIR + os.sep) or os.path.dirname(name) == _CONTEXTLIB):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 class record:
@@ -418,7 +437,7 @@ class record:
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
             self._warned.add(what)
-            warnings.warn(message, RecordUsageWarning, stacklevel=5)
+            warnings.warn(message, RecordUsageWarning, stacklevel=_user_stacklevel())
 
     def _check_filters(self, models: list) -> None:
         """Warn (once per record object) about a modules= or params= filter that matches nothing."""
