@@ -11,6 +11,7 @@ are not tensors, where walking back from module outputs is not.
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -94,9 +95,10 @@ def named_parameters(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.
     return out
 
 
-def fsdp_modules(models: list[tuple[str, nn.Module]]) -> list[nn.Module]:
-    """The modules under `models` ((prefix, model) pairs) that FSDP2's `fully_shard` manages and that hold
-    parameters of their own (gradstore.recording.torch_private.fsdp_parameters), in `modules()` order."""
+def fsdp_candidates(models: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The modules under `models` ((prefix, model) pairs) that FSDP2's `fully_shard` manages (instances of
+    `torch.distributed.fsdp.FSDPModule`), in `modules()` order, each once; [] while torch.distributed.fsdp is not
+    imported."""
     fsdp_module = tp.fsdp_module_type()
     if fsdp_module is None:  # torch.distributed.fsdp not imported: nothing is sharded
         return []
@@ -105,9 +107,17 @@ def fsdp_modules(models: list[tuple[str, nn.Module]]) -> list[nn.Module]:
         for mod in unwrap(model).modules():
             if isinstance(mod, fsdp_module) and id(mod) not in seen:
                 seen.add(id(mod))
-                if tp.fsdp_parameters(mod):
-                    found.append(mod)
+                found.append(mod)
     return found
+
+
+def fsdp_modules(models: list[tuple[str, nn.Module]], candidates: list[nn.Module] | None = None) -> list[nn.Module]:
+    """The modules under `models` ((prefix, model) pairs) that FSDP2's `fully_shard` manages and that hold
+    parameters of their own (gradstore.recording.torch_private.fsdp_parameters), in `modules()` order.
+    `candidates`: `fsdp_candidates(models)` when already known (a `Structure` unchanged since it was taken)."""
+    if candidates is None:
+        candidates = fsdp_candidates(models)
+    return [mod for mod in candidates if tp.fsdp_parameters(mod)]
 
 
 def fsdp_aliases(modules: list[nn.Module]) -> list[tuple]:
@@ -162,6 +172,98 @@ def parameter_groups(models: list[tuple[str, nn.Module]]) -> list[tuple[tuple[st
 def parameter_names(models: list[tuple[str, nn.Module]]) -> dict[int, tuple[str, ...]]:
     """id(parameter) -> every qualified name it has under `models`, the first (`named_parameters`' name) first."""
     return {id(p): names for names, p in parameter_groups(models)}
+
+
+# what the module walks above read of a module; a class overriding one of them may name things otherwise
+_WALKS = ("named_children", "children", "named_parameters", "parameters", "named_modules", "modules")
+_PLAIN_WALKS = tuple(getattr(nn.Module, n) for n in _WALKS)
+_plain_classes: dict[type, bool] = {}
+
+
+def _plain(cls: type) -> bool:
+    """True when `cls` walks its children and parameters as nn.Module does (none of `_WALKS` overridden)."""
+    hit = _plain_classes.get(cls)
+    if hit is None:
+        hit = _plain_classes[cls] = all(getattr(cls, n, None) is f for n, f in zip(_WALKS, _PLAIN_WALKS))
+    return hit
+
+
+class Structure:
+    """What the names of `models` ((prefix, model) pairs) are computed from, taken once, and a cheap check that
+    it is unchanged: `same(models)` is True only when `models` are the same objects under the same prefixes, with
+    the same wrappers (`unwrap`), and every module under them still has the same class and the same submodules
+    (`_modules`) and parameters (`_parameters`), the same objects under the same names in the same order. Then
+    `walk_modules`, `qualified_names`, `parameter_groups`, `compiled_regions` and `fsdp_candidates` of `models`
+    give what they gave when it was taken. The check reads each module's two dicts (no walk of torch's
+    generators): about 1 µs per module.
+
+    Catches what a module's attributes can do: a layer assigned, replaced or deleted (`setattr`, `delattr`,
+    `ModuleList.append` / `insert`, a direct write to `_modules`), a parameter registered, replaced or deleted,
+    `torch.compile` of a submodule in place, `fully_shard` (which changes the class and the parameters),
+    parametrizations (class, `_parameters` and `_modules`). A module whose class overrides how nn.Module walks
+    its children or parameters (`named_parameters`, `named_children`, ...) cannot be checked this way: `same`
+    is then always False (everything is read again every time).
+
+    The top-level models are held weakly: `alive()` turns False (and `on_drop(structure)`, when given, is called)
+    once one of them is collected, so a structure kept between steps does not keep a model alive; the modules and
+    parameters under them are held (their ids identify them only while they live).
+    """
+
+    def __init__(self, models: list[tuple[str, nn.Module]], on_drop=None):
+        self.prefixes = tuple(prefix for prefix, _ in models)
+        callback = (lambda _ref: on_drop(self)) if on_drop is not None else None
+        self._tops = [weakref.ref(m, callback) for _, m in models]
+        self._chains = [tuple(_peel(m)[1:]) for _, m in models]
+        tops = {id(m) for _, m in models}
+        seen: set[int] = set()
+        self._modules: list[nn.Module] = []  # every module under the models (a top-level one is checked apart)
+        for _name, m in walk_modules(models):
+            if id(m) not in seen:
+                seen.add(id(m))
+                if id(m) not in tops:
+                    self._modules.append(m)
+        self.checkable = all(_plain(type(m)) for _, m in models) and all(_plain(type(m)) for m in self._modules)
+        self._print = self._fingerprint([m for _, m in models]) if self.checkable else None
+
+    def alive(self) -> bool:
+        """False once a top-level model was collected."""
+        return all(r() is not None for r in self._tops)
+
+    def _fingerprint(self, tops: list[nn.Module]) -> list:
+        """Class, `_modules` and `_parameters` (the dict, its keys, its values) of every module, flat: two equal
+        (by identity, element by element) fingerprints of the same modules mean the same structure."""
+        out: list = []
+        add, more = out.append, out.extend
+        for modules in (tops, self._modules):
+            for m in modules:
+                add(m.__class__)
+                d = m._modules
+                add(d)
+                more(d)
+                more(d.values())
+                d = m._parameters
+                add(d)
+                more(d)
+                more(d.values())
+        return out
+
+    def same(self, models: list[tuple[str, nn.Module]]) -> bool:
+        """True when the names of `models` are still those this structure was taken from (see the class)."""
+        if not self.checkable or len(models) != len(self._tops):
+            return False
+        tops = []
+        for (prefix, m), want, ref, chain in zip(models, self.prefixes, self._tops, self._chains):
+            if prefix != want or ref() is not m:
+                return False
+            peeled = _peel(m)[1:]
+            if len(peeled) != len(chain) or not all(map(operator.is_, peeled, chain)):
+                return False
+            tops.append(m)
+        try:
+            now = self._fingerprint(tops)
+        except Exception:  # a module without the dicts of nn.Module (an unfinished __init__): no judgement
+            return False
+        return len(now) == len(self._print) and all(map(operator.is_, now, self._print))
 
 
 def compiling() -> bool:

@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,8 +38,10 @@ from .frames import FrameTracker
 from .lineage import Lineage
 from .modules import (
     ModuleTracker,
+    Structure,
     compiled_regions,
     fsdp_aliases,
+    fsdp_candidates,
     fsdp_modules,
     named_models,
     parameter_groups,
@@ -103,6 +106,35 @@ def _versions() -> tuple[str, str]:
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # gradstore/
 _CONTEXTLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
+
+
+@dataclass(frozen=True)
+class _KnownNames:
+    """The names of a scope's models as `record._read_names` read them, and the structure they were read from.
+    Never changed once made (a step's findings may still read `param_names` on the writer thread)."""
+
+    structure: Structure
+    names: dict  # id(module) -> qualified name
+    regions: dict  # id(torch.compile wrapper) -> the modules of its compiled region
+    params: list  # [(first name, parameter)]
+    recorded: list  # [(first name, parameter)] the filters keep
+    param_names: dict  # first name -> every name, of the recorded parameters
+    fsdp: list  # fsdp_candidates
+
+
+class _Box:
+    """Holds the last `_KnownNames`; `drop(structure)` (one of its models was collected) empties it when it holds
+    the names of that structure, so that no module or parameter of the model stays alive through it."""
+
+    __slots__ = ("value", "__weakref__")
+
+    def __init__(self):
+        self.value = None
+
+    def drop(self, structure) -> None:
+        known = self.value
+        if known is not None and known.structure is structure:
+            self.value = None
 
 
 def _user_stacklevel() -> int:
@@ -296,6 +328,7 @@ class record:
         self._fsdp: list = []  # the modules FSDP2 (fully_shard) manages, whose parameters the graph sees unsharded
         self._recorded: list = []  # [(first name, parameter)] that param_status rows are written for
         self._param_names: dict[str, tuple[str, ...]] = {}  # first name -> every name (tied weights)
+        self._known_box = _Box()  # the models' names as last read (_KnownNames), kept while the structure stands
         self._lineage = Lineage()
         self._warning_log: WarningLog | None = None
         self._warned: set[str] = set()  # RecordUsageWarnings given (each once per record object)
@@ -391,10 +424,10 @@ class record:
         _open_scope = self
         models = self.models or models
         self._named_nothing = not models
-        self._fsdp = fsdp_modules(models)
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
-        names = self._names_of(models)
-        self._tracker = ModuleTracker(names, compiled_regions(models, names), refresh=lambda: self._names_of(models))
+        known = self._known_names(models)
+        self._fsdp = fsdp_modules(models, known.fsdp)
+        self._tracker = ModuleTracker(known.names, known.regions, refresh=lambda: self._names_of(models))
         self._frames = FrameTracker() if self.options.frames else None
         self._lineage.clear()
         self._warning_log = WarningLog(self._step_warnings, self._thread, self._in_pass)
@@ -420,19 +453,47 @@ class record:
             self._close_scope()
 
     def _names_of(self, models: list) -> dict[int, str]:
-        """(Re)read the models' module and parameter names (at scope entry, and when the tracker meets a module
-        it does not know: a layer assigned after the scope opened); returns id(module) -> name."""
+        """The models' module and parameter names (at scope entry, and when the tracker meets a module it does
+        not know: a layer assigned after the scope opened); returns id(module) -> name and sets `_params`,
+        `_recorded`, `_param_names` (and keeps what it read).
+
+        Read again only when the models' structure changed (`Structure.same`: the same models, and every module
+        with the same class, submodules and parameters); else what was read last time, unchanged."""
+        return self._known_names(models).names
+
+    def _known_names(self, models: list) -> _KnownNames:
+        """`_names_of`, giving everything that was read (_KnownNames)."""
+        known = self._known_box.value
+        if known is None or not known.structure.same(models):
+            known = self._read_names(models)
+            self._known_box.value = known
+        self._params, self._recorded, self._param_names = known.params, known.recorded, known.param_names
+        return known
+
+    def _read_names(self, models: list) -> _KnownNames:
+        """Read the models' names: module names, compiled regions, parameters (all their names), the parameters
+        the filters keep, the FSDP2 modules; with the structure they were read from."""
+        box = self._known_box
+        structure = Structure(models, on_drop=box.drop)  # the names go when one of the models is collected
         groups = parameter_groups(models)  # one traversal: every name, first names in named_parameters' order
-        names = {id(p): all_names for all_names, p in groups}
-        self._params = [(all_names[0], p) for all_names, p in groups]
+        all_names_of = {id(p): all_names for all_names, p in groups}
+        params = [(all_names[0], p) for all_names, p in groups]
         opts = self.options
-        self._recorded = [
+        recorded = [
             (n, p)
-            for n, p in self._params
+            for n, p in params
             if opts.wants_module(n.rsplit(".", 1)[0] if "." in n else "") and opts.wants_param(n)
         ]
-        self._param_names = {n: names[id(p)] for n, p in self._recorded}
-        return qualified_names(models)
+        names = qualified_names(models)
+        return _KnownNames(
+            structure=structure,
+            names=names,
+            regions=compiled_regions(models, names),
+            params=params,
+            recorded=recorded,
+            param_names={n: all_names_of[id(p)] for n, p in recorded},
+            fsdp=fsdp_candidates(models),
+        )
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
