@@ -195,7 +195,7 @@ class Structure:
     (`_modules`) and parameters (`_parameters`), the same objects under the same names in the same order. Then
     `walk_modules`, `qualified_names`, `parameter_groups`, `compiled_regions` and `fsdp_candidates` of `models`
     give what they gave when it was taken. The check reads each module's two dicts (no walk of torch's
-    generators): about 1 µs per module.
+    generators): under 1 µs per module.
 
     Catches what a module's attributes can do: a layer assigned, replaced or deleted (`setattr`, `delattr`,
     `ModuleList.append` / `insert`, a direct write to `_modules`), a parameter registered, replaced or deleted,
@@ -266,14 +266,20 @@ class Structure:
         return len(now) == len(self._print) and all(map(operator.is_, now, self._print))
 
 
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+
 def compiling() -> bool:
     """True while torch.compile traces (its compiled graph then runs as one CompiledFunctionBackward node, whose
     owner is the module around the compiled call); `torch.compiler.is_compiling`, False where it is missing."""
-    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(fn()) if fn is not None else False
+    return bool(_is_compiling())
 
 
 _TENSOR = torch.Tensor
+_get_ident = threading.get_ident
+_peek = tp.sequence_counter() or tp.next_sequence_nr  # the raw counter read: no wrapper call per module call
+_sequence_nr = tp.sequence_nr
+_CONTAINERS = (tuple, list, dict)
 
 
 @dataclass
@@ -328,9 +334,7 @@ class ModuleTracker:
         self.context = None
         self._found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrappers met at run time
         self._thread = threading.get_ident()
-        self._record = ForwardRecord()
-        self._seqs = self._record.seqs
-        self._owners = self._record.owners
+        self._bind(ForwardRecord())
         self._stack: list[int] = []  # indices of the module calls running, innermost last
         self._strangers: dict[int, weakref.ref] = {}  # id -> module that `refresh` did not name either
         # where the innermost compiled module changes: sequence numbers and that module's region (None: none)
@@ -338,6 +342,12 @@ class ModuleTracker:
         self._region_vals: list[str | None] = []
         self._region_stack: list[tuple[int, str]] = []
         self._handles = []
+
+    def _bind(self, record: ForwardRecord) -> None:
+        """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
+        self._record = record
+        self._seqs, self._owners, self._owner_calls = record.seqs, record.owners, record.owner_calls
+        self._calls, self._outputs = record.calls, record.outputs
 
     @classmethod
     def for_models(cls, models: list[tuple[str, nn.Module]], refresh=None) -> ModuleTracker:
@@ -379,57 +389,61 @@ class ModuleTracker:
         return f"<{type(module).__name__}>", None
 
     def _pre(self, module, _args):
-        if compiling() or threading.get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
+        # per module call (hot): locals and module globals only, no wrapper calls
+        if _is_compiling() or _get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
             return
-        name = self.names.get(id(module))
+        key = id(module)
+        name = self.names.get(key)
         region = None
         if name is None:
             name, region = self._unknown(module)
         elif self.regions:
-            region = self.regions.get(id(module))
-        rec = self._record
-        seq = tp.next_sequence_nr()
-        index = len(rec.calls)
+            region = self.regions.get(key)
+        seq = _peek()
+        calls = self._calls
+        index = len(calls)
         context = self.context
-        rec.calls.append([name, seq, context() if context is not None else None, None, None])
+        calls.append([name, seq, None if context is None else context(), None, None])
         self._stack.append(index)
         self._seqs.append(seq)
         self._owners.append(name)
-        rec.owner_calls.append(index)
+        self._owner_calls.append(index)
         if region is not None:  # a torch.compile wrapper: its compiled region starts
-            self._region_stack.append((id(module), region))
+            self._region_stack.append((key, region))
             self._region_seqs.append(seq)
             self._region_vals.append(region)
 
     def _post(self, module, _args, output):
-        if compiling() or threading.get_ident() != self._thread:
+        if _is_compiling() or _get_ident() != self._thread:
             return
-        rec = self._record
         stack = self._stack
-        seq = tp.next_sequence_nr()
+        seq = _peek()
+        calls = self._calls
         if stack:
             index = stack.pop()
-            call = rec.calls[index]
-            call[3] = len(rec.calls) - 1
+            call = calls[index]
+            call[3] = len(calls) - 1
             call[4] = seq
             # the grad_fn of each tensor it returned (read now: holding the output would keep its graph alive)
             if isinstance(output, _TENSOR):
                 fn = output.grad_fn
                 if fn is not None:
-                    rec.outputs.append((index, tp.sequence_nr(fn), fn.name()))
-            elif isinstance(output, (tuple, list, dict)):
+                    self._outputs.append((index, _sequence_nr(fn), fn.name()))
+            elif isinstance(output, _CONTAINERS):
+                outputs = self._outputs
                 for t in output.values() if isinstance(output, dict) else output:
                     if isinstance(t, _TENSOR):
                         fn = t.grad_fn
                         if fn is not None:
-                            rec.outputs.append((index, tp.sequence_nr(fn), fn.name()))
+                            outputs.append((index, _sequence_nr(fn), fn.name()))
         self._seqs.append(seq)
         if stack:
-            self._owners.append(rec.calls[stack[-1]][0])
-            rec.owner_calls.append(stack[-1])
+            top = stack[-1]
+            self._owners.append(calls[top][0])
+            self._owner_calls.append(top)
         else:
             self._owners.append("")
-            rec.owner_calls.append(-1)
+            self._owner_calls.append(-1)
         regions = self._region_stack
         if regions and regions[-1][0] == id(module):
             regions.pop()
@@ -466,9 +480,7 @@ class ModuleTracker:
     def clear(self) -> None:
         """Forget the boundaries, module calls and outputs seen so far (between steps); what `take()` returned
         is left as it is."""
-        self._record = ForwardRecord()
-        self._seqs = self._record.seqs
-        self._owners = self._record.owners
+        self._bind(ForwardRecord())
         self._stack = []
         self._region_seqs = []
         self._region_vals = []
