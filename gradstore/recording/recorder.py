@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,7 +120,7 @@ class _KnownNames:
     params: list  # [(first name, parameter)]
     recorded: list  # [(first name, parameter)] the filters keep
     param_names: dict  # first name -> every name, of the recorded parameters
-    fsdp: list  # fsdp_candidates
+    fsdp: list  # weak references to fsdp_candidates (alive while the structure is the same)
 
 
 class _Box:
@@ -426,7 +427,7 @@ class record:
         self._named_nothing = not models
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
         known = self._known_names(models)
-        self._fsdp = fsdp_modules(models, known.fsdp)
+        self._fsdp = fsdp_modules(models, [ref() for ref in known.fsdp])
         self._tracker = ModuleTracker(known.names, known.regions, refresh=lambda: self._names_of(models))
         self._frames = FrameTracker() if self.options.frames else None
         self._lineage.clear()
@@ -492,7 +493,7 @@ class record:
             params=params,
             recorded=recorded,
             param_names={n: all_names_of[id(p)] for n, p in recorded},
-            fsdp=fsdp_candidates(models),
+            fsdp=[weakref.ref(m) for m in fsdp_candidates(models)],  # weakly: a model may be one of them
         )
 
     def _warn_once(self, what: str, message: str) -> None:
