@@ -204,9 +204,9 @@ class Structure:
     its children or parameters (`named_parameters`, `named_children`, ...) cannot be checked this way: `same`
     is then always False (everything is read again every time).
 
-    The top-level models are held weakly: `alive()` turns False (and `on_drop(structure)`, when given, is called)
-    once one of them is collected, so a structure kept between steps does not keep a model alive; the modules and
-    parameters under them are held (their ids identify them only while they live).
+    The top-level models are held weakly (`on_drop(structure)`, when given, is called once one of them is
+    collected), so a structure kept between steps does not keep a model alive; the modules and parameters under
+    them are held (the check compares objects, not ids that a new object could take over).
     """
 
     def __init__(self, models: list[tuple[str, nn.Module]], on_drop=None):
@@ -224,10 +224,6 @@ class Structure:
                     self._modules.append(m)
         self.checkable = all(_plain(type(m)) for _, m in models) and all(_plain(type(m)) for m in self._modules)
         self._print = self._fingerprint([m for _, m in models]) if self.checkable else None
-
-    def alive(self) -> bool:
-        """False once a top-level model was collected."""
-        return all(r() is not None for r in self._tops)
 
     def _fingerprint(self, tops: list[nn.Module]) -> list:
         """Class, `_modules` and `_parameters` (the dict, its keys, its values) of every module, flat: two equal
