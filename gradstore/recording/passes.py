@@ -208,7 +208,7 @@ class PassRecorder:
             step.active.append(self)
             self.record.setup = time.perf_counter() - self.t0
             return
-        self.walk = walk(roots)
+        self.walk = walk(roots, owner_key[0] if owner_key else 0, native_hooks.load())
         self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
         for sharded, unsharded in aliases:  # FSDP2: both parameters of one name
@@ -546,8 +546,16 @@ class PassRecorder:
         the parameter gradients measured here; the Python measurements the hooks handed over are copied to
         the host now if they hold device tensors, like every pass's."""
         rec, infos, cap = self.record, self.infos, self.native
-        calls, count, fallbacks, rec.measured, rec.reused, _faults = native
-        rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
+        ncalls, count, fallbacks, rec.measured, rec.reused, _faults = native
+        module = self.step.native
+        made: list = []
+
+        def keys_of() -> list:  # the node keys by index, made once for the call and tensor rows
+            if not made:
+                made.append([info.key for info in infos])
+            return made[0]
+
+        rec.calls = LazyRows(ncalls, lambda: module.call_rows(cap, keys_of()))
         handed = [
             m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
             for m in fallbacks
@@ -566,12 +574,10 @@ class PassRecorder:
             rec.nonfinite = any_nonfinite(results)
         # these rows follow the C++ hooks' `count` rows; no call row has a side row here
         self._side_rows(extra, lambda: {ref: count + at for ref, at in _row_index(params, param_keys).items()})
-        module = self.step.native
 
         def build() -> list:
             host = rows if rows is not None else to_rows(results)
-            keys = [info.key for info in infos]
-            return module.rows(cap, keys, host[: len(handed)]) + tensor_rows(
+            return module.rows(cap, keys_of(), host[: len(handed)]) + tensor_rows(
                 params, infos, param_keys, host[len(handed) :]
             )
 
