@@ -12,6 +12,7 @@ Facts this relies on (torch.autograd.graph.Node):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -62,7 +63,8 @@ def roots_of(outputs) -> list:
 @dataclass
 class Walk:
     """The reachable graph of one pass. nodes: Node objects in walk order (depth-first from the roots, in
-    `next_functions` order); edges: (src index, src slot, dst index, dst slot)."""
+    `next_functions` order); edges: (src index, src slot, dst index, dst slot); index: id(node) -> its position,
+    its keys in walk order (as `nodes`)."""
 
     nodes: list = field(default_factory=list)
     edges: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -210,7 +212,7 @@ def describe(
     memo_key = None
     seqs = None
     first_seq = lineage.first_seq if lineage is not None else None
-    if owner_key is not None and parent_scope is None and not any(id(n) in known for n in w.nodes):
+    if owner_key is not None and parent_scope is None and known.keys().isdisjoint(w.index):
         memo_key, seqs = _signature(w, param_names, owner_key)
         if first_seq is not None and _earlier(seqs, first_seq):
             memo_key = None  # nodes of an earlier step: keyed from the lineage, not the memo
@@ -218,8 +220,7 @@ def describe(
         if hit is not None:
             cached, scope_items = hit
             scope = dict(scope_items)
-            for node, info in zip(w.nodes, cached):
-                known[id(node)] = (node, info, scope)
+            known.update(zip(w.index, zip(w.nodes, cached, repeat(scope))))  # index: id(node) in walk order
             w.scope = scope
             w.seqs = seqs
             return list(cached)

@@ -1034,6 +1034,43 @@ PyObject* py_rows(PyObject*, PyObject* args) {
   return out;
 }
 
+// grad_states(params) -> bytes, or None where a parameter is not a plain torch.Tensor / nn.Parameter (whose `.grad`
+// Python code may compute): per (name, parameter) of the list, two int64: (0, -2) for a `.grad` of None, (data
+// pointer, version counter) for a `.grad` with storage and a version, else (its TensorImpl's address, -1). What
+// tells that a `.grad` changed (gradstore.recording.passes), read without a Python object per parameter.
+PyObject* py_grad_states(PyObject*, PyObject* params) {
+  if (!PyList_Check(params)) {
+    PyErr_SetString(PyExc_TypeError, "grad_states(params): a list of (name, parameter)");
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(params);
+  std::string out((size_t)n * 16, '\0');
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(params, i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) Py_RETURN_NONE;
+    PyObject* p = PyTuple_GET_ITEM(item, 1);
+    if ((PyObject*)Py_TYPE(p) != G.plain[0] && (PyObject*)Py_TYPE(p) != G.plain[1]) Py_RETURN_NONE;
+    int64_t a = 0, b = -2;
+    try {
+      const at::Tensor& grad = THPVariable_Unpack(p).grad();
+      if (grad.defined()) {
+        c10::TensorImpl* impl = grad.unsafeGetTensorImpl();
+        b = -1;
+        a = (int64_t)(intptr_t)impl;
+        if (impl->has_storage() && !impl->is_inference() && !impl->is_python_dispatch()) {
+          a = (int64_t)(intptr_t)grad.data_ptr();
+          b = (int64_t)impl->version_counter().current_version();
+        }
+      }
+    } catch (const std::exception&) {
+      Py_RETURN_NONE;
+    }
+    std::memcpy(&out[(size_t)i * 16], &a, 8);
+    std::memcpy(&out[(size_t)i * 16 + 8], &b, 8);
+  }
+  return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
+}
+
 PyObject* py_abi(PyObject*, PyObject*) { return PyLong_FromLong(ABI); }
 
 PyMethodDef methods[] = {
@@ -1048,6 +1085,7 @@ PyMethodDef methods[] = {
     {"finish", py_finish, METH_O, "Remove the pass's hooks; its calls and fallbacks."},
     {"rows", py_rows, METH_VARARGS, "The pass's tensor rows."},
     {"call_rows", py_call_rows, METH_VARARGS, "The pass's call rows."},
+    {"grad_states", py_grad_states, METH_O, "What tells each parameter's .grad changed, as bytes."},
     {nullptr, nullptr, 0, nullptr}};
 
 struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradstore's node hooks in C++", -1,
