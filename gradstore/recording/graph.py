@@ -11,6 +11,7 @@ Facts this relies on (torch.autograd.graph.Node):
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -19,6 +20,7 @@ from torch.autograd.function import BackwardCFunction
 
 from ..records import NodeInfo
 from . import torch_private as tp
+from .rows import LazyRows
 
 ACCUMULATE_GRAD = "AccumulateGrad"
 
@@ -63,7 +65,8 @@ def roots_of(outputs) -> list:
 @dataclass
 class Walk:
     """The reachable graph of one pass. nodes: Node objects in walk order (depth-first from the roots, in
-    `next_functions` order); edges: (src index, src slot, dst index, dst slot); index: id(node) -> its position,
+    `next_functions` order); edges: (src index, src slot, dst index, dst slot) (a list, or from the C++ walk a
+    `LazyRows` that makes them on first read); index: id(node) -> its position,
     its keys in walk order (as `nodes`)."""
 
     nodes: list = field(default_factory=list)
@@ -93,8 +96,9 @@ def walk(roots: list, base: int = 0, native=None) -> Walk:
             )
         except (TypeError, RuntimeError):
             pass
-        else:
-            return Walk(nodes, edges, index, raw_seqs=seqs, sig=(base, signature, leaves))
+        else:  # the edges' tuples are made where they are first read (the writer thread: rows.LazyRows)
+            edge_rows = LazyRows(len(edges) // 16, lambda: list(struct.iter_unpack("=4i", edges)))
+            return Walk(nodes, edge_rows, index, raw_seqs=seqs, sig=(base, signature, leaves))
     w = Walk()
     index = w.index
     nodes = w.nodes

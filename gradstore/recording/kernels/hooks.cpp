@@ -546,7 +546,7 @@ void unregister(Pass& p) {  // the pass leaves every Node's dispatch list (its h
 // walk(roots, base) -> (nodes, edges, seqs, signature, leaves, index): gradstore.recording.graph.walk in one call, with
 // what gradstore.recording.graph's signature reads of each node, read in the same loop (see graph.py).
 // nodes: the Node objects in walk order (depth-first from the roots, in next_functions order: the order of
-// graph.walk); edges: [(src index, src slot, dst index, dst slot)]; seqs: each node's sequence_nr; signature:
+// graph.walk); edges: bytes, four native int32 per edge (src index, src slot, dst index, dst slot); seqs: each node's sequence_nr; signature:
 // bytes, per node its name's number (the same name, the same number, in this process), whether it is a Python
 // Node (custom Function) and, except for a node whose name ends in AccumulateGrad, its sequence_nr minus base;
 // leaves: per such AccumulateGrad node, in walk order, id() of its variable's Python object (0: none); index:
@@ -686,17 +686,18 @@ PyObject* py_walk(PyObject*, PyObject* args) {
     Py_XDECREF(ids);
     return nullptr;
   }
-  PyObject* edges = PyList_New(0);
+  std::vector<int32_t> flat;  // four int32 per edge, native byte order: no Python object per edge here
   for (size_t src = 0; src < order.size(); ++src) {
     const auto& next = order[src]->next_edges();
     for (size_t slot = 0; slot < next.size(); ++slot) {
       if (!next[slot].function) continue;
-      PyObject* e = Py_BuildValue("(inin)", (int)src, (Py_ssize_t)slot, (int)index[next[slot].function.get()],
-                                  (Py_ssize_t)next[slot].input_nr);
-      PyList_Append(edges, e);
-      Py_DECREF(e);
+      flat.push_back((int32_t)src);
+      flat.push_back((int32_t)slot);
+      flat.push_back(index[next[slot].function.get()]);
+      flat.push_back((int32_t)next[slot].input_nr);
     }
   }
+  PyObject* edges = PyBytes_FromStringAndSize((const char*)flat.data(), (Py_ssize_t)(flat.size() * 4));
   PyObject* sigb = PyBytes_FromStringAndSize(sig.data(), (Py_ssize_t)sig.size());
   return Py_BuildValue("(NNNNNN)", nodes, edges, seqs, sigb, leaves, ids);
 }
