@@ -7,6 +7,7 @@
 //
 // The hooks return their gradients unchanged (the same tensors): recording never changes a gradient.
 // PyTorch API used (torch/csrc/autograd): Node::add_pre_hook / pre_hooks() / add_post_hook / del_post_hook,
+// Node::next_edges / sequence_nr / name, AccumulateGrad::variable, functionToPyObject (the graph walk),
 // FunctionPreHook / FunctionPostHook, get_current_graph_task_id(), THPCppFunction / THPFunction (the Python
 // grad_fn objects' Node), THPVariable_Wrap; c10: TensorImpl::pyobj_slot(), version_counter().
 #include <Python.h>
