@@ -11,13 +11,16 @@ Facts this relies on (torch.autograd.graph.Node):
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 from torch.autograd.function import BackwardCFunction
 
 from ..records import NodeInfo
 from . import torch_private as tp
+from .rows import LazyRows
 
 ACCUMULATE_GRAD = "AccumulateGrad"
 
@@ -62,7 +65,9 @@ def roots_of(outputs) -> list:
 @dataclass
 class Walk:
     """The reachable graph of one pass. nodes: Node objects in walk order (depth-first from the roots, in
-    `next_functions` order); edges: (src index, src slot, dst index, dst slot)."""
+    `next_functions` order); edges: (src index, src slot, dst index, dst slot) (a list, or from the C++ walk a
+    `LazyRows` that makes them on first read); index: id(node) -> its position,
+    its keys in walk order (as `nodes`)."""
 
     nodes: list = field(default_factory=list)
     edges: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -70,10 +75,30 @@ class Walk:
     scope: dict | None = None  # set by describe: (module, name) -> highest ordinal given in this key scope
     seqs: list[int] | None = None  # set by describe: each node's sequence_nr
     born: dict[int, tuple] | None = None  # set by describe: index -> (step, pass) of nodes of earlier steps
+    raw_seqs: list[int] | None = None  # the C++ walk's: each node's sequence_nr, read during the walk
+    sig: tuple | None = None  # the C++ walk's: (base, signature bytes, id of each AccumulateGrad's variable)
 
 
-def walk(roots: list) -> Walk:
-    """Visit every Node reachable from `roots` once; O(nodes + edges)."""
+def walk(roots: list, base: int = 0, native=None) -> Walk:
+    """Visit every Node reachable from `roots` once; O(nodes + edges).
+
+    Args:
+        roots: Node objects (`roots_of`).
+        base: the sequence number the C++ walk's signature counts from (`ModuleTracker.signature()[0]`).
+        native: the C++ hooks' module (gradstore.recording.native) or None: with it the walk runs in one C++
+            call, which also reads every node's sequence_nr and what `describe` keys a fresh pass by (the same
+            nodes, edges and order as the walk here); a root it cannot read falls back to the walk here.
+    """
+    if native is not None:
+        try:
+            nodes, edges, seqs, signature, leaves, index = native.walk(
+                roots if type(roots) is list else list(roots), base
+            )
+        except (TypeError, RuntimeError):
+            pass
+        else:  # the edges' tuples are made where they are first read (the writer thread: rows.LazyRows)
+            edge_rows = LazyRows(len(edges) // 16, lambda: list(struct.iter_unpack("=4i", edges)))
+            return Walk(nodes, edge_rows, index, raw_seqs=seqs, sig=(base, signature, leaves))
     w = Walk()
     index = w.index
     nodes = w.nodes
@@ -111,6 +136,9 @@ def _signature(w: Walk, param_names: dict[int, str], owner_key: tuple) -> tuple[
     `ModuleTracker.signature`), relative to the same base, on which `owner` depends. Also returns every node's
     sequence_nr (AccumulateGrad: `ACCUMULATE_GRAD_SEQUENCE_NR`), read in the same loop."""
     base = owner_key[0]
+    if w.sig is not None and w.sig[0] == base:  # read by the C++ walk: the same facts, one bytes object
+        get = param_names.get
+        return (w.sig[1], tuple([get(v) for v in w.sig[2]]), owner_key[1]), w.raw_seqs
     parts = []  # three items per node, flat: one tuple in all rather than one per node
     extend = parts.extend
     seqs: list[int] = []
@@ -188,7 +216,7 @@ def describe(
     memo_key = None
     seqs = None
     first_seq = lineage.first_seq if lineage is not None else None
-    if owner_key is not None and parent_scope is None and not any(id(n) in known for n in w.nodes):
+    if owner_key is not None and parent_scope is None and known.keys().isdisjoint(w.index):
         memo_key, seqs = _signature(w, param_names, owner_key)
         if first_seq is not None and _earlier(seqs, first_seq):
             memo_key = None  # nodes of an earlier step: keyed from the lineage, not the memo
@@ -196,14 +224,13 @@ def describe(
         if hit is not None:
             cached, scope_items = hit
             scope = dict(scope_items)
-            for node, info in zip(w.nodes, cached):
-                known[id(node)] = (node, info, scope)
+            known.update(zip(w.index, zip(w.nodes, cached, repeat(scope))))  # index: id(node) in walk order
             w.scope = scope
             w.seqs = seqs
             return list(cached)
     if seqs is None:
         sequence_nr = tp.sequence_nr
-        seqs = [sequence_nr(n) for n in w.nodes]
+        seqs = w.raw_seqs if w.raw_seqs is not None else [sequence_nr(n) for n in w.nodes]
     w.seqs = seqs
     infos: list[NodeInfo | None] = [None] * len(w.nodes)
     groups: dict[tuple[str, str], list[tuple[int, int]]] = {}

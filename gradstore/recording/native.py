@@ -7,6 +7,12 @@ each gradient's dtype and shape, and (levels 'health' and 'full') the fused kern
 hooks cost a GIL acquisition, a Python wrapper per gradient and the hook's own bytecode on every Node; on the
 reference GPT-2 step (`python -m benchmarks.run`) that was about 1.5 % of the step at level 'shape'.
 
+The same module walks a pass's graph in one call (`walk`, used by gradstore.recording.graph.walk: the Node objects,
+their edges as packed int32, every sequence_nr and the signature gradstore.recording.graph keys a fresh pass by,
+with no Python tuple per edge or per `next_functions` entry), builds the call rows on the writer thread
+(`call_rows`), and reads every parameter's `.grad` state (`grad_states`: data pointer and version counter,
+gradstore.recording.passes) without a Python object per parameter.
+
 Every row is what the Python hooks (gradstore.recording.passes, gradstore.recording.stats) record for the same tensor: a
 gradient the C++ side does not measure itself (a tensor subclass, a device tensor, float16/bfloat16, a
 non-dense layout, one holding NaN or Inf, one large enough to be split across threads) is handed to
@@ -20,7 +26,8 @@ leaves the child to finish the build for the next one. `GRADSTORE_NATIVE=0` turn
 `load(wait=True)` builds in the calling thread.
 
 Relies on PyTorch's C++ autograd API (torch/csrc/autograd: Node::add_pre_hook, add_post_hook, del_post_hook,
-FunctionPreHook, FunctionPostHook, get_current_graph_task_id), which the headers of the installed torch
+next_edges, sequence_nr, name, FunctionPreHook, FunctionPostHook, get_current_graph_task_id, AccumulateGrad::variable,
+functionToPyObject), which the headers of the installed torch
 describe; a torch whose headers no longer compile it leaves the Python hooks in place (`status()` says why).
 """
 
@@ -48,7 +55,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 6
+ABI_VERSION = 9
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()

@@ -21,6 +21,7 @@ import warnings
 from dataclasses import replace
 from functools import partial
 
+import numpy as np
 import torch
 
 from ..records import NodeInfo, PassRecord
@@ -102,9 +103,16 @@ class StepState:
         self.known.clear()
         self.active.clear()
 
-    def note_grads(self, params: list[tuple[str, object]]) -> None:
-        """Note which parameters hold a `.grad` now (the end of a top-level backward pass, or of the step)."""
-        self.has_grad = {name: p.grad is not None for name, p in params}
+    def note_grads(self, params: list[tuple[str, object]], states=None) -> None:
+        """Note which parameters hold a `.grad` now (the end of a top-level backward pass, or of the step).
+        states: `grad_states(params, ...)` taken now, or None (read here)."""
+        if isinstance(states, bytes):
+            held = (np.frombuffer(states, dtype=np.int64)[1::2] != _NO_GRAD).tolist()
+            self.has_grad = dict(zip([name for name, _ in params], held))
+        elif states is not None:
+            self.has_grad = {name: state is not None for (name, _), state in zip(params, states)}
+        else:
+            self.has_grad = {name: p.grad is not None for name, p in params}
 
 
 def _grad_state(p) -> tuple | None:
@@ -118,6 +126,34 @@ def _grad_state(p) -> tuple | None:
         return g.data_ptr(), g._version
     except Exception:  # a tensor subclass without storage or version counter: compared by identity instead
         return id(g), None
+
+
+_NO_GRAD = -2  # grad_states' second word for a `.grad` of None (hooks.cpp)
+
+
+def grad_states(params: list[tuple[str, object]], native=None) -> bytes | list:
+    """`_grad_state` of every parameter of `params` ([(qualified name, Parameter)]): with the C++ hooks' module
+    `native`, one bytes object (two int64 per parameter, hooks.cpp grad_states) where every parameter is a plain
+    torch.Tensor / nn.Parameter, else a list of `_grad_state` values. Two results compare only with one another
+    when made the same way (`grads_changed`)."""
+    if native is not None:
+        states = native.grad_states(params if type(params) is list else list(params))
+        if states is not None:
+            return states
+    return [_grad_state(p) for _, p in params]
+
+
+def grads_changed(params: list[tuple[str, object]], before, after) -> list[str]:
+    """The names of `params` whose `.grad` differs between two `grad_states` results (every name where they
+    were not made the same way, which cannot tell)."""
+    if isinstance(before, bytes) and isinstance(after, bytes) and len(before) == len(after):
+        a = np.frombuffer(before, dtype=np.int64).reshape(-1, 2)
+        b = np.frombuffer(after, dtype=np.int64).reshape(-1, 2)
+        changed = (a != b).any(axis=1).tolist()
+        return [name for (name, _), c in zip(params, changed) if c]
+    if isinstance(before, list) and isinstance(after, list):
+        return [name for (name, _), was, now in zip(params, before, after) if now != was]
+    return [name for name, _ in params]
 
 
 _task_id = tp.current_graph_task_id
@@ -203,12 +239,12 @@ class PassRecorder:
             step.device_threads = True
         if parent is None and kind == "backward":  # which .grad this pass changes, whoever writes it (at
             # stats='params' no AccumulateGrad is hooked; DDP's reducer writes an unused parameter's .grad itself)
-            self.grads_before = [_grad_state(p) for _, p in params]
+            self.grads_before = grad_states(params, step.native)
         if options.node_level is None:  # stats='params': parameter gradients only, no node hooks
             step.active.append(self)
             self.record.setup = time.perf_counter() - self.t0
             return
-        self.walk = walk(roots)
+        self.walk = walk(roots, owner_key[0] if owner_key else 0, native_hooks.load())
         self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
         for sharded, unsharded in aliases:  # FSDP2: both parameters of one name
@@ -256,8 +292,11 @@ class PassRecorder:
         wanted = [self._wanted(i.module, i.param) for i in self.infos] if filtered else None
         rec.hooked = wanted
         # where the pass's graph task is first seen (see `_claim`): its roots, or any node if no root is hooked
-        root_ids = {id(r) for r in roots}
-        self._claimable = [id(n) in root_ids for n in self.walk.nodes]
+        self._claimable = [False] * len(self.walk.nodes)
+        for r in roots:
+            at = index.get(id(r))
+            if at is not None:
+                self._claimable[at] = True
         if not any(c and (wanted is None or w) for c, w in zip(self._claimable, wanted or self._claimable)):
             self._claimable = [True] * len(self._claimable)
         step.active.append(self)
@@ -452,11 +491,10 @@ class PassRecorder:
             param_nodes: dict[str, NodeInfo] = {}
             param_keys: list[str] = []
             if rec.kind == "backward" and rec.parent_pass is None:  # what the optimizer will see, also after a fault
-                self.step.note_grads(self.params)
+                after = grad_states(self.params, self.step.native)
+                self.step.note_grads(self.params, after)
                 if self.grads_before is not None:
-                    rec.grads_changed = [
-                        name for (name, p), was in zip(self.params, self.grads_before) if _grad_state(p) != was
-                    ]
+                    rec.grads_changed = grads_changed(self.params, self.grads_before, after)
             if ok and rec.kind == "backward" and rec.parent_pass is None:
                 opts = self.options
                 nodes, results, measured = measure_params(self.params, opts, self._sharded_of)
@@ -546,8 +584,16 @@ class PassRecorder:
         the parameter gradients measured here; the Python measurements the hooks handed over are copied to
         the host now if they hold device tensors, like every pass's."""
         rec, infos, cap = self.record, self.infos, self.native
-        calls, count, fallbacks, rec.measured, rec.reused, _faults = native
-        rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
+        ncalls, count, fallbacks, rec.measured, rec.reused, _faults = native
+        module = self.step.native
+        made: list = []
+
+        def keys_of() -> list:  # the node keys by index, made once for the call and tensor rows
+            if not made:
+                made.append([info.key for info in infos])
+            return made[0]
+
+        rec.calls = LazyRows(ncalls, lambda: module.call_rows(cap, keys_of()))
         handed = [
             m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
             for m in fallbacks
@@ -566,12 +612,10 @@ class PassRecorder:
             rec.nonfinite = any_nonfinite(results)
         # these rows follow the C++ hooks' `count` rows; no call row has a side row here
         self._side_rows(extra, lambda: {ref: count + at for ref, at in _row_index(params, param_keys).items()})
-        module = self.step.native
 
         def build() -> list:
             host = rows if rows is not None else to_rows(results)
-            keys = [info.key for info in infos]
-            return module.rows(cap, keys, host[: len(handed)]) + tensor_rows(
+            return module.rows(cap, keys_of(), host[: len(handed)]) + tensor_rows(
                 params, infos, param_keys, host[len(handed) :]
             )
 

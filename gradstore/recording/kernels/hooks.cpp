@@ -7,6 +7,7 @@
 //
 // The hooks return their gradients unchanged (the same tensors): recording never changes a gradient.
 // PyTorch API used (torch/csrc/autograd): Node::add_pre_hook / pre_hooks() / add_post_hook / del_post_hook,
+// Node::next_edges / sequence_nr / name, AccumulateGrad::variable, functionToPyObject (the graph walk),
 // FunctionPreHook / FunctionPostHook, get_current_graph_task_id(), THPCppFunction / THPFunction (the Python
 // grad_fn objects' Node), THPVariable_Wrap; c10: TensorImpl::pyobj_slot(), version_counter().
 #include <Python.h>
@@ -14,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
@@ -23,10 +25,12 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <typeindex>
 #include <unordered_map>
 #include <vector>
 
@@ -39,7 +43,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 6;
+constexpr int ABI = 9;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -539,6 +543,171 @@ void unregister(Pass& p) {  // the pass leaves every Node's dispatch list (its h
   }
 }
 
+// ---- the graph walk ----------------------------------------------------------------------------------------------
+// walk(roots, base) -> (nodes, edges, seqs, signature, leaves, index): gradstore.recording.graph.walk in one call, with
+// what gradstore.recording.graph's signature reads of each node, read in the same loop (see graph.py).
+// nodes: the Node objects in walk order (depth-first from the roots, in next_functions order: the order of
+// graph.walk); edges: bytes, four native int32 per edge (src index, src slot, dst index, dst slot); seqs: each node's sequence_nr; signature:
+// bytes, per node its name's number (the same name, the same number, in this process), whether it is a Python
+// Node (custom Function) and, except for a node whose name ends in AccumulateGrad, its sequence_nr minus base;
+// leaves: per such AccumulateGrad node, in walk order, id() of its variable's Python object (0: none); index:
+// {id(node object): its position} (graph.Walk.index).
+struct NameOf {
+  int32_t id;
+  bool accumulate;
+};
+std::mutex g_names;
+std::unordered_map<std::string, int32_t> g_name_ids;
+std::unordered_map<std::type_index, NameOf> g_type_names;  // a C++ Node class's name is its class's
+
+NameOf name_number(const std::string& name) {  // caller holds g_names
+  auto it = g_name_ids.find(name);
+  int32_t id;
+  if (it == g_name_ids.end()) {
+    id = (int32_t)g_name_ids.size();
+    g_name_ids.emplace(name, id);
+  } else {
+    id = it->second;
+  }
+  const std::string tail = "AccumulateGrad";
+  bool acc = name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  return NameOf{id, acc};
+}
+
+NameOf name_of(Node* node, bool python) {
+  if (python) {  // a custom Function's Node: named by its Python class, which the type does not tell
+    std::string name = node->name();
+    std::lock_guard<std::mutex> g(g_names);
+    return name_number(name);
+  }
+  std::type_index type(typeid(*node));
+  {
+    std::lock_guard<std::mutex> g(g_names);
+    auto it = g_type_names.find(type);
+    if (it != g_type_names.end()) return it->second;
+  }
+  std::string name = node->name();
+  std::lock_guard<std::mutex> g(g_names);
+  NameOf n = name_number(name);
+  g_type_names.emplace(type, n);
+  return n;
+}
+
+Node* node_of(PyObject* o);
+
+PyObject* py_walk(PyObject*, PyObject* args) {
+  PyObject* roots;
+  long long base;
+  if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &roots, &base)) return nullptr;
+  Py_ssize_t nroots = PyList_GET_SIZE(roots);
+  std::vector<std::pair<Node*, PyObject*>> stack;  // (node, its Python object if known: a root's, borrowed)
+  for (Py_ssize_t i = nroots - 1; i >= 0; --i) {
+    PyObject* o = PyList_GET_ITEM(roots, i);
+    Node* n = node_of(o);
+    if (n == nullptr) {
+      PyErr_Format(PyExc_TypeError, "root %zd is not an autograd Node (%s)", i, Py_TYPE(o)->tp_name);
+      return nullptr;
+    }
+    stack.emplace_back(n, o);
+  }
+  std::unordered_map<Node*, int32_t> index;
+  std::vector<Node*> order;
+  PyObject* nodes = PyList_New(0);
+  PyObject* seqs = PyList_New(0);
+  PyObject* leaves = PyList_New(0);
+  PyObject* ids = PyDict_New();
+  std::string sig;
+  bool failed = nodes == nullptr || seqs == nullptr || leaves == nullptr || ids == nullptr;
+  try {
+    while (!stack.empty() && !failed) {
+      auto [node, obj] = stack.back();
+      stack.pop_back();
+      if (index.count(node)) continue;
+      PyObject* py = nullptr;
+      if (obj != nullptr) {
+        py = obj;
+        Py_INCREF(py);
+      } else {
+        py = torch::autograd::functionToPyObject(c10::intrusive_ptr<Node>::reclaim_copy(node));
+      }
+      if (py == nullptr) {
+        failed = true;
+        break;
+      }
+      {
+        PyObject* k = PyLong_FromVoidPtr(py);
+        PyObject* v = PyLong_FromSsize_t((Py_ssize_t)order.size());
+        PyDict_SetItem(ids, k, v);
+        Py_DECREF(k);
+        Py_DECREF(v);
+      }
+      index.emplace(node, (int32_t)order.size());
+      order.push_back(node);
+      PyList_Append(nodes, py);
+      bool python = THPFunction_Check(py);  // a custom Function's Node (PyNode)
+      Py_DECREF(py);  // the list holds it
+      NameOf name = name_of(node, python);
+      uint64_t seq = node->sequence_nr();
+      PyObject* s = PyLong_FromUnsignedLongLong(seq);
+      PyList_Append(seqs, s);
+      Py_DECREF(s);
+      int64_t value = 0;
+      if (name.accumulate) {
+        intptr_t id = 0;
+        if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+          if (acc->variable.defined()) {
+            PyObject* v = acc->variable.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+            id = (intptr_t)v;
+          }
+        }
+        PyObject* l = PyLong_FromVoidPtr((void*)id);
+        PyList_Append(leaves, l);
+        Py_DECREF(l);
+      } else {
+        value = (int64_t)seq - base;
+      }
+      char part[13];
+      std::memcpy(part, &name.id, 4);
+      part[4] = python ? 1 : 0;
+      std::memcpy(part + 5, &value, 8);
+      sig.append(part, 13);
+      const auto& edges = node->next_edges();
+      for (auto it = edges.rbegin(); it != edges.rend(); ++it)
+        if (it->function && !index.count(it->function.get())) stack.emplace_back(it->function.get(), nullptr);
+    }
+  } catch (const std::exception& e) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, what_of(e).c_str());
+    failed = true;
+  }
+  if (failed || PyErr_Occurred()) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "walk(): a Node could not be wrapped");
+    Py_XDECREF(nodes);
+    Py_XDECREF(seqs);
+    Py_XDECREF(leaves);
+    Py_XDECREF(ids);
+    return nullptr;
+  }
+  std::vector<int32_t> flat;  // four int32 per edge, native byte order: no Python object per edge here
+  for (size_t src = 0; src < order.size(); ++src) {
+    const auto& next = order[src]->next_edges();
+    for (size_t slot = 0; slot < next.size(); ++slot) {
+      if (!next[slot].function) continue;
+      flat.push_back((int32_t)src);
+      flat.push_back((int32_t)slot);
+      flat.push_back(index[next[slot].function.get()]);
+      flat.push_back((int32_t)next[slot].input_nr);
+    }
+  }
+  PyObject* edges = PyBytes_FromStringAndSize((const char*)flat.data(), (Py_ssize_t)(flat.size() * 4));
+  PyObject* sigb = PyBytes_FromStringAndSize(sig.data(), (Py_ssize_t)sig.size());
+  return Py_BuildValue("(NNNNNN)", nodes, edges, seqs, sigb, leaves, ids);
+}
+
+inline PyObject* none() {
+  Py_INCREF(Py_None);
+  return Py_None;
+}
+
 // ---- Python objects --------------------------------------------------------------------------------------------
 const char* STEP = "gradstore.native.Step";
 const char* PASS = "gradstore.native.Pass";
@@ -715,8 +884,8 @@ PyObject* py_install(PyObject*, PyObject* args) {
   return cap;
 }
 
-// finish(pass) -> (calls [(node, seq, start, duration or None)], results count, fallbacks [objects], measured,
-// reused, faults [str]): the hooks are removed; the results stay in the pass for rows()
+// finish(pass) -> (calls count, results count, fallbacks [objects], measured, reused, faults [str]): the hooks are
+// removed; the calls and results stay in the pass for call_rows() and rows()
 PyObject* py_finish(PyObject*, PyObject* cap) {
   auto* sp = pass_of(cap);
   if (sp == nullptr) return nullptr;
@@ -733,12 +902,6 @@ PyObject* py_finish(PyObject*, PyObject* cap) {
                t_open.end());
   std::lock_guard<std::mutex> lock(p.mu);
   p.seen.clear();
-  PyObject* calls = PyList_New((Py_ssize_t)p.calls.size());
-  for (size_t i = 0; i < p.calls.size(); ++i) {
-    const Call& c = p.calls[i];
-    PyObject* dur = c.ended ? PyFloat_FromDouble(c.dur) : (Py_INCREF(Py_None), Py_None);
-    PyList_SET_ITEM(calls, i, Py_BuildValue("(iLdN)", c.node, (long long)c.seq, c.start, dur));
-  }
   PyObject* fallbacks = PyList_New(0);
   for (const Entry& e : p.entries)
     if (e.r.kind == K_PY) PyList_Append(fallbacks, e.r.py);
@@ -748,8 +911,38 @@ PyObject* py_finish(PyObject*, PyObject* cap) {
     PyList_Append(faults, s);
     Py_DECREF(s);
   }
-  return Py_BuildValue("(NnNLLN)", calls, (Py_ssize_t)p.entries.size(), fallbacks, (long long)p.measured,
-                       (long long)p.reused, faults);
+  return Py_BuildValue("(nnNLLN)", (Py_ssize_t)p.calls.size(), (Py_ssize_t)p.entries.size(), fallbacks,
+                       (long long)p.measured, (long long)p.reused, faults);
+}
+
+// call_rows(pass, keys) -> [(node key, seq, start s, duration s or None)] in call order (rows.call_rows of the
+// Python hooks' calls); after finish()
+PyObject* py_call_rows(PyObject*, PyObject* args) {
+  PyObject *cap, *keys;
+  if (!PyArg_ParseTuple(args, "OO!", &cap, &PyList_Type, &keys)) return nullptr;
+  auto* sp = pass_of(cap);
+  if (sp == nullptr) return nullptr;
+  Pass& p = **sp;
+  std::lock_guard<std::mutex> lock(p.mu);
+  PyObject* out = PyList_New((Py_ssize_t)p.calls.size());
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < p.calls.size(); ++i) {
+    const Call& c = p.calls[i];
+    if (c.node < 0 || c.node >= PyList_GET_SIZE(keys)) {
+      Py_DECREF(out);
+      PyErr_SetString(PyExc_IndexError, "call_rows(): a call's node has no key");
+      return nullptr;
+    }
+    PyObject* row = PyTuple_New(4);
+    PyObject* key = PyList_GET_ITEM(keys, c.node);
+    Py_INCREF(key);
+    PyTuple_SET_ITEM(row, 0, key);
+    PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(c.seq));
+    PyTuple_SET_ITEM(row, 2, PyFloat_FromDouble(c.start));
+    PyTuple_SET_ITEM(row, 3, c.ended ? PyFloat_FromDouble(c.dur) : none());
+    PyList_SET_ITEM(out, i, row);
+  }
+  return out;
 }
 
 PyObject* shape_string(const Result& r) {
@@ -759,11 +952,6 @@ PyObject* shape_string(const Result& r) {
     s += std::to_string(r.sizes[i]);
   }
   return PyUnicode_FromStringAndSize(s.data(), (Py_ssize_t)s.size());
-}
-
-inline PyObject* none() {
-  Py_INCREF(Py_None);
-  return Py_None;
 }
 
 // the statistics columns of gradstore.recording.stats._derive (norm, min, max, mean, std, nan, posinf, neginf, zeros)
@@ -848,6 +1036,43 @@ PyObject* py_rows(PyObject*, PyObject* args) {
   return out;
 }
 
+// grad_states(params) -> bytes, or None where a parameter is not a plain torch.Tensor / nn.Parameter (whose `.grad`
+// Python code may compute): per (name, parameter) of the list, two int64: (0, -2) for a `.grad` of None, (data
+// pointer, version counter) for a `.grad` with storage and a version, else (its TensorImpl's address, -1). What
+// tells that a `.grad` changed (gradstore.recording.passes), read without a Python object per parameter.
+PyObject* py_grad_states(PyObject*, PyObject* params) {
+  if (!PyList_Check(params)) {
+    PyErr_SetString(PyExc_TypeError, "grad_states(params): a list of (name, parameter)");
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(params);
+  std::string out((size_t)n * 16, '\0');
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(params, i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) Py_RETURN_NONE;
+    PyObject* p = PyTuple_GET_ITEM(item, 1);
+    if ((PyObject*)Py_TYPE(p) != G.plain[0] && (PyObject*)Py_TYPE(p) != G.plain[1]) Py_RETURN_NONE;
+    int64_t a = 0, b = -2;
+    try {
+      const at::Tensor& grad = THPVariable_Unpack(p).grad();
+      if (grad.defined()) {
+        c10::TensorImpl* impl = grad.unsafeGetTensorImpl();
+        b = -1;
+        a = (int64_t)(intptr_t)impl;
+        if (impl->has_storage() && !impl->is_inference() && !impl->is_python_dispatch()) {
+          a = (int64_t)(intptr_t)grad.data_ptr();
+          b = (int64_t)impl->version_counter().current_version();
+        }
+      }
+    } catch (const std::exception&) {
+      Py_RETURN_NONE;
+    }
+    std::memcpy(&out[(size_t)i * 16], &a, 8);
+    std::memcpy(&out[(size_t)i * 16 + 8], &b, 8);
+  }
+  return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
+}
+
 PyObject* py_abi(PyObject*, PyObject*) { return PyLong_FromLong(ABI); }
 
 PyMethodDef methods[] = {
@@ -857,9 +1082,12 @@ PyMethodDef methods[] = {
     {"step", py_step, METH_NOARGS, "A new step: the call counter and the active passes."},
     {"next_seq", py_next_seq, METH_O, "The step's next call number."},
     {"open_top", py_open_top, METH_O, "(pass number, seq) of this thread's innermost open call, or None."},
+    {"walk", py_walk, METH_VARARGS, "The graph walk from the roots: nodes, edges, seqs, signature, leaves."},
     {"install", py_install, METH_VARARGS, "Hook every wanted node of a pass."},
     {"finish", py_finish, METH_O, "Remove the pass's hooks; its calls and fallbacks."},
     {"rows", py_rows, METH_VARARGS, "The pass's tensor rows."},
+    {"call_rows", py_call_rows, METH_VARARGS, "The pass's call rows."},
+    {"grad_states", py_grad_states, METH_O, "What tells each parameter's .grad changed, as bytes."},
     {nullptr, nullptr, 0, nullptr}};
 
 struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradstore's node hooks in C++", -1,
