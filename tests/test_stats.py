@@ -419,8 +419,12 @@ def test_pipeline_measure_fault_does_not_stop_training(db, monkeypatch, python_h
     def broken(x, level="full"):
         raise RuntimeError("reduction exploded")
 
+    def broken_many(*args):  # the parameter gradients' batched kernel call fails too: each is measured alone
+        raise RuntimeError("batch exploded")
+
     model = Holder(torch.ones(3))
     monkeypatch.setattr(stats, "_reduce", broken)
+    monkeypatch.setattr(stats, "_reduce_many", broken_many)
     with gradstore.record("fault", db=db, model=model):
         (model.p * 2.0).sum().backward()
     assert torch.equal(model.p.grad, torch.full((3,), 2.0))
@@ -480,6 +484,20 @@ def test_dtensor_layout_folds_the_coordinate_by_placement_kind(monkeypatch):
     assert dtensor.placements_text((Partial("max"),)) == "(Partial(max),)"
 
 
+def assert_same_vector(got, want):
+    """Two statistics vectors (stats.VEC_LEN floats) agree: counts exactly, floats to RTOL, NaN where NaN, and
+    the sign of a zero (the std of no finite value is sqrt(0 / -1) = -0.0)."""
+    assert len(got) == len(want) == stats.VEC_LEN
+    for j, (g, e) in enumerate(zip(got, want)):
+        if math.isnan(e):
+            assert math.isnan(g), (j, got, want)
+        elif j in (stats.NAN, stats.POSINF, stats.NEGINF, stats.ZEROS, stats.NFINITE) or math.isinf(e) or e == 0:
+            assert g == e and math.copysign(1, g) == math.copysign(1, e), (j, got, want)
+        else:
+            assert math.isclose(g, e, rel_tol=RTOL), (j, got, want)
+    assert stats._derive(got)[5:] == stats._derive(want)[5:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("level", ["full", "health"])
 @pytest.mark.parametrize("n", [1, 7, 16, 1000, 3 * kernel.SPLIT + 5])
@@ -507,12 +525,13 @@ def test_an_all_nan_gradient_gives_the_masked_results_without_the_masked_path(dt
     assert (row["nan"], row["posinf"], row["neginf"], row["norm"]) == (n, 0, 0, 0.0)
     assert row["min"] is row["max"] is row["mean"] is row["std"] is None
 
-    # one value that is not NaN, anywhere: the masked path counts it
+    # one value that is not NaN, anywhere: the masked kernel counts it (no masked Python path either), with the
+    # masked path's values
     for value, where in ((INF, 0), (-INF, n - 1), (0.0, n // 3), (1.5, n - 1)):
         calls.clear()
         u = t.clone()
         u[where] = value
-        stats._reduce(u, level)
-        if n > 1 or not math.isfinite(value):  # (a single finite value is the kernel's common case)
-            assert calls == [n], (value, where)
+        got = stats._reduce(u, level)
+        assert calls == [] and isinstance(got, tuple), (value, where)
+        assert_same_vector(got, real_masked(u, level).tolist())
         assert_matches(u)

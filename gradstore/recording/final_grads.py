@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..records import ROLE, NodeInfo
 from .options import Options
-from .stats import NONFINITE_COLUMNS, measure, shape_only, to_rows
+from .stats import NONFINITE_COLUMNS, measure_many, to_rows
 
 
 def world_size() -> int:
@@ -47,7 +47,7 @@ def measure_params(
     """
     level = options.param_level
     take_checksum = level != "shape" and (options.checksum if options.checksum is not None else world_size() > 1)
-    nodes, results, measured = [], [], []
+    nodes, grads, measured = [], [], []
     for name, p in params:
         if sharded_of:
             p = sharded_of.get(id(p), p)
@@ -55,9 +55,10 @@ def measure_params(
         if not getattr(p, "requires_grad", False) or not wanted(options, module, name):
             continue
         nodes.append(NodeInfo(f"param:{name}", "AccumulateGrad", "accumulate_grad", module, name))
-        results.append(shape_only(p.grad) if level == "shape" else measure(p.grad, level, checksum=take_checksum))
+        grads.append(p.grad)
         measured.append(p)
-    return nodes, results, measured
+    # one kernel call for the dense float32/float64 CPU gradients, `measure` one by one for the others
+    return nodes, measure_many(grads, level, checksum=take_checksum), measured
 
 
 def wanted(options: Options, module: str, param: str | None) -> bool:
