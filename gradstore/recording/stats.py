@@ -301,7 +301,8 @@ def _cpu_numpy(x: torch.Tensor, level: str):
     n = x.numel()
     a = x.resolve_neg().numpy()
     if level == "full":
-        s = float(np.add.reduce(a, axis=None, dtype=np.float64))
+        with np.errstate(invalid="ignore", over="ignore"):  # +Inf and -Inf together: NaN, measured masked below
+            s = float(np.add.reduce(a, axis=None, dtype=np.float64))
         if not math.isfinite(s):
             return _masked(x, level)
     if n >= _LARGE:
