@@ -684,7 +684,8 @@ PyObject* py_install(PyObject*, PyObject* args) {
 }
 
 // finish(pass) -> (calls [(node, seq, start, duration or None)], results count, fallbacks [objects], measured,
-// reused, faults [str]): the hooks are removed; the results stay in the pass for rows()
+// reused, faults [str], nonfinite: whether a result measured here counts a NaN or an infinity): the hooks are
+// removed; the results stay in the pass for rows()
 PyObject* py_finish(PyObject*, PyObject* cap) {
   auto* sp = pass_of(cap);
   if (sp == nullptr) return nullptr;
@@ -708,16 +709,19 @@ PyObject* py_finish(PyObject*, PyObject* cap) {
     PyList_SET_ITEM(calls, i, Py_BuildValue("(iLdN)", c.node, (long long)c.seq, c.start, dur));
   }
   PyObject* fallbacks = PyList_New(0);
-  for (const Entry& e : p.entries)
+  bool nonfinite = false;
+  for (const Entry& e : p.entries) {
     if (e.r.kind == K_PY) PyList_Append(fallbacks, e.r.py);
+    if (e.r.kind == K_STATS && (e.r.vec[0] != 0 || e.r.vec[1] != 0 || e.r.vec[2] != 0)) nonfinite = true;
+  }
   PyObject* faults = PyList_New(0);
   for (const auto& f : p.faults) {
     PyObject* s = PyUnicode_FromString(f.c_str());
     PyList_Append(faults, s);
     Py_DECREF(s);
   }
-  return Py_BuildValue("(NnNLLN)", calls, (Py_ssize_t)p.entries.size(), fallbacks, (long long)p.measured,
-                       (long long)p.reused, faults);
+  return Py_BuildValue("(NnNLLNO)", calls, (Py_ssize_t)p.entries.size(), fallbacks, (long long)p.measured,
+                       (long long)p.reused, faults, nonfinite ? Py_True : Py_False);
 }
 
 PyObject* shape_string(const Result& r) {
