@@ -3,7 +3,11 @@
 One pass over a gradient's memory gives its float64 sum, sum of squares, min, max and zero count (`full`),
 or its sum of squares, min and max (`health`): about 0.15 and 0.12 ns per float32 element on one core of
 the reference machine (AVX-512; 0.23 and 0.18 built for AVX2 only), against ~1.5 and ~0.5 ns for the
-NumPy/torch reductions it replaces (`python -m benchmarks.run --sections reductions`).
+NumPy/torch reductions it replaces (`python -m benchmarks.run --sections reductions`). A tensor holding NaN or Inf
+takes its masked variant (exact NaN/+Inf/-Inf counts, and the finite values' sum, sum of squares, min, max and zeros
+in one pass; their squared deviations from the mean in a second). `stats` finishes a tensor's statistics vector in
+one call, `stats_many` that of many tensors (a model's parameter gradients), and the C++ node hooks call the same
+C function (gs_stats), so every path gives the same values.
 
 The source is compiled the first time a process needs it, with the C compiler found in `$CC` or as `cc`, for
 this machine's CPU (`-march=native`), into a cache directory (`$GRADSTORE_CACHE_DIR`, else
