@@ -13,8 +13,11 @@ Where the reductions run:
   mean no NaN and no Inf, and the results are read on the spot. std comes from the sum of squares, recomputed
   around the mean (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and
   torch (a float64-accumulated sum, torch.aminmax, float64 dot products by chunks, a zero count).
-  A tensor that holds NaN or Inf takes the masked path, which counts them exactly, except one that is NaN
-  throughout (the kernel's min and max, which skip NaN, saw nothing): its results are known without it.
+  A tensor that holds NaN or Inf takes the kernel's masked variant (exact counts, the finite values' sums, min, max
+  and zeros in one pass, their squared deviations around the mean in a second: the values of the masked path below,
+  to float64 rounding), except one that is NaN throughout (the kernel's min and max, which skip NaN, saw nothing):
+  its results are known without it. Finite float64 values whose squares overflow take the masked path, scaled.
+  `measure_many` reduces a list of tensors (a model's parameter gradients) in one kernel call.
 - Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
   device until `to_rows` copies each device's stack to the host once per pass.
 
