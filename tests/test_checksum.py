@@ -126,12 +126,14 @@ def test_param_grad_rows_store_the_checksum_and_other_rows_do_not(db):
 
 def test_checksums_left_on_the_device_travel_with_the_statistics_in_one_transfer():
     """to_rows packs device-resident statistics (float64, as their bit patterns) and checksums (int64) into one
-    copy per device; a CPU tensor with a NaN takes that path too (its statistics stay a tensor)."""
+    copy per device; a CPU tensor with a NaN measured on the masked path (as on a device: its statistics stay a
+    tensor) takes it too."""
     g = torch.Generator().manual_seed(3)
     with_nan = torch.randn(50, generator=g)
     with_nan[7] = float("nan")
     plain = torch.randn(20, generator=g)
     a = stats.measure(with_nan, checksum=True)
+    a.vec = stats._masked(with_nan)  # the device path's statistics (the CPU kernel counts NaN on the host)
     b = stats.measure(plain)
     c = stats.measure(plain.double(), checksum=True)
     assert isinstance(a.vec, torch.Tensor)

@@ -92,10 +92,12 @@ IDS = torch.arange(12).reshape(2, 6) % 50
 TARGET = torch.tensor([1, 3])
 
 
-def run_steps(tmp_path, counter, level, hooks, nonfinite=False, steps=2):
-    """Record `steps` steps of the small model at `level` with `hooks` ('python' or 'native'), counting host
-    calls in the backward window. Returns the tensor rows recorded (a DataFrame)."""
+def run_steps(tmp_path, counter, level, hooks, nonfinite=False, steps=2, dtype=None):
+    """Record `steps` steps of the small model (in `dtype`, default float32) at `level` with `hooks` ('python' or
+    'native'), counting host calls in the backward window. Returns the tensor rows recorded (a DataFrame)."""
     model = make_model()
+    if dtype is not None:
+        model = model.to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     db = str(tmp_path / f"{level}-{hooks}.db")
     with gradstore.record("r", db=db, model=model, stats=level) as rec:
@@ -147,7 +149,7 @@ def test_hooks_make_no_host_copy(tmp_path, monkeypatch, host_calls, hooks, level
     if hooks == "native":
         assert used, "the C++ hooks were not used"
     if nonfinite and level != "shape":
-        # every gradient below the loss is NaN: the rows count them (the masked path measured them)
+        # every gradient below the loss is NaN: the rows count them (the masked kernel measured them)
         assert (node_rows.nan.fillna(0) > 0).sum() > len(node_rows) // 2
 
 
@@ -157,6 +159,8 @@ def test_the_device_path_copies_once_at_the_end_of_the_pass(tmp_path, monkeypatc
     and the copy happens in PassRecorder.finish (so the results really were left in tensors until then)."""
     select_hooks(monkeypatch, hooks)
     monkeypatch.setattr(stats, "_reduce", stats._masked)
+    # the parameter gradients' batched kernel call declines each: every one is measured alone, by `_reduce`
+    monkeypatch.setattr(stats, "_reduce_many", lambda k, ptrs, *rest: [None] * len(ptrs))
     tensors = run_steps(tmp_path, host_calls, "full", hooks, steps=1)
     assert host_calls.calls == []
     assert host_calls.at_end >= 1  # the pass's host transfer: `.cpu()` of the stacked results, `.tolist()`
@@ -189,8 +193,8 @@ def test_the_counter_sees_a_call_inside_the_window(tmp_path, monkeypatch, host_c
 
 @pytest.mark.parametrize("hooks", ["python", "native"])
 def test_the_counter_sees_a_call_in_gradstores_measurement(tmp_path, monkeypatch, host_calls, hooks):
-    """Control: a measurement that calls `.item()` (the Python one, which the C++ hooks hand NaN gradients to) is
-    counted: the window covers gradstore's hooks on both paths."""
+    """Control: a measurement that calls `.item()` (the Python one, which the C++ hooks hand bfloat16 gradients
+    to) is counted: the window covers gradstore's hooks on both paths."""
     select_hooks(monkeypatch, hooks)
     real = stats.measure
 
@@ -200,5 +204,5 @@ def test_the_counter_sees_a_call_in_gradstores_measurement(tmp_path, monkeypatch
         return real(t, *args, **kwargs)
 
     monkeypatch.setattr(stats, "measure", measure_with_item)
-    run_steps(tmp_path, host_calls, "full", hooks, nonfinite=True, steps=1)
+    run_steps(tmp_path, host_calls, "full", hooks, nonfinite=True, steps=1, dtype=torch.bfloat16)
     assert host_calls.calls and {name for name, _ in host_calls.calls} == {"item"}

@@ -622,9 +622,11 @@ def _live(cls) -> int:
 def _count_hook_activity(monkeypatch) -> list:
     """Count every entry into a gradstore hook (each hook asks for the graph task id first) and every measure."""
     hits = []
-    real_task, real_measure = tp.current_graph_task_id, gs_final.measure
+    real_task, real_measure = tp.current_graph_task_id, gs_final.measure_many
     monkeypatch.setattr(tp, "current_graph_task_id", lambda: (hits.append("task"), real_task())[1])
-    monkeypatch.setattr(gs_final, "measure", lambda t, *a, **k: (hits.append("measure"), real_measure(t, *a, **k))[1])
+    monkeypatch.setattr(
+        gs_final, "measure_many", lambda t, *a, **k: (hits.append("measure"), real_measure(t, *a, **k))[1]
+    )
     return hits
 
 

@@ -91,9 +91,12 @@ def test_measurer_at_shape_level_matches_measure_and_counts_no_reduction():
 
 def test_any_nonfinite_and_needs_transfer():
     finite = stats.measure(torch.tensor([1.0, 2.0]))
-    nan = stats.measure(torch.tensor([1.0, math.nan]))  # CPU: the masked path's tensor
+    nan = stats.measure(torch.tensor([1.0, math.nan]))  # CPU: the masked kernel's host floats
+    on_device = stats.measure(torch.tensor([1.0, math.nan]))
+    on_device.vec = stats._masked(torch.tensor([1.0, math.nan]))  # the device path's tensor, as a device leaves it
     assert not stats.needs_transfer([finite, stats.shape_only(torch.ones(2)), stats.NONE])
-    assert stats.needs_transfer([finite, nan])
+    assert stats.needs_transfer([finite, on_device]) and not stats.needs_transfer([finite, nan])
+    assert stats.any_nonfinite([finite, nan]) and not stats.any_nonfinite([finite, on_device])  # not read there
     assert not stats.any_nonfinite([finite, stats.shape_only(torch.ones(2))])
     host = stats.Measured("ok", dtype=1, shape="2", numel=2, vec=(1.0, 0.0, 0.0) + (0.0,) * 7)
     assert stats.any_nonfinite([finite, host])

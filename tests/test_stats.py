@@ -199,6 +199,80 @@ def test_non_contiguous(dtype):
     assert_matches(finite_view)
 
 
+def _partly_nonfinite(shape, dtype, fraction, seed):
+    """Random values with about `fraction` of them NaN, and a few +Inf, -Inf and zeros (+0 and -0) besides."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 0.5
+    u = torch.rand(shape, generator=g, dtype=torch.float64)
+    x[u < fraction] = NAN
+    x[(u >= fraction) & (u < fraction + 0.01)] = INF
+    x[(u >= fraction + 0.01) & (u < fraction + 0.02)] = -INF
+    x[(u >= fraction + 0.02) & (u < fraction + 0.025)] = 0.0
+    x[(u >= fraction + 0.025) & (u < fraction + 0.03)] = -0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("fraction", [0.5, 0.01, 0.97])
+@pytest.mark.parametrize("shape", [(1,), (15,), (17,), (333, 31), (4096,)])
+@pytest.mark.parametrize("level", ["full", "health"])
+def test_partly_nonfinite(dtype, fraction, shape, level):
+    """Gradients NaN in part (a NaN storm that has not reached every element), with infinities and zeros: exact
+    counts and the finite elements' statistics, against the reference and against the masked path's values."""
+    t = _partly_nonfinite(shape, dtype, fraction, seed=sum(shape) + int(fraction * 100))
+    (row,) = stats.to_dicts([stats.measure(t, level)])
+    if level == "full":
+        assert_matches(t, row)
+    else:
+        want = reference(t)
+        for k in ("nan", "posinf", "neginf"):
+            assert row[k] == want[k], k
+        for k in ("norm", "min", "max"):
+            assert close(row[k], want[k]), (k, row[k], want[k])
+        assert row["zeros"] is row["mean"] is row["std"] is None
+    got = stats._reduce(t.detach(), level)
+    assert_same_vector(got if isinstance(got, tuple) else got.tolist(), stats._masked(t, level).tolist())
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_partly_nonfinite_non_contiguous(dtype):
+    base = _partly_nonfinite((60, 50), dtype, 0.5, seed=21)
+    views = [base.t(), base[::3, 1::4], base[:, 5], base.t()[2:40:2], base.unsqueeze(0).expand(3, 60, 50)]
+    for v in views:
+        assert not v.is_contiguous()
+        assert_matches(v)
+        assert_same_vector(stats._reduce(v.detach(), "full"), stats._masked(v, "full").tolist())
+    neg = base._neg_view()  # the negative bit: read through a resolved copy
+    assert neg.is_neg()
+    assert_matches(neg)
+
+
+def test_partly_nonfinite_float64_near_the_overflow():
+    """Finite float64 values whose squares overflow, beside NaN and Inf: the scaled masked path's true norm."""
+    t = torch.tensor([NAN, 1e200, -1e200, INF, 3.0, NAN], dtype=torch.float64)
+    row = row_of(t)
+    # by hand (plain torch's float64 norm overflows here): finite values 1e200, -1e200, 3; mean 1; deviations
+    # 1e200 - 1, -1e200 - 1, 2, so std = sqrt(2e400 / 2) = 1e200 to double precision
+    assert (row["nan"], row["posinf"], row["neginf"], row["zeros"]) == (2, 1, 0, 0)
+    assert row["norm"] == pytest.approx(math.sqrt(2) * 1e200, rel=1e-12)
+    assert (row["min"], row["max"]) == (-1e200, 1e200)
+    assert abs(row["mean"] - 1.0) <= 1e200 * 2**-52  # 1 to the sum's rounding: 1e200 - 1e200 + 3 may round to 0
+    assert row["std"] == pytest.approx(1e200, rel=1e-12)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_partly_nonfinite_large_split_across_threads(threads, dtype, monkeypatch):
+    """A large gradient holding NaN: its shares are reduced by the masked kernel on several threads and combined;
+    the same values as the masked path, and the reference."""
+    t = _partly_nonfinite((2 * kernel.SPLIT + 1001,), dtype, 0.3, seed=4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert_matches(t)
+    for level in ("full", "health"):
+        got = stats._reduce(t, level)
+        assert_same_vector(got if isinstance(got, tuple) else got.tolist(), stats._masked(t, level).tolist())
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64], ids=str)
 def test_integer(dtype):
     g = torch.Generator().manual_seed(5)
@@ -419,8 +493,12 @@ def test_pipeline_measure_fault_does_not_stop_training(db, monkeypatch, python_h
     def broken(x, level="full"):
         raise RuntimeError("reduction exploded")
 
+    def broken_many(*args):  # the parameter gradients' batched kernel call fails too: each is measured alone
+        raise RuntimeError("batch exploded")
+
     model = Holder(torch.ones(3))
     monkeypatch.setattr(stats, "_reduce", broken)
+    monkeypatch.setattr(stats, "_reduce_many", broken_many)
     with gradstore.record("fault", db=db, model=model):
         (model.p * 2.0).sum().backward()
     assert torch.equal(model.p.grad, torch.full((3,), 2.0))
@@ -480,6 +558,22 @@ def test_dtensor_layout_folds_the_coordinate_by_placement_kind(monkeypatch):
     assert dtensor.placements_text((Partial("max"),)) == "(Partial(max),)"
 
 
+def assert_same_vector(got, want):
+    """Two statistics vectors (stats.VEC_LEN floats) agree: counts exactly, floats to RTOL, NaN where NaN, and
+    the sign of a zero (the std of no finite value is sqrt(0 / -1) = -0.0)."""
+    assert len(got) == len(want) == stats.VEC_LEN
+    for j, (g, e) in enumerate(zip(got, want)):
+        if math.isnan(e):
+            assert math.isnan(g), (j, got, want)
+        elif j in (stats.NAN, stats.POSINF, stats.NEGINF, stats.ZEROS, stats.NFINITE) or math.isinf(e) or e == 0:
+            assert g == e, (j, got, want)
+            if j == stats.STD:  # (the min of +0 and -0 may be either)
+                assert math.copysign(1, g) == math.copysign(1, e), (j, got, want)
+        else:
+            assert math.isclose(g, e, rel_tol=RTOL), (j, got, want)
+    assert stats._derive(got)[5:] == stats._derive(want)[5:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("level", ["full", "health"])
 @pytest.mark.parametrize("n", [1, 7, 16, 1000, 3 * kernel.SPLIT + 5])
@@ -507,12 +601,13 @@ def test_an_all_nan_gradient_gives_the_masked_results_without_the_masked_path(dt
     assert (row["nan"], row["posinf"], row["neginf"], row["norm"]) == (n, 0, 0, 0.0)
     assert row["min"] is row["max"] is row["mean"] is row["std"] is None
 
-    # one value that is not NaN, anywhere: the masked path counts it
+    # one value that is not NaN, anywhere: the masked kernel counts it (no masked Python path either), with the
+    # masked path's values
     for value, where in ((INF, 0), (-INF, n - 1), (0.0, n // 3), (1.5, n - 1)):
         calls.clear()
         u = t.clone()
         u[where] = value
-        stats._reduce(u, level)
-        if n > 1 or not math.isfinite(value):  # (a single finite value is the kernel's common case)
-            assert calls == [n], (value, where)
+        got = stats._reduce(u, level)
+        assert calls == [] and isinstance(got, tuple), (value, where)
+        assert_same_vector(got, real_masked(u, level).tolist())
         assert_matches(u)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..records import ROLE, NodeInfo
 from .options import Options
-from .stats import NONFINITE_COLUMNS, measure, shape_only, to_rows
+from .stats import NONFINITE_COLUMNS, measure_many, to_rows
 
 
 def world_size() -> int:
@@ -47,17 +47,43 @@ def measure_params(
     """
     level = options.param_level
     take_checksum = level != "shape" and (options.checksum if options.checksum is not None else world_size() > 1)
-    nodes, results, measured = [], [], []
+    nodes, grads, measured = [], [], []
+    filters = (options.modules, options.params)
+    known = _PARAM_NODES.get(filters)
+    if known is None:
+        if len(_PARAM_NODES) > 64:
+            _PARAM_NODES.clear()
+        known = _PARAM_NODES[filters] = {}
     for name, p in params:
         if sharded_of:
             p = sharded_of.get(id(p), p)
-        module = name.rsplit(".", 1)[0] if "." in name else ""
-        if not getattr(p, "requires_grad", False) or not wanted(options, module, name):
+        if not getattr(p, "requires_grad", False):
             continue
-        nodes.append(NodeInfo(f"param:{name}", "AccumulateGrad", "accumulate_grad", module, name))
-        results.append(shape_only(p.grad) if level == "shape" else measure(p.grad, level, checksum=take_checksum))
+        info = known.get(name, _UNKNOWN)
+        if info is _UNKNOWN:
+            if len(known) > 1_000_000:
+                known.clear()
+            info = known[name] = _param_node(options, name)
+        if info is None:
+            continue
+        nodes.append(info)
+        grads.append(p.grad)
         measured.append(p)
-    return nodes, results, measured
+    # one kernel call for the dense float32/float64 CPU gradients, `measure` one by one for the others
+    return nodes, measure_many(grads, level, checksum=take_checksum), measured
+
+
+# (modules=, params=) filters -> {qualified parameter name: its NodeInfo (frozen), or None where the filters leave it
+# out}: the same for every step, so built once per name
+_PARAM_NODES: dict[tuple, dict] = {}
+_UNKNOWN = object()
+
+
+def _param_node(options: Options, name: str) -> NodeInfo | None:
+    module = name.rsplit(".", 1)[0] if "." in name else ""
+    if not wanted(options, module, name):
+        return None
+    return NodeInfo(f"param:{name}", "AccumulateGrad", "accumulate_grad", module, name)
 
 
 def wanted(options: Options, module: str, param: str | None) -> bool:

@@ -3,7 +3,11 @@
 One pass over a gradient's memory gives its float64 sum, sum of squares, min, max and zero count (`full`),
 or its sum of squares, min and max (`health`): about 0.15 and 0.12 ns per float32 element on one core of
 the reference machine (AVX-512; 0.23 and 0.18 built for AVX2 only), against ~1.5 and ~0.5 ns for the
-NumPy/torch reductions it replaces (`python -m benchmarks.run --sections reductions`).
+NumPy/torch reductions it replaces (`python -m benchmarks.run --sections reductions`). A tensor holding NaN or Inf
+takes its masked variant (exact NaN/+Inf/-Inf counts, and the finite values' sum, sum of squares, min, max and zeros
+in one pass; their squared deviations from the mean in a second). `stats` finishes a tensor's statistics vector in
+one call, `stats_many` that of many tensors (a model's parameter gradients), and the C++ node hooks call the same
+C function (gs_stats), so every path gives the same values.
 
 The source is compiled the first time a process needs it, with the C compiler found in `$CC` or as `cc`, for
 this machine's CPU (`-march=native`), into a cache directory (`$GRADSTORE_CACHE_DIR`, else
@@ -30,10 +34,14 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "reduce.c"
-ABI_VERSION = 2
+ABI_VERSION = 10
 _FLAGS = ("-O3", "-fPIC", "-shared", "-Wno-psabi")
 SPLIT = 1 << 19  # elements per share below which a tensor is reduced on the calling thread alone
 _OUT = ctypes.c_double * 5
+_OUT9 = ctypes.c_double * 9
+_VEC = ctypes.c_double * 10
+_KINDS = {"f32": 0, "f64": 1}
+_LEVELS = {"health": 1, "full": 2}
 _lock = threading.Lock()
 _state: dict = {}  # "lib": Kernel | None once tried; "error": why there is none
 
@@ -57,6 +65,16 @@ class Kernel:
             for suffix in ("f32", "f64"):
                 fn = self._fn[name, suffix] = getattr(lib, f"gs_{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, restype
+        for suffix in ("f32", "f64"):
+            fn = self._fn["masked", suffix] = getattr(lib, f"gs_masked_{suffix}")
+            fn.argtypes, fn.restype = (ptr, n, out), None
+            fn = self._fn["masked_m2", suffix] = getattr(lib, f"gs_masked_m2_{suffix}")
+            fn.argtypes, fn.restype = (ptr, n, real), real
+        self._stats = lib.gs_stats
+        self._stats.argtypes, self._stats.restype = (ptr, n, ctypes.c_int, ctypes.c_int, out), ctypes.c_int
+        self._stats_many = lib.gs_stats_many
+        self._stats_many.argtypes = (n, ptr, ptr, ptr, ctypes.c_int, ptr, ptr)
+        self._stats_many.restype = None
         self._slices = lib.gs_slices_f32
         self._slices.argtypes, self._slices.restype = (ptr, n, n, n, ctypes.c_void_p), None
         self.lib = lib
@@ -129,6 +147,47 @@ class Kernel:
         if len(parts) == 1:
             return parts[0]
         return sum(p[0] for p in parts), min(p[1] for p in parts), max(p[2] for p in parts)
+
+    def stats(self, suffix: str, ptr: int, n: int, level: str) -> tuple | None:
+        """The finished statistics vector of n > 0 values on this thread (kernels/reduce.c, gs_stats): a tuple of
+        10 floats in gradstore.recording.stats' VEC_LEN order (nan, posinf, neginf, zeros, finite count, norm,
+        min, max, mean, std; NaN where the level does not compute it), counting NaN and Inf exactly; None where
+        the sums of finite float64 values overflow (the caller measures those values scaled)."""
+        out = _VEC()
+        if self._stats(ptr, n, _KINDS[suffix], _LEVELS[level], out):
+            return None
+        return tuple(out)
+
+    def stats_many(self, ptrs: int, numels: int, kinds: int, count: int, level: str, out: int, rc: int) -> None:
+        """`stats` of `count` tensors in one call, on this thread: ptrs, numels (int64) and kinds (int8: 0 float32,
+        1 float64) are addresses of arrays of `count` items; out (float64, 10 per tensor) and rc (int8: 0, or 1 for
+        None from `stats`) receive the results."""
+        self._stats_many(count, ptrs, numels, kinds, _LEVELS[level], out, rc)
+
+    def masked(self, suffix: str, ptr: int, n: int, itemsize: int) -> tuple:
+        """(NaN count, +Inf count, -Inf count, zeros, finite count, sum, sum of squares, min, max) of n values,
+        the sums, min and max over the finite ones only (min +Inf and max -Inf where none is finite), in float64;
+        split across threads as `full` is."""
+        fn = self._fn["masked", suffix]
+
+        def call(p, m):
+            out = _OUT9()
+            fn(p, m, out)
+            return tuple(out)
+
+        parts = self._map(call, self._shares(ptr, n, itemsize))
+        if len(parts) == 1:
+            return parts[0]
+        return (
+            *(sum(p[j] for p in parts) for j in range(7)),
+            min(p[7] for p in parts),
+            max(p[8] for p in parts),
+        )
+
+    def masked_m2(self, suffix: str, ptr: int, n: int, itemsize: int, mean: float) -> float:
+        """Sum of squared differences of the finite ones of n values from `mean`, in float64."""
+        fn = self._fn["masked_m2", suffix]
+        return sum(self._map(lambda p, m: fn(p, m, mean), self._shares(ptr, n, itemsize)))
 
     def slices(self, ptr: int, outer: int, k: int, inner: int, out: int) -> None:
         """Per-slice sums of squares of a contiguous float32 block of shape (outer, k, inner), in float64:

@@ -15,8 +15,10 @@ gradstore.recording.passes) without a Python object per parameter.
 
 Every row is what the Python hooks (gradstore.recording.passes, gradstore.recording.stats) record for the same tensor: a
 gradient the C++ side does not measure itself (a tensor subclass, a device tensor, float16/bfloat16, a
-non-dense layout, one holding NaN or Inf, one large enough to be split across threads) is handed to
-`gradstore.recording.stats.measure` / `shape_only` with the GIL, from the hook, before the node runs on.
+non-dense layout, finite float64 values whose squares overflow, one large enough to be split across threads) is
+handed to
+`gradstore.recording.stats.measure` / `shape_only` with the GIL, from the hook, before the node runs on. A gradient
+holding NaN or Inf stays in C++: the kernel's gs_stats counts them exactly (the function stats.py measures with).
 
 Build: the C++ compiler in `$CXX` (else `c++`), against the installed torch's headers and libraries, into the
 cache directory of gradstore.recording.kernel, under a name that hashes the source, the compiler, torch's version and
@@ -55,7 +57,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 9
+ABI_VERSION = 11
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
@@ -212,13 +214,10 @@ def _init(module) -> None:
 
     codes = [(module.scalar_type(torch.empty(0, dtype=d)), dtype_code(d)) for d in PLAIN_REAL_DTYPES]
     k = kernel.load()
-    ptrs = [0] * 6
-    if k is not None:
-        names = ("gs_full_f32", "gs_full_f64", "gs_health_f32", "gs_health_f64", "gs_m2_f32", "gs_m2_f64")
-        ptrs = [ctypes.cast(getattr(k.lib, n), ctypes.c_void_p).value for n in names]
+    stats_fn = ctypes.cast(k.lib.gs_stats, ctypes.c_void_p).value if k is not None else 0
     module.init(
         codes,
-        *ptrs,
+        stats_fn,
         _fallback,
         _reuse,
         torch.Tensor,

@@ -584,7 +584,7 @@ class PassRecorder:
         the parameter gradients measured here; the Python measurements the hooks handed over are copied to
         the host now if they hold device tensors, like every pass's."""
         rec, infos, cap = self.record, self.infos, self.native
-        ncalls, count, fallbacks, rec.measured, rec.reused, _faults = native
+        ncalls, count, fallbacks, rec.measured, rec.reused, _faults, nonfinite_here = native
         module = self.step.native
         made: list = []
 
@@ -610,6 +610,7 @@ class PassRecorder:
             params = [(c, role, slot, None) for c, role, slot, _ in params]  # no device tensor kept
         else:
             rec.nonfinite = any_nonfinite(results)
+        rec.nonfinite = rec.nonfinite or nonfinite_here  # NaN and Inf the C++ hooks counted themselves
         # these rows follow the C++ hooks' `count` rows; no call row has a side row here
         self._side_rows(extra, lambda: {ref: count + at for ref, at in _row_index(params, param_keys).items()})
 

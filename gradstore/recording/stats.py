@@ -13,8 +13,11 @@ Where the reductions run:
   mean no NaN and no Inf, and the results are read on the spot. std comes from the sum of squares, recomputed
   around the mean (a second pass) when the mean dominates. Without the kernel, the same statistics come from NumPy and
   torch (a float64-accumulated sum, torch.aminmax, float64 dot products by chunks, a zero count).
-  A tensor that holds NaN or Inf takes the masked path, which counts them exactly, except one that is NaN
-  throughout (the kernel's min and max, which skip NaN, saw nothing): its results are known without it.
+  A tensor that holds NaN or Inf takes the kernel's masked variant (exact counts, the finite values' sums, min, max
+  and zeros in one pass, their squared deviations around the mean in a second: the values of the masked path below,
+  to float64 rounding), except one that is NaN throughout (the kernel's min and max, which skip NaN, saw nothing):
+  its results are known without it. Finite float64 values whose squares overflow take the masked path, scaled.
+  `measure_many` reduces a list of tensors (a model's parameter gradients) in one kernel call.
 - Other devices: the masked path always, entirely on the device, no branch on data; the results stay on the
   device until `to_rows` copies each device's stack to the host once per pass.
 
@@ -225,16 +228,19 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
     if not _dense(x):  # a dense tensor in any dimension order is the same multiset of elements as its memory
         x = x.contiguous()
     suffix, n, ptr, size = _KERNEL_SUFFIX[x.dtype], x.numel(), x.data_ptr(), x.element_size()
+    if n < 2 * kernel.SPLIT:  # one share on this thread: the kernel finishes the vector itself (gs_stats)
+        vec = k.stats(suffix, ptr, n, level)
+        return vec if vec is not None else _masked(x, level)
     if level != "full":
         sumsq, mn, mx = k.health(suffix, ptr, n, size)
         # NaN or Inf somewhere, or squares past the largest value: a float64 |x| past 1.3e154, or a float32 one
-        # past 1.8e19 (its squares are added in float32 blocks here): the masked path counts or scales them
+        # past 1.8e19 (its squares are added in float32 blocks here): the masked kernel counts them
         if not math.isfinite(sumsq):
-            return _all_nan(n, level) if mn == math.inf and mx == -math.inf else _masked(x, level)
+            return _all_nan(n, level) if mn == math.inf and mx == -math.inf else _masked_fused(k, x, level)
         return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
     s, sumsq, mn, mx, zeros = k.full(suffix, ptr, n, size)
     if not (math.isfinite(s) and math.isfinite(sumsq)):  # NaN, Inf, or float64 squares or sums overflowing
-        return _all_nan(n, level) if mn == math.inf and mx == -math.inf else _masked(x, level)
+        return _all_nan(n, level) if mn == math.inf and mx == -math.inf else _masked_fused(k, x, level)
     mean = s / n
     m2 = sumsq - s * mean
     if mn == mx:
@@ -242,6 +248,27 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
     elif m2 < 1e-4 * s * mean:  # the mean dominates: sumsq - s*mean cancels; redo around the mean
         m2 = k.m2(suffix, ptr, n, size, mean)
     return (0.0, 0.0, 0.0, zeros, float(n), math.sqrt(sumsq), mn, mx, mean, _std(m2, n))
+
+
+def _masked_fused(k: kernel.Kernel, x: torch.Tensor, level: str):
+    """What `_masked` gives for a dense float32/float64 CPU tensor holding NaN or Inf, from the masked kernel
+    (kernels/reduce.c, gs_masked and gs_masked_m2: two passes over memory, split across threads as the kernel's
+    other reductions): exact counts, the finite values' norm, min, max and mean, and their std from the sum of
+    squared deviations around that mean, as `_masked` computes them (to float64 rounding: the sums' order
+    differs). The same arithmetic as gs_stats (one share). Finite float64 values whose squares or sums overflow
+    leave for `_masked`, which scales them."""
+    suffix, n, ptr, size = _KERNEL_SUFFIX[x.dtype], x.numel(), x.data_ptr(), x.element_size()
+    nan, posinf, neginf, zeros, nf, s, q, mn, mx = k.masked(suffix, ptr, n, size)
+    if not (math.isfinite(s) and math.isfinite(q)):
+        return _masked(x, level)
+    if level != "full":
+        return (nan, posinf, neginf, _ABSENT, nf, math.sqrt(q), mn, mx, _ABSENT, _ABSENT)
+    mean = s / nf if nf else math.nan  # 0 / 0 where nothing is finite, as the masked path
+    m2 = k.masked_m2(suffix, ptr, n, size, mean) if nf else 0.0
+    if not math.isfinite(m2):
+        return _masked(x, level)
+    std = math.sqrt(m2 / (nf - 1)) if nf != 1 else math.nan  # nf == 0: sqrt(0 / -1) = -0.0, as the masked path
+    return (nan, posinf, neginf, zeros, nf, math.sqrt(q), mn, mx, mean, std)
 
 
 def _all_nan(n: int, level: str) -> tuple:
@@ -277,7 +304,8 @@ def _cpu_numpy(x: torch.Tensor, level: str):
     n = x.numel()
     a = x.resolve_neg().numpy()
     if level == "full":
-        s = float(np.add.reduce(a, axis=None, dtype=np.float64))
+        with np.errstate(invalid="ignore", over="ignore"):  # +Inf and -Inf together: NaN, measured masked below
+            s = float(np.add.reduce(a, axis=None, dtype=np.float64))
         if not math.isfinite(s):
             return _masked(x, level)
     if n >= _LARGE:
@@ -423,6 +451,85 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
         if m is None:
             return Measured("skipped", reason=reason)
         return Measured("skipped", reason=reason, dtype=m.dtype, shape=m.shape, numel=m.numel, nondense=m.nondense)
+
+
+_KIND = {torch.float32: 0, torch.float64: 1}  # gs_stats's kinds
+_SHAPE_TEXT: dict = {}
+
+
+def _shape_text(size: torch.Size) -> str:
+    text = _SHAPE_TEXT.get(size)
+    if text is None:
+        if len(_SHAPE_TEXT) > 10_000:
+            _SHAPE_TEXT.clear()
+        text = _SHAPE_TEXT[size] = ",".join(map(str, size))
+    return text
+
+
+def measure_many(tensors: list, level: str = "full", checksum: bool = False) -> list:
+    """`measure(t, level, checksum)` of every tensor in `tensors`, in order, the same results, with the dense
+    float32/float64 CPU tensors reduced together in one kernel call (kernels/reduce.c, gs_stats_many): one
+    call for a model's parameter gradients instead of one per tensor. Never raises.
+
+    Args:
+        tensors: tensors or None (any kind: what the kernel does not take is measured by `measure` one by one).
+        level: 'full', 'health' or 'shape' (at 'shape': `shape_only(t)` of each, the cheaper equivalent that
+            `to_rows` turns into the same row).
+        checksum: also take each tensor's checksum (then every tensor is measured by `measure`).
+    Returns:
+        A list of `Measured` (or `shape_only` tuples at 'shape'), one per tensor.
+    Relies on: `Tensor.data_ptr`, `Tensor.is_contiguous`, `Tensor.is_neg` and the fused kernel (where it is not
+        loaded, `measure` for each).
+    """
+    if level == "shape":
+        return [shape_only(t) for t in tensors]
+    k = None if checksum else kernel.load()
+    if k is None:
+        return [measure(t, level, checksum) for t in tensors]
+    out: list = [None] * len(tensors)
+    batch, ptrs, numels, kinds = [], [], [], []
+    limit = 2 * kernel.SPLIT  # larger ones are split across threads by `measure`
+    for i, t in enumerate(tensors):
+        try:
+            if (
+                type(t) is torch.Tensor
+                and t.dtype in _KIND
+                and t.is_cpu
+                and t.layout is torch.strided
+                and 0 < t.numel() < limit
+                and t.is_contiguous()
+                and not t.is_neg()
+            ):
+                batch.append(i)
+                ptrs.append(t.data_ptr())
+                numels.append(t.numel())
+                kinds.append(_KIND[t.dtype])
+                continue
+        except Exception:  # anything unusual: `measure` says what it is
+            pass
+        out[i] = measure(t, level)
+    if batch:
+        try:
+            vecs = _reduce_many(k, ptrs, numels, kinds, level)
+        except Exception:  # `measure` one by one, which turns a fault into a skipped result
+            vecs = [None] * len(batch)
+        for i, v in zip(batch, vecs):
+            t = tensors[i]
+            if v is None:  # finite float64 values whose sums overflow (`_masked` scales them), or a fault above
+                out[i] = measure(t, level)
+            else:
+                out[i] = Measured("ok", None, _DTYPE_CODE[t.dtype], _shape_text(t.shape), t.numel(), v)
+    return out
+
+
+def _reduce_many(k: kernel.Kernel, ptrs: list, numels: list, kinds: list, level: str) -> list:
+    """gs_stats of many tensors in one kernel call: a VEC_LEN tuple per tensor, or None where gs_stats declined
+    (the sums of finite float64 values overflow)."""
+    count = len(ptrs)
+    p, n = np.array(ptrs, dtype=np.int64), np.array(numels, dtype=np.int64)
+    kd, vec, rc = np.array(kinds, dtype=np.int8), np.empty(count * VEC_LEN), np.zeros(count, dtype=np.int8)
+    k.stats_many(p.ctypes.data, n.ctypes.data, kd.ctypes.data, count, level, vec.ctypes.data, rc.ctypes.data)
+    return [None if again else tuple(v) for v, again in zip(vec.reshape(count, VEC_LEN).tolist(), rc.tolist())]
 
 
 def _measure_dtensor(t, level: str, checksum: bool) -> Measured:

@@ -2,8 +2,9 @@
 // (order, start, duration) and each gradient (dtype, shape, and at 'health'/'full' the fused kernel's
 // statistics) without entering Python. Built and loaded by gradstore/recording/native.py, which documents the contract;
 // gradstore/recording/passes.py drives it. What the hooks here cannot measure themselves (a tensor subclass, a device
-// tensor, float16, a non-dense layout, NaN or Inf, a tensor large enough to split across threads) they hand to
-// the Python measurement (`fallback`, with the GIL), so every row equals what the Python hooks would record.
+// tensor, float16, a non-dense layout, finite float64 values whose squares overflow, a tensor large enough to split
+// across threads) they hand to the Python measurement (`fallback`, with the GIL), so every row equals what the Python
+// hooks would record. NaN and Inf are counted here, by the kernel's gs_stats (the function Python measures with).
 //
 // The hooks return their gradients unchanged (the same tensors): recording never changes a gradient.
 // PyTorch API used (torch/csrc/autograd): Node::add_pre_hook / pre_hooks() / add_post_hook / del_post_hook,
@@ -43,17 +44,16 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 9;
+constexpr int ABI = 11;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
 
-typedef void (*stat_fn)(const void*, int64_t, double*);
-typedef double (*m2_fn)(const void*, int64_t, double);
+// kernels/reduce.c gs_stats: the statistics vector of n values (kind 0 float32, 1 float64; level 1 health, 2 full)
+typedef int (*stats_fn)(const void*, int64_t, int, int, double*);
 
 struct Globals {
-  stat_fn full[2] = {nullptr, nullptr}, health[2] = {nullptr, nullptr};  // [0] float32, [1] float64
-  m2_fn m2[2] = {nullptr, nullptr};
+  stats_fn stats = nullptr;  // nullptr: no kernel (every statistic is measured by Python)
   int16_t dtype_code[256];  // ScalarType -> schema dtype code of a plain real dtype; -1: ask Python
   PyObject* fallback = nullptr;  // fallback(tensor, level) -> the Python measurement (never raises)
   PyObject* reuse = nullptr;  // reuse(measurement, tensor) -> the measurement with the tensor's shape, or None
@@ -230,37 +230,12 @@ bool python_reuse(Result& r, const at::Tensor& g) {
   return ok;
 }
 
-// the kernel's statistics of a dense float32/float64 CPU tensor with numel > 0; false: not all finite
+// the kernel's statistics of a dense float32/float64 CPU tensor with numel > 0, NaN and Inf counted exactly (gs_stats:
+// the same function, so the same values, as gradstore.recording.stats measures with); false: finite float64 values
+// whose squares or sums overflow, which the Python measurement scales
 bool kernel_stats(const at::Tensor& t, Level level, Result& r) {
   int k = t.scalar_type() == at::kFloat ? 0 : 1;
-  const void* ptr = t.const_data_ptr();
-  int64_t n = r.numel;
-  double out[5];
-  double* v = r.vec;
-  if (level == HEALTH) {
-    G.health[k](ptr, n, out);
-    if (!std::isfinite(out[0])) return false;  // as at full; and float32 squares past 1.8e19 (float32 blocks)
-    double nan = std::nan("");
-    double vals[10] = {0.0, 0.0, 0.0, nan, (double)n, std::sqrt(out[0]), out[1], out[2], nan, nan};
-    std::copy(vals, vals + 10, v);
-    return true;
-  }
-  G.full[k](ptr, n, out);
-  double s = out[0], sumsq = out[1], mn = out[2], mx = out[3], zeros = out[4];
-  // NaN or Inf, or finite float64 values whose squares overflow: the Python measurement counts or scales them
-  if (!(std::isfinite(s) && std::isfinite(sumsq))) return false;
-  double mean = s / n;
-  double m2 = sumsq - s * mean;
-  if (mn == mx) {
-    m2 = 0.0;
-  } else if (m2 < 1e-4 * s * mean) {  // the mean dominates: sumsq - s*mean cancels; redo around the mean
-    m2 = G.m2[k](ptr, n, mean);
-  }
-  // the Bessel-corrected std (gradstore.recording.stats._std): vec[9] holds it, not the sum of squared deviations
-  double sd = n > 1 ? std::sqrt(std::max(m2, 0.0) / (double)(n - 1)) : std::nan("");
-  double vals[10] = {0.0, 0.0, 0.0, zeros, (double)n, std::sqrt(sumsq), mn, mx, mean, sd};
-  std::copy(vals, vals + 10, v);
-  return true;
+  return G.stats(t.const_data_ptr(), r.numel, k, level, r.vec) == 0;
 }
 
 // a tensor whose memory the C++ side may read: not nested (a NestedTensorImpl has no sizes), with storage (a
@@ -288,9 +263,7 @@ bool measure_here(const at::Tensor& t, Level level, Result& r) {
     r.kind = K_SHAPE;  // 'ok', empty: norm 0, zero counts
     return true;
   }
-  int k = st == at::kFloat ? 0 : 1;
-  bool have = level == FULL ? G.full[k] != nullptr : G.health[k] != nullptr;
-  if (have && (r.numel < 2 * G.split || at::get_num_threads() <= 1) && kernel_stats(t, level, r)) {
+  if (G.stats != nullptr && (r.numel < 2 * G.split || at::get_num_threads() <= 1) && kernel_stats(t, level, r)) {
     r.kind = K_STATS;
     return true;
   }
@@ -743,10 +716,10 @@ Node* node_of(PyObject* o) {
 
 PyObject* py_init(PyObject*, PyObject* args) {
   PyObject *codes, *fallback, *reuse, *tensor_type, *param_type;
-  unsigned long long f32, f64, h32, h64, m32, m64;
+  unsigned long long stats;
   long long split;
   long ok, none, r_out, r_in, columns;
-  if (!PyArg_ParseTuple(args, "OKKKKKKOOOOLlllll", &codes, &f32, &f64, &h32, &h64, &m32, &m64, &fallback, &reuse,
+  if (!PyArg_ParseTuple(args, "OKOOOOLlllll", &codes, &stats, &fallback, &reuse,
                         &tensor_type, &param_type, &split, &ok, &none, &r_out, &r_in, &columns))
     return nullptr;
   if (columns < 15) {
@@ -765,12 +738,7 @@ PyObject* py_init(PyObject*, PyObject* args) {
     if (st >= 0 && st < 256) G.dtype_code[st] = (int16_t)code;
   }
   Py_DECREF(seq);
-  G.full[0] = (stat_fn)f32;
-  G.full[1] = (stat_fn)f64;
-  G.health[0] = (stat_fn)h32;
-  G.health[1] = (stat_fn)h64;
-  G.m2[0] = (m2_fn)m32;
-  G.m2[1] = (m2_fn)m64;
+  G.stats = (stats_fn)stats;
   Py_XINCREF(fallback);
   Py_XDECREF(G.fallback);
   G.fallback = fallback;
@@ -884,8 +852,9 @@ PyObject* py_install(PyObject*, PyObject* args) {
   return cap;
 }
 
-// finish(pass) -> (calls count, results count, fallbacks [objects], measured, reused, faults [str]): the hooks are
-// removed; the calls and results stay in the pass for call_rows() and rows()
+// finish(pass) -> (calls count, results count, fallbacks [objects], measured, reused, faults [str],
+// nonfinite: whether a result measured here counts a NaN or an infinity): the hooks are removed; the calls
+// and results stay in the pass for call_rows() and rows()
 PyObject* py_finish(PyObject*, PyObject* cap) {
   auto* sp = pass_of(cap);
   if (sp == nullptr) return nullptr;
@@ -903,16 +872,19 @@ PyObject* py_finish(PyObject*, PyObject* cap) {
   std::lock_guard<std::mutex> lock(p.mu);
   p.seen.clear();
   PyObject* fallbacks = PyList_New(0);
-  for (const Entry& e : p.entries)
+  bool nonfinite = false;
+  for (const Entry& e : p.entries) {
     if (e.r.kind == K_PY) PyList_Append(fallbacks, e.r.py);
+    if (e.r.kind == K_STATS && (e.r.vec[0] != 0 || e.r.vec[1] != 0 || e.r.vec[2] != 0)) nonfinite = true;
+  }
   PyObject* faults = PyList_New(0);
   for (const auto& f : p.faults) {
     PyObject* s = PyUnicode_FromString(f.c_str());
     PyList_Append(faults, s);
     Py_DECREF(s);
   }
-  return Py_BuildValue("(nnNLLN)", (Py_ssize_t)p.calls.size(), (Py_ssize_t)p.entries.size(), fallbacks,
-                       (long long)p.measured, (long long)p.reused, faults);
+  return Py_BuildValue("(nnNLLNO)", (Py_ssize_t)p.calls.size(), (Py_ssize_t)p.entries.size(), fallbacks,
+                       (long long)p.measured, (long long)p.reused, faults, nonfinite ? Py_True : Py_False);
 }
 
 // call_rows(pass, keys) -> [(node key, seq, start s, duration s or None)] in call order (rows.call_rows of the

@@ -218,4 +218,148 @@ void gs_slices_f32(const float *x, int64_t outer, int64_t k, int64_t inner, doub
     }
 }
 
-int gs_abi_version(void) { return 2; }
+/* ---- non-finite values: exact counts, statistics over the finite values ---------------------------------------
+ * gs_masked_*: one pass: out[0] NaN count, out[1] +Inf count, out[2] -Inf count, out[3] zeros (+0 and -0),
+ *   out[4] finite count, out[5] sum, out[6] sum of squares, out[7] min, out[8] max, each over the finite values
+ *   only (min +Inf and max -Inf when there is none). Sums in double: a float32's cannot overflow; a float64's can
+ *   (|x| past 1.3e154), which the caller sees as a sum that is not finite.
+ * gs_masked_m2_*: the sum of squared differences of the finite values from `mean` (the second pass of the
+ *   finite variance). */
+#define DEFINE_MASKED(T, S)                                                                       \
+    void gs_masked_##S(const T *x, int64_t n, double *out) {                                     \
+        const dvec zero = {0}, pinf = zero + INFINITY, ninf = zero - INFINITY;                    \
+        dmask cn = {0}, cp = {0}, cm = {0}, cz = {0}, cf = {0};                                   \
+        dvec s = {0}, q = {0}, mn = pinf, mx = ninf;                                              \
+        int64_t i = 0, stop = n - n % W;                                                          \
+        for (; i < stop; i += W) {                                                                \
+            dvec a;                                                                               \
+            LOAD_##S(a, x + i);                                                                   \
+            dmask f = (a - a) == zero; /* Inf - Inf and NaN - NaN are NaN */                      \
+            cn -= (dmask)(a != a); cp -= (dmask)(a == pinf); cm -= (dmask)(a == ninf);            \
+            cz -= (dmask)(a == zero); cf -= f;                                                    \
+            dvec v = (dvec)((dmask)a & f); /* the finite values, +0 elsewhere */                  \
+            s += v; q += v * v;                                                                   \
+            mn = min_f64((dvec)(((dmask)a & f) | ((dmask)pinf & ~f)), mn);                        \
+            mx = max_f64((dvec)(((dmask)a & f) | ((dmask)ninf & ~f)), mx);                        \
+        }                                                                                         \
+        double S = 0, Q = 0, MN = INFINITY, MX = -INFINITY;                                       \
+        int64_t N = 0, P = 0, M = 0, Z = 0, F = 0;                                                \
+        for (int j = 0; j < W; j++) {                                                             \
+            S += s[j]; Q += q[j]; N += cn[j]; P += cp[j]; M += cm[j]; Z += cz[j]; F += cf[j];     \
+            MN = mn[j] < MN ? mn[j] : MN; MX = mx[j] > MX ? mx[j] : MX;                           \
+        }                                                                                         \
+        for (; i < n; i++) {                                                                      \
+            double d = (double)x[i];                                                              \
+            if (d - d == 0) {                                                                     \
+                F++; S += d; Q += d * d; MN = d < MN ? d : MN; MX = d > MX ? d : MX; Z += d == 0; \
+            } else if (d != d) {                                                                  \
+                N++;                                                                              \
+            } else if (d > 0) {                                                                   \
+                P++;                                                                              \
+            } else {                                                                              \
+                M++;                                                                              \
+            }                                                                                     \
+        }                                                                                         \
+        out[0] = (double)N; out[1] = (double)P; out[2] = (double)M; out[3] = (double)Z;           \
+        out[4] = (double)F; out[5] = S; out[6] = Q; out[7] = MN; out[8] = MX;                     \
+    }                                                                                             \
+                                                                                                  \
+    double gs_masked_m2_##S(const T *x, int64_t n, double mean) {                                \
+        const dvec zero = {0}, m = zero + mean;                                                   \
+        dvec q = {0};                                                                             \
+        int64_t i = 0, stop = n - n % W;                                                          \
+        for (; i < stop; i += W) {                                                                \
+            dvec a;                                                                               \
+            LOAD_##S(a, x + i);                                                                   \
+            dmask f = (a - a) == zero;                                                            \
+            dvec d = (dvec)((dmask)(a - m) & f);                                                  \
+            q += d * d;                                                                           \
+        }                                                                                         \
+        double Q = 0;                                                                             \
+        for (int j = 0; j < W; j++) Q += q[j];                                                    \
+        for (; i < n; i++) {                                                                      \
+            double d = (double)x[i];                                                              \
+            if (d - d == 0) Q += (d - mean) * (d - mean);                                         \
+        }                                                                                         \
+        return Q;                                                                                 \
+    }
+
+#define LOAD_f32(a, p) do { svec v_; memcpy(&v_, (p), sizeof v_); (a) = __builtin_convertvector(v_, dvec); } while (0)
+#define LOAD_f64(a, p) memcpy(&(a), (p), sizeof(a))
+DEFINE_MASKED(float, f32)
+DEFINE_MASKED(double, f64)
+
+/* ---- the finished statistics vector of one tensor (gradstore/recording/stats.py, VEC_LEN positions) -------------
+ * gs_stats: out[0..9] = nan, posinf, neginf, zeros, finite count, norm, min, max, mean, std (Bessel-corrected;
+ * NaN marks "not computed": zeros, mean and std at health), for n > 0 values of kind 0 (float32) or 1 (float64),
+ * level 1 (health) or 2 (full). The same arithmetic, in the same order, as stats.py's host code: an all-finite
+ * tensor takes the one-pass kernel (and the second pass around the mean where the mean dominates); one that is
+ * NaN throughout gives the masked results without a second pass (the kernel's min and max skip NaN); any other
+ * non-finite one takes gs_masked and gs_masked_m2. Returns 0, or 1 where the sums of finite float64 values
+ * overflow (|x| past 1.3e154): the caller measures that tensor with its values scaled (stats.py, `_masked`).
+ * The products below go through a volatile so that no compiler fuses them into a multiply-add: the results are
+ * bit for bit those of the same expressions in Python. */
+static double product(double a, double b) { volatile double p = a * b; return p; }
+
+static void all_nan(int64_t n, int level, double *out) {
+    double nan = NAN;
+    double full[10] = {(double)n, 0, 0, 0, 0, 0, INFINITY, -INFINITY, nan, -0.0};
+    double health[10] = {(double)n, 0, 0, nan, 0, 0, INFINITY, -INFINITY, nan, nan};
+    memcpy(out, level == 2 ? full : health, sizeof full);
+}
+
+static double std_of(double m2, int64_t n) { /* stats.py `_std` */
+    return n > 1 ? sqrt((m2 > 0.0 ? m2 : 0.0) / (double)(n - 1)) : NAN;
+}
+
+int gs_stats(const void *x, int64_t n, int kind, int level, double *out) {
+    double r[9];
+    if (level != 2) {
+        if (kind == 0) gs_health_f32(x, n, r); else gs_health_f64(x, n, r);
+        if (isfinite(r[0])) {
+            double v[10] = {0, 0, 0, NAN, (double)n, sqrt(r[0]), r[1], r[2], NAN, NAN};
+            memcpy(out, v, sizeof v);
+            return 0;
+        }
+        if (r[1] == INFINITY && r[2] == -INFINITY) { all_nan(n, level, out); return 0; }
+    } else {
+        if (kind == 0) gs_full_f32(x, n, r); else gs_full_f64(x, n, r);
+        double s = r[0], sumsq = r[1], mn = r[2], mx = r[3];
+        if (isfinite(s) && isfinite(sumsq)) {
+            double mean = s / (double)n;
+            double m2 = sumsq - product(s, mean);
+            if (mn == mx) {
+                m2 = 0.0;
+            } else if (m2 < product(1e-4 * s, mean)) { /* the mean dominates: redo around the mean */
+                m2 = kind == 0 ? gs_m2_f32(x, n, mean) : gs_m2_f64(x, n, mean);
+            }
+            double v[10] = {0, 0, 0, r[4], (double)n, sqrt(sumsq), mn, mx, mean, std_of(m2, n)};
+            memcpy(out, v, sizeof v);
+            return 0;
+        }
+        if (mn == INFINITY && mx == -INFINITY) { all_nan(n, level, out); return 0; }
+    }
+    if (kind == 0) gs_masked_f32(x, n, r); else gs_masked_f64(x, n, r);
+    double nf = r[4], s = r[5], q = r[6];
+    if (!(isfinite(s) && isfinite(q))) return 1;
+    out[0] = r[0]; out[1] = r[1]; out[2] = r[2]; out[4] = nf; out[5] = sqrt(q); out[6] = r[7]; out[7] = r[8];
+    if (level == 2) {
+        double mean = s / nf; /* 0 / 0: NaN where nothing is finite, as the masked path */
+        double m2 = nf > 0 ? (kind == 0 ? gs_masked_m2_f32(x, n, mean) : gs_masked_m2_f64(x, n, mean)) : 0.0;
+        if (!isfinite(m2)) return 1;
+        out[3] = r[3]; out[8] = mean; out[9] = sqrt(m2 / (nf - 1)); /* sqrt(0 / -1) = -0.0 with none finite */
+    } else {
+        out[3] = NAN; out[8] = NAN; out[9] = NAN;
+    }
+    return 0;
+}
+
+/* gs_stats of `count` tensors in one call: tensor i has `numels[i]` > 0 values of kind `kinds[i]` at ptrs[i]; its
+ * vector goes to out[10 i .. 10 i + 9] and gs_stats's return value to rc[i]. */
+void gs_stats_many(int64_t count, const int64_t *ptrs, const int64_t *numels, const int8_t *kinds, int level,
+                   double *out, int8_t *rc) {
+    for (int64_t i = 0; i < count; i++)
+        rc[i] = (int8_t)gs_stats((const void *)(intptr_t)ptrs[i], numels[i], kinds[i], level, out + 10 * i);
+}
+
+int gs_abi_version(void) { return 10; }
