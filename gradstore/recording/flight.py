@@ -73,6 +73,12 @@ def _plain(rows):
     return rows.rows() if isinstance(rows, LazyRows) else rows
 
 
+def packed(detail: StepBatch) -> bytes:
+    """A step's detail as bytes: pickled (the rows are tuples of plain values, NodeInfo, Sharding) and
+    zlib-compressed at level 1 (about a quarter of the pickle on the reference step, ~1 ms per step)."""
+    return zlib.compress(pickle.dumps(detail, protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+
 class Held:
     """One step in the ring: its StepBatch until `pack` turns its detail into one zlib-compressed pickle, then
     that bytes object alone (GC-untracked). `batch()` gives the step back, as the detail a dump writes.
@@ -115,7 +121,7 @@ class Held:
                     dump=None,
                     **{name: _plain(getattr(b, name)) for name in _STEP_ROWS},
                 )
-                self._blob = zlib.compress(pickle.dumps(detail, protocol=pickle.HIGHEST_PROTOCOL), 1)
+                self._blob = packed(detail)
             except Exception:
                 return
             self._batch = None
