@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import pickle
 import statistics
-import threading
 import zlib
 from collections import deque
 from dataclasses import replace
@@ -85,15 +84,15 @@ class Held:
     """One step in the ring: its StepBatch until `pack` turns its detail into one zlib-compressed pickle, then
     that bytes object alone (GC-untracked). `batch()` gives the step back, as the detail a dump writes.
 
-    Thread-safe: `pack` runs on the writer thread (after the summary is written), `batch` on the training
-    thread (a dump); each happens once."""
+    `pack` runs on the writer thread (after the summary is written), `batch` on the training thread (a dump),
+    without a lock (none can be left held across a fork): `pack` only reads the batch, and sets the bytes
+    before it lets the batch go, so `batch()` finds one or the other."""
 
-    __slots__ = ("_batch", "_blob", "_lock")
+    __slots__ = ("_batch", "_blob")
 
     def __init__(self, batch: StepBatch):
         self._batch: StepBatch | None = batch
         self._blob: bytes | None = None
-        self._lock = threading.Lock()
 
     @property
     def packed(self) -> bool:
@@ -109,31 +108,30 @@ class Held:
         """Hold the step's detail as bytes: every row built (plain lists), values and param_norms left out (the
         summary carries them), pickled and compressed. A step that cannot be pickled (a recorder bug) stays held
         as its StepBatch; nothing is lost either way."""
-        with self._lock:
-            b = self._batch
-            if b is None:
-                return
-            try:
-                passes = [replace(p, **{name: _plain(getattr(p, name)) for name in _PASS_ROWS}) for p in b.passes]
-                detail = replace(
-                    b,
-                    passes=passes,
-                    values={},
-                    param_norms=[],
-                    dump=None,
-                    **{name: _plain(getattr(b, name)) for name in _STEP_ROWS},
-                )
-                self._blob = packed(detail)
-            except Exception:
-                return
-            self._batch = None
+        b = self._batch
+        if b is None:
+            return
+        try:
+            passes = [replace(p, **{name: _plain(getattr(p, name)) for name in _PASS_ROWS}) for p in b.passes]
+            detail = replace(
+                b,
+                passes=passes,
+                values={},
+                param_norms=[],
+                dump=None,
+                **{name: _plain(getattr(b, name)) for name in _STEP_ROWS},
+            )
+            self._blob = packed(detail)
+        except Exception:
+            return
+        self._batch = None
 
     def batch(self) -> StepBatch:
         """The step as a StepBatch (unpacked when held as bytes); its values and param_norms may be empty."""
-        with self._lock:
-            if self._batch is not None:
-                return self._batch
-            return pickle.loads(zlib.decompress(self._blob))
+        b = self._batch
+        if b is not None:
+            return b
+        return pickle.loads(zlib.decompress(self._blob))
 
 
 class FlightRecorder:
