@@ -111,7 +111,7 @@ def step_section(spec, a, work: Path) -> dict:
         ThreadCpu(Gradstore(bench, work / "full.db", "full")),
         ThreadCpu(Gradstore(bench, work / "flight.db", "full", keep=a.keep)),
     ]
-    res = summarize(interleaved(configs, a.repeats, a.warmup, label="flight step"))
+    res = summarize(interleaved(configs, a.repeats, a.warmup, label="flight step", vary_order=True))
     base_cpu = median(res["none"]["extra"].get("cpu_s", []))
     out = {}
     for name, entry in res.items():
@@ -120,6 +120,26 @@ def step_section(spec, a, work: Path) -> dict:
         cpu = median(entry["extra"].get("cpu_s", []))
         out[name]["cpu_s"] = cpu
         out[name]["cpu_ratio"] = cpu / base_cpu if cpu and base_cpu else None
+    out["paired"] = paired(res, configs[1].name, configs[2].name)
+    return out
+
+
+def paired(res: dict, full: str, flight: str) -> dict | None:
+    """Round by round (the slots of one round ran back to back): the median of each round's ratio to that
+    round's `none` slot, wall and training-thread CPU, for `full` and for the flight recorder, and the median of
+    the per-round differences flight - full (seconds); None when a configuration failed (rounds not aligned)."""
+    entries = [res["none"], res[full], res[flight]]
+    if any(e["status"] != "ok" or not e["times"] for e in entries):
+        return None
+    (none, f, k) = ((e["times"], e["extra"].get("cpu_s", [])) for e in entries)
+    out = {"rounds": len(none[0])}
+    for label, (wall, cpu) in (("full", f), ("flight", k)):
+        out[label] = {
+            "ratio": median([t / b for t, b in zip(wall, none[0])]),
+            "cpu_ratio": median([t / b for t, b in zip(cpu, none[1])]),
+        }
+    out["flight_minus_full_s"] = median([b - a for a, b in zip(f[0], k[0])])
+    out["flight_minus_full_cpu_s"] = median([b - a for a, b in zip(f[1], k[1])])
     return out
 
 
@@ -243,6 +263,8 @@ def render(results: dict) -> str:
             "|---|---|---|---|---|---|",
         ]
         for name, e in step.items():
+            if name == "paired":
+                continue
             if e.get("status") != "ok":
                 lines.append(f"| `{name}` | {e.get('status')} | | | | |")
                 continue
@@ -254,6 +276,21 @@ def render(results: dict) -> str:
                 f"| `{name}` | {e['median_s'] * 1e3:.0f} ms | {e['ratio']:.2f} | {incl} | {cpu} | {cpu_ratio} |"
             )
         lines.append("")
+        pair = step.get("paired")
+        if pair:
+            lines += [
+                f"Round by round ({pair['rounds']} rounds; the rounds take the 6 orders of the three in turn): the "
+                "median of each round's ratio to its `none` slot, wall and training-thread CPU, and the median "
+                "difference keep=N - full of the same round.",
+                "",
+                "| | `full` | keep=N | keep=N - full |",
+                "|---|---|---|---|",
+                f"| wall ratio | {pair['full']['ratio']:.3f} | {pair['flight']['ratio']:.3f} | "
+                f"{pair['flight_minus_full_s'] * 1e3:+.1f} ms |",
+                f"| CPU ratio | {pair['full']['cpu_ratio']:.3f} | {pair['flight']['cpu_ratio']:.3f} | "
+                f"{pair['flight_minus_full_cpu_s'] * 1e3:+.1f} ms |",
+                "",
+            ]
     disk = results.get("disk")
     if disk:
         lines += [

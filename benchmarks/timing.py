@@ -6,6 +6,7 @@ in the same rounds."""
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 import traceback
 
@@ -13,8 +14,11 @@ from .common import log, median
 from .configs import NotAvailable
 
 
-def interleaved(configs: list, rounds: int, warmup: int, label: str = "") -> dict:
-    """Run `configs` interleaved. The first configuration is the baseline.
+def interleaved(configs: list, rounds: int, warmup: int, label: str = "", vary_order: bool = False) -> dict:
+    """Run `configs` interleaved. The first configuration is the baseline. `vary_order`: the rounds take every
+    order of the configurations in turn (itertools.permutations; for more than 4 configurations, the rotations
+    of the list and of its reverse), so that no configuration always follows the same one (whose writer's work
+    and memory the next slot would inherit); use a multiple of the number of orders as rounds.
 
     Returns {name: {"times": [s per step], "extra": {key: [values]}, "status": "ok" | "n/a (...)" |
     "error (...)", "records": str, "note": str}}.
@@ -43,10 +47,19 @@ def interleaved(configs: list, rounds: int, warmup: int, label: str = "") -> dic
             for k, v in extra.items():
                 out[c.name]["extra"].setdefault(k, []).append(v)
 
+    n = len(configs)
+    if n <= 4:
+        orders = list(itertools.permutations(range(n)))
+    else:
+        orders = [tuple(range(k, n)) + tuple(range(k)) for k in range(n)]
+        orders += [tuple(reversed(o)) for o in orders]
     for r in range(warmup + rounds):
         timed = r >= warmup
         gc.collect()  # once per round, untimed: no slot inherits another's garbage
-        for c in list(live):
+        order = [configs[i] for i in orders[r % len(orders)]] if vary_order else list(configs)
+        for c in order:
+            if c not in live:
+                continue
             try:
                 slot(c, timed)
             except Exception as exc:

@@ -220,3 +220,98 @@ def test_a_dumped_step_has_the_findings_of_a_plain_step_and_a_summary_none(db):
                 sa.text(f"SELECT COUNT(*) FROM {table} x WHERE x.step_id NOT IN (SELECT id FROM steps)")
             ).scalar()
             assert orphans == 0, table
+
+
+def _loop(db, run, inputs, flush_each=False, **options):
+    """The plain loop of _net() under one scope; `flush_each`: the writer catches up after every step (so the
+    ring's steps are held packed by the time a trigger fires)."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with gradstore.record(run, db=db, model=net, **options) as rec:
+        for x, factor in inputs:
+            loss = net(x).pow(2).mean() * factor
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+            if flush_each:
+                rec.flush()
+    return rec
+
+
+def _detail(store, run, steps) -> dict:
+    """Every detail query of `steps`, without the columns that differ between two runs of one loop (run name,
+    wall-clock times and ids)."""
+    drop = {"run", "start", "duration", "setup", "finish", "started_at", "ended_at", "id", "step_id", "pass_id"}
+    out = {}
+    for name in ("tensors", "calls", "passes", "slices", "values", "activations", "losses", "saved"):
+        frame = getattr(store, name)(run)
+        if name == "values":
+            continue  # step values: the summary's, not the detail's
+        frame = frame[frame.step.isin(steps)].drop(columns=[c for c in frame.columns if c in drop])
+        if name == "tensors":  # the query orders a step's rows by node id too: the two runs created theirs apart
+            frame = frame.sort_values(["step", "final", "pass", "seq", "key", "role", "slot"], kind="stable")
+        out[name] = frame.reset_index(drop=True)
+    out["param_status"] = store.param_status(run).query("step in @steps").drop(columns=["run"]).reset_index(drop=True)
+    return out
+
+
+def test_the_ring_holds_packed_steps_and_a_dump_unpacks_them_as_ordinary_steps(db):
+    """With the writer caught up after every step, every step in the ring is one bytes object (which Python's
+    collector does not track), no StepBatch; the dump writes them as a recording without keep= writes them,
+    query for query, with slices=, forward=True and saved=True rows too."""
+    from gradstore.recording import flight
+
+    inputs = _inputs(9, nan_at={7, 8})
+    options = {"slices": "0.weight", "forward": True, "saved": True}
+    packed_at = []
+    original = flight.Held.pack
+
+    def pack(self):
+        original(self)
+        packed_at.append(self.packed)
+
+    flight.Held.pack = pack
+    try:
+        rec = _loop(db, "flight", inputs[:5], flush_each=True, keep=4, **options)
+        held = list(rec._flight.ring)
+        assert [h.packed for h in held] == [True] * 3 and all(packed_at)
+        assert all(h.size > 0 for h in held)
+        assert not any(gc.is_tracked(h._blob) for h in held)
+        assert all(h._batch is None for h in held)  # no StepBatch (nor its rows) kept alive by the ring
+    finally:
+        flight.Held.pack = original
+    _loop(db, "flight2", inputs, flush_each=True, keep=4, **options)
+    _loop(db, "plain", inputs, **options)
+    store = gradstore.open(db)
+    levels = list(store.steps("flight2")["level"])
+    assert levels == ["summary"] * 4 + ["full"] * 4 + ["summary"]  # the NaN at step 7 dumps steps 4-7
+    got, want = _detail(store, "flight2", [4, 5, 6, 7]), _detail(store, "plain", [4, 5, 6, 7])
+    for name in got:
+        assert len(got[name]) > 0, name
+        pd.testing.assert_frame_equal(got[name], want[name], check_dtype=False, obj=name)
+    assert len(got["slices"]) and len(got["activations"]) and len(got["saved"])
+
+
+def test_a_step_that_cannot_be_packed_stays_held_as_it_is(db, monkeypatch):
+    """A fault while packing (here: pickle refuses) leaves the step in the ring as its StepBatch: the dump still
+    writes it, row for row as a plain record."""
+    from gradstore.recording import flight
+
+    refused = []
+
+    def refuse(detail):
+        refused.append(detail.step)
+        raise TypeError("cannot pickle")
+
+    monkeypatch.setattr(flight, "packed", refuse)
+    inputs = _inputs(6, nan_at={5})
+    rec = _loop(db, "flight", inputs, flush_each=True, keep=3)
+    _loop(db, "plain", inputs)
+    store = gradstore.open(db)
+    assert list(store.steps("flight")["level"]) == ["summary"] * 3 + ["full"] * 3
+    got, want = _detail(store, "flight", [3, 4, 5]), _detail(store, "plain", [3, 4, 5])
+    assert len(got["tensors"]) > 10
+    for name in ("tensors", "calls", "passes", "param_status"):
+        pd.testing.assert_frame_equal(got[name], want[name], check_dtype=False, obj=name)
+    assert rec.last_step.written == "dumped" and refused == [0, 1, 2, 3, 4]  # every summary step tried

@@ -15,18 +15,30 @@ non-finite count in `param_norms`); the full detail of the steps in the ring is 
 A dumped step is an ordinary step (the same step number, rank and rows as if recorded without keep=); its
 summary row makes way for it (gradstore.store.step_values.reopen). Each dump is a row of `dumps`.
 
-Memory: the ring holds up to N steps' measurements (the rows are not built until written): on the reference
-GPT-2 step (benchmarks/flight.py) about the size of that step's rows; see benchmarks/README.md for the figure.
+Memory: the ring holds up to N - 1 earlier steps, each as one compressed bytes object once the writer has
+written its summary (`Held`): writing the summary builds the step's rows (its findings read every pass's rows),
+and right after that, on the writer thread, the step's detail (passes, rows, findings, activations) is pickled
+and zlib-compressed, and the StepBatch with its row tuples is let go. Python's cyclic collector never looks
+inside a bytes object, so the held steps cost it nothing; a dump unpacks them into StepBatches again (on the
+training thread, about 6 ms per step on the reference step). The pickle lives in this process's memory only and
+is never written anywhere. A step whose summary the writer has not reached yet is held as it is until it does
+(normally the last one; more only while the writer lags, never more than the N - 1), as is one that cannot be
+pickled. On the reference GPT-2 step
+(benchmarks/flight.py: 721 tensor rows, 298 calls, 322 edges) a held step is about 33 KB; see
+benchmarks/FLIGHT.md for the figure.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 import statistics
+import zlib
 from collections import deque
 from dataclasses import replace
 
 from ..records import StepBatch
+from .rows import LazyRows
 from .stats import ROW_COLUMNS
 
 SPIKE_WINDOW = 100  # steps whose total gradient norm make the running median
@@ -51,6 +63,77 @@ def total_norm(norms: list[tuple[str, float | None, int | None]]) -> float | Non
     return math.sqrt(sum(n * n for _, n, _ in norms))
 
 
+# the rows a PassRecord may hold as LazyRows (records.PassRecord)
+_PASS_ROWS = ("calls", "tensors", "edges", "slices", "values", "saved_versions")
+# the step's rows and findings a LazyRows may hold (records.StepBatch); values and param_norms stay with the summary
+_STEP_ROWS = ("nodes", "param_names", "param_status", "module_calls", "step_nodes", "warnings", "activations", "final")
+
+
+def _plain(rows):
+    """A LazyRows as the list of its rows (built now if they were not yet); anything else as it is."""
+    return rows.rows() if isinstance(rows, LazyRows) else rows
+
+
+def packed(detail: StepBatch) -> bytes:
+    """A step's detail as bytes: pickled (the rows are tuples of plain values, NodeInfo, Sharding) and
+    zlib-compressed at level 1 (about a quarter of the pickle on the reference step, ~1 ms per step)."""
+    return zlib.compress(pickle.dumps(detail, protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+
+class Held:
+    """One step in the ring: its StepBatch until `pack` turns its detail into one zlib-compressed pickle, then
+    that bytes object alone (GC-untracked). `batch()` gives the step back, as the detail a dump writes.
+
+    `pack` runs on the writer thread (after the summary is written), `batch` on the training thread (a dump),
+    without a lock (none can be left held across a fork): `pack` only reads the batch, and sets the bytes
+    before it lets the batch go, so `batch()` finds one or the other."""
+
+    __slots__ = ("_batch", "_blob")
+
+    def __init__(self, batch: StepBatch):
+        self._batch: StepBatch | None = batch
+        self._blob: bytes | None = None
+
+    @property
+    def packed(self) -> bool:
+        """True once the step is held as bytes."""
+        return self._blob is not None
+
+    @property
+    def size(self) -> int | None:
+        """Bytes held once packed (the compressed pickle), else None."""
+        return None if self._blob is None else len(self._blob)
+
+    def pack(self) -> None:
+        """Hold the step's detail as bytes: every row built (plain lists), values and param_norms left out (the
+        summary carries them), pickled and compressed. A step that cannot be pickled (a recorder bug) stays held
+        as its StepBatch; nothing is lost either way."""
+        b = self._batch
+        if b is None:
+            return
+        try:
+            passes = [replace(p, **{name: _plain(getattr(p, name)) for name in _PASS_ROWS}) for p in b.passes]
+            detail = replace(
+                b,
+                passes=passes,
+                values={},
+                param_norms=[],
+                dump=None,
+                **{name: _plain(getattr(b, name)) for name in _STEP_ROWS},
+            )
+            self._blob = packed(detail)
+        except Exception:
+            return
+        self._batch = None
+
+    def batch(self) -> StepBatch:
+        """The step as a StepBatch (unpacked when held as bytes); its values and param_norms may be empty."""
+        b = self._batch
+        if b is not None:
+            return b
+        return pickle.loads(zlib.decompress(self._blob))
+
+
 class FlightRecorder:
     """The ring of one recording and its triggers.
 
@@ -62,7 +145,7 @@ class FlightRecorder:
         self.keep = keep
         self.dump_on = frozenset(dump_on)
         self.spike_factor = spike_factor
-        self.ring: deque[StepBatch] = deque(maxlen=keep - 1)  # the earlier steps; a dump adds the current one
+        self.ring: deque[Held] = deque(maxlen=keep - 1)  # the earlier steps; a dump adds the current one
         self.totals: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self.was_nonfinite = False
         self.was_spike = False
@@ -94,7 +177,8 @@ class FlightRecorder:
         (or 'manual', or None). `batch` is the step in full, with its param_norms and values."""
         reason = self._trigger(batch, failed, skipped_by_amp, total)
         if reason is None and not self.full_next:
-            self.ring.append(batch)
+            held = Held(batch)
+            self.ring.append(held)
             # a summary: the step row, its values and its parameter norms; the detail (the passes, final rows,
             # activations and the step's findings) is written only if the step is dumped, under the new step row
             summary = replace(
@@ -110,6 +194,16 @@ class FlightRecorder:
                 level="summary",
                 dump=None,
             )
+            # the writer reads the summary's param_names after its nodes (which build the step's findings, and
+            # with them every pass's rows): then the ring's copy is packed, on the writer thread
+            names = batch.param_names
+
+            def names_then_pack() -> list:
+                rows = list(names)
+                held.pack()
+                return rows
+
+            summary.param_names = LazyRows.deferred(names_then_pack)
             return [summary], None
         out = self._detail_of_ring()
         row = self.pending_row
@@ -134,6 +228,6 @@ class FlightRecorder:
 
     def _detail_of_ring(self) -> list[StepBatch]:
         """The ring's steps as detail for their summaries already written (values and norms stay with those)."""
-        out = [replace(b, values={}, param_norms=[], replace=True, dump=None) for b in self.ring]
+        out = [replace(h.batch(), values={}, param_norms=[], replace=True, dump=None) for h in self.ring]
         self.ring.clear()
         return out
