@@ -35,7 +35,7 @@ import pickle
 import statistics
 import zlib
 from collections import deque
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from ..records import StepBatch
 from .rows import LazyRows
@@ -63,15 +63,11 @@ def total_norm(norms: list[tuple[str, float | None, int | None]]) -> float | Non
     return math.sqrt(sum(n * n for _, n, _ in norms))
 
 
-# the rows a PassRecord may hold as LazyRows (records.PassRecord)
-_PASS_ROWS = ("calls", "tensors", "edges", "slices", "values", "saved_versions")
-# the step's rows and findings a LazyRows may hold (records.StepBatch); values and param_norms stay with the summary
-_STEP_ROWS = ("nodes", "param_names", "param_status", "module_calls", "step_nodes", "warnings", "activations", "final")
-
-
-def _plain(rows):
-    """A LazyRows as the list of its rows (built now if they were not yet); anything else as it is."""
-    return rows.rows() if isinstance(rows, LazyRows) else rows
+def _built(record) -> dict:
+    """{field: list of rows} for every field of a PassRecord or StepBatch that holds a LazyRows (its rows built
+    now if they were not yet: a LazyRows holds its builder and a lock, which do not pickle); every field is looked
+    at, so a field added later is packed too."""
+    return {f.name: v.rows() for f in fields(record) if isinstance(v := getattr(record, f.name), LazyRows)}
 
 
 def packed(detail: StepBatch) -> bytes:
@@ -112,15 +108,10 @@ class Held:
         if b is None:
             return
         try:
-            passes = [replace(p, **{name: _plain(getattr(p, name)) for name in _PASS_ROWS}) for p in b.passes]
-            detail = replace(
-                b,
-                passes=passes,
-                values={},
-                param_norms=[],
-                dump=None,
-                **{name: _plain(getattr(b, name)) for name in _STEP_ROWS},
-            )
+            passes = [replace(p, **_built(p)) for p in b.passes]
+            rows = _built(b)
+            rows.update(passes=passes, values={}, param_norms=[], dump=None)  # values, norms: the summary's
+            detail = replace(b, **rows)
             self._blob = packed(detail)
         except Exception:
             return
