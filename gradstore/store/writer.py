@@ -42,6 +42,7 @@ from ..records import KIND, ROLE, StepBatch
 from . import claims, step_values
 from . import schema as s
 from .database import ensure_schema, explain, is_url, make_engine, transient
+from .inserts import Insert
 
 # tensor_data's columns in the order the writer builds its rows
 TENSOR_DATA_COLUMNS = (
@@ -185,25 +186,25 @@ class Writer:
             )
             + returning
         )
-        self._call_insert = self._driver_insert(
+        self._call_insert = self._rows_insert(
             "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns")
         )
-        self._tensor_insert = self._driver_insert("tensor_data", TENSOR_DATA_COLUMNS)
-        self._note_insert = self._driver_insert(
+        self._tensor_insert = self._rows_insert("tensor_data", TENSOR_DATA_COLUMNS)
+        self._note_insert = self._rows_insert(
             "tensor_notes", ("id", "reason", "checksum", "layout", "nnz", "coalesced")
         )
-        self._sharded_insert = self._driver_insert("tensor_shardings", ("id", "sharding_id"))
+        self._sharded_insert = self._rows_insert("tensor_shardings", ("id", "sharding_id"))
         self._param_name_insert = self._driver_insert(
             "param_names", ("run_id", "node_id", "name", "module", "shared_with")
         )
-        self._param_status_insert = self._driver_insert("param_status", ("step_id", "node_id", *PARAM_STATUS_COLUMNS))
-        self._module_call_insert = self._driver_insert("module_calls", ("step_id", *MODULE_CALL_COLUMNS))
-        self._step_node_insert = self._driver_insert("step_nodes", ("step_id", "node_id", *STEP_NODE_COLUMNS))
-        self._warning_insert = self._driver_insert(
+        self._param_status_insert = self._rows_insert("param_status", ("step_id", "node_id", *PARAM_STATUS_COLUMNS))
+        self._module_call_insert = self._rows_insert("module_calls", ("step_id", *MODULE_CALL_COLUMNS))
+        self._step_node_insert = self._rows_insert("step_nodes", ("step_id", "node_id", *STEP_NODE_COLUMNS))
+        self._warning_insert = self._rows_insert(
             "step_warnings", ("step_id", "category", "message", "location", "count")
         )
         self._side_inserts = {  # revision 0008_inside: rows keyed by a tensor's id, each (id, ...)
-            "slices": self._driver_insert(
+            "slices": self._rows_insert(
                 "tensor_slices",
                 (
                     "id",
@@ -219,10 +220,10 @@ class Writer:
                     "reason",
                 ),
             ),
-            "values": self._driver_insert("tensor_values", ("id", "dtype", "shape", "data")),
-            "saved_versions": self._driver_insert("saved_versions", ("id", "version", "saved_version", "note")),
+            "values": self._rows_insert("tensor_values", ("id", "dtype", "shape", "data")),
+            "saved_versions": self._rows_insert("saved_versions", ("id", "version", "saved_version", "note")),
         }
-        self._seq_insert = self._driver_insert("forward_seqs", ("id", "seq"))
+        self._seq_insert = self._rows_insert("forward_seqs", ("id", "seq"))
         mark = "%s" if self._pg else "?"
         self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
@@ -267,6 +268,10 @@ class Writer:
         if self._thread.ident is None and not self._closed:
             self._thread.start()
         return self._thread.is_alive()
+
+    def _rows_insert(self, table: str, columns) -> Insert:
+        """The batched INSERT of many rows into `table` (gradstore.store.inserts: None sent as NULL)."""
+        return Insert(table, columns, "?" if self.engine.dialect.paramstyle == "qmark" else "%s")
 
     def _driver_insert(self, table: str, columns) -> str:
         mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
@@ -593,13 +598,13 @@ class Writer:
                 self._param_names.add((b.run_id, row[2]))
                 added.append((self._param_names, (b.run_id, row[2])))
         if b.param_status:
-            cur.executemany(self._param_status_insert, [(step_id, node_id[r[0]], *r[1:]) for r in b.param_status])
+            self._param_status_insert.run(cur, [(step_id, node_id[r[0]], *r[1:]) for r in b.param_status])
         if b.module_calls:
-            cur.executemany(self._module_call_insert, [(step_id, *r) for r in b.module_calls])
+            self._module_call_insert.run(cur, [(step_id, *r) for r in b.module_calls])
         if b.step_nodes:
-            cur.executemany(self._step_node_insert, [(step_id, node_id[r[0]], *r[1:]) for r in b.step_nodes])
+            self._step_node_insert.run(cur, [(step_id, node_id[r[0]], *r[1:]) for r in b.step_nodes])
         if b.warnings:
-            cur.executemany(self._warning_insert, [(step_id, *w) for w in b.warnings])
+            self._warning_insert.run(cur, [(step_id, *w) for w in b.warnings])
 
     def _write_nodes(self, conn, b: StepBatch, added: list) -> None:
         run_id = b.run_id
@@ -749,7 +754,7 @@ class Writer:
                     call_rows.append(
                         (cid, pass_id, node_id[key], seq, round(start * 1e9), None if dur is None else round(dur * 1e9))
                     )
-            cur.executemany(self._call_insert, call_rows)
+            self._call_insert.run(cur, call_rows)
         # the passes' rows, then the forward's activation rows and the final param_grad rows, which have no pass
         sources = [(p.tensors, pass_id) for p, pass_id in zip(b.passes, pass_ids)]
         sources += [(b.activations, None), (b.final, None)]
@@ -859,17 +864,17 @@ class Writer:
             if not self._pg:
                 self._tensor_next_pending = (step_id, tids[-1] + 1)
             rows.sort(key=_BY_NODE)  # the table's order within the step: pages fill up as they are appended
-            cur.executemany(self._tensor_insert, rows)
+            self._tensor_insert.run(cur, rows, keep_order=False)  # keyed by (step_id, node_id, id)
             if notes:
-                cur.executemany(self._note_insert, notes)
+                self._note_insert.run(cur, notes)
             if sharded:
                 ids = self._sharding_ids
                 new = {sh for _, sh in sharded if sh not in ids}
                 if new:
                     self._write_shardings(conn, new, added)
-                cur.executemany(self._sharded_insert, [(tid, ids[sh]) for tid, sh in sharded])
+                self._sharded_insert.run(cur, [(tid, ids[sh]) for tid, sh in sharded])
             if seqs:
-                cur.executemany(self._seq_insert, seqs)
+                self._seq_insert.run(cur, seqs)
             self._write_side_rows(cur, b, tids, starts + [k])
         self.rows_written += n_tensors + n_calls
 
@@ -884,7 +889,7 @@ class Writer:
                 side[name].extend((tids[first + at], *rest) for at, *rest in rows if 0 <= at < n)
         for name, rows in side.items():
             if rows:
-                cur.executemany(self._side_inserts[name], rows)
+                self._side_inserts[name].run(cur, rows)
 
     def _fill_layouts(self, conn, b: StepBatch, rows: list, unknown: list[int], added: list) -> None:
         """Insert the layouts the rows at `unknown` need and put their ids in those rows (a new shape: rare)."""

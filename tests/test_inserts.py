@@ -1,0 +1,90 @@
+"""gradstore.store.inserts.Insert: rows with None values stored exactly as a plain executemany stores them, the
+None values written as NULL in the statement rather than bound, the rows' order kept where asked."""
+
+import random
+import sqlite3
+
+import pytest
+
+from gradstore.store.inserts import Insert
+
+COLUMNS = ("a", "b", "c", "d", "e")
+
+
+def _rows(n: int, seed: int = 0) -> list[tuple]:
+    rng = random.Random(seed)
+    values = [None, 0, 1, -3, 2.5, float("inf"), "x", b"\x00\x01"]
+    rows = [tuple(rng.choice(values) for _ in COLUMNS) for _ in range(n)]
+    return rows + [(None,) * len(COLUMNS), (1, 2, 3, 4, 5)]
+
+
+class Recording:
+    """A cursor that records what is executed and passes it on."""
+
+    def __init__(self, cur):
+        self.cur, self.calls = cur, []
+
+    def executemany(self, sql, rows):
+        rows = list(rows)
+        self.calls.append((sql, rows))
+        return self.cur.executemany(sql, rows)
+
+
+def _table(conn, name: str) -> None:
+    conn.execute(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, {', '.join(COLUMNS)})")
+
+
+@pytest.mark.parametrize("keep_order", [True, False])
+def test_rows_are_stored_as_plain_executemany_stores_them(keep_order):
+    conn = sqlite3.connect(":memory:")
+    _table(conn, "plain")
+    _table(conn, "nulls")
+    rows = _rows(300)
+    conn.executemany(f"INSERT INTO plain ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", rows)
+    cur = Recording(conn.cursor())
+    Insert("nulls", COLUMNS, "?").run(cur, rows, keep_order=keep_order)
+    cols = ", ".join(COLUMNS)
+    plain = conn.execute(f"SELECT {cols} FROM plain ORDER BY id").fetchall()
+    got = conn.execute(f"SELECT {cols} FROM nulls ORDER BY id").fetchall()
+    if keep_order:  # the same rows, in the same order (SQLite assigned the ids in the rows' order)
+        assert got == plain == rows
+    else:  # the same rows; one executemany per None pattern
+        assert sorted(map(repr, got)) == sorted(map(repr, plain))
+        patterns = {tuple(v is None for v in r) for r in rows}
+        assert len(cur.calls) == len(patterns)
+    # no None was bound, except the one column a row of NULLs binds (a statement needs a parameter)
+    for sql, bound in cur.calls:
+        assert all(v is not None for row in bound for v in row) or sql.count("?") == 1, sql
+    assert any("NULL" in sql for sql, _ in cur.calls)
+
+
+def test_types_are_kept():
+    """NULL written in the statement reads back as None with typeof null; numbers keep their storage class."""
+    conn = sqlite3.connect(":memory:")
+    _table(conn, "t")
+    Insert("t", COLUMNS, "?").run(conn.cursor(), [(None, 1, 2.5, None, "s"), (3, None, None, 4.0, None)])
+    types = conn.execute("SELECT typeof(a), typeof(b), typeof(c), typeof(d), typeof(e) FROM t ORDER BY id").fetchall()
+    assert types == [("null", "integer", "real", "null", "text"), ("integer", "null", "null", "real", "null")]
+
+
+def test_other_drivers_bind_every_row_in_one_call():
+    class Fake:
+        calls: list = []
+
+        def executemany(self, sql, rows):
+            self.calls.append((sql, list(rows)))
+
+    cur = Fake()
+    rows = [(None, 1, 2, 3, 4), (1, None, 2, 3, 4)]
+    ins = Insert("t", COLUMNS, "%s")
+    ins.run(cur, rows)
+    assert cur.calls == [("INSERT INTO t (a, b, c, d, e) VALUES (%s, %s, %s, %s, %s)", rows)]
+    ins.run(cur, [])
+    assert len(cur.calls) == 1  # nothing to insert: no call
+
+
+def test_a_failing_row_raises_the_drivers_error():
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t (a INTEGER NOT NULL, b, c, d, e)")
+    with pytest.raises(sqlite3.IntegrityError):
+        Insert("t", COLUMNS, "?").run(conn.cursor(), [(1, None, None, None, None), (None, 1, 2, 3, 4)])
