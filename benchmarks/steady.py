@@ -61,6 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7; --quick: 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up rounds (default 1)")
     p.add_argument("--block", type=int, default=None, help="steps per block for every model (default: per model)")
+    p.add_argument(
+        "--keep",
+        type=int,
+        default=None,
+        help="also the flight recorder: `full` with keep=N (issue 14's target: no more than `full`), not for nan",
+    )
     p.add_argument("--mlp-blocks", type=int, default=48, help="residual blocks of the mlp model (default 48)")
     p.add_argument("--mlp-width", type=int, default=128, help="width of the mlp model (default 128)")
     p.add_argument("--profile", default=None, help="instead of timing: cProfile of recorded steps of this model")
@@ -232,7 +238,7 @@ def build(name: str, a) -> Model:
 class Slot:
     """One configuration: `run()` times one block of K steps (recorded ones end in `rec.flush()`)."""
 
-    def __init__(self, m: Model, level: str, tmp: Path, k: int, scale: float = 1.0, name: str | None = None):
+    def __init__(self, m: Model, level: str, tmp: Path, k: int, scale: float = 1.0, name: str | None = None, **options):
         import gradstore
 
         self.m, self.level, self.k, self.scale = m, level, k, scale
@@ -241,7 +247,7 @@ class Slot:
             self.rec, self.fn = None, m.step
         else:
             run = f"{m.name}-{self.name}".replace(" ", "-")
-            self.rec = gradstore.record(run, db=str(tmp / f"{run}.db"), model=m.model, stats=level)
+            self.rec = gradstore.record(run, db=str(tmp / f"{run}.db"), model=m.model, stats=level, **options)
             self.fn = self.rec(m.step)
 
     def run(self) -> float:
@@ -305,6 +311,8 @@ def measure(a) -> dict:
                     ]
                 else:
                     slots = [Slot(m, lv, sub, k) for lv in a.levels]
+                    if a.keep:  # the flight recorder: every step measured at full into the ring, summaries written
+                        slots.append(Slot(m, "full", sub, k, name=f"full keep={a.keep}", keep=a.keep))
                 res = interleave(slots, a.rounds, a.warmup, f"{name} {threads}t")
                 if name == "nan":  # the target's figure: NaN over finite, both recorded, per round
                     nan, fin = res["full NaN"]["block_s"], res["full finite"]["block_s"]
