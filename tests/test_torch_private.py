@@ -276,3 +276,17 @@ def test_grad_scaler_found_inf_reads_what_step_decided():
     assert tp.grad_scaler_found_inf(scaler, opt) == 1.0 and torch.equal(w.detach(), before)  # skipped
     scaler.update()
     assert tp.grad_scaler_found_inf(scaler, opt) is None  # update() starts the next step's state
+
+
+def test_module_registries_are_the_dicts_of_children_and_own_parameters():
+    """Structure (gradstore.recording.modules) reads nn.Module._modules / _parameters: the same objects, in the same
+    order, as named_children() and named_parameters(recurse=False); a registration writes into them."""
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh())
+    children, params = tp.module_registries(seq)
+    assert isinstance(children, dict) and isinstance(params, dict)
+    assert list(children.items()) == list(seq.named_children()) and params == {}
+    lin_children, lin_params = tp.module_registries(seq[0])
+    assert lin_children == {} and list(lin_params.items()) == list(seq[0].named_parameters(recurse=False))
+    seq.extra = torch.nn.Linear(3, 1)
+    seq[0].register_parameter("bias", None)
+    assert children["extra"] is seq.extra and lin_params["bias"] is None

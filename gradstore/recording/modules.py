@@ -229,18 +229,14 @@ class Structure:
         """Class, `_modules` and `_parameters` (the dict, its keys, its values) of every module, flat: two equal
         (by identity, element by element) fingerprints of the same modules mean the same structure."""
         out: list = []
-        add, more = out.append, out.extend
+        add, more, registries = out.append, out.extend, tp.module_registries
         for modules in (tops, self._modules):
             for m in modules:
                 add(m.__class__)
-                d = m._modules
-                add(d)
-                more(d)
-                more(d.values())
-                d = m._parameters
-                add(d)
-                more(d)
-                more(d.values())
+                for d in registries(m):
+                    add(d)
+                    more(d)
+                    more(d.values())
         return out
 
     def same(self, models: list[tuple[str, nn.Module]]) -> bool:

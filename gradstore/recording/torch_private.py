@@ -5,6 +5,7 @@ tests/test_torch_private.py fails loudly when one of them changes in a new PyTor
 
 from __future__ import annotations
 
+import operator
 import sys
 
 import torch
@@ -321,3 +322,9 @@ def grad_scaler_found_inf(scaler, optimizer) -> float | None:
         return float(sum(float(v.item()) for v in found.values()))
     except Exception:
         return None
+
+
+# module_registries(module) -> (module._modules, module._parameters): the dicts nn.Module registers its children
+# and its own parameters in (private attributes; name -> Module / Parameter or None), read in C by one attrgetter
+# call (gradstore.recording.modules.Structure reads them for every module at every step)
+module_registries = operator.attrgetter("_modules", "_parameters")
