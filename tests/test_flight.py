@@ -150,7 +150,8 @@ def test_rec_dump_writes_the_ring_now_and_the_current_step_when_it_ends(db):
     store = gradstore.open(db)
     assert list(store.steps("manual")["level"]) == ["summary", "summary", "full", "full", "full", "summary"]
     dumps = store.dumps("manual")
-    assert list(zip(dumps["reason"], dumps["first_step"], dumps["last_step"])) == [("manual", 2, 3)]
+    # one row for the dump: the ring's steps 2 and 3 and the current step 4, carried by step 4
+    assert list(zip(dumps["step"], dumps["reason"], dumps["first_step"], dumps["last_step"])) == [(4, "manual", 2, 4)]
     assert store.steps("manual")["status"].iloc[1] == "nonfinite"  # dump_on=(): the NaN did not dump
     with pytest.raises(gradstore.RecordUsageError, match="keep=N"):
         gradstore.record("x", db=db).dump()

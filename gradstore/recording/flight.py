@@ -198,8 +198,8 @@ class FlightRecorder:
             return [summary], None
         out = self._detail_of_ring()
         row = self.pending_row
-        if reason is not None:
-            first = out[0].step if out else batch.step
+        if reason is not None:  # a trigger in a step after rec.dump(): the row spans the dumped ring steps too
+            first = out[0].step if out else (row[1] if row is not None else batch.step)
             row = (reason, first, batch.step)
         batch.dump = row
         self.full_next, self.pending_row = False, None
@@ -207,13 +207,14 @@ class FlightRecorder:
         return out, reason or "manual"
 
     def dump_now(self, current_step: int) -> list[StepBatch]:
-        """`rec.dump()`: the ring's steps in full now (the last one carries the dumps row); the current step is
-        written in full when it ends (and carries the row when the ring was empty)."""
+        """`rec.dump()`: the ring's steps in full now; the current step is written in full when it ends, and
+        carries the dumps row ('manual', the first step written, the current step): the row spans every step the
+        dump wrote, and is written with the last of them."""
         out = self._detail_of_ring()
-        if out:
-            out[-1].dump = ("manual", out[0].step, out[-1].step)
-        else:
-            self.pending_row = ("manual", current_step, current_step)
+        first = out[0].step if out else current_step
+        if self.pending_row is not None:  # rec.dump() twice in one step: one row, from the first dumped step
+            first = min(first, self.pending_row[1])
+        self.pending_row = ("manual", first, current_step)
         self.full_next = True
         return out
 
