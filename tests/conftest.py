@@ -66,6 +66,19 @@ def python_hooks(monkeypatch):
     monkeypatch.setattr(native, "available", lambda level: None)
 
 
+@pytest.fixture(params=["kernel", "numpy"])
+def reductions(request, monkeypatch):
+    """A test using it runs twice: CPU statistics from the fused C kernel ('kernel'; skipped where it is not
+    built), and from the NumPy/torch fallback ('numpy'). Returns which."""
+    from gradstore.recording import kernel
+
+    if request.param == "numpy":
+        monkeypatch.setattr(kernel, "load", lambda: None)
+    elif kernel.load() is None:
+        pytest.skip(f"the fused kernel is not available here: {kernel.status()}")
+    return request.param
+
+
 @pytest.fixture
 def backend(request):
     """'sqlite' (the default) or 'postgresql' (parametrized in BACKEND_MODULES)."""

@@ -18,15 +18,6 @@ import gradstore
 from gradstore.recording import kernel, stats
 
 
-@pytest.fixture(params=["kernel", "numpy"])
-def reductions(request, monkeypatch):
-    if request.param == "numpy":
-        monkeypatch.setattr(kernel, "load", lambda: None)
-    elif kernel.load() is None:
-        pytest.skip(f"the fused kernel is not available here: {kernel.status()}")
-    return request.param
-
-
 def _tensors() -> list:
     g = torch.Generator().manual_seed(5)
     r = torch.randn(64, 33, generator=g)

@@ -20,14 +20,8 @@ RTOL = 1e-6
 ATOL_AT_ZERO = 1e-12  # used only where the true value is exactly 0
 
 
-@pytest.fixture(autouse=True, params=["kernel", "numpy"])
-def reductions(request, monkeypatch):
-    """Every test runs twice: CPU statistics from the fused kernel, and from the NumPy/torch fallback."""
-    if request.param == "numpy":
-        monkeypatch.setattr(kernel, "load", lambda: None)
-    elif kernel.load() is None:
-        pytest.skip(f"the fused kernel is not available here: {kernel.status()}")
-    return request.param
+# every test runs twice: CPU statistics from the fused kernel, and from the NumPy/torch fallback (conftest.py)
+pytestmark = pytest.mark.usefixtures("reductions")
 
 
 # ---- the independent reference --------------------------------------------------------------------------------
