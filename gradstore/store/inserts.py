@@ -2,14 +2,17 @@
 
 Python's sqlite3 module binds an int, float, str or bytes parameter directly, but runs every None through its
 adaptation protocol (a registry lookup, then `__adapt__` / `__conform__` lookups that fail with an exception
-inside the C code): about 1 µs per None on the reference machine, against 0.1 µs for a number. A shape-level
-tensor row has eleven None columns (no statistics), so binding them cost more than SQLite's own insert
-(tensor_data: 19 µs per row bound, 2-3 µs with the None columns written as NULL in the statement; 3.11's
-sqlite3, `python -m benchmarks.run --sections writer`).
+inside the C code): about 1 µs per None against 0.1 µs for a number (3.11's sqlite3; 2,000 rows of 18 columns
+into an in-memory table: 12.3 µs per row with 17 of them None and bound, 2.1 µs with those 17 left out of the
+statement). A shape-level tensor row has ten or eleven None columns (no statistics): on the 1,898 tensor rows of
+a shape-level step of benchmarks/steady.py's `mlp` model, executemany into a copy of tensor_data took 10.5 µs
+per row bound and 5.5 µs per row with `Insert` (medians of 60 interleaved steps, commit included, load 0.4; a
+measurement by hand, not one of benchmarks/' scripts).
 
 `Insert.run(cursor, rows)` splits the rows into runs of consecutive rows with the same None positions (order is
 kept: the tables' pages fill as they are appended) and runs one `executemany` per run, with a statement that
-names NULL where the run's rows hold None and binds the other values. The rows stored are the same either way.
+names NULL where the run's rows hold None and binds the other values (`keep_order=False`: one executemany per None
+pattern, for a table keyed by the rows' own ids). The rows stored are the same either way.
 With a driver other than sqlite3 (PostgreSQL's psycopg) every row is bound as it is, in one executemany.
 """
 
