@@ -193,6 +193,19 @@ def test_case10_the_unreachable_branch_is_a_node_that_never_ran(db):
     assert (gains.drop(index="proj")["ran"] > 0).all()
 
 
+def test_without_a_walk_no_node_is_said_never_to_have_run(db):
+    """stats='params' walks no graph and hooks no node: whether proj's AddmmBackward0 ran is not known there, so
+    never_ran lists nothing (at 'shape', which walks, it is the one node that did not run, as at 'full')."""
+    _c10(db, stats="params")
+    _c10(db, stats="shape")
+    with gradstore.open(db) as store:
+        assert store.never_ran("c10-params").empty
+        shape = store.never_ran("c10-shape")
+        gains = store.module_gains("c10-params").set_index("module")
+    assert list(shape.key) == ["proj/AddmmBackward0#0"] and list(shape.why) == ["not reachable"]
+    assert gains["ran"].isna().all()  # not known, not 0
+
+
 def test_stale_gradient_from_an_earlier_step(db):
     """A parameter that got no gradient this step but still holds last step's .grad (no zero_grad for it): the
     optimizer will apply it. Two steps; the head is used only in the first."""

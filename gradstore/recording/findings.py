@@ -472,7 +472,10 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         if seq not in outputs_of[k]:
             outputs_of[k].append(seq)
     unreached: dict[int, tuple] = {}
-    for _k, seq, name in fw.outputs:
+    walked = any(p.rec.seqs is not None for p in passes)
+    # without a walk (stats='params' hooks no node and walks no graph) whether an output was reached is not known:
+    # nothing is said of it
+    for _k, seq, name in fw.outputs if walked else ():
         if seq < first_seq or seq in walked_seqs or seq in unreached:
             continue
         unreached[seq] = (name, innermost(seq))
@@ -528,7 +531,6 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             )
         )
 
-    walked = any(p.rec.seqs is not None for p in passes)
     ordinals: dict[str, int] = {}
     for k, c in enumerate(calls):
         ordinal = ordinals.get(c[0], 0)
