@@ -225,6 +225,22 @@ def _build(f: StepFacts) -> Result:
 
 
 # ---- parameters --------------------------------------------------------------------------------------------
+# (first name, every name) -> (key, NodeInfo, param_names rows, modules of the names): the same for every step
+_PARAM_FACTS: dict[tuple, tuple] = {}
+
+
+def _param_facts(name: str, names: tuple) -> tuple:
+    hit = _PARAM_FACTS.get((name, names))
+    if hit is None:
+        if len(_PARAM_FACTS) > 1_000_000:
+            _PARAM_FACTS.clear()
+        key = f"param:{name}"
+        info = NodeInfo(key, "AccumulateGrad", "accumulate_grad", _module_of(name), name)
+        rows = tuple((key, n, _module_of(n), ",".join(x for x in names if x != n)) for n in names)
+        hit = _PARAM_FACTS[(name, names)] = (key, info, rows, tuple({_module_of(n) for n in names}))
+    return hit
+
+
 def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     walked = any(p.rec.seqs is not None for p in passes)
     ran_modules = {c[0] for c in f.forward.calls} if f.forward is not None else None
@@ -239,23 +255,21 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             if c[0].startswith("param:"):
                 calls[c[0]] = calls.get(c[0], 0) + 1
         for row in p.tensors:
-            key = row[_KEY]
-            if not key.startswith("param:"):
-                continue
-            if row[_ROLE] == _GO:
-                zero.setdefault(key, []).append(_zero(row))
-            elif row[_ROLE] == _PARAM:
-                final[key] = row
+            role = row[_ROLE]
+            if role == _PARAM:
+                final[row[_KEY]] = row
+            elif role == _GO and row[_KEY].startswith("param:"):
+                zero.setdefault(row[_KEY], []).append(_zero(row))
         if p.rec.grads_changed:
             changed.update(p.rec.grads_changed)
+    nodes, param_names, param_status = out.nodes, out.param_names, out.param_status
+    names_of, has_grad_of = f.names, f.has_grad
     for name, frozen in f.params:
-        key = f"param:{name}"
-        names = f.names.get(name, (name,))
-        out.nodes.append(NodeInfo(key, "AccumulateGrad", "accumulate_grad", _module_of(name), name))
-        for n in names:
-            out.param_names.append((key, n, _module_of(n), ",".join(x for x in names if x != n)))
-        module_ran = None if ran_modules is None else int(any(_module_of(n) in ran_modules for n in names))
-        has_grad = f.has_grad.get(name, False)
+        key, info, rows, modules = _param_facts(name, names_of.get(name, (name,)))
+        nodes.append(info)
+        param_names.extend(rows)
+        module_ran = None if ran_modules is None else int(any(m in ran_modules for m in modules))
+        has_grad = has_grad_of.get(name, False)
         n_calls = calls.get(key, 0) if walked else None
         if n_calls:
             got, zeros = True, zero.get(key, [])
@@ -278,7 +292,7 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             status = "not used"
         else:
             status = "unreachable"
-        out.param_status.append(
+        param_status.append(
             (key, PARAM_STATUS[status], module_ran, int(key in reached) if walked else None, n_calls, int(has_grad))
         )
 
