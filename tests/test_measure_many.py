@@ -75,6 +75,42 @@ def test_measure_many_gives_what_measure_gives_one_by_one(level, reductions):
         assert calls == [8]  # r, r.double(), the NaN ones, inf_mix, 2.5, the 1e200 one, the zeros
 
 
+@pytest.mark.parametrize("level", ["full", "health", "shape"])
+def test_param_rows_built_in_cpp_are_the_rows_measure_gives(level):
+    """The C++ hooks' `param_rows` (the parameter gradients' rows built without a Python object per statistic)
+    gives, for every tensor it takes, the row `to_rows(measure(t))` gives, and declines (None) only what it cannot
+    read itself; `measure_params` then measures those in Python."""
+    from gradstore.recording import final_grads, native
+    from gradstore.recording.options import Options
+
+    module = native.load(wait=True)
+    if module is None:
+        pytest.skip(f"C++ hooks: {native.status()}")
+    tensors = _tensors()
+    got = module.param_rows(tensors, native.LEVEL_CODES[level], stats.Row)
+    assert len(got) == len(tensors)
+    taken = 0
+    for t, row in zip(tensors, got):
+        alone = stats.measure(t, level) if level != "shape" else stats.shape_only(t)
+        if row is None:  # only what the C++ side cannot read: float16, bfloat16, sparse, the neg bit, large
+            continue
+        taken += 1
+        assert type(row) is stats.Row
+        (want,) = stats.to_rows([alone])
+        assert all(x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y)) for x, y in zip(row, want))
+        assert len(row) == len(want)
+    assert taken >= 10  # r, r.double(), None, the NaN ones, inf_mix and its transpose, the strided, empty, 2.5
+    # measure_params: the rows path where it may, Measured results where the caller asks for them (rows=False)
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(3, 4))) for i in range(3)]
+    for (_, p), g in zip(params, (torch.randn(3, 4), None, torch.randn(4, 3).t())):
+        p.grad = g
+    opts = Options(stats=level)
+    _, results, _ = final_grads.measure_params(params, opts)
+    _, plain, _ = final_grads.measure_params(params, opts, rows=False)
+    assert type(results[0]) is stats.Row and type(plain[0]) is not stats.Row
+    assert stats.to_rows(results) == stats.to_rows(plain)
+
+
 def test_measure_many_with_checksum_is_measure_with_checksum():
     tensors = [torch.arange(6, dtype=torch.float32), None, torch.ones(2, 2, dtype=torch.float64)]
     for a, b in zip(

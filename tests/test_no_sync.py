@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import gradstore
-from gradstore.recording import native, passes, stats
+from gradstore.recording import final_grads, native, passes, stats
 
 HOST_METHODS = ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")
 
@@ -161,6 +161,7 @@ def test_the_device_path_copies_once_at_the_end_of_the_pass(tmp_path, monkeypatc
     monkeypatch.setattr(stats, "_reduce", stats._masked)
     # the parameter gradients' batched kernel call declines each: every one is measured alone, by `_reduce`
     monkeypatch.setattr(stats, "_reduce_many", lambda k, ptrs, *rest: [None] * len(ptrs))
+    monkeypatch.setattr(final_grads, "_rows_in_cpp", lambda grads, level: None)  # as a device gradient: declined
     tensors = run_steps(tmp_path, host_calls, "full", hooks, steps=1)
     assert host_calls.calls == []
     assert host_calls.at_end >= 1  # the pass's host transfer: `.cpu()` of the stacked results, `.tolist()`

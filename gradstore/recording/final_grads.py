@@ -18,8 +18,9 @@ accumulation micro-batches end up in the snapshot.
 from __future__ import annotations
 
 from ..records import ROLE, NodeInfo
+from . import native
 from .options import Options
-from .stats import NONFINITE_COLUMNS, measure_many, to_rows
+from .stats import NONFINITE_COLUMNS, Row, measure, measure_many, to_rows
 
 
 def world_size() -> int:
@@ -30,7 +31,7 @@ def world_size() -> int:
 
 
 def measure_params(
-    params: list[tuple[str, object]], options: Options, sharded_of: dict | None = None
+    params: list[tuple[str, object]], options: Options, sharded_of: dict | None = None, rows: bool = True
 ) -> tuple[list[NodeInfo], list, list]:
     """Measure every recorded parameter's `.grad` now, at the options' parameter level.
 
@@ -41,9 +42,13 @@ def measure_params(
             than one rank or checksum=True, never at level 'shape').
         sharded_of: id(unsharded FSDP2 parameter) -> its sharded parameter (`gradstore.recording.modules.
             fsdp_aliases`): FSDP2 writes the reduce-scattered `.grad` to the sharded one, which is measured.
+        rows: let the C++ hooks' module (gradstore.recording.native, where it is built) measure the plain dense
+            float32/float64 CPU gradients and build their rows itself (`stats.Row` results; no checksum is
+            taken then); False: `Measured` results for every one (a caller that looks inside the measurement).
     Returns:
-        (the parameters' NodeInfos (key 'param:<name>'), their results: `Measured` or `shape_only` tuples, the
-        parameters measured), in the same order. A `.grad` of None is measured as status 'none'.
+        (the parameters' NodeInfos (key 'param:<name>'), their results: `Measured`, `shape_only` tuples or
+        `stats.Row`s, the parameters measured), in the same order. A `.grad` of None is measured as status
+        'none'. `stats.to_rows` gives the same rows whichever way a gradient was measured.
     """
     level = options.param_level
     take_checksum = level != "shape" and (options.checksum if options.checksum is not None else world_size() > 1)
@@ -69,8 +74,23 @@ def measure_params(
         nodes.append(info)
         grads.append(p.grad)
         measured.append(p)
+    got = _rows_in_cpp(grads, level) if rows and not take_checksum else None
+    if got is not None:  # rows built in C++ (one kernel call per gradient), `measure` for what it declines
+        return nodes, [m if m is not None else measure(g, level) for m, g in zip(got, grads)], measured
     # one kernel call for the dense float32/float64 CPU gradients, `measure` one by one for the others
     return nodes, measure_many(grads, level, checksum=take_checksum), measured
+
+
+def _rows_in_cpp(grads: list, level: str) -> list | None:
+    """The C++ hooks' `param_rows` of `grads` (a `stats.Row` or None per gradient), or None where the hooks
+    module is not built (or not at this level) or faults."""
+    module = native.available(level)
+    if module is None:
+        return None
+    try:
+        return module.param_rows(grads, native.LEVEL_CODES[level], Row)
+    except Exception:
+        return None
 
 
 # (modules=, params=) filters -> {qualified parameter name: its NodeInfo (frozen), or None where the filters leave it

@@ -10,8 +10,10 @@ reference GPT-2 step (`python -m benchmarks.run`) that was about 1.5 % of the st
 The same module walks a pass's graph in one call (`walk`, used by gradstore.recording.graph.walk: the Node objects,
 their edges as packed int32, every sequence_nr and the signature gradstore.recording.graph keys a fresh pass by,
 with no Python tuple per edge or per `next_functions` entry), builds the call rows on the writer thread
-(`call_rows`), and reads every parameter's `.grad` state (`grad_states`: data pointer and version counter,
-gradstore.recording.passes) without a Python object per parameter.
+(`call_rows`), reads every parameter's `.grad` state (`grad_states`: data pointer and version counter,
+gradstore.recording.passes) without a Python object per parameter, and measures the parameters' `.grad`s into
+their rows (`param_rows`, gradstore.recording.final_grads: the kernel's statistics of each plain dense
+float32/float64 CPU gradient, built into its row tuple with no `Measured` object or Python float per statistic).
 
 Every row is what the Python hooks (gradstore.recording.passes, gradstore.recording.stats) record for the same tensor: a
 gradient the C++ side does not measure itself (a tensor subclass, a device tensor, float16/bfloat16, a
@@ -57,7 +59,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 11
+ABI_VERSION = 12
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()

@@ -497,7 +497,7 @@ class PassRecorder:
                     rec.grads_changed = grads_changed(self.params, self.grads_before, after)
             if ok and rec.kind == "backward" and rec.parent_pass is None:
                 opts = self.options
-                nodes, results, measured = measure_params(self.params, opts, self._sharded_of)
+                nodes, results, measured = measure_params(self.params, opts, self._sharded_of, rows=not opts.inside)
                 for info, m, p in zip(nodes, results, measured):
                     key, module, name = info.key, info.module, info.param
                     param_nodes[key] = info

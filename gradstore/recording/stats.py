@@ -725,6 +725,7 @@ ROW_COLUMNS = (
     "coalesced",
 )
 NONFINITE_COLUMNS = (10, 11, 12)
+_NAN_COLUMN, _POSINF_COLUMN, _NEGINF_COLUMN = NONFINITE_COLUMNS
 SHARDING_COLUMN = len(ROW_COLUMNS)  # a row's last item: the `Sharding` of a DTensor's shard, else None
 _DENSE = (None, None, None)  # layout, nnz, coalesced of a strided tensor
 
@@ -745,6 +746,13 @@ def _shape_row(dtype: torch.dtype, size: torch.Size) -> tuple:
     return (_STATUS_OK, None, dtype_code(dtype), shape, numel, *stats, None, *_DENSE, None)
 
 
+class Row(tuple):
+    """A result measured straight into its row (ROW_COLUMNS, then the sharding: what `to_rows` makes of a
+    `Measured`), by the C++ hooks' `param_rows` (gradstore.recording.final_grads): `to_rows` passes it on."""
+
+    __slots__ = ()
+
+
 def needs_transfer(measured: list) -> bool:
     """True when some result of `measured` still lives in a tensor (statistics or checksum left on a device,
     or the masked path's tensor): `to_rows` has a host copy to make."""
@@ -758,7 +766,10 @@ def any_nonfinite(measured: list) -> bool:
     """True when a host-side result of `measured` counts a NaN or an infinity (results still in tensors are
     not read: see `needs_transfer`)."""
     for m in measured:
-        if type(m) is Measured and type(m.vec) is tuple and (m.vec[NAN] or m.vec[POSINF] or m.vec[NEGINF]):
+        if type(m) is Measured:
+            if type(m.vec) is tuple and (m.vec[NAN] or m.vec[POSINF] or m.vec[NEGINF]):
+                return True
+        elif type(m) is Row and (m[_NAN_COLUMN] or m[_POSINF_COLUMN] or m[_NEGINF_COLUMN]):
             return True
     return False
 
@@ -779,7 +790,7 @@ def _unwords(words: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def to_rows(measured: list, extra: list | None = None) -> list[tuple]:
-    """Turn a pass's results (`Measured`, or `shape_only`'s `(dtype, torch.Size)` tuples) into row tuples
+    """Turn a pass's results (`Measured`, `shape_only`'s `(dtype, torch.Size)` tuples, or `Row`s) into row tuples
     (ROW_COLUMNS order, then the `Sharding` of a DTensor's shard or None), with one host copy per device
     (statistics and checksums travel together: the float64 statistics as their int64 bit patterns).
 
@@ -790,7 +801,7 @@ def to_rows(measured: list, extra: list | None = None) -> list[tuple]:
     """
     by_device: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
     for i, m in enumerate(measured):
-        if type(m) is tuple:
+        if type(m) is tuple or type(m) is Row:
             continue
         if isinstance(m.vec, torch.Tensor):
             by_device.setdefault(m.vec.device, ([], [], []))[0].append(i)
@@ -828,6 +839,9 @@ def to_rows(measured: list, extra: list | None = None) -> list[tuple]:
     for i, m in enumerate(measured):
         if type(m) is tuple:
             rows.append(_shape_row(*m))
+            continue
+        if type(m) is Row:
+            rows.append(m)
             continue
         status, reason = m.status, m.reason
         values = host.get(i, m.vec if isinstance(m.vec, tuple) else None)

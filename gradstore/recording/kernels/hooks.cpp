@@ -44,7 +44,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 11;
+constexpr int ABI = 12;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -942,6 +942,79 @@ void derive(const double* v, PyObject* row, int at) {
   PyTuple_SET_ITEM(row, at + 8, std::isnan(zeros) ? none() : PyLong_FromLongLong((long long)zeros));
 }
 
+// the ROW_COLUMNS items and the sharding (G.columns items) of a result measured here (K_NONE, K_SHAPE, K_STATS)
+// into row[at:], as gradstore.recording.stats.to_rows makes them
+void fill_row(PyObject* row, int at, const Result& r) {
+  if (r.kind == K_NONE) {
+    PyTuple_SET_ITEM(row, at, PyLong_FromLong(G.status_none));
+    for (int k = at + 1; k < at + 15; ++k) PyTuple_SET_ITEM(row, k, none());
+  } else {
+    PyTuple_SET_ITEM(row, at, PyLong_FromLong(G.status_ok));
+    PyTuple_SET_ITEM(row, at + 1, none());
+    PyTuple_SET_ITEM(row, at + 2, PyLong_FromLong(r.dtype));
+    PyTuple_SET_ITEM(row, at + 3, shape_string(r));
+    PyTuple_SET_ITEM(row, at + 4, PyLong_FromLongLong(r.numel));
+    if (r.kind == K_STATS) {
+      derive(r.vec, row, at + 5);
+    } else if (r.numel == 0) {  // _EMPTY_STATS
+      PyTuple_SET_ITEM(row, at + 5, PyFloat_FromDouble(0.0));
+      for (int k = at + 6; k < at + 10; ++k) PyTuple_SET_ITEM(row, k, none());
+      for (int k = at + 10; k < at + 14; ++k) PyTuple_SET_ITEM(row, k, PyLong_FromLong(0));
+    } else {
+      for (int k = at + 5; k < at + 14; ++k) PyTuple_SET_ITEM(row, k, none());
+    }
+    PyTuple_SET_ITEM(row, at + 14, none());  // checksum
+  }
+  // layout, nnz, coalesced (a dense tensor's: None), then the sharding (a plain tensor's: None; a DTensor is
+  // measured in Python)
+  for (long k = at + 15; k < at + G.columns; ++k) PyTuple_SET_ITEM(row, k, none());
+}
+
+// param_rows(tensors, level, row_type) -> [row or None]: per item of the list (a tensor or None: the parameters'
+// `.grad`s), the ROW_COLUMNS items and the sharding as `stats.to_rows(stats.measure_many(...))` makes them, built
+// here as instances of row_type (a tuple subclass), or None where the C++ side does not measure that tensor itself
+// (the caller measures it in Python). No checksum is taken. With the GIL held; the kernel reads each tensor once.
+PyObject* py_param_rows(PyObject*, PyObject* args) {
+  PyObject *tensors, *row_type;
+  int level;
+  if (!PyArg_ParseTuple(args, "O!iO!", &PyList_Type, &tensors, &level, &PyType_Type, &row_type)) return nullptr;
+  if (!PyType_IsSubtype((PyTypeObject*)row_type, &PyTuple_Type) || level < SHAPE || level > FULL) {
+    PyErr_SetString(PyExc_TypeError, "param_rows(tensors, level, row_type): a level code and a tuple subclass");
+    return nullptr;
+  }
+  PyTypeObject* rt = (PyTypeObject*)row_type;
+  Py_ssize_t n = PyList_GET_SIZE(tensors);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(tensors, i);
+    Result r;
+    bool here = false;
+    if (item == Py_None) {
+      here = true;  // K_NONE
+    } else if (THPVariable_Check(item)) {
+      try {
+        here = measure_here(THPVariable_Unpack(item), (Level)level, r);
+      } catch (const std::exception&) {
+        here = false;
+      }
+    }
+    PyObject* row;
+    if (here) {
+      row = rt->tp_alloc(rt, G.columns);
+      if (row == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      fill_row(row, 0, r);
+    } else {
+      row = none();
+    }
+    PyList_SET_ITEM(out, i, row);
+  }
+  return out;
+}
+
 // rows(pass, keys, fallback_rows) -> [(node key, seq, role code, slot, *stats.ROW_COLUMNS, sharding)] in hook order;
 // fallback_rows: the ROW_COLUMNS tuples of finish()'s fallbacks, in order (gradstore.recording.stats.to_rows)
 PyObject* py_rows(PyObject*, PyObject* args) {
@@ -978,29 +1051,7 @@ PyObject* py_rows(PyObject*, PyObject* args) {
       }
     } else {
       row = PyTuple_New(4 + G.columns);
-      if (e.r.kind == K_NONE) {
-        PyTuple_SET_ITEM(row, 4, PyLong_FromLong(G.status_none));
-        for (int k = 5; k < 19; ++k) PyTuple_SET_ITEM(row, k, none());
-      } else {
-        PyTuple_SET_ITEM(row, 4, PyLong_FromLong(G.status_ok));
-        PyTuple_SET_ITEM(row, 5, none());
-        PyTuple_SET_ITEM(row, 6, PyLong_FromLong(e.r.dtype));
-        PyTuple_SET_ITEM(row, 7, shape_string(e.r));
-        PyTuple_SET_ITEM(row, 8, PyLong_FromLongLong(e.r.numel));
-        if (e.r.kind == K_STATS) {
-          derive(e.r.vec, row, 9);
-        } else if (e.r.numel == 0) {  // _EMPTY_STATS
-          PyTuple_SET_ITEM(row, 9, PyFloat_FromDouble(0.0));
-          for (int k = 10; k < 14; ++k) PyTuple_SET_ITEM(row, k, none());
-          for (int k = 14; k < 18; ++k) PyTuple_SET_ITEM(row, k, PyLong_FromLong(0));
-        } else {
-          for (int k = 9; k < 18; ++k) PyTuple_SET_ITEM(row, k, none());
-        }
-        PyTuple_SET_ITEM(row, 18, none());  // checksum
-      }
-      // layout, nnz, coalesced (a dense tensor's: None), then the sharding (a plain tensor's: None; a DTensor is
-      // measured in Python)
-      for (long k = 19; k < 4 + G.columns; ++k) PyTuple_SET_ITEM(row, k, none());
+      fill_row(row, 4, e.r);
     }
     for (int k = 0; k < 4; ++k) PyTuple_SET_ITEM(row, k, head[k]);
     PyList_SET_ITEM(out, i, row);
@@ -1060,6 +1111,7 @@ PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, "The pass's tensor rows."},
     {"call_rows", py_call_rows, METH_VARARGS, "The pass's call rows."},
     {"grad_states", py_grad_states, METH_O, "What tells each parameter's .grad changed, as bytes."},
+    {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {nullptr, nullptr, 0, nullptr}};
 
 struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradstore's node hooks in C++", -1,
