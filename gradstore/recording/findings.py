@@ -336,6 +336,26 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             c = parent[c]
         return got
 
+    chains = [chain(c) for c in range(n)] + [[]]  # chains[c]: chain(c); chains[-1]: no call, no chain
+    # (source's call, destination's call) -> (calls the gradient flows into, calls it flows out of), innermost first
+    crossing: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    def cross(cj: int, ci: int) -> tuple[list[int], list[int]]:
+        hit = crossing.get((cj, ci))
+        if hit is None:
+            above_j, above_i = set(chains[cj]), set(chains[ci])
+            into, out_of = [], []
+            for k in chains[ci]:  # calls holding the destination and not the source: gradient flows in
+                if k in above_j:
+                    break
+                into.append(k)
+            for k in chains[cj]:  # calls holding the source and not the destination: gradient flows out
+                if k in above_i:
+                    break
+                out_of.append(k)
+            hit = crossing[(cj, ci)] = (into, out_of)
+        return hit
+
     # the passes' sequence ranges: a node created while a pass ran was born in it (the innermost such pass)
     ranges = sorted((r[1] - r[0], r[0], r[1], p.rec.number) for p in passes if (r := p.rec.seq_range) is not None)
 
@@ -385,24 +405,28 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         hooked = p.hooked
         node_calls = [innermost(s) for s in p.seqs]
 
-        slots_in: set[tuple[int, int, int]] = set()  # (call, node, slot)
+        slots_in: dict[tuple[int, int], set] = {}  # (node, slot) -> the calls its gradient flows into
+        infos, ran_of = p.infos, p.ran
         for j, slot, i, dslot in rec.walk_edges or ():
             cj, ci = node_calls[j], node_calls[i]
             if cj == ci:
                 continue
-            above_j = set(chain(cj))
-            for k in chain(ci):  # calls holding the destination and not the source: gradient flows in
-                if k in above_j:
-                    break
-                slots_in.add((k, i, dslot))
-            above_i = set(chain(ci))
-            dst_key = p.infos[i].key
-            for k in chain(cj):  # calls holding the source and not the destination: gradient flows out
-                if k in above_i:
-                    break
-                if p.infos[i].kind == "accumulate_grad" and own(k, dst_key):
+            into, out_of = cross(cj, ci)
+            if into:
+                held = slots_in.get((i, dslot))
+                if held is None:
+                    slots_in[(i, dslot)] = set(into)
+                else:
+                    held.update(into)
+            if not out_of:
+                continue
+            dst = infos[i]
+            if dst.kind == "accumulate_grad":
+                out_of = [k for k in out_of if not own(k, dst.key)]
+                if not out_of:
                     continue
-                v, nf = _value(measured, hooked, p.ran, j, _GI, slot)
+            v, nf = _value(measured, hooked, ran_of, j, _GI, slot)  # the edge's one piece, whichever call it leaves
+            for k in out_of:
                 out_count[k] += 1
                 bad[k] += nf
                 if v is None:
@@ -411,29 +435,32 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                     out_sq[k] += v * v
         for r in rec.root_nodes or ():
             root_slots = {s for (i, role, s) in measured if i == r and role == _GO} or {0}
-            for k in chain(node_calls[r]):
-                for s in root_slots:
-                    slots_in.add((k, r, s))
-        for k, i, slot in slots_in:
-            v, nf = _value(measured, hooked, p.ran, i, _GO, slot)
-            in_count[k] += 1
-            bad[k] += nf
-            if v is None:
-                in_missing[k] += 1
-            else:
-                in_sq[k] += v * v
+            for s in root_slots:
+                slots_in.setdefault((r, s), set()).update(chains[node_calls[r]])
+        for (i, slot), held in slots_in.items():
+            v, nf = _value(measured, hooked, ran_of, i, _GO, slot)
+            for k in held:
+                in_count[k] += 1
+                bad[k] += nf
+                if v is None:
+                    in_missing[k] += 1
+                else:
+                    in_sq[k] += v * v
         for i, seq in enumerate(p.seqs):
             ident = seq if 0 <= seq != _ACC else ("key", p.infos[i].key)
             ran = i in p.ran
+            held_by = chains[node_calls[i]]
             if ran:
                 call_seq = p.ran[i]
-                for k in chain(node_calls[i]):
+                for k in held_by:
                     if first_call[k] is None or call_seq < first_call[k]:
                         first_call[k] = call_seq
-            for k in chain(node_calls[i]):
-                found[k].add(ident)
-                if ran:
+                for k in held_by:
+                    found[k].add(ident)
                     ran_found[k].add(ident)
+            else:
+                for k in held_by:
+                    found[k].add(ident)
             if 0 <= seq != _ACC:
                 walked_seqs.add(seq)
             known = hooked is None or hooked[i]
