@@ -118,3 +118,35 @@ def test_gpu_check_says_so_without_cuda():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "no CUDA device" in proc.stdout
+
+
+def test_side_by_side_benchmark_runs_on_one_checkout_twice():
+    """`python -m benchmarks.ab` (two checkouts' processes taking turns) prints its table; this checkout stands
+    for both sides. Nothing about speed is asserted."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.ab",
+            "--before",
+            str(ROOT),
+            "--tiny",
+            "--turns",
+            "1",
+            "--rounds",
+            "1",
+            "--models",
+            "mlp",
+            "--levels",
+            "params",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| `mlp` | `params` |")]
+    assert len(rows) == 1
+    before, after = (float(x) for x in rows[0].split("|")[3:5])
+    assert before > 0 and after > 0
