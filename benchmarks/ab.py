@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("mlp", "cnn")  # benchmarks.steady's ResMlp (48 blocks x 128 wide, its defaults) and SmallCnn
 
 # runs in the checkout under test (cwd and sys.path[0]): argv = model, rounds, levels (comma-separated), tiny
 WORKER = """
@@ -67,16 +68,23 @@ def run_worker(checkout: Path, model: str, rounds: int, levels: list[str], tiny:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", required=True, type=Path, help="checkout of the code before the change")
-    ap.add_argument("--after", type=Path, default=ROOT, help="checkout of the code after it (default: this one)")
-    ap.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp, cnn")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.ab",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--before", required=True, type=Path, help="checkout of the code before the change (required)")
+    ap.add_argument("--after", type=Path, default=ROOT, help="checkout of the code after it")
+    ap.add_argument("--models", default="mlp,cnn", help="comma-separated, of: mlp (48 x 128), cnn")
     ap.add_argument("--levels", default="params,shape,full", help="comma-separated stats= levels")
     ap.add_argument("--turns", type=int, default=4, help="processes per checkout and model")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per process")
     ap.add_argument("--tiny", action="store_true", help="tiny models and blocks of 2 steps (a smoke run)")
     a = ap.parse_args(argv)
     models, levels = a.models.split(","), a.levels.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: {', '.join(unknown)} not known here; choose from {', '.join(MODELS)}")
     pooled: dict[tuple[str, str, str], list[float]] = {}
     try:
         for turn in range(a.turns):

@@ -43,8 +43,9 @@ def measure_params(
         sharded_of: id(unsharded FSDP2 parameter) -> its sharded parameter (`gradstore.recording.modules.
             fsdp_aliases`): FSDP2 writes the reduce-scattered `.grad` to the sharded one, which is measured.
         rows: let the C++ hooks' module (gradstore.recording.native, where it is built) measure the plain dense
-            float32/float64 CPU gradients and build their rows itself (`stats.Row` results; no checksum is
-            taken then); False: `Measured` results for every one (a caller that looks inside the measurement).
+            float32/float64 CPU gradients and build their rows itself (`stats.Row` results), except where a
+            checksum is due (then every gradient goes through `stats.measure_many`); False: no `stats.Row`
+            results (`Measured`, or `shape_only` tuples at 'shape': a caller that looks inside the measurement).
     Returns:
         (the parameters' NodeInfos (key 'param:<name>'), their results: `Measured`, `shape_only` tuples or
         `stats.Row`s, the parameters measured), in the same order. A `.grad` of None is measured as status
