@@ -190,6 +190,18 @@ def _value(measured: dict, hooked, ran: dict, i: int, role: int, slot: int) -> t
     return None, 0
 
 
+def _tally(calls, v: float | None, nf: int, count: list, missing: list, sq: list, bad: list) -> None:
+    """Count one gradient slot (norm v, None where not measured; nf non-finite elements) for each module call
+    of `calls` it crosses: in count, missing or the sum of squares, and bad."""
+    for k in calls:
+        count[k] += 1
+        bad[k] += nf
+        if v is None:
+            missing[k] += 1
+        else:
+            sq[k] += v * v
+
+
 def _original_call(calls: list, k: int, running: int | None, around: list[int]) -> int | None:
     """The forward call that module call k (entered during a backward call whose node has sequence number
     `running`) re-runs: a forward call of the same module that created the running node (a node unpacking its
@@ -426,26 +438,14 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                 if not out_of:
                     continue
             v, nf = _value(measured, hooked, ran_of, j, _GI, slot)  # the edge's one piece, whichever call it leaves
-            for k in out_of:
-                out_count[k] += 1
-                bad[k] += nf
-                if v is None:
-                    out_missing[k] += 1
-                else:
-                    out_sq[k] += v * v
+            _tally(out_of, v, nf, out_count, out_missing, out_sq, bad)
         for r in rec.root_nodes or ():
             root_slots = {s for (i, role, s) in measured if i == r and role == _GO} or {0}
             for s in root_slots:
                 slots_in.setdefault((r, s), set()).update(chains[node_calls[r]])
         for (i, slot), held in slots_in.items():
             v, nf = _value(measured, hooked, ran_of, i, _GO, slot)
-            for k in held:
-                in_count[k] += 1
-                bad[k] += nf
-                if v is None:
-                    in_missing[k] += 1
-                else:
-                    in_sq[k] += v * v
+            _tally(held, v, nf, in_count, in_missing, in_sq, bad)
         for i, seq in enumerate(p.seqs):
             ident = seq if 0 <= seq != _ACC else ("key", p.infos[i].key)
             ran = i in p.ran
