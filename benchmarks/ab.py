@@ -7,7 +7,8 @@
 Ratios taken at different times on a shared host do not compare (the same plain step ran 1.1-1.8x slower at
 20:38 than at 18:17 UTC on 2026-12-01). Here processes of the two checkouts take turns (`--turns` times each,
 before first), each process timing `--rounds` rounds of benchmarks.steady's blocks (`Slot`: K consecutive steps,
-recorded blocks ending in `rec.flush()`, the `none` block first in every round, 1 thread) in a fresh process, with
+recorded blocks ending in `rec.flush()`, the `none` block first in every round, `--threads` torch threads, 1 by
+default) in a fresh process, with
 its own checkout on `sys.path`; the ratios of all turns are pooled. The worker only uses what benchmarks.steady
 has had since issue 17 (`ResMlp`, `SmallCnn`, `Slot`), so an older checkout runs it too.
 
@@ -28,12 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("mlp", "cnn")  # benchmarks.steady's ResMlp (48 blocks x 128 wide, its defaults) and SmallCnn
 
-# runs in the checkout under test (cwd and sys.path[0]): argv = model, rounds, levels (comma-separated), tiny
+# runs in the checkout under test (cwd and sys.path[0]): argv = model, rounds, levels (comma-separated), tiny,
+# torch threads
 WORKER = """
 import json, sys, tempfile
 from pathlib import Path
 import torch
-torch.set_num_threads(1)
+torch.set_num_threads(int(sys.argv[5]))
 from benchmarks.steady import ResMlp, SmallCnn, Slot
 name, rounds, levels, tiny = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4] == "1"
 m = SmallCnn(tiny) if name == "cnn" else ResMlp(tiny, 48, 128)
@@ -42,6 +44,7 @@ tmp = Path(tempfile.mkdtemp(prefix="gradstore-ab-"))
 slots = [Slot(m, level, tmp, k) for level in ["none", *levels]]
 for s in slots:
     s.run()
+    getattr(s, "settle", lambda: None)()  # a checkout whose writer hands steps to a child: wait for it
 out = {s.name: [] for s in slots[1:]}
 for _ in range(rounds):
     base = slots[0].run()
@@ -51,10 +54,10 @@ print("AB " + json.dumps(out))
 """
 
 
-def run_worker(checkout: Path, model: str, rounds: int, levels: list[str], tiny: bool) -> dict:
+def run_worker(checkout: Path, model: str, rounds: int, levels: list[str], tiny: bool, threads: int = 1) -> dict:
     """One process of `checkout`: {level: [per-round ratio to `none`]}. Raises RuntimeError with its stderr."""
     proc = subprocess.run(
-        [sys.executable, "-c", WORKER, model, str(rounds), ",".join(levels), "1" if tiny else "0"],
+        [sys.executable, "-c", WORKER, model, str(rounds), ",".join(levels), "1" if tiny else "0", str(threads)],
         cwd=checkout,
         env={**os.environ, "PYTHONPATH": str(checkout)},
         capture_output=True,
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", default="params,shape,full", help="comma-separated stats= levels")
     ap.add_argument("--turns", type=int, default=4, help="processes per checkout and model")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per process")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads) in every worker")
     ap.add_argument("--tiny", action="store_true", help="tiny models and blocks of 2 steps (a smoke run)")
     a = ap.parse_args(argv)
     models, levels = a.models.split(","), a.levels.split(",")
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for turn in range(a.turns):
             for side, checkout in (("before", a.before), ("after", a.after)):
                 for model in models:
-                    got = run_worker(checkout.resolve(), model, a.rounds, levels, a.tiny)
+                    got = run_worker(checkout.resolve(), model, a.rounds, levels, a.tiny, a.threads)
                     for level, ratios in got.items():
                         pooled.setdefault((model, level, side), []).extend(ratios)
                     print(f"turn {turn + 1}/{a.turns} {side} {model} done", file=sys.stderr)

@@ -67,6 +67,13 @@ def parse_args(argv=None):
         default=None,
         help="also the flight recorder: `full` with keep=N (issue 14's target: no more than `full`), not for nan",
     )
+    p.add_argument(
+        "--writer",
+        choices=("auto", "process", "thread"),
+        default=None,
+        help="record(writer=...) of every recorded block (default: gradstore's, 'auto': a child process writes "
+        "once 16 steps went to a database and a second CPU is there)",
+    )
     p.add_argument("--mlp-blocks", type=int, default=48, help="residual blocks of the mlp model (default 48)")
     p.add_argument("--mlp-width", type=int, default=128, help="width of the mlp model (default 128)")
     p.add_argument("--profile", default=None, help="instead of timing: cProfile of recorded steps of this model")
@@ -250,6 +257,22 @@ class Slot:
             self.rec = gradstore.record(run, db=str(tmp / f"{run}.db"), model=m.model, stats=level, **options)
             self.fn = self.rec(m.step)
 
+    def settle(self) -> None:
+        """Run untimed blocks until the recording is in its steady state: with writer='auto' (the default) the
+        writer hands its steps to a child process after gradstore.recording.offload.AUTO_AFTER steps, and the
+        child takes about 2 s of a core to start (it imports torch); that start is no part of a step's cost."""
+        if self.rec is None:
+            return
+        from gradstore.recording import offload
+        from gradstore.store.writer import writer_for
+
+        w = writer_for(self.rec.db)
+        while self.rec.options.writer == "auto" and w.submitted <= offload.AUTO_AFTER and w.sink is None:
+            self.run()
+        if w.sink is not None:
+            w.sink.ready(wait=True)
+            self.run()  # a block with the child writing, untimed
+
     def run(self) -> float:
         m, fn = self.m, self.fn
         if isinstance(m, NanStorm):
@@ -271,6 +294,9 @@ def interleave(slots: list[Slot], rounds: int, warmup: int, label: str) -> dict:
         times = {s.name: s.run() for s in slots}
         if r < warmup:
             log(f"{label} warm-up round {r + 1}/{warmup}")
+            if r == warmup - 1:
+                for s in slots:
+                    s.settle()
             continue
         base = times[slots[0].name]
         for s in slots:
@@ -292,6 +318,12 @@ def measure(a) -> dict:
     import torch
 
     results = {"args": {k: v for k, v in vars(a).items()}, "env": environment(), "models": {}, "runs": {}}
+    from gradstore.recording.options import default_writer
+
+    results["env"]["record(writer=...)"] = (
+        f"{a.writer or default_writer()!r} (steady state: the untimed warm-up lasts until a child writer, if any, "
+        "takes the steps)"
+    )
     with tempfile.TemporaryDirectory(prefix="gradstore-steady-") as tmp:
         tmp = Path(tmp)
         for name in a.models:
@@ -302,17 +334,18 @@ def measure(a) -> dict:
                 torch.set_num_threads(threads)
                 sub = tmp / f"{name}-{threads}"
                 sub.mkdir()
+                opts = {} if a.writer is None else {"writer": a.writer}
                 if name == "nan":
                     slots = [
                         Slot(m, "none", sub, k, 1.0, "none finite"),
                         Slot(m, "none", sub, k, float("nan"), "none NaN"),
-                        Slot(m, "full", sub, k, 1.0, "full finite"),
-                        Slot(m, "full", sub, k, float("nan"), "full NaN"),
+                        Slot(m, "full", sub, k, 1.0, "full finite", **opts),
+                        Slot(m, "full", sub, k, float("nan"), "full NaN", **opts),
                     ]
                 else:
-                    slots = [Slot(m, lv, sub, k) for lv in a.levels]
+                    slots = [Slot(m, lv, sub, k, **opts) for lv in a.levels]
                     if a.keep:  # the flight recorder: every step measured at full into the ring, summaries written
-                        slots.append(Slot(m, "full", sub, k, name=f"full keep={a.keep}", keep=a.keep))
+                        slots.append(Slot(m, "full", sub, k, name=f"full keep={a.keep}", keep=a.keep, **opts))
                 res = interleave(slots, a.rounds, a.warmup, f"{name} {threads}t")
                 if name == "nan":  # the target's figure: NaN over finite, both recorded, per round
                     nan, fin = res["full NaN"]["block_s"], res["full finite"]["block_s"]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..records import PARAM_STATUS, ROLE, NodeInfo
 from . import torch_private as tp
@@ -128,6 +128,19 @@ class Findings:
                 self._result = Result()
             self.facts = None  # what it was built from is not needed any more
         return self._result
+
+    def records(self) -> list:
+        """The step's PassRecords the findings read ([] once built)."""
+        return self.facts.records if self.facts is not None else []
+
+    def handover(self, records: list) -> StepFacts | None:
+        """The facts to build these findings from elsewhere (another process: `Findings(facts).result()` there),
+        with `records` (the same passes, their rows built as plain lists) in place of the noted ones; None when
+        they are built already, or the writer dropped the step's calls and tensors (nothing to build then)."""
+        f = self.facts
+        if f is None or self._result is not None or (f.dropped is not None and f.dropped()):
+            return None
+        return replace(f, records=records, dropped=None)
 
 
 class _Pass:

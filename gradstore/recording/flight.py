@@ -35,10 +35,10 @@ import pickle
 import statistics
 import zlib
 from collections import deque
-from dataclasses import fields, replace
+from dataclasses import replace
 
 from ..records import StepBatch
-from .rows import LazyRows
+from .rows import LazyRows, built_fields
 from .stats import ROW_COLUMNS
 
 SPIKE_WINDOW = 100  # steps whose total gradient norm make the running median
@@ -61,13 +61,6 @@ def total_norm(norms: list[tuple[str, float | None, int | None]]) -> float | Non
     if not norms or any(n is None for _, n, _ in norms):
         return None
     return math.sqrt(sum(n * n for _, n, _ in norms))
-
-
-def _built(record) -> dict:
-    """{field: list of rows} for every field of a PassRecord or StepBatch that holds a LazyRows (its rows built
-    now if they were not yet: a LazyRows holds its builder and a lock, which do not pickle); every field is looked
-    at, so a field added later is packed too."""
-    return {f.name: v.rows() for f in fields(record) if isinstance(v := getattr(record, f.name), LazyRows)}
 
 
 def packed(detail: StepBatch) -> bytes:
@@ -108,8 +101,8 @@ class Held:
         if b is None:
             return
         try:
-            passes = [replace(p, **_built(p)) for p in b.passes]
-            rows = _built(b)
+            passes = [replace(p, **built_fields(p)) for p in b.passes]
+            rows = built_fields(b)
             rows.update(passes=passes, values={}, param_norms=[], dump=None)  # values, norms: the summary's
             detail = replace(b, **rows)
             self._blob = packed(detail)

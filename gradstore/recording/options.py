@@ -7,10 +7,20 @@ Filters are applied before any reduction: a node that is not selected gets no ho
 from __future__ import annotations
 
 import fnmatch
+import os
 from dataclasses import dataclass, field
 
 from ..errors import RecordUsageError
 from .stats import LEVELS
+
+WRITER_MODES = ("auto", "process", "thread")  # record(writer=...): see gradstore.recording.offload
+
+
+def default_writer() -> str:
+    """The writer mode when record(writer=...) is not given: the environment variable GRADSTORE_WRITER, else
+    'auto' (checked where it is used, like the argument)."""
+    return os.environ.get("GRADSTORE_WRITER", "") or "auto"
+
 
 ON_FULL = ("wait", "drop")
 MAX_NUMEL = 4096  # record(values=...): the largest gradient whose elements are stored, by default
@@ -91,6 +101,7 @@ class Options:
     keep: int | None = None  # flight recorder: the last `keep` steps held in memory
     dump_on: tuple[str, ...] = ()
     spike_factor: float = SPIKE_FACTOR
+    writer: str = "auto"  # where the step's findings and SQL run: 'auto', 'process' or 'thread'
     # (key, module, param) -> (slice dim or None, slices matched, values matched), filled as nodes are seen
     _inside: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -116,6 +127,7 @@ class Options:
         keep=None,
         dump_on=None,
         spike_factor=None,
+        writer=None,
     ) -> Options:
         """Validate user arguments; raises RecordUsageError naming the argument and what it accepts."""
         if stats not in LEVELS:
@@ -171,6 +183,14 @@ class Options:
                 f"(a dict), got {on_nonfinite!r}"
             )
         dump_on, spike_factor = _flight(keep, dump_on, spike_factor, stats, every, steps)
+        given = writer is not None
+        writer = default_writer() if writer is None else writer
+        if writer not in WRITER_MODES:
+            where = "record(writer=...)" if given else "the environment variable GRADSTORE_WRITER"
+            raise RecordUsageError(
+                f"{where} is 'auto' (a child process writes once a recording is long enough and a second CPU is "
+                f"there), 'process' (always) or 'thread' (this process's writer thread), got {writer!r}"
+            )
         return cls(
             stats,
             every,
@@ -191,6 +211,7 @@ class Options:
             keep,
             dump_on,
             spike_factor,
+            writer,
         )
 
     @property

@@ -50,6 +50,7 @@ from .modules import (
     qualified_names,
     unwrap,
 )
+from .offload import maybe_offload
 from .options import Options
 from .passes import PassRecorder, StepState
 from .reaction import LastStep, Reaction, amp_skipped, first_nonfinite
@@ -223,6 +224,11 @@ class record:
             () for rec.dump() only).
         spike_factor: 'spike' fires when the total final gradient norm exceeds spike_factor (default 10) times
             the running median of the previous steps' totals.
+        writer: where each step's findings and SQL run (gradstore.recording.offload): 'thread' (this
+            process's writer thread), 'process' (a child process, from the first step), 'auto' (default; the
+            environment variable GRADSTORE_WRITER sets another): a child process once 16 steps went to the
+            database from this process and it may run on more CPUs than `torch.get_num_threads()`. The rows
+            are the same either way.
 
     The rank and world size come from `torch.distributed` when a process group is initialised, else from the
     environment torchrun sets (RANK, WORLD_SIZE; LOCAL_RANK, LOCAL_WORLD_SIZE), else (0, 1). A scope claims its
@@ -285,6 +291,7 @@ class record:
         keep: int | None = None,
         dump_on=None,
         spike_factor: float | None = None,
+        writer: str | None = None,
     ):
         if not isinstance(run, str) or not run.strip():
             raise RecordUsageError(f"record(run=...) needs a non-empty run name (a str), got {run!r}")
@@ -311,6 +318,7 @@ class record:
             keep=keep,
             dump_on=dump_on,
             spike_factor=spike_factor,
+            writer=writer,
         )
         self.run = run
         self.db = db
@@ -679,6 +687,7 @@ class record:
             written = "dumped" if dump is not None else "summary"
         else:
             batches = [batch]
+        maybe_offload(self._writer, self.options.writer)  # before the step: with 'process' the first goes there too
         for b in batches:
             self._writer.submit(b, on_full=self.options.on_full, max_rows=self.options.queue_rows)
         self.last_step = LastStep(batch, self.run, written, dump, grad_norm)
@@ -716,11 +725,11 @@ class record:
             dropped=lambda: batch.dropped > 0,
         )
         findings = Findings(facts)
-        batch.nodes = LazyRows.deferred(lambda: findings.result().nodes)
-        batch.param_names = LazyRows.deferred(lambda: findings.result().param_names)
-        batch.param_status = LazyRows.deferred(lambda: findings.result().param_status)
-        batch.module_calls = LazyRows.deferred(lambda: findings.result().module_calls)
-        batch.step_nodes = LazyRows.deferred(lambda: findings.result().step_nodes)
+        batch.nodes = LazyRows.deferred(lambda: findings.result().nodes, findings)
+        batch.param_names = LazyRows.deferred(lambda: findings.result().param_names, findings)
+        batch.param_status = LazyRows.deferred(lambda: findings.result().param_status, findings)
+        batch.module_calls = LazyRows.deferred(lambda: findings.result().module_calls, findings)
+        batch.step_nodes = LazyRows.deferred(lambda: findings.result().step_nodes, findings)
         self._lineage.push(self._step_number, records)
 
     # ---- called by intercept for every backward pass ---------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 
 from ..records import ROLE, NodeInfo
 from .stats import to_rows
@@ -26,20 +27,21 @@ class LazyRows(Sequence):
     Compares equal to a list with the same items. Thread-safe: concurrent first reads build once.
     """
 
-    __slots__ = ("_len", "_build", "_rows", "_lock", "fault")
+    __slots__ = ("_len", "_build", "_rows", "_lock", "fault", "source")
 
-    def __init__(self, length: int, build: Callable[[], list]):
+    def __init__(self, length: int, build: Callable[[], list], source: object = None):
         self._len = length
         self._build = build
         self._rows: list | None = None
         self._lock = threading.Lock()
         self.fault: str | None = None
+        self.source = source  # what `build` reads (a step's Findings), for a writer that builds it elsewhere
 
     @classmethod
-    def deferred(cls, build: Callable[[], list]) -> LazyRows:
+    def deferred(cls, build: Callable[[], list], source: object = None) -> LazyRows:
         """Rows whose number is not known before they are built: `len()` builds them (for the writer's side
-        tables, which the queue bound does not count)."""
-        return cls(-1, build)
+        tables, which the queue bound does not count). source: what `build` reads (the `source` attribute)."""
+        return cls(-1, build, source)
 
     @classmethod
     def of(cls, rows: list) -> LazyRows:
@@ -96,6 +98,13 @@ class LazyRows(Sequence):
         if self.built:
             return f"LazyRows({self.rows()!r})"
         return f"LazyRows(<{self._len if self._len >= 0 else 'some'} rows, not built yet>)"
+
+
+def built_fields(record) -> dict:
+    """{field: list of rows} for every field of a dataclass (a PassRecord, a StepBatch) that holds a LazyRows,
+    its rows built now if they were not yet (a LazyRows holds its builder and a lock, which do not pickle);
+    every field is looked at, so a field added later is covered too."""
+    return {f.name: v.rows() for f in fields(record) if isinstance(v := getattr(record, f.name), LazyRows)}
 
 
 def tensor_rows(measured: list, infos: list[NodeInfo], param_keys: list[str], rows: list | None = None) -> list:

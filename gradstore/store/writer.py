@@ -18,6 +18,13 @@ the WAL (PASSIVE: it never waits for a reader) at most that often once steps wer
 checkpoint, so the database file itself holds every step committed more than about one interval ago (SQLite's
 own checkpoint at WAL_AUTOCHECKPOINT_PAGES pages bounds it by size as well). Both run on the writer thread,
 between steps: nothing is added to a training step or a hook.
+
+A writer can hand its steps to a sink in another process (`offload`; gradstore.recording.offload starts one: the
+step's findings and its SQL then run there, beside training rather than on its interpreter). The writer thread
+stays the one queue: it sends a step, waits for the sink to say it is written (or why not), and only then takes
+the next item, so `flush`, the queue bound, the order of claims and run statuses, and `errors` mean what they
+mean without one. A sink that goes away (its process died) is dropped and the step is written here instead; a
+step it declines (one that cannot be sent) is written here too.
 """
 
 from __future__ import annotations
@@ -94,6 +101,23 @@ _CHUNK = 500  # keys per IN (...) list
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
 
 
+class OffloadLost(Exception):
+    """The sink's process is gone (or never came up): the writer drops the sink and writes the step itself."""
+
+
+class OffloadDeclined(Exception):
+    """The sink cannot take this step (it cannot be sent): the writer writes it itself and keeps the sink."""
+
+
+class OffloadFailed(Exception):
+    """The sink tried to write the step and could not; `detail` is the failure as the writer reports it
+    ('OperationalError: ...'); `retries`: the transient failures it tried again before that."""
+
+    def __init__(self, detail: str, retries: int = 0):
+        super().__init__(detail)
+        self.detail, self.retries = detail, retries
+
+
 def _insert_ignore(engine: Engine, table, index_elements):
     """INSERT that skips rows conflicting on `index_elements` (SQLite and PostgreSQL)."""
     if engine.dialect.name == "postgresql":
@@ -106,7 +130,9 @@ def _insert_ignore(engine: Engine, table, index_elements):
 class Writer:
     """Owns the write side of one database (SQLite path or URL). Thread-safe `submit`, `flush`, `close`."""
 
-    def __init__(self, db):
+    def __init__(self, db, thread: bool = True):
+        """Open `db` for writing (schema ensured). thread=False: no writer thread; the caller calls `write_step`
+        itself (a sink's process). Raises GradstoreError naming the database when it cannot be written."""
         self.db = db
         self.pid = os.getpid()
         self.engine = make_engine(db, immediate=True)
@@ -119,6 +145,10 @@ class Writer:
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         self.rows_written = 0
+        self.submitted = 0  # steps handed to submit by this process
+        self._sink = None  # where steps go instead of this thread's connection (see `offload`); writer thread's
+        self._sink_next: tuple | None = None  # (sink or None,) given to `offload`, not yet taken up
+        self.offload_lost: str | None = None  # why the last sink went away, if one did
         self._node_ids: dict[int, dict[str, int]] = {}  # run id -> node key -> nodes.id
         self._edges: set[tuple] = set()  # (run_id, (src key, src_slot, dst key, dst_slot)) already stored
         self._param_names: set[tuple] = set()  # (run_id, name) already stored
@@ -227,7 +257,10 @@ class Writer:
         mark = "%s" if self._pg else "?"
         self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread.start()
+        else:
+            self._closed = True
 
     def _after_fork_in_child(self) -> None:
         """Make an inherited writer this process's own: the parent's pending steps stay the parent's, its
@@ -249,6 +282,12 @@ class Writer:
         self._lost = set()
         self._unchecked = False
         self._cond = threading.Condition()
+        change, self._sink_next = self._sink_next, None
+        sink, self._sink = self._sink, None  # the parent's: its pipes are closed here, its process left alone
+        for held in (sink, change[0] if change else None):
+            if held is not None:
+                held.abandon()
+        self.submitted = 0
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
 
     def _probe_write(self) -> None:
@@ -301,7 +340,40 @@ class Writer:
                     batch.waited = time.perf_counter() - t0
             self._pending.append(batch)
             self._pending_rows += n
+            self.submitted += 1
             self._cond.notify_all()
+
+    def offload(self, sink) -> None:
+        """Send the steps taken from the queue from now on to `sink`, None: write them here again. The sink's
+        `ready() -> bool` says (without waiting) whether it takes steps yet: until then they are written here;
+        `write(batch) -> retries` writes one step elsewhere, raising OffloadLost, OffloadDeclined or
+        OffloadFailed; `close(timeout=seconds)` ends it after the last step; `abandon()` forgets it in a forked
+        child. Claims, run statuses and checkpoints stay here."""
+        with self._cond:
+            self._sink_next = (sink,)  # taken up by the writer thread between two items: no step is cut in two
+            self._running()
+            self._cond.notify_all()
+
+    @property
+    def offloaded(self) -> bool:
+        """True while a sink takes this writer's steps (or is about to)."""
+        return self.sink is not None
+
+    @property
+    def sink(self):
+        """The sink taking this writer's steps (the one `offload` was given last; None: this process writes
+        them)."""
+        change = self._sink_next
+        return change[0] if change is not None else self._sink
+
+    def _take_sink(self) -> None:
+        """On the writer thread, between items: put the sink `offload` was given in place (closing the old one)."""
+        with self._cond:
+            change, self._sink_next = self._sink_next, None
+        if change is not None and change[0] is not self._sink:
+            old, self._sink = self._sink, change[0]
+            if old is not None:
+                old.close()
 
     def set_run_status(self, run_id: int, status: str, at: float) -> None:
         """Queue an update of a run's status (end of a scope whose last step was not sampled)."""
@@ -364,7 +436,16 @@ class Writer:
             self._cond.notify_all()
         if self._thread.ident is not None:
             self._thread.join(timeout=60)
+        self._close_sink()
         self.engine.dispose()
+
+    def _close_sink(self) -> None:
+        """Close the sink (the writer thread has stopped, or the process is ending after a flush)."""
+        with self._cond:
+            change, self._sink_next = self._sink_next, None
+            sink, self._sink = self._sink, None
+        for held in {id(x): x for x in (sink, change[0] if change else None) if x is not None}.values():
+            held.close()
 
     # ---- the writer thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -379,10 +460,17 @@ class Writer:
                     return
                 item = self._pending.popleft() if self._pending else None
                 self._busy = True
+            sent = False
+            if self._sink_next is not None:
+                self._take_sink()
+            if item is not None and not isinstance(item, tuple) and self._sink is not None:
+                sent = self._send(item)  # outside _io: this process's driver is not used
             self._io.acquire()  # a fork waits for it (see _before_fork): SQLite's mutexes are not fork-safe
             try:
-                if item is None:
-                    pass  # time for a heartbeat or a checkpoint (below)
+                if item is None or sent is True:
+                    pass  # time for a heartbeat or a checkpoint (below); or the sink wrote the step
+                elif isinstance(sent, OffloadFailed):
+                    raise sent
                 elif isinstance(item, tuple):
                     write = self._write_release if item[0] == "release" else self._write_run_status
                     self._retrying(write, item)
@@ -390,7 +478,8 @@ class Writer:
                     self._retrying(self.write, item)
                     self._unchecked = not self._pg
             except Exception as exc:
-                msg = f"step {getattr(item, 'step', '?')}: {type(exc).__name__}: {exc}"
+                detail = exc.detail if isinstance(exc, OffloadFailed) else f"{type(exc).__name__}: {exc}"
+                msg = f"step {getattr(item, 'step', '?')}: {detail}"
                 self.errors.append(msg)
                 warnings.warn(f"gradstore: could not write to {self.db}: {msg}", RuntimeWarning, stacklevel=1)
             finally:
@@ -403,6 +492,41 @@ class Writer:
                     if item is not None and not isinstance(item, tuple):
                         self._pending_rows -= item.rows()
                     self._cond.notify_all()
+
+    def _send(self, item: StepBatch):
+        """Hand a step to the sink: True when it is written, an OffloadFailed when the sink could not write it,
+        False when it is to be written here (declined, or the sink is gone: then it is dropped, with a warning)."""
+        sink = self._sink
+        try:
+            if not sink.ready():
+                return False  # still starting: written here meanwhile
+            self.retries += sink.write(item)
+            self._unchecked = not self._pg
+            return True
+        except OffloadFailed as exc:
+            self.retries += exc.retries
+            return exc
+        except OffloadDeclined:
+            return False
+        except Exception as exc:  # OffloadLost; anything else from the sink is a fault of it: the same
+            self.offload_lost = str(exc) if isinstance(exc, OffloadLost) else f"{type(exc).__name__}: {exc}"
+            with self._cond:
+                if self._sink is sink:
+                    self._sink = None
+            sink.close(timeout=5.0)  # a child that stopped answering is not waited for long
+            warnings.warn(
+                f"gradstore: the process writing to {self.db} went away ({self.offload_lost}); this process writes "
+                "its steps again, from step " + str(getattr(item, "step", "?")),
+                RuntimeWarning,
+                stacklevel=1,
+            )
+            return False
+
+    def write_step(self, b: StepBatch) -> None:
+        """`write`, tried again whole after a transient failure (SQLite busy, a PostgreSQL deadlock); the
+        writer thread's way of writing a step, for a caller without one (Writer(db, thread=False)).
+        Raises what the last try raised (sqlalchemy.exc.DBAPIError, or a recorder fault's exception)."""
+        self._retrying(self.write, b)
 
     def _idle_wait(self) -> float | None:
         """Seconds until the next heartbeat or checkpoint is due (call with _cond held); None: nothing is due."""
@@ -958,6 +1082,7 @@ def _flush_all() -> None:
             if w.pid == os.getpid():
                 w.release_all()  # the decorator's claims are held until the process ends
                 w.flush()
+                w._close_sink()  # its process closes its connection: the WAL folds back into the .db file
                 w.engine.dispose()
         except Exception:
             pass

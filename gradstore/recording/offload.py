@@ -1,0 +1,394 @@
+"""The writer's step work in a child process (`record(writer=...)`): the step's findings and its SQL run there.
+
+On a machine with a spare core, the writer thread's Python work (the step's findings, the rows of the side
+tables, SQLAlchemy and sqlite3 around every insert) competes with training for the GIL: every torch call
+that returns to Python waits for it while the writer holds it. A `ProcessSink` moves that work into a child
+process (a fresh interpreter running `main`, started with `subprocess`, so nothing of the training process,
+CUDA included, is forked), which writes to the same database with its own `gradstore.store.writer.Writer`:
+
+- the training process's writer thread builds each pass's rows (they are read from what the hooks noted) and
+  pickles the step, with what its findings are built from (`gradstore.recording.findings.StepFacts`) rather
+  than the findings themselves, writes it to a pipe and waits for the child's answer: written, or the error
+  the writer reports as before (`Writer.errors`, a RuntimeWarning); warnings raised in the child (a recorder
+  fault while building findings) are raised again in this process;
+- the child builds the findings and writes the step in one transaction, tried again on a transient failure,
+  exactly as the writer thread would;
+- claims, run statuses and WAL checkpoints stay on this process's writer thread, in queue order;
+- until the child has started (about 2 s of one core: it imports torch, which the findings' module needs),
+  the writer thread writes the steps itself: no step waits for the start.
+
+If the child cannot start or goes away, the writer warns once and writes the step (and every later one)
+itself: nothing is lost. A step the child committed just before it died would then be written twice and the
+second attempt fails on the steps table's unique key (reported like any failed write).
+
+Modes: 'thread' (never), 'process' (from the first step), 'auto' (the default; the environment variable
+GRADSTORE_WRITER sets another default): after AUTO_AFTER steps into the database on this process's writer
+thread, when this process may run on more CPUs (`os.sched_getaffinity`) than torch's intra-op threads
+keep busy (`torch.get_num_threads()`: a CPU is free for the child) and the platform has POSIX pipes. Where
+torch uses every CPU the child would take one from training: on 2 cores with 2 torch threads the small CNN of
+benchmarks/steady.py cost 1.74x recorded at 'full' with a child against 1.45x with the writer thread (medians
+of 9 interleaved rounds in one process, a hand measurement). A short recording never pays for the child's start
+or its memory (about 250 MB resident).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+
+from ..records import NodeInfo, StepBatch
+from ..store.writer import OffloadDeclined, OffloadFailed, OffloadLost, Writer
+from .findings import Findings
+from .rows import LazyRows, built_fields
+
+AUTO_AFTER = 16  # steps a writer takes on its own thread before 'auto' moves the rest to a child process
+START_TIMEOUT_S = 120.0  # for the child to import gradstore and open the database
+STEP_TIMEOUT_S = 900.0  # for one step's answer (a SQLite busy wait and its retries fit well inside)
+_FINDINGS_FIELDS = ("nodes", "param_names", "param_status", "module_calls", "step_nodes")
+_LEN = struct.Struct("<Q")
+
+
+def spare_cpus() -> int:
+    """CPUs this process may run on (`os.sched_getaffinity`; `os.cpu_count()` where that is missing)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def torch_threads() -> int:
+    """The threads of torch's intra-op pool (`torch.get_num_threads`): the CPUs training keeps busy."""
+    return torch.get_num_threads()
+
+
+def maybe_offload(writer: Writer, mode: str) -> None:
+    """Give `writer` a ProcessSink when `mode` asks for one now ('process'; 'auto' once the writer has taken
+    AUTO_AFTER steps and this process may run on more CPUs than torch's intra-op threads), and take it back
+    for 'thread'; called before each step is
+    submitted. Never raises: a child that cannot be started is warned about once and the writer keeps
+    writing on its thread."""
+    if mode == "thread":
+        if writer.offloaded:
+            writer.offload(None)  # the child finishes what it was given, then ends
+        return
+    if writer.offloaded or writer.offload_lost is not None or os.name != "posix":
+        return
+    if mode == "auto" and (writer.submitted < AUTO_AFTER or spare_cpus() <= torch_threads()):
+        return  # without a CPU torch leaves free the child would take one from training
+    try:
+        sink = ProcessSink(writer.db)
+    except Exception as exc:
+        writer.offload_lost = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"gradstore: could not start a process to write to {writer.db} ({writer.offload_lost}); this "
+            "process's writer thread writes the steps",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    writer.offload(sink)
+
+
+def _nodes_fields(record) -> list[str]:
+    """The fields of a PassRecord or StepBatch holding a list of NodeInfo."""
+    return [
+        f.name
+        for f in fields(record)
+        if (v := getattr(record, f.name)) and isinstance(v, list) and isinstance(v[0], NodeInfo)
+    ]
+
+
+class Nodes:
+    """NodeInfo sent once: each side keeps key -> NodeInfo, and a node the child holds already (the same
+    object, or an equal one) goes as its key alone (pickling a NodeInfo takes about 2 µs and loading it 3: 925
+    of them a step on benchmarks/steady.py's `mlp` at stats='shape'). The child forgets nothing unless the
+    sender says so (`reset`), so every key it is sent is one it holds."""
+
+    LIMIT = 1_000_000  # keys held before both sides start again
+
+    def __init__(self):
+        self.known: dict[str, NodeInfo] = {}
+        self._reset = False
+
+    def forget(self) -> None:
+        """Start again: nothing is taken as held, and the next message tells the receiver to forget too (after a
+        message that may not have arrived whole, or an error)."""
+        self.known, self._reset = {}, True
+
+    def encode(self, records: list) -> tuple[list[list[str]], bool]:
+        """Replace, in each record (a PassRecord or StepBatch copy), every list of NodeInfo by one where a
+        node the receiver holds is its key. Returns (per record, the fields replaced; whether the receiver is
+        to forget what it holds first)."""
+        reset, self._reset = self._reset or len(self.known) > self.LIMIT, False
+        if reset:
+            self.known = {}
+        known, specs = self.known, []
+        for record in records:
+            names = _nodes_fields(record)
+            for name in names:
+                items = []
+                for n in getattr(record, name):
+                    k = n.key
+                    held = known.get(k)
+                    if held is n or (held is not None and held == n):
+                        items.append(k)
+                    else:
+                        known[k] = n
+                        items.append(n)
+                setattr(record, name, items)
+            specs.append(names)
+        return specs, reset
+
+    def decode(self, records: list, specs: list[list[str]], reset: bool) -> None:
+        """Undo `encode` on the received records (the same ones, in the same order)."""
+        if reset:
+            self.known = {}
+        known = self.known
+        for record, names in zip(records, specs):
+            for name in names:
+                out = []
+                for x in getattr(record, name):
+                    if x.__class__ is str:
+                        out.append(known[x])
+                    else:
+                        known[x.key] = x
+                        out.append(x)
+                setattr(record, name, out)
+
+
+def _records(batch: StepBatch, facts) -> list:
+    """The batch and every PassRecord it or its facts hold, each once, in one order on both sides."""
+    out, seen = [batch], set()
+    for r in [*batch.passes, *(facts.records if facts is not None else ())]:
+        if id(r) not in seen:
+            seen.add(id(r))
+            out.append(r)
+    return out
+
+
+def detached(batch: StepBatch) -> tuple[StepBatch, object | None]:
+    """(the step with every row built as a plain list, the StepFacts its findings are built from or None).
+
+    The findings' five fields (nodes, param_names, param_status, module_calls, step_nodes) are left empty
+    and their facts returned when they are the step's own, unbuilt findings (LazyRows whose `source` is one
+    Findings); otherwise (a flight-recorder summary, findings already built, a dropped step) they are built
+    here and the facts are None. Every field of the result pickles."""
+    passes = {id(p): replace(p, **built_fields(p)) for p in batch.passes}
+    sources = {getattr(getattr(batch, name), "source", None) for name in _FINDINGS_FIELDS}
+    source = sources.pop() if len(sources) == 1 else None
+    facts = None
+    if isinstance(source, Findings) and all(
+        isinstance(v := getattr(batch, name), LazyRows) and not v.built for name in _FINDINGS_FIELDS
+    ):
+        facts = source.handover([passes.get(id(r)) or replace(r, **built_fields(r)) for r in source.records()])
+    rows = {}
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if facts is not None and f.name in _FINDINGS_FIELDS:
+            rows[f.name] = []
+        elif isinstance(value, LazyRows):
+            rows[f.name] = value.rows()
+    rows["passes"] = [passes[id(p)] for p in batch.passes]
+    return replace(batch, **rows), facts
+
+
+# ---- the pipe: length-prefixed bytes -----------------------------------------------------------------------
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(_LEN.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    """n bytes from fd; None at end of file (the other side closed). Raises TimeoutError past `deadline`."""
+    parts, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError("no answer in time")
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _read_message(fd: int, deadline: float | None = None) -> bytes | None:
+    head = _read_exact(fd, _LEN.size, deadline)
+    if head is None:
+        return None
+    return _read_exact(fd, _LEN.unpack(head)[0], deadline)
+
+
+class ProcessSink:
+    """A child process that writes steps to `db` (see the module docstring); the sink a Writer's `offload`
+    takes. Started at once; `write` waits for it to be ready the first time.
+
+    Raises OSError (subprocess) when the child cannot be started."""
+
+    def __init__(self, db):
+        self.db = db
+        to_child, self._to = os.pipe()
+        self._from, from_child = os.pipe()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding this gradstore package
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", f"from gradstore.recording.offload import main; main({to_child}, {from_child})"],
+                pass_fds=(to_child, from_child),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            for fd in (self._to, self._from):
+                os.close(fd)
+            raise
+        finally:
+            os.close(to_child)
+            os.close(from_child)
+        self._ready = False
+        self.written = 0  # steps the child wrote
+        self._started = time.monotonic()
+        self._nodes = Nodes()
+        _write_all(self._to, pickle.dumps(("open", db)))
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self.proc.pid
+
+    def _answer(self, timeout: float):
+        try:
+            data = _read_message(self._from, time.monotonic() + timeout)
+        except (OSError, TimeoutError) as exc:
+            raise OffloadLost(f"its process did not answer: {exc}") from None
+        if data is None:
+            raise OffloadLost(f"its process ended (exit code {self.proc.poll()})")
+        return pickle.loads(data)
+
+    def ready(self, wait: bool = False) -> bool:
+        """True once the child has opened the database (it imports torch and gradstore first: about 2 s).
+        wait=False looks without waiting: until then the writer thread writes the steps itself, so a step is
+        never held up by the child's start. Raises OffloadLost when the child failed to start, or is not up
+        START_TIMEOUT_S after it was started."""
+        if self._ready:
+            return True
+        late = time.monotonic() - self._started > START_TIMEOUT_S
+        if not wait and not late and not select.select([self._from], [], [], 0)[0]:
+            return False
+        status, detail = self._answer(max(START_TIMEOUT_S - (time.monotonic() - self._started), 0.001))
+        if status != "ready":
+            raise OffloadLost(detail)
+        self._ready = True
+        return True
+
+    def write(self, batch: StepBatch) -> int:
+        """Write one step in the child; returns the transient failures it retried. Raises OffloadLost (the
+        child is gone or silent), OffloadDeclined (the step cannot be pickled) or OffloadFailed (the child
+        could not write it: the error as the writer reports it)."""
+        if not self._ready and not self.ready(wait=True):
+            raise OffloadDeclined("its process is still starting")
+        try:
+            plain, facts = detached(batch)
+            specs, reset = self._nodes.encode(_records(plain, facts))
+            data = pickle.dumps((reset, specs, plain, facts), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            self._nodes.forget()  # encode may have taken nodes as sent that never will be
+            raise OffloadDeclined(f"{type(exc).__name__}: {exc}") from None
+        try:
+            _write_all(self._to, data)
+        except OSError as exc:
+            raise OffloadLost(f"its process ended ({exc})") from None
+        status, retries, detail, caught = self._answer(STEP_TIMEOUT_S)
+        for category, message in caught:
+            warnings.warn(message, category, stacklevel=1)
+        if status != "ok":
+            self._nodes.forget()  # the child may have stopped before it held this message's nodes
+            raise OffloadFailed(detail, retries)
+        self.written += 1
+        return retries
+
+    def close(self, timeout: float = 60.0) -> None:
+        """End the child after what it was given (it closes its connection), waiting up to `timeout` s; a child
+        still starting was given nothing and is stopped at once."""
+        self.abandon()
+        if not self._ready and self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def abandon(self) -> None:
+        """Close this process's ends of the pipes (a forked child of the training process: the child writer
+        is its parent's; at end of file it finishes and exits)."""
+        for name in ("_to", "_from"):
+            fd = getattr(self, name)
+            if fd is not None:
+                setattr(self, name, None)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def main(rfd: int, wfd: int) -> None:
+    """The child: open the database named by the first message, then write each step it is sent and answer
+    (status, retries, error text or None, [(warning category, message)]) until the pipe closes (the parent
+    closed it, or ended: the child then ends quietly)."""
+
+    def answer(obj) -> None:
+        _write_all(wfd, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        first = _read_message(rfd)
+        if first is None:
+            return
+        _, db = pickle.loads(first)
+        try:
+            writer = Writer(db, thread=False)
+        except Exception as exc:
+            answer(("error", f"{type(exc).__name__}: {exc}"))
+            return
+        try:
+            answer(("ready", None))
+            _serve(writer, rfd, answer)
+        finally:
+            writer.engine.dispose()
+    except BrokenPipeError:
+        return  # the parent is gone; what it sent was answered
+
+
+def _serve(writer: Writer, rfd: int, answer) -> None:
+    nodes = Nodes()
+    while (data := _read_message(rfd)) is not None:
+        before = writer.retries
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                reset, specs, batch, facts = pickle.loads(data)
+                nodes.decode(_records(batch, facts), specs, reset)
+                if facts is not None:
+                    result = Findings(facts).result()
+                    for name in _FINDINGS_FIELDS:
+                        setattr(batch, name, getattr(result, name))
+                writer.write_step(batch)
+                status, detail = "ok", None
+            except Exception as exc:
+                status, detail = "error", f"{type(exc).__name__}: {exc}"
+        answer((status, writer.retries - before, detail, [(w.category, str(w.message)) for w in caught]))

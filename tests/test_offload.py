@@ -1,0 +1,431 @@
+"""record(writer=...): a child process builds each step's findings and writes its rows
+(gradstore.recording.offload). The database it writes must hold what the writer thread writes, row for row;
+training must not see it (gradients bit for bit); a child that dies or cannot write loses nothing."""
+
+import multiprocessing as mp
+import os
+import signal
+import sqlite3
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradstore
+from gradstore.errors import RecordUsageError
+from gradstore.recording import offload
+from gradstore.records import NodeInfo, StepBatch
+from gradstore.store.writer import OffloadDeclined, writer_for
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="the child process talks over POSIX pipes")
+
+# columns that hold times, process ids or host names: they differ between any two runs
+_CLOCK = {"started_at", "ended_at", "duration", "setup", "finish", "start_ns", "duration_ns", "created_at"}
+_CLOCK |= {"finished_at", "heartbeat", "pid", "host", "taken_at", "since", "seen_at", "meta"}
+
+
+class Net(nn.Module):
+    """Modules that run, one that never runs ('not used'), a frozen parameter, and a branch no loss reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 2)
+        self.side = nn.Linear(8, 3)  # runs; its output is not used by the loss (unreachable)
+        self.unused = nn.Linear(2, 2)  # never runs
+        self.b.bias.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        self.side(h)
+        return self.b(h).pow(2).sum()
+
+
+def _child_up(db) -> None:
+    """Wait until the writer's child process takes steps (until then the writer thread writes them)."""
+    assert writer_for(db).sink.ready(wait=True)
+
+
+def _train(db, level, writer, steps=5, nan_at=None):
+    """`steps` recorded SGD steps of Net (seeded); returns the parameters after them. At step `nan_at` the
+    input holds a NaN (a non-finite step). writer='process': the steps after the first wait for the child."""
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+
+    def step(x):
+        loss = m(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    fn = step if db is None else gradstore.record("r", db=db, model=m, stats=level, writer=writer)(step)
+    for i in range(steps):
+        x = torch.randn(3, 4, generator=gen)
+        if i == nan_at:
+            x[0, 0] = float("nan")
+        fn(x)
+        if i == 0 and writer == "process":
+            _child_up(db)
+    if db is not None:
+        writer_for(db).flush()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def _tables(path) -> dict:
+    """{table: sorted rows without clock columns} of a SQLite database (claims left out: they are live)."""
+    con = sqlite3.connect(path)
+    out = {}
+    for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name != 'claims'"):
+        cols = [r[1] for r in con.execute(f"PRAGMA table_info({table})") if r[1] not in _CLOCK]
+        out[table] = sorted(con.execute(f"SELECT {', '.join(cols)} FROM {table}").fetchall(), key=repr)
+    con.close()
+    return out
+
+
+@pytest.mark.parametrize("level", ["full", "shape", "params", "health"])
+def test_a_child_process_writes_the_rows_the_writer_thread_writes(tmp_path, level):
+    plain = _train(None, level, None, nan_at=3)
+    by_thread = _train(str(tmp_path / "thread.db"), level, "thread", nan_at=3)
+    db = str(tmp_path / "process.db")
+    by_process = _train(db, level, "process", nan_at=3)
+    w = writer_for(db)
+    assert w.offloaded and w.sink.pid != os.getpid() and w.sink.proc.poll() is None
+    assert w.sink.written == 4  # the child wrote every step after the first (which it was starting up for)
+    assert writer_for(str(tmp_path / "thread.db")).sink is None
+    for p, q, r in zip(plain, by_thread, by_process):  # recording either way changes no parameter, bit for bit
+        assert torch.equal(p.view(torch.int32), q.view(torch.int32))
+        assert torch.equal(p.view(torch.int32), r.view(torch.int32))
+    thread, process = _tables(tmp_path / "thread.db"), _tables(db)
+    assert thread.keys() == process.keys()
+    for table in thread:
+        assert thread[table] == process[table], table
+    assert len(process["steps"]) == 5
+    assert len(process["param_status"]) == 5 * 8  # four Linear modules: eight parameters, a row each per step
+    statuses = dict(sqlite3.connect(db).execute("SELECT id, name FROM param_statuses").fetchall())
+    got = {
+        statuses[s]
+        for (s,) in sqlite3.connect(db).execute(
+            "SELECT ps.status FROM param_status ps JOIN nodes n ON n.id = ps.node_id WHERE n.param = 'unused.weight'"
+        )
+    }
+    assert got == {"not used"}
+
+
+def test_training_with_a_child_writer_leaves_gradients_as_they_are(tmp_path):
+    """Each step's .grad, read inside the step after backward, is bit for bit the plain step's."""
+    seen = {}
+    for mode in (None, "process"):
+        torch.manual_seed(0)
+        m = Net()
+        grads = seen[mode] = []
+
+        def step(x, m=m, grads=grads):
+            m(x).backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
+            m.zero_grad()
+
+        fn = step if mode is None else gradstore.record("g", db=str(tmp_path / "g.db"), model=m, writer=mode)(step)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(4):
+            fn(torch.randn(5, 4, generator=gen))
+    for a, b in zip(seen[None], seen["process"]):
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_a_child_that_dies_hands_the_steps_back_and_nothing_is_lost(tmp_path):
+    db = str(tmp_path / "die.db")
+    torch.manual_seed(0)
+    m = Net()
+    rec = gradstore.record("die", db=db, model=m, stats="shape", writer="process")
+
+    @rec
+    def step(x):
+        m(x).backward()
+        m.zero_grad()
+
+    step(torch.randn(2, 4))
+    _child_up(db)
+    for _ in range(2):
+        step(torch.randn(2, 4))
+    w = writer_for(db)
+    w.flush()
+    assert w.sink.written == 2
+    child = w.sink.proc
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            step(torch.randn(2, 4))  # training goes on; no exception reaches it
+        w.flush()
+    assert any("went away" in str(c.message) for c in caught), [str(c.message) for c in caught]
+    assert w.sink is None and w.offload_lost and w.errors == []
+    steps = [r[0] for r in sqlite3.connect(db).execute("SELECT step FROM steps ORDER BY step")]
+    assert steps == list(range(6))
+    step(torch.randn(2, 4))  # a lost child is not started again
+    w.flush()
+    assert w.sink is None
+
+
+def test_a_step_the_child_cannot_write_is_reported_as_the_writer_thread_reports_it(tmp_path):
+    reports = {}
+    for mode in ("thread", "process"):
+        db = str(tmp_path / f"{mode}.db")
+        torch.manual_seed(0)
+        m = Net()
+        rec = gradstore.record("fail", db=db, model=m, writer=mode)
+
+        @rec
+        def step(x, m=m):
+            m(x).backward()
+            m.zero_grad()
+
+        step(torch.randn(2, 4))
+        w = writer_for(db)
+        w.flush()
+        if mode == "process":
+            _child_up(db)
+        con = sqlite3.connect(db)
+        con.execute("DROP TABLE module_calls")  # every later step's insert into it fails
+        con.commit()
+        con.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(torch.randn(2, 4))
+            w.flush()
+        assert len(w.errors) == 1
+        assert any("could not write" in str(c.message) for c in caught)
+        reports[mode] = w.errors[0]
+        assert [r[0] for r in sqlite3.connect(db).execute("SELECT step FROM steps")] == [0]  # step 1 rolled back
+    assert "no such table: module_calls" in reports["process"]
+    # the statement's text differs (each writer's own cached statement), the error's kind and reason do not
+    assert reports["thread"].split(" [SQL")[0] == reports["process"].split(" [SQL")[0]
+
+
+def test_auto_moves_the_writing_to_a_child_after_some_steps_with_a_cpu_torch_leaves_free(tmp_path, monkeypatch):
+    monkeypatch.setattr(offload, "AUTO_AFTER", 3)
+    for cpus, threads, expect in ((2, 1, True), (1, 1, False), (2, 2, False), (8, 4, True)):
+        monkeypatch.setattr(offload, "spare_cpus", lambda n=cpus: n)
+        monkeypatch.setattr(offload, "torch_threads", lambda n=threads: n)
+        db = str(tmp_path / f"auto{cpus}-{threads}.db")
+        m = Net()
+        rec = gradstore.record("auto", db=db, model=m)  # writer= not given: 'auto'
+        seen = []
+
+        @rec
+        def step(x, m=m):
+            m(x).backward()
+            m.zero_grad()
+
+        for _ in range(5):
+            step(torch.randn(2, 4))
+            seen.append(writer_for(db).offloaded)
+        writer_for(db).flush()
+        assert seen == [False, False, False, expect, expect]  # decided before each step: the 4th goes there
+        assert sqlite3.connect(db).execute("SELECT count(*) FROM steps").fetchone()[0] == 5
+
+
+def test_thread_after_process_ends_the_child(tmp_path):
+    db = str(tmp_path / "back.db")
+    m = Net()
+
+    def step(x):
+        m(x).backward()
+        m.zero_grad()
+
+    a = gradstore.record("a", db=db, model=m, writer="process")(step)
+    a(torch.randn(2, 4))
+    _child_up(db)
+    a(torch.randn(2, 4))
+    w = writer_for(db)
+    w.flush()
+    assert w.sink.written == 1
+    child = w.sink.proc
+    gradstore.record("b", db=db, model=m, writer="thread")(step)(torch.randn(2, 4))
+    w.flush()
+    assert w.sink is None and child.wait(timeout=60) == 0
+    runs = sqlite3.connect(db).execute(
+        "SELECT r.name, count(s.id) FROM runs r JOIN steps s ON s.run_id = r.id GROUP BY r.name"
+    )
+    assert dict(runs.fetchall()) == {"a": 2, "b": 1}
+
+
+def test_the_writer_option_names_its_values(monkeypatch):
+    with pytest.raises(RecordUsageError, match="'auto'.*'process'.*'thread'.*got 'fork'"):
+        gradstore.record("x", writer="fork")
+    monkeypatch.setenv("GRADSTORE_WRITER", "always")
+    with pytest.raises(RecordUsageError, match="GRADSTORE_WRITER.*got 'always'"):
+        gradstore.record("x")
+    monkeypatch.setenv("GRADSTORE_WRITER", "thread")
+    assert gradstore.record("x").options.writer == "thread"
+
+
+def _record_in_fork(db, q):
+    try:
+        m = Net()
+
+        @gradstore.record("child", db=db, model=m, writer="thread")
+        def step(x):
+            m(x).backward()
+
+        step(torch.randn(2, 4))
+        writer_for(db).flush()
+        q.put(("ok", writer_for(db).sink is None))
+    except Exception as exc:  # pragma: no cover - reported to the parent
+        q.put(("error", repr(exc)))
+
+
+def test_a_forked_child_leaves_the_parents_writer_process_alone(tmp_path):
+    db = str(tmp_path / "fork.db")
+    m = Net()
+
+    def step(x):
+        m(x).backward()
+        m.zero_grad()
+
+    rec = gradstore.record("parent", db=db, model=m, writer="process")
+    rec(step)(torch.randn(2, 4))
+    w = writer_for(db)
+    w.flush()
+    _child_up(db)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_record_in_fork, args=(db, q))
+    p.start()
+    assert q.get(timeout=120) == ("ok", True)
+    p.join(timeout=60)
+    assert p.exitcode == 0
+    rec(step)(torch.randn(2, 4))  # the parent's child still writes (the fork closed only its own copies)
+    w.flush()
+    assert w.sink is not None and w.sink.proc.poll() is None and w.sink.written == 1
+    runs = sqlite3.connect(db).execute(
+        "SELECT r.name, count(s.id) FROM runs r JOIN steps s ON s.run_id = r.id GROUP BY r.name"
+    )
+    assert dict(runs.fetchall()) == {"parent": 2, "child": 1}
+
+
+def test_nodes_go_once_and_come_back_as_they_were():
+    a = NodeInfo("m/AddBackward0#0", "AddBackward0", "function", "m", None)
+    b = NodeInfo("param:m.w", "AccumulateGrad", "accumulate_grad", "m", "m.w")
+    b2 = NodeInfo("param:m.w", "AccumulateGrad", "accumulate_grad", "m", "m.w", frame="x.py:3 in f")
+    send, receive = offload.Nodes(), offload.Nodes()
+
+    def trip(nodes):
+        batch = StepBatch(0, 0, 0, 0.0, 0.0, "ok", None, final_nodes=list(nodes))
+        specs, reset = send.encode([batch])
+        sent = list(batch.final_nodes)
+        receive.decode([batch], specs, reset)
+        return sent, batch.final_nodes
+
+    sent, got = trip([a, b])
+    assert sent == [a, b] and got == [a, b]
+    sent, got = trip([a, b])
+    assert sent == [a.key, b.key] and got == [a, b]  # held: keys alone
+    sent, got = trip([a, b2])  # the same key with another frame goes whole
+    assert sent == [a.key, b2] and got[1] is b2
+    send.forget()
+    sent, got = trip([a])
+    assert sent == [a] and receive.known == {a.key: a}
+
+
+def test_the_child_raises_its_warnings_again_in_the_training_process(tmp_path):
+    """A recorder fault while the child builds a step's findings: the step's other rows are written and the
+    warning reaches this process (main() run here, on pipes, as the child runs it)."""
+    db = str(tmp_path / "warn.db")
+    m = Net()
+    rec = gradstore.record("warn", db=db, model=m, writer="thread")
+
+    @rec
+    def step(x):
+        m(x).backward()
+
+    step(torch.randn(2, 4))
+    writer_for(db).flush()
+    batches = []
+    orig = writer_for(db).submit
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(writer_for(db), "submit", lambda b, **k: batches.append(b))
+    step(torch.randn(2, 4))
+    monkey.undo()
+    batch = batches[0]
+    plain, facts = offload.detached(batch)
+    assert facts is not None and plain.param_status == []
+    facts.forward = "not a ForwardRecord"  # the findings fail on it
+    import pickle
+
+    to_child, to_main = os.pipe()
+    from_child, to_parent = os.pipe()
+    t = threading.Thread(target=offload.main, args=(to_child, to_parent))
+    t.start()
+    offload._write_all(to_main, pickle.dumps(("open", db)))
+    assert pickle.loads(offload._read_message(from_child))[0] == "ready"
+    specs, reset = offload.Nodes().encode(offload._records(plain, facts))
+    offload._write_all(to_main, pickle.dumps((reset, specs, plain, facts)))
+    status, retries, detail, caught = pickle.loads(offload._read_message(from_child))
+    os.close(to_main)
+    t.join(timeout=60)
+    assert status == "ok" and retries == 0 and detail is None
+    assert [c for c, _ in caught] == [RuntimeWarning] and "step findings not built" in caught[0][1]
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 2
+    assert (
+        con.execute(
+            "SELECT count(*) FROM param_status ps JOIN steps s ON s.id = ps.step_id WHERE s.step = 1"
+        ).fetchone()[0]
+        == 0
+    )
+    assert orig is not None
+
+
+class _FakeSink:
+    """A sink whose `write` raises `exc` (no process): what the writer does with each way of failing."""
+
+    def __init__(self, exc):
+        self.exc, self.closed, self.calls = exc, False, 0
+
+    def ready(self):
+        return True
+
+    def write(self, batch):
+        self.calls += 1
+        raise self.exc
+
+    def close(self, timeout=60.0):
+        self.closed = True
+
+    def abandon(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "exc, kept",
+    [(OffloadDeclined("cannot be pickled"), True), (ValueError("a bug in the sink"), False)],
+    ids=["declined", "broken"],
+)
+def test_a_step_a_sink_will_not_take_is_written_here(tmp_path, exc, kept):
+    db = str(tmp_path / "fake.db")
+    m = Net()
+    step = gradstore.record("fake", db=db, model=m, writer="thread")(lambda x: m(x).backward())
+    step(torch.randn(2, 4))
+    w = writer_for(db)
+    w.flush()
+    sink = _FakeSink(exc)
+    w.offload(sink)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            gradstore.record("fake", db=db, model=m, writer="auto")(lambda x: m(x).backward())(torch.randn(2, 4))
+        w.flush()
+    assert sqlite3.connect(db).execute("SELECT count(*) FROM steps").fetchone()[0] == 3
+    assert w.errors == []
+    went = [str(c.message) for c in caught if "went away" in str(c.message)]
+    if kept:
+        assert sink.calls == 2 and not sink.closed and w.sink is sink and went == []
+    else:
+        assert sink.calls == 1 and sink.closed and w.sink is None and "ValueError: a bug in the sink" in went[0]
+    w.offload(None)
