@@ -260,7 +260,7 @@ class Slot:
     def settle(self) -> None:
         """Run untimed blocks until the recording is in its steady state: with writer='auto' (the default) the
         writer hands its steps to a child process after gradstore.recording.offload.AUTO_AFTER steps, and the
-        child takes about 2 s of a core to start (it imports torch); that start is no part of a step's cost."""
+        child takes 2-5 s of a core to start (it imports torch); that start is no part of a step's cost."""
         if self.rec is None:
             return
         from gradstore.recording import offload

@@ -7,6 +7,7 @@ import os
 import signal
 import sqlite3
 import threading
+import time
 import warnings
 
 import pytest
@@ -17,7 +18,7 @@ import gradstore
 from gradstore.errors import RecordUsageError
 from gradstore.recording import offload
 from gradstore.records import NodeInfo, StepBatch
-from gradstore.store.writer import OffloadDeclined, writer_for
+from gradstore.store.writer import OffloadDeclined, OffloadLost, Writer, writer_for
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the child process talks over POSIX pipes")
 
@@ -163,7 +164,7 @@ def test_a_child_that_dies_hands_the_steps_back_and_nothing_is_lost(tmp_path):
         for _ in range(3):
             step(torch.randn(2, 4))  # training goes on; no exception reaches it
         w.flush()
-    assert any("went away" in str(c.message) for c in caught), [str(c.message) for c in caught]
+    assert any("is gone" in str(c.message) for c in caught), [str(c.message) for c in caught]
     assert w.sink is None and w.offload_lost and w.errors == []
     steps = [r[0] for r in sqlite3.connect(db).execute("SELECT step FROM steps ORDER BY step")]
     assert steps == list(range(6))
@@ -363,10 +364,10 @@ def test_the_child_raises_its_warnings_again_in_the_training_process(tmp_path):
     t = threading.Thread(target=offload.main, args=(to_child, to_parent))
     t.start()
     offload._write_all(to_main, pickle.dumps(("open", db)))
-    assert pickle.loads(offload._read_message(from_child))[0] == "ready"
+    assert pickle.loads(offload._read_message(from_child, time.monotonic() + 120))[0] == "ready"
     specs, reset = offload.Nodes().encode(offload._records(plain, facts))
     offload._write_all(to_main, pickle.dumps((reset, specs, plain, facts)))
-    status, retries, detail, caught = pickle.loads(offload._read_message(from_child))
+    status, retries, detail, caught = pickle.loads(offload._read_message(from_child, time.monotonic() + 120))
     os.close(to_main)
     t.join(timeout=60)
     assert status == "ok" and retries == 0 and detail is None
@@ -385,14 +386,19 @@ def test_the_child_raises_its_warnings_again_in_the_training_process(tmp_path):
 class _FakeSink:
     """A sink whose `write` raises `exc` (no process): what the writer does with each way of failing."""
 
-    def __init__(self, exc):
-        self.exc, self.closed, self.calls = exc, False, 0
+    def __init__(self, exc, db=None, caught=()):
+        self.exc, self.closed, self.calls, self.caught = exc, False, 0, list(caught)
+        self.writer = None if db is None else Writer(db, thread=False)  # writes the step before it fails
 
     def ready(self):
         return True
 
     def write(self, batch):
         self.calls += 1
+        if self.writer is not None:
+            self.writer.write_step(batch)
+        if self.exc is None:
+            return 0, self.caught
         raise self.exc
 
     def close(self, timeout=60.0):
@@ -423,9 +429,58 @@ def test_a_step_a_sink_will_not_take_is_written_here(tmp_path, exc, kept):
         w.flush()
     assert sqlite3.connect(db).execute("SELECT count(*) FROM steps").fetchone()[0] == 3
     assert w.errors == []
-    went = [str(c.message) for c in caught if "went away" in str(c.message)]
+    went = [str(c.message) for c in caught if "is gone" in str(c.message)]
     if kept:
         assert sink.calls == 2 and not sink.closed and w.sink is sink and went == []
     else:
         assert sink.calls == 1 and sink.closed and w.sink is None and "ValueError: a bug in the sink" in went[0]
     w.offload(None)
+
+
+def _steps(db) -> list[int]:
+    return [r[0] for r in sqlite3.connect(db).execute("SELECT step FROM steps ORDER BY step")]
+
+
+def test_a_sink_gone_after_committing_its_step_is_not_written_twice(tmp_path):
+    db = str(tmp_path / "twice.db")
+    m = Net()
+    # 'auto' (under 16 steps, no child of its own) leaves the sink given here in place; 'thread' would take it back
+    step = gradstore.record("twice", db=db, model=m, writer="auto")(lambda x: m(x).backward())
+    step(torch.randn(2, 4))
+    w = writer_for(db)
+    w.flush()
+    sink = _FakeSink(OffloadLost("its process ended (exit code -9)"), db=db)  # commits, then "dies"
+    w.offload(sink)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(torch.randn(2, 4))
+        step(torch.randn(2, 4))
+        w.flush()
+    assert sink.calls == 1 and w.sink is None and w.errors == []  # step 1 was stored by the sink: not again
+    assert _steps(db) == [0, 1, 2]
+    assert any("is gone" in str(c.message) for c in caught)
+    sink.writer.engine.dispose()
+
+
+def test_warnings_as_errors_do_not_stop_the_writer(tmp_path):
+    """A filter turning RuntimeWarning into an error (pytest -W error, python -W error) must not end the writer
+    thread: the sink's warnings and the writer's own are shown as the filter says, and no step is lost."""
+    db = str(tmp_path / "strict.db")
+    m = Net()
+    step = gradstore.record("strict", db=db, model=m, writer="auto")(lambda x: m(x).backward())
+    step(torch.randn(2, 4))
+    w = writer_for(db)
+    w.flush()
+    talker = _FakeSink(None, db=db, caught=[(RuntimeWarning, "gradstore: recorder fault (a test)")])
+    w.offload(talker)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        step(torch.randn(2, 4))  # written by the sink, its warning raised again here (as an error: swallowed)
+        w.flush()
+        assert talker.calls == 1 and w.sink is talker  # a warning is no reason to drop the sink
+        w.offload(_FakeSink(ValueError("a bug in the sink")))
+        step(torch.randn(2, 4))  # the sink fails; its "gone" warning is an error: the thread goes on regardless
+        step(torch.randn(2, 4))
+        w.flush()
+    assert _steps(db) == [0, 1, 2, 3] and w.errors == [] and w.sink is None
+    talker.writer.engine.dispose()

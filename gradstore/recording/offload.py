@@ -14,12 +14,13 @@ CUDA included, is forked), which writes to the same database with its own `grads
 - the child builds the findings and writes the step in one transaction, tried again on a transient failure,
   exactly as the writer thread would;
 - claims, run statuses and WAL checkpoints stay on this process's writer thread, in queue order;
-- until the child has started (about 2 s of one core: it imports torch, which the findings' module needs),
+- until the child has started (2-5 s of one core: it imports torch, which the findings' module needs),
   the writer thread writes the steps itself: no step waits for the start.
 
 If the child cannot start or goes away, the writer warns once and writes the step (and every later one)
-itself: nothing is lost. A step the child committed just before it died would then be written twice and the
-second attempt fails on the steps table's unique key (reported like any failed write).
+itself: nothing is lost; a step the child committed just before it died is found in the database and not
+written again. A child that stops answering (stopped, deadlocked) holds the writer thread up to STEP_TIMEOUT_S,
+the time a SQLite busy wait with its retries may take; then it is given up like a dead one.
 
 Modes: 'thread' (never), 'process' (from the first step), 'auto' (the default; the environment variable
 GRADSTORE_WRITER sets another default): after AUTO_AFTER steps into the database on this process's writer
@@ -36,9 +37,11 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from dataclasses import fields, replace
@@ -54,6 +57,7 @@ from .rows import LazyRows, built_fields
 AUTO_AFTER = 16  # steps a writer takes on its own thread before 'auto' moves the rest to a child process
 START_TIMEOUT_S = 120.0  # for the child to import gradstore and open the database
 STEP_TIMEOUT_S = 900.0  # for one step's answer (a SQLite busy wait and its retries fit well inside)
+_starting = threading.Lock()  # held while a child is started for a writer
 _FINDINGS_FIELDS = ("nodes", "param_names", "param_status", "module_calls", "step_nodes")
 _LEN = struct.Struct("<Q")
 
@@ -85,18 +89,23 @@ def maybe_offload(writer: Writer, mode: str) -> None:
         return
     if mode == "auto" and (writer.submitted < AUTO_AFTER or spare_cpus() <= torch_threads()):
         return  # without a CPU torch leaves free the child would take one from training
-    try:
-        sink = ProcessSink(writer.db)
-    except Exception as exc:
-        writer.offload_lost = f"{type(exc).__name__}: {exc}"
+    with _starting:  # two threads recording into one database start one child
+        if writer.offloaded or writer.offload_lost is not None:
+            return
+        try:
+            sink = ProcessSink(writer.db)
+        except Exception as exc:
+            writer.offload_lost = f"{type(exc).__name__}: {exc}"
+            sink = None
+        else:
+            writer.offload(sink)
+    if sink is None:
         warnings.warn(
             f"gradstore: could not start a process to write to {writer.db} ({writer.offload_lost}); this "
             "process's writer thread writes the steps",
             RuntimeWarning,
             stacklevel=2,
         )
-        return
-    writer.offload(sink)
 
 
 def _nodes_fields(record) -> list[str]:
@@ -114,7 +123,7 @@ class Nodes:
     of them a step on benchmarks/steady.py's `mlp` at stats='shape'). The child forgets nothing unless the
     sender says so (`reset`), so every key it is sent is one it holds."""
 
-    LIMIT = 1_000_000  # keys held before both sides start again
+    LIMIT = 200_000  # keys held before both sides start again (a graph whose keys change every step)
 
     def __init__(self):
         self.known: dict[str, NodeInfo] = {}
@@ -281,9 +290,10 @@ class ProcessSink:
         return pickle.loads(data)
 
     def ready(self, wait: bool = False) -> bool:
-        """True once the child has opened the database (it imports torch and gradstore first: about 2 s).
+        """True once the child has opened the database (it imports torch and gradstore first: 2-5 s).
         wait=False looks without waiting: until then the writer thread writes the steps itself, so a step is
-        never held up by the child's start. Raises OffloadLost when the child failed to start, or is not up
+        never held up by the child's start. Call it on the writer thread, or while the writer is idle (after
+        a flush): it reads the pipe. Raises OffloadLost when the child failed to start, or is not up
         START_TIMEOUT_S after it was started."""
         if self._ready:
             return True
@@ -296,10 +306,11 @@ class ProcessSink:
         self._ready = True
         return True
 
-    def write(self, batch: StepBatch) -> int:
-        """Write one step in the child; returns the transient failures it retried. Raises OffloadLost (the
-        child is gone or silent), OffloadDeclined (the step cannot be pickled) or OffloadFailed (the child
-        could not write it: the error as the writer reports it)."""
+    def write(self, batch: StepBatch) -> tuple[int, list]:
+        """Write one step in the child; returns (the transient failures it retried, the warnings raised there
+        as [(category, message)], for the writer to raise again). Raises OffloadLost (the child is gone or
+        silent), OffloadDeclined (the step cannot be pickled) or OffloadFailed (the child could not write it:
+        the error as the writer reports it)."""
         if not self._ready and not self.ready(wait=True):
             raise OffloadDeclined("its process is still starting")
         try:
@@ -314,13 +325,11 @@ class ProcessSink:
         except OSError as exc:
             raise OffloadLost(f"its process ended ({exc})") from None
         status, retries, detail, caught = self._answer(STEP_TIMEOUT_S)
-        for category, message in caught:
-            warnings.warn(message, category, stacklevel=1)
         if status != "ok":
             self._nodes.forget()  # the child may have stopped before it held this message's nodes
-            raise OffloadFailed(detail, retries)
+            raise OffloadFailed(detail, retries, caught)
         self.written += 1
-        return retries
+        return retries, caught
 
     def close(self, timeout: float = 60.0) -> None:
         """End the child after what it was given (it closes its connection), waiting up to `timeout` s; a child
@@ -355,6 +364,9 @@ def main(rfd: int, wfd: int) -> None:
     def answer(obj) -> None:
         _write_all(wfd, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
+    # Ctrl-C reaches the whole process group: the child finishes what it was sent and ends at end of file
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         first = _read_message(rfd)
         if first is None:

@@ -111,11 +111,21 @@ class OffloadDeclined(Exception):
 
 class OffloadFailed(Exception):
     """The sink tried to write the step and could not; `detail` is the failure as the writer reports it
-    ('OperationalError: ...'); `retries`: the transient failures it tried again before that."""
+    ('OperationalError: ...'); `retries`: the transient failures it tried again before that; `caught`: the
+    warnings raised meanwhile, [(category, message)]."""
 
-    def __init__(self, detail: str, retries: int = 0):
+    def __init__(self, detail: str, retries: int = 0, caught: list | None = None):
         super().__init__(detail)
-        self.detail, self.retries = detail, retries
+        self.detail, self.retries, self.caught = detail, retries, caught or []
+
+
+def _warn(message: str, category=RuntimeWarning) -> None:
+    """warnings.warn on the writer thread, which a warnings filter of 'error' must not end (the exception it
+    raises there would reach no caller, and the thread would stop writing)."""
+    try:
+        warnings.warn(message, category, stacklevel=2)
+    except Exception:
+        pass
 
 
 def _insert_ignore(engine: Engine, table, index_elements):
@@ -288,6 +298,7 @@ class Writer:
             if held is not None:
                 held.abandon()
         self.submitted = 0
+        self.offload_lost = None  # the parent's child writer is not this process's
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
 
     def _probe_write(self) -> None:
@@ -346,13 +357,17 @@ class Writer:
     def offload(self, sink) -> None:
         """Send the steps taken from the queue from now on to `sink`, None: write them here again. The sink's
         `ready() -> bool` says (without waiting) whether it takes steps yet: until then they are written here;
-        `write(batch) -> retries` writes one step elsewhere, raising OffloadLost, OffloadDeclined or
-        OffloadFailed; `close(timeout=seconds)` ends it after the last step; `abandon()` forgets it in a forked
-        child. Claims, run statuses and checkpoints stay here."""
+        `write(batch) -> (retries, [(warning category, message)])` writes one step elsewhere (the warnings
+        raised there are raised again here), raising OffloadLost, OffloadDeclined or OffloadFailed;
+        `close(timeout=seconds)` ends it after the last step; `abandon()` forgets it in a forked child. Claims,
+        run statuses and checkpoints stay here."""
         with self._cond:
+            untaken = self._sink_next[0] if self._sink_next is not None else None
             self._sink_next = (sink,)  # taken up by the writer thread between two items: no step is cut in two
             self._running()
             self._cond.notify_all()
+        if untaken is not None and untaken is not sink and untaken is not self._sink:
+            untaken.close()  # given and replaced before the writer thread took it: it wrote nothing
 
     @property
     def offloaded(self) -> bool:
@@ -461,10 +476,13 @@ class Writer:
                 item = self._pending.popleft() if self._pending else None
                 self._busy = True
             sent = False
-            if self._sink_next is not None:
-                self._take_sink()
-            if item is not None and not isinstance(item, tuple) and self._sink is not None:
-                sent = self._send(item)  # outside _io: this process's driver is not used
+            try:  # outside _io: this process's driver is not used
+                if self._sink_next is not None:
+                    self._take_sink()
+                if item is not None and not isinstance(item, tuple) and self._sink is not None:
+                    sent = self._send(item)
+            except Exception:  # _send handles the sink's faults; this only keeps the thread alive
+                sent = False
             self._io.acquire()  # a fork waits for it (see _before_fork): SQLite's mutexes are not fork-safe
             try:
                 if item is None or sent is True:
@@ -474,6 +492,8 @@ class Writer:
                 elif isinstance(item, tuple):
                     write = self._write_release if item[0] == "release" else self._write_run_status
                     self._retrying(write, item)
+                elif sent == "check" and self._stored(item):
+                    pass  # the sink's process committed it before it went away
                 else:
                     self._retrying(self.write, item)
                     self._unchecked = not self._pg
@@ -481,7 +501,7 @@ class Writer:
                 detail = exc.detail if isinstance(exc, OffloadFailed) else f"{type(exc).__name__}: {exc}"
                 msg = f"step {getattr(item, 'step', '?')}: {detail}"
                 self.errors.append(msg)
-                warnings.warn(f"gradstore: could not write to {self.db}: {msg}", RuntimeWarning, stacklevel=1)
+                _warn(f"gradstore: could not write to {self.db}: {msg}")
             finally:
                 try:
                     self._periodic()
@@ -495,16 +515,17 @@ class Writer:
 
     def _send(self, item: StepBatch):
         """Hand a step to the sink: True when it is written, an OffloadFailed when the sink could not write it,
-        False when it is to be written here (declined, or the sink is gone: then it is dropped, with a warning)."""
+        False when it is to be written here (the sink is still starting, or declined it), 'check' when the sink
+        is gone (dropped, with a warning): written here unless its process committed it first."""
         sink = self._sink
         try:
             if not sink.ready():
                 return False  # still starting: written here meanwhile
-            self.retries += sink.write(item)
-            self._unchecked = not self._pg
-            return True
+            retries, caught = sink.write(item)
         except OffloadFailed as exc:
             self.retries += exc.retries
+            for category, message in exc.caught:
+                _warn(message, category)
             return exc
         except OffloadDeclined:
             return False
@@ -513,14 +534,31 @@ class Writer:
             with self._cond:
                 if self._sink is sink:
                     self._sink = None
-            sink.close(timeout=5.0)  # a child that stopped answering is not waited for long
-            warnings.warn(
-                f"gradstore: the process writing to {self.db} went away ({self.offload_lost}); this process writes "
-                "its steps again, from step " + str(getattr(item, "step", "?")),
-                RuntimeWarning,
-                stacklevel=1,
+            try:
+                sink.close(timeout=5.0)  # a child that stopped answering is not waited for long
+            except Exception:
+                pass
+            _warn(
+                f"gradstore: the process writing to {self.db} is gone or could not start ({self.offload_lost}); "
+                f"this process writes the steps, from step {getattr(item, 'step', '?')}"
             )
-            return False
+            return "check"
+        self.retries += retries
+        self._unchecked = not self._pg
+        for category, message in caught:  # raised in the sink's process (a recorder fault), raised again here
+            _warn(message, category)
+        return True
+
+    def _stored(self, b: StepBatch) -> bool:
+        """True when the step is in the database already (the sink's process committed it, then went away):
+        its steps row, in full (a flight-recorder detail replaces a summary row: that one does not count)."""
+        mark = "%s" if self._pg else "?"
+        with self.engine.connect() as conn:
+            row = conn.exec_driver_sql(
+                f"SELECT level FROM steps WHERE run_id = {mark} AND rank = {mark} AND step = {mark}",
+                (b.run_id, b.rank, b.step),
+            ).fetchone()
+        return row is not None and (not b.replace or row[0] != "summary")
 
     def write_step(self, b: StepBatch) -> None:
         """`write`, tried again whole after a transient failure (SQLite busy, a PostgreSQL deadlock); the
