@@ -78,9 +78,8 @@ def torch_threads() -> int:
 def maybe_offload(writer: Writer, mode: str) -> None:
     """Give `writer` a ProcessSink when `mode` asks for one now ('process'; 'auto' once the writer has taken
     AUTO_AFTER steps and this process may run on more CPUs than torch's intra-op threads), and take it back
-    for 'thread'; called before each step is
-    submitted. Never raises: a child that cannot be started is warned about once and the writer keeps
-    writing on its thread."""
+    for 'thread'; called before each step is submitted. Never raises: a child that cannot be started is
+    warned about once and the writer keeps writing on its thread."""
     if mode == "thread":
         if writer.offloaded:
             writer.offload(None)  # the child finishes what it was given, then ends
