@@ -4,6 +4,7 @@
     python -m benchmarks.steady --quick --tiny      # a smoke run (seconds): checks the script, not the numbers
     python -m benchmarks.steady --models mlp --threads 1 --levels none,full
     python -m benchmarks.steady --profile mlp       # cProfile of recorded steps of one model, by own time
+    python -m benchmarks.steady --models mlp,cnn --threads 1 --parts    # also where the cost is, and its floor
 
 What is timed: a *block* of K consecutive steps. A recorded block is K steps of the function decorated with
 `gradstore.record(run, db=..., model=model, stats=level)` followed by `rec.flush()` (which returns once the
@@ -23,6 +24,20 @@ Models (each step: forward, loss, `loss.backward()`, SGD step, `zero_grad(set_to
   non-finite) against the same step multiplied by 1.0, recorded at `full` and not; these steps skip the SGD
   update (only `zero_grad`), so the weights stay finite and the NaN and finite steps run the same forward.
   The figure of issue 17's target is `full` NaN / `full` finite, from the same rounds.
+
+`--parts` adds, for each model but `nan`, what a missed target is made of:
+- a `<level>, no writer` block per recorded level: the same recorded steps with every step's rows discarded
+  where the recorder hands them to the writer (`gradstore.store.writer.Writer.submit` returns at once for that
+  block's database; nothing is built, written or sent to a child): the training thread's own cost, interleaved
+  in the same rounds;
+- the model's *floor*, measured once before the rounds, with plain PyTorch: the unique gradient tensors of one
+  backward pass (every `grad_inputs` and `grad_outputs` item that `Node.register_hook` sees on every node of
+  the graph, one per storage, offset, shape and stride, all kept alive while the pass runs) and the parameters'
+  `.grad`, and the time of one `torch._foreach_norm` over each set, as a fraction of the plain step (medians of
+  7). One read of every gradient is the least that `full` / `health` can cost (each gradient's statistics need
+  its values once), one read of every `.grad` the least of `params`, which measures them twice a step (the
+  pass's `param_grad` rows and the step's `final` ones). The norms run after the pass, on tensors no longer hot
+  in cache, a hook's measurement right after the op wrote them: a floor, not a prediction.
 
 Everything here measures; nothing is imported by gradstore. Not part of `python -m benchmarks.run`.
 """
@@ -73,6 +88,13 @@ def parse_args(argv=None):
         default=None,
         help="record(writer=...) of every recorded block (default: gradstore's, 'auto': a child process writes "
         "once 16 steps went to a database and a second CPU is there)",
+    )
+    p.add_argument(
+        "--parts",
+        action="store_true",
+        help="also '<level>, no writer' blocks (the writer's step work discarded: the training thread's own cost) "
+        "and each model's floor (one torch._foreach_norm of its gradients and of its .grad, plain PyTorch); not "
+        "for nan",
     )
     p.add_argument("--mlp-blocks", type=int, default=48, help="residual blocks of the mlp model (default 48)")
     p.add_argument("--mlp-width", type=int, default=128, help="width of the mlp model (default 128)")
@@ -245,23 +267,36 @@ def build(name: str, a) -> Model:
 class Slot:
     """One configuration: `run()` times one block of K steps (recorded ones end in `rec.flush()`)."""
 
-    def __init__(self, m: Model, level: str, tmp: Path, k: int, scale: float = 1.0, name: str | None = None, **options):
+    def __init__(
+        self,
+        m: Model,
+        level: str,
+        tmp: Path,
+        k: int,
+        scale: float = 1.0,
+        name: str | None = None,
+        discard: bool = False,
+        **options,
+    ):
         import gradstore
 
-        self.m, self.level, self.k, self.scale = m, level, k, scale
+        self.m, self.level, self.k, self.scale, self.discard = m, level, k, scale, discard
         self.name = name or level
         if level == "none":
             self.rec, self.fn = None, m.step
         else:
-            run = f"{m.name}-{self.name}".replace(" ", "-")
-            self.rec = gradstore.record(run, db=str(tmp / f"{run}.db"), model=m.model, stats=level, **options)
+            run = f"{m.name}-{self.name}".replace(" ", "-").replace(",", "")
+            db = str(tmp / f"{run}.db")
+            if discard:  # `--parts`: the recorder's own cost, the writer's step work left out
+                _discard_steps_of(db)
+            self.rec = gradstore.record(run, db=db, model=m.model, stats=level, **options)
             self.fn = self.rec(m.step)
 
     def settle(self) -> None:
         """Run untimed blocks until the recording is in its steady state: with writer='auto' (the default) the
         writer hands its steps to a child process after gradstore.recording.offload.AUTO_AFTER steps, and the
         child takes 2-5 s of a core to start (it imports torch); that start is no part of a step's cost."""
-        if self.rec is None:
+        if self.rec is None or self.discard:  # a discarded step never reaches the writer: no child starts
             return
         from gradstore.recording import offload
         from gradstore.store.writer import writer_for
@@ -283,6 +318,84 @@ class Slot:
         if self.rec is not None:
             self.rec.flush()
         return time.perf_counter() - t0
+
+
+_DISCARDED: set[str] = set()  # databases whose steps Writer.submit drops (`--parts`' "no writer" blocks)
+
+
+def _discard_steps_of(db: str) -> None:
+    """Make `gradstore.store.writer.Writer.submit` return at once, queueing nothing, for the steps of `db` (every
+    other database is written as usual): the patch is this benchmark's, installed once per process."""
+    from gradstore.store import writer
+
+    if not _DISCARDED:
+        submit = writer.Writer.submit
+
+        def submit_unless_discarded(self, batch, *args, **kwargs):
+            if str(self.db) in _DISCARDED:
+                return None
+            return submit(self, batch, *args, **kwargs)
+
+        writer.Writer.submit = submit_unless_discarded
+    _DISCARDED.add(str(db))
+
+
+def floors(m: Model, rounds: int = 7) -> dict:
+    """The least the statistics can cost on `m` (see the module docstring, `--parts`), with plain PyTorch.
+
+    Returns {"step_ms": the plain step (median of `rounds`), "gradients": unique gradient tensors of one backward
+    pass, "gradient_values": their element count, "gradients_norm": one `torch._foreach_norm` over them as a
+    fraction of the plain step, "params", "param_values", "params_norm": the same of the parameters' `.grad`}."""
+    import torch
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return median(times)
+
+    step_s = timed(lambda: m.step(m.model, m))
+    loss = m.loss(m.model)
+    nodes, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes.append(node)
+        todo.extend(f for f, _ in node.next_functions)
+    unique: dict = {}
+    kept: list = []  # every gradient stays alive while the pass runs: no freed storage is taken for a new one
+
+    def hook(grad_inputs, grad_outputs):
+        for t in (*grad_inputs, *grad_outputs):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                kept.append(t)
+                unique.setdefault((t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()), t.detach())
+
+    handles = [node.register_hook(hook) for node in nodes]
+    try:
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    grads = [t for t in unique.values() if t.is_floating_point()]
+    params = [p.grad for p in m.model.parameters() if p.grad is not None]
+    out = {
+        "step_ms": step_s * 1e3,
+        "nodes": len(nodes),
+        "gradients": len(grads),
+        "gradient_values": sum(t.numel() for t in grads),
+        "gradients_norm": timed(lambda: torch._foreach_norm(grads)) / step_s if grads else 0.0,
+        "params": len(params),
+        "param_values": sum(p.numel() for p in params),
+        "params_norm": timed(lambda: torch._foreach_norm(params)) / step_s if params else 0.0,
+    }
+    m.opt.zero_grad(set_to_none=True)
+    return out
 
 
 def interleave(slots: list[Slot], rounds: int, warmup: int, label: str) -> dict:
@@ -344,6 +457,14 @@ def measure(a) -> dict:
                     ]
                 else:
                     slots = [Slot(m, lv, sub, k, **opts) for lv in a.levels]
+                    if a.parts:  # the training thread's own cost of each level, in the same rounds
+                        slots += [
+                            Slot(m, lv, sub, k, name=f"{lv}, no writer", discard=True, **opts)
+                            for lv in a.levels
+                            if lv != "none"
+                        ]
+                    if a.parts and "floor" not in results["models"][name]:
+                        results["models"][name]["floor"] = floors(m)
                     if a.keep:  # the flight recorder: every step measured at full into the ring, summaries written
                         slots.append(Slot(m, "full", sub, k, name=f"full keep={a.keep}", keep=a.keep, **opts))
                 res = interleave(slots, a.rounds, a.warmup, f"{name} {threads}t")
@@ -363,13 +484,19 @@ def measure(a) -> dict:
 
 
 # ---- the report --------------------------------------------------------------------------------------------
-def _verdict(model: str, row: str, threads: int, ratio) -> str:
+def _verdict(model: str, row: str, threads: int, ratio, floor: dict | None = None) -> str:
+    """The issue 17 target of a 1-thread row, met or missed, and where `--parts` measured it, the row's floor:
+    `1 + gradients_norm` for `full`, `1 + 2 x params_norm` for `params` (see `floors`)."""
     if threads != 1 or ratio is None:
         return ""
     target = TARGETS.get((model, row)) or (PARAMS_TARGET if row == "params" else None)
     if target is None:
         return ""
-    return f"<= {target:.2f}: " + ("met" if ratio <= target else f"missed by {ratio - target:.2f}")
+    text = f"<= {target:.2f}: " + ("met" if ratio <= target else f"missed by {ratio - target:.2f}")
+    if floor and row in ("full", "params"):
+        low = 1 + floor["gradients_norm"] if row == "full" else 1 + 2 * floor["params_norm"]
+        text += f" (floor {low:.3f}" + (", above the target)" if low > target else ")")
+    return text
 
 
 def report(res: dict) -> str:
@@ -380,7 +507,9 @@ def report(res: dict) -> str:
         "Written by `python -m benchmarks.steady` (see benchmarks/README.md, *Steady state*). Blocks of K "
         "consecutive steps; a recorded block ends in `rec.flush()`, so the writer's work is inside the time; "
         "ratio = median over rounds of (recorded block / `none` block of the same round). Interleaved, "
-        "1 warm-up round, then the rounds listed per row.",
+        "1 warm-up round, then the rounds listed per row. A `<level>, no writer` row (`--parts`) is the same "
+        "recorded steps with every step's rows discarded where they would go to the writer: the training thread's "
+        "own cost.",
         "",
         "## Machine",
         "",
@@ -393,6 +522,29 @@ def report(res: dict) -> str:
     lines += ["", "## Models", "", "| model | what | nodes per backward |", "|---|---|---|"]
     for name, d in res["models"].items():
         lines.append(f"| `{name}` | {d['describe']} | {d['nodes']} |")
+    floor_rows = [(name, d["floor"]) for name, d in res["models"].items() if "floor" in d]
+    if floor_rows:
+        lines += [
+            "",
+            "## Floors (`--parts`)",
+            "",
+            "Plain PyTorch, once per model before its rounds, at the first thread count: one `torch._foreach_norm` "
+            "over the unique gradient tensors of one backward pass (every `grad_inputs` / `grad_outputs` item the "
+            "nodes' hooks see, one per storage, offset, shape and stride) and over the parameters' `.grad`, as a "
+            "fraction of the plain step (medians of 7). `full` reads every gradient at least once; `params` reads "
+            "every `.grad` twice a step (the pass's `param_grad` rows, the step's `final` rows). A lower bound: "
+            "nothing else of the recording is in it.",
+            "",
+            "| model | plain step (ms) | nodes | unique gradients (M values) | one norm of each / step | `full` >= | "
+            "parameters' `.grad` (M values) | one norm of each / step | `params` >= |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, f in floor_rows:
+            lines.append(
+                f"| `{name}` | {f['step_ms']:.1f} | {f['nodes']} | {f['gradients']} ({f['gradient_values'] / 1e6:.2f}) "
+                f"| {f['gradients_norm']:.3f} | {1 + f['gradients_norm']:.2f} | {f['params']} "
+                f"({f['param_values'] / 1e6:.2f}) | {f['params_norm']:.3f} | {1 + 2 * f['params_norm']:.2f} |"
+            )
     lines += [
         "",
         "## Ratios",
@@ -406,7 +558,7 @@ def report(res: dict) -> str:
         for row, e in run.items():
             step = f"{e['step_ms']:.1f}" if "step_ms" in e else ""
             spread = ", ".join(f"{r:.2f}" for r in e["ratios"])
-            verdict = _verdict(model, row, int(threads), e["ratio"])
+            verdict = _verdict(model, row, int(threads), e["ratio"], res["models"].get(model, {}).get("floor"))
             k = e.get("k", "")
             lines.append(
                 f"| `{model}` | {threads} | `{row}` | {k} | {step} | {e['ratio']:.2f} | {spread} | {verdict} |"

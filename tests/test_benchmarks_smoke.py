@@ -102,6 +102,7 @@ def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
             "mlp,cnn,nan",
             "--writer",
             "thread",
+            "--parts",
             "--out",
             str(out),
         ],
@@ -118,6 +119,20 @@ def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
     for name in ("none", "full", "shape", "params"):
         assert len(results["runs"]["mlp/1"][name]["ratios"]) == 2  # --quick: 2 timed rounds
     assert results["models"]["mlp"]["nodes"] > 100
+    # --parts: the training thread's own cost per level, and the floor, counted by plain PyTorch here too
+    for name in ("full, no writer", "params, no writer"):
+        assert len(results["runs"]["mlp/1"][name]["ratios"]) == 2
+    floor = results["models"]["mlp"]["floor"]
+    from benchmarks.steady import ResMlp
+
+    tiny = ResMlp(True, 8, 32)
+    assert floor["params"] == sum(1 for p in tiny.model.parameters() if p.requires_grad)
+    assert floor["param_values"] == sum(p.numel() for p in tiny.model.parameters())
+    # a Linear's Addmm node sees grad_output (64 x 32) and grad_inputs for bias, input, weight.T: every
+    # gradient of the backward at least once, so more values than the parameters hold
+    assert floor["gradient_values"] > floor["param_values"] and floor["gradients"] > floor["params"]
+    assert 0 < floor["gradients_norm"] and 0 < floor["params_norm"]
+    assert "| `cnn` | " in report.split("## Floors")[1].split("## Ratios")[0]
 
 
 def test_gpu_check_says_so_without_cuda():
@@ -163,3 +178,27 @@ def test_side_by_side_benchmark_runs_on_one_checkout_twice():
     assert len(rows) == 1
     before, after = (float(x) for x in rows[0].split("|")[3:5])
     assert before > 0 and after > 0
+
+
+def test_steady_no_writer_blocks_write_no_step(tmp_path):
+    """`--parts`' "no writer" block records the steps but none reaches its database, while a block of the same
+    level beside it writes every step (in a child interpreter: the benchmark's patch of Writer.submit stays in
+    the process that installs it)."""
+    code = f"""
+import sqlite3
+from pathlib import Path
+from benchmarks.steady import ResMlp, Slot
+m = ResMlp(True, 8, 32)
+tmp = Path({str(tmp_path)!r})
+kept = Slot(m, "full", tmp, 3, writer="thread")
+dropped = Slot(m, "full", tmp, 3, name="full, no writer", discard=True, writer="thread")
+for s in (kept, dropped, kept, dropped):
+    s.run()  # 3 steps, then rec.flush()
+for s in (kept, dropped):
+    with sqlite3.connect(s.rec.db) as con:
+        print(s.name, con.execute("select count(*) from steps").fetchone()[0],
+              con.execute("select count(*) from tensors").fetchone()[0] > 0)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["full 6 True", "full, no writer 0 False"], proc.stdout
