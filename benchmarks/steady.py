@@ -30,14 +30,13 @@ Models (each step: forward, loss, `loss.backward()`, SGD step, `zero_grad(set_to
   where the recorder hands them to the writer (`gradstore.store.writer.Writer.submit` returns at once for that
   block's database; nothing is built, written or sent to a child): the training thread's own cost, interleaved
   in the same rounds;
-- the model's *floor*, measured once before the rounds, with plain PyTorch: the unique gradient tensors of one
-  backward pass (every `grad_inputs` and `grad_outputs` item that `Node.register_hook` sees on every node of
-  the graph, one per storage, offset, shape and stride, all kept alive while the pass runs) and the parameters'
-  `.grad`, and the time of one `torch._foreach_norm` over each set, as a fraction of the plain step (medians of
-  7). One read of every gradient is the least that `full` / `health` can cost (each gradient's statistics need
-  its values once), one read of every `.grad` the least of `params`, which measures them twice a step (the
-  pass's `param_grad` rows and the step's `final` ones). The norms run after the pass, on tensors no longer hot
-  in cache, a hook's measurement right after the op wrote them: a floor, not a prediction.
+- the model's *floor*, measured once before the rounds, with plain PyTorch (`floors`): the gradients that hooks
+  on every node of one backward pass see (`grad_inputs`, `grad_outputs`) and the parameters' `.grad`, each
+  element counted once however many views reach it, and the time of one `torch.linalg.vector_norm` over a
+  contiguous float32 tensor of as many bytes as a level reads a step: `full` every gradient once and every
+  `.grad` twice, `params` every `.grad` twice (the pass's `param_grad` rows and the step's `final` ones).
+  `1 + that time / the plain step` is a lower bound of the level's ratio: the values read once, at the
+  machine's speed for one long tensor, without any cost per tensor, node or row.
 
 Everything here measures; nothing is imported by gradstore. Not part of `python -m benchmarks.run`.
 """
@@ -93,8 +92,8 @@ def parse_args(argv=None):
         "--parts",
         action="store_true",
         help="also '<level>, no writer' blocks (the writer's step work discarded: the training thread's own cost) "
-        "and each model's floor (one torch._foreach_norm of its gradients and of its .grad, plain PyTorch); not "
-        "for nan",
+        "and each model's floor (the time of reading the values a level measures once, plain PyTorch); not for "
+        "nan",
     )
     p.add_argument("--mlp-blocks", type=int, default=48, help="residual blocks of the mlp model (default 48)")
     p.add_argument("--mlp-width", type=int, default=128, help="width of the mlp model (default 128)")
@@ -289,6 +288,7 @@ class Slot:
             db = str(tmp / f"{run}.db")
             if discard:  # `--parts`: the recorder's own cost, the writer's step work left out
                 _discard_steps_of(db)
+                options["writer"] = "thread"  # nothing reaches the writer: no child is started for it
             self.rec = gradstore.record(run, db=db, model=m.model, stats=level, **options)
             self.fn = self.rec(m.step)
 
@@ -340,12 +340,40 @@ def _discard_steps_of(db: str) -> None:
     _DISCARDED.add(str(db))
 
 
-def floors(m: Model, rounds: int = 7) -> dict:
-    """The least the statistics can cost on `m` (see the module docstring, `--parts`), with plain PyTorch.
+def distinct_values(tensors: list) -> tuple[int, int]:
+    """(storages, bytes): the storages `tensors` are views of, and the bytes of the elements they cover, each
+    element once however many views reach it (a weight's gradient and its transpose are one storage). Per
+    storage a mask of its elements (`Tensor.as_strided` of each view's shape, stride and offset) is set and
+    counted; views of one storage with different element sizes are counted view by view."""
+    import torch
 
-    Returns {"step_ms": the plain step (median of `rounds`), "gradients": unique gradient tensors of one backward
-    pass, "gradient_values": their element count, "gradients_norm": one `torch._foreach_norm` over them as a
-    fraction of the plain step, "params", "param_values", "params_norm": the same of the parameters' `.grad`}."""
+    by_storage: dict[int, list] = {}
+    for t in tensors:
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    total = 0
+    for views in by_storage.values():
+        size = views[0].element_size()
+        if any(v.element_size() != size for v in views):
+            total += sum(v.numel() * v.element_size() for v in views)
+            continue
+        mask = torch.zeros(views[0].untyped_storage().nbytes() // size, dtype=torch.bool)
+        for v in views:
+            mask.as_strided(v.shape, v.stride(), v.storage_offset()).fill_(True)
+        total += int(mask.sum()) * size
+    return len(by_storage), total
+
+
+def floors(m: Model, rounds: int = 7) -> dict:
+    """What reading the values the statistics need costs on `m` (see the module docstring, `--parts`), with
+    plain PyTorch, at the current torch thread count.
+
+    Returns {"step_ms": the plain step here (median of `rounds`), "nodes": the backward graph's nodes,
+    "gradients": the storages of the gradients hooks on every node see (grad_inputs and grad_outputs),
+    "gradient_bytes": the bytes of their distinct elements, "params" / "param_bytes": the same of the parameters'
+    `.grad`, "full_read_ms": one `torch.linalg.vector_norm` over a contiguous float32 tensor of
+    gradient_bytes + 2 x param_bytes (what `full` reads: every gradient in the hooks, every `.grad` at the end of
+    the pass and for the step's final rows), "params_read_ms": the same over 2 x param_bytes (what `params`
+    reads)}; the times are medians of `rounds`. No per-tensor cost is in them: a lower bound."""
     import torch
 
     def timed(fn) -> float:
@@ -357,6 +385,12 @@ def floors(m: Model, rounds: int = 7) -> dict:
             times.append(time.perf_counter() - t0)
         return median(times)
 
+    def read_ms(nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        values = torch.randn(nbytes // 4)
+        return timed(lambda: torch.linalg.vector_norm(values)) * 1e3
+
     step_s = timed(lambda: m.step(m.model, m))
     loss = m.loss(m.model)
     nodes, seen, todo = [], set(), [loss.grad_fn]
@@ -367,14 +401,12 @@ def floors(m: Model, rounds: int = 7) -> dict:
         seen.add(node)
         nodes.append(node)
         todo.extend(f for f, _ in node.next_functions)
-    unique: dict = {}
-    kept: list = []  # every gradient stays alive while the pass runs: no freed storage is taken for a new one
+    grads: list = []  # kept alive while the pass runs: no freed storage is taken for a new gradient
 
     def hook(grad_inputs, grad_outputs):
         for t in (*grad_inputs, *grad_outputs):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                kept.append(t)
-                unique.setdefault((t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()), t.detach())
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_floating_point():
+                grads.append(t.detach())
 
     handles = [node.register_hook(hook) for node in nodes]
     try:
@@ -382,20 +414,32 @@ def floors(m: Model, rounds: int = 7) -> dict:
     finally:
         for h in handles:
             h.remove()
-    grads = [t for t in unique.values() if t.is_floating_point()]
     params = [p.grad for p in m.model.parameters() if p.grad is not None]
+    n_grads, grad_bytes = distinct_values(grads)
+    n_params, param_bytes = distinct_values(params)
     out = {
         "step_ms": step_s * 1e3,
+        "threads": torch.get_num_threads(),
         "nodes": len(nodes),
-        "gradients": len(grads),
-        "gradient_values": sum(t.numel() for t in grads),
-        "gradients_norm": timed(lambda: torch._foreach_norm(grads)) / step_s if grads else 0.0,
-        "params": len(params),
-        "param_values": sum(p.numel() for p in params),
-        "params_norm": timed(lambda: torch._foreach_norm(params)) / step_s if params else 0.0,
+        "gradients": n_grads,
+        "gradient_bytes": grad_bytes,
+        "params": n_params,
+        "param_bytes": param_bytes,
+        "full_read_ms": read_ms(grad_bytes + 2 * param_bytes),
+        "params_read_ms": read_ms(2 * param_bytes),
     }
     m.opt.zero_grad(set_to_none=True)
     return out
+
+
+def floor_of(res: dict, model: str, level: str) -> float | None:
+    """The floor ratio of `level` ('full' or 'params') on `model`: 1 + its read time over the plain step of the
+    same run (the `none` row at the floor's thread count; else the floor's own plain step), or None."""
+    f = res["models"].get(model, {}).get("floor")
+    if not f or level not in ("full", "params"):
+        return None
+    base = res["runs"].get(f"{model}/{f['threads']}", {}).get("none", {}).get("step_ms") or f["step_ms"]
+    return 1 + f[f"{level}_read_ms"] / base
 
 
 def interleave(slots: list[Slot], rounds: int, warmup: int, label: str) -> dict:
@@ -484,18 +528,17 @@ def measure(a) -> dict:
 
 
 # ---- the report --------------------------------------------------------------------------------------------
-def _verdict(model: str, row: str, threads: int, ratio, floor: dict | None = None) -> str:
-    """The issue 17 target of a 1-thread row, met or missed, and where `--parts` measured it, the row's floor:
-    `1 + gradients_norm` for `full`, `1 + 2 x params_norm` for `params` (see `floors`)."""
+def _verdict(model: str, row: str, threads: int, ratio, floor: float | None = None) -> str:
+    """The issue 17 target of a 1-thread row, met or missed, and where `--parts` measured it, the row's floor
+    (`floor_of`)."""
     if threads != 1 or ratio is None:
         return ""
     target = TARGETS.get((model, row)) or (PARAMS_TARGET if row == "params" else None)
     if target is None:
         return ""
     text = f"<= {target:.2f}: " + ("met" if ratio <= target else f"missed by {ratio - target:.2f}")
-    if floor and row in ("full", "params"):
-        low = 1 + floor["gradients_norm"] if row == "full" else 1 + 2 * floor["params_norm"]
-        text += f" (floor {low:.3f}" + (", above the target)" if low > target else ")")
+    if floor is not None:
+        text += f" (floor {floor:.3f}" + (", above the target)" if floor > target else ")")
     return text
 
 
@@ -528,22 +571,23 @@ def report(res: dict) -> str:
             "",
             "## Floors (`--parts`)",
             "",
-            "Plain PyTorch, once per model before its rounds, at the first thread count: one `torch._foreach_norm` "
-            "over the unique gradient tensors of one backward pass (every `grad_inputs` / `grad_outputs` item the "
-            "nodes' hooks see, one per storage, offset, shape and stride) and over the parameters' `.grad`, as a "
-            "fraction of the plain step (medians of 7). `full` reads every gradient at least once; `params` reads "
-            "every `.grad` twice a step (the pass's `param_grad` rows, the step's `final` rows). A lower bound: "
-            "nothing else of the recording is in it.",
+            "Plain PyTorch, once per model before its rounds: the gradients that hooks on every node of one "
+            "backward pass see (`grad_inputs` and `grad_outputs`), and the parameters' `.grad`, each element "
+            "counted once however many views reach it; then one `torch.linalg.vector_norm` over a contiguous "
+            "float32 tensor of as many bytes as a level reads in a step: `full`, every gradient once and every "
+            "`.grad` twice (the pass's `param_grad` rows, the step's `final` rows); `params`, every `.grad` twice. "
+            "Floor = 1 + that time / the `none` row's step of the same run. Reading the values once, with no "
+            "cost per tensor, per node or per row: a lower bound, not an estimate.",
             "",
-            "| model | plain step (ms) | nodes | unique gradients (M values) | one norm of each / step | `full` >= | "
-            "parameters' `.grad` (M values) | one norm of each / step | `params` >= |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| model | nodes | gradients: storages (MB) | parameters' `.grad`: storages (MB) | `full` reads (ms) | "
+            "`full` >= | `params` reads (ms) | `params` >= |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name, f in floor_rows:
             lines.append(
-                f"| `{name}` | {f['step_ms']:.1f} | {f['nodes']} | {f['gradients']} ({f['gradient_values'] / 1e6:.2f}) "
-                f"| {f['gradients_norm']:.3f} | {1 + f['gradients_norm']:.2f} | {f['params']} "
-                f"({f['param_values'] / 1e6:.2f}) | {f['params_norm']:.3f} | {1 + 2 * f['params_norm']:.2f} |"
+                f"| `{name}` | {f['nodes']} | {f['gradients']} ({f['gradient_bytes'] / 1e6:.1f}) | {f['params']} "
+                f"({f['param_bytes'] / 1e6:.1f}) | {f['full_read_ms']:.2f} | {floor_of(res, name, 'full'):.3f} | "
+                f"{f['params_read_ms']:.2f} | {floor_of(res, name, 'params'):.3f} |"
             )
     lines += [
         "",
@@ -558,7 +602,7 @@ def report(res: dict) -> str:
         for row, e in run.items():
             step = f"{e['step_ms']:.1f}" if "step_ms" in e else ""
             spread = ", ".join(f"{r:.2f}" for r in e["ratios"])
-            verdict = _verdict(model, row, int(threads), e["ratio"], res["models"].get(model, {}).get("floor"))
+            verdict = _verdict(model, row, int(threads), e["ratio"], floor_of(res, model, row))
             k = e.get("k", "")
             lines.append(
                 f"| `{model}` | {threads} | `{row}` | {k} | {step} | {e['ratio']:.2f} | {spread} | {verdict} |"
