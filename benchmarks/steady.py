@@ -4,7 +4,7 @@
     python -m benchmarks.steady --quick --tiny      # a smoke run (seconds): checks the script, not the numbers
     python -m benchmarks.steady --models mlp --threads 1 --levels none,full
     python -m benchmarks.steady --profile mlp       # cProfile of recorded steps of one model, by own time
-    python -m benchmarks.steady --models mlp,cnn --threads 1 --parts    # also where the cost is, and its floor
+    python -m benchmarks.steady --models mlp,cnn --threads 1 --parts    # also where the cost is, and its read cost
 
 What is timed: a *block* of K consecutive steps. A recorded block is K steps of the function decorated with
 `gradstore.record(run, db=..., model=model, stats=level)` followed by `rec.flush()` (which returns once the
@@ -30,13 +30,14 @@ Models (each step: forward, loss, `loss.backward()`, SGD step, `zero_grad(set_to
   where the recorder hands them to the writer (`gradstore.store.writer.Writer.submit` returns at once for that
   block's database; nothing is built, written or sent to a child): the training thread's own cost, interleaved
   in the same rounds;
-- the model's *floor*, measured once before the rounds, with plain PyTorch (`floors`): the gradients that hooks
+- the model's *read cost*, measured once before the rounds, with plain PyTorch (`floors`): the gradients that hooks
   on every node of one backward pass see (`grad_inputs`, `grad_outputs`) and the parameters' `.grad`, each
   element counted once however many views reach it, and the time of one `torch.linalg.vector_norm` over a
   contiguous float32 tensor of as many bytes as a level reads a step: `full` every gradient once and every
   `.grad` twice, `params` every `.grad` twice (the pass's `param_grad` rows and the step's `final` ones).
-  `1 + that time / the plain step` is a lower bound of the level's ratio: the values read once, at the
-  machine's speed for one long tensor, without any cost per tensor, node or row.
+  `1 + that time / the plain step` is what measuring those values costs at memory speed, with no cost per
+  tensor, node or row: a reference, not a bound (hooks read a gradient just after the op wrote it, while it may
+  still be in cache, which one long tensor read from memory is not).
 
 Everything here measures; nothing is imported by gradstore. Not part of `python -m benchmarks.run`.
 """
@@ -92,8 +93,8 @@ def parse_args(argv=None):
         "--parts",
         action="store_true",
         help="also '<level>, no writer' blocks (the writer's step work discarded: the training thread's own cost) "
-        "and each model's floor (the time of reading the values a level measures once, plain PyTorch); not for "
-        "nan",
+        "and each model's read cost (the time of reading the values a level measures once, plain PyTorch); not "
+        "for nan",
     )
     p.add_argument("--mlp-blocks", type=int, default=48, help="residual blocks of the mlp model (default 48)")
     p.add_argument("--mlp-width", type=int, default=128, help="width of the mlp model (default 128)")
@@ -365,7 +366,7 @@ def distinct_values(tensors: list) -> tuple[int, int]:
 
 def floors(m: Model, rounds: int = 7) -> dict:
     """What reading the values the statistics need costs on `m` (see the module docstring, `--parts`), with
-    plain PyTorch, at the current torch thread count.
+    plain PyTorch, at the current torch thread count (the report's "read cost": a reference, not a bound).
 
     Returns {"step_ms": the plain step here (median of `rounds`), "nodes": the backward graph's nodes,
     "gradients": the storages of the gradients hooks on every node see (grad_inputs and grad_outputs),
@@ -373,7 +374,8 @@ def floors(m: Model, rounds: int = 7) -> dict:
     `.grad`, "full_read_ms": one `torch.linalg.vector_norm` over a contiguous float32 tensor of
     gradient_bytes + 2 x param_bytes (what `full` reads: every gradient in the hooks, every `.grad` at the end of
     the pass and for the step's final rows), "params_read_ms": the same over 2 x param_bytes (what `params`
-    reads)}; the times are medians of `rounds`. No per-tensor cost is in them: a lower bound."""
+    reads)}; the times are medians of `rounds`. No per-tensor cost is in them; the values are read from memory,
+    where hooks may find a gradient still in cache."""
     import torch
 
     def timed(fn) -> float:
@@ -433,8 +435,8 @@ def floors(m: Model, rounds: int = 7) -> dict:
 
 
 def floor_of(res: dict, model: str, level: str) -> float | None:
-    """The floor ratio of `level` ('full' or 'params') on `model`: 1 + its read time over the plain step of the
-    same run (the `none` row at the floor's thread count; else the floor's own plain step), or None."""
+    """The read-cost ratio of `level` ('full' or 'params') on `model`: 1 + its read time over the plain step of the
+    same run (the `none` row at the read cost's thread count; else its own plain step), or None."""
     f = res["models"].get(model, {}).get("floor")
     if not f or level not in ("full", "params"):
         return None
@@ -529,7 +531,7 @@ def measure(a) -> dict:
 
 # ---- the report --------------------------------------------------------------------------------------------
 def _verdict(model: str, row: str, threads: int, ratio, floor: float | None = None) -> str:
-    """The issue 17 target of a 1-thread row, met or missed, and where `--parts` measured it, the row's floor
+    """The issue 17 target of a 1-thread row, met or missed, and where `--parts` measured it, the row's read cost
     (`floor_of`)."""
     if threads != 1 or ratio is None:
         return ""
@@ -538,7 +540,7 @@ def _verdict(model: str, row: str, threads: int, ratio, floor: float | None = No
         return ""
     text = f"<= {target:.2f}: " + ("met" if ratio <= target else f"missed by {ratio - target:.2f}")
     if floor is not None:
-        text += f" (floor {floor:.3f}" + (", above the target)" if floor > target else ")")
+        text += f" (one read of its values: {floor:.3f}" + (", above the target)" if floor > target else ")")
     return text
 
 
@@ -569,15 +571,16 @@ def report(res: dict) -> str:
     if floor_rows:
         lines += [
             "",
-            "## Floors (`--parts`)",
+            "## Read cost (`--parts`)",
             "",
             "Plain PyTorch, once per model before its rounds: the gradients that hooks on every node of one "
             "backward pass see (`grad_inputs` and `grad_outputs`), and the parameters' `.grad`, each element "
             "counted once however many views reach it; then one `torch.linalg.vector_norm` over a contiguous "
             "float32 tensor of as many bytes as a level reads in a step: `full`, every gradient once and every "
             "`.grad` twice (the pass's `param_grad` rows, the step's `final` rows); `params`, every `.grad` twice. "
-            "Floor = 1 + that time / the `none` row's step of the same run. Reading the values once, with no "
-            "cost per tensor, per node or per row: a lower bound, not an estimate.",
+            "Read cost = 1 + that time / the `none` row's step of the same run: measuring those values at memory "
+            "speed, with no cost per tensor, node or row. A reference, not a bound: hooks read a gradient just "
+            "after the op wrote it, while it may still be in cache.",
             "",
             "| model | nodes | gradients: storages (MB) | parameters' `.grad`: storages (MB) | `full` reads (ms) | "
             "`full` >= | `params` reads (ms) | `params` >= |",

@@ -119,7 +119,7 @@ def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
     for name in ("none", "full", "shape", "params"):
         assert len(results["runs"]["mlp/1"][name]["ratios"]) == 2  # --quick: 2 timed rounds
     assert results["models"]["mlp"]["nodes"] > 100
-    # --parts: the training thread's own cost per level, and the floor, counted by plain PyTorch here too
+    # --parts: the training thread's own cost per level, and the read cost, its bytes counted here another way
     for name in ("full, no writer", "params, no writer"):
         assert len(results["runs"]["mlp/1"][name]["ratios"]) == 2
     floor = results["models"]["mlp"]["floor"]
@@ -128,7 +128,7 @@ def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
         2 * 32 + 32 * 10 + 10
     )
     assert floor["full_read_ms"] > floor["params_read_ms"] > 0
-    assert "| `cnn` | " in report.split("## Floors")[1].split("## Ratios")[0]
+    assert "| `cnn` | " in report.split("## Read cost")[1].split("## Ratios")[0]
 
 
 def _distinct_gradient_bytes() -> tuple[int, int]:
