@@ -583,7 +583,7 @@ def report(res: dict) -> str:
             "after the op wrote it, while it may still be in cache.",
             "",
             "| model | nodes | gradients: storages (MB) | parameters' `.grad`: storages (MB) | `full` reads (ms) | "
-            "`full` >= | `params` reads (ms) | `params` >= |",
+            "`full`, one read | `params` reads (ms) | `params`, one read |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for name, f in floor_rows:
