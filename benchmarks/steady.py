@@ -30,7 +30,7 @@ Models (each step: forward, loss, `loss.backward()`, SGD step, `zero_grad(set_to
   where the recorder hands them to the writer (`gradstore.store.writer.Writer.submit` returns at once for that
   block's database; nothing is built, written or sent to a child): the training thread's own cost, interleaved
   in the same rounds;
-- the model's *read cost*, measured once before the rounds, with plain PyTorch (`floors`): the gradients that hooks
+- the model's *read cost*, measured once before the rounds, with plain PyTorch (`read_costs`): the gradients that hooks
   on every node of one backward pass see (`grad_inputs`, `grad_outputs`) and the parameters' `.grad`, each
   element counted once however many views reach it, and the time of one `torch.linalg.vector_norm` over a
   contiguous float32 tensor of as many bytes as a level reads a step: `full` every gradient once and every
@@ -364,7 +364,7 @@ def distinct_values(tensors: list) -> tuple[int, int]:
     return len(by_storage), total
 
 
-def floors(m: Model, rounds: int = 7) -> dict:
+def read_costs(m: Model, rounds: int = 7) -> dict:
     """What reading the values the statistics need costs on `m` (see the module docstring, `--parts`), with
     plain PyTorch, at the current torch thread count (the report's "read cost": a reference, not a bound).
 
@@ -434,10 +434,10 @@ def floors(m: Model, rounds: int = 7) -> dict:
     return out
 
 
-def floor_of(res: dict, model: str, level: str) -> float | None:
+def read_cost_of(res: dict, model: str, level: str) -> float | None:
     """The read-cost ratio of `level` ('full' or 'params') on `model`: 1 + its read time over the plain step of the
     same run (the `none` row at the read cost's thread count; else its own plain step), or None."""
-    f = res["models"].get(model, {}).get("floor")
+    f = res["models"].get(model, {}).get("read_cost")
     if not f or level not in ("full", "params"):
         return None
     base = res["runs"].get(f"{model}/{f['threads']}", {}).get("none", {}).get("step_ms") or f["step_ms"]
@@ -509,8 +509,8 @@ def measure(a) -> dict:
                             for lv in a.levels
                             if lv != "none"
                         ]
-                    if a.parts and "floor" not in results["models"][name]:
-                        results["models"][name]["floor"] = floors(m)
+                    if a.parts and "read_cost" not in results["models"][name]:
+                        results["models"][name]["read_cost"] = read_costs(m)
                     if a.keep:  # the flight recorder: every step measured at full into the ring, summaries written
                         slots.append(Slot(m, "full", sub, k, name=f"full keep={a.keep}", keep=a.keep, **opts))
                 res = interleave(slots, a.rounds, a.warmup, f"{name} {threads}t")
@@ -530,17 +530,17 @@ def measure(a) -> dict:
 
 
 # ---- the report --------------------------------------------------------------------------------------------
-def _verdict(model: str, row: str, threads: int, ratio, floor: float | None = None) -> str:
+def _verdict(model: str, row: str, threads: int, ratio, read: float | None = None) -> str:
     """The issue 17 target of a 1-thread row, met or missed, and where `--parts` measured it, the row's read cost
-    (`floor_of`)."""
+    (`read_cost_of`)."""
     if threads != 1 or ratio is None:
         return ""
     target = TARGETS.get((model, row)) or (PARAMS_TARGET if row == "params" else None)
     if target is None:
         return ""
     text = f"<= {target:.2f}: " + ("met" if ratio <= target else f"missed by {ratio - target:.2f}")
-    if floor is not None:
-        text += f" (one read of its values: {floor:.3f}" + (", above the target)" if floor > target else ")")
+    if read is not None:
+        text += f" (one read of its values: {read:.3f}" + (", above the target)" if read > target else ")")
     return text
 
 
@@ -567,8 +567,8 @@ def report(res: dict) -> str:
     lines += ["", "## Models", "", "| model | what | nodes per backward |", "|---|---|---|"]
     for name, d in res["models"].items():
         lines.append(f"| `{name}` | {d['describe']} | {d['nodes']} |")
-    floor_rows = [(name, d["floor"]) for name, d in res["models"].items() if "floor" in d]
-    if floor_rows:
+    cost_rows = [(name, d["read_cost"]) for name, d in res["models"].items() if "read_cost" in d]
+    if cost_rows:
         lines += [
             "",
             "## Read cost (`--parts`)",
@@ -586,11 +586,11 @@ def report(res: dict) -> str:
             "`full`, one read | `params` reads (ms) | `params`, one read |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for name, f in floor_rows:
+        for name, f in cost_rows:
             lines.append(
                 f"| `{name}` | {f['nodes']} | {f['gradients']} ({f['gradient_bytes'] / 1e6:.1f}) | {f['params']} "
-                f"({f['param_bytes'] / 1e6:.1f}) | {f['full_read_ms']:.2f} | {floor_of(res, name, 'full'):.3f} | "
-                f"{f['params_read_ms']:.2f} | {floor_of(res, name, 'params'):.3f} |"
+                f"({f['param_bytes'] / 1e6:.1f}) | {f['full_read_ms']:.2f} | {read_cost_of(res, name, 'full'):.3f} | "
+                f"{f['params_read_ms']:.2f} | {read_cost_of(res, name, 'params'):.3f} |"
             )
     lines += [
         "",
@@ -605,7 +605,7 @@ def report(res: dict) -> str:
         for row, e in run.items():
             step = f"{e['step_ms']:.1f}" if "step_ms" in e else ""
             spread = ", ".join(f"{r:.2f}" for r in e["ratios"])
-            verdict = _verdict(model, row, int(threads), e["ratio"], floor_of(res, model, row))
+            verdict = _verdict(model, row, int(threads), e["ratio"], read_cost_of(res, model, row))
             k = e.get("k", "")
             lines.append(
                 f"| `{model}` | {threads} | `{row}` | {k} | {step} | {e['ratio']:.2f} | {spread} | {verdict} |"
