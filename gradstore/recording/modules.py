@@ -287,13 +287,38 @@ class ForwardRecord:
     sequence_nr, name)
     of the grad_fn of each tensor a module call returned (its direct tensors, and those of a tuple, list or
     dict it returned).
+
+    The hooks append to flat columns of numbers and strings (`call_names` ... `out_names`), which the garbage
+    collector does not track: a list or tuple per module call would count towards its young generation on
+    every call and be promoted with the step's state, and on a model with hundreds of module calls a step
+    that made the full collections, which walk every object of the process, several times as frequent.
+    `calls` and `outputs` are built from the columns each time they are read (the findings, off the training
+    thread).
     """
 
     seqs: list = field(default_factory=list)
     owners: list = field(default_factory=list)
     owner_calls: list = field(default_factory=list)
-    calls: list = field(default_factory=list)
-    outputs: list = field(default_factory=list)
+    call_names: list = field(default_factory=list)
+    call_seqs: list = field(default_factory=list)
+    call_contexts: list = field(default_factory=list)
+    call_lasts: list = field(default_factory=list)
+    call_exits: list = field(default_factory=list)
+    out_calls: list = field(default_factory=list)
+    out_seqs: list = field(default_factory=list)
+    out_names: list = field(default_factory=list)
+
+    @property
+    def calls(self) -> list[list]:
+        """[module name, entry sequence number, context, last, exit sequence number] per module call (above)."""
+        return [
+            list(c) for c in zip(self.call_names, self.call_seqs, self.call_contexts, self.call_lasts, self.call_exits)
+        ]
+
+    @property
+    def outputs(self) -> list[tuple]:
+        """(call index, sequence_nr, grad_fn name) per tensor a module call returned (above)."""
+        return list(zip(self.out_calls, self.out_seqs, self.out_names))
 
 
 class ModuleTracker:
@@ -339,7 +364,9 @@ class ModuleTracker:
         """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
         self._record = record
         self._seqs, self._owners, self._owner_calls = record.seqs, record.owners, record.owner_calls
-        self._calls, self._outputs = record.calls, record.outputs
+        self._names, self._entries, self._contexts = record.call_names, record.call_seqs, record.call_contexts
+        self._lasts, self._exits = record.call_lasts, record.call_exits
+        self._out_calls, self._out_seqs, self._out_names = record.out_calls, record.out_seqs, record.out_names
 
     @classmethod
     def for_models(cls, models: list[tuple[str, nn.Module]], refresh=None) -> ModuleTracker:
@@ -392,10 +419,14 @@ class ModuleTracker:
         elif self.regions:
             region = self.regions.get(key)
         seq = _peek()
-        calls = self._calls
-        index = len(calls)
+        names = self._names
+        index = len(names)
         context = self.context
-        calls.append([name, seq, None if context is None else context(), None, None])
+        names.append(name)
+        self._entries.append(seq)
+        self._contexts.append(None if context is None else context())
+        self._lasts.append(None)
+        self._exits.append(None)
         self._stack.append(index)
         self._seqs.append(seq)
         self._owners.append(name)
@@ -410,28 +441,30 @@ class ModuleTracker:
             return
         stack = self._stack
         seq = _peek()
-        calls = self._calls
+        names = self._names
         if stack:
             index = stack.pop()
-            call = calls[index]
-            call[3] = len(calls) - 1
-            call[4] = seq
+            self._lasts[index] = len(names) - 1
+            self._exits[index] = seq
             # the grad_fn of each tensor it returned (read now: holding the output would keep its graph alive)
             if isinstance(output, _TENSOR):
                 fn = output.grad_fn
                 if fn is not None:
-                    self._outputs.append((index, _sequence_nr(fn), fn.name()))
+                    self._out_calls.append(index)
+                    self._out_seqs.append(_sequence_nr(fn))
+                    self._out_names.append(fn.name())
             elif isinstance(output, _CONTAINERS):
-                outputs = self._outputs
                 for t in output.values() if isinstance(output, dict) else output:
                     if isinstance(t, _TENSOR):
                         fn = t.grad_fn
                         if fn is not None:
-                            outputs.append((index, _sequence_nr(fn), fn.name()))
+                            self._out_calls.append(index)
+                            self._out_seqs.append(_sequence_nr(fn))
+                            self._out_names.append(fn.name())
         self._seqs.append(seq)
         if stack:
             top = stack[-1]
-            self._owners.append(calls[top][0])
+            self._owners.append(names[top])
             self._owner_calls.append(top)
         else:
             self._owners.append("")
@@ -483,7 +516,7 @@ class ModuleTracker:
 
     def modules_ran(self) -> set[str]:
         """The names of the modules whose forward ran since `clear()`."""
-        return {c[0] for c in self._record.calls}
+        return set(self._record.call_names)
 
     def signature(self) -> tuple | None:
         """What `owner` and `region` depend on, as (base, value): the module boundaries seen so far with their
