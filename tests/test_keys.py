@@ -406,7 +406,7 @@ def _describe_twice(model, make_input, memo: bool):
     finally:
         tracker.remove()
     w = graph.walk([loss.grad_fn])
-    infos = graph.describe(w, tracker.owner, names, {}, None, tracker.signature() if memo else None)
+    infos = graph.describe(w, tracker.owner, names, graph.Keyed(), None, tracker.signature() if memo else None)
     return infos
 
 

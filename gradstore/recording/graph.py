@@ -124,6 +124,65 @@ def walk(roots: list, base: int = 0, native=None) -> Walk:
     return w
 
 
+class Keyed:
+    """The Nodes keyed earlier in one step: id(node) -> (node, its NodeInfo, the key scope it was keyed in).
+
+    Held in flat lists (one position per node) rather than a tuple per node: a tuple holding a Node stays tracked
+    by the garbage collector for as long as the step holds it, and 633 of them a pass (benchmarks/steady.py's
+    MLP) counted towards its collections and were promoted with the step. The Nodes are held, so their `id()`s
+    stay theirs until `clear()`."""
+
+    __slots__ = ("_at", "_nodes", "_infos", "_scopes")
+
+    def __init__(self):
+        self._at: dict[int, int] = {}
+        self._nodes: list = []
+        self._infos: list[NodeInfo] = []
+        self._scopes: list[dict] = []
+
+    def __contains__(self, ident: int) -> bool:
+        return ident in self._at
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def get(self, ident: int) -> tuple | None:
+        """(node, NodeInfo, scope) of the node whose id() is `ident`, or None."""
+        i = self._at.get(ident)
+        return None if i is None else (self._nodes[i], self._infos[i], self._scopes[i])
+
+    def isdisjoint(self, idents) -> bool:
+        """True when no id of `idents` is keyed here."""
+        return self._at.keys().isdisjoint(idents)
+
+    def add(self, ident: int, node, info: NodeInfo, scope: dict) -> None:
+        """Key one node (a node keyed already keeps its entry)."""
+        if ident not in self._at:
+            self._at[ident] = len(self._nodes)
+            self._nodes.append(node)
+            self._infos.append(info)
+            self._scopes.append(scope)
+
+    def add_all(self, idents, nodes: list, infos, scope: dict) -> None:
+        """Key the nodes of a pass none of which is keyed yet (`isdisjoint`), all in `scope`."""
+        start = len(self._nodes)
+        self._at.update(zip(idents, range(start, start + len(nodes))))
+        self._nodes.extend(nodes)
+        self._infos.extend(infos)
+        self._scopes.extend(repeat(scope, len(nodes)))
+
+    def set_info(self, ident: int, info: NodeInfo) -> None:
+        """Replace the NodeInfo of a keyed node."""
+        self._infos[self._at[ident]] = info
+
+    def clear(self) -> None:
+        """Forget every node (the end of a step): the Nodes are let go."""
+        self._at.clear()
+        self._nodes.clear()
+        self._infos.clear()
+        self._scopes.clear()
+
+
 _MEMO: dict = {}  # signature of a fresh pass -> (its NodeInfos, its key scope as items)
 _MEMO_SIZE = 32
 
@@ -176,7 +235,7 @@ def describe(
     w: Walk,
     owner,
     param_names: dict[int, str],
-    known: dict[int, tuple],
+    known: Keyed,
     parent_scope: dict | None = None,
     owner_key: tuple | None = None,
     region=None,
@@ -191,8 +250,8 @@ def describe(
             for the nodes created before this step (step None where no recorded step created it).
         owner: callable sequence_nr -> module qualified name ('' outside any module).
         param_names: id(parameter) -> qualified name.
-        known: id(node) -> (node, NodeInfo, scope) for nodes already keyed earlier in this step (a second
-            pass over the same graph, double backward); updated in place.
+        known: the nodes already keyed earlier in this step (`Keyed`: a second pass over the same graph, double
+            backward); updated in place.
         parent_scope: the key scope of the enclosing pass, for a nested pass (reentrant checkpoint).
         owner_key: `ModuleTracker.signature()` of the tracker behind `owner` (and `region`), or None. When given, a
             fresh pass (none of its nodes known, no parent scope) whose graph has the same signature as an earlier
@@ -216,7 +275,7 @@ def describe(
     memo_key = None
     seqs = None
     first_seq = lineage.first_seq if lineage is not None else None
-    if owner_key is not None and parent_scope is None and known.keys().isdisjoint(w.index):
+    if owner_key is not None and parent_scope is None and known.isdisjoint(w.index):
         memo_key, seqs = _signature(w, param_names, owner_key)
         if first_seq is not None and _earlier(seqs, first_seq):
             memo_key = None  # nodes of an earlier step: keyed from the lineage, not the memo
@@ -224,7 +283,7 @@ def describe(
         if hit is not None:
             cached, scope_items = hit
             scope = dict(scope_items)
-            known.update(zip(w.index, zip(w.nodes, cached, repeat(scope))))  # index: id(node) in walk order
+            known.add_all(w.index, w.nodes, cached, scope)  # index: id(node) in walk order
             w.scope = scope
             w.seqs = seqs
             return list(cached)
@@ -287,8 +346,7 @@ def describe(
             infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, kind, module, None, region=inside)
         scope[(module, name)] = start + len(members) - 1
     for i, node in enumerate(w.nodes):
-        if id(node) not in known:
-            known[id(node)] = (node, infos[i], scope)
+        known.add(id(node), node, infos[i], scope)
     w.scope = scope
     w.born = born or None
     if memo_key is not None:

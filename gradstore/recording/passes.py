@@ -28,7 +28,7 @@ from ..records import NodeInfo, PassRecord
 from . import native as native_hooks
 from . import torch_private as tp
 from .final_grads import measure_params, wanted
-from .graph import describe, roots_of, walk
+from .graph import Keyed, describe, roots_of, walk
 from .inside import PassInside
 from .native import LEVEL_CODES
 from .options import Options
@@ -49,7 +49,7 @@ class StepState:
         self.native_step = native.step() if native is not None else None
         self._seq = itertools.count()  # next() is atomic under the GIL: hooks may fire on device threads
         self.pass_count = 0
-        self.known: dict[int, tuple] = {}
+        self.known = Keyed()
         self.active: list[PassRecorder] = []
         self.records: list[PassRecord] = []
         self.open_calls = threading.local()
@@ -274,7 +274,7 @@ class PassRecorder:
                     frame = frame_of(tp.sequence_nr(node))
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
-                        step.known[id(node)] = (node, self.infos[i]) + step.known[id(node)][2:]
+                        step.known.set_info(id(node), self.infos[i])
         if options.forward:  # the roots (the loss), as they are when the pass starts
             self._measure_roots(outputs)
         if tp.compiled_autograd_active():

@@ -887,6 +887,22 @@ PyObject* py_finish(PyObject*, PyObject* cap) {
                        (long long)p.measured, (long long)p.reused, faults, nonfinite ? Py_True : Py_False);
 }
 
+// a row tuple whose items are all None, int, float, str or bytes can be part of no reference cycle: it leaves the
+// garbage collector's lists (as CPython does for such a tuple at its first collection, `_PyTuple_MaybeUntrack`, but
+// at once and for the Row subclass too), so the rows of a step that lives until it is written are never traversed
+// or promoted by a collection
+void untrack_if_atomic(PyObject* row) {
+  Py_ssize_t n = PyTuple_GET_SIZE(row);
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* x = PyTuple_GET_ITEM(row, k);
+    if (x == nullptr) return;
+    if (x != Py_None && !PyLong_CheckExact(x) && !PyFloat_CheckExact(x) && !PyUnicode_CheckExact(x) &&
+        !PyBytes_CheckExact(x) && !PyBool_Check(x))
+      return;
+  }
+  if (PyObject_GC_IsTracked(row)) PyObject_GC_UnTrack(row);
+}
+
 // call_rows(pass, keys) -> [(node key, seq, start s, duration s or None)] in call order (rows.call_rows of the
 // Python hooks' calls); after finish()
 PyObject* py_call_rows(PyObject*, PyObject* args) {
@@ -912,6 +928,7 @@ PyObject* py_call_rows(PyObject*, PyObject* args) {
     PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(c.seq));
     PyTuple_SET_ITEM(row, 2, PyFloat_FromDouble(c.start));
     PyTuple_SET_ITEM(row, 3, c.ended ? PyFloat_FromDouble(c.dur) : none());
+    untrack_if_atomic(row);
     PyList_SET_ITEM(out, i, row);
   }
   return out;
@@ -1007,6 +1024,7 @@ PyObject* py_param_rows(PyObject*, PyObject* args) {
         return nullptr;
       }
       fill_row(row, 0, r);
+      untrack_if_atomic(row);
     } else {
       row = none();
     }
@@ -1054,6 +1072,7 @@ PyObject* py_rows(PyObject*, PyObject* args) {
       fill_row(row, 4, e.r);
     }
     for (int k = 0; k < 4; ++k) PyTuple_SET_ITEM(row, k, head[k]);
+    untrack_if_atomic(row);
     PyList_SET_ITEM(out, i, row);
   }
   return out;
