@@ -20,7 +20,7 @@ from torch.autograd.function import BackwardCFunction
 
 from ..records import NodeInfo
 from . import torch_private as tp
-from .rows import LazyRows
+from .rows import LazyRows, PackedRows
 
 ACCUMULATE_GRAD = "AccumulateGrad"
 
@@ -77,6 +77,7 @@ class Walk:
     born: dict[int, tuple] | None = None  # set by describe: index -> (step, pass) of nodes of earlier steps
     raw_seqs: list[int] | None = None  # the C++ walk's: each node's sequence_nr, read during the walk
     sig: tuple | None = None  # the C++ walk's: (base, signature bytes, id of each AccumulateGrad's variable)
+    edge_bytes: bytes | None = None  # the C++ walk's: the edges as four native int32 each (`edges` unpacks them)
 
 
 def walk(roots: list, base: int = 0, native=None) -> Walk:
@@ -98,7 +99,8 @@ def walk(roots: list, base: int = 0, native=None) -> Walk:
             pass
         else:  # the edges' tuples are made where they are first read (the writer thread: rows.LazyRows)
             edge_rows = LazyRows(len(edges) // 16, lambda: list(struct.iter_unpack("=4i", edges)))
-            return Walk(nodes, edge_rows, index, raw_seqs=seqs, sig=(base, signature, leaves))
+            edge_rows.pack = lambda: PackedRows("walk_edges", len(edges) // 16, (edges,))
+            return Walk(nodes, edge_rows, index, raw_seqs=seqs, sig=(base, signature, leaves), edge_bytes=edges)
     w = Walk()
     index = w.index
     nodes = w.nodes

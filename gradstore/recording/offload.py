@@ -186,19 +186,22 @@ def _records(batch: StepBatch, facts) -> list:
 
 def detached(batch: StepBatch) -> tuple[StepBatch, object | None]:
     """(the step with every row built as a plain list, the StepFacts its findings are built from or None).
+    The C++ hooks' tensor and call rows are not built: they go as `PackedRows` (bytes), built in the child.
 
     The findings' five fields (nodes, param_names, param_status, module_calls, step_nodes) are left empty
     and their facts returned when they are the step's own, unbuilt findings (LazyRows whose `source` is one
     Findings); otherwise (a flight-recorder summary, findings already built, a dropped step) they are built
     here and the facts are None. Every field of the result pickles."""
-    passes = {id(p): replace(p, **built_fields(p)) for p in batch.passes}
+    passes = {id(p): replace(p, **built_fields(p, packed=True)) for p in batch.passes}
     sources = {getattr(getattr(batch, name), "source", None) for name in _FINDINGS_FIELDS}
     source = sources.pop() if len(sources) == 1 else None
     facts = None
     if isinstance(source, Findings) and all(
         isinstance(v := getattr(batch, name), LazyRows) and not v.built for name in _FINDINGS_FIELDS
     ):
-        facts = source.handover([passes.get(id(r)) or replace(r, **built_fields(r)) for r in source.records()])
+        facts = source.handover(
+            [passes.get(id(r)) or replace(r, **built_fields(r, packed=True)) for r in source.records()]
+        )
     rows = {}
     for f in fields(batch):
         value = getattr(batch, f.name)

@@ -32,7 +32,7 @@ from .graph import Keyed, describe, roots_of, walk
 from .inside import PassInside
 from .native import LEVEL_CODES
 from .options import Options
-from .rows import LazyRows, call_rows, edge_rows, tensor_rows
+from .rows import LazyRows, PackedRows, call_rows, edge_rows, tensor_rows
 from .saved import saved_tensors, saved_versions
 from .stats import NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, to_rows
 
@@ -513,6 +513,9 @@ class PassRecorder:
             if self.walk is not None:
                 edges = self.walk.edges
                 rec.edges = LazyRows(len(edges), lambda: edge_rows(edges, infos))
+                blob = self.walk.edge_bytes
+                if blob is not None:  # the C++ walk's bytes, with the keys: built where they are read
+                    rec.edges.pack = lambda: PackedRows("edges", len(edges), (blob, [i.key for i in infos]))
             if native is not None:
                 self._native_rows(native, param_keys)
             else:
@@ -594,6 +597,14 @@ class PassRecorder:
             return made[0]
 
         rec.calls = LazyRows(ncalls, lambda: module.call_rows(cap, keys_of()))
+        packed: list = []
+
+        def pack() -> tuple[bytes, bytes]:  # the tensor and call rows as bytes, packed once (the writer thread)
+            if not packed:
+                packed.append(module.pack(cap))
+            return packed[0]
+
+        rec.calls.pack = lambda: PackedRows("calls", ncalls, (pack()[1], keys_of()))
         handed = [
             m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
             for m in fallbacks
@@ -620,7 +631,13 @@ class PassRecorder:
                 params, infos, param_keys, host[len(handed) :]
             )
 
+        def build_packed() -> PackedRows:  # the same rows: the C++ hooks' packed, the param_grad rows built here
+            host = rows if rows is not None else to_rows(results)
+            tail = tensor_rows(params, infos, param_keys, host[len(handed) :])
+            return PackedRows("tensors", count + len(params), (pack()[0], keys_of(), host[: len(handed)], tail))
+
         rec.tensors = LazyRows(count + len(params), build)
+        rec.tensors.pack = build_packed
 
 
 def _on_device(tensors: list) -> bool:

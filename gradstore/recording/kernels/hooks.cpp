@@ -1033,6 +1033,44 @@ PyObject* py_param_rows(PyObject*, PyObject* args) {
   return out;
 }
 
+// one tensor row: (key, seq, role code, slot, *ROW_COLUMNS, sharding); a K_PY result takes the next of the fallback
+// rows `fb` (the ROW_COLUMNS tuples of finish()'s fallbacks, in order: gradstore.recording.stats.to_rows). nullptr
+// with an exception set on an error.
+PyObject* tensor_row(PyObject* key, int64_t seq, long role, long slot, const Result& r, PyObject* fb,
+                     Py_ssize_t& next_fb) {
+  PyObject* row;
+  if (r.kind == K_PY) {
+    if (next_fb >= PyList_GET_SIZE(fb)) {
+      PyErr_SetString(PyExc_ValueError, "rows(): fewer fallback rows than fallbacks");
+      return nullptr;
+    }
+    PyObject* tail = PyList_GET_ITEM(fb, next_fb++);
+    if (!PyTuple_Check(tail)) {
+      PyErr_SetString(PyExc_TypeError, "rows(): a fallback row is a tuple");
+      return nullptr;
+    }
+    Py_ssize_t nt = PyTuple_GET_SIZE(tail);
+    row = PyTuple_New(4 + nt);
+    if (row == nullptr) return nullptr;
+    for (Py_ssize_t k = 0; k < nt; ++k) {
+      PyObject* x = PyTuple_GET_ITEM(tail, k);
+      Py_INCREF(x);
+      PyTuple_SET_ITEM(row, 4 + k, x);
+    }
+  } else {
+    row = PyTuple_New(4 + G.columns);
+    if (row == nullptr) return nullptr;
+    fill_row(row, 4, r);
+  }
+  Py_INCREF(key);
+  PyTuple_SET_ITEM(row, 0, key);
+  PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(seq));
+  PyTuple_SET_ITEM(row, 2, PyLong_FromLong(role));
+  PyTuple_SET_ITEM(row, 3, PyLong_FromLong(slot));
+  untrack_if_atomic(row);
+  return row;
+}
+
 // rows(pass, keys, fallback_rows) -> [(node key, seq, role code, slot, *stats.ROW_COLUMNS, sharding)] in hook order;
 // fallback_rows: the ROW_COLUMNS tuples of finish()'s fallbacks, in order (gradstore.recording.stats.to_rows)
 PyObject* py_rows(PyObject*, PyObject* args) {
@@ -1048,33 +1086,169 @@ PyObject* py_rows(PyObject*, PyObject* args) {
   for (size_t i = 0; i < p.entries.size(); ++i) {
     const Entry& e = p.entries[i];
     const Call& c = p.calls[e.call];
-    PyObject* head[4] = {PyList_GET_ITEM(keys, c.node), PyLong_FromLongLong(c.seq),
-                         PyLong_FromLong(G.role_code[e.role]), PyLong_FromLong(e.slot)};
-    Py_INCREF(head[0]);
-    PyObject* row;
-    if (e.r.kind == K_PY) {
-      if (next_fb >= PyList_GET_SIZE(fb)) {
-        Py_DECREF(out);
-        PyErr_SetString(PyExc_ValueError, "rows(): fewer fallback rows than fallbacks");
-        for (auto* h : head) Py_DECREF(h);
-        return nullptr;
-      }
-      PyObject* tail = PyList_GET_ITEM(fb, next_fb++);
-      Py_ssize_t nt = PyTuple_Size(tail);
-      row = PyTuple_New(4 + nt);
-      for (Py_ssize_t k = 0; k < nt; ++k) {
-        PyObject* x = PyTuple_GET_ITEM(tail, k);
-        Py_INCREF(x);
-        PyTuple_SET_ITEM(row, 4 + k, x);
-      }
-    } else {
-      row = PyTuple_New(4 + G.columns);
-      fill_row(row, 4, e.r);
+    if (c.node < 0 || c.node >= PyList_GET_SIZE(keys)) {
+      Py_DECREF(out);
+      PyErr_SetString(PyExc_IndexError, "rows(): a call's node has no key");
+      return nullptr;
     }
-    for (int k = 0; k < 4; ++k) PyTuple_SET_ITEM(row, k, head[k]);
+    PyObject* row = tensor_row(PyList_GET_ITEM(keys, c.node), c.seq, G.role_code[e.role], e.slot, e.r, fb, next_fb);
+    if (row == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, row);
+  }
+  return out;
+}
+
+// ---- packed rows: what rows() and call_rows() build, as bytes (the form a step takes to the writer's child) ----
+// A tensor row: PackedHead, then `ndim` int64 sizes. A call row: PackedCall. Native byte order and layout: the bytes
+// are read by the same build (unpack_rows / unpack_calls) or by gradstore.recording.rows, on the same machine.
+struct PackedHead {
+  int32_t node, role, slot, kind;  // node index (a key of `keys`), role code, slot, Kind
+  int64_t seq, numel;
+  int32_t dtype, ndim;
+  double vec[10];
+};
+struct PackedCall {
+  int32_t node, ended;
+  int64_t seq;
+  double start, dur;
+};
+static_assert(sizeof(PackedHead) == 120, "PackedHead: 120 bytes, no padding");
+static_assert(sizeof(PackedCall) == 32, "PackedCall: 32 bytes, no padding");
+
+// pack(pass) -> (tensor rows bytes, call rows bytes); after finish()
+PyObject* py_pack(PyObject*, PyObject* cap) {
+  auto* sp = pass_of(cap);
+  if (sp == nullptr) return nullptr;
+  Pass& p = **sp;
+  std::string t, c;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    size_t dims = 0;
+    for (const Entry& e : p.entries) dims += e.r.sizes.size();
+    t.reserve(p.entries.size() * sizeof(PackedHead) + dims * 8);
+    for (const Entry& e : p.entries) {
+      const Call& call = p.calls[e.call];
+      PackedHead h;
+      h.node = call.node;
+      h.role = (int32_t)G.role_code[e.role];
+      h.slot = e.slot;
+      h.kind = e.r.kind;
+      h.seq = call.seq;
+      h.numel = e.r.numel;
+      h.dtype = e.r.dtype;
+      h.ndim = (int32_t)e.r.sizes.size();
+      std::copy(e.r.vec, e.r.vec + 10, h.vec);
+      t.append((const char*)&h, sizeof h);
+      if (h.ndim) t.append((const char*)e.r.sizes.data(), (size_t)h.ndim * 8);
+    }
+    c.reserve(p.calls.size() * sizeof(PackedCall));
+    for (const Call& call : p.calls) {
+      PackedCall pc{call.node, call.ended ? 1 : 0, call.seq, call.start, call.dur};
+      c.append((const char*)&pc, sizeof pc);
+    }
+  }
+  PyObject* tb = PyBytes_FromStringAndSize(t.data(), (Py_ssize_t)t.size());
+  PyObject* cb = PyBytes_FromStringAndSize(c.data(), (Py_ssize_t)c.size());
+  if (tb == nullptr || cb == nullptr) {
+    Py_XDECREF(tb);
+    Py_XDECREF(cb);
+    return nullptr;
+  }
+  PyObject* out = PyTuple_Pack(2, tb, cb);
+  Py_DECREF(tb);
+  Py_DECREF(cb);
+  return out;
+}
+
+// unpack_rows(tensor rows bytes, keys, fallback_rows) -> the rows rows() gave for the pass pack() read
+PyObject* py_unpack_rows(PyObject*, PyObject* args) {
+  Py_buffer buf;
+  PyObject *keys, *fb;
+  if (!PyArg_ParseTuple(args, "y*O!O!", &buf, &PyList_Type, &keys, &PyList_Type, &fb)) return nullptr;
+  const char* at = (const char*)buf.buf;
+  const char* end = at + buf.len;
+  PyObject* out = PyList_New(0);
+  Py_ssize_t next_fb = 0;
+  const char* error = nullptr;
+  while (out != nullptr && at < end) {
+    PackedHead h;
+    if (end - at < (Py_ssize_t)sizeof h) {
+      error = "unpack_rows(): the bytes end inside a row";
+      break;
+    }
+    std::memcpy(&h, at, sizeof h);
+    at += sizeof h;
+    if (h.ndim < 0 || end - at < (Py_ssize_t)h.ndim * 8 || h.kind < K_NONE || h.kind > K_PY) {
+      error = "unpack_rows(): not rows pack() made";
+      break;
+    }
+    if (h.node < 0 || h.node >= PyList_GET_SIZE(keys)) {
+      error = "unpack_rows(): a row's node has no key";
+      break;
+    }
+    Result r;
+    r.kind = (Kind)h.kind;
+    r.dtype = (int16_t)h.dtype;
+    r.numel = h.numel;
+    r.sizes.resize((size_t)h.ndim);
+    if (h.ndim) std::memcpy(r.sizes.data(), at, (size_t)h.ndim * 8);
+    at += (size_t)h.ndim * 8;
+    std::copy(h.vec, h.vec + 10, r.vec);
+    PyObject* row = tensor_row(PyList_GET_ITEM(keys, h.node), h.seq, h.role, h.slot, r, fb, next_fb);
+    if (row == nullptr || PyList_Append(out, row) < 0) {
+      Py_XDECREF(row);
+      Py_CLEAR(out);
+      break;
+    }
+    Py_DECREF(row);
+  }
+  PyBuffer_Release(&buf);
+  if (error != nullptr) {
+    Py_XDECREF(out);
+    PyErr_SetString(PyExc_ValueError, error);
+    return nullptr;
+  }
+  return out;
+}
+
+// unpack_calls(call rows bytes, keys) -> the rows call_rows() gave for the pass pack() read
+PyObject* py_unpack_calls(PyObject*, PyObject* args) {
+  Py_buffer buf;
+  PyObject* keys;
+  if (!PyArg_ParseTuple(args, "y*O!", &buf, &PyList_Type, &keys)) return nullptr;
+  if (buf.len % (Py_ssize_t)sizeof(PackedCall) != 0) {
+    PyBuffer_Release(&buf);
+    PyErr_SetString(PyExc_ValueError, "unpack_calls(): not calls pack() made");
+    return nullptr;
+  }
+  Py_ssize_t n = buf.len / (Py_ssize_t)sizeof(PackedCall);
+  PyObject* out = PyList_New(n);
+  for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
+    PackedCall c;
+    std::memcpy(&c, (const char*)buf.buf + i * (Py_ssize_t)sizeof c, sizeof c);
+    if (c.node < 0 || c.node >= PyList_GET_SIZE(keys)) {
+      Py_CLEAR(out);
+      PyErr_SetString(PyExc_IndexError, "unpack_calls(): a call's node has no key");
+      break;
+    }
+    PyObject* row = PyTuple_New(4);
+    if (row == nullptr) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyObject* key = PyList_GET_ITEM(keys, c.node);
+    Py_INCREF(key);
+    PyTuple_SET_ITEM(row, 0, key);
+    PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(c.seq));
+    PyTuple_SET_ITEM(row, 2, PyFloat_FromDouble(c.start));
+    PyTuple_SET_ITEM(row, 3, c.ended ? PyFloat_FromDouble(c.dur) : none());
     untrack_if_atomic(row);
     PyList_SET_ITEM(out, i, row);
   }
+  PyBuffer_Release(&buf);
   return out;
 }
 
@@ -1129,6 +1303,9 @@ PyMethodDef methods[] = {
     {"finish", py_finish, METH_O, "Remove the pass's hooks; its calls and fallbacks."},
     {"rows", py_rows, METH_VARARGS, "The pass's tensor rows."},
     {"call_rows", py_call_rows, METH_VARARGS, "The pass's call rows."},
+    {"pack", py_pack, METH_O, "The pass's tensor and call rows, packed as bytes."},
+    {"unpack_rows", py_unpack_rows, METH_VARARGS, "Tensor rows from pack()'s bytes."},
+    {"unpack_calls", py_unpack_calls, METH_VARARGS, "Call rows from pack()'s bytes."},
     {"grad_states", py_grad_states, METH_O, "What tells each parameter's .grad changed, as bytes."},
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {nullptr, nullptr, 0, nullptr}};
