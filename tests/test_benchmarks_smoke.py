@@ -229,3 +229,33 @@ for s in (kept, dropped):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == ["full 6 True", "full, no writer 0 False"], proc.stdout
+
+
+def test_housekeeping_runs_and_the_child_writes_the_steps():
+    """`python -m benchmarks.housekeeping --tiny`: one row per model and level, measured with the writer's child
+    process writing (its steps reach the child packed: gradstore.recording.rows.PackedRows)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.housekeeping",
+            "--tiny",
+            "--models",
+            "mlp",
+            "--levels",
+            "shape,full",
+            "--steps",
+            "6",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| mlp |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["shape", "full"]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert cells[-1] == "True"  # the child wrote them
+        assert float(cells[2]) > 0 and float(cells[-2]) > 0  # a step took time, and bytes went to the child

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import UnknownNode
 from ..recording import torch_private as tp
-from ..recording.graph import describe, node_kind, node_name, walk
+from ..recording.graph import Keyed, describe, node_kind, node_name, walk
 from ..recording.saved import FREED_MESSAGE, is_custom, saved_bytes, saved_tensors, saved_values
 from ..recording.stats import ROW_COLUMNS, measure, to_rows
 from ..store.reader import Store
@@ -322,7 +322,7 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
     w = walk(roots)
     if id(grad_fn) not in w.index:
         w = walk([grad_fn])
-    infos = describe(w, owner_fn(owner), param_names(model), {})
+    infos = describe(w, owner_fn(owner), param_names(model), Keyed())
     info = infos[w.index[id(grad_fn)]]
     key_of = {id(n): infos[i].key for i, n in enumerate(w.nodes)}
     name = node_name(grad_fn)

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from ..errors import ReplayError, SavedTensorsFreed
-from ..recording.graph import describe, node_kind, node_name, walk
+from ..recording.graph import Keyed, describe, node_kind, node_name, walk
 from ..recording.saved import is_custom, saved_tensors
 from .capture import captured
 from .context import owner_fn, param_names
@@ -385,7 +385,7 @@ def replay_check(
     elif isinstance(grad_outputs, torch.Tensor):
         grad_outputs = [grad_outputs]
     w = walk([r.grad_fn for r in roots if r.grad_fn is not None])
-    infos = describe(w, owner_fn(owner), param_names(model), {})
+    infos = describe(w, owner_fn(owner), param_names(model), Keyed())
     captured_out: dict[int, tuple] = {}
     captured_in: dict[int, tuple] = {}
     handles = []

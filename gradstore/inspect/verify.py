@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from ..errors import VerifyUsageError
-from ..recording.graph import describe, node_name, walk
+from ..recording.graph import Keyed, describe, node_name, walk
 from ..recording.saved import is_custom
 from .capture import Capture, CapturedCall, capture, flatten_tensors, live_captures
 from .context import owner_fn, param_names
@@ -221,7 +221,7 @@ def verify(
     if owner is None and capture is not None and capture._tracker is not None:
         owner = capture
     w = walk([r.grad_fn for r in roots])
-    infos = describe(w, owner_fn(owner), param_names(model), {})
+    infos = describe(w, owner_fn(owner), param_names(model), Keyed())
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for i, node in enumerate(w.nodes):

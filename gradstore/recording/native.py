@@ -321,6 +321,21 @@ def load(wait: bool = False):
     return _state.get("module")
 
 
+def load_cached():
+    """The hooks module where it is loaded already or its build is in the cache (then loaded now: milliseconds),
+    else None; never starts a build. For a process that only reads rows the hooks packed in another one
+    (gradstore.recording.rows.unpack, in the writer's child). Never raises."""
+    if "module" in _state and _state.get("pid") == os.getpid():
+        return _state["module"]
+    try:
+        target = _target(_compiler())
+    except Exception:
+        return None
+    if target is None or not target.exists():
+        return None
+    return load()
+
+
 def available(level: str):
     """The hooks module when the C++ hooks can record at `level` now, else None.
 

@@ -185,8 +185,8 @@ def _records(batch: StepBatch, facts) -> list:
 
 
 def detached(batch: StepBatch) -> tuple[StepBatch, object | None]:
-    """(the step with every row built as a plain list, the StepFacts its findings are built from or None).
-    The C++ hooks' tensor and call rows are not built: they go as `PackedRows` (bytes), built in the child.
+    """(the step with every row built as a plain list, the StepFacts its findings are built from or None),
+    except the C++ hooks' tensor, call and edge rows: those go unbuilt, as `PackedRows` (bytes), built in the child.
 
     The findings' five fields (nodes, param_names, param_status, module_calls, step_nodes) are left empty
     and their facts returned when they are the step's own, unbuilt findings (LazyRows whose `source` is one

@@ -115,8 +115,16 @@ def built_fields(record, packed: bool = False) -> dict:
     for f in fields(record):
         v = getattr(record, f.name)
         if isinstance(v, LazyRows):
-            out[f.name] = v.pack() if packed and v.pack is not None and not v.built else v.rows()
+            out[f.name] = _packed(v) if packed and v.pack is not None and not v.built else v.rows()
     return out
+
+
+def _packed(lazy: LazyRows) -> LazyRows:
+    """`lazy.pack()`, or its rows built here where packing faults (a recorder bug: `rows()` then contains it)."""
+    try:
+        return lazy.pack()
+    except Exception:
+        return LazyRows.of(lazy.rows())
 
 
 class PackedRows(LazyRows):
@@ -147,14 +155,14 @@ class PackedRows(LazyRows):
 def unpack(what: str, payload: tuple) -> list:
     """The rows of a `PackedRows` (see there): built by the C++ hooks' `unpack_rows` / `unpack_calls` where that
     module is loaded (the same rows `rows` / `call_rows` gave), else here in Python (the same values)."""
-    from . import native
-
-    module = native.load()  # a cached build loads in milliseconds; else None at once (a build starts elsewhere)
     if what == "walk_edges":  # the C++ walk's edges: (src index, src slot, dst index, dst slot)
         return list(struct.iter_unpack("=4i", payload[0]))
     if what == "edges":  # the same by key (`edge_rows`)
         blob, keys = payload
         return [(keys[s], slot, keys[d], dslot) for s, slot, d, dslot in struct.iter_unpack("=4i", blob)]
+    from . import native
+
+    module = native.load_cached()  # the build the parent used, from the cache; None: decoded here instead
     if what == "calls":
         blob, keys = payload
         return module.unpack_calls(blob, keys) if module is not None else _unpack_calls(blob, keys)
@@ -187,8 +195,13 @@ def _unpack_rows(blob: bytes, keys: list, fallbacks: list) -> list[tuple]:
         at += 8 * ndim
         head = (keys[node], seq, role, slot)
         if kind == _K_PY:
-            out.append(head + next(fb))
+            tail_row = next(fb, None)
+            if not isinstance(tail_row, tuple):
+                raise ValueError("unpack_rows(): fewer fallback rows than fallbacks, or one that is not a tuple")
+            out.append(head + tail_row)
             continue
+        if not _K_NONE <= kind <= _K_PY:
+            raise ValueError("unpack_rows(): not rows pack() made")
         if kind == _K_NONE:
             out.append(head + (none,) + (None,) * 14 + tail)
             continue

@@ -892,6 +892,7 @@ PyObject* py_finish(PyObject*, PyObject* cap) {
 // at once and for the Row subclass too), so the rows of a step that lives until it is written are never traversed
 // or promoted by a collection
 void untrack_if_atomic(PyObject* row) {
+  if (Py_TYPE(row)->tp_dictoffset != 0) return;  // a subclass with a __dict__ may hold anything
   Py_ssize_t n = PyTuple_GET_SIZE(row);
   for (Py_ssize_t k = 0; k < n; ++k) {
     PyObject* x = PyTuple_GET_ITEM(row, k);
@@ -1124,7 +1125,7 @@ PyObject* py_pack(PyObject*, PyObject* cap) {
   if (sp == nullptr) return nullptr;
   Pass& p = **sp;
   std::string t, c;
-  {
+  try {
     std::lock_guard<std::mutex> lock(p.mu);
     size_t dims = 0;
     for (const Entry& e : p.entries) dims += e.r.sizes.size();
@@ -1149,6 +1150,8 @@ PyObject* py_pack(PyObject*, PyObject* cap) {
       PackedCall pc{call.node, call.ended ? 1 : 0, call.seq, call.start, call.dur};
       c.append((const char*)&pc, sizeof pc);
     }
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
   }
   PyObject* tb = PyBytes_FromStringAndSize(t.data(), (Py_ssize_t)t.size());
   PyObject* cb = PyBytes_FromStringAndSize(c.data(), (Py_ssize_t)c.size());
