@@ -2,6 +2,7 @@
 (`gradstore.recording.rows.PackedRows`), built where they are read: they must be the very rows the parent would
 have built, whether the child builds them with the C++ module or in Python, and after pickling."""
 
+import dataclasses
 import math
 import pickle
 import sqlite3
@@ -119,3 +120,16 @@ def test_a_step_written_by_the_child_from_packed_rows(tmp_path):
     here, child = run("thread"), run("process")
     assert [len(t) for t in here] == [len(t) for t in child] and all(len(t) for t in here)
     assert repr(here) == repr(child)
+
+
+def test_a_pack_that_faults_sends_the_rows_built_here(tmp_path, monkeypatch):
+    rec = record(tmp_path, monkeypatch, "full")
+    want = list(rec.tensors)
+    lazy = rows.LazyRows(len(want), lambda: want)  # not read yet
+
+    def broken():
+        raise RuntimeError("a recorder bug")
+
+    lazy.pack = broken
+    got = rows.built_fields(dataclasses.replace(rec, tensors=lazy), packed=True)["tensors"]
+    assert type(got) is list and pickle.loads(pickle.dumps(got)) == want

@@ -119,12 +119,13 @@ def built_fields(record, packed: bool = False) -> dict:
     return out
 
 
-def _packed(lazy: LazyRows) -> LazyRows:
-    """`lazy.pack()`, or its rows built here where packing faults (a recorder bug: `rows()` then contains it)."""
+def _packed(lazy: LazyRows) -> PackedRows | list:
+    """`lazy.pack()`, or its rows built here (a list) where packing faults (a recorder bug: `rows()` then
+    contains a fault of its own)."""
     try:
         return lazy.pack()
     except Exception:
-        return LazyRows.of(lazy.rows())
+        return lazy.rows()
 
 
 class PackedRows(LazyRows):
