@@ -111,6 +111,8 @@ def _child_wrote(slot: Slot) -> bool:
 
 
 def report(rows: list[dict]) -> str:
+    """A Markdown table of `measure` results, one row each."""
+
     def ms(x):
         return "-" if x is None else f"{x:.2f}"
 

@@ -66,6 +66,22 @@ def python_hooks(monkeypatch):
     monkeypatch.setattr(native, "available", lambda level: None)
 
 
+@pytest.fixture
+def submitted(monkeypatch):
+    """The StepBatches the recorder hands to its writer in this test, in order (each still written as usual)."""
+    from gradstore.store import writer
+
+    batches = []
+    submit = writer.Writer.submit
+
+    def keep(self, batch, *args, **kwargs):
+        batches.append(batch)
+        return submit(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(writer.Writer, "submit", keep)
+    return batches
+
+
 @pytest.fixture(params=["kernel", "numpy"])
 def reductions(request, monkeypatch):
     """A test using it runs twice: CPU statistics from the fused C kernel ('kernel'; skipped where it is not

@@ -15,7 +15,6 @@ import gradstore
 from gradstore.recording import native, rows
 from gradstore.recording.stats import dtype_code
 from gradstore.records import STATUS
-from gradstore.store import writer as writer_module
 from gradstore.store.writer import writer_for
 
 pytestmark = pytest.mark.skipif(native.load(wait=True) is None, reason=f"C++ hooks: {native.status()}")
@@ -38,15 +37,7 @@ class Mixed(nn.Module):
         return out.square().mean() + used[:, :0].sum() + (used[:, :1] * 0).sum() * math.nan
 
 
-def record(tmp_path, monkeypatch, stats):
-    batches = []
-    submit = writer_module.Writer.submit
-
-    def keep(self, batch, *args, **kwargs):
-        batches.append(batch)
-        return submit(self, batch, *args, **kwargs)
-
-    monkeypatch.setattr(writer_module.Writer, "submit", keep)
+def record(tmp_path, batches, stats):
     torch.manual_seed(0)
     model = Mixed()
     x = torch.randn(3, 6)
@@ -58,8 +49,8 @@ def record(tmp_path, monkeypatch, stats):
 
 
 @pytest.mark.parametrize("stats", ["full", "health", "shape"])
-def test_packed_rows_are_the_rows_built_here(tmp_path, monkeypatch, stats):
-    rec = record(tmp_path, monkeypatch, stats)
+def test_packed_rows_are_the_rows_built_here(tmp_path, monkeypatch, submitted, stats):
+    rec = record(tmp_path, submitted, stats)
     packable = {name: getattr(rec, name) for name in ("tensors", "calls", "edges", "walk_edges")}
     packed = {name: lazy.pack() for name, lazy in packable.items()}
     assert all(lazy.pack is not None for lazy in packable.values())
@@ -122,8 +113,8 @@ def test_a_step_written_by_the_child_from_packed_rows(tmp_path):
     assert repr(here) == repr(child)
 
 
-def test_a_pack_that_faults_sends_the_rows_built_here(tmp_path, monkeypatch):
-    rec = record(tmp_path, monkeypatch, "full")
+def test_a_pack_that_faults_sends_the_rows_built_here(tmp_path, submitted):
+    rec = record(tmp_path, submitted, "full")
     want = list(rec.tensors)
     lazy = rows.LazyRows(len(want), lambda: want)  # not read yet
 

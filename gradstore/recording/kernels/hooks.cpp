@@ -904,6 +904,19 @@ void untrack_if_atomic(PyObject* row) {
   if (PyObject_GC_IsTracked(row)) PyObject_GC_UnTrack(row);
 }
 
+// one call row: (node key, seq, start s, duration s or None: a call still running)
+PyObject* call_row(PyObject* key, int64_t seq, double start, bool ended, double dur) {
+  PyObject* row = PyTuple_New(4);
+  if (row == nullptr) return nullptr;
+  Py_INCREF(key);
+  PyTuple_SET_ITEM(row, 0, key);
+  PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(seq));
+  PyTuple_SET_ITEM(row, 2, PyFloat_FromDouble(start));
+  PyTuple_SET_ITEM(row, 3, ended ? PyFloat_FromDouble(dur) : none());
+  untrack_if_atomic(row);
+  return row;
+}
+
 // call_rows(pass, keys) -> [(node key, seq, start s, duration s or None)] in call order (rows.call_rows of the
 // Python hooks' calls); after finish()
 PyObject* py_call_rows(PyObject*, PyObject* args) {
@@ -922,14 +935,11 @@ PyObject* py_call_rows(PyObject*, PyObject* args) {
       PyErr_SetString(PyExc_IndexError, "call_rows(): a call's node has no key");
       return nullptr;
     }
-    PyObject* row = PyTuple_New(4);
-    PyObject* key = PyList_GET_ITEM(keys, c.node);
-    Py_INCREF(key);
-    PyTuple_SET_ITEM(row, 0, key);
-    PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(c.seq));
-    PyTuple_SET_ITEM(row, 2, PyFloat_FromDouble(c.start));
-    PyTuple_SET_ITEM(row, 3, c.ended ? PyFloat_FromDouble(c.dur) : none());
-    untrack_if_atomic(row);
+    PyObject* row = call_row(PyList_GET_ITEM(keys, c.node), c.seq, c.start, c.ended, c.dur);
+    if (row == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
     PyList_SET_ITEM(out, i, row);
   }
   return out;
@@ -1237,18 +1247,11 @@ PyObject* py_unpack_calls(PyObject*, PyObject* args) {
       PyErr_SetString(PyExc_IndexError, "unpack_calls(): a call's node has no key");
       break;
     }
-    PyObject* row = PyTuple_New(4);
+    PyObject* row = call_row(PyList_GET_ITEM(keys, c.node), c.seq, c.start, c.ended != 0, c.dur);
     if (row == nullptr) {
       Py_CLEAR(out);
       break;
     }
-    PyObject* key = PyList_GET_ITEM(keys, c.node);
-    Py_INCREF(key);
-    PyTuple_SET_ITEM(row, 0, key);
-    PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(c.seq));
-    PyTuple_SET_ITEM(row, 2, PyFloat_FromDouble(c.start));
-    PyTuple_SET_ITEM(row, 3, c.ended ? PyFloat_FromDouble(c.dur) : none());
-    untrack_if_atomic(row);
     PyList_SET_ITEM(out, i, row);
   }
   PyBuffer_Release(&buf);
