@@ -879,7 +879,7 @@ def test_model_dict_names_each_model(db):
 # ---- storage: what the writer was handed is what the tensors view gives back --------------------------------
 # numpy's warning when gradstore.recording.stats sums a gradient that holds NaN (the value this test wants)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in reduce:RuntimeWarning")
-def test_tensors_view_gives_back_every_recorded_value_bit_for_bit(db, monkeypatch):
+def test_tensors_view_gives_back_every_recorded_value_bit_for_bit(db, submitted):
     """Every tensor row the recorder handed the writer (its PassRecords, captured at Writer.submit) comes back
     from the `tensors` view with the same values, floats compared bit for bit: norms the view derives from mean
     and std, shapes and dtypes from `layouts`, checksums from `tensor_notes`, the pass of a call's row from the
@@ -887,16 +887,8 @@ def test_tensors_view_gives_back_every_recorded_value_bit_for_bit(db, monkeypatc
     from sqlalchemy import text
 
     from gradstore.recording import stats
-    from gradstore.store import writer
 
-    handed = []
-    original = writer.Writer.submit
-
-    def submit(self, batch, *args, **kwargs):
-        handed.append(batch)
-        return original(self, batch, *args, **kwargs)
-
-    monkeypatch.setattr(writer.Writer, "submit", submit)
+    handed = submitted
     torch.manual_seed(0)
     lin = nn.Linear(5, 3)
     x = torch.randn(4, 5)
