@@ -111,6 +111,85 @@ def test_param_rows_built_in_cpp_are_the_rows_measure_gives(level):
     assert stats.to_rows(results) == stats.to_rows(plain)
 
 
+def _equal_rows(got: list, want: list) -> bool:
+    """The same rows, item by item, NaN where NaN."""
+
+    def same(x, y) -> bool:
+        return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+
+    return len(got) == len(want) and all(len(a) == len(b) and all(map(same, a, b)) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("level", ["full", "health", "shape"])
+def test_param_pack_unpacks_to_the_rows_measure_gives(level):
+    """The C++ hooks' `param_pack` (the parameters' `.grad`s as packed rows, no Python object per row) unpacks, in the
+    C++ decoder and in the Python one, to (key, None, param_grad role, 0) + `to_rows(measure(t))` of every tensor;
+    it declines exactly what `param_rows` declines; its norms and NaN + Inf counts are the rows' own."""
+    from gradstore.recording import native, rows
+    from gradstore.records import ROLE
+
+    module = native.load(wait=True)
+    if module is None:
+        pytest.skip(f"C++ hooks: {native.status()}")
+    tensors = _tensors()
+    code, role = native.LEVEL_CODES[level], ROLE["param_grad"]
+    blob, declined, norms, counts = module.param_pack(tensors, code, role)
+    by_rows = module.param_rows(tensors, code, stats.Row)
+    assert declined == [i for i, r in enumerate(by_rows) if r is None]
+    assert len(declined) >= (1 if level == "shape" else 6)  # sparse; and half, bf16, int32, the neg bit, large
+    keys = [f"param:p{i}" for i in range(len(tensors))]
+    alone = [stats.measure(t, level) for t in tensors]
+    want = [(k, None, role, 0) + row for k, row in zip(keys, stats.to_rows(alone))]
+    fallbacks = stats.to_rows([alone[i] for i in declined])
+    assert _equal_rows(module.unpack_rows(blob, keys, fallbacks), want)
+    assert _equal_rows(rows._unpack_rows(blob, keys, fallbacks), want)
+    norm_at, nan_at = 4 + stats.ROW_COLUMNS.index("norm"), 4 + stats.ROW_COLUMNS.index("nan")
+    for i, row in enumerate(want):
+        if i in declined:
+            assert norms[i] is None and counts[i] is None  # the caller's, from the fallback row
+            continue
+        assert norms[i] == row[norm_at] or (norms[i] is None and row[norm_at] is None)
+        nan = row[nan_at]
+        assert counts[i] == (None if nan is None else nan + row[nan_at + 1] + row[nan_at + 2])
+    if level != "shape":  # the inf_mix tensor: 5 + 1 + 1 by hand
+        assert counts[5] == 7 and counts[3] == 17
+
+
+@pytest.mark.parametrize("level", ["full", "shape"])
+def test_pack_params_gives_the_rows_measure_params_gives(level):
+    """`final_grads.pack_params` (the pass's and the step's parameter rows, packed) against `measure_params`' results
+    through `to_rows`: the same rows, a float16 `.grad` measured in Python among them, and its norms and flags."""
+    from gradstore.recording import final_grads, native
+    from gradstore.recording.options import Options
+    from gradstore.records import ROLE
+
+    if native.load(wait=True) is None:
+        pytest.skip(f"C++ hooks: {native.status()}")
+    dtypes = (torch.float32, torch.float32, torch.float16, torch.float32)
+    params = [(f"m.p{i}", nn.Parameter(torch.zeros(4, 3, dtype=d))) for i, d in enumerate(dtypes)]
+    grads = (torch.randn(4, 3), None, torch.randn(4, 3).half(), torch.full((4, 3), math.inf))
+    for (_, p), g in zip(params, grads):
+        p.grad = g
+    params[3][1].requires_grad_(False)  # not measured by either
+    opts = Options(stats=level)
+    packed = final_grads.pack_params(params, opts)
+    nodes, results, _ = final_grads.measure_params(params, opts)
+    role = ROLE["param_grad"]
+    want = [(n.key, None, role, 0) + row for n, row in zip(nodes, stats.to_rows(results))]
+    assert packed.keys == [n.key for n in nodes] == ["param:m.p0", "param:m.p1", "param:m.p2"]
+    assert _equal_rows(list(packed.rows), want) and len(packed.rows) == 3
+    norm_at = 4 + stats.ROW_COLUMNS.index("norm")
+    if level == "full":
+        assert packed.norms == [row[norm_at] for row in want] and packed.norms[1] is None
+        assert packed.norms[0] == pytest.approx(float(grads[0].double().norm()), rel=1e-12)
+        assert packed.norms[2] == pytest.approx(float(grads[2].double().norm()), rel=1e-3)
+        assert packed.counts == [0, None, 0] and not packed.nonfinite
+        params[1][1].grad = torch.tensor([[math.nan, 1.0, 2.0]] * 4)
+        assert final_grads.pack_params(params, opts).nonfinite
+    else:
+        assert packed.counts == [None, None, None] and not packed.nonfinite
+
+
 def test_measure_many_with_checksum_is_measure_with_checksum():
     tensors = [torch.arange(6, dtype=torch.float32), None, torch.ones(2, 2, dtype=torch.float64)]
     for a, b in zip(

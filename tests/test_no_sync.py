@@ -162,6 +162,10 @@ def test_the_device_path_copies_once_at_the_end_of_the_pass(tmp_path, monkeypatc
     # the parameter gradients' batched kernel call declines each: every one is measured alone, by `_reduce`
     monkeypatch.setattr(stats, "_reduce_many", lambda k, ptrs, *rest: [None] * len(ptrs))
     monkeypatch.setattr(final_grads, "_rows_in_cpp", lambda grads, level: None)  # as a device gradient: declined
+    module = native.load_cached() if hooks == "native" else None
+    if module is not None:  # the packed parameter rows decline each too (as a device gradient: a K_PY row each)
+        pack = module.param_pack
+        monkeypatch.setattr(module, "param_pack", lambda grads, level, role: pack([object()] * len(grads), level, role))
     tensors = run_steps(tmp_path, host_calls, "full", hooks, steps=1)
     assert host_calls.calls == []
     assert host_calls.at_end >= 1  # the pass's host transfer: `.cpu()` of the stacked results, `.tolist()`

@@ -17,10 +17,14 @@ accumulation micro-batches end up in the snapshot.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from ..records import ROLE, NodeInfo
 from . import native
 from .options import Options
-from .stats import NONFINITE_COLUMNS, Row, measure, measure_many, to_rows
+from .rows import PackedRows
+from .stats import NONFINITE_COLUMNS, ROW_COLUMNS, Row, measure, measure_many, to_rows
 
 
 def world_size() -> int:
@@ -52,7 +56,22 @@ def measure_params(
         'none'. `stats.to_rows` gives the same rows whichever way a gradient was measured.
     """
     level = options.param_level
-    take_checksum = level != "shape" and (options.checksum if options.checksum is not None else world_size() > 1)
+    take_checksum = _checksum_due(options)
+    nodes, grads, measured = _selected(params, options, sharded_of)
+    got = _rows_in_cpp(grads, level) if rows and not take_checksum else None
+    if got is not None:  # rows built in C++ (one kernel call per gradient), `measure` for what it declines
+        return nodes, [m if m is not None else measure(g, level) for m, g in zip(got, grads)], measured
+    # one kernel call for the dense float32/float64 CPU gradients, `measure` one by one for the others
+    return nodes, measure_many(grads, level, checksum=take_checksum), measured
+
+
+def _checksum_due(options: Options) -> bool:
+    level = options.param_level
+    return level != "shape" and (options.checksum if options.checksum is not None else world_size() > 1)
+
+
+def _selected(params: list[tuple[str, object]], options: Options, sharded_of: dict | None) -> tuple[list, list, list]:
+    """(NodeInfos, `.grad`s, parameters) of the parameters `measure_params` measures, in order."""
     nodes, grads, measured = [], [], []
     filters = (options.modules, options.params)
     known = _PARAM_NODES.get(filters)
@@ -75,11 +94,65 @@ def measure_params(
         nodes.append(info)
         grads.append(p.grad)
         measured.append(p)
-    got = _rows_in_cpp(grads, level) if rows and not take_checksum else None
-    if got is not None:  # rows built in C++ (one kernel call per gradient), `measure` for what it declines
-        return nodes, [m if m is not None else measure(g, level) for m, g in zip(got, grads)], measured
-    # one kernel call for the dense float32/float64 CPU gradients, `measure` one by one for the others
-    return nodes, measure_many(grads, level, checksum=take_checksum), measured
+    return nodes, grads, measured
+
+
+_NORM_AT, _NAN_AT = ROW_COLUMNS.index("norm"), ROW_COLUMNS.index("nan")
+
+
+@dataclass
+class PackedParams:
+    """The parameters' `.grad`s measured at one moment into packed rows (`pack_params`), with no Python object per
+    row on the training thread.
+
+    nodes: their NodeInfos (key 'param:<name>'); keys: those keys; rows: their tensor rows, (key, None, role code of
+    param_grad, 0, *ROW_COLUMNS, sharding) each, as a `rows.PackedRows` (built where it is first read: the writer's
+    child process); norms, counts: per parameter, its row's `norm` and its NaN + Inf count (None where the row has
+    none: a `.grad` of None, stats='shape'); nonfinite: any count above 0. It holds no parameter or tensor."""
+
+    nodes: list[NodeInfo]
+    keys: list[str]
+    rows: PackedRows
+    norms: list
+    counts: list
+    nonfinite: bool
+
+
+def pack_params(
+    params: list[tuple[str, object]], options: Options, sharded_of: dict | None = None
+) -> PackedParams | None:
+    """`measure_params`' measurement, packed: the C++ hooks' `param_pack` measures every plain dense float32/float64
+    CPU `.grad` into a packed row (the kernel's statistics, one read each), `stats.measure` the others (a DTensor, a
+    device or float16 tensor), whose rows are built now (one host copy per device, as `stats.to_rows` does).
+
+    Args: as `measure_params`. Returns: a `PackedParams`, whose rows are the rows `measure_params`' results give
+    (`stats.to_rows`) after (key, None, role code of param_grad, 0); None where the C++ hooks module is not built
+    (or not at this level), faults, or a checksum is due (then `measure_params` measures).
+    """
+    level = options.param_level
+    module = native.available(level)
+    if module is None or _checksum_due(options):
+        return None
+    nodes, grads, _ = _selected(params, options, sharded_of)
+    try:
+        blob, declined, norms, counts = module.param_pack(grads, native.LEVEL_CODES[level], ROLE["param_grad"])
+    except Exception:
+        return None
+    fallbacks = to_rows([measure(grads[i], level) for i in declined]) if declined else []
+    for i, row in zip(declined, fallbacks):
+        norms[i] = row[_NORM_AT]
+        nan = row[_NAN_AT]
+        counts[i] = None if nan is None else nan + (row[_NAN_AT + 1] or 0) + (row[_NAN_AT + 2] or 0)
+    keys = [info.key for info in nodes]
+    rows = PackedRows("tensors", len(keys), (blob, keys, fallbacks, []))
+    return PackedParams(nodes, keys, rows, norms, counts, any(counts))
+
+
+def total_norm(norms: list) -> float | None:
+    """sqrt(sum of squares) of the parameters' norms (floats, in order); None when any is unknown or there are none."""
+    if not norms or any(n is None for n in norms):
+        return None
+    return math.sqrt(sum(n * n for n in norms))
 
 
 def _rows_in_cpp(grads: list, level: str) -> list | None:
@@ -131,7 +204,11 @@ class FinalGrads:
     def take(self, why: str) -> None:
         """Measure the gradients now, replacing an earlier snapshot of the step. `why` names the moment."""
         sharded_of = {id(u): sh for sh, u in self._aliases()} if self._aliases is not None else None
-        self.nodes, self.results, _ = measure_params(self.params, self.options, sharded_of)
+        packed = pack_params(self.params, self.options, sharded_of)
+        if packed is not None:
+            self.nodes, self.results = packed.nodes, packed
+        else:
+            self.nodes, self.results, _ = measure_params(self.params, self.options, sharded_of)
         self.taken_by = why
 
     def take_if_missing(self, why: str) -> None:
@@ -145,16 +222,26 @@ class FinalGrads:
         self.results = None
         self.taken_by = None
 
-    def rows(self) -> tuple[list[NodeInfo], list[tuple], bool]:
-        """(nodes, tensor rows (key, None, role code of param_grad, 0, *ROW_COLUMNS), any non-finite) of the
-        snapshot, taking it first if the step has none; empty when no top-level backward pass ran. The rows are
-        built here, on the training thread (one host copy per device for results still in device tensors)."""
+    def rows(self) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:
+        """(nodes, tensor rows (key, None, role code of param_grad, 0, *ROW_COLUMNS), any non-finite, (keys, norms,
+        NaN + Inf counts)) of the snapshot, taking it first if the step has none; empty when no top-level backward
+        pass ran. The rows are a `rows.PackedRows` where the C++ hooks packed them (`pack_params`), else a list built
+        here, on the training thread (one host copy per device for results still in device tensors). The norms and
+        counts are per parameter, None where its row has none (what gradstore.recording.flight's summary holds)."""
         self.take_if_missing("end of step")
         if self.results is None:
-            return [], [], False
+            return [], [], False, ([], [], [])
         results, nodes = self.results, self.nodes
         self.results = None
+        if isinstance(results, PackedParams):
+            return nodes, results.rows, results.nonfinite, (results.keys, results.norms, results.counts)
         rows = to_rows(results)
         nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
         role = ROLE["param_grad"]
-        return nodes, [(n.key, None, role, 0) + row for n, row in zip(nodes, rows)], nonfinite
+        norms, counts = [], []
+        for row in rows:
+            nan = row[_NAN_AT]
+            norms.append(row[_NORM_AT])
+            counts.append(None if nan is None else nan + (row[_NAN_AT + 1] or 0) + (row[_NAN_AT + 2] or 0))
+        keys = [n.key for n in nodes]
+        return nodes, [(n.key, None, role, 0) + row for n, row in zip(nodes, rows)], nonfinite, (keys, norms, counts)

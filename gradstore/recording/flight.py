@@ -30,7 +30,6 @@ benchmarks/FLIGHT.md for the figure.
 
 from __future__ import annotations
 
-import math
 import pickle
 import statistics
 import zlib
@@ -39,28 +38,9 @@ from dataclasses import replace
 
 from ..records import StepBatch
 from .rows import LazyRows, built_fields
-from .stats import ROW_COLUMNS
 
 SPIKE_WINDOW = 100  # steps whose total gradient norm make the running median
 SPIKE_MIN = 10  # totals known before a spike can fire
-
-
-def summary_norms(final_rows: list) -> list[tuple[str, float | None, int | None]]:
-    """(param node key, norm over finite elements or None, NaN + Inf count or None) of each final row."""
-    out = []
-    norm_at, nan_at = 4 + ROW_COLUMNS.index("norm"), 4 + ROW_COLUMNS.index("nan")  # rows: key, seq, role, slot, ...
-    for row in final_rows:
-        norm, nan, posinf, neginf = row[norm_at], row[nan_at], row[nan_at + 1], row[nan_at + 2]
-        counts = None if nan is None else nan + (posinf or 0) + (neginf or 0)
-        out.append((row[0], norm, counts))
-    return out
-
-
-def total_norm(norms: list[tuple[str, float | None, int | None]]) -> float | None:
-    """sqrt(sum of squares) of the parameters' norms; None when any is unknown or there are none."""
-    if not norms or any(n is None for _, n, _ in norms):
-        return None
-    return math.sqrt(sum(n * n for _, n, _ in norms))
 
 
 def packed(detail: StepBatch) -> bytes:

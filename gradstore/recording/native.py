@@ -59,7 +59,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 12
+ABI_VERSION = 13
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()

@@ -27,7 +27,7 @@ import torch
 from ..records import NodeInfo, PassRecord
 from . import native as native_hooks
 from . import torch_private as tp
-from .final_grads import measure_params, wanted
+from .final_grads import measure_params, pack_params, wanted
 from .graph import Keyed, describe, roots_of, walk
 from .inside import PassInside
 from .native import LEVEL_CODES
@@ -230,6 +230,7 @@ class PassRecorder:
         self._trusted: list[bool] = []
         self._claimable: list[bool] = []
         self.native = None  # the C++ hooks' pass (gradstore.recording.native) when they record this pass
+        self._params_packed = None  # the param_grad rows packed (final_grads.pack_params), else in `measured`
         # slices=, values=, saved=True: what the hooks see inside tensors, beside their statistics
         self.inside = PassInside(step.values) if options.inside or options.saved else None
         self._inside_of: list | None = None  # per node: (slice dim, sliced, valued) (options.inside_of)
@@ -497,7 +498,14 @@ class PassRecorder:
                     rec.grads_changed = grads_changed(self.params, self.grads_before, after)
             if ok and rec.kind == "backward" and rec.parent_pass is None:
                 opts = self.options
-                nodes, results, measured = measure_params(self.params, opts, self._sharded_of, rows=not opts.inside)
+                packed = None if opts.inside else pack_params(self.params, opts, self._sharded_of)
+                if packed is not None:  # their rows packed in C++, built where they are read
+                    self._params_packed = packed
+                    param_keys = packed.keys
+                    param_nodes = dict(zip(param_keys, packed.nodes))
+                    nodes = results = measured = ()
+                else:
+                    nodes, results, measured = measure_params(self.params, opts, self._sharded_of, rows=not opts.inside)
                 for info, m, p in zip(nodes, results, measured):
                     key, module, name = info.key, info.module, info.param
                     param_nodes[key] = info
@@ -530,6 +538,7 @@ class PassRecorder:
             self._node_of = None
             self._sharded_of = {}
             self.native = None
+            self._params_packed = None
             self.measured = []
             self.calls = []
             self.measurer.clear()
@@ -542,6 +551,18 @@ class PassRecorder:
         """The record's calls and tensors from the Python hooks' lists (and the parameter gradients)."""
         rec, infos, calls, measured = self.record, self.infos, self.calls, self.measured
         rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
+        packed = self._params_packed  # the param_grad rows packed (then `measured` holds none of them), or None
+        if packed is not None and not measured:  # stats='params': the param_grad rows alone, built where read
+            rec.nonfinite = packed.nonfinite
+            rec.tensors = packed.rows
+            rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
+            return
+        packed_rows = packed.rows if packed is not None else None  # (the closures hold no parameter)
+        more = len(packed_rows) if packed_rows is not None else 0
+
+        def after() -> list:  # the packed param_grad rows, after the others
+            return packed_rows.rows() if packed_rows is not None else []
+
         extra = self._extra()
         heads = measured
         if needs_transfer([m for _, _, _, m in measured]) or _on_device(extra):
@@ -550,10 +571,12 @@ class PassRecorder:
             rows = to_rows([m for _, _, _, m in measured], extra)
             rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
             heads = [(c, role, slot, None) for c, role, slot, _ in measured]  # no device tensor kept
-            rec.tensors = LazyRows(len(rows), lambda: tensor_rows(heads, infos, param_keys, rows))
+            rec.tensors = LazyRows(len(rows) + more, lambda: tensor_rows(heads, infos, param_keys, rows) + after())
         else:  # host values only: the rows are built where they are first read (the writer thread)
             rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
-            rec.tensors = LazyRows(len(measured), lambda: tensor_rows(measured, infos, param_keys))
+            rec.tensors = LazyRows(len(measured) + more, lambda: tensor_rows(measured, infos, param_keys) + after())
+        if packed is not None:
+            rec.nonfinite = rec.nonfinite or packed.nonfinite
         self._side_rows(extra, lambda: _row_index(heads, param_keys))
         rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
 
@@ -624,19 +647,28 @@ class PassRecorder:
         rec.nonfinite = rec.nonfinite or nonfinite_here  # NaN and Inf the C++ hooks counted themselves
         # these rows follow the C++ hooks' `count` rows; no call row has a side row here
         self._side_rows(extra, lambda: {ref: count + at for ref, at in _row_index(params, param_keys).items()})
+        packed_params = self._params_packed  # the param_grad rows packed (`params`: loss rows only), or None
+        grads = packed_params.rows if packed_params is not None else None  # (the closures hold no parameter)
+        if packed_params is not None:
+            rec.nonfinite = rec.nonfinite or packed_params.nonfinite
+        keys_after = [] if grads is not None else param_keys
+        length = count + len(params) + (len(grads) if grads is not None else 0)
 
         def build() -> list:
             host = rows if rows is not None else to_rows(results)
-            return module.rows(cap, keys_of(), host[: len(handed)]) + tensor_rows(
-                params, infos, param_keys, host[len(handed) :]
+            out = module.rows(cap, keys_of(), host[: len(handed)]) + tensor_rows(
+                params, infos, keys_after, host[len(handed) :]
             )
+            return out + grads.rows() if grads is not None else out
 
-        def build_packed() -> PackedRows:  # the same rows: the C++ hooks' packed, the param_grad rows built here
+        def build_packed() -> PackedRows:  # the same rows: the C++ hooks' packed, the loss / param_grad rows after
             host = rows if rows is not None else to_rows(results)
-            tail = tensor_rows(params, infos, param_keys, host[len(handed) :])
-            return PackedRows("tensors", count + len(params), (pack()[0], keys_of(), host[: len(handed)], tail))
+            tail = tensor_rows(params, infos, keys_after, host[len(handed) :])
+            if grads is not None:
+                tail = grads if not tail else tail + grads.rows()
+            return PackedRows("tensors", length, (pack()[0], keys_of(), host[: len(handed)], tail))
 
-        rec.tensors = LazyRows(count + len(params), build)
+        rec.tensors = LazyRows(length, build)
         rec.tensors.pack = build_packed
 
 

@@ -14,7 +14,7 @@ import time
 import traceback
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,9 +31,9 @@ from ..store.writer import writer_for
 from ..version import __version__
 from . import intercept, kernel, native, observers
 from . import torch_private as tp
-from .final_grads import FinalGrads
+from .final_grads import FinalGrads, total_norm
 from .findings import Findings, StepFacts
-from .flight import FlightRecorder, summary_norms, total_norm
+from .flight import FlightRecorder
 from .forward import ForwardRecorder
 from .frames import FrameTracker
 from .lineage import Lineage
@@ -122,6 +122,8 @@ class _KnownNames:
     recorded: list  # [(first name, parameter)] the filters keep
     param_names: dict  # first name -> every name, of the recorded parameters
     fsdp: list  # weak references to fsdp_candidates (alive while the structure is the same)
+    # [(requires_grad flags of `recorded`, [(first name, frozen)])] once a step has asked (`record._frozen_facts`)
+    facts: list = field(default_factory=list)
 
 
 class _Box:
@@ -336,6 +338,7 @@ class record:
         self._params: list = []
         self._fsdp: list = []  # the modules FSDP2 (fully_shard) manages, whose parameters the graph sees unsharded
         self._recorded: list = []  # [(first name, parameter)] that param_status rows are written for
+        self._frozen_cache: list = []  # _KnownNames.facts of _recorded
         self._param_names: dict[str, tuple[str, ...]] = {}  # first name -> every name (tied weights)
         self._known_box = _Box()  # the models' names as last read (_KnownNames), kept while the structure stands
         self._lineage = Lineage()
@@ -477,6 +480,7 @@ class record:
             known = self._read_names(models)
             self._known_box.value = known
         self._params, self._recorded, self._param_names = known.params, known.recorded, known.param_names
+        self._frozen_cache = known.facts
         return known
 
     def _read_names(self, models: list) -> _KnownNames:
@@ -572,7 +576,7 @@ class record:
         self._tracker = None
         self._params = []
         self._fsdp = []
-        self._recorded = []
+        self._recorded, self._frozen_cache = [], []
         self._lineage.clear()
         self._in_scope = False
         if _open_scope is self:
@@ -636,10 +640,10 @@ class record:
             if run_status is not None:
                 self._writer.set_run_status(self.run_id, run_status, time.time())
             return
-        final_nodes, final_rows, final_nonfinite = [], [], False
+        final_nodes, final_rows, final_nonfinite, final_norms = [], [], False, ([], [], [])
         if final is not None:
             try:
-                final_nodes, final_rows, final_nonfinite = final.rows()
+                final_nodes, final_rows, final_nonfinite, final_norms = final.rows()
             except Exception as e:  # a recorder fault: the step's other rows are still written
                 state.fault("final parameter gradients", e)
         status, error = "ok", None
@@ -679,10 +683,9 @@ class record:
         self._add_findings(batch, state, records)
         state.release()
         written, dump = "full", None
-        norms = summary_norms(final_rows)
-        grad_norm = total_norm(norms)
+        grad_norm = total_norm(final_norms[1])
         if self._flight is not None:
-            batch.param_norms = norms
+            batch.param_norms = list(zip(*final_norms))
             batches, dump = self._flight.end_step(batch, exc is not None, amp_skipped(values), grad_norm)
             written = "dumped" if dump is not None else "summary"
         else:
@@ -718,7 +721,7 @@ class record:
             records=records,
             forward=forward,
             first_seq=self._lineage.first_seq,
-            params=[(name, not p.requires_grad) for name, p in self._recorded],
+            params=self._frozen_facts(),
             names=self._param_names,
             has_grad=state.has_grad,
             level=self.options.stats,
@@ -731,6 +734,15 @@ class record:
         batch.module_calls = LazyRows.deferred(lambda: findings.result().module_calls, findings)
         batch.step_nodes = LazyRows.deferred(lambda: findings.result().step_nodes, findings)
         self._lineage.push(self._step_number, records)
+
+    def _frozen_facts(self) -> list[tuple[str, bool]]:
+        """[(first name, frozen: not requires_grad)] of the recorded parameters, for the step's findings: the list
+        of the step before while no flag changed (read-only), so that a step makes no tuple per parameter."""
+        flags = [p.requires_grad for _, p in self._recorded]
+        cache = self._frozen_cache
+        if not cache or cache[0][0] != flags:
+            cache[:] = [(flags, [(n, not f) for (n, _), f in zip(self._recorded, flags)])]
+        return cache[0][1]
 
     # ---- called by intercept for every backward pass ---------------------------------------------------
     def run_pass(self, original, outputs, args, kwargs, *, kind, retain_graph, create_graph, inputs):

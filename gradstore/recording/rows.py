@@ -137,9 +137,9 @@ class PackedRows(LazyRows):
 
     Args:
         what: 'tensors' (payload: (packed tensor rows, node keys by index, the fallback rows in order, rows to
-            append: the param_grad rows built in Python)), 'calls' (payload: (packed call rows, node keys)),
-            'walk_edges' (payload: (the C++ walk's edges: four native int32 each,)) or 'edges' (payload: (those
-            edges, node keys): `edge_rows`).
+            append: a list of rows, or a PackedRows of them: the param_grad rows)), 'calls' (payload: (packed call
+            rows, node keys)), 'walk_edges' (payload: (the C++ walk's edges: four native int32 each,)) or 'edges'
+            (payload: (those edges, node keys): `edge_rows`).
         length: the number of rows.
     """
 
@@ -169,11 +169,13 @@ def unpack(what: str, payload: tuple) -> list:
         return module.unpack_calls(blob, keys) if module is not None else _unpack_calls(blob, keys)
     blob, keys, fallbacks, tail = payload
     head = module.unpack_rows(blob, keys, fallbacks) if module is not None else _unpack_rows(blob, keys, fallbacks)
-    return head + tail
+    return head + (tail if isinstance(tail, list) else list(tail))
 
 
-# hooks.cpp's PackedHead (node, role, slot, kind, seq, numel, dtype, ndim, 10 statistics) and PackedCall
+# hooks.cpp's PackedHead (node, role, slot, kind, seq, numel, dtype, ndim, 10 statistics) and PackedCall; a seq of
+# _NO_SEQ is a row without one (a param_grad row: None)
 _HEAD = struct.Struct("=4i2q2i10d")
+_NO_SEQ = -(2**63)
 _CALL = struct.Struct("=2iq2d")
 _K_NONE, _K_STATS, _K_PY = 0, 2, 3  # hooks.cpp's Kind
 
@@ -194,7 +196,7 @@ def _unpack_rows(blob: bytes, keys: list, fallbacks: list) -> list[tuple]:
         at += _HEAD.size
         sizes = struct.unpack_from(f"={ndim}q", blob, at)
         at += 8 * ndim
-        head = (keys[node], seq, role, slot)
+        head = (keys[node], None if seq == _NO_SEQ else seq, role, slot)
         if kind == _K_PY:
             tail_row = next(fb, None)
             if not isinstance(tail_row, tuple):

@@ -44,7 +44,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 12;
+constexpr int ABI = 13;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -1044,9 +1044,12 @@ PyObject* py_param_rows(PyObject*, PyObject* args) {
   return out;
 }
 
-// one tensor row: (key, seq, role code, slot, *ROW_COLUMNS, sharding); a K_PY result takes the next of the fallback
-// rows `fb` (the ROW_COLUMNS tuples of finish()'s fallbacks, in order: gradstore.recording.stats.to_rows). nullptr
-// with an exception set on an error.
+// a packed row's seq where the row has none (a param_grad row: param_pack): its row's seq is None
+constexpr int64_t NO_SEQ = INT64_MIN;
+
+// one tensor row: (key, seq (None for NO_SEQ), role code, slot, *ROW_COLUMNS, sharding); a K_PY result takes the
+// next of the fallback rows `fb` (the ROW_COLUMNS tuples of finish()'s fallbacks, in order:
+// gradstore.recording.stats.to_rows). nullptr with an exception set on an error.
 PyObject* tensor_row(PyObject* key, int64_t seq, long role, long slot, const Result& r, PyObject* fb,
                      Py_ssize_t& next_fb) {
   PyObject* row;
@@ -1075,7 +1078,7 @@ PyObject* tensor_row(PyObject* key, int64_t seq, long role, long slot, const Res
   }
   Py_INCREF(key);
   PyTuple_SET_ITEM(row, 0, key);
-  PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(seq));
+  PyTuple_SET_ITEM(row, 1, seq == NO_SEQ ? none() : PyLong_FromLongLong(seq));
   PyTuple_SET_ITEM(row, 2, PyLong_FromLong(role));
   PyTuple_SET_ITEM(row, 3, PyLong_FromLong(slot));
   untrack_if_atomic(row);
@@ -1173,6 +1176,94 @@ PyObject* py_pack(PyObject*, PyObject* cap) {
   PyObject* out = PyTuple_Pack(2, tb, cb);
   Py_DECREF(tb);
   Py_DECREF(cb);
+  return out;
+}
+
+// param_pack(tensors, level, role) -> (bytes, declined, norms, counts): the parameters' `.grad`s (a list of tensors or
+// None) measured here as param_rows measures them, each as one packed tensor row (node: its index in the list, the
+// role code given, slot 0, seq NO_SEQ: unpack_rows gives each the row param_rows's item would have, after the
+// caller's (key, None, role, 0)). declined: the indices, in order, of the tensors the C++ side does not measure (a
+// K_PY row each: the caller measures them in Python and hands their rows to unpack_rows as the fallbacks). norms and
+// counts, per tensor: the row's norm and its NaN + Inf count (None where the row has none, and for a declined
+// tensor), what gradstore.recording.flight.summary_norms reads from the rows. With the GIL held; no Python object per
+// tensor but the norms and counts (floats and ints, which the garbage collector does not track).
+PyObject* py_param_pack(PyObject*, PyObject* args) {
+  PyObject* tensors;
+  int level, role;
+  if (!PyArg_ParseTuple(args, "O!ii", &PyList_Type, &tensors, &level, &role)) return nullptr;
+  if (level < SHAPE || level > FULL) {
+    PyErr_SetString(PyExc_ValueError, "param_pack(tensors, level, role): a level code");
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(tensors);
+  std::string t;
+  PyObject* declined = PyList_New(0);
+  PyObject* norms = PyList_New(n);
+  PyObject* counts = PyList_New(n);
+  if (declined == nullptr || norms == nullptr || counts == nullptr) {
+    Py_XDECREF(declined);
+    Py_XDECREF(norms);
+    Py_XDECREF(counts);
+    return nullptr;
+  }
+  bool failed = false;
+  try {
+    t.reserve((size_t)n * (sizeof(PackedHead) + 16));
+    for (Py_ssize_t i = 0; i < n && !failed; ++i) {
+      PyObject* item = PyList_GET_ITEM(tensors, i);
+      Result r;
+      bool here = false;
+      if (item == Py_None) {
+        here = true;  // K_NONE
+      } else if (THPVariable_Check(item)) {
+        try {
+          here = measure_here(THPVariable_Unpack(item), (Level)level, r);
+        } catch (const std::exception&) {
+          here = false;
+        }
+      }
+      PackedHead h;
+      h.node = (int32_t)i;
+      h.role = role;
+      h.slot = 0;
+      h.kind = here ? r.kind : K_PY;
+      h.seq = NO_SEQ;
+      h.numel = here ? r.numel : 0;
+      h.dtype = here ? r.dtype : 0;
+      h.ndim = here ? (int32_t)r.sizes.size() : 0;
+      std::copy(r.vec, r.vec + 10, h.vec);
+      t.append((const char*)&h, sizeof h);
+      if (h.ndim) t.append((const char*)r.sizes.data(), (size_t)h.ndim * 8);
+      PyObject *norm, *count;
+      if (here && r.kind == K_STATS) {  // derive(): the norm always, the NaN/Inf counts as ints
+        norm = PyFloat_FromDouble(r.vec[5]);
+        count = PyLong_FromLongLong((long long)r.vec[0] + (long long)r.vec[1] + (long long)r.vec[2]);
+      } else if (here && r.kind == K_SHAPE && r.numel == 0) {  // _EMPTY_STATS
+        norm = PyFloat_FromDouble(0.0);
+        count = PyLong_FromLong(0);
+      } else {
+        norm = none();
+        count = none();
+        if (!here) {
+          PyObject* at = PyLong_FromSsize_t(i);
+          if (at == nullptr || PyList_Append(declined, at) < 0) failed = true;
+          Py_XDECREF(at);
+        }
+      }
+      if (norm == nullptr || count == nullptr) failed = true;
+      PyList_SET_ITEM(norms, i, norm ? norm : none());
+      PyList_SET_ITEM(counts, i, count ? count : none());
+    }
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+    failed = true;
+  }
+  PyObject* blob = failed ? nullptr : PyBytes_FromStringAndSize(t.data(), (Py_ssize_t)t.size());
+  PyObject* out = blob ? PyTuple_Pack(4, blob, declined, norms, counts) : nullptr;
+  Py_XDECREF(blob);
+  Py_DECREF(declined);
+  Py_DECREF(norms);
+  Py_DECREF(counts);
   return out;
 }
 
@@ -1314,6 +1405,7 @@ PyMethodDef methods[] = {
     {"unpack_calls", py_unpack_calls, METH_VARARGS, "Call rows from pack()'s bytes."},
     {"grad_states", py_grad_states, METH_O, "What tells each parameter's .grad changed, as bytes."},
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
+    {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
     {nullptr, nullptr, 0, nullptr}};
 
 struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradstore's node hooks in C++", -1,
