@@ -52,7 +52,7 @@ import torch
 from ..records import NodeInfo, StepBatch
 from ..store.writer import OffloadDeclined, OffloadFailed, OffloadLost, Writer
 from .findings import Findings
-from .rows import LazyRows, built_fields
+from .rows import LazyRows, PackedRows, built_fields
 
 AUTO_AFTER = 16  # steps a writer takes on its own thread before 'auto' moves the rest to a child process
 START_TIMEOUT_S = 120.0  # for the child to import gradstore and open the database
@@ -207,6 +207,8 @@ def detached(batch: StepBatch) -> tuple[StepBatch, object | None]:
         value = getattr(batch, f.name)
         if facts is not None and f.name in _FINDINGS_FIELDS:
             rows[f.name] = []
+        elif isinstance(value, PackedRows) and not value.built:  # bytes already (the final parameter rows)
+            rows[f.name] = value
         elif isinstance(value, LazyRows):
             rows[f.name] = value.rows()
     rows["passes"] = [passes[id(p)] for p in batch.passes]

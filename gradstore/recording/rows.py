@@ -115,7 +115,12 @@ def built_fields(record, packed: bool = False) -> dict:
     for f in fields(record):
         v = getattr(record, f.name)
         if isinstance(v, LazyRows):
-            out[f.name] = _packed(v) if packed and v.pack is not None and not v.built else v.rows()
+            if packed and isinstance(v, PackedRows) and not v.built:
+                out[f.name] = v  # already bytes (the parameters' rows: gradstore.recording.final_grads.pack_params)
+            elif packed and v.pack is not None and not v.built:
+                out[f.name] = _packed(v)
+            else:
+                out[f.name] = v.rows()
     return out
 
 
