@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..errors import RecordUsageError
+from . import native
 from . import torch_private as tp
 
 
@@ -358,6 +359,7 @@ class ModuleTracker:
         self._region_vals: list[str | None] = []
         self._region_stack: list[tuple[int, str]] = []
         self._handles = []
+        self._native_hooks = None  # (pre-hook, hook) from the C++ hooks module, False: the Python ones; None: not asked
 
     def _bind(self, record: ForwardRecord) -> None:
         """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
@@ -479,11 +481,37 @@ class ModuleTracker:
         are hidden from torch's check for global hooks, so `torch.compile(module)` does not warn about them."""
         if not tp.has_sequence_nr() or self._handles:
             return
-        self._handles = [
-            register_module_forward_pre_hook(self._pre),
-            register_module_forward_hook(self._post, always_call=True),
-        ]
+        pre, post = self._hooks()
+        self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
         tp.hide_global_module_hooks(self._handles)
+
+    def _hooks(self) -> tuple:
+        """The pre-hook and hook to register: where the C++ hooks module is built (gradstore.recording.native), two
+        small Python functions that hand each module call to its `module_hooks` (the same appends as `_pre` and
+        `_post` on the common path, in C; `_pre` / `_post` themselves otherwise), made once per tracker; else `_pre`
+        and `_post`. The Python functions stay in front so that torch.compile, which traces global module hooks,
+        reads `_is_compiling()` there and returns, as in `_pre` (a C callable would break its graph)."""
+        if self._native_hooks is None:
+            module = native.load()  # None while it is being built: asked again at the next install
+            if module is not None:
+                try:
+                    c_pre, c_post = module.module_hooks(self, self._pre, self._post, _is_compiling)
+                except Exception:
+                    self._native_hooks = False
+                else:
+
+                    def pre(module, args):
+                        if _is_compiling():
+                            return None
+                        return c_pre(module, args)
+
+                    def post(module, args, output):
+                        if _is_compiling():
+                            return None
+                        return c_post(module, args, output)
+
+                    self._native_hooks = (pre, post)
+        return self._native_hooks or (self._pre, self._post)
 
     def remove(self) -> None:
         """Remove the global hooks; safe to call twice."""
@@ -491,6 +519,8 @@ class ModuleTracker:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._native_hooks:  # they hold this tracker: let go of them, or the two would wait for the collector
+            self._native_hooks = None
         self._stack.clear()
         self._region_stack.clear()
 

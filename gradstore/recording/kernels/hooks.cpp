@@ -14,6 +14,7 @@
 #include <Python.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -1386,6 +1387,300 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
   return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
 }
 
+// ---- the module tracker's forward hooks (gradstore.recording.modules.ModuleTracker._pre / _post), common path ------
+// module_hooks(tracker, pre, post, is_compiling) -> (pre hook, hook): two callables for
+// register_module_forward_pre_hook / register_module_forward_hook that do what the tracker's Python `_pre(module,
+// args)` / `_post(module, args, output)` do, appending the same items to the tracker's lists, without a Python frame;
+// every case but the common one goes to those Python methods (given), before anything is appended: a module that
+// `tracker.names` does not name, known compiled regions (`tracker.regions`, `tracker._region_stack`), a recomputation
+// (`tracker.context`), an output that is a tensor subclass or a container other than a plain tuple, list or dict.
+// Like the Python ones, they do nothing on a thread other than the tracker's or while `is_compiling()`, and return
+// None. The sequence counter is read with at::sequence_number::peek (what _get_sequence_nr returns), a grad_fn's
+// number and name with Node::sequence_nr / Node::name (what `_sequence_nr()` and `name()` return).
+struct TrackerHook {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  int post;
+  unsigned long thread;
+  PyObject* tracker;
+  PyObject* fallback;
+  PyObject* is_compiling;
+};
+
+PyObject *s_names, *s_regions, *s_context, *s_region_stack, *s_stack, *s_call_names, *s_entries, *s_contexts,
+    *s_lasts, *s_exits, *s_seqs, *s_owners, *s_owner_calls, *s_out_calls, *s_out_seqs, *s_out_names;
+
+bool intern_names() {
+  struct {
+    PyObject** at;
+    const char* text;
+  } all[] = {{&s_names, "names"},      {&s_regions, "regions"},   {&s_context, "context"},
+             {&s_region_stack, "_region_stack"}, {&s_stack, "_stack"}, {&s_call_names, "_names"},
+             {&s_entries, "_entries"},  {&s_contexts, "_contexts"}, {&s_lasts, "_lasts"},
+             {&s_exits, "_exits"},      {&s_seqs, "_seqs"},        {&s_owners, "_owners"},
+             {&s_owner_calls, "_owner_calls"}, {&s_out_calls, "_out_calls"}, {&s_out_seqs, "_out_seqs"},
+             {&s_out_names, "_out_names"}};
+  for (auto& a : all)
+    if (*a.at == nullptr && (*a.at = PyUnicode_InternFromString(a.text)) == nullptr) return false;
+  return true;
+}
+
+// the tracker's instance attributes, read from its __dict__ (a dict lookup by an interned name each: a getattr's type
+// lookup per attribute cost more than the Python hook's own work)
+struct Attrs {
+  PyObject* dict;  // owned; nullptr: none
+  explicit Attrs(PyObject* obj) : dict(PyObject_GenericGetDict(obj, nullptr)) {
+    if (dict != nullptr && !PyDict_Check(dict)) Py_CLEAR(dict);
+    if (dict == nullptr) PyErr_Clear();
+  }
+  ~Attrs() { Py_XDECREF(dict); }
+  PyObject* get(PyObject* name) const {  // borrowed, or nullptr (no exception)
+    if (dict == nullptr) return nullptr;
+    PyObject* v = PyDict_GetItemWithError(dict, name);
+    if (v == nullptr) PyErr_Clear();
+    return v;
+  }
+  PyObject* list(PyObject* name) const {  // borrowed, only if exactly a list
+    PyObject* v = get(name);
+    return v != nullptr && PyList_CheckExact(v) ? v : nullptr;
+  }
+};
+
+bool plain_tensor(PyObject* o) {
+  PyObject* type = (PyObject*)Py_TYPE(o);
+  return type == G.plain[0] || type == G.plain[1];
+}
+
+// 1: common path, 0: needs the Python body, -1: an error is set. For the post hook: the output's plain tensors
+int classify_output(PyObject* output, std::vector<PyObject*>& tensors) {
+  if (THPVariable_Check(output)) {
+    if (!plain_tensor(output)) return 0;
+    tensors.push_back(output);
+    return 1;
+  }
+  if (PyTuple_Check(output) || PyList_Check(output) || PyDict_Check(output)) {
+    if (!PyTuple_CheckExact(output) && !PyList_CheckExact(output) && !PyDict_CheckExact(output)) return 0;
+    PyObject* items = PyDict_CheckExact(output) ? PyDict_Values(output) : PySequence_Fast(output, "");
+    if (items == nullptr) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+    PyObject** at = PySequence_Fast_ITEMS(items);
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n && ok == 1; ++i) {
+      if (THPVariable_Check(at[i])) {
+        if (!plain_tensor(at[i])) ok = 0;
+        else tensors.push_back(at[i]);  // borrowed: `output` holds it for the call
+      }
+    }
+    Py_DECREF(items);
+    return ok;
+  }
+  return 1;
+}
+
+PyObject* call_fallback(TrackerHook* h, PyObject* const* args, size_t nargsf) {
+  return PyObject_Vectorcall(h->fallback, args, PyVectorcall_NARGS(nargsf), nullptr);
+}
+
+// appends; false with an error set
+bool append_new(PyObject* list, PyObject* item) {  // steals item
+  if (item == nullptr) return false;
+  int rc = PyList_Append(list, item);
+  Py_DECREF(item);
+  return rc == 0;
+}
+
+PyObject* tracker_pre(TrackerHook* h, PyObject* const* args, size_t nargsf) {
+  PyObject* module = args[0];
+  Attrs a(h->tracker);
+  // names, regions and context decide whether the common path applies; nothing is appended before
+  PyObject* names = a.get(s_names);
+  PyObject* regions = a.get(s_regions);
+  PyObject* context = a.get(s_context);
+  if (names == nullptr || !PyDict_CheckExact(names) || regions == nullptr || !PyDict_CheckExact(regions) ||
+      PyDict_GET_SIZE(regions) != 0 || context != Py_None)
+    return call_fallback(h, args, nargsf);
+  PyObject* key = PyLong_FromVoidPtr(module);
+  if (key == nullptr) return nullptr;
+  PyObject* name = PyDict_GetItemWithError(names, key);  // borrowed
+  Py_DECREF(key);
+  if (name == nullptr) {
+    if (PyErr_Occurred()) return nullptr;
+    return call_fallback(h, args, nargsf);
+  }
+  PyObject* const want[9] = {s_call_names, s_entries, s_contexts, s_lasts, s_exits,
+                             s_stack,      s_seqs,    s_owners,   s_owner_calls};
+  PyObject* l[9];
+  for (int i = 0; i < 9; ++i)
+    if ((l[i] = a.list(want[i])) == nullptr) return call_fallback(h, args, nargsf);
+  Py_INCREF(name);  // held while the lists grow (an append may run no Python code, but stay safe)
+  int64_t seq = (int64_t)at::sequence_number::peek();
+  Py_ssize_t index = PyList_GET_SIZE(l[0]);
+  bool ok = PyList_Append(l[0], name) == 0 && append_new(l[1], PyLong_FromLongLong(seq)) &&
+            PyList_Append(l[2], Py_None) == 0 && PyList_Append(l[3], Py_None) == 0 &&
+            PyList_Append(l[4], Py_None) == 0 && append_new(l[5], PyLong_FromSsize_t(index)) &&
+            append_new(l[6], PyLong_FromLongLong(seq)) && PyList_Append(l[7], name) == 0 &&
+            append_new(l[8], PyLong_FromSsize_t(index));
+  Py_DECREF(name);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* tracker_post(TrackerHook* h, PyObject* const* args, size_t nargsf) {
+  PyObject* output = args[2];
+  Attrs a(h->tracker);
+  PyObject* region_stack = a.get(s_region_stack);
+  if (region_stack == nullptr || !PyList_CheckExact(region_stack) || PyList_GET_SIZE(region_stack) > 0)
+    return call_fallback(h, args, nargsf);
+  std::vector<PyObject*> tensors;
+  int kind = classify_output(output, tensors);
+  if (kind < 0) return nullptr;
+  enum { STACK, NAMES, LASTS, EXITS, OUT_CALLS, OUT_SEQS, OUT_NAMES, SEQS, OWNERS, OWNER_CALLS, N };
+  PyObject* const want[N] = {s_stack, s_call_names, s_lasts, s_exits, s_out_calls, s_out_seqs,
+                             s_out_names, s_seqs, s_owners, s_owner_calls};
+  PyObject* l[N];
+  for (int i = 0; i < N; ++i)
+    if (kind == 0 || (l[i] = a.list(want[i])) == nullptr) return call_fallback(h, args, nargsf);
+  for (PyObject* x : l) Py_INCREF(x);  // ours for the call, whatever a tensor's grad_fn name runs
+  bool ok = true;
+  int64_t seq = (int64_t)at::sequence_number::peek();
+  Py_ssize_t depth = PyList_GET_SIZE(l[STACK]);
+  if (depth > 0) {
+    PyObject* top = PyList_GET_ITEM(l[STACK], depth - 1);
+    Py_INCREF(top);
+    ok = PyList_SetSlice(l[STACK], depth - 1, depth, nullptr) == 0;
+    Py_ssize_t index = ok ? PyLong_AsSsize_t(top) : -1;
+    if (ok && (index < 0 || index >= PyList_GET_SIZE(l[LASTS]) || index >= PyList_GET_SIZE(l[EXITS]))) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "module hook: a call index out of range");
+      ok = false;
+    }
+    if (ok) {
+      PyObject* last = PyLong_FromSsize_t(PyList_GET_SIZE(l[NAMES]) - 1);
+      PyObject* exit = PyLong_FromLongLong(seq);
+      if (last == nullptr || exit == nullptr) {
+        Py_XDECREF(last);
+        Py_XDECREF(exit);
+        ok = false;
+      } else if (PyList_SetItem(l[LASTS], index, last) < 0) {  // SetItem takes the reference, even failing
+        Py_DECREF(exit);
+        ok = false;
+      } else {
+        ok = PyList_SetItem(l[EXITS], index, exit) == 0;
+      }
+    }
+    for (size_t k = 0; ok && k < tensors.size(); ++k) {
+      auto fn = THPVariable_Unpack(tensors[k]).grad_fn();  // a copy: the tensor may drop its grad_fn
+      if (!fn) continue;
+      std::string fname = fn->name();
+      ok = PyList_Append(l[OUT_CALLS], top) == 0 &&
+           append_new(l[OUT_SEQS], PyLong_FromUnsignedLongLong((unsigned long long)fn->sequence_nr())) &&
+           append_new(l[OUT_NAMES], PyUnicode_FromStringAndSize(fname.data(), (Py_ssize_t)fname.size()));
+    }
+    Py_DECREF(top);
+  }
+  ok = ok && append_new(l[SEQS], PyLong_FromLongLong(seq));
+  if (ok) {
+    Py_ssize_t left = PyList_GET_SIZE(l[STACK]);
+    if (left > 0) {
+      PyObject* top = PyList_GET_ITEM(l[STACK], left - 1);
+      Py_ssize_t index = PyLong_AsSsize_t(top);
+      if (index < 0 || index >= PyList_GET_SIZE(l[NAMES])) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "module hook: a call index out of range");
+        ok = false;
+      } else {
+        ok = PyList_Append(l[OWNERS], PyList_GET_ITEM(l[NAMES], index)) == 0 &&
+             PyList_Append(l[OWNER_CALLS], top) == 0;
+      }
+    } else {
+      ok = append_new(l[OWNERS], PyUnicode_FromString("")) && append_new(l[OWNER_CALLS], PyLong_FromLong(-1));
+    }
+  }
+  for (PyObject* x : l) Py_DECREF(x);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* tracker_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* h = (TrackerHook*)self;
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  if (kwnames != nullptr || n != (h->post ? 3 : 2)) return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
+  if (PyThread_get_thread_ident() != h->thread) Py_RETURN_NONE;
+  PyObject* compiling = PyObject_CallNoArgs(h->is_compiling);
+  if (compiling == nullptr) return nullptr;
+  int yes = PyObject_IsTrue(compiling);
+  Py_DECREF(compiling);
+  if (yes < 0) return nullptr;
+  if (yes) Py_RETURN_NONE;
+  return h->post ? tracker_post(h, args, nargsf) : tracker_pre(h, args, nargsf);
+}
+
+void tracker_dealloc(PyObject* self) {
+  auto* h = (TrackerHook*)self;
+  PyObject_GC_UnTrack(self);
+  Py_CLEAR(h->tracker);
+  Py_CLEAR(h->fallback);
+  Py_CLEAR(h->is_compiling);
+  PyObject_GC_Del(self);
+}
+
+int tracker_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* h = (TrackerHook*)self;
+  Py_VISIT(h->tracker);
+  Py_VISIT(h->fallback);
+  Py_VISIT(h->is_compiling);
+  return 0;
+}
+
+int tracker_clear(PyObject* self) {
+  auto* h = (TrackerHook*)self;
+  Py_CLEAR(h->tracker);
+  Py_CLEAR(h->fallback);
+  Py_CLEAR(h->is_compiling);
+  return 0;
+}
+
+PyTypeObject TrackerHookType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* py_module_hooks(PyObject*, PyObject* args) {
+  PyObject *tracker, *pre, *post, *is_compiling;
+  if (!PyArg_ParseTuple(args, "OOOO", &tracker, &pre, &post, &is_compiling)) return nullptr;
+  if (!G.ready) {
+    PyErr_SetString(PyExc_RuntimeError, "module_hooks(): init() first");
+    return nullptr;
+  }
+  if (!intern_names()) return nullptr;
+  PyObject* out = PyTuple_New(2);
+  if (out == nullptr) return nullptr;
+  for (int post_hook = 0; post_hook < 2; ++post_hook) {
+    auto* h = PyObject_GC_New(TrackerHook, &TrackerHookType);
+    if (h == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    h->vectorcall = tracker_call;
+    h->post = post_hook;
+    h->thread = PyThread_get_thread_ident();
+    h->tracker = Py_NewRef(tracker);
+    h->fallback = Py_NewRef(post_hook ? post : pre);
+    h->is_compiling = Py_NewRef(is_compiling);
+    PyObject_GC_Track((PyObject*)h);
+    PyTuple_SET_ITEM(out, post_hook, (PyObject*)h);
+  }
+  return out;
+}
+
+bool ready_tracker_type() {
+  TrackerHookType.tp_name = "_gradstore_hooks.ModuleHook";
+  TrackerHookType.tp_basicsize = sizeof(TrackerHook);
+  TrackerHookType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
+  TrackerHookType.tp_vectorcall_offset = offsetof(TrackerHook, vectorcall);
+  TrackerHookType.tp_call = PyVectorcall_Call;
+  TrackerHookType.tp_dealloc = tracker_dealloc;
+  TrackerHookType.tp_traverse = tracker_traverse;
+  TrackerHookType.tp_clear = tracker_clear;
+  TrackerHookType.tp_doc = "gradstore's module tracker hook (module_hooks)";
+  return PyType_Ready(&TrackerHookType) == 0;
+}
+
 PyObject* py_abi(PyObject*, PyObject*) { return PyLong_FromLong(ABI); }
 
 PyMethodDef methods[] = {
@@ -1406,6 +1701,7 @@ PyMethodDef methods[] = {
     {"grad_states", py_grad_states, METH_O, "What tells each parameter's .grad changed, as bytes."},
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
+    {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
     {nullptr, nullptr, 0, nullptr}};
 
 struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradstore's node hooks in C++", -1,
@@ -1413,4 +1709,7 @@ struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradsto
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__gradstore_hooks(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__gradstore_hooks(void) {
+  if (!ready_tracker_type()) return nullptr;
+  return PyModule_Create(&module);
+}

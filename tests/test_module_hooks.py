@@ -1,0 +1,250 @@
+"""The module tracker's forward hooks in C (the C++ hooks module's `module_hooks`) note exactly what its Python
+hooks (`ModuleTracker._pre` / `_post`) note, in every case: the common one they take themselves, and each one they
+hand to the Python hooks (a module the names do not know, a recomputation inside a backward call, compiled
+regions, a tensor subclass or a container subclass returned, a forward that raises).
+
+Expected values: a second tracker with the Python hooks installed beside the first, so that both see the same
+module calls with the same sequence numbers, and for the common case the module boundaries read by hand
+(`torch._C._autograd._get_sequence_nr` around each module call, plain PyTorch).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+from dataclasses import fields
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gradstore.recording import native
+from gradstore.recording.modules import ModuleTracker, qualified_names
+
+Pair = namedtuple("Pair", "a b")
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass a module may return (its `grad_fn` is read through Python, by the Python hook)."""
+
+
+class Returns(nn.Module):
+    """A Linear whose output is wrapped as `kind` says."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.kind = kind
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = y * 2
+        if self.kind == "tuple":
+            return y, z, 5
+        if self.kind == "list":
+            return [y, None, z]
+        if self.kind == "dict":
+            return {"y": y, "z": z}
+        if self.kind == "namedtuple":
+            return Pair(y, z)
+        if self.kind == "ordereddict":
+            return OrderedDict(y=y, z=z)
+        if self.kind == "subclass":
+            return y.as_subclass(Tagged)
+        if self.kind == "none":
+            return None
+        if self.kind == "raises":
+            raise ValueError("boom")
+        return z
+
+
+class Net(nn.Module):
+    def __init__(self, kinds):
+        super().__init__()
+        self.blocks = nn.ModuleList(Returns(k) for k in kinds)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        out = x
+        for block in self.blocks:
+            got = block(out)
+            if isinstance(got, torch.Tensor):
+                out = got
+        return self.head(out)
+
+
+def _native_or_skip():
+    module = native.load(wait=True)
+    if module is None:
+        pytest.skip(f"C++ hooks: {native.status()}")
+    return module
+
+
+def _pair(names, **kw):
+    """A tracker with the C hooks and one with the Python ones, over the same names."""
+    fast, slow = ModuleTracker(dict(names), **kw), ModuleTracker(dict(names), **kw)
+    slow._native_hooks = False
+    return fast, slow
+
+
+def _same(fast: ModuleTracker, slow: ModuleTracker) -> None:
+    a, b = fast.take(), slow.take()
+    for f in fields(a):
+        assert getattr(a, f.name) == getattr(b, f.name), f.name
+    assert fast._stack == slow._stack
+
+
+def _run(trackers, fn):
+    for t in trackers:
+        t.install()
+    try:
+        return fn()
+    finally:
+        for t in reversed(trackers):
+            t.remove()
+
+
+ALL = ["plain", "tuple", "list", "dict", "namedtuple", "ordereddict", "subclass", "none"]
+
+
+def test_the_c_hooks_are_used_and_note_what_the_python_hooks_note():
+    _native_or_skip()
+    net = Net(ALL)
+    names = qualified_names([("", net)])
+    fast, slow = _pair(names)
+    pre, post = fast._hooks()
+    assert all(type(c.cell_contents).__name__ == "ModuleHook" for c in (*pre.__closure__, *post.__closure__))
+    assert slow._hooks() == (slow._pre, slow._post)
+    x = torch.randn(2, 3, requires_grad=True)
+    _run([fast, slow], lambda: net(x))
+    _same(fast, slow)
+    rec = fast.take()
+    blocks = [n for i in range(8) for n in (f"blocks.{i}", f"blocks.{i}.lin")]
+    assert rec.call_names == ["", *blocks, "head"]
+    # the outputs' grad_fns: a tuple's, list's and dict's tensors each; None and the int are not tensors
+    per_call = {}
+    for call, _, name in rec.outputs:
+        per_call.setdefault(rec.call_names[call], []).append(name)
+    assert per_call["blocks.1"] == ["AddmmBackward0", "MulBackward0"]  # (y, z, 5)
+    assert per_call["blocks.2"] == ["AddmmBackward0", "MulBackward0"]  # [y, None, z]
+    assert per_call["blocks.3"] == ["AddmmBackward0", "MulBackward0"]  # {"y": y, "z": z}
+    assert "blocks.7" not in per_call  # None
+
+
+def test_the_boundaries_are_the_sequence_numbers_read_by_hand():
+    _native_or_skip()
+    peek = torch._C._autograd._get_sequence_nr
+    lin1, lin2 = nn.Linear(3, 3), nn.Linear(3, 3)
+    model = nn.Sequential(lin1, nn.Tanh(), lin2)
+    fast, _ = _pair(qualified_names([("", model)]))
+    x = torch.randn(2, 3, requires_grad=True)
+    fast.install()
+    try:
+        at_start = peek()
+        model(x)
+        at_end = peek()
+    finally:
+        fast.remove()
+    rec = fast.take()
+    # plain PyTorch, by hand: Linear makes AddmmBackward0 + TBackward0 (2 numbers), Tanh one
+    assert rec.call_names == ["", "0", "1", "2"]
+    assert rec.call_seqs == [at_start, at_start, at_start + 2, at_start + 3]
+    assert rec.call_exits == [at_end, at_start + 2, at_start + 3, at_end] and at_end == at_start + 5
+    assert rec.call_lasts == [3, 1, 2, 3]
+    assert rec.owners == ["", "0", "", "1", "", "2", "", ""]
+    outputs = [name for _, _, name in rec.outputs]
+    assert outputs == ["AddmmBackward0", "TanhBackward0", "AddmmBackward0", "AddmmBackward0"]
+
+
+def test_a_module_the_names_do_not_know_and_a_raising_forward():
+    _native_or_skip()
+    net = Net(["plain", "tuple"])
+    names = qualified_names([("", net)])
+    del names[id(net.blocks[1].lin)]  # named by its class by the Python hook: '<Linear>'
+    fast, slow = _pair(names)
+    x = torch.randn(2, 3, requires_grad=True)
+    _run([fast, slow], lambda: net(x))
+    _same(fast, slow)
+    assert "<Linear>" in fast.take().call_names
+    bad = Net(["plain", "raises"])
+    fast, slow = _pair(qualified_names([("", bad)]))
+    with pytest.raises(ValueError, match="boom"):
+        _run([fast, slow], lambda: bad(x))
+    _same(fast, slow)  # always_call: the hooks ran for the modules the error left, with output None
+
+
+def test_a_recomputation_and_compiled_regions_take_the_python_hooks():
+    _native_or_skip()
+    net = Net(["plain", "dict"])
+    names = qualified_names([("", net)])
+    x = torch.randn(2, 3, requires_grad=True)
+    fast, slow = _pair(names)
+    for t in (fast, slow):
+        t.context = lambda: (0, 41)  # as inside a backward call: a recomputation
+    _run([fast, slow], lambda: net(x))
+    _same(fast, slow)
+    assert set(fast.take().call_contexts) == {(0, 41)}
+    region = {id(net.blocks[0]): "blocks.0,blocks.0.lin"}  # as a torch.compile wrapper's region
+    fast, slow = _pair(names, regions=region)
+    _run([fast, slow], lambda: net(x))
+    _same(fast, slow)
+    assert fast.take().call_names == slow.take().call_names and fast._region_seqs == slow._region_seqs != []
+
+
+def test_other_threads_and_compile_tracing_note_nothing(monkeypatch):
+    import threading
+
+    from gradstore.recording import modules
+
+    _native_or_skip()
+    net = Net(["plain"])
+    fast, slow = _pair(qualified_names([("", net)]))
+    x = torch.randn(2, 3, requires_grad=True)
+    for t in (fast, slow):
+        t.install()
+    try:
+        worker = threading.Thread(target=lambda: net(x))
+        worker.start()
+        worker.join()
+    finally:
+        for t in (fast, slow):
+            t.remove()
+    assert fast.take().call_names == slow.take().call_names == []
+    calls = []
+    fast, _ = _pair(qualified_names([("", net)]))
+    monkeypatch.setattr(modules, "_is_compiling", lambda: calls.append(1) or True)
+    fast._native_hooks = None  # made anew: with the patched check
+    _run([fast], lambda: net(x))
+    assert fast.take().call_names == [] and len(calls) == 8  # 4 modules, a pre-hook and a hook each
+
+
+def test_the_common_case_never_calls_the_python_hooks():
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    from gradstore.recording import modules
+
+    module = _native_or_skip()
+    x = torch.randn(2, 3, requires_grad=True)
+    for kinds, handed in ((["plain", "tuple", "list", "dict", "none"], []), (["namedtuple", "ordereddict"], [1, 2])):
+        net = Net(kinds)
+        tracker, slow = _pair(qualified_names([("", net)]))
+        called = []
+
+        def pre(m, args, _t=tracker, _called=called):
+            _called.append(("pre", m))
+            return _t._pre(m, args)
+
+        def post(m, args, out, _t=tracker, _called=called):
+            _called.append(("post", m))
+            return _t._post(m, args, out)
+
+        c_pre, c_post = module.module_hooks(tracker, pre, post, modules._is_compiling)
+        handles = [register_module_forward_pre_hook(c_pre), register_module_forward_hook(c_post, always_call=True)]
+        slow.install()
+        try:
+            net(x)
+        finally:
+            slow.remove()
+            for h in handles:
+                h.remove()
+        _same(tracker, slow)
+        assert called == [("post", net.blocks[i - 1]) for i in handed]  # the container subclasses only
