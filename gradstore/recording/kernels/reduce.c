@@ -44,7 +44,12 @@ typedef int32_t smask __attribute__((vector_size(4 * W)));
 
 static inline svec load_f32(const float *p) { svec v; memcpy(&v, p, sizeof v); return v; }
 static inline dvec load_f64(const double *p) { dvec v; memcpy(&v, p, sizeof v); return v; }
+#if W == 8 /* one vcvtps2pd zmm, ymm: GCC 12 makes __builtin_convertvector four narrow ones and two shuffles, which
+              * made the loops below bound by the shuffle port; the same exact conversion */
+static inline dvec wide_f32(svec v) { return (dvec)_mm512_cvtps_pd((__m256)v); }
+#else
 static inline dvec wide_f32(svec v) { return __builtin_convertvector(v, dvec); }
+#endif
 static inline dvec wide_f64(dvec v) { return v; }
 
 /* a < b ? a : b (and a > b ? a : b) lane by lane: a NaN in a keeps b. x86's min/max instructions have
@@ -284,7 +289,7 @@ void gs_slices_f32(const float *x, int64_t outer, int64_t k, int64_t inner, doub
         return Q;                                                                                 \
     }
 
-#define LOAD_f32(a, p) do { svec v_; memcpy(&v_, (p), sizeof v_); (a) = __builtin_convertvector(v_, dvec); } while (0)
+#define LOAD_f32(a, p) do { (a) = wide_f32(load_f32(p)); } while (0)
 #define LOAD_f64(a, p) memcpy(&(a), (p), sizeof(a))
 DEFINE_MASKED(float, f32)
 DEFINE_MASKED(double, f64)
