@@ -98,6 +98,15 @@ def _section(results: dict, name: str, fn):
     log(f"{name}: done in {time.perf_counter() - t0:.0f} s")
 
 
+def _steady_section(out: Path) -> str:
+    """The steady-state section `python -m benchmarks.steady` wrote into the report at `out` (kept when this command
+    rewrites it), after a blank line; '' where there is none."""
+    from .steady import kept_section
+
+    kept = kept_section(out.read_text()) if out.exists() else ""
+    return "\n" + kept + "\n" if kept else ""
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.from_json:
@@ -105,7 +114,7 @@ def main(argv=None) -> int:
 
         results = json.loads(Path(a.from_json).read_text())
         results.setdefault("notes", []).extend(n for n in _notes(results) if n not in results["notes"])
-        Path(a.out).write_text(render(results))
+        Path(a.out).write_text(render(results) + _steady_section(Path(a.out)))
         log(f"wrote {a.out} from {a.from_json}")
         return 0
     quiet()
@@ -267,7 +276,7 @@ def main(argv=None) -> int:
         pass
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(results))
+    out.write_text(render(results) + _steady_section(out))
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
     log(f"wrote {out} and {out.with_suffix('.json').name} ({results['elapsed_s'] / 60:.1f} min)")
     tmp.cleanup()

@@ -60,6 +60,9 @@ from .common import BENCH_DIR, REFERENCE, TINY, Bench, environment, log, median,
 LEVELS = ("none", "full", "shape", "params")
 MODELS = ("gpt2", "mlp", "cnn", "nan")
 NOTES_MARK = "<!-- notes below this line are kept by python -m benchmarks.steady -->"
+# RESULTS.md's steady-state section (`results_section`), kept there when benchmarks.run rewrites the file
+RESULTS_BEGIN = "<!-- steady state: written by python -m benchmarks.steady -->"
+RESULTS_END = "<!-- end of the steady state -->"
 
 # issue 17's targets, 1 thread (medians of steady-state ratios to no recording)
 TARGETS = {("mlp", "full"): 1.10, ("mlp", "shape"): 1.05, ("nan", "full NaN / full finite"): 1.30}
@@ -101,6 +104,12 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, help="instead of timing: cProfile of recorded steps of this model")
     p.add_argument("--profile-levels", default="full,shape,params", help="levels profiled (with --profile)")
     p.add_argument("--out", default=str(BENCH_DIR / "STEADY.md"), help="the report (raw numbers next to it, .json)")
+    p.add_argument(
+        "--results",
+        default=None,
+        help="the Markdown file whose steady-state section this run rewrites (default: benchmarks/RESULTS.md for a "
+        "full run into the default --out, else none; '' for none)",
+    )
     p.add_argument(
         "--merge",
         action="store_true",
@@ -592,10 +601,13 @@ def report(res: dict) -> str:
                 f"({f['param_bytes'] / 1e6:.1f}) | {f['full_read_ms']:.2f} | {read_cost_of(res, name, 'full'):.3f} | "
                 f"{f['params_read_ms']:.2f} | {read_cost_of(res, name, 'params'):.3f} |"
             )
-    lines += [
-        "",
-        "## Ratios",
-        "",
+    lines += ["", "## Ratios", "", *ratio_table(res)]
+    return "\n".join(lines) + "\n"
+
+
+def ratio_table(res: dict) -> list[str]:
+    """The Markdown table of every ratio of `res` (its runs, by model and thread count), with issue 17's verdicts."""
+    lines = [
         "| model | threads | configuration | K | step (ms, block / K) | ratio (median of per-round ratios) | "
         "per-round ratios | issue 17 target (1 thread) |",
         "|---|---|---|---|---|---|---|---|",
@@ -610,7 +622,49 @@ def report(res: dict) -> str:
             lines.append(
                 f"| `{model}` | {threads} | `{row}` | {k} | {step} | {e['ratio']:.2f} | {spread} | {verdict} |"
             )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def results_section(res: dict) -> str:
+    """RESULTS.md's section on the steady state (between RESULTS_BEGIN and RESULTS_END): when and where it was
+    measured, and the ratio table; the rest (models, read cost, notes) is in STEADY.md."""
+    env = res["env"]
+    when = env.get("date", "?") + ("; earlier parts: " + env["earlier parts"] if "earlier parts" in env else "")
+    return "\n".join(
+        [
+            RESULTS_BEGIN,
+            "## Steady state, the writer inside the time (issue 17)",
+            "",
+            "Written by `python -m benchmarks.steady` into this section (the rest of this file is `benchmarks.run`'s"
+            " and keeps it): blocks of K consecutive recorded steps ending in `rec.flush()` against K plain steps, "
+            "interleaved, medians of the per-round ratios. The models, each model's read cost and the notes are in "
+            f"[STEADY.md](STEADY.md). Measured {when}, on: {env.get('cpu', '?')}, {env.get('cores', '?')} cores, "
+            f"load {env.get('load average (1/5/15 min, at start)', '?')} at the start.",
+            "",
+            *ratio_table(res),
+            RESULTS_END,
+        ]
+    )
+
+
+def update_results(path: Path, section: str) -> None:
+    """Put `section` into the Markdown file at `path` in place of the one between RESULTS_BEGIN and RESULTS_END, or
+    at its end when it has none (a file that does not exist is made with the section alone)."""
+    text = path.read_text() if path.exists() else ""
+    if RESULTS_BEGIN in text and RESULTS_END in text:
+        head, rest = text.split(RESULTS_BEGIN, 1)
+        tail = rest.split(RESULTS_END, 1)[1]
+        text = head + section + tail
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text else "") + section + "\n"
+    path.write_text(text)
+
+
+def kept_section(text: str) -> str:
+    """The steady-state section of a RESULTS.md's text (RESULTS_BEGIN to RESULTS_END, inclusive), or ''."""
+    if RESULTS_BEGIN not in text or RESULTS_END not in text:
+        return ""
+    return RESULTS_BEGIN + text.split(RESULTS_BEGIN, 1)[1].split(RESULTS_END, 1)[0] + RESULTS_END
 
 
 def write(res: dict, out: Path) -> None:
@@ -660,7 +714,8 @@ def main(argv=None) -> int:
     out = Path(a.out)
     if a.merge and out.with_suffix(".json").exists():
         old = json.loads(out.with_suffix(".json").read_text())
-        res["models"] = {**old.get("models", {}), **res["models"]}
+        models = old.get("models", {})  # per model, this run's facts replace: an earlier read cost stays
+        res["models"] = {**models, **{name: {**models.get(name, {}), **d} for name, d in res["models"].items()}}
         res["runs"] = {**old.get("runs", {}), **res["runs"]}
         res["env"]["earlier parts"] = (
             old["env"].get("date", "?")
@@ -672,7 +727,21 @@ def main(argv=None) -> int:
     write(res, out)
     print(report(res))
     log(f"wrote {out} and {out.with_suffix('.json')}")
+    results = _results_path(a)
+    if results is not None:
+        update_results(results, results_section(res))
+        log(f"updated the steady-state section of {results}")
     return 0
+
+
+def _results_path(a) -> Path | None:
+    """Where the steady-state section goes: `--results`; by default benchmarks/RESULTS.md when the report is the
+    default STEADY.md and the run measures (not --quick or --tiny); '' for nowhere."""
+    if a.results is not None:
+        return Path(a.results) if a.results else None
+    if a.quick or a.tiny or Path(a.out).resolve() != (BENCH_DIR / "STEADY.md").resolve():
+        return None
+    return BENCH_DIR / "RESULTS.md"
 
 
 if __name__ == "__main__":

@@ -86,6 +86,29 @@ def test_inside_benchmark_runs_alone(tmp_path):
     assert "| gradstore full, forward=True |" in out.read_text()
 
 
+def _check_results_section(tmp_path, report: str) -> None:
+    """RESULTS.md's steady-state section: the same ratio rows as STEADY.md, between its markers; a second write
+    replaces it and nothing else, and `benchmarks.run`, which rewrites the file, keeps it."""
+    from benchmarks import steady
+
+    results = tmp_path / "RESULTS.md"
+    text = results.read_text()
+    assert text.count(steady.RESULTS_BEGIN) == 1 and text.count(steady.RESULTS_END) == 1
+    rows = [line for line in report.splitlines() if line.startswith("| `")]
+    section = steady.kept_section(text)
+    assert all(row in section for row in rows if "| 1 |" in row or "| 2 |" in row) and len(rows) > 10
+    results.write_text("# other results\n\nkept text\n\n" + section + "\n\ntail\n")
+    steady.update_results(results, steady.RESULTS_BEGIN + "\nnew\n" + steady.RESULTS_END)
+    assert results.read_text() == (
+        "# other results\n\nkept text\n\n" + steady.RESULTS_BEGIN + "\nnew\n" + steady.RESULTS_END + "\n\ntail\n"
+    )
+    # benchmarks.run, rewriting the file, appends what it kept of it: this section alone
+    from benchmarks import run
+
+    assert run._steady_section(results) == "\n" + steady.RESULTS_BEGIN + "\nnew\n" + steady.RESULTS_END + "\n"
+    assert run._steady_section(tmp_path / "none.md") == ""
+
+
 def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
     """`python -m benchmarks.steady --quick --tiny` (issue 17's steady-state blocks) writes its report; the NaN
     storm's rows and the ratio of the two recorded steps are there. Nothing about speed is asserted."""
@@ -105,6 +128,8 @@ def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
             "--parts",
             "--out",
             str(out),
+            "--results",
+            str(tmp_path / "RESULTS.md"),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -113,6 +138,7 @@ def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = out.read_text()
+    _check_results_section(tmp_path, report)
     for row in ("| `mlp` | 1 | `full` |", "| `cnn` | 1 | `params` |", "| `nan` | 1 | `full NaN / full finite` |"):
         assert row in report, f"no row {row}:\n{report}"
     results = json.loads(out.with_suffix(".json").read_text())

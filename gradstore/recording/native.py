@@ -13,7 +13,11 @@ with no Python tuple per edge or per `next_functions` entry), builds the call ro
 (`call_rows`), reads every parameter's `.grad` state (`grad_states`: data pointer and version counter,
 gradstore.recording.passes) without a Python object per parameter, and measures the parameters' `.grad`s into
 their rows (`param_rows`, gradstore.recording.final_grads: the kernel's statistics of each plain dense
-float32/float64 CPU gradient, built into its row tuple with no `Measured` object or Python float per statistic).
+float32/float64 CPU gradient, built into its row tuple with no `Measured` object or Python float per statistic),
+or into packed rows (`param_pack`: one bytes object for all of them, built into rows where they are read, the
+writer's child process). It also holds the module tracker's forward hooks on their common path (`module_hooks`,
+gradstore.recording.modules: the same appends as the tracker's Python hooks, without their bytecode per module
+call).
 
 Every row is what the Python hooks (gradstore.recording.passes, gradstore.recording.stats) record for the same tensor: a
 gradient the C++ side does not measure itself (a tensor subclass, a device tensor, float16/bfloat16, a
