@@ -209,6 +209,16 @@ def test_other_threads_and_compile_tracing_note_nothing(monkeypatch):
         for t in (fast, slow):
             t.remove()
     assert fast.take().call_names == slow.take().call_names == []
+    # made on this thread, installed and run on another: the tracker's thread is this one, so nothing either
+    fast, slow = _pair(qualified_names([("", net)]))
+
+    def elsewhere():
+        _run([fast, slow], lambda: net(x))
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    worker.join()
+    assert fast.take().call_names == slow.take().call_names == []
     calls = []
     fast, _ = _pair(qualified_names([("", net)]))
     monkeypatch.setattr(modules, "_is_compiling", lambda: calls.append(1) or True)
@@ -237,7 +247,7 @@ def test_the_common_case_never_calls_the_python_hooks():
             _called.append(("post", m))
             return _t._post(m, args, out)
 
-        c_pre, c_post = module.module_hooks(tracker, pre, post, modules._is_compiling)
+        c_pre, c_post = module.module_hooks(tracker, pre, post, modules._is_compiling, tracker._thread)
         handles = [register_module_forward_pre_hook(c_pre), register_module_forward_hook(c_post, always_call=True)]
         slow.install()
         try:

@@ -495,7 +495,7 @@ class ModuleTracker:
             module = native.load()  # None while it is being built: asked again at the next install
             if module is not None:
                 try:
-                    c_pre, c_post = module.module_hooks(self, self._pre, self._post, _is_compiling)
+                    c_pre, c_post = module.module_hooks(self, self._pre, self._post, _is_compiling, self._thread)
                 except Exception:
                     self._native_hooks = False
                 else:

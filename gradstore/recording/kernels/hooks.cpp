@@ -71,7 +71,7 @@ struct Result {
   int16_t dtype = 0;
   int64_t numel = 0;
   c10::SmallVector<int64_t, 5> sizes;
-  double vec[10];
+  double vec[10] = {};  // zeros where nothing is measured: packed bytes hold no indeterminate memory
   PyObject* py = nullptr;  // K_PY: owned reference
   Result() = default;
   Result(const Result& o) : kind(o.kind), dtype(o.dtype), numel(o.numel), sizes(o.sizes), py(o.py) {
@@ -1388,13 +1388,14 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
 }
 
 // ---- the module tracker's forward hooks (gradstore.recording.modules.ModuleTracker._pre / _post), common path ------
-// module_hooks(tracker, pre, post, is_compiling) -> (pre hook, hook): two callables for
+// module_hooks(tracker, pre, post, is_compiling, thread) -> (pre hook, hook): two callables for
 // register_module_forward_pre_hook / register_module_forward_hook that do what the tracker's Python `_pre(module,
 // args)` / `_post(module, args, output)` do, appending the same items to the tracker's lists, without a Python frame;
 // every case but the common one goes to those Python methods (given), before anything is appended: a module that
 // `tracker.names` does not name, known compiled regions (`tracker.regions`, `tracker._region_stack`), a recomputation
 // (`tracker.context`), an output that is a tensor subclass or a container other than a plain tuple, list or dict.
-// Like the Python ones, they do nothing on a thread other than the tracker's or while `is_compiling()`, and return
+// Like the Python ones, they do nothing on a thread other than `thread` (the tracker's `_thread`: the one that made it)
+// or while `is_compiling()`, and return
 // None. The sequence counter is read with at::sequence_number::peek (what _get_sequence_nr returns), a grad_fn's
 // number and name with Node::sequence_nr / Node::name (what `_sequence_nr()` and `name()` return).
 struct TrackerHook {
@@ -1568,11 +1569,20 @@ PyObject* tracker_post(TrackerHook* h, PyObject* const* args, size_t nargsf) {
       }
     }
     for (size_t k = 0; ok && k < tensors.size(); ++k) {
-      auto fn = THPVariable_Unpack(tensors[k]).grad_fn();  // a copy: the tensor may drop its grad_fn
-      if (!fn) continue;
-      std::string fname = fn->name();
+      std::string fname;
+      uint64_t fseq = 0;
+      try {  // `.grad_fn` of a view may rebuild its node, and a custom Function's name() runs Python: either may throw
+        auto fn = THPVariable_Unpack(tensors[k]).grad_fn();  // a copy: the tensor may drop its grad_fn
+        if (!fn) continue;
+        fname = fn->name();
+        fseq = fn->sequence_nr();
+      } catch (const std::exception& e) {  // a Python error, as `output.grad_fn` raises in the Python hook
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+        ok = false;
+        break;
+      }
       ok = PyList_Append(l[OUT_CALLS], top) == 0 &&
-           append_new(l[OUT_SEQS], PyLong_FromUnsignedLongLong((unsigned long long)fn->sequence_nr())) &&
+           append_new(l[OUT_SEQS], PyLong_FromUnsignedLongLong((unsigned long long)fseq)) &&
            append_new(l[OUT_NAMES], PyUnicode_FromStringAndSize(fname.data(), (Py_ssize_t)fname.size()));
     }
     Py_DECREF(top);
@@ -1642,7 +1652,8 @@ PyTypeObject TrackerHookType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyObject* py_module_hooks(PyObject*, PyObject* args) {
   PyObject *tracker, *pre, *post, *is_compiling;
-  if (!PyArg_ParseTuple(args, "OOOO", &tracker, &pre, &post, &is_compiling)) return nullptr;
+  unsigned long thread;
+  if (!PyArg_ParseTuple(args, "OOOOk", &tracker, &pre, &post, &is_compiling, &thread)) return nullptr;
   if (!G.ready) {
     PyErr_SetString(PyExc_RuntimeError, "module_hooks(): init() first");
     return nullptr;
@@ -1658,7 +1669,7 @@ PyObject* py_module_hooks(PyObject*, PyObject* args) {
     }
     h->vectorcall = tracker_call;
     h->post = post_hook;
-    h->thread = PyThread_get_thread_ident();
+    h->thread = thread;
     h->tracker = Py_NewRef(tracker);
     h->fallback = Py_NewRef(post_hook ? post : pre);
     h->is_compiling = Py_NewRef(is_compiling);
