@@ -999,6 +999,19 @@ void fill_row(PyObject* row, int at, const Result& r) {
   for (long k = at + 15; k < at + G.columns; ++k) PyTuple_SET_ITEM(row, k, none());
 }
 
+// one item of param_rows' / param_pack's list into r: None is K_NONE; a tensor the C++ side measures itself is
+// measured; false for anything else (a tensor subclass, a device tensor, a tensor that throws while read, not a
+// tensor): the caller hands it to the Python measurement
+bool measure_item(PyObject* item, Level level, Result& r) {
+  if (item == Py_None) return true;  // K_NONE
+  if (!THPVariable_Check(item)) return false;
+  try {
+    return measure_here(THPVariable_Unpack(item), level, r);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // param_rows(tensors, level, row_type) -> [row or None]: per item of the list (a tensor or None: the parameters'
 // `.grad`s), the ROW_COLUMNS items and the sharding as `stats.to_rows(stats.measure_many(...))` makes them, built
 // here as instances of row_type (a tuple subclass), or None where the C++ side does not measure that tensor itself
@@ -1016,18 +1029,8 @@ PyObject* py_param_rows(PyObject*, PyObject* args) {
   PyObject* out = PyList_New(n);
   if (out == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PyList_GET_ITEM(tensors, i);
     Result r;
-    bool here = false;
-    if (item == Py_None) {
-      here = true;  // K_NONE
-    } else if (THPVariable_Check(item)) {
-      try {
-        here = measure_here(THPVariable_Unpack(item), (Level)level, r);
-      } catch (const std::exception&) {
-        here = false;
-      }
-    }
+    bool here = measure_item(PyList_GET_ITEM(tensors, i), (Level)level, r);
     PyObject* row;
     if (here) {
       row = rt->tp_alloc(rt, G.columns);
@@ -1211,18 +1214,8 @@ PyObject* py_param_pack(PyObject*, PyObject* args) {
   try {
     t.reserve((size_t)n * (sizeof(PackedHead) + 16));
     for (Py_ssize_t i = 0; i < n && !failed; ++i) {
-      PyObject* item = PyList_GET_ITEM(tensors, i);
       Result r;
-      bool here = false;
-      if (item == Py_None) {
-        here = true;  // K_NONE
-      } else if (THPVariable_Check(item)) {
-        try {
-          here = measure_here(THPVariable_Unpack(item), (Level)level, r);
-        } catch (const std::exception&) {
-          here = false;
-        }
-      }
+      bool here = measure_item(PyList_GET_ITEM(tensors, i), (Level)level, r);
       PackedHead h;
       h.node = (int32_t)i;
       h.role = role;
