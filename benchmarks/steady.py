@@ -37,7 +37,9 @@ Models (each step: forward, loss, `loss.backward()`, SGD step, `zero_grad(set_to
   `.grad` twice, `params` every `.grad` twice (the pass's `param_grad` rows and the step's `final` ones).
   `1 + that time / the plain step` is what measuring those values costs at memory speed, with no cost per
   tensor, node or row: a reference, not a bound (hooks read a gradient just after the op wrote it, while it may
-  still be in cache, which one long tensor read from memory is not).
+  still be in cache; and the long tensor is read again and again, as hot as it can be); and the time of two
+  `torch._foreach_norm` over the `.grad`s right after a plain backward: what `params` reads, where it reads it
+  (the `params` verdicts use this one).
 
 Everything here measures; nothing is imported by gradstore. Not part of `python -m benchmarks.run`.
 """
@@ -383,8 +385,11 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
     `.grad`, "full_read_ms": one `torch.linalg.vector_norm` over a contiguous float32 tensor of
     gradient_bytes + 2 x param_bytes (what `full` reads: every gradient in the hooks, every `.grad` at the end of
     the pass and for the step's final rows), "params_read_ms": the same over 2 x param_bytes (what `params`
-    reads)}; the times are medians of `rounds`. No per-tensor cost is in them; the values are read from memory,
-    where hooks may find a gradient still in cache."""
+    reads), "params_in_step_ms": two `torch._foreach_norm` over the parameters' `.grad`s right after a plain
+    backward (what `params` reads, where it reads it: the pass's rows then the final rows, both before the
+    optimizer's step)}; the times are medians of `rounds`. The contiguous reads have no per-tensor cost and
+    read a tensor read just before (as hot in cache as it can be); the in-step reads are the `.grad`s as a
+    backward leaves them."""
     import torch
 
     def timed(fn) -> float:
@@ -428,6 +433,16 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
     params = [p.grad for p in m.model.parameters() if p.grad is not None]
     n_grads, grad_bytes = distinct_values(grads)
     n_params, param_bytes = distinct_values(params)
+    del grads, params
+    in_step = []
+    for _ in range(rounds + 1):
+        m.opt.zero_grad(set_to_none=True)
+        m.loss(m.model).backward()
+        dense = [p.grad for p in m.model.parameters() if p.grad is not None and p.grad.layout == torch.strided]
+        t0 = time.perf_counter()
+        torch._foreach_norm(dense)  # the pass's param_grad rows
+        torch._foreach_norm(dense)  # the step's final rows
+        in_step.append(time.perf_counter() - t0)
     out = {
         "step_ms": step_s * 1e3,
         "threads": torch.get_num_threads(),
@@ -438,19 +453,23 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
         "param_bytes": param_bytes,
         "full_read_ms": read_ms(grad_bytes + 2 * param_bytes),
         "params_read_ms": read_ms(2 * param_bytes),
+        "params_in_step_ms": median(in_step[1:]) * 1e3,
     }
     m.opt.zero_grad(set_to_none=True)
     return out
 
 
 def read_cost_of(res: dict, model: str, level: str) -> float | None:
-    """The read-cost ratio of `level` ('full' or 'params') on `model`: 1 + its read time over the plain step of the
-    same run (the `none` row at the read cost's thread count; else its own plain step), or None."""
+    """The read-cost ratio of `level` on `model`: 1 + its read time over the plain step of the same run (the `none`
+    row at the read cost's thread count; else its own plain step), or None. level: 'full' or 'params' (the
+    contiguous reads), 'params in step' (the `.grad`s read twice right after a backward; None in a result from
+    before it was measured)."""
     f = res["models"].get(model, {}).get("read_cost")
-    if not f or level not in ("full", "params"):
+    if not f or level not in ("full", "params", "params in step"):
         return None
     base = res["runs"].get(f"{model}/{f['threads']}", {}).get("none", {}).get("step_ms") or f["step_ms"]
-    return 1 + f[f"{level}_read_ms"] / base
+    ms = f.get("params_in_step_ms") if level == "params in step" else f[f"{level}_read_ms"]
+    return None if ms is None else 1 + ms / base
 
 
 def interleave(slots: list[Slot], rounds: int, warmup: int, label: str) -> dict:
@@ -589,17 +608,23 @@ def report(res: dict) -> str:
             "`.grad` twice (the pass's `param_grad` rows, the step's `final` rows); `params`, every `.grad` twice. "
             "Read cost = 1 + that time / the `none` row's step of the same run: measuring those values at memory "
             "speed, with no cost per tensor, node or row. A reference, not a bound: hooks read a gradient just "
-            "after the op wrote it, while it may still be in cache.",
+            "after the op wrote it, while it may still be in cache; and the tensor read was read just before. "
+            "The last two columns read the parameters' `.grad`s where `params` reads them: "
+            "`torch._foreach_norm` over them twice right after a plain backward (the pass's rows, then the final "
+            "rows), as the backward leaves them; the `params` verdicts use that one where it was measured.",
             "",
             "| model | nodes | gradients: storages (MB) | parameters' `.grad`: storages (MB) | `full` reads (ms) | "
-            "`full`, one read | `params` reads (ms) | `params`, one read |",
-            "|---|---|---|---|---|---|---|---|",
+            "`full`, one read | `params` reads (ms) | `params`, one read | `.grad`s read twice in the step (ms) | "
+            "`params`, in the step |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, f in cost_rows:
+            in_step = read_cost_of(res, name, "params in step")
             lines.append(
                 f"| `{name}` | {f['nodes']} | {f['gradients']} ({f['gradient_bytes'] / 1e6:.1f}) | {f['params']} "
                 f"({f['param_bytes'] / 1e6:.1f}) | {f['full_read_ms']:.2f} | {read_cost_of(res, name, 'full'):.3f} | "
-                f"{f['params_read_ms']:.2f} | {read_cost_of(res, name, 'params'):.3f} |"
+                f"{f['params_read_ms']:.2f} | {read_cost_of(res, name, 'params'):.3f} | "
+                + (f"{f['params_in_step_ms']:.2f} | {in_step:.3f} |" if in_step is not None else "not measured | |")
             )
     lines += ["", "## Ratios", "", *ratio_table(res)]
     return "\n".join(lines) + "\n"
@@ -617,7 +642,10 @@ def ratio_table(res: dict) -> list[str]:
         for row, e in run.items():
             step = f"{e['step_ms']:.1f}" if "step_ms" in e else ""
             spread = ", ".join(f"{r:.2f}" for r in e["ratios"])
-            verdict = _verdict(model, row, int(threads), e["ratio"], read_cost_of(res, model, row))
+            read = read_cost_of(res, model, row)
+            if row == "params":  # the `.grad`s where `params` reads them, when measured
+                read = read_cost_of(res, model, "params in step") or read
+            verdict = _verdict(model, row, int(threads), e["ratio"], read)
             k = e.get("k", "")
             lines.append(
                 f"| `{model}` | {threads} | `{row}` | {k} | {step} | {e['ratio']:.2f} | {spread} | {verdict} |"

@@ -9,6 +9,7 @@ import sqlite3
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn as nn
 import gradstore
 from gradstore.errors import RecordUsageError
 from gradstore.recording import offload
-from gradstore.records import NodeInfo, StepBatch
+from gradstore.records import NodeInfo, PassRecord, StepBatch
 from gradstore.store.writer import OffloadDeclined, OffloadLost, Writer, writer_for
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the child process talks over POSIX pipes")
@@ -316,22 +317,45 @@ def test_nodes_go_once_and_come_back_as_they_were():
     b2 = NodeInfo("param:m.w", "AccumulateGrad", "accumulate_grad", "m", "m.w", frame="x.py:3 in f")
     send, receive = offload.Nodes(), offload.Nodes()
 
-    def trip(nodes):
+    def trip(nodes, passes=()):
         batch = StepBatch(0, 0, 0, 0.0, 0.0, "ok", None, final_nodes=list(nodes))
-        specs, reset = send.encode([batch])
-        sent = list(batch.final_nodes)
-        receive.decode([batch], specs, reset)
-        return sent, batch.final_nodes
+        made = [
+            PassRecord(i, None, None, "backward", False, False, 1, None, 0.0, nodes=list(p))
+            for i, p in enumerate(passes)
+        ]
+        records = [batch, *made]
+        specs, reset = send.encode(records)
+        sent = [r.nodes if isinstance(r, PassRecord) else r.final_nodes for r in records]
+        receive.decode(records, specs, reset)
+        got = [r.nodes if isinstance(r, PassRecord) else r.final_nodes for r in records]
+        return sent, got, specs
 
-    sent, got = trip([a, b])
-    assert sent == [a, b] and got == [a, b]
-    sent, got = trip([a, b])
-    assert sent == [a.key, b.key] and got == [a, b]  # held: keys alone
-    sent, got = trip([a, b2])  # the same key with another frame goes whole
-    assert sent == [a.key, b2] and got[1] is b2
+    sent, got, _ = trip([a, b])
+    assert sent == [[a, b]] and got == [[a, b]]
+    sent, got, specs = trip([b, a])  # held: keys alone
+    assert sent == [[b.key, a.key]] and got == [[b, a]] and specs == [["final_nodes"]]
+    sent, got, specs = trip([b, a])  # the list of the message before, in the same place: a mark alone
+    assert sent == [None] and specs == [["final_nodes" + offload.SAME]] and got == [[b, a]]
+    got[0].append("changed by the receiver")  # its own copy: the next mark still gives the list sent
+    sent, got, _ = trip([b, a])
+    assert sent == [None] and got == [[b, a]]
+    equal_b = NodeInfo("param:m.w", "AccumulateGrad", "accumulate_grad", "m", "m.w")  # equal, another object
+    for between in ([a], [b]):  # compared once, then found by identity: a key both times
+        sent, got, _ = trip([a, equal_b])
+        assert sent == [[a.key, b.key]] and got == [[a, b]]
+        trip(between)  # not the same list as the message before
+    sent, got, _ = trip([a, b2])  # the same key with another frame goes whole, and replaces the held one
+    assert sent == [[a.key, b2]] and got[0][1] is b2
+    sent, got, _ = trip([a, equal_b])  # no longer equal to the held one (b2): whole again
+    assert sent == [[a.key, equal_b]] and got == [[a, b]]
+    # two records: each place compared with its own list of the message before
+    sent, got, specs = trip([a], passes=[[a, b], [b]])
+    assert specs == [["final_nodes"], ["nodes"], ["nodes"]] and got == [[a], [a, b], [b]]
+    sent, got, specs = trip([a], passes=[[b], [a, b]])
+    assert specs == [["final_nodes="], ["nodes"], ["nodes"]] and got == [[a], [b], [a, b]]
     send.forget()
-    sent, got = trip([a])
-    assert sent == [a] and receive.known == {a.key: a}
+    sent, got, specs = trip([a])
+    assert sent == [[a]] and specs == [["final_nodes"]] and receive.known == {a.key: a}
 
 
 def test_the_child_raises_its_warnings_again_in_the_training_process(tmp_path):
@@ -484,3 +508,23 @@ def test_warnings_as_errors_do_not_stop_the_writer(tmp_path):
         w.flush()
     assert _steps(db) == [0, 1, 2, 3] and w.errors == [] and w.sink is None
     talker.writer.engine.dispose()
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_GETPIPE_SZ"), reason="no F_GETPIPE_SZ (not Linux)")
+def test_a_step_goes_to_the_child_in_one_write(tmp_path):
+    """The pipe to the child holds a whole step's message (`PIPE_BYTES`, where /proc/sys/fs/pipe-max-size allows)."""
+    import fcntl
+
+    if int(Path("/proc/sys/fs/pipe-max-size").read_text()) < offload.PIPE_BYTES:
+        pytest.skip("/proc/sys/fs/pipe-max-size is below PIPE_BYTES here")
+    r, w = os.pipe()
+    try:
+        assert fcntl.fcntl(w, fcntl.F_GETPIPE_SZ) < offload.PIPE_BYTES  # a plain pipe: 64 KiB on Linux
+        offload._widen(w)
+        assert fcntl.fcntl(w, fcntl.F_GETPIPE_SZ) == offload.PIPE_BYTES
+    finally:
+        os.close(r)
+        os.close(w)
+    db = str(tmp_path / "p.db")
+    _train(db, "shape", "process", steps=2)
+    assert fcntl.fcntl(writer_for(db).sink._to, fcntl.F_GETPIPE_SZ) == offload.PIPE_BYTES

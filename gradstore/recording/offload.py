@@ -34,6 +34,10 @@ or its memory (about 250 MB resident).
 
 from __future__ import annotations
 
+try:
+    import fcntl
+except ImportError:  # Windows: no pipes to widen
+    fcntl = None
 import os
 import pickle
 import select
@@ -60,6 +64,8 @@ STEP_TIMEOUT_S = 900.0  # for one step's answer (a SQLite busy wait and its retr
 _starting = threading.Lock()  # held while a child is started for a writer
 _FINDINGS_FIELDS = ("nodes", "param_names", "param_status", "module_calls", "step_nodes")
 _LEN = struct.Struct("<Q")
+SAME = "="  # after a field's name in `Nodes.encode`'s spec: the list is the one of the message before
+PIPE_BYTES = 1 << 20  # the buffer asked for the pipe to the child (`_widen`)
 
 
 def spare_cpus() -> int:
@@ -120,18 +126,25 @@ class Nodes:
     """NodeInfo sent once: each side keeps key -> NodeInfo, and a node the child holds already (the same
     object, or an equal one) goes as its key alone (pickling a NodeInfo takes about 2 µs and loading it 3: 925
     of them a step on benchmarks/steady.py's `mlp` at stats='shape'). The child forgets nothing unless the
-    sender says so (`reset`), so every key it is sent is one it holds."""
+    sender says so (`reset`), so every key it is sent is one it holds. A list equal to the one sent in the same
+    place of the message before (the same record position and field: a repeating graph's NodeInfos) goes as a
+    mark alone, the field's name with SAME after it in the spec, and the receiver uses its own copy of that list."""
 
     LIMIT = 200_000  # keys held before both sides start again (a graph whose keys change every step)
 
     def __init__(self):
         self.known: dict[str, NodeInfo] = {}
+        # id of a NodeInfo found equal to the one held under its key -> (it, that held one): the pass's
+        # AccumulateGrad NodeInfos and the final rows' (gradstore.recording.final_grads) are two equal objects per
+        # parameter, each step; compared once, not with a dataclass __eq__ every step (292 a step on the MLP)
+        self._same: dict[int, tuple[NodeInfo, NodeInfo]] = {}
+        self._last: dict[tuple[int, str], list] = {}  # (record position, field) -> its list in the message before
         self._reset = False
 
     def forget(self) -> None:
         """Start again: nothing is taken as held, and the next message tells the receiver to forget too (after a
         message that may not have arrived whole, or an error)."""
-        self.known, self._reset = {}, True
+        self.known, self._same, self._last, self._reset = {}, {}, {}, True
 
     def encode(self, records: list) -> tuple[list[list[str]], bool]:
         """Replace, in each record (a PassRecord or StepBatch copy), every list of NodeInfo by one where a
@@ -139,16 +152,30 @@ class Nodes:
         to forget what it holds first)."""
         reset, self._reset = self._reset or len(self.known) > self.LIMIT, False
         if reset:
-            self.known = {}
-        known, specs = self.known, []
-        for record in records:
+            self.known, self._same, self._last = {}, {}, {}
+        known, same, specs = self.known, self._same, []
+        last, self._last = self._last, {}
+        for at, record in enumerate(records):
             names = _nodes_fields(record)
-            for name in names:
+            for j, name in enumerate(names):
+                nodes = getattr(record, name)
+                self._last[at, name] = list(nodes)
+                if last.get((at, name)) == nodes:  # the receiver holds an equal list: a mark alone
+                    setattr(record, name, None)
+                    names[j] = name + SAME
+                    continue
                 items = []
-                for n in getattr(record, name):
+                for n in nodes:
                     k = n.key
                     held = known.get(k)
-                    if held is n or (held is not None and held == n):
+                    if held is n:
+                        items.append(k)
+                    elif held is not None and ((s := same.get(id(n))) is not None and s[0] is n and s[1] is held):
+                        items.append(k)  # equal to the held one when last compared; both frozen, both held here
+                    elif held is not None and held == n:
+                        if len(same) > self.LIMIT:
+                            same.clear()
+                        same[id(n)] = (n, held)
                         items.append(k)
                     else:
                         known[k] = n
@@ -160,10 +187,15 @@ class Nodes:
     def decode(self, records: list, specs: list[list[str]], reset: bool) -> None:
         """Undo `encode` on the received records (the same ones, in the same order)."""
         if reset:
-            self.known = {}
-        known = self.known
-        for record, names in zip(records, specs):
+            self.known, self._last = {}, {}
+        known, last, self._last = self.known, self._last, {}
+        for at, (record, names) in enumerate(zip(records, specs)):
             for name in names:
+                if name.endswith(SAME):
+                    name = name[: -len(SAME)]
+                    kept = self._last[at, name] = last[at, name]
+                    setattr(record, name, list(kept))  # the record's own list: what it is given may change
+                    continue
                 out = []
                 for x in getattr(record, name):
                     if x.__class__ is str:
@@ -172,6 +204,7 @@ class Nodes:
                         known[x.key] = x
                         out.append(x)
                 setattr(record, name, out)
+                self._last[at, name] = list(out)
 
 
 def _records(batch: StepBatch, facts) -> list:
@@ -216,6 +249,19 @@ def detached(batch: StepBatch) -> tuple[StepBatch, object | None]:
 
 
 # ---- the pipe: length-prefixed bytes -----------------------------------------------------------------------
+def _widen(fd: int) -> None:
+    """Give the pipe `fd` writes to a buffer of PIPE_BYTES where the platform lets one be set (Linux's
+    F_SETPIPE_SZ, up to /proc/sys/fs/pipe-max-size; 64 KiB otherwise). A step's message (100-400 KB on
+    benchmarks/steady.py's MLP) then goes in one `os.write`, where a 64 KiB pipe took five or six: each write the
+    child had to drain first, and each return to Python retook the GIL from training."""
+    if fcntl is None or not hasattr(fcntl, "F_SETPIPE_SZ"):  # not Linux: the default buffer
+        return
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:  # above the limit for unprivileged users: the default buffer
+        pass
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(_LEN.pack(len(data)) + data)
     while view:
@@ -255,6 +301,7 @@ class ProcessSink:
         self.db = db
         to_child, self._to = os.pipe()
         self._from, from_child = os.pipe()
+        _widen(self._to)
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # the folder holding this gradstore package
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
