@@ -433,7 +433,7 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
     params = [p.grad for p in m.model.parameters() if p.grad is not None]
     n_grads, grad_bytes = distinct_values(grads)
     n_params, param_bytes = distinct_values(params)
-    del grads, params
+    grads.clear()  # the hooked pass's gradients let go before the in-step reads
     in_step = []
     for _ in range(rounds + 1):
         m.opt.zero_grad(set_to_none=True)

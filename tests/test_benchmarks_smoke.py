@@ -285,3 +285,34 @@ def test_housekeeping_runs_and_the_child_writes_the_steps():
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert cells[-1] == "True"  # the child wrote them
         assert float(cells[2]) > 0 and float(cells[-2]) > 0  # a step took time, and bytes went to the child
+
+
+def test_split_times_the_engine_inside_the_recorded_pass():
+    """`python -m benchmarks.split --tiny`: the plain and recorded steps, each split into forward, torch's engine and
+    the rest; the engine is timed in the recorded step too (gradstore calls the benchmark's wrapper as torch's)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.split",
+            "--tiny",
+            "--models",
+            "mlp",
+            "--levels",
+            "params,full",
+            "--rounds",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines() if "| `mlp` |" in line]
+    assert [r[1] for r in rows] == ["`none`", "`params, no writer`", "`full, no writer`"]
+    for r in rows:
+        step, forward, engine, rest = map(float, r[2:6])
+        assert forward > 0 and engine > 0 and step > 0
+        assert abs(step - forward - engine - rest) < 0.02  # the three parts make the step (rounded to 0.01 ms)
+    assert float(rows[0][-1]) == 1.0 and rows[1][6].startswith(("+", "-"))
