@@ -32,21 +32,26 @@ LEVELS = ("shape", "params", "full")
 
 
 class _Clock:
-    """Seconds spent inside the wrapped callables since `reset`."""
+    """Seconds spent inside the wrapped callables since `reset`; a call made inside another one (a reentrant
+    backward, e.g. checkpointing's) is inside the outer one's time and is not counted twice."""
 
     def __init__(self):
         self.s = 0.0
+        self.depth = 0
 
     def reset(self) -> None:
         self.s = 0.0
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
+            self.depth += 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.s += time.perf_counter() - t0
+                self.depth -= 1
+                if self.depth == 0:
+                    self.s += time.perf_counter() - t0
 
         return timed
 

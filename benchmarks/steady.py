@@ -389,7 +389,8 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
     backward (what `params` reads, where it reads it: the pass's rows then the final rows, both before the
     optimizer's step)}; the times are medians of `rounds`. The contiguous reads have no per-tensor cost and
     read a tensor read just before (as hot in cache as it can be); the in-step reads are the `.grad`s as a
-    backward leaves them."""
+    backward leaves them, strided ones only (sparse `.grad`s are not counted); params_in_step_ms is 0.0 where
+    no parameter has a strided `.grad`."""
     import torch
 
     def timed(fn) -> float:
@@ -439,6 +440,8 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
         m.opt.zero_grad(set_to_none=True)
         m.loss(m.model).backward()
         dense = [p.grad for p in m.model.parameters() if p.grad is not None and p.grad.layout == torch.strided]
+        if not dense:  # no strided .grad (sparse or none): nothing this reference reads
+            break
         t0 = time.perf_counter()
         torch._foreach_norm(dense)  # the pass's param_grad rows
         torch._foreach_norm(dense)  # the step's final rows
@@ -453,7 +456,7 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
         "param_bytes": param_bytes,
         "full_read_ms": read_ms(grad_bytes + 2 * param_bytes),
         "params_read_ms": read_ms(2 * param_bytes),
-        "params_in_step_ms": median(in_step[1:]) * 1e3,
+        "params_in_step_ms": median(in_step[1:]) * 1e3 if len(in_step) > 1 else 0.0,
     }
     m.opt.zero_grad(set_to_none=True)
     return out

@@ -251,7 +251,8 @@ def detached(batch: StepBatch) -> tuple[StepBatch, object | None]:
 # ---- the pipe: length-prefixed bytes -----------------------------------------------------------------------
 def _widen(fd: int) -> None:
     """Give the pipe `fd` writes to a buffer of PIPE_BYTES where the platform lets one be set (Linux's
-    F_SETPIPE_SZ, up to /proc/sys/fs/pipe-max-size; 64 KiB otherwise). A step's message (100-400 KB on
+    F_SETPIPE_SZ, up to /proc/sys/fs/pipe-max-size); elsewhere, or above that limit, the pipe keeps the
+    platform's default buffer (16 pages on Linux: 64 KiB with 4 KiB pages). A step's message (100-400 KB on
     benchmarks/steady.py's MLP) then goes in one `os.write`, where a 64 KiB pipe took five or six: each write the
     child had to drain first, and each return to Python retook the GIL from training."""
     if fcntl is None or not hasattr(fcntl, "F_SETPIPE_SZ"):  # not Linux: the default buffer
