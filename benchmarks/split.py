@@ -1,6 +1,6 @@
 """`python -m benchmarks.split`: where a recorded step's extra time goes, forward / torch's engine / the rest.
 
-    python -m benchmarks.split                              # mlp and cnn, every level, 9 rounds: ~3 min
+    python -m benchmarks.split                              # mlp and cnn, every level, 9 rounds: ~30 s
     python -m benchmarks.split --models mlp --levels params --rounds 15
     python -m benchmarks.split --tiny --rounds 2            # a smoke run (seconds): the script, not the numbers
 
@@ -135,7 +135,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.split", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="mlp,cnn", help="comma-separated, of benchmarks.steady's gpt2, mlp, cnn")
     p.add_argument("--levels", default=",".join(LEVELS), help="recorded levels (the plain step is always first)")
-    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument(
+        "--rounds", type=int, default=9, help="timed rounds after one warm-up (default 9); medians over them"
+    )
     p.add_argument("--tiny", action="store_true", help="toy sizes of every model")
     a = p.parse_args(argv)
     quiet()

@@ -503,4 +503,7 @@ def test_module_tracker_notes_each_call_in_columns_the_garbage_collector_does_no
         finally:
             t.remove()
 
-    assert young(True) - young(False) < 25  # one per call would be 101 or more (a list each: 113 here before)
+    # the fewest of five tries: gc's count is the process's, and another thread (a writer left by an earlier test
+    # in this worker) may allocate while one try runs
+    extra = min(young(True) for _ in range(5)) - min(young(False) for _ in range(5))
+    assert extra < 25  # one per call would be 101 or more (a list each: 113 here before)
