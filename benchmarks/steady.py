@@ -389,8 +389,8 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
     backward (what `params` reads, where it reads it: the pass's rows then the final rows, both before the
     optimizer's step)}; the times are medians of `rounds`. The contiguous reads have no per-tensor cost and
     read a tensor read just before (as hot in cache as it can be); the in-step reads are the `.grad`s as a
-    backward leaves them, strided ones only (sparse `.grad`s are not counted); params_in_step_ms is 0.0 where
-    no parameter has a strided `.grad`."""
+    backward leaves them, strided ones only (sparse `.grad`s are not counted); params_in_step_ms is None where
+    no parameter has a strided `.grad` (not measured)."""
     import torch
 
     def timed(fn) -> float:
@@ -456,7 +456,7 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
         "param_bytes": param_bytes,
         "full_read_ms": read_ms(grad_bytes + 2 * param_bytes),
         "params_read_ms": read_ms(2 * param_bytes),
-        "params_in_step_ms": median(in_step[1:]) * 1e3 if len(in_step) > 1 else 0.0,
+        "params_in_step_ms": median(in_step[1:]) * 1e3 if len(in_step) > 1 else None,
     }
     m.opt.zero_grad(set_to_none=True)
     return out
