@@ -81,7 +81,7 @@ def run_steps(tmp_path, name, steps, body, fast: bool, monkeypatch, **options):
         m.setattr(passes.PassRecorder, "finish", finish)
         if not fast:
             m.setattr(graph, "_MEMO", NoMemo())
-            m.setattr(passes, "walk", lambda roots, base=0, native=None: real_walk(roots))
+            m.setattr(passes, "walk", lambda roots, base=0, native=None, lazy=False: real_walk(roots))
             real_states = passes.grad_states
             m.setattr(passes, "grad_states", lambda params, native=None: real_states(params))
         torch.manual_seed(0)
@@ -241,6 +241,68 @@ def test_cpp_walk_equals_the_python_walk_and_torch():
     # a root the C++ walk cannot read: the Python walk's answer (and its error)
     with pytest.raises(AttributeError):
         graph.walk([object()], 0, NATIVE)
+
+
+@needs_native
+def test_lazy_cpp_walk_makes_no_node_object_and_gives_the_same_graph():
+    """walk(..., lazy=True) keeps the Nodes in C++: the same edges, sequence numbers, signature and order as the
+    eager C++ walk, its index keyed by each Node's C++ address in walk order, `nodes[i]` the very object torch
+    gives for that Node, a custom Function's node told apart; and no Python object per node while nobody asks
+    (the eager walk makes one per node: counted with the garbage collector's tracked objects)."""
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = Double.apply(lin(x)).relu().sum() + (x * x.detach()).mean() + lin.weight.sum()
+    z = lin(x).sum()
+    for roots in ([y.grad_fn], [y.grad_fn, z.grad_fn], [z.grad_fn, y.grad_fn, z.grad_fn]):
+        lazy = graph.walk(roots, 7, NATIVE, lazy=True)
+        eager = graph.walk(roots, 7, NATIVE)
+        assert isinstance(lazy.nodes, graph.LazyNodes) and len(lazy.nodes) == len(eager.nodes)
+        assert lazy.edges == eager.edges and lazy.raw_seqs == eager.raw_seqs and lazy.sig == eager.sig
+        assert list(lazy.index.values()) == list(range(len(eager.nodes)))
+        assert list(lazy.index) == [NATIVE.node_address(n) for n in eager.nodes]
+        assert all(a is b for a, b in zip(lazy.nodes, eager.nodes))  # torch's own objects of those Nodes
+        assert [lazy.ident(r) for r in roots] == [NATIVE.node_address(r) for r in roots]
+        other = object()
+        assert lazy.ident(other) == id(other)  # not a Node: keyed by id(), never raises
+    with pytest.raises(IndexError):
+        lazy.nodes[len(lazy.nodes)]
+
+    # a chain of 300 nodes whose Python objects do not exist yet
+    import gc
+
+    def chain():
+        h = x
+        for _ in range(300):
+            h = h * 1.5
+        return h.sum()
+
+    def tracked_after(lazy_walk: bool) -> int:
+        out = chain()
+        root = out.grad_fn
+        gc.collect()
+        gc.disable()
+        try:
+            before = len(gc.get_objects())
+            w = graph.walk([root], 0, NATIVE, lazy=lazy_walk)
+            made = len(gc.get_objects()) - before
+        finally:
+            gc.enable()
+        assert len(w.nodes) == 302  # 300 multiplications, the sum, x's AccumulateGrad
+        return made
+
+    assert tracked_after(False) >= 300
+    assert tracked_after(True) < 20
 
 
 @needs_native

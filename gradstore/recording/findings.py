@@ -173,7 +173,7 @@ def _norm_of(row) -> float | None:
 
 
 def _nonfinite(row) -> int:
-    return sum(v for v in (row[_NAN], row[_PINF], row[_NINF]) if v)
+    return (row[_NAN] or 0) + (row[_PINF] or 0) + (row[_NINF] or 0)
 
 
 def _zero(row) -> bool | None:
@@ -293,7 +293,7 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         key, info, rows, modules = _param_facts(name, names_of.get(name, (name,)))
         nodes.append(info)
         param_names.extend(rows)
-        module_ran = None if ran_modules is None else int(any(m in ran_modules for m in modules))
+        module_ran = None if ran_modules is None else int(not ran_modules.isdisjoint(modules))
         has_grad = has_grad_of.get(name, False)
         n_calls = calls.get(key, 0) if walked else None
         if n_calls:
@@ -323,6 +323,14 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
 
 
 # ---- module calls and step nodes ---------------------------------------------------------------------------
+# (module names of a chain of calls, how many of them, AccumulateGrad key, the parameter's names) -> the positions of
+# those calls whose module does not own the parameter; and
+# (chain of the source's call, chain of the destination's) -> (calls a gradient flows into, calls it flows out
+# of): the same from step to step of one model, so kept across steps
+_OWN: dict[tuple, tuple] = {}
+_CROSS: dict[tuple, tuple] = {}
+
+
 def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     fw = f.forward
     step, first_seq = f.step, f.first_seq
@@ -361,24 +369,29 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             c = parent[c]
         return got
 
-    chains = [chain(c) for c in range(n)] + [[]]  # chains[c]: chain(c); chains[-1]: no call, no chain
+    # chains[c]: chain(c) as a tuple; chains[-1]: no call, no chain
+    chains = [tuple(chain(c)) for c in range(n)] + [()]
     # (source's call, destination's call) -> (calls the gradient flows into, calls it flows out of), innermost first
-    crossing: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    crossing: dict[tuple[int, int], tuple[tuple, tuple]] = {}
 
-    def cross(cj: int, ci: int) -> tuple[list[int], list[int]]:
-        hit = crossing.get((cj, ci))
+    def cross(cj: int, ci: int) -> tuple[tuple, tuple]:
+        chain_j, chain_i = chains[cj], chains[ci]
+        hit = _CROSS.get((chain_j, chain_i))
         if hit is None:
-            above_j, above_i = set(chains[cj]), set(chains[ci])
+            above_j, above_i = set(chain_j), set(chain_i)
             into, out_of = [], []
-            for k in chains[ci]:  # calls holding the destination and not the source: gradient flows in
+            for k in chain_i:  # calls holding the destination and not the source: gradient flows in
                 if k in above_j:
                     break
                 into.append(k)
-            for k in chains[cj]:  # calls holding the source and not the destination: gradient flows out
+            for k in chain_j:  # calls holding the source and not the destination: gradient flows out
                 if k in above_i:
                     break
                 out_of.append(k)
-            hit = crossing[(cj, ci)] = (into, out_of)
+            if len(_CROSS) > 1_000_000:
+                _CROSS.clear()
+            hit = _CROSS[(chain_j, chain_i)] = (tuple(into), tuple(out_of))
+        crossing[(cj, ci)] = hit
         return hit
 
     # the passes' sequence ranges: a node created while a pass ran was born in it (the innermost such pass)
@@ -389,17 +402,24 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             return None
         return next((number for _, lo, hi, number in ranges if lo <= seq < hi), None)
 
-    # parameter names of each AccumulateGrad key, for "its own parameters"
-    names_of = {f"param:{name}": names for name, names in f.names.items()}
-    own_cache: dict[tuple[int, str], bool] = {}
+    # "its own parameters": the parameter names of each AccumulateGrad key ('param:<first name>')
+    names_of = f.names
+    chain_modules: dict[int, tuple] = {}  # call -> the module names of chain(call), innermost first
 
-    def own(k: int, key: str) -> bool:
-        hit = own_cache.get((k, key))
+    def not_own(c: int, length: int, key: str) -> tuple:
+        """Positions among the first `length` calls of chain(c) whose module does not own the parameter of `key`."""
+        modules = chain_modules.get(c)
+        if modules is None:
+            modules = chain_modules[c] = tuple(calls[k][0] for k in chains[c])
+        names = names_of.get(key[6:], ()) if key.startswith("param:") else ()
+        hit = _OWN.get((modules, length, key, names))
         if hit is None:
-            module = calls[k][0]
-            names = names_of.get(key, ())
-            hit = own_cache[(k, key)] = bool(names) and (
-                module == "" or any(nm.startswith(module + ".") for nm in names)
+            if len(_OWN) > 100_000:
+                _OWN.clear()
+            hit = _OWN[(modules, length, key, names)] = tuple(
+                x
+                for x, module in enumerate(modules[:length])
+                if not (names and (module == "" or any(nm.startswith(module + ".") for nm in names)))
             )
         return hit
 
@@ -414,6 +434,9 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     found: list[set] = [set() for _ in range(n)]
     ran_found: list[set] = [set() for _ in range(n)]
     walked_seqs: set[int] = set()
+    # `found` counts a call's nodes only where its sequence numbers do not (a call still running, or entered
+    # before any number was read)
+    counted = any(c[4] is None or c[1] < 0 for c in calls)
     # per node identity (seq, or the key for nodes without one): the first pass reaching it, ran, born
     seen: dict = {}
     for p in passes:
@@ -436,7 +459,7 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             cj, ci = node_calls[j], node_calls[i]
             if cj == ci:
                 continue
-            into, out_of = cross(cj, ci)
+            into, out_of = crossing.get((cj, ci)) or cross(cj, ci)
             if into:
                 held = slots_in.get((i, dslot))
                 if held is None:
@@ -446,12 +469,18 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             if not out_of:
                 continue
             dst = infos[i]
-            if dst.kind == "accumulate_grad":
-                out_of = [k for k in out_of if not own(k, dst.key)]
+            if dst.kind == "accumulate_grad":  # not out of a module into one of its own parameters
+                out_of = [out_of[x] for x in not_own(cj, len(out_of), dst.key)]
                 if not out_of:
                     continue
             v, nf = _value(measured, hooked, ran_of, j, _GI, slot)  # the edge's one piece, whichever call it leaves
-            _tally(out_of, v, nf, out_count, out_missing, out_sq, bad)
+            for k in out_of:  # _tally, inline
+                out_count[k] += 1
+                bad[k] += nf
+                if v is None:
+                    out_missing[k] += 1
+                else:
+                    out_sq[k] += v * v
         for r in rec.root_nodes or ():
             root_slots = {s for (i, role, s) in measured if i == r and role == _GO} or {0}
             for s in root_slots:
@@ -459,22 +488,33 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         for (i, slot), held in slots_in.items():
             v, nf = _value(measured, hooked, ran_of, i, _GO, slot)
             _tally(held, v, nf, in_count, in_missing, in_sq, bad)
+        # the nodes by their innermost module call: what each call holds is the union over the calls inside it
+        held_all: dict[int, list] = {}  # innermost call -> identities of its nodes
+        held_ran: dict[int, list] = {}  # ... of those that ran
+        first_of: dict[int, int] = {}  # innermost call -> the first call (seq) of a node in it
         for i, seq in enumerate(p.seqs):
-            ident = seq if 0 <= seq != _ACC else ("key", p.infos[i].key)
-            ran = i in p.ran
-            held_by = chains[node_calls[i]]
-            if ran:
-                call_seq = p.ran[i]
-                for k in held_by:
-                    if first_call[k] is None or call_seq < first_call[k]:
-                        first_call[k] = call_seq
-                for k in held_by:
-                    found[k].add(ident)
-                    ran_found[k].add(ident)
-            else:
-                for k in held_by:
-                    found[k].add(ident)
-            if 0 <= seq != _ACC:
+            plain = 0 <= seq != _ACC
+            ident = seq if plain else ("key", infos[i].key)
+            ran = i in ran_of
+            c = node_calls[i]
+            if c >= 0:
+                if counted:
+                    got = held_all.get(c)
+                    if got is None:
+                        held_all[c] = [ident]
+                    else:
+                        got.append(ident)
+                if ran:
+                    call_seq = ran_of[i]
+                    got = held_ran.get(c)
+                    if got is None:
+                        held_ran[c] = [ident]
+                    else:
+                        got.append(ident)
+                    first = first_of.get(c)
+                    if first is None or call_seq < first:
+                        first_of[c] = call_seq
+            if plain:
                 walked_seqs.add(seq)
             known = hooked is None or hooked[i]
             entry = seen.get(ident)
@@ -488,6 +528,16 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                     entry[2] = True
                 if entry[4] is None and rec.born and i in rec.born:
                     entry[4] = rec.born[i]
+        for c, idents in held_all.items():
+            for k in chains[c]:
+                found[k].update(idents)
+        for c, idents in held_ran.items():
+            for k in chains[c]:
+                ran_found[k].update(idents)
+        for c, call_seq in first_of.items():
+            for k in chains[c]:
+                if first_call[k] is None or call_seq < first_call[k]:
+                    first_call[k] = call_seq
 
     # recomputation: a module call entered while a backward call ran; which forward call it re-runs
     node_seq_of_call: dict[int, int] = {}
@@ -511,30 +561,32 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                     recomputes[k + d] = original + d
 
     # module outputs no pass reached: nodes created in a forward (or a recomputation) that never ran
-    taken: dict[tuple[str, str], int] = {}
-    key_of_seq: dict[int, NodeInfo] = {}
-    for entry in seen.values():
-        info, seq = entry[0], entry[3]
-        if 0 <= seq != _ACC:
-            key_of_seq[seq] = info
-        if info.kind != "accumulate_grad":
-            base = (info.module, info.name)
-            taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
-    outputs_of: dict[int, list] = {}
-    for k, seq, _name in fw.outputs:
-        outputs_of.setdefault(k, [])
-        if seq not in outputs_of[k]:
-            outputs_of[k].append(seq)
     unreached: dict[int, tuple] = {}
     walked = any(p.rec.seqs is not None for p in passes)
     # without a walk (stats='params' hooks no node and walks no graph) whether an output was reached is not known:
     # nothing is said of it
-    for _k, seq, name in fw.outputs if walked else ():
+    outputs = fw.outputs if walked else ()
+    for _k, seq, name in outputs:
         if seq < first_seq or seq in walked_seqs or seq in unreached:
             continue
         unreached[seq] = (name, innermost(seq))
     # forward calls' unreached outputs first (their keys are what recomputed copies map to)
     order = sorted(unreached.items(), key=lambda kv: (kv[1][1] >= 0 and calls[kv[1][1]][2] is not None, kv[0]))
+    taken: dict[tuple[str, str], int] = {}  # (module, name) -> the highest ordinal of its keys
+    key_of_seq: dict[int, NodeInfo] = {}
+    outputs_of: dict[int, list] = {}
+    if order:  # what naming them needs (most steps have none)
+        for entry in seen.values():
+            info, seq = entry[0], entry[3]
+            if 0 <= seq != _ACC:
+                key_of_seq[seq] = info
+            if info.kind != "accumulate_grad":
+                base = (info.module, info.name)
+                taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
+        for k, seq, _name in outputs:
+            outputs_of.setdefault(k, [])
+            if seq not in outputs_of[k]:
+                outputs_of[k].append(seq)
     for seq, (name, k) in order:
         recomputed = k >= 0 and calls[k][2] is not None
         info = None

@@ -62,12 +62,35 @@ def roots_of(outputs) -> list:
     return roots
 
 
+class LazyNodes:
+    """A lazy C++ walk's Nodes (`walk(..., lazy=True)`), in walk order: held in C++, each one's Python object made
+    where it is asked for (`nodes[i]`, iteration). Holding this keeps every Node of the walk alive."""
+
+    __slots__ = ("held", "_native", "_n")
+
+    def __init__(self, held, n: int, native):
+        self.held, self._n, self._native = held, n, native
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int):
+        if i < 0:
+            i += self._n
+        return self._native.walk_node(self.held, i)
+
+    def __iter__(self):
+        node = self._native.walk_node
+        held = self.held
+        return (node(held, i) for i in range(self._n))
+
+
 @dataclass
 class Walk:
     """The reachable graph of one pass. nodes: Node objects in walk order (depth-first from the roots, in
-    `next_functions` order); edges: (src index, src slot, dst index, dst slot) (a list, or from the C++ walk a
-    `LazyRows` that makes them on first read); index: id(node) -> its position,
-    its keys in walk order (as `nodes`)."""
+    `next_functions` order; a lazy C++ walk's `LazyNodes`); edges: (src index, src slot, dst index, dst slot) (a
+    list, or from the C++ walk a `LazyRows` that makes them on first read); index: a node's key (`ident`: id(node),
+    or a lazy walk's C++ Node address) -> its position, its keys in walk order (as `nodes`)."""
 
     nodes: list = field(default_factory=list)
     edges: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -78,9 +101,24 @@ class Walk:
     raw_seqs: list[int] | None = None  # the C++ walk's: each node's sequence_nr, read during the walk
     sig: tuple | None = None  # the C++ walk's: (base, signature bytes, id of each AccumulateGrad's variable)
     edge_bytes: bytes | None = None  # the C++ walk's: the edges as four native int32 each (`edges` unpacks them)
+    address_of: object = None  # a lazy walk's: Node object -> its key in `index` (the C++ Node's address)
+
+    def ident(self, node) -> int:
+        """The key of a Node object in `index` (and in `Keyed`): its id(), or for a lazy C++ walk (`nodes` a
+        `LazyNodes`) the address of its C++ Node. A node that is not an autograd Node: id()."""
+        if self.address_of is None:
+            return id(node)
+        try:
+            return self.address_of(node)
+        except TypeError:
+            return id(node)
+
+    def idents(self) -> list[int]:
+        """Every node's key in `index`, in walk order."""
+        return list(self.index)
 
 
-def walk(roots: list, base: int = 0, native=None) -> Walk:
+def walk(roots: list, base: int = 0, native=None, lazy: bool = False) -> Walk:
     """Visit every Node reachable from `roots` once; O(nodes + edges).
 
     Args:
@@ -89,18 +127,30 @@ def walk(roots: list, base: int = 0, native=None) -> Walk:
         native: the C++ hooks' module (gradstore.recording.native) or None: with it the walk runs in one C++
             call, which also reads every node's sequence_nr and what `describe` keys a fresh pass by (the same
             nodes, edges and order as the walk here); a root it cannot read falls back to the walk here.
+        lazy: with `native`, the Nodes stay in C++ (`Walk.nodes` a `LazyNodes`, `Walk.index` keyed by their
+            C++ addresses, `Walk.ident`): no Python object is made for a Node nobody asks for.
     """
     if native is not None:
         try:
             nodes, edges, seqs, signature, leaves, index = native.walk(
-                roots if type(roots) is list else list(roots), base
+                roots if type(roots) is list else list(roots), base, lazy
             )
         except (TypeError, RuntimeError):
             pass
         else:  # the edges' tuples are made where they are first read (the writer thread: rows.LazyRows)
             edge_rows = LazyRows(len(edges) // 16, lambda: list(struct.iter_unpack("=4i", edges)))
             edge_rows.pack = lambda: PackedRows("walk_edges", len(edges) // 16, (edges,))
-            return Walk(nodes, edge_rows, index, raw_seqs=seqs, sig=(base, signature, leaves), edge_bytes=edges)
+            if lazy:
+                nodes = LazyNodes(nodes, len(seqs), native)
+            return Walk(
+                nodes,
+                edge_rows,
+                index,
+                raw_seqs=seqs,
+                sig=(base, signature, leaves),
+                edge_bytes=edges,
+                address_of=native.node_address if lazy else None,
+            )
     w = Walk()
     index = w.index
     nodes = w.nodes
@@ -127,18 +177,19 @@ def walk(roots: list, base: int = 0, native=None) -> Walk:
 
 
 class Keyed:
-    """The Nodes keyed earlier in one step: id(node) -> (node, its NodeInfo, the key scope it was keyed in).
+    """The Nodes keyed earlier in one step: a node's key in its walk (`Walk.ident`: its id(), or the address of its
+    C++ Node) -> (its NodeInfo, the key scope it was keyed in).
 
-    Held in flat lists (one position per node) rather than a tuple per node: a tuple holding a Node stays tracked
-    by the garbage collector for as long as the step holds it, and 633 of them a pass (benchmarks/steady.py's
-    MLP) counted towards its collections and were promoted with the step. The Nodes are held, so their `id()`s
-    stay theirs until `clear()`."""
+    Held in flat lists (one position per node) rather than a tuple per node: a tuple per node stays tracked by the
+    garbage collector for as long as the step holds it, and 633 of them a pass (benchmarks/steady.py's MLP)
+    counted towards its collections and were promoted with the step. Each walk's Nodes (`Walk.nodes`: a list of
+    Node objects, or a lazy walk's `LazyNodes`) are held, so the keys stay theirs until `clear()`."""
 
-    __slots__ = ("_at", "_nodes", "_infos", "_scopes")
+    __slots__ = ("_at", "_held", "_infos", "_scopes")
 
     def __init__(self):
         self._at: dict[int, int] = {}
-        self._nodes: list = []
+        self._held: list = []  # what keeps the keyed Nodes alive: one entry per walk
         self._infos: list[NodeInfo] = []
         self._scopes: list[dict] = []
 
@@ -149,27 +200,31 @@ class Keyed:
         return len(self._at)
 
     def get(self, ident: int) -> tuple | None:
-        """(node, NodeInfo, scope) of the node whose id() is `ident`, or None."""
+        """(NodeInfo, scope) of the node keyed `ident`, or None."""
         i = self._at.get(ident)
-        return None if i is None else (self._nodes[i], self._infos[i], self._scopes[i])
+        return None if i is None else (self._infos[i], self._scopes[i])
 
     def isdisjoint(self, idents) -> bool:
-        """True when no id of `idents` is keyed here."""
+        """True when no key of `idents` is keyed here."""
         return self._at.keys().isdisjoint(idents)
 
-    def add(self, ident: int, node, info: NodeInfo, scope: dict) -> None:
-        """Key one node (a node keyed already keeps its entry)."""
+    def hold(self, nodes) -> None:
+        """Keep a walk's Nodes (`Walk.nodes`) alive until `clear()`: their keys stay theirs meanwhile."""
+        if not any(h is nodes for h in self._held):
+            self._held.append(nodes)
+
+    def add(self, ident: int, info: NodeInfo, scope: dict) -> None:
+        """Key one node of a walk held here (a node keyed already keeps its entry)."""
         if ident not in self._at:
-            self._at[ident] = len(self._nodes)
-            self._nodes.append(node)
+            self._at[ident] = len(self._infos)
             self._infos.append(info)
             self._scopes.append(scope)
 
-    def add_all(self, idents, nodes: list, infos, scope: dict) -> None:
-        """Key the nodes of a pass none of which is keyed yet (`isdisjoint`), all in `scope`."""
-        start = len(self._nodes)
+    def add_all(self, idents, nodes, infos, scope: dict) -> None:
+        """Key the nodes of a pass none of which is keyed yet (`isdisjoint`), all in `scope`; holds `nodes`."""
+        self.hold(nodes)
+        start = len(self._infos)
         self._at.update(zip(idents, range(start, start + len(nodes))))
-        self._nodes.extend(nodes)
         self._infos.extend(infos)
         self._scopes.extend(repeat(scope, len(nodes)))
 
@@ -180,7 +235,7 @@ class Keyed:
     def clear(self) -> None:
         """Forget every node (the end of a step): the Nodes are let go."""
         self._at.clear()
-        self._nodes.clear()
+        self._held.clear()
         self._infos.clear()
         self._scopes.clear()
 
@@ -285,7 +340,7 @@ def describe(
         if hit is not None:
             cached, scope_items = hit
             scope = dict(scope_items)
-            known.add_all(w.index, w.nodes, cached, scope)  # index: id(node) in walk order
+            known.add_all(w.index, w.nodes, cached, scope)  # index: the nodes' keys in walk order
             w.scope = scope
             w.seqs = seqs
             return list(cached)
@@ -299,19 +354,22 @@ def describe(
     born: dict[int, tuple] = {}
     scope = parent_scope
     leaf_ordinal = 0
-    for i, node in enumerate(w.nodes):
-        hit = known.get(id(node))
+    idents = w.idents()
+    kinds: list[str | None] = [None] * len(idents)
+    for i, ident in enumerate(idents):
+        hit = known.get(ident)
         if hit is not None:
-            infos[i] = hit[1]
-            if hit[1].kind != "accumulate_grad":
+            infos[i] = hit[0]
+            if hit[0].kind != "accumulate_grad":
                 if scope is None:
-                    scope = hit[2]
-                elif hit[2] is not scope:
-                    for base, ordinal in hit[2].items():
+                    scope = hit[1]
+                elif hit[1] is not scope:
+                    for base, ordinal in hit[1].items():
                         scope[base] = max(scope.get(base, -1), ordinal)
             continue
+        node = w.nodes[i]
         name = node_name(node)
-        kind = node_kind(node, name)
+        kind = kinds[i] = node_kind(node, name)
         if kind == "accumulate_grad":
             var = getattr(node, "variable", None)
             pname = param_names.get(id(var)) if var is not None else None
@@ -343,12 +401,13 @@ def describe(
         start = scope.get((module, name), -1) + 1
         prefix = f"{module}/" if module else ""
         for ordinal, (seq, _, i) in enumerate(sorted(members), start=start):
-            kind = node_kind(w.nodes[i], name)
+            kind = kinds[i]
             inside = region(seq) if region is not None and kind == "compiled" else None
             infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, kind, module, None, region=inside)
         scope[(module, name)] = start + len(members) - 1
-    for i, node in enumerate(w.nodes):
-        known.add(id(node), node, infos[i], scope)
+    known.hold(w.nodes)
+    for i, ident in enumerate(idents):
+        known.add(ident, infos[i], scope)
     w.scope = scope
     w.born = born or None
     if memo_key is not None:

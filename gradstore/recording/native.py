@@ -7,9 +7,10 @@ each gradient's dtype and shape, and (levels 'health' and 'full') the fused kern
 hooks cost a GIL acquisition, a Python wrapper per gradient and the hook's own bytecode on every Node; on the
 reference GPT-2 step (`python -m benchmarks.run`) that was about 1.5 % of the step at level 'shape'.
 
-The same module walks a pass's graph in one call (`walk`, used by gradstore.recording.graph.walk: the Node objects,
-their edges as packed int32, every sequence_nr and the signature gradstore.recording.graph keys a fresh pass by,
-with no Python tuple per edge or per `next_functions` entry), builds the call rows on the writer thread
+The same module walks a pass's graph in one call (`walk`, used by gradstore.recording.graph.walk: the Nodes, their
+edges as packed int32, every sequence_nr and the signature gradstore.recording.graph keys a fresh pass by, with no
+Python tuple per edge or per `next_functions` entry; a recorded pass's walk is lazy: its Nodes stay in C++, keyed by
+address (`node_address`), and a Node's Python object is made only where one is asked for, `walk_node`), builds the call rows on the writer thread
 (`call_rows`), reads every parameter's `.grad` state (`grad_states`: data pointer and version counter,
 gradstore.recording.passes) without a Python object per parameter, and measures the parameters' `.grad`s into
 their rows (`param_rows`, gradstore.recording.final_grads: the kernel's statistics of each plain dense

@@ -28,7 +28,7 @@ from ..records import NodeInfo, PassRecord
 from . import native as native_hooks
 from . import torch_private as tp
 from .final_grads import measure_params, pack_params, wanted
-from .graph import Keyed, describe, roots_of, walk
+from .graph import Keyed, LazyNodes, describe, roots_of, walk
 from .inside import PassInside
 from .native import LEVEL_CODES
 from .options import Options
@@ -47,6 +47,9 @@ class StepState:
     def __init__(self, native=None, lineage=None):
         self.native = native
         self.native_step = native.step() if native is not None else None
+        # the C++ walk of every pass of the step (None: the Python walk), one for the whole step: the keys of its
+        # nodes (`Walk.ident`) must mean the same in each pass (a second pass over a retained graph)
+        self.walker = native_hooks.load()
         self._seq = itertools.count()  # next() is atomic under the GIL: hooks may fire on device threads
         self.pass_count = 0
         self.known = Keyed()
@@ -245,7 +248,7 @@ class PassRecorder:
             step.active.append(self)
             self.record.setup = time.perf_counter() - self.t0
             return
-        self.walk = walk(roots, owner_key[0] if owner_key else 0, native_hooks.load())
+        self.walk = walk(roots, owner_key[0] if owner_key else 0, step.walker, lazy=True)
         self.record.reachable = len(self.walk.nodes)
         param_names = {id(p): n for n, p in params}
         for sharded, unsharded in aliases:  # FSDP2: both parameters of one name
@@ -266,16 +269,16 @@ class PassRecorder:
         )
         rec = self.record
         rec.seqs, rec.born, rec.walk_edges = self.walk.seqs, self.walk.born, self.walk.edges
-        index = self.walk.index
-        rec.root_nodes = [index[id(r)] for r in roots if id(r) in index]
+        index, ident = self.walk.index, self.walk.ident
+        rec.root_nodes = [index[k] for r in roots if (k := ident(r)) in index]
         if frame_of is not None:
-            for i, node in enumerate(self.walk.nodes):
+            for i, key in enumerate(self.walk.idents()):
                 info = self.infos[i]
                 if info.frame is None and info.kind != "accumulate_grad":
-                    frame = frame_of(tp.sequence_nr(node))
+                    frame = frame_of(self.walk.seqs[i])
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
-                        step.known.set_info(id(node), self.infos[i])
+                        step.known.set_info(key, self.infos[i])
         if options.forward:  # the roots (the loss), as they are when the pass starts
             self._measure_roots(outputs)
         if tp.compiled_autograd_active():
@@ -295,7 +298,7 @@ class PassRecorder:
         # where the pass's graph task is first seen (see `_claim`): its roots, or any node if no root is hooked
         self._claimable = [False] * len(self.walk.nodes)
         for r in roots:
-            at = index.get(id(r))
+            at = index.get(ident(r))
             if at is not None:
                 self._claimable[at] = True
         if not any(c and (wanted is None or w) for c, w in zip(self._claimable, wanted or self._claimable)):
@@ -312,7 +315,7 @@ class PassRecorder:
                     step.native_step,
                     self.record.number,
                     LEVEL_CODES[level],
-                    list(self.walk.nodes),
+                    nodes.held if isinstance(nodes := self.walk.nodes, LazyNodes) else list(nodes),
                     self._trusted,
                     self._claimable,
                     wanted,
@@ -357,7 +360,7 @@ class PassRecorder:
             if not isinstance(out, torch.Tensor):
                 continue
             roots = roots_of([out])
-            at = index.get(id(roots[0])) if roots else None
+            at = index.get(self.walk.ident(roots[0])) if roots else None
             if at is not None:
                 self.measured.append(([at, self.step.next_seq()], _ROLE_LOSS, slot, measure(out, self.measurer.level)))
 

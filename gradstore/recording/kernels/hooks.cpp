@@ -569,10 +569,41 @@ NameOf name_of(Node* node, bool python) {
 
 Node* node_of(PyObject* o);
 
+// walk(..., lazy=1): the walked Nodes held here, in walk order, in place of a list of their Python objects; a Node's
+// object is made only where one is asked for (walk_node). Making 633 of them a pass (benchmarks/steady.py's MLP)
+// took longer than the rest of the walk, and the garbage collector tracks each: they started a collection in
+// most passes, and, promoted with the step, full ones now and then.
+const char* WALK = "gradstore.walk_nodes";
+struct WalkNodes {
+  std::vector<c10::intrusive_ptr<Node>> nodes;
+};
+void walk_nodes_free(PyObject* cap) { delete (WalkNodes*)PyCapsule_GetPointer(cap, WALK); }
+
+// whether a Node is a custom Function's (PyNode), by its C++ class: the first Node of a class is asked through its
+// Python object (libtorch_python does not export PyNode's type information for a dynamic_cast here)
+std::unordered_map<std::type_index, bool> g_python_types;
+
+bool is_python_node(Node* node) {
+  std::type_index type(typeid(*node));
+  {
+    std::lock_guard<std::mutex> g(g_names);
+    auto it = g_python_types.find(type);
+    if (it != g_python_types.end()) return it->second;
+  }
+  PyObject* py = torch::autograd::functionToPyObject(c10::intrusive_ptr<Node>::reclaim_copy(node));
+  if (py == nullptr) throw std::runtime_error("walk(): a Node could not be wrapped");
+  bool python = THPFunction_Check(py);
+  Py_DECREF(py);
+  std::lock_guard<std::mutex> g(g_names);
+  g_python_types.emplace(type, python);
+  return python;
+}
+
 PyObject* py_walk(PyObject*, PyObject* args) {
   PyObject* roots;
   long long base;
-  if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &roots, &base)) return nullptr;
+  int lazy = 0;
+  if (!PyArg_ParseTuple(args, "O!L|p", &PyList_Type, &roots, &base, &lazy)) return nullptr;
   Py_ssize_t nroots = PyList_GET_SIZE(roots);
   std::vector<std::pair<Node*, PyObject*>> stack;  // (node, its Python object if known: a root's, borrowed)
   for (Py_ssize_t i = nroots - 1; i >= 0; --i) {
@@ -586,40 +617,50 @@ PyObject* py_walk(PyObject*, PyObject* args) {
   }
   std::unordered_map<Node*, int32_t> index;
   std::vector<Node*> order;
-  PyObject* nodes = PyList_New(0);
+  auto held = lazy ? std::make_unique<WalkNodes>() : nullptr;
+  PyObject* nodes = lazy ? nullptr : PyList_New(0);
   PyObject* seqs = PyList_New(0);
   PyObject* leaves = PyList_New(0);
   PyObject* ids = PyDict_New();
   std::string sig;
-  bool failed = nodes == nullptr || seqs == nullptr || leaves == nullptr || ids == nullptr;
+  bool failed = (nodes == nullptr && !lazy) || seqs == nullptr || leaves == nullptr || ids == nullptr;
   try {
     while (!stack.empty() && !failed) {
       auto [node, obj] = stack.back();
       stack.pop_back();
       if (index.count(node)) continue;
-      PyObject* py = nullptr;
-      if (obj != nullptr) {
-        py = obj;
-        Py_INCREF(py);
+      bool python;  // a custom Function's Node (PyNode)
+      if (lazy) {  // keyed by the Node's address; its Python object is not made
+        held->nodes.push_back(c10::intrusive_ptr<Node>::reclaim_copy(node));
+        python = is_python_node(node);
+        PyObject* k = PyLong_FromVoidPtr(node);
+        PyObject* v = PyLong_FromSsize_t((Py_ssize_t)order.size());
+        PyDict_SetItem(ids, k, v);
+        Py_DECREF(k);
+        Py_DECREF(v);
       } else {
-        py = torch::autograd::functionToPyObject(c10::intrusive_ptr<Node>::reclaim_copy(node));
-      }
-      if (py == nullptr) {
-        failed = true;
-        break;
-      }
-      {
+        PyObject* py = nullptr;
+        if (obj != nullptr) {
+          py = obj;
+          Py_INCREF(py);
+        } else {
+          py = torch::autograd::functionToPyObject(c10::intrusive_ptr<Node>::reclaim_copy(node));
+        }
+        if (py == nullptr) {
+          failed = true;
+          break;
+        }
         PyObject* k = PyLong_FromVoidPtr(py);
         PyObject* v = PyLong_FromSsize_t((Py_ssize_t)order.size());
         PyDict_SetItem(ids, k, v);
         Py_DECREF(k);
         Py_DECREF(v);
+        PyList_Append(nodes, py);
+        python = THPFunction_Check(py);
+        Py_DECREF(py);  // the list holds it
       }
       index.emplace(node, (int32_t)order.size());
       order.push_back(node);
-      PyList_Append(nodes, py);
-      bool python = THPFunction_Check(py);  // a custom Function's Node (PyNode)
-      Py_DECREF(py);  // the list holds it
       NameOf name = name_of(node, python);
       uint64_t seq = node->sequence_nr();
       PyObject* s = PyLong_FromUnsignedLongLong(seq);
@@ -672,9 +713,45 @@ PyObject* py_walk(PyObject*, PyObject* args) {
       flat.push_back((int32_t)next[slot].input_nr);
     }
   }
+  if (lazy) {
+    nodes = PyCapsule_New(held.get(), WALK, walk_nodes_free);
+    if (nodes == nullptr) {
+      Py_DECREF(seqs);
+      Py_DECREF(leaves);
+      Py_DECREF(ids);
+      return nullptr;
+    }
+    held.release();  // the capsule owns it
+  }
   PyObject* edges = PyBytes_FromStringAndSize((const char*)flat.data(), (Py_ssize_t)(flat.size() * 4));
   PyObject* sigb = PyBytes_FromStringAndSize(sig.data(), (Py_ssize_t)sig.size());
   return Py_BuildValue("(NNNNNN)", nodes, edges, seqs, sigb, leaves, ids);
+}
+
+WalkNodes* walk_nodes_of(PyObject* o) { return (WalkNodes*)PyCapsule_GetPointer(o, WALK); }
+
+// walk_node(held, i): the Python object of the i-th Node of a lazy walk (made now where it has none)
+PyObject* py_walk_node(PyObject*, PyObject* args) {
+  PyObject* cap;
+  Py_ssize_t i;
+  if (!PyArg_ParseTuple(args, "On", &cap, &i)) return nullptr;
+  WalkNodes* w = walk_nodes_of(cap);
+  if (w == nullptr) return nullptr;
+  if (i < 0 || i >= (Py_ssize_t)w->nodes.size()) {
+    PyErr_SetString(PyExc_IndexError, "walk_node(): index out of range");
+    return nullptr;
+  }
+  return torch::autograd::functionToPyObject(w->nodes[i]);
+}
+
+// node_address(node): the address of the C++ Node behind a Node's Python object (a lazy walk's key of it)
+PyObject* py_node_address(PyObject*, PyObject* o) {
+  Node* n = node_of(o);
+  if (n == nullptr) {
+    PyErr_Format(PyExc_TypeError, "not an autograd Node (%s)", Py_TYPE(o)->tp_name);
+    return nullptr;
+  }
+  return PyLong_FromVoidPtr(n);
 }
 
 inline PyObject* none() {
@@ -790,7 +867,7 @@ PyObject* py_open_top(PyObject*, PyObject* cap) {
 PyObject* py_install(PyObject*, PyObject* args) {
   PyObject *scap, *nodes, *trusted, *claimable, *wanted;
   int number, level;
-  if (!PyArg_ParseTuple(args, "OiiO!O!O!O", &scap, &number, &level, &PyList_Type, &nodes, &PyList_Type, &trusted,
+  if (!PyArg_ParseTuple(args, "OiiOO!O!O", &scap, &number, &level, &nodes, &PyList_Type, &trusted,
                         &PyList_Type, &claimable, &wanted))
     return nullptr;
   auto* s = step_of(scap);
@@ -799,10 +876,24 @@ PyObject* py_install(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_RuntimeError, "gradstore native hooks: init() was not called");
     return nullptr;
   }
-  Py_ssize_t n = PyList_GET_SIZE(nodes);
+  WalkNodes* lazy = PyCapsule_CheckExact(nodes) ? walk_nodes_of(nodes) : nullptr;  // a lazy walk's Nodes
+  if (lazy == nullptr && PyErr_Occurred()) return nullptr;
+  if (lazy == nullptr && !PyList_Check(nodes)) {
+    PyErr_SetString(PyExc_TypeError, "install(): nodes is a list of Nodes or a lazy walk's nodes");
+    return nullptr;
+  }
+  Py_ssize_t n = lazy ? (Py_ssize_t)lazy->nodes.size() : PyList_GET_SIZE(nodes);
+  if (PyList_GET_SIZE(trusted) != n || PyList_GET_SIZE(claimable) != n) {
+    PyErr_SetString(PyExc_ValueError, "install(): trusted and claimable need one item per node");
+    return nullptr;
+  }
   std::vector<Node*> targets(n, nullptr);
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (wanted != Py_None && !PyObject_IsTrue(PyList_GET_ITEM(wanted, i))) continue;
+    if (lazy) {
+      targets[i] = lazy->nodes[i].get();
+      continue;
+    }
     targets[i] = node_of(PyList_GET_ITEM(nodes, i));
     if (targets[i] == nullptr) {
       PyErr_Format(PyExc_TypeError, "node %zd is not an autograd Node (%s)", i,
@@ -1695,6 +1786,8 @@ PyMethodDef methods[] = {
     {"next_seq", py_next_seq, METH_O, "The step's next call number."},
     {"open_top", py_open_top, METH_O, "(pass number, seq) of this thread's innermost open call, or None."},
     {"walk", py_walk, METH_VARARGS, "The graph walk from the roots: nodes, edges, seqs, signature, leaves."},
+    {"walk_node", py_walk_node, METH_VARARGS, "The Python object of a lazy walk's i-th Node."},
+    {"node_address", py_node_address, METH_O, "The address of the C++ Node behind a Node's Python object."},
     {"install", py_install, METH_VARARGS, "Hook every wanted node of a pass."},
     {"finish", py_finish, METH_O, "Remove the pass's hooks; its calls and fallbacks."},
     {"rows", py_rows, METH_VARARGS, "The pass's tensor rows."},
