@@ -10,13 +10,13 @@ reference GPT-2 step (`python -m benchmarks.run`) that was about 1.5 % of the st
 The same module walks a pass's graph in one call (`walk`, used by gradstore.recording.graph.walk: the Nodes, their
 edges as packed int32, every sequence_nr and the signature gradstore.recording.graph keys a fresh pass by, with no
 Python tuple per edge or per `next_functions` entry; a recorded pass's walk is lazy: its Nodes stay in C++, keyed by
-address (`node_address`), and a Node's Python object is made only where one is asked for, `walk_node`), builds the call rows on the writer thread
-(`call_rows`), reads every parameter's `.grad` state (`grad_states`: data pointer and version counter,
-gradstore.recording.passes) without a Python object per parameter, and measures the parameters' `.grad`s into
-their rows (`param_rows`, gradstore.recording.final_grads: the kernel's statistics of each plain dense
-float32/float64 CPU gradient, built into its row tuple with no `Measured` object or Python float per statistic),
-or into packed rows (`param_pack`: one bytes object for all of them, built into rows where they are read, the
-writer's child process). It also holds the module tracker's forward hooks on their common path (`module_hooks`,
+address (`node_address`), and a Node's Python object is made only where one is asked for, `walk_node`), builds the
+call rows on the writer thread (`call_rows`), reads every parameter's `.grad` state (`grad_states`: data pointer and
+version counter, gradstore.recording.passes) without a Python object per parameter, and measures the parameters'
+`.grad`s into their rows (`param_rows`, gradstore.recording.final_grads: the kernel's statistics of each plain dense
+float32/float64 CPU gradient, built into its row tuple with no `Measured` object or Python float per statistic), or
+into packed rows (`param_pack`: one bytes object for all of them, built into rows where they are read, the writer's
+child process). It also holds the module tracker's forward hooks on their common path (`module_hooks`,
 gradstore.recording.modules: the same appends as the tracker's Python hooks, without their bytecode per module
 call).
 
