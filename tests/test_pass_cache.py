@@ -278,6 +278,16 @@ def test_lazy_cpp_walk_makes_no_node_object_and_gives_the_same_graph():
     with pytest.raises(IndexError):
         lazy.nodes[len(lazy.nodes)]
 
+    # a root the C++ walk cannot read: the Python walk, its Nodes keyed by address as the lazy walk keys them (a
+    # pass of the same step walked in C++ knows them by the same keys)
+    class Fake:
+        next_functions = ((y.grad_fn, 0),)
+
+    fake = Fake()
+    mixed = graph.walk([fake], 0, NATIVE, lazy=True)
+    assert mixed.nodes[0] is fake and mixed.ident(fake) == id(fake)
+    assert list(mixed.index)[1:] == list(graph.walk([y.grad_fn], 0, NATIVE, lazy=True).index)
+
     # a chain of 300 nodes whose Python objects do not exist yet
     import gc
 

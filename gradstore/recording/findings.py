@@ -388,7 +388,7 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                 if k in above_i:
                     break
                 out_of.append(k)
-            if len(_CROSS) > 1_000_000:
+            if len(_CROSS) > 50_000:  # a model whose calls change from step to step
                 _CROSS.clear()
             hit = _CROSS[(chain_j, chain_i)] = (tuple(into), tuple(out_of))
         crossing[(cj, ci)] = hit
@@ -414,7 +414,7 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         names = names_of.get(key[6:], ()) if key.startswith("param:") else ()
         hit = _OWN.get((modules, length, key, names))
         if hit is None:
-            if len(_OWN) > 100_000:
+            if len(_OWN) > 50_000:
                 _OWN.clear()
             hit = _OWN[(modules, length, key, names)] = tuple(
                 x

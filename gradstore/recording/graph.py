@@ -6,7 +6,8 @@ Facts this relies on (torch.autograd.graph.Node):
 - `node.name()` is 'torch::autograd::AccumulateGrad' for a leaf's accumulator, '<Class>Backward' for a custom
   `torch.autograd.Function`, 'CompiledFunctionBackward' for a `torch.compile` region.
 - The Python object of a Node is the same object for as long as someone holds it, so `id()` identifies it
-  while the walk holds every node.
+  while the walk holds every node; a lazy C++ walk holds the C++ Nodes themselves and keys each by its address,
+  which is its own while held (`Walk.ident`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def walk(roots: list, base: int = 0, native=None, lazy: bool = False) -> Walk:
         base: the sequence number the C++ walk's signature counts from (`ModuleTracker.signature()[0]`).
         native: the C++ hooks' module (gradstore.recording.native) or None: with it the walk runs in one C++
             call, which also reads every node's sequence_nr and what `describe` keys a fresh pass by (the same
-            nodes, edges and order as the walk here); a root it cannot read falls back to the walk here.
+            nodes, edges and order as the walk here); a root it cannot read falls back to the walk here (with
+            `lazy`, its nodes then keyed by address too).
         lazy: with `native`, the Nodes stay in C++ (`Walk.nodes` a `LazyNodes`, `Walk.index` keyed by their
             C++ addresses, `Walk.ident`): no Python object is made for a Node nobody asks for.
     """
@@ -173,6 +175,10 @@ def walk(roots: list, base: int = 0, native=None, lazy: bool = False) -> Walk:
         for slot, (nxt, input_nr) in enumerate(nexts)
         if nxt is not None
     ]
+    if lazy and native is not None:  # the C++ walk declined a root: keyed as a lazy walk's nodes are (by address),
+        # so that a node another pass of the step walked in C++ is known by the same key
+        w.address_of = native.node_address
+        w.index = {w.ident(node): i for i, node in enumerate(nodes)}
     return w
 
 

@@ -521,11 +521,12 @@ void unregister(Pass& p) {  // the pass leaves every Node's dispatch list (its h
 // walk(roots, base) -> (nodes, edges, seqs, signature, leaves, index): gradstore.recording.graph.walk in one call, with
 // what gradstore.recording.graph's signature reads of each node, read in the same loop (see graph.py).
 // nodes: the Node objects in walk order (depth-first from the roots, in next_functions order: the order of
-// graph.walk); edges: bytes, four native int32 per edge (src index, src slot, dst index, dst slot); seqs: each node's sequence_nr; signature:
+// graph.walk), or with lazy=1 a capsule holding the Nodes in that order (WalkNodes, below); edges: bytes, four
+// native int32 per edge (src index, src slot, dst index, dst slot); seqs: each node's sequence_nr; signature:
 // bytes, per node its name's number (the same name, the same number, in this process), whether it is a Python
 // Node (custom Function) and, except for a node whose name ends in AccumulateGrad, its sequence_nr minus base;
 // leaves: per such AccumulateGrad node, in walk order, id() of its variable's Python object (0: none); index:
-// {id(node object): its position} (graph.Walk.index).
+// {id(node object) (lazy: the C++ Node's address): its position} (graph.Walk.index).
 struct NameOf {
   int32_t id;
   bool accumulate;
@@ -635,9 +636,13 @@ PyObject* py_walk(PyObject*, PyObject* args) {
         python = is_python_node(node);
         PyObject* k = PyLong_FromVoidPtr(node);
         PyObject* v = PyLong_FromSsize_t((Py_ssize_t)order.size());
-        PyDict_SetItem(ids, k, v);
-        Py_DECREF(k);
-        Py_DECREF(v);
+        bool put = k != nullptr && v != nullptr && PyDict_SetItem(ids, k, v) == 0;
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (!put) {
+          failed = true;
+          break;
+        }
       } else {
         PyObject* py = nullptr;
         if (obj != nullptr) {
@@ -741,7 +746,12 @@ PyObject* py_walk_node(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_IndexError, "walk_node(): index out of range");
     return nullptr;
   }
-  return torch::autograd::functionToPyObject(w->nodes[i]);
+  try {
+    return torch::autograd::functionToPyObject(w->nodes[i]);
+  } catch (const std::exception& e) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, what_of(e).c_str());
+    return nullptr;
+  }
 }
 
 // node_address(node): the address of the C++ Node behind a Node's Python object (a lazy walk's key of it)
@@ -883,8 +893,9 @@ PyObject* py_install(PyObject*, PyObject* args) {
     return nullptr;
   }
   Py_ssize_t n = lazy ? (Py_ssize_t)lazy->nodes.size() : PyList_GET_SIZE(nodes);
-  if (PyList_GET_SIZE(trusted) != n || PyList_GET_SIZE(claimable) != n) {
-    PyErr_SetString(PyExc_ValueError, "install(): trusted and claimable need one item per node");
+  if (PyList_GET_SIZE(trusted) != n || PyList_GET_SIZE(claimable) != n ||
+      (wanted != Py_None && (!PyList_Check(wanted) || PyList_GET_SIZE(wanted) != n))) {
+    PyErr_SetString(PyExc_ValueError, "install(): trusted, claimable and wanted (or None) need one item per node");
     return nullptr;
   }
   std::vector<Node*> targets(n, nullptr);
