@@ -205,26 +205,34 @@ def test_autograd_grad_with_inputs(tmp_path, monkeypatch):
     assert fast[0].inputs == 2 and fast[1].inputs == 2
 
 
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def walked_graph():
+    """(x, y, z): a leaf x and two losses over a shared Linear, y through a custom Function (`Double`), a leaf used
+    twice and a parameter read directly; the roots the walk tests start from."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = Double.apply(lin(x)).relu().sum() + (x * x.detach()).mean() + lin.weight.sum()
+    z = lin(x).sum()
+    return x, y, z
+
+
 @needs_native
 def test_cpp_walk_equals_the_python_walk_and_torch():
     """hooks.cpp `walk` gives graph.walk's nodes (the same objects), edges, index and order, every node's
     sequence_nr, and per AccumulateGrad node its variable's id; on roots of several kinds (a shared subgraph, a
     root given twice, a custom Function, a leaf's AccumulateGrad as the root)."""
 
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
-    torch.manual_seed(0)
-    lin = nn.Linear(4, 4)
-    x = torch.randn(3, 4, requires_grad=True)
-    y = Double.apply(lin(x)).relu().sum() + (x * x.detach()).mean() + lin.weight.sum()
-    z = lin(x).sum()
+    x, y, z = walked_graph()
     leaf = torch.autograd.graph.get_gradient_edge(x).node
     for roots in ([y.grad_fn], [y.grad_fn, z.grad_fn], [z.grad_fn, y.grad_fn, z.grad_fn], [leaf]):
         plain = graph.walk(roots)
@@ -250,20 +258,7 @@ def test_lazy_cpp_walk_makes_no_node_object_and_gives_the_same_graph():
     gives for that Node, a custom Function's node told apart; and no Python object per node while nobody asks
     (the eager walk makes one per node: counted among the garbage collector's tracked objects)."""
 
-    class Double(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2
-
-    torch.manual_seed(0)
-    lin = nn.Linear(4, 4)
-    x = torch.randn(3, 4, requires_grad=True)
-    y = Double.apply(lin(x)).relu().sum() + (x * x.detach()).mean() + lin.weight.sum()
-    z = lin(x).sum()
+    x, y, z = walked_graph()
     for roots in ([y.grad_fn], [y.grad_fn, z.grad_fn], [z.grad_fn, y.grad_fn, z.grad_fn]):
         lazy = graph.walk(roots, 7, NATIVE, lazy=True)
         eager = graph.walk(roots, 7, NATIVE)

@@ -474,13 +474,7 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                 if not out_of:
                     continue
             v, nf = _value(measured, hooked, ran_of, j, _GI, slot)  # the edge's one piece, whichever call it leaves
-            for k in out_of:  # _tally, inline
-                out_count[k] += 1
-                bad[k] += nf
-                if v is None:
-                    out_missing[k] += 1
-                else:
-                    out_sq[k] += v * v
+            _tally(out_of, v, nf, out_count, out_missing, out_sq, bad)
         for r in rec.root_nodes or ():
             root_slots = {s for (i, role, s) in measured if i == r and role == _GO} or {0}
             for s in root_slots:
