@@ -950,3 +950,32 @@ def test_torch_compile_first_called_inside_a_recording_compiles_whole(tmp_path):
     calls = gradstore.open(str(tmp_path / "c.db")).calls("compiled")
     assert "CompiledFunctionBackward" in set(calls["name"])
     torch._dynamo.reset()
+
+
+def test_flush_from_a_record_that_never_opened_a_scope_waits_for_the_others(tmp_path, monkeypatch):
+    """`gradstore.record(run, db=db).flush()` (an object that never entered) waits for what other record objects of
+    this process submitted to that database: here the run's 'finished' status, which the writer is made slow to
+    write (a flush that returned at once would read 'running')."""
+    import sqlite3
+    import time
+
+    from gradstore.store import writer
+
+    db = str(tmp_path / "f.db")
+    original = writer.Writer._write_run_status
+
+    def slow(self, item):
+        time.sleep(0.5)
+        original(self, item)
+
+    monkeypatch.setattr(writer.Writer, "_write_run_status", slow)
+    model = nn.Linear(3, 2)
+
+    @gradstore.record("late", db=db, model=model)
+    def step():
+        model(torch.ones(1, 3)).sum().backward()
+
+    step()
+    gradstore.record("late", db=db).flush()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("select status from runs where name = 'late'").fetchall() == [("finished",)]

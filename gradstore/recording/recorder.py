@@ -27,7 +27,7 @@ from ..records import StepBatch
 from ..store import claims
 from ..store import schema as s
 from ..store.database import DEFAULT_DB, explain
-from ..store.writer import writer_for
+from ..store.writer import flush_pending, writer_for
 from ..version import __version__
 from . import intercept, kernel, native, observers
 from . import torch_private as tp
@@ -920,9 +920,12 @@ class record:
         return recorded
 
     def flush(self) -> None:
-        """Block until every recorded step is in the database."""
+        """Block until every step this process recorded into this record's database is in it (also from a
+        record object that never opened a scope: `gradstore.record(run, db=db).flush()` waits for the others)."""
         if self._writer is not None:
             self._writer.flush()
+        else:
+            flush_pending(self.db)
 
 
 def _after_fork_in_child() -> None:
