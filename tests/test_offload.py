@@ -6,6 +6,8 @@ import multiprocessing as mp
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -596,3 +598,19 @@ def test_a_graph_that_changes_between_steps_reaches_the_child_as_it_was(tmp_path
         "SELECT s.step, count(*) FROM passes p JOIN steps s ON s.id = p.step_id GROUP BY s.step"
     )
     assert dict(passes.fetchall()) == {i: (2 if i % 4 in (2, 3) else 1) for i in range(9)}
+
+
+def test_the_child_collects_garbage_after_many_more_allocations():
+    """The child's start (offload._freeze, called by offload.main) freezes its imports out of the collector and
+    raises the young generation's threshold from Python's default (700 in 3.11) to CHILD_GC_THRESHOLD: asked in a fresh
+    interpreter, as the child is, by gc itself."""
+    code = (
+        "import gc\n"
+        "before = gc.get_threshold()\n"
+        "from gradstore.recording.offload import _freeze\n"
+        "_freeze()\n"
+        "print(before[0], gc.get_threshold()[0], gc.get_threshold()[1:] == before[1:], gc.get_freeze_count() > 1000)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) < offload.CHILD_GC_THRESHOLD
+    assert out[1:] == [str(offload.CHILD_GC_THRESHOLD), "True", "True"]
