@@ -601,14 +601,14 @@ def test_a_graph_that_changes_between_steps_reaches_the_child_as_it_was(tmp_path
 
 
 def test_the_child_collects_garbage_after_many_more_allocations():
-    """The child's start (offload._freeze, called by offload.main) freezes its imports out of the collector and
+    """The child's start (offload._settle_gc, called by offload.main) freezes its imports out of the collector and
     raises the young generation's threshold from Python's default (700 in 3.11) to CHILD_GC_THRESHOLD: asked in a fresh
     interpreter, as the child is, by gc itself."""
     code = (
         "import gc\n"
         "before = gc.get_threshold()\n"
-        "from gradstore.recording.offload import _freeze\n"
-        "_freeze()\n"
+        "from gradstore.recording.offload import _settle_gc\n"
+        "_settle_gc()\n"
         "print(before[0], gc.get_threshold()[0], gc.get_threshold()[1:] == before[1:], gc.get_freeze_count() > 1000)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

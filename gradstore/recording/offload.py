@@ -431,7 +431,7 @@ def main(rfd: int, wfd: int) -> None:
             answer(("error", f"{type(exc).__name__}: {exc}"))
             return
         if threading.current_thread() is threading.main_thread():  # this process is the child's own
-            _freeze()
+            _settle_gc()
         try:
             answer(("ready", None))
             _serve(writer, rfd, answer)
@@ -441,10 +441,10 @@ def main(rfd: int, wfd: int) -> None:
         return  # the parent is gone; what it sent was answered
 
 
-CHILD_GC_THRESHOLD = 100_000  # the child's young-generation threshold (`_freeze`); Python 3.11's is 700
+CHILD_GC_THRESHOLD = 100_000  # the child's young-generation threshold (`_settle_gc`); Python 3.11's is 700
 
 
-def _freeze() -> None:
+def _settle_gc() -> None:
     """Move what the child holds once it has started (its imports, torch, SQLAlchemy and the writer: about 200,000
     objects the garbage collector tracks) out of the collector's generations (`gc.freeze`), and collect the young
     generation after CHILD_GC_THRESHOLD more allocations than deallocations rather than 700 (`gc.set_threshold`).
