@@ -1,11 +1,14 @@
 """gradstore.store.inserts.Insert: rows with None values stored exactly as a plain executemany stores them, the
 None values written as NULL in the statement rather than bound, the rows' order kept where asked."""
 
+import itertools
 import random
 import sqlite3
 
 import pytest
 
+from gradstore.recording import native
+from gradstore.store import inserts
 from gradstore.store.inserts import Insert
 
 COLUMNS = ("a", "b", "c", "d", "e")
@@ -28,6 +31,58 @@ class Recording:
         rows = list(rows)
         self.calls.append((sql, rows))
         return self.cur.executemany(sql, rows)
+
+
+@pytest.fixture(params=["python", "native"], autouse=True)
+def splitter(request):
+    """Every test runs with the rows split by Insert.run's Python loop and by the C++ hooks' none_groups."""
+    kept = inserts._native_groups
+    if request.param == "native":
+        module = native.load(wait=True)
+        if module is None:
+            pytest.skip(f"C++ hooks: {native.status()}")
+        inserts.use_native_groups(module.none_groups)
+    else:
+        inserts.use_native_groups(None)
+    yield request.param
+    inserts.use_native_groups(kept)
+
+
+def _pattern(row) -> tuple:
+    return tuple(v is None for v in row) if None in row else ()
+
+
+@pytest.mark.parametrize("keep_order", [True, False])
+def test_none_groups_split_the_rows_as_a_plain_python_split(keep_order, splitter):
+    """The C++ none_groups against an independent split: itertools.groupby of consecutive patterns (keep_order),
+    else a dict of patterns in order of first appearance; the rows are the same objects, in the rows' order."""
+    if splitter != "native":
+        pytest.skip("none_groups is the C++ hooks'")
+    rows = _rows(500, seed=3) + [(None,)]  # a row of another length does not share a pattern with one of None
+    if keep_order:
+        want = [(p, list(g)) for p, g in itertools.groupby(rows, key=_pattern)]
+    else:
+        groups: dict = {}
+        for r in rows:
+            groups.setdefault(_pattern(r), []).append(r)
+        want = list(groups.items())
+    got = inserts._native_groups(rows, keep_order)
+    assert [(p, g) for p, g in got] == want
+    assert all(a is b for (_, g), (_, h) in zip(got, want) for a, b in zip(g, h))
+    assert inserts._native_groups([], keep_order) == []
+    with pytest.raises(TypeError):
+        inserts._native_groups([(1,), [2]], keep_order)
+
+
+def test_rows_that_are_not_tuples_are_still_stored():
+    """A list row (which none_groups refuses) goes through the Python loop: stored as executemany stores it."""
+    conn = sqlite3.connect(":memory:")
+    _table(conn, "t")
+    Insert("t", COLUMNS, "?").run(conn.cursor(), [(1, None, 3, 4, 5), [None, 2, 3, 4, 5]])
+    assert conn.execute("SELECT a, b, c, d, e FROM t ORDER BY id").fetchall() == [
+        (1, None, 3, 4, 5),
+        (None, 2, 3, 4, 5),
+    ]
 
 
 def _table(conn, name: str) -> None:

@@ -59,12 +59,13 @@ from pathlib import Path
 
 import torch
 
+from ..store import inserts
 from . import kernel
 from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 13
+ABI_VERSION = 14
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
@@ -237,6 +238,7 @@ def _init(module) -> None:
         len(ROW_COLUMNS) + 1,  # a row's items after its head: the columns, then the sharding (stats.to_rows)
     )
     _state["kernel"] = k is not None
+    inserts.use_native_groups(module.none_groups)  # the writer's inserts split their rows in C from now on
 
 
 def _settle(wait: bool):

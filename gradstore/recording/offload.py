@@ -56,6 +56,7 @@ import torch
 
 from ..records import NodeInfo, StepBatch
 from ..store.writer import OffloadDeclined, OffloadFailed, OffloadLost, Writer
+from . import native
 from .findings import Findings
 from .rows import LazyRows, PackedRows, built_fields
 
@@ -430,6 +431,7 @@ def main(rfd: int, wfd: int) -> None:
         except Exception as exc:
             answer(("error", f"{type(exc).__name__}: {exc}"))
             return
+        native.load_cached()  # the parent's build: the packed rows are read, and the inserts split, in C
         if threading.current_thread() is threading.main_thread():  # this process is the child's own
             _settle_gc()
         try:

@@ -21,6 +21,18 @@ from __future__ import annotations
 from operator import itemgetter
 
 _IS_NONE = None.__eq__  # True for None, NotImplemented for anything else: a row's None pattern, mapped in C
+_native_groups = None  # none_groups of the C++ hooks module once it is loaded (`use_native_groups`), else None
+
+
+def use_native_groups(fn) -> None:
+    """Split rows by their None positions with `fn` (the C++ hooks module's `none_groups(rows, keep_order)`, set
+    by gradstore.recording.native when it loads that module; None: this module's Python loop). `fn(rows,
+    keep_order)` returns [(pattern, rows)] as `Insert.run` makes them: pattern () for rows without None, else
+    one bool per column (True where None); consecutive runs (keep_order) or one group per pattern in order of
+    first appearance. The loop took 2.4 us a row on a slow host (1,898 tensor rows of an MLP step at
+    stats='shape': 4.5 ms of a 38-43 ms write); `fn` does the same in C."""
+    global _native_groups
+    _native_groups = fn
 
 
 class Insert:
@@ -71,6 +83,15 @@ class Insert:
         if self.mark != "?":
             cur.executemany(self.sql, rows)
             return
+        if _native_groups is not None and type(rows) is list:
+            try:
+                split = _native_groups(rows, keep_order)
+            except TypeError:  # a row that is not a tuple: the loop below
+                split = None
+            if split is not None:
+                for p, group in split:
+                    self._flush(cur, p, group)
+                return
         if not keep_order:
             groups: dict[tuple, list] = {}
             for row in rows:

@@ -45,7 +45,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 13;
+constexpr int ABI = 14;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -1787,6 +1787,84 @@ bool ready_tracker_type() {
   return PyType_Ready(&TrackerHookType) == 0;
 }
 
+// none_groups(rows, keep_order) -> [(pattern, rows)]: the rows (a list of tuples) split by where they hold None, as
+// gradstore.store.inserts.Insert.run splits them for its statements: pattern () for a row without None, else a
+// tuple of bools (True where the row holds None), one per item. keep_order: runs of consecutive rows with the same
+// pattern, in order; else one group per pattern, in order of first appearance, each in the rows' order. The rows
+// are the same objects. Raises TypeError for a row that is not a tuple (the caller then splits them itself).
+PyObject* py_none_groups(PyObject*, PyObject* args) {
+  PyObject* rows;
+  int keep_order;
+  if (!PyArg_ParseTuple(args, "O!p", &PyList_Type, &rows, &keep_order)) return nullptr;
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  std::unordered_map<std::string, PyObject*> groups;  // pattern -> its list (borrowed from `out`)
+  std::string key, last;
+  PyObject* run = nullptr;  // keep_order: the list of the current run (borrowed from `out`)
+  const Py_ssize_t n = PyList_GET_SIZE(rows);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* row = PyList_GET_ITEM(rows, i);
+    if (!PyTuple_Check(row)) {
+      Py_DECREF(out);
+      PyErr_SetString(PyExc_TypeError, "none_groups(): a row that is not a tuple");
+      return nullptr;
+    }
+    const Py_ssize_t m = PyTuple_GET_SIZE(row);
+    key.assign((size_t)m, '\0');
+    bool any = false;
+    for (Py_ssize_t j = 0; j < m; ++j) {
+      if (PyTuple_GET_ITEM(row, j) == Py_None) {
+        key[(size_t)j] = '\1';
+        any = true;
+      }
+    }
+    if (!any) key.clear();  // pattern ()
+    PyObject* target = nullptr;
+    if (keep_order) {
+      if (run != nullptr && key == last) target = run;
+    } else {
+      auto hit = groups.find(key);
+      if (hit != groups.end()) target = hit->second;
+    }
+    if (target == nullptr) {
+      PyObject* pattern = PyTuple_New(any ? m : 0);
+      PyObject* list = PyList_New(0);
+      PyObject* pair = (pattern != nullptr && list != nullptr) ? PyTuple_New(2) : nullptr;
+      if (pair == nullptr) {
+        Py_XDECREF(pattern);
+        Py_XDECREF(list);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      for (Py_ssize_t j = 0; any && j < m; ++j) {
+        PyObject* flag = key[(size_t)j] ? Py_True : Py_False;
+        Py_INCREF(flag);
+        PyTuple_SET_ITEM(pattern, j, flag);
+      }
+      PyTuple_SET_ITEM(pair, 0, pattern);
+      PyTuple_SET_ITEM(pair, 1, list);
+      int failed = PyList_Append(out, pair);
+      Py_DECREF(pair);  // `out` holds it (and with it `list`)
+      if (failed != 0) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      target = list;
+      if (keep_order) {
+        run = list;
+        last = key;
+      } else {
+        groups.emplace(key, list);
+      }
+    }
+    if (PyList_Append(target, row) != 0) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
+}
+
 PyObject* py_abi(PyObject*, PyObject*) { return PyLong_FromLong(ABI); }
 
 PyMethodDef methods[] = {
@@ -1810,6 +1888,7 @@ PyMethodDef methods[] = {
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
     {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
+    {"none_groups", py_none_groups, METH_VARARGS, "Rows split by where they hold None (Insert.run's groups)."},
     {nullptr, nullptr, 0, nullptr}};
 
 struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradstore's node hooks in C++", -1,
