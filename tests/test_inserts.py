@@ -53,11 +53,13 @@ def _pattern(row) -> tuple:
 
 
 @pytest.mark.parametrize("keep_order", [True, False])
-def test_none_groups_split_the_rows_as_a_plain_python_split(keep_order, splitter):
+def test_none_groups_split_the_rows_as_a_plain_python_split(keep_order):
     """The C++ none_groups against an independent split: itertools.groupby of consecutive patterns (keep_order),
     else a dict of patterns in order of first appearance; the rows are the same objects, in the rows' order."""
-    if splitter != "native":
-        pytest.skip("none_groups is the C++ hooks'")
+    module = native.load(wait=True)
+    if module is None:
+        pytest.skip(f"C++ hooks: {native.status()}")
+    none_groups = module.none_groups
     rows = _rows(500, seed=3) + [(None,)]  # a row of another length does not share a pattern with one of None
     if keep_order:
         want = [(p, list(g)) for p, g in itertools.groupby(rows, key=_pattern)]
@@ -66,12 +68,12 @@ def test_none_groups_split_the_rows_as_a_plain_python_split(keep_order, splitter
         for r in rows:
             groups.setdefault(_pattern(r), []).append(r)
         want = list(groups.items())
-    got = inserts._native_groups(rows, keep_order)
+    got = none_groups(rows, keep_order)
     assert [(p, g) for p, g in got] == want
     assert all(a is b for (_, g), (_, h) in zip(got, want) for a, b in zip(g, h))
-    assert inserts._native_groups([], keep_order) == []
+    assert none_groups([], keep_order) == []
     with pytest.raises(TypeError):
-        inserts._native_groups([(1,), [2]], keep_order)
+        none_groups([(1,), [2]], keep_order)
 
 
 def test_rows_that_are_not_tuples_are_still_stored():
