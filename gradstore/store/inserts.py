@@ -30,7 +30,10 @@ def use_native_groups(fn) -> None:
     keep_order)` returns [(pattern, rows)] as `Insert.run` makes them: pattern () for rows without None, else
     one bool per column (True where None); consecutive runs (keep_order) or one group per pattern in order of
     first appearance. The loop took 2.4 us a row on a slow host (1,898 tensor rows of an MLP step at
-    stats='shape': 4.5 ms of a 38-43 ms write); `fn` does the same in C."""
+    stats='shape': 4.5 ms of a 38-43 ms write); `fn` does the same in C.
+
+    Args: fn: a callable (list[tuple], bool) -> list[tuple[tuple, list[tuple]]], or None. Returns None; raises
+    nothing (a `fn` that raises TypeError for a row that is not a tuple leaves that call to the Python loop)."""
     global _native_groups
     _native_groups = fn
 
