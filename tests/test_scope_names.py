@@ -223,6 +223,21 @@ def test_structure_sees_every_change():
     assert not s.same(models)
 
 
+def test_structure_sees_an_entry_moved_to_the_next_dict():
+    """The flat fingerprint keeps each dict's size: an entry moved from one registry to the one after it (the same
+    objects in the same order, flat) is a change."""
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    models = [("", seq)]
+    s = Structure(models)
+    first, second = seq[0], seq[1]
+    bias = first._parameters.pop("bias")  # the last entry of seq[0]'s _parameters ...
+    second._modules["bias"] = bias  # ... is now the first of seq[1]'s _modules, the dict after it
+    assert not s.same(models)
+    del second._modules["bias"]
+    first._parameters["bias"] = bias
+    assert s.same(models)
+
+
 def test_structure_of_a_model_that_walks_its_own_way_is_never_the_same():
     class Odd(nn.Linear):
         def named_parameters(self, *a, **k):

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 
 from ..records import ROLE, NodeInfo
 from . import native
 from .options import Options
+from .param_list import ParamList
 from .rows import PackedRows
 from .stats import NONFINITE_COLUMNS, ROW_COLUMNS, Row, measure, measure_many, to_rows
 
@@ -71,24 +74,28 @@ def _checksum_due(options: Options) -> bool:
 
 
 def _selected(params: list[tuple[str, object]], options: Options, sharded_of: dict | None) -> tuple[list, list, list]:
-    """(NodeInfos, `.grad`s, parameters) of the parameters `measure_params` measures, in order."""
-    nodes, grads, measured = [], [], []
+    """(NodeInfos, `.grad`s, parameters) of the parameters `measure_params` measures, in order: those that require
+    grad now, of the ones the filters keep. For a ParamList (and no FSDP2 sharded parameter to put in place) the
+    filters' choice is made once (`ParamList.picked`) and each call reads only `requires_grad` and `.grad`."""
     filters = (options.modules, options.params)
-    known = _PARAM_NODES.get(filters)
-    if known is None:
-        if len(_PARAM_NODES) > 64:
-            _PARAM_NODES.clear()
-        known = _PARAM_NODES[filters] = {}
+    if not sharded_of and isinstance(params, ParamList):
+        infos, chosen = params.picked(filters, lambda ps: _pick(ps, options))
+        try:
+            flags = list(map(_REQUIRES_GRAD, chosen))
+        except AttributeError:  # not a tensor: the loop below reads it with a default
+            pass
+        else:
+            if all(flags):
+                return list(infos), list(map(_GRAD, chosen)), list(chosen)
+            kept = list(compress(chosen, flags))
+            return list(compress(infos, flags)), list(map(_GRAD, kept)), kept
+    nodes, grads, measured = [], [], []
     for name, p in params:
         if sharded_of:
             p = sharded_of.get(id(p), p)
         if not getattr(p, "requires_grad", False):
             continue
-        info = known.get(name, _UNKNOWN)
-        if info is _UNKNOWN:
-            if len(known) > 1_000_000:
-                known.clear()
-            info = known[name] = _param_node(options, name)
+        info = _node_of(options, name)
         if info is None:
             continue
         nodes.append(info)
@@ -97,6 +104,18 @@ def _selected(params: list[tuple[str, object]], options: Options, sharded_of: di
     return nodes, grads, measured
 
 
+def _pick(params: ParamList, options: Options) -> tuple[tuple, tuple]:
+    """(NodeInfos, parameters) of the parameters of `params` that the modules= / params= filters keep, in order."""
+    infos, chosen = [], []
+    for name, p in params:
+        info = _node_of(options, name)
+        if info is not None:
+            infos.append(info)
+            chosen.append(p)
+    return tuple(infos), tuple(chosen)
+
+
+_REQUIRES_GRAD, _GRAD = attrgetter("requires_grad"), attrgetter("grad")
 _NORM_AT, _NAN_AT = ROW_COLUMNS.index("norm"), ROW_COLUMNS.index("nan")
 
 
@@ -171,6 +190,22 @@ def _rows_in_cpp(grads: list, level: str) -> list | None:
 # out}: the same for every step, so built once per name
 _PARAM_NODES: dict[tuple, dict] = {}
 _UNKNOWN = object()
+
+
+def _node_of(options: Options, name: str) -> NodeInfo | None:
+    """The NodeInfo of parameter `name` under the options' filters (None: left out), made once per name."""
+    filters = (options.modules, options.params)
+    known = _PARAM_NODES.get(filters)
+    if known is None:
+        if len(_PARAM_NODES) > 64:
+            _PARAM_NODES.clear()
+        known = _PARAM_NODES[filters] = {}
+    info = known.get(name, _UNKNOWN)
+    if info is _UNKNOWN:
+        if len(known) > 1_000_000:
+            known.clear()
+        info = known[name] = _param_node(options, name)
+    return info
 
 
 def _param_node(options: Options, name: str) -> NodeInfo | None:

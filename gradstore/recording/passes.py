@@ -20,6 +20,7 @@ import time
 import warnings
 from dataclasses import replace
 from functools import partial
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from .graph import Keyed, LazyNodes, describe, roots_of, walk
 from .inside import PassInside
 from .native import LEVEL_CODES
 from .options import Options
+from .param_list import ids_of, names_of
 from .rows import LazyRows, PackedRows, call_rows, edge_rows, tensor_rows
 from .saved import saved_tensors, saved_versions
 from .stats import NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, to_rows
@@ -111,7 +113,7 @@ class StepState:
         states: `grad_states(params, ...)` taken now, or None (read here)."""
         if isinstance(states, bytes):
             held = (np.frombuffer(states, dtype=np.int64)[1::2] != _NO_GRAD).tolist()
-            self.has_grad = dict(zip([name for name, _ in params], held))
+            self.has_grad = dict(zip(names_of(params), held))
         elif states is not None:
             self.has_grad = {name: state is not None for (name, _), state in zip(params, states)}
         else:
@@ -132,6 +134,8 @@ def _grad_state(p) -> tuple | None:
 
 
 _NO_GRAD = -2  # grad_states' second word for a `.grad` of None (hooks.cpp)
+_KIND, _KEY = attrgetter("kind"), attrgetter("key")
+_TRUSTED_KINDS = frozenset(("function", "accumulate_grad"))  # nodes whose incoming gradients are never changed
 
 
 def grad_states(params: list[tuple[str, object]], native=None) -> bytes | list:
@@ -152,8 +156,7 @@ def grads_changed(params: list[tuple[str, object]], before, after) -> list[str]:
     if isinstance(before, bytes) and isinstance(after, bytes) and len(before) == len(after):
         a = np.frombuffer(before, dtype=np.int64).reshape(-1, 2)
         b = np.frombuffer(after, dtype=np.int64).reshape(-1, 2)
-        changed = (a != b).any(axis=1).tolist()
-        return [name for (name, _), c in zip(params, changed) if c]
+        return list(itertools.compress(names_of(params), (a != b).any(axis=1).tolist()))
     if isinstance(before, list) and isinstance(after, list):
         return [name for (name, _), was, now in zip(params, before, after) if now != was]
     return [name for name, _ in params]
@@ -250,7 +253,9 @@ class PassRecorder:
             return
         self.walk = walk(roots, owner_key[0] if owner_key else 0, step.walker, lazy=True)
         self.record.reachable = len(self.walk.nodes)
-        param_names = {id(p): n for n, p in params}
+        param_names = ids_of(params)  # read only: copied where FSDP2 aliases add to it
+        if aliases:
+            param_names = dict(param_names)
         for sharded, unsharded in aliases:  # FSDP2: both parameters of one name
             name = param_names.get(id(sharded)) or param_names.get(id(unsharded))
             if name is not None:
@@ -291,7 +296,7 @@ class PassRecorder:
             return
         self._node_of = self.walk.nodes if options.saved else None
         # PyTorch's own derivative formulas never change their incoming gradients in place; user code may
-        self._trusted = [info.kind in ("function", "accumulate_grad") for info in self.infos]
+        self._trusted = list(map(_TRUSTED_KINDS.__contains__, map(_KIND, self.infos)))
         filtered = options.modules is not None or options.params is not None
         wanted = [self._wanted(i.module, i.param) for i in self.infos] if filtered else None
         rec.hooked = wanted
@@ -519,7 +524,7 @@ class PassRecorder:
                         if sliced or valued:
                             self.inside.take(("param", key), _ROLE_PARAM, p.grad, m, sliced, dim, valued)
             infos = self.infos
-            walked = {i.key for i in infos} if param_nodes else ()
+            walked = set(map(_KEY, infos)) if param_nodes else ()
             rec.nodes = list(infos) + [n for k, n in param_nodes.items() if k not in walked]
             if self.walk is not None:
                 edges = self.walk.edges

@@ -114,7 +114,9 @@ class LastStep:
         self.dump = dump
         self.grad_norm = grad_norm
         self.amp_skipped = amp_skipped(batch.values)
-        self._batch, self._run, self._first = batch, run, None
+        # the step's rows are kept only where `first_nonfinite` will look for one (they are freed with the batch)
+        self._batch = batch if self.status == "nonfinite" else None
+        self._run, self._first = run, None
 
     @property
     def first_nonfinite(self) -> dict | None:

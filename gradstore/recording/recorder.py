@@ -15,6 +15,7 @@ import traceback
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ from .modules import (
 )
 from .offload import maybe_offload
 from .options import Options
+from .param_list import ParamList
 from .passes import PassRecorder, StepState
 from .reaction import LastStep, Reaction, amp_skipped, first_nonfinite
 from .rows import LazyRows
@@ -63,6 +65,7 @@ from .values import ValueTaker
 _open_scope = None  # the record object whose scope is open in this process (scopes do not nest)
 # nan, posinf, neginf in an activation row (node key, seq, role, slot, *stats.ROW_COLUMNS)
 _ACTIVATION_NONFINITE = tuple(4 + i for i in NONFINITE_COLUMNS)
+_REQUIRES_GRAD, _SECOND = attrgetter("requires_grad"), itemgetter(1)
 
 
 def _env_int(name: str) -> int | None:
@@ -490,13 +493,13 @@ class record:
         structure = Structure(models, on_drop=box.drop)  # the names go when one of the models is collected
         groups = parameter_groups(models)  # one traversal: every name, first names in named_parameters' order
         all_names_of = {id(p): all_names for all_names, p in groups}
-        params = [(all_names[0], p) for all_names, p in groups]
+        params = ParamList((all_names[0], p) for all_names, p in groups)
         opts = self.options
-        recorded = [
+        recorded = ParamList(
             (n, p)
             for n, p in params
             if opts.wants_module(n.rsplit(".", 1)[0] if "." in n else "") and opts.wants_param(n)
-        ]
+        )
         names = qualified_names(models)
         return _KnownNames(
             structure=structure,
@@ -738,7 +741,7 @@ class record:
     def _frozen_facts(self) -> list[tuple[str, bool]]:
         """[(first name, frozen: not requires_grad)] of the recorded parameters, for the step's findings: the list
         of the step before while no flag changed (read-only), so that a step makes no tuple per parameter."""
-        flags = [p.requires_grad for _, p in self._recorded]
+        flags = list(map(_REQUIRES_GRAD, map(_SECOND, self._recorded)))
         cache = self._frozen_cache
         if not cache or cache[0][0] != flags:
             cache[:] = [(flags, [(n, not f) for (n, _), f in zip(self._recorded, flags)])]
