@@ -548,7 +548,7 @@ class Branchy(nn.Module):
         return (self.left, self.right, self.deep)[i % 3](h).pow(2).sum()
 
 
-def _train_branchy(db, writer, steps=9):
+def _train_branchy(db, writer, steps=9, flush_each=False):
     torch.manual_seed(0)
     m = Branchy()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -575,6 +575,8 @@ def _train_branchy(db, writer, steps=9):
         fn(x, i)
         if i == 0 and writer == "process":
             _child_up(db)
+        if flush_each and db is not None:
+            writer_for(db).flush()
     if db is not None:
         writer_for(db).flush()
     return [p.detach().clone() for p in m.parameters()]
@@ -598,6 +600,90 @@ def test_a_graph_that_changes_between_steps_reaches_the_child_as_it_was(tmp_path
         "SELECT s.step, count(*) FROM passes p JOIN steps s ON s.id = p.step_id GROUP BY s.step"
     )
     assert dict(passes.fetchall()) == {i: (2 if i % 4 in (2, 3) else 1) for i in range(9)}
+
+
+def test_steps_reach_the_child_as_messages_made_on_the_training_thread(tmp_path, monkeypatch):
+    """Once the child takes steps, each step's message is made where it is submitted (`ProcessSink.prepare`, in
+    `Writer.submit` on the training thread) and the writer thread only sends it; the rows are the writer thread's."""
+    made, sent = [], []
+    prepare, send = offload.ProcessSink.prepare, offload.ProcessSink.send
+
+    def spy_prepare(self, batch):
+        token = prepare(self, batch)
+        made.append((batch.step, threading.get_ident(), token is not None))
+        return token
+
+    def spy_send(self, token):
+        sent.append(threading.get_ident())
+        return send(self, token)
+
+    monkeypatch.setattr(offload.ProcessSink, "prepare", spy_prepare)
+    monkeypatch.setattr(offload.ProcessSink, "send", spy_send)
+    by_thread = _train_branchy(str(tmp_path / "thread.db"), "thread")
+    assert made == [] and sent == []  # no sink: nothing prepared
+    db = str(tmp_path / "process.db")
+    by_process = _train_branchy(db, "process")
+    main = threading.get_ident()
+    assert [(step, ident == main, ok) for step, ident, ok in made] == [(i, True, True) for i in range(1, 9)]
+    assert len(sent) == 8 and main not in sent and writer_for(db).sink.written == 8
+    for q, r in zip(by_thread, by_process):
+        assert torch.equal(q.view(torch.int32), r.view(torch.int32))
+    thread, process = _tables(tmp_path / "thread.db"), _tables(db)
+    for table in thread:
+        assert thread[table] == process[table], table
+
+
+def test_a_message_made_before_the_child_started_again_is_written_here(tmp_path, monkeypatch):
+    """A prepared message that is not sent (`discard`: here step 2's) makes both sides start again; the messages
+    made before that (step 3's, prepared while step 2's waited) may name nodes, or mark lists as the same as the
+    message before, that the child never got: they are not sent either, the writer thread writes those steps, and
+    the next message tells the child to start again. Nothing is lost or changed."""
+    prepare, send = offload.ProcessSink.prepare, offload.ProcessSink.send
+    step_of, third_made = {}, threading.Event()
+
+    def spy_prepare(self, batch):
+        token = prepare(self, batch)
+        if token is not None:
+            step_of[id(token)] = batch.step
+            if batch.step == 3:
+                third_made.set()
+        return token
+
+    def lose_step_2(self, token):
+        if step_of.get(id(token)) == 2:
+            assert third_made.wait(30)  # step 3's message is made meanwhile, in the epoch step 2's was
+            self.discard(token)
+            raise OffloadDeclined("a test: this message is not sent")
+        return send(self, token)
+
+    monkeypatch.setattr(offload.ProcessSink, "prepare", spy_prepare)
+    monkeypatch.setattr(offload.ProcessSink, "send", lose_step_2)
+    by_thread = _train_branchy(str(tmp_path / "thread.db"), "thread")
+    db = str(tmp_path / "process.db")
+    by_process = _train_branchy(db, "process")
+    w = writer_for(db)
+    assert w.errors == [] and 1 <= w.sink.written <= 6  # steps 0, 2 and 3 at least were written here
+    for q, r in zip(by_thread, by_process):
+        assert torch.equal(q.view(torch.int32), r.view(torch.int32))
+    thread, process = _tables(tmp_path / "thread.db"), _tables(db)
+    for table in thread:
+        assert thread[table] == process[table], table
+
+
+def test_a_step_submitted_behind_prepared_ones_is_written_here(tmp_path):
+    """A step without a prepared message (its sink was not ready when it was submitted) queued behind ones that
+    have theirs is written here: encoded now, it would reach the child after messages encoded before it."""
+    db = str(tmp_path / "order.db")
+    _train(db, "shape", "process", steps=2)
+    sink = writer_for(db).sink
+    batch = StepBatch(run_id=1, rank=0, step=99, started_at=0.0, ended_at=0.0, status="ok", error=None, passes=[])
+    token = sink.prepare(batch)
+    assert token is not None
+    with pytest.raises(OffloadDeclined):
+        sink.write(batch)
+    sink.discard(token)  # both sides start again: a message made before this is not sent either
+    with pytest.raises(OffloadDeclined):
+        sink.send(token)
 
 
 def test_the_child_collects_garbage_after_many_more_allocations():

@@ -294,6 +294,15 @@ def _read_message(fd: int, deadline: float | None = None) -> bytes | None:
     return _read_exact(fd, _LEN.unpack(head)[0], deadline)
 
 
+class _Prepared:
+    """A step's message for the child, made by `ProcessSink.prepare`: its bytes and the epoch they were encoded in."""
+
+    __slots__ = ("epoch", "data")
+
+    def __init__(self, epoch: int, data: bytes):
+        self.epoch, self.data = epoch, data
+
+
 class ProcessSink:
     """A child process that writes steps to `db` (see the module docstring); the sink a Writer's `offload`
     takes. Started at once; `write` waits for it to be ready the first time.
@@ -327,6 +336,12 @@ class ProcessSink:
         self.written = 0  # steps the child wrote
         self._started = time.monotonic()
         self._nodes = Nodes()
+        # encoding is in message order: `prepare` (the submitting thread) and `write` (the writer thread) encode
+        # under this lock; `_epoch` counts the times both sides started again (`_forget`), `_outstanding` the
+        # prepared messages not yet sent or discarded
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._outstanding = 0
         _write_all(self._to, pickle.dumps(("open", db)))
 
     @property
@@ -363,24 +378,74 @@ class ProcessSink:
     def write(self, batch: StepBatch) -> tuple[int, list]:
         """Write one step in the child; returns (the transient failures it retried, the warnings raised there
         as [(category, message)], for the writer to raise again). Raises OffloadLost (the child is gone or
-        silent), OffloadDeclined (the step cannot be pickled) or OffloadFailed (the child could not write it:
+        silent), OffloadDeclined (the step cannot be pickled, or a later step's message is prepared already:
+        this one would reach the child after it was encoded) or OffloadFailed (the child could not write it:
         the error as the writer reports it)."""
         if not self._ready and not self.ready(wait=True):
             raise OffloadDeclined("its process is still starting")
+        with self._lock:
+            if self._outstanding:
+                raise OffloadDeclined("a later step's message is prepared already")
+            data = self._encode(batch)
+        return self._deliver(data)
+
+    def prepare(self, batch: StepBatch) -> _Prepared | None:
+        """The step's message, made now on the calling thread (`Writer.submit`, in queue order), or None where
+        the child does not take steps yet or the step cannot be pickled (the writer then writes it as before).
+        `send` sends it; `discard` drops one that will not be sent. On 2 cores making it on the writer thread
+        (about 1 ms of Python a step on benchmarks/steady.py's MLP: `detached`, the nodes' encoding, pickling)
+        held the GIL while the training thread waited: benchmarks/STEADY.md."""
+        if not self._ready:
+            return None
+        with self._lock:
+            try:
+                data = self._encode(batch)
+            except OffloadDeclined:
+                return None
+            self._outstanding += 1
+            return _Prepared(self._epoch, data)
+
+    def send(self, token: _Prepared) -> tuple[int, list]:
+        """Send a message `prepare` made: as `write`. Raises OffloadDeclined for a message made before the
+        nodes both sides hold were forgotten (an earlier message failed): the writer writes that step itself."""
+        with self._lock:
+            self._outstanding -= 1
+            if token.epoch != self._epoch:
+                raise OffloadDeclined("its message was made before the child started again")
+        return self._deliver(token.data)
+
+    def discard(self, token: _Prepared) -> None:
+        """A prepared message that will not be sent: the messages made after it may name nodes it carried, so
+        both sides start again (the next message tells the child to forget) and those are not sent either."""
+        with self._lock:
+            self._outstanding -= 1
+            if token.epoch == self._epoch:
+                self._forget()
+
+    def _encode(self, batch: StepBatch) -> bytes:
+        """The step as the child's message (with `_lock` held). Raises OffloadDeclined when it cannot be made."""
         try:
             plain, facts = detached(batch)
             specs, reset = self._nodes.encode(_records(plain, facts))
-            data = pickle.dumps((reset, specs, plain, facts), protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps((reset, specs, plain, facts), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
-            self._nodes.forget()  # encode may have taken nodes as sent that never will be
+            self._forget()  # encode may have taken nodes as sent that never will be
             raise OffloadDeclined(f"{type(exc).__name__}: {exc}") from None
+
+    def _forget(self) -> None:
+        """Both sides start again (with `_lock` held): what was encoded before is not sent."""
+        self._nodes.forget()
+        self._epoch += 1
+
+    def _deliver(self, data: bytes) -> tuple[int, list]:
         try:
             _write_all(self._to, data)
         except OSError as exc:
             raise OffloadLost(f"its process ended ({exc})") from None
         status, retries, detail, caught = self._answer(STEP_TIMEOUT_S)
         if status != "ok":
-            self._nodes.forget()  # the child may have stopped before it held this message's nodes
+            with self._lock:
+                self._forget()  # the child may have stopped before it held this message's nodes
             raise OffloadFailed(detail, retries, caught)
         self.written += 1
         return retries, caught
