@@ -6,11 +6,13 @@ that returns to Python waits for it while the writer holds it. A `ProcessSink` m
 process (a fresh interpreter running `main`, started with `subprocess`, so nothing of the training process,
 CUDA included, is forked), which writes to the same database with its own `gradstore.store.writer.Writer`:
 
-- the training process's writer thread builds each pass's rows (they are read from what the hooks noted) and
-  pickles the step, with what its findings are built from (`gradstore.recording.findings.StepFacts`) rather
-  than the findings themselves, writes it to a pipe and waits for the child's answer: written, or the error
-  the writer reports as before (`Writer.errors`, a RuntimeWarning); warnings raised in the child (a recorder
-  fault while building findings) are raised again in this process;
+- the step's message is made where the step is submitted (`ProcessSink.prepare`, called by `Writer.submit` on
+  the training thread, in queue order): each pass's rows (read from what the hooks noted; the C++ hooks' rows
+  stay packed bytes) and what its findings are built from (`gradstore.recording.findings.StepFacts`) rather than
+  the findings themselves, pickled; the training process's writer thread writes it to a pipe and waits for the
+  child's answer: written, or the error the writer reports as before (`Writer.errors`, a RuntimeWarning);
+  warnings raised in the child (a recorder fault while building findings) are raised again in this process (a
+  step submitted before the child took steps is pickled by the writer thread, or written there);
 - the child builds the findings and writes the step in one transaction, tried again on a transient failure,
   exactly as the writer thread would;
 - claims, run statuses and WAL checkpoints stay on this process's writer thread, in queue order;
@@ -392,9 +394,13 @@ class ProcessSink:
     def prepare(self, batch: StepBatch) -> _Prepared | None:
         """The step's message, made now on the calling thread (`Writer.submit`, in queue order), or None where
         the child does not take steps yet or the step cannot be pickled (the writer then writes it as before).
-        `send` sends it; `discard` drops one that will not be sent. On 2 cores making it on the writer thread
-        (about 1 ms of Python a step on benchmarks/steady.py's MLP: `detached`, the nodes' encoding, pickling)
-        held the GIL while the training thread waited: benchmarks/STEADY.md."""
+        `send` sends it; `discard` drops one that will not be sent. Made on the writer thread (about 1 ms of
+        Python a step on benchmarks/steady.py's MLP at stats='shape': `detached`, the nodes' encoding, pickling),
+        it held the GIL while the training thread waited: here the writer thread's CPU went from 1.7-1.8 to
+        0.7-0.8 ms a step and the training thread's time off its CPU from 2.6-3.2 to 1.8-1.9 ms, for about 1 ms
+        more of its own work (the wall time moved less than the host's drift: benchmarks/STEADY.md).
+
+        Args: batch: a finished StepBatch. Returns: a token for `send`, or None. Raises nothing."""
         if not self._ready:
             return None
         with self._lock:

@@ -361,9 +361,10 @@ class Writer:
     def _prepare(self, batch: StepBatch) -> None:
         """On the submitting thread (with _cond held, so that steps are prepared in queue order): let the sink make
         the step's message now (`prepare`, where the sink has one and takes steps already), so that the writer
-        thread only sends it. On 2 cores the writer thread's Python work (building the message: about 1 ms a step
-        on benchmarks/steady.py's MLP) held the GIL while training waited for it; done here it costs that time once,
-        without the wait and the hand-over."""
+        thread only sends it. Built on the writer thread, the message (about 1 ms of Python a step on
+        benchmarks/steady.py's MLP) held the GIL while training waited for it; built here it costs that time once,
+        without the wait and the hand-over (`gradstore.recording.offload.ProcessSink.prepare`). A sink that raises
+        is left to write the step as before."""
         sink = self._sink
         if sink is None or self._sink_next is not None:
             return
