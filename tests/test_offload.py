@@ -683,7 +683,79 @@ def test_a_step_submitted_behind_prepared_ones_is_written_here(tmp_path):
         sink.write(batch)
     sink.discard(token)  # both sides start again: a message made before this is not sent either
     with pytest.raises(OffloadDeclined):
-        sink.send(token)
+        sink.send(token)  # used already
+    sink.discard(token)  # a second discard changes nothing
+    assert sink._outstanding == 0
+
+
+def test_an_interrupted_message_leaves_the_child_in_step(tmp_path, monkeypatch):
+    """KeyboardInterrupt while the training thread makes a step's message (after the nodes' encoding took its new
+    nodes as sent): that step is not recorded, and the next message tells the child to start again, so the later
+    steps are written whole (the node keys it names are ones the child holds)."""
+    encode = offload.Nodes.encode
+    interrupted = []
+
+    def encode_then_interrupt(self, records):
+        out = encode(self, records)
+        if records[0].step == 3 and not interrupted and threading.current_thread() is threading.main_thread():
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(offload.Nodes, "encode", encode_then_interrupt)
+    db = str(tmp_path / "interrupted.db")
+    torch.manual_seed(0)
+    m = Branchy()
+    gen = torch.Generator().manual_seed(2)
+    step = gradstore.record("b", db=db, model=m, stats="full", writer="process")(lambda x, i: m(x, i).backward())
+    for i in range(9):
+        try:
+            step(torch.randn(3, 4, generator=gen), i)
+        except KeyboardInterrupt:
+            assert i == 3
+        if i == 0:
+            _child_up(db)
+    w = writer_for(db)
+    w.flush()
+    assert interrupted and w.errors == [] and w.sink.written == 7  # steps 1, 2, 4-8; step 0 written here
+    con = sqlite3.connect(db)
+    steps = [r[0] for r in con.execute("SELECT step FROM steps ORDER BY step")]
+    assert steps == [0, 1, 2, 4, 5, 6, 7, 8]
+    calls = dict(
+        con.execute("SELECT s.step, count(*) FROM module_calls c JOIN steps s ON s.id = c.step_id GROUP BY s.step")
+    )
+    assert all(calls.get(k, 0) > 0 for k in steps)  # every step's findings came through
+
+
+def test_a_flight_recorder_summary_is_made_on_the_writer_thread(tmp_path, monkeypatch):
+    """keep=N: a summary's message packs the ring's copy of the step when it is built: the training thread leaves
+    that to the writer thread (`prepare` declines it), and the database holds what the writer thread writes."""
+    made = []
+    prepare = offload.ProcessSink.prepare
+
+    def spy(self, batch):
+        token = prepare(self, batch)
+        made.append((batch.level, token is not None))
+        return token
+
+    monkeypatch.setattr(offload.ProcessSink, "prepare", spy)
+    tables = {}
+    for mode in ("thread", "process"):
+        db = str(tmp_path / f"{mode}.db")
+        torch.manual_seed(0)
+        m = Net()
+        gen = torch.Generator().manual_seed(1)
+        step = gradstore.record("f", db=db, model=m, keep=3, writer=mode)(lambda x, m=m: m(x).backward())
+        for i in range(6):
+            step(torch.randn(3, 4, generator=gen))
+            if i == 0 and mode == "process":
+                _child_up(db)
+        writer_for(db).flush()
+        tables[mode] = _tables(db)
+    assert made and all(level == "summary" and not ok for level, ok in made)
+    assert writer_for(str(tmp_path / "process.db")).sink.written == 5
+    for table in tables["thread"]:
+        assert tables["thread"][table] == tables["process"][table], table
 
 
 def test_the_child_collects_garbage_after_many_more_allocations():

@@ -211,6 +211,22 @@ class Nodes:
                 self._last[at, name] = list(out)
 
 
+def _light(batch: StepBatch) -> bool:
+    """True when making the step's message builds no rows: every unbuilt LazyRows of the batch and its passes is
+    packed already or packs cheaply (the C++ hooks' rows), or is the step's own findings (handed over as their
+    facts). Otherwise (the Python hooks' rows; a flight-recorder summary, whose names pack the ring's copy of the
+    step) the message is made on the writer thread, as it was, not on the training thread."""
+    for record in (batch, *batch.passes):
+        for f in fields(record):
+            v = getattr(record, f.name)
+            if not isinstance(v, LazyRows) or v.built or isinstance(v, PackedRows) or v.pack is not None:
+                continue
+            if record is batch and f.name in _FINDINGS_FIELDS and isinstance(v.source, Findings):
+                continue
+            return False
+    return True
+
+
 def _records(batch: StepBatch, facts) -> list:
     """The batch and every PassRecord it or its facts hold, each once, in one order on both sides."""
     out, seen = [batch], set()
@@ -299,10 +315,10 @@ def _read_message(fd: int, deadline: float | None = None) -> bytes | None:
 class _Prepared:
     """A step's message for the child, made by `ProcessSink.prepare`: its bytes and the epoch they were encoded in."""
 
-    __slots__ = ("epoch", "data")
+    __slots__ = ("epoch", "data", "used")
 
     def __init__(self, epoch: int, data: bytes):
-        self.epoch, self.data = epoch, data
+        self.epoch, self.data, self.used = epoch, data, False
 
 
 class ProcessSink:
@@ -386,7 +402,7 @@ class ProcessSink:
         if not self._ready and not self.ready(wait=True):
             raise OffloadDeclined("its process is still starting")
         with self._lock:
-            if self._outstanding:
+            if self._outstanding > 0:
                 raise OffloadDeclined("a later step's message is prepared already")
             data = self._encode(batch)
         return self._deliver(data)
@@ -401,45 +417,59 @@ class ProcessSink:
         more of its own work (the wall time moved less than the host's drift: benchmarks/STEADY.md).
 
         Args: batch: a finished StepBatch. Returns: a token for `send`, or None. Raises nothing."""
-        if not self._ready:
+        if not self._ready or not _light(batch):
             return None
         with self._lock:
             try:
                 data = self._encode(batch)
             except OffloadDeclined:
                 return None
+            token = _Prepared(self._epoch, data)
             self._outstanding += 1
-            return _Prepared(self._epoch, data)
+            return token
 
     def send(self, token: _Prepared) -> tuple[int, list]:
         """Send a message `prepare` made: as `write`. Raises OffloadDeclined for a message made before the
         nodes both sides hold were forgotten (an earlier message failed): the writer writes that step itself."""
         with self._lock:
-            self._outstanding -= 1
-            if token.epoch != self._epoch:
-                raise OffloadDeclined("its message was made before the child started again")
+            if not self._take(token) or token.epoch != self._epoch:
+                raise OffloadDeclined("its message was made before the child started again, or was used")
         return self._deliver(token.data)
 
     def discard(self, token: _Prepared) -> None:
         """A prepared message that will not be sent: the messages made after it may name nodes it carried, so
         both sides start again (the next message tells the child to forget) and those are not sent either."""
         with self._lock:
-            self._outstanding -= 1
-            if token.epoch == self._epoch:
+            if self._take(token) and token.epoch == self._epoch:
                 self._forget()
 
+    def _take(self, token: _Prepared) -> bool:
+        """Mark a prepared message used, sent or discarded (with `_lock` held); False when it was used already."""
+        if token.used:
+            return False
+        token.used = True
+        self._outstanding -= 1
+        return True
+
     def _encode(self, batch: StepBatch) -> bytes:
-        """The step as the child's message (with `_lock` held). Raises OffloadDeclined when it cannot be made."""
+        """The step as the child's message (with `_lock` held). Raises OffloadDeclined when it cannot be made.
+        A message that could not be made (an error, or KeyboardInterrupt on the training thread) may have left
+        the nodes' encoding half done: it starts again, and the next message tells the child to (the messages made
+        before it stay good: the child gets them first)."""
         try:
             plain, facts = detached(batch)
             specs, reset = self._nodes.encode(_records(plain, facts))
             return pickle.dumps((reset, specs, plain, facts), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
-            self._forget()  # encode may have taken nodes as sent that never will be
+            self._nodes.forget()
             raise OffloadDeclined(f"{type(exc).__name__}: {exc}") from None
+        except BaseException:
+            self._nodes.forget()
+            raise
 
     def _forget(self) -> None:
-        """Both sides start again (with `_lock` held): what was encoded before is not sent."""
+        """Both sides start again after a message the child may not have decoded, or one that is not sent (with
+        `_lock` held): the messages encoded before may name what it carried, so they are not sent (`_epoch`)."""
         self._nodes.forget()
         self._epoch += 1
 

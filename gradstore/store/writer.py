@@ -353,7 +353,11 @@ class Writer:
                         self._cond.wait(timeout=1.0)
                     batch.waited = time.perf_counter() - t0
             self._prepare(batch)
-            self._pending.append(batch)
+            try:
+                self._pending.append(batch)
+            except BaseException:  # KeyboardInterrupt: the step is not queued, its message is not sent
+                self._unprepare(batch)
+                raise
             self._pending_rows += n
             self.submitted += 1
             self._cond.notify_all()
@@ -371,12 +375,25 @@ class Writer:
         prepare = getattr(sink, "prepare", None)
         if prepare is None:
             return
+        token = None
         try:
             token = prepare(batch)
+            if token is not None:
+                self._prepared[id(batch)] = (sink, token)
         except Exception:  # the writer thread writes the step, as for a sink that declines it
-            token = None
-        if token is not None:
-            self._prepared[id(batch)] = (sink, token)
+            if token is not None and id(batch) not in self._prepared:
+                sink.discard(token)
+        except BaseException:  # KeyboardInterrupt on the training thread: no message may be left unaccounted for
+            if token is not None and id(batch) not in self._prepared:
+                sink.discard(token)
+            raise
+
+    def _unprepare(self, batch: StepBatch) -> None:
+        """Drop the message `_prepare` made for a step that is not queued after all (`discard`: the sink then
+        sends none of the messages made before it either)."""
+        held = self._prepared.pop(id(batch), None)
+        if held is not None:
+            held[0].discard(held[1])
 
     def offload(self, sink) -> None:
         """Send the steps taken from the queue from now on to `sink`, None: write them here again. The sink's
