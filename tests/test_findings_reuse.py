@@ -12,24 +12,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
+from _tables import tables as _tables
 
 import gradstore
 from gradstore.recording import findings
 from gradstore.store.writer import writer_for
-
-# columns that differ between two recordings of the same steps: clocks, process ids, hosts
-_CLOCK = {"started_at", "ended_at", "duration", "setup", "finish", "start_ns", "duration_ns", "created_at"}
-_CLOCK |= {"finished_at", "heartbeat", "pid", "host", "taken_at", "since", "seen_at", "meta", "heartbeat_at"}
-
-
-def _tables(path) -> dict:
-    con = sqlite3.connect(path)
-    out = {}
-    for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name != 'claims'"):
-        cols = [r[1] for r in con.execute(f"PRAGMA table_info({table})") if r[1] not in _CLOCK]
-        out[table] = sorted(con.execute(f"SELECT {', '.join(cols)} FROM {table}").fetchall(), key=repr)
-    con.close()
-    return out
 
 
 class Repeating(nn.Module):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from _tables import tables as _tables
 
 import gradstore
 from gradstore.errors import RecordUsageError
@@ -24,10 +25,6 @@ from gradstore.records import NodeInfo, PassRecord, StepBatch
 from gradstore.store.writer import OffloadDeclined, OffloadLost, Writer, writer_for
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the child process talks over POSIX pipes")
-
-# columns that hold times, process ids or host names: they differ between any two runs
-_CLOCK = {"started_at", "ended_at", "duration", "setup", "finish", "start_ns", "duration_ns", "created_at"}
-_CLOCK |= {"finished_at", "heartbeat", "pid", "host", "taken_at", "since", "seen_at", "meta"}
 
 
 class Net(nn.Module):
@@ -77,17 +74,6 @@ def _train(db, level, writer, steps=5, nan_at=None):
     if db is not None:
         writer_for(db).flush()
     return [p.detach().clone() for p in m.parameters()]
-
-
-def _tables(path) -> dict:
-    """{table: sorted rows without clock columns} of a SQLite database (claims left out: they are live)."""
-    con = sqlite3.connect(path)
-    out = {}
-    for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name != 'claims'"):
-        cols = [r[1] for r in con.execute(f"PRAGMA table_info({table})") if r[1] not in _CLOCK]
-        out[table] = sorted(con.execute(f"SELECT {', '.join(cols)} FROM {table}").fetchall(), key=repr)
-    con.close()
-    return out
 
 
 @pytest.mark.parametrize("level", ["full", "shape", "params", "health"])
