@@ -266,7 +266,9 @@ def _build(f: StepFacts) -> Result:
 # them took 5.8 ms of the 18 ms the writer's child spent on a step of benchmarks/steady.py's MLP (a replay of
 # captured steps, one process); comparing the facts takes about 0.6. REUSE=False builds every step (tests compare).
 REUSE = True
-_REPEAT: list = [None]  # (the facts' key, the findings, the step number) of the last stats='shape' step built
+# (the facts' key, the findings, the step number) of the last stats='shape' step built: one step's rows, held until
+# the next stats='shape' step replaces them
+_REPEAT: list = [None]
 _REPEAT_LOCK = threading.Lock()
 
 
@@ -291,13 +293,15 @@ def _repeat_key(f: StepFacts) -> list | None:
     if f.level != "shape" or f.forward is None:
         return None
     base, fw = f.first_seq, f.forward
-    key = [f.params, f.names, f.has_grad, len(f.records)]
+    # copies, not the facts' own lists and dicts: the key is kept for the next step, whatever happens to them
+    key = [list(f.params), dict(f.names), dict(f.has_grad), len(f.records)]
     for column in (fw.seqs, fw.call_seqs, fw.call_exits, fw.out_seqs):
         shifted = _shifted(column, base)
         if shifted is None:
             return None
         key.append(shifted)
-    key += [fw.owners, fw.owner_calls, fw.call_names, fw.call_contexts, fw.call_lasts, fw.out_calls, fw.out_names]
+    names = (fw.owners, fw.owner_calls, fw.call_names, fw.call_contexts, fw.call_lasts, fw.out_calls, fw.out_names)
+    key += map(list, names)
     for r in f.records:
         if r.born:
             return None
@@ -313,10 +317,10 @@ def _repeat_key(f: StepFacts) -> list | None:
             list(r.nodes),
             [c[:2] for c in r.calls],  # node key, seq (the order of calls in the step); not their times
             list(r.tensors),  # at stats='shape' no statistics: the same rows for the same calls
-            r.hooked,
+            None if r.hooked is None else list(r.hooked),
             list(r.walk_edges or ()),
-            r.root_nodes,
-            r.grads_changed,
+            None if r.root_nodes is None else list(r.root_nodes),
+            None if r.grads_changed is None else list(r.grads_changed),
         ]
     return key
 
