@@ -224,7 +224,7 @@ def test_other_threads_and_compile_tracing_note_nothing(monkeypatch):
     monkeypatch.setattr(modules, "_is_compiling", lambda: calls.append(1) or True)
     fast._native_hooks = None  # made anew: with the patched check
     _run([fast], lambda: net(x))
-    assert fast.take().call_names == [] and len(calls) == 8  # 4 modules, a pre-hook and a hook each
+    assert fast.take().call_names == [] and len(calls) == 4  # 4 module calls, one ask each (`_tracked_call`)
 
 
 def test_the_common_case_never_calls_the_python_hooks():
@@ -258,3 +258,169 @@ def test_the_common_case_never_calls_the_python_hooks():
                 h.remove()
         _same(tracker, slow)
         assert called == [("post", net.blocks[i - 1]) for i in handed]  # the container subclasses only
+
+
+# ---- behind nn.Module.__call__ ------------------------------------------------------------------------------------
+def _global_hook_counts() -> tuple:
+    mm = torch.nn.modules.module
+    return len(mm._global_forward_pre_hooks), len(mm._global_forward_hooks)
+
+
+def test_the_c_hooks_stand_behind_nn_module_call_and_torchs_is_back_after():
+    from gradstore.recording import modules
+    from gradstore.recording import torch_private as tp
+
+    _native_or_skip()
+    torchs = torch.nn.Module.__dict__["__call__"]
+    assert torchs is tp.torch_module_call() is torch.nn.Module._wrapped_call_impl
+    net = Net(ALL)
+    fast, slow = _pair(qualified_names([("", net)]))
+    x = torch.randn(2, 3, requires_grad=True)
+    before = _global_hook_counts()
+    fast.install()
+    try:
+        assert torch.nn.Module.__dict__["__call__"] is modules._tracked_call
+        assert _global_hook_counts() == before  # no global hook: torch's call path has none to run
+        slow.install()  # the Python hooks beside it, as global hooks (only one tracker stands behind __call__)
+        assert _global_hook_counts() == (before[0] + 1, before[1] + 1)
+        out = net(x)
+    finally:
+        slow.remove()
+        fast.remove()
+    assert torch.nn.Module.__dict__["__call__"] is torchs and _global_hook_counts() == before
+    _same(fast, slow)
+    assert fast.take().call_names[0] == "" and len(fast.take().call_names) == 1 + 2 * len(ALL) + 1
+    torch.testing.assert_close(out, net(x), rtol=0, atol=0)  # what the call returns is torch's call's output
+    fast.clear()
+    net(x)  # removed: nothing noted
+    assert fast.take().call_names == []
+
+
+def test_user_hooks_run_as_without_the_tracker_and_a_raising_forward_unwinds():
+    _native_or_skip()
+    net = Net(["plain", "tuple"])
+    seen = []
+    handles = [
+        torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(("global", type(m)))),
+        net.head.register_forward_pre_hook(lambda m, a: seen.append(("pre", "head"))),
+        net.head.register_forward_hook(lambda m, a, o: o * 3),  # replaces the output
+        net.head.register_full_backward_hook(lambda m, gi, go: seen.append(("backward", "head"))),
+    ]
+    x = torch.randn(2, 3, requires_grad=True)
+    try:
+        torch.manual_seed(0)
+        plain = net(x)
+        plain.sum().backward()
+        want, seen[:] = list(seen), []
+        plain_grad, x.grad = x.grad, None
+        fast, slow = _pair(qualified_names([("", net)]))
+        recorded = _run([fast, slow], lambda: net(x))
+        recorded.sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == want  # every user hook ran, in the same order, as often
+    torch.testing.assert_close(recorded, plain, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, plain_grad, rtol=0, atol=0)
+    assert fast.take().call_names == slow.take().call_names
+    bad = Net(["plain", "raises"])
+    fast, _ = _pair(qualified_names([("", bad)]))
+    fast.install()
+    try:
+        with pytest.raises(ValueError, match="boom"):  # the forward's own error, not the hook's
+            bad(x)
+        assert fast._stack == []  # every call the error left was closed (as always_call=True)
+        assert fast.take().call_exits[0] is not None
+    finally:
+        fast.remove()
+
+
+def test_another_librarys_call_patch_is_left_in_place(monkeypatch):
+    from gradstore.recording import modules
+
+    _native_or_skip()
+    torchs = torch.nn.Module.__dict__["__call__"]
+    theirs_calls = []
+
+    def theirs(self, *args, **kwargs):
+        theirs_calls.append(type(self).__name__)
+        return torchs(self, *args, **kwargs)
+
+    net = Net(["plain"])
+    x = torch.randn(2, 3, requires_grad=True)
+    # patched before: the tracker takes the global hooks and leaves their patch alone
+    monkeypatch.setattr(torch.nn.Module, "__call__", theirs)
+    fast, slow = _pair(qualified_names([("", net)]))
+    _run([fast, slow], lambda: net(x))
+    assert torch.nn.Module.__dict__["__call__"] is theirs and fast._handles == [] and fast._call is None
+    _same(fast, slow)
+    assert len(theirs_calls) == 4 and fast.take().call_names == ["", "blocks.0", "blocks.0.lin", "head"]
+    monkeypatch.setattr(torch.nn.Module, "__call__", torchs)
+    # patched after, on top of the tracker's: removing it leaves theirs, which passes calls through untouched
+    fast, slow = _pair(qualified_names([("", net)]))
+    fast.install()
+    try:
+        mine = torch.nn.Module.__dict__["__call__"]
+        assert mine is modules._tracked_call
+
+        def on_top(self, *args, **kwargs):
+            return mine(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.Module, "__call__", on_top)
+    finally:
+        fast.remove()
+    assert torch.nn.Module.__dict__["__call__"] is on_top and modules._call_target is None
+    fast.clear()
+    out = net(x)
+    assert fast.take().call_names == []
+    monkeypatch.setattr(torch.nn.Module, "__call__", torchs)
+    torch.testing.assert_close(out, net(x), rtol=0, atol=0)
+
+
+def _relative(rec) -> tuple:
+    base = rec.seqs[0]
+    return (
+        [s - base for s in rec.seqs],
+        rec.owners,
+        rec.owner_calls,
+        rec.call_names,
+        [s - base for s in rec.call_seqs],
+        [None if s is None else s - base for s in rec.call_exits],
+        rec.call_lasts,
+        rec.out_calls,
+        [s - base for s in rec.out_seqs],
+        rec.out_names,
+    )
+
+
+def test_a_module_with_its_own_hooks_is_noted_where_global_hooks_note_it():
+    """A forward hook that makes a node, and a full backward hook (torch wraps the outputs in a node after every
+    forward hook): behind nn.Module.__call__ the tracker notes the boundaries a global pre-hook and hook note,
+    run one after the other on the same net (sequence numbers relative to the first boundary)."""
+    from gradstore.recording import modules
+
+    _native_or_skip()
+    net = Net(["plain", "tuple", "dict"])
+    handles = [
+        net.head.register_forward_hook(lambda m, a, o: o * 3),
+        net.blocks[0].register_full_backward_hook(lambda m, gi, go: None),
+        net.blocks[2].lin.register_full_backward_pre_hook(lambda m, go: None),
+    ]
+    x = torch.randn(2, 3, requires_grad=True)
+    try:
+        fast, slow = _pair(qualified_names([("", net)]))
+        fast.install()
+        try:
+            assert torch.nn.Module.__dict__["__call__"] is modules._tracked_call
+            y_fast = net(x)
+        finally:
+            fast.remove()
+        _run([slow], lambda: net(x))
+    finally:
+        for h in handles:
+            h.remove()
+    assert _relative(fast.take()) == _relative(slow.take())
+    assert fast.take().out_names[-1] == "MulBackward0"  # the net returns what the head's forward hook made
+    assert {"BackwardHookFunctionBackward"} <= set(fast.take().out_names)
+    assert not net.head._forward_pre_hooks and len(net.head._forward_hooks) == 0  # the call's own hooks came off
+    y_fast.sum().backward()

@@ -286,6 +286,73 @@ def unhide_global_module_hooks(handles) -> None:
         _original_check = None
 
 
+# nn.Module.__call__ as torch defines it (`Module._wrapped_call_impl`), taken at import: what the tracker's call wrapper
+# calls, and what torch._dynamo compares a module's `__call__` with (`torch._dynamo.utils.unpatched_nn_module_call`)
+_TORCH_MODULE_CALL = torch.nn.Module.__dict__.get("__call__")
+
+
+def torch_module_call():
+    """torch's own `nn.Module.__call__` (`_wrapped_call_impl`, as this process imported it): a Python function
+    `(module, *args, **kwargs)`, or None where the class holds no `__call__` of its own."""
+    return _TORCH_MODULE_CALL
+
+
+def patch_module_call(fn) -> bool:
+    """Put `fn` (a Python function `(module, *args, **kwargs)` that ends in `torch_module_call()`) in place of
+    `nn.Module.__call__`, only where that is torch's own: a module call then runs `fn`, and torch's call path sees no
+    global hook. Returns True when `fn` is in place (also when it was already), False when another library replaced
+    `__call__` (left as it is: the caller uses global module hooks instead). Every `nn.Module` subclass that does
+    not override `__call__` inherits it. torch._dynamo traces `fn` as it traces `__call__` when it differs from its
+    `unpatched_nn_module_call` (`fn` must ask `torch.compiler.is_compiling()` first); torch.fx's tracer patches and
+    restores `__call__` around a trace itself. Undo with `unpatch_module_call(fn)`."""
+    current = torch.nn.Module.__dict__.get("__call__")
+    if current is fn:
+        return True
+    if _TORCH_MODULE_CALL is None or current is not _TORCH_MODULE_CALL:
+        return False
+    torch.nn.Module.__call__ = fn
+    return True
+
+
+def global_module_hook_dicts() -> tuple:
+    """torch.nn.modules.module's dicts of global module hooks (forward pre-hooks, forward hooks, backward pre-hooks,
+    backward hooks; private module attributes, what `register_module_forward_pre_hook` and its siblings add to), the
+    dicts themselves, as a tuple; those missing are left out."""
+    names = (
+        "_global_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_backward_pre_hooks",
+        "_global_backward_hooks",
+    )
+    return tuple(d for d in (getattr(_MODULE, n, None) for n in names) if isinstance(d, dict))
+
+
+def skip_top_frame(fn) -> bool:
+    """Make torch._dynamo leave frames of `fn` (a Python function) uncompiled where they are the frame it is asked to
+    compile, and go on with the frames they call, while still inlining `fn` where a traced frame calls it: what
+    it does with torch's own `nn.Module.__call__` (whose file it inlines but never compiles as a top frame), so
+    that a function in its place adds no frame to compile ahead of the module's `forward` (a graph break there
+    would be compiled twice). `torch._dynamo.eval_frame.skip_code` (private; sets the frame's execution strategy, not
+    the inlining rules: `torch._dynamo.skip` would also mark `fn` disabled, a graph break where it is inlined).
+    Returns False while torch._dynamo is not imported (nothing can compile yet) or where `skip_code` is missing."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    skip_code = getattr(eval_frame, "skip_code", None)
+    if skip_code is None:
+        return False
+    try:
+        skip_code(fn.__code__)
+    except Exception:
+        return False
+    return True
+
+
+def unpatch_module_call(fn) -> None:
+    """Undo `patch_module_call(fn)`: torch's `__call__` is back where `fn` still stands (another library's patch made
+    on top of it since is left alone: `fn` then has to pass calls through by itself)."""
+    if torch.nn.Module.__dict__.get("__call__") is fn:
+        torch.nn.Module.__call__ = _TORCH_MODULE_CALL
+
+
 # ---- sparse tensors ------------------------------------------------------------------------------------------
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
