@@ -290,23 +290,3 @@ def test_module_registries_are_the_dicts_of_children_and_own_parameters():
     seq.extra = torch.nn.Linear(3, 1)
     seq[0].register_parameter("bias", None)
     assert children["extra"] is seq.extra and lin_params["bias"] is None
-
-
-def test_module_call_is_torchs_and_dynamo_can_skip_a_frame_of_its_stand_in():
-    import torch._dynamo  # noqa: F401  (skip_top_frame needs it imported)
-
-    assert tp.torch_module_call() is torch.nn.Module._wrapped_call_impl
-    assert torch.nn.Module.__dict__["__call__"] is tp.torch_module_call()
-
-    def stand_in(self, *args, **kwargs):
-        return tp.torch_module_call()(self, *args, **kwargs)
-
-    assert tp.patch_module_call(stand_in) and torch.nn.Module.__call__ is stand_in
-    try:
-        assert tp.patch_module_call(stand_in)  # already in place
-        assert not tp.patch_module_call(lambda self, *a, **k: None)  # another's patch stands: left alone
-    finally:
-        tp.unpatch_module_call(stand_in)
-    assert torch.nn.Module.__call__ is tp.torch_module_call()
-    assert tp.skip_top_frame(stand_in)
-    from torch._dynamo.eval_frame import skip_code  # noqa: F401  (the private API skip_top_frame relies on)

@@ -1,12 +1,9 @@
 """Which module owns each autograd Node: forward hooks note the sequence counter at module boundaries.
 
-Every Node gets `sequence_nr` from a per-thread counter when the forward op creates it. The tracker notes the
-counter at each module entry and exit, with the module that is innermost from then on: with the C++ hooks built
-(gradstore.recording.native), from a function put in place of `nn.Module.__call__` while a step records (it runs
-the C pre-hook, torch's own `__call__`, then the C hook: torch's call path then meets no global hook, which costs
-a module call about as much as gradstore's own work does); else, or where another library replaced `__call__`,
-from global module forward pre-hooks and hooks (`torch.nn.modules.module.register_module_forward_pre_hook` and
-`register_module_forward_hook`). A Node's owner is the innermost module at the last boundary before its number
+Every Node gets `sequence_nr` from a per-thread counter when the forward op creates it. Global module
+forward pre-hooks and hooks (`torch.nn.modules.module.register_module_forward_pre_hook` and
+`register_module_forward_hook`) record the counter at each module entry and exit, with the module that is
+innermost from then on. A Node's owner is the innermost module at the last boundary before its number
 (found by bisection). This is exact for in-place ops (ReLU(inplace=True)) and for modules whose outputs
 are not tensors, where walking back from module outputs is not.
 """
@@ -273,26 +270,6 @@ def compiling() -> bool:
 
 _TENSOR = torch.Tensor
 _get_ident = threading.get_ident
-_TORCH_CALL = tp.torch_module_call()
-_call_target = None  # the installed tracker's ModuleCall (the C++ hooks' `module_call`), or None
-_skipped = False  # torch._dynamo told to compile no frame of `_tracked_call` or `ModuleTracker._call_hooked` itself
-# (`torch_private.skip_top_frame`): a module call under a compiled region's eager part (after a graph break) runs
-# them as it runs torch's own __call__, whose frames it never compiles
-
-
-def _tracked_call(self, *args, **kwargs):
-    """`nn.Module.__call__` while a ModuleTracker records with the C++ hooks (`ModuleTracker.install`): its pre-hook,
-    torch's `__call__`, its hook (also when the call raises), on the tracker's thread; torch's `__call__` alone
-    otherwise. One function for the process, so that torch.compile, which traces it in place of torch's `__call__`
-    (folding `is_compiling()` to True) and guards on it, meets the same object at every recorded step."""
-    if _is_compiling():
-        return _TORCH_CALL(self, *args, **kwargs)
-    target = _call_target
-    if target is None:
-        return _TORCH_CALL(self, *args, **kwargs)
-    return target(self, args, kwargs)
-
-
 _peek = tp.sequence_counter() or tp.next_sequence_nr  # the raw counter read: no wrapper call per module call
 _sequence_nr = tp.sequence_nr
 _CONTAINERS = (tuple, list, dict)
@@ -383,9 +360,6 @@ class ModuleTracker:
         self._region_stack: list[tuple[int, str]] = []
         self._handles = []
         self._native_hooks = None  # (pre-hook, hook) from the C++ hooks module, False: the Python ones; None: not asked
-        self._c_hooks = None  # the C++ hooks module's (pre-hook, hook) behind `_native_hooks`
-        self._call = None  # this tracker's ModuleCall while it stands behind nn.Module.__call__ (`_tracked_call`)
-        self._hooked_now: set[int] = set()  # ids of the modules whose call `_call_hooked` has hooked, running
 
     def _bind(self, record: ForwardRecord) -> None:
         """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
@@ -503,62 +477,13 @@ class ModuleTracker:
             self._region_vals.append(regions[-1][1] if regions else None)
 
     def install(self) -> None:
-        """Start noting module calls (no-op when the sequence counter is unreadable): with the C++ hooks, behind
-        `nn.Module.__call__` (`_wrap_calls`); else by a global forward pre-hook and hook, hidden from torch's check
-        for global hooks, so `torch.compile(module)` does not warn about them."""
-        if not tp.has_sequence_nr() or self._handles or self._call is not None:
+        """Register the global forward pre-hook and hook (no-op when the sequence counter is unreadable). They
+        are hidden from torch's check for global hooks, so `torch.compile(module)` does not warn about them."""
+        if not tp.has_sequence_nr() or self._handles:
             return
         pre, post = self._hooks()
-        if self._wrap_calls():
-            return
         self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
         tp.hide_global_module_hooks(self._handles)
-
-    def _wrap_calls(self) -> bool:
-        """Stand behind `nn.Module.__call__` with the C++ hooks' `module_call` (the C pre-hook and hook around torch's
-        call): True when done; False without the C++ hooks, while another tracker stands there, or where another
-        library replaced `__call__` (`torch_private.patch_module_call`): then the global hooks are used."""
-        global _call_target
-        if not self._c_hooks or _call_target is not None or _TORCH_CALL is None:
-            return False
-        module = native.load()
-        make = getattr(module, "module_call", None)
-        dicts = tp.global_module_hook_dicts()
-        if make is None or any(dicts):  # a global hook already: every call would take `_call_hooked`
-            return False
-        try:
-            call = make(*self._c_hooks, _TORCH_CALL, self._thread, self._call_hooked, dicts)
-        except Exception:
-            return False
-        if not tp.patch_module_call(_tracked_call):
-            return False
-        global _skipped
-        if not _skipped:  # once torch._dynamo is imported: no frame of their own to compile, as torch's own __call__
-            _skipped = tp.skip_top_frame(_tracked_call) and tp.skip_top_frame(ModuleTracker._call_hooked)
-        _call_target = self._call = call
-        return True
-
-    def _call_hooked(self, module, args, kwargs):
-        """A module call that `module_call` hands over: the module holds forward or backward hooks, or a global module
-        hook exists (torch runs them, and wraps a module's outputs for its backward hooks, after the point where a
-        global hook of the tracker's would have run). The tracker's C pre-hook and hook go first among the module's
-        own for this call (`prepend=True`: after the global hooks, before the module's, where its global hooks ran)
-        and come off after it; a call of the same module inside it is noted by them too."""
-        hooks = self._c_hooks
-        key = id(module)
-        if hooks is None or key in self._hooked_now:
-            return _TORCH_CALL(module, *args, **(kwargs or {}))
-        handles = (
-            module.register_forward_pre_hook(hooks[0], prepend=True),
-            module.register_forward_hook(hooks[1], prepend=True, always_call=True),
-        )
-        self._hooked_now.add(key)
-        try:
-            return _TORCH_CALL(module, *args, **(kwargs or {}))
-        finally:
-            self._hooked_now.discard(key)
-            for h in handles:
-                h.remove()
 
     def _hooks(self) -> tuple:
         """The pre-hook and hook to register: where the C++ hooks module is built (gradstore.recording.native), two
@@ -569,12 +494,11 @@ class ModuleTracker:
         if self._native_hooks is None:
             module = native.load()  # None while it is being built: asked again at the next install
             if module is not None:
-                try:  # no is_compiling for them to ask: the functions in front (below, and `_tracked_call`) ask it
-                    c_pre, c_post = module.module_hooks(self, self._pre, self._post, None, self._thread)
+                try:
+                    c_pre, c_post = module.module_hooks(self, self._pre, self._post, _is_compiling, self._thread)
                 except Exception:
                     self._native_hooks = False
                 else:
-                    self._c_hooks = (c_pre, c_post)
 
                     def pre(module, args):
                         if _is_compiling():
@@ -590,21 +514,13 @@ class ModuleTracker:
         return self._native_hooks or (self._pre, self._post)
 
     def remove(self) -> None:
-        """Stop noting module calls (torch's `nn.Module.__call__` back, or the global hooks removed); safe to call
-        twice."""
-        global _call_target
-        if self._call is not None:
-            if _call_target is self._call:
-                _call_target = None
-                tp.unpatch_module_call(_tracked_call)
-            self._call = None
+        """Remove the global hooks; safe to call twice."""
         tp.unhide_global_module_hooks(self._handles)
         for h in self._handles:
             h.remove()
         self._handles = []
         if self._native_hooks:  # they hold this tracker: let go of them, or the two would wait for the collector
             self._native_hooks = None
-            self._c_hooks = None
         self._stack.clear()
         self._region_stack.clear()
 

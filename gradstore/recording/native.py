@@ -18,8 +18,7 @@ float32/float64 CPU gradient, built into its row tuple with no `Measured` object
 into packed rows (`param_pack`: one bytes object for all of them, built into rows where they are read, the writer's
 child process). It also holds the module tracker's forward hooks on their common path (`module_hooks`,
 gradstore.recording.modules: the same appends as the tracker's Python hooks, without their bytecode per module
-call), and the call that runs them around torch's `nn.Module.__call__` (`module_call`: put in its place while a
-step records, so that torch's call path meets no global hook).
+call).
 
 Every row is what the Python hooks (gradstore.recording.passes, gradstore.recording.stats) record for the same tensor: a
 gradient the C++ side does not measure itself (a tensor subclass, a device tensor, float16/bfloat16, a
@@ -66,7 +65,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 15
+ABI_VERSION = 14
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()

@@ -45,7 +45,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 15;
+constexpr int ABI = 14;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -1709,14 +1709,12 @@ PyObject* tracker_call(PyObject* self, PyObject* const* args, size_t nargsf, PyO
   Py_ssize_t n = PyVectorcall_NARGS(nargsf);
   if (kwnames != nullptr || n != (h->post ? 3 : 2)) return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
   if (PyThread_get_thread_ident() != h->thread) Py_RETURN_NONE;
-  if (h->is_compiling != Py_None) {  // None: the caller asked is_compiling() already (modules.py's wrappers)
-    PyObject* compiling = PyObject_CallNoArgs(h->is_compiling);
-    if (compiling == nullptr) return nullptr;
-    int yes = PyObject_IsTrue(compiling);
-    Py_DECREF(compiling);
-    if (yes < 0) return nullptr;
-    if (yes) Py_RETURN_NONE;
-  }
+  PyObject* compiling = PyObject_CallNoArgs(h->is_compiling);
+  if (compiling == nullptr) return nullptr;
+  int yes = PyObject_IsTrue(compiling);
+  Py_DECREF(compiling);
+  if (yes < 0) return nullptr;
+  if (yes) Py_RETURN_NONE;
   return h->post ? tracker_post(h, args, nargsf) : tracker_pre(h, args, nargsf);
 }
 
@@ -1787,177 +1785,6 @@ bool ready_tracker_type() {
   TrackerHookType.tp_clear = tracker_clear;
   TrackerHookType.tp_doc = "gradstore's module tracker hook (module_hooks)";
   return PyType_Ready(&TrackerHookType) == 0;
-}
-
-// module_call(pre, post, torch_call, thread, hooked, global_dicts) -> a callable `call(module, args, kwargs)` that
-// does what torch's nn.Module.__call__ (`torch_call`) does with the tracker's pre-hook and hook around it:
-// `pre(module, args)`, `torch_call(module, *args, **kwargs)`, then `post(module, args, output)` (also when the call
-// raised: with output None, as torch runs a hook registered with always_call=True; an error of that post is dropped
-// and the call's is raised), returning the call's output. gradstore.recording.modules puts it behind
-// nn.Module.__call__ while a tracker records, so that a module call takes torch's path without hooks (no `_call_impl`
-// closure, no hook dicts read per call). That is the same as a global pre-hook and hook of the tracker's only where
-// nothing runs between them and the forward: a module with forward hooks (which may make nodes after a global
-// hook ran) or backward hooks (torch wraps its outputs in a node after every forward hook), or any global hook in
-// `global_dicts` (torch.nn.modules.module's dicts), goes to `hooked(module, args, kwargs)` instead, which puts the
-// tracker's hooks first among the module's own. `pre` / `post` are module_hooks' callables (is_compiling None: the
-// Python function in front asked already); on a thread other than `thread` the call goes straight to `torch_call`.
-struct TrackerCall {
-  PyObject_HEAD
-  vectorcallfunc vectorcall;
-  unsigned long thread;
-  PyObject* pre;
-  PyObject* post;
-  PyObject* torch_call;
-  PyObject* hooked;
-  PyObject* global_dicts;  // a tuple of dicts
-};
-
-PyObject *s_forward_hooks, *s_backward_hooks, *s_backward_pre_hooks;
-
-// 1 where the module or torch holds a hook that makes `hooked` take the call, 0 where none does
-int has_hooks(TrackerCall* c, PyObject* module) {
-  Py_ssize_t n = PyTuple_GET_SIZE(c->global_dicts);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* d = PyTuple_GET_ITEM(c->global_dicts, i);
-    if (PyDict_Check(d) && PyDict_GET_SIZE(d) > 0) return 1;
-  }
-  PyObject* dict = PyObject_GenericGetDict(module, nullptr);
-  if (dict == nullptr) {
-    PyErr_Clear();
-    return 1;  // no instance dict to read: let the Python path decide
-  }
-  int found = 0;
-  PyObject* const names[3] = {s_forward_hooks, s_backward_hooks, s_backward_pre_hooks};
-  for (PyObject* name : names) {
-    PyObject* v = PyDict_Check(dict) ? PyDict_GetItemWithError(dict, name) : nullptr;
-    if (v == nullptr) PyErr_Clear();
-    if (v != nullptr && (!PyDict_Check(v) || PyDict_GET_SIZE(v) > 0)) {
-      found = 1;
-      break;
-    }
-  }
-  Py_DECREF(dict);
-  return found;
-}
-
-PyObject* forward_call(TrackerCall* c, PyObject* module, PyObject* args, PyObject* kwargs) {
-  Py_ssize_t n = PyTuple_GET_SIZE(args);
-  PyObject* small[8];
-  std::vector<PyObject*> big;
-  PyObject** stack = small;
-  if (n + 1 > 8) {
-    big.resize((size_t)n + 1);
-    stack = big.data();
-  }
-  stack[0] = module;
-  for (Py_ssize_t i = 0; i < n; ++i) stack[i + 1] = PyTuple_GET_ITEM(args, i);
-  return PyObject_VectorcallDict(c->torch_call, stack, (size_t)n + 1, kwargs);
-}
-
-PyObject* tracked_call(PyObject* self, PyObject* const* argv, size_t nargsf, PyObject* kwnames) {
-  auto* c = (TrackerCall*)self;
-  if (kwnames != nullptr || PyVectorcall_NARGS(nargsf) != 3 || !PyTuple_Check(argv[1]) ||
-      (argv[2] != Py_None && !PyDict_Check(argv[2]))) {
-    PyErr_SetString(PyExc_TypeError, "module_call: call(module, args: tuple, kwargs: dict | None)");
-    return nullptr;
-  }
-  PyObject *module = argv[0], *args = argv[1], *kwargs = argv[2] == Py_None ? nullptr : argv[2];
-  if (PyThread_get_thread_ident() != c->thread) return forward_call(c, module, args, kwargs);
-  if (has_hooks(c, module)) {
-    PyObject* hooked_args[3] = {module, args, kwargs != nullptr ? kwargs : Py_None};
-    return PyObject_Vectorcall(c->hooked, hooked_args, 3, nullptr);
-  }
-  PyObject* pre_args[2] = {module, args};
-  PyObject* r = PyObject_Vectorcall(c->pre, pre_args, 2, nullptr);
-  if (r == nullptr) return nullptr;
-  Py_DECREF(r);
-  PyObject* out = forward_call(c, module, args, kwargs);
-  PyObject* post_args[3] = {module, args, out != nullptr ? out : Py_None};
-  if (out == nullptr) {  // as always_call=True: the hook runs, the call's error is what propagates
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    r = PyObject_Vectorcall(c->post, post_args, 3, nullptr);
-    if (r == nullptr) PyErr_Clear();
-    Py_XDECREF(r);
-    PyErr_Restore(type, value, tb);
-    return nullptr;
-  }
-  r = PyObject_Vectorcall(c->post, post_args, 3, nullptr);
-  if (r == nullptr) {
-    Py_DECREF(out);
-    return nullptr;
-  }
-  Py_DECREF(r);
-  return out;
-}
-
-void tracker_call_dealloc(PyObject* self) {
-  auto* c = (TrackerCall*)self;
-  PyObject_GC_UnTrack(self);
-  Py_CLEAR(c->pre);
-  Py_CLEAR(c->post);
-  Py_CLEAR(c->torch_call);
-  Py_CLEAR(c->hooked);
-  Py_CLEAR(c->global_dicts);
-  PyObject_GC_Del(self);
-}
-
-int tracker_call_traverse(PyObject* self, visitproc visit, void* arg) {
-  auto* c = (TrackerCall*)self;
-  Py_VISIT(c->pre);
-  Py_VISIT(c->post);
-  Py_VISIT(c->torch_call);
-  Py_VISIT(c->hooked);
-  Py_VISIT(c->global_dicts);
-  return 0;
-}
-
-int tracker_call_clear(PyObject* self) {
-  auto* c = (TrackerCall*)self;
-  Py_CLEAR(c->pre);
-  Py_CLEAR(c->post);
-  Py_CLEAR(c->torch_call);
-  Py_CLEAR(c->hooked);
-  Py_CLEAR(c->global_dicts);
-  return 0;
-}
-
-PyTypeObject TrackerCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
-
-PyObject* py_module_call(PyObject*, PyObject* args) {
-  PyObject *pre, *post, *torch_call, *hooked, *global_dicts;
-  unsigned long thread;
-  if (!PyArg_ParseTuple(args, "OOOkOO!", &pre, &post, &torch_call, &thread, &hooked, &PyTuple_Type, &global_dicts))
-    return nullptr;
-  if ((s_forward_hooks == nullptr && (s_forward_hooks = PyUnicode_InternFromString("_forward_hooks")) == nullptr) ||
-      (s_backward_hooks == nullptr && (s_backward_hooks = PyUnicode_InternFromString("_backward_hooks")) == nullptr) ||
-      (s_backward_pre_hooks == nullptr &&
-       (s_backward_pre_hooks = PyUnicode_InternFromString("_backward_pre_hooks")) == nullptr))
-    return nullptr;
-  auto* c = PyObject_GC_New(TrackerCall, &TrackerCallType);
-  if (c == nullptr) return nullptr;
-  c->vectorcall = tracked_call;
-  c->thread = thread;
-  c->pre = Py_NewRef(pre);
-  c->post = Py_NewRef(post);
-  c->torch_call = Py_NewRef(torch_call);
-  c->hooked = Py_NewRef(hooked);
-  c->global_dicts = Py_NewRef(global_dicts);
-  PyObject_GC_Track((PyObject*)c);
-  return (PyObject*)c;
-}
-
-bool ready_tracker_call_type() {
-  TrackerCallType.tp_name = "_gradstore_hooks.ModuleCall";
-  TrackerCallType.tp_basicsize = sizeof(TrackerCall);
-  TrackerCallType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
-  TrackerCallType.tp_vectorcall_offset = offsetof(TrackerCall, vectorcall);
-  TrackerCallType.tp_call = PyVectorcall_Call;
-  TrackerCallType.tp_dealloc = tracker_call_dealloc;
-  TrackerCallType.tp_traverse = tracker_call_traverse;
-  TrackerCallType.tp_clear = tracker_call_clear;
-  TrackerCallType.tp_doc = "nn.Module.__call__ with gradstore's module tracker hooks around it (module_call)";
-  return PyType_Ready(&TrackerCallType) == 0;
 }
 
 // none_groups(rows, keep_order) -> [(pattern, rows)]: the rows (a list of tuples) split by where they hold None, as
@@ -2061,7 +1888,6 @@ PyMethodDef methods[] = {
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
     {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
-    {"module_call", py_module_call, METH_VARARGS, "nn.Module.__call__ with the tracker's hooks around it."},
     {"none_groups", py_none_groups, METH_VARARGS, "Rows split by where they hold None (Insert.run's groups)."},
     {nullptr, nullptr, 0, nullptr}};
 
@@ -2071,6 +1897,6 @@ struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradsto
 }  // namespace
 
 PyMODINIT_FUNC PyInit__gradstore_hooks(void) {
-  if (!ready_tracker_type() || !ready_tracker_call_type()) return nullptr;
+  if (!ready_tracker_type()) return nullptr;
   return PyModule_Create(&module);
 }
