@@ -494,8 +494,8 @@ class ModuleTracker:
         if self._native_hooks is None:
             module = native.load()  # None while it is being built: asked again at the next install
             if module is not None:
-                try:
-                    c_pre, c_post = module.module_hooks(self, self._pre, self._post, _is_compiling, self._thread)
+                try:  # is_compiling None: the two functions below ask it before calling them
+                    c_pre, c_post = module.module_hooks(self, self._pre, self._post, None, self._thread)
                 except Exception:
                     self._native_hooks = False
                 else:

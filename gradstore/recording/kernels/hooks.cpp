@@ -1490,7 +1490,7 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
 // `tracker.names` does not name, known compiled regions (`tracker.regions`, `tracker._region_stack`), a recomputation
 // (`tracker.context`), an output that is a tensor subclass or a container other than a plain tuple, list or dict.
 // Like the Python ones, they do nothing on a thread other than `thread` (the tracker's `_thread`: the one that made it)
-// or while `is_compiling()`, and return
+// or while `is_compiling()` (None: not asked, where the caller asks it first), and return
 // None. The sequence counter is read with at::sequence_number::peek (what _get_sequence_nr returns), a grad_fn's
 // number and name with Node::sequence_nr / Node::name (what `_sequence_nr()` and `name()` return).
 struct TrackerHook {
@@ -1709,12 +1709,14 @@ PyObject* tracker_call(PyObject* self, PyObject* const* args, size_t nargsf, PyO
   Py_ssize_t n = PyVectorcall_NARGS(nargsf);
   if (kwnames != nullptr || n != (h->post ? 3 : 2)) return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
   if (PyThread_get_thread_ident() != h->thread) Py_RETURN_NONE;
-  PyObject* compiling = PyObject_CallNoArgs(h->is_compiling);
-  if (compiling == nullptr) return nullptr;
-  int yes = PyObject_IsTrue(compiling);
-  Py_DECREF(compiling);
-  if (yes < 0) return nullptr;
-  if (yes) Py_RETURN_NONE;
+  if (h->is_compiling != Py_None) {  // None: the Python function in front asked it already (modules.py's wrappers)
+    PyObject* compiling = PyObject_CallNoArgs(h->is_compiling);
+    if (compiling == nullptr) return nullptr;
+    int yes = PyObject_IsTrue(compiling);
+    Py_DECREF(compiling);
+    if (yes < 0) return nullptr;
+    if (yes) Py_RETURN_NONE;
+  }
   return h->post ? tracker_post(h, args, nargsf) : tracker_pre(h, args, nargsf);
 }
 
