@@ -300,3 +300,43 @@ def test_nothing_stays_installed_between_decorated_steps(tmp_path):
         train_step(model, torch.randn(3, 4))
     assert (len(mm._global_forward_hooks), len(mm._global_forward_pre_hooks)) == before
     assert torch.autograd.graph._engine_run_backward is ORIGINAL_ENGINE_ENTRY
+
+
+def test_the_c_check_of_the_structure_says_what_the_python_fingerprint_says():
+    """`native.same_structure` (the C++ hooks' comparison) against the fingerprint built in Python
+    (`Structure._fingerprint`), unchanged and after every kind of change, and None (no judgement) where a module
+    lacks its registries."""
+    import operator
+
+    from gradstore.recording import native
+
+    if native.load(wait=True) is None:
+        pytest.skip(f"C++ hooks: {native.status()}")
+    same = native.same_structure()
+    assert same is not None
+
+    def python_says(s, models):
+        now = s._fingerprint([m for _, m in models])
+        return len(now) == len(s._print) and all(map(operator.is_, now, s._print))
+
+    torch.manual_seed(0)
+    m = Net()
+    models = [("", m)]
+    s = Structure(models)
+    assert same([m] + s._modules, s._print) is True and python_says(s, models)
+    for change in [c for c in _changes() if c is not None]:
+        s = Structure(models)
+        change(m)
+        got = same([m] + s._modules, s._print)
+        assert got is python_says(s, models) is False, change.__name__
+    s = Structure(models)
+    assert same([m] + s._modules, s._print) is True
+    assert same([m] + s._modules, s._print[:-1]) is False and same([m] + s._modules, s._print + [m]) is False
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    s = Structure([("", seq)])
+    bias = seq[0]._parameters.pop("bias")
+    seq[1]._modules["bias"] = bias  # moved to the next dict: the same objects flat, another layout
+    assert same([seq] + s._modules, s._print) is False and not python_says(s, [("", seq)])
+    bare = nn.Linear(2, 2)
+    del bare._parameters  # an unfinished module: no judgement
+    assert same([bare], [nn.Linear, bare._modules]) is None  # its class and _modules as stored, no _parameters

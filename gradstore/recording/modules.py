@@ -196,7 +196,9 @@ class Structure:
     (`_modules`) and parameters (`_parameters`), the same objects under the same names in the same order. Then
     `walk_modules`, `qualified_names`, `parameter_groups`, `compiled_regions` and `fsdp_candidates` of `models`
     give what they gave when it was taken. The check reads each module's two dicts (no walk of torch's
-    generators): under 1 µs per module.
+    generators): under 1 µs per module in Python, and with the C++ hooks built (`native.same_structure`) the
+    same comparison with no fingerprint list made (0.23 ms a step in Python on benchmarks/steady.py's MLP, 200
+    modules and 2,000 objects).
 
     Catches what a module's attributes can do: a layer assigned, replaced or deleted (`setattr`, `delattr`,
     `ModuleList.append` / `insert`, a direct write to `_modules`), a parameter registered, replaced or deleted,
@@ -252,6 +254,14 @@ class Structure:
             if len(peeled) != len(chain) or not all(map(operator.is_, peeled, chain)):
                 return False
             tops.append(m)
+        same = native.same_structure()
+        if same is not None:  # the C++ hooks' module: the same comparison without building the fingerprint
+            try:
+                verdict = same(tops + self._modules, self._print)
+            except Exception:
+                verdict = None
+            if verdict is not None:
+                return verdict
         try:
             now = self._fingerprint(tops)
         except Exception:  # a module without the dicts of nn.Module (an unfinished __init__): no judgement

@@ -18,7 +18,8 @@ float32/float64 CPU gradient, built into its row tuple with no `Measured` object
 into packed rows (`param_pack`: one bytes object for all of them, built into rows where they are read, the writer's
 child process). It also holds the module tracker's forward hooks on their common path (`module_hooks`,
 gradstore.recording.modules: the same appends as the tracker's Python hooks, without their bytecode per module
-call).
+call), and the check that the models' structure is unchanged since their names were read (`same_structure`,
+`Structure.same`: each module's class and registries compared by identity, with no fingerprint list built).
 
 Every row is what the Python hooks (gradstore.recording.passes, gradstore.recording.stats) record for the same tensor: a
 gradient the C++ side does not measure itself (a tensor subclass, a device tensor, float16/bfloat16, a
@@ -354,6 +355,14 @@ def available(level: str):
     if level != "shape" and not _state.get("kernel"):
         return None  # statistics without the kernel: the Python path is the faster one
     return module
+
+
+def same_structure():
+    """The hooks module's `same_structure(modules, stored)` (gradstore.recording.modules.Structure.same: the modules'
+    flat fingerprint compared with the stored one by identity, without building it; True, False, or None for no
+    judgement) where the module is loaded in this process, else None. Never starts a build; never raises."""
+    module = _state.get("module") if _state.get("pid") == os.getpid() else None
+    return getattr(module, "same_structure", None)
 
 
 def status() -> str:

@@ -1482,6 +1482,57 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
   return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
 }
 
+// ---- the models' structure (gradstore.recording.modules.Structure.same) ------------------------------------------
+// same_structure(modules, stored) -> True / False / None: whether the flat fingerprint of `modules` (a list) equals
+// `stored` element by element, by identity, as Structure._fingerprint builds it in Python: per module its class, then
+// for each of `_modules` and `_parameters` (read with getattr, as torch_private.module_registries does) the dict, its
+// keys, its values, in order. None (no judgement) where a module lacks one of the dicts or one is not a dict.
+PyObject *s_modules_attr, *s_parameters_attr;
+
+PyObject* py_same_structure(PyObject*, PyObject* args) {
+  PyObject *modules, *stored;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &modules, &PyList_Type, &stored)) return nullptr;
+  if ((s_modules_attr == nullptr && (s_modules_attr = PyUnicode_InternFromString("_modules")) == nullptr) ||
+      (s_parameters_attr == nullptr && (s_parameters_attr = PyUnicode_InternFromString("_parameters")) == nullptr))
+    return nullptr;
+  Py_ssize_t at = 0, total = PyList_GET_SIZE(stored);
+  auto next_is = [&](PyObject* o) {
+    if (at >= total || PyList_GET_ITEM(stored, at) != o) return false;
+    ++at;
+    return true;
+  };
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(modules); ++i) {
+    PyObject* m = PyList_GET_ITEM(modules, i);
+    if (!next_is((PyObject*)Py_TYPE(m))) Py_RETURN_FALSE;
+    PyObject* const names[2] = {s_modules_attr, s_parameters_attr};
+    for (PyObject* name : names) {
+      PyObject* d = PyObject_GetAttr(m, name);
+      if (d == nullptr) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+      }
+      if (!PyDict_Check(d)) {
+        Py_DECREF(d);
+        Py_RETURN_NONE;
+      }
+      bool same = next_is(d);
+      Py_ssize_t n = PyDict_GET_SIZE(d);
+      if (same && at + 2 * n > total) same = false;
+      Py_ssize_t pos = 0, j = 0;
+      PyObject *key, *value;
+      while (same && PyDict_Next(d, &pos, &key, &value)) {
+        if (PyList_GET_ITEM(stored, at + j) != key || PyList_GET_ITEM(stored, at + n + j) != value) same = false;
+        ++j;
+      }
+      Py_DECREF(d);
+      if (!same || j != n) Py_RETURN_FALSE;
+      at += 2 * n;
+    }
+  }
+  if (at != total) Py_RETURN_FALSE;
+  Py_RETURN_TRUE;
+}
+
 // ---- the module tracker's forward hooks (gradstore.recording.modules.ModuleTracker._pre / _post), common path ------
 // module_hooks(tracker, pre, post, is_compiling, thread) -> (pre hook, hook): two callables for
 // register_module_forward_pre_hook / register_module_forward_hook that do what the tracker's Python `_pre(module,
@@ -1890,6 +1941,7 @@ PyMethodDef methods[] = {
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
     {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
+    {"same_structure", py_same_structure, METH_VARARGS, "Whether the modules' fingerprint is the one stored."},
     {"none_groups", py_none_groups, METH_VARARGS, "Rows split by where they hold None (Insert.run's groups)."},
     {nullptr, nullptr, 0, nullptr}};
 
