@@ -197,8 +197,8 @@ class Structure:
     `walk_modules`, `qualified_names`, `parameter_groups`, `compiled_regions` and `fsdp_candidates` of `models`
     give what they gave when it was taken. The check reads each module's two dicts (no walk of torch's
     generators): under 1 µs per module in Python, and with the C++ hooks built (`native.same_structure`) the
-    same comparison with no fingerprint list made (0.23 ms a step in Python on benchmarks/steady.py's MLP, 200
-    modules and 2,000 objects).
+    same comparison with no fingerprint list made (on benchmarks/steady.py's MLP, 200 modules and 2,000 objects:
+    0.23 ms a step in Python, 0.15 in C, most of it reading them from memory).
 
     Catches what a module's attributes can do: a layer assigned, replaced or deleted (`setattr`, `delattr`,
     `ModuleList.append` / `insert`, a direct write to `_modules`), a parameter registered, replaced or deleted,
