@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from ..store import inserts
+from ..store import inserts, writer
 from . import kernel
 from . import torch_private as tp
 
@@ -240,6 +240,7 @@ def _init(module) -> None:
     )
     _state["kernel"] = k is not None
     inserts.use_native_groups(module.none_groups)  # the writer's inserts split their rows in C from now on
+    writer.use_native_rows(getattr(module, "tensor_rows", None))  # and build the tensor_data rows in C
 
 
 def _settle(wait: bool):

@@ -13,6 +13,8 @@
 // grad_fn objects' Node), THPVariable_Wrap; c10: TensorImpl::pyobj_slot(), version_counter().
 #include <Python.h>
 
+#include <cmath>
+
 #include <ATen/Parallel.h>
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/function.h>
@@ -1482,6 +1484,144 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
   return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
 }
 
+// ---- the writer's tensor_data rows (gradstore.store.writer.Writer._write_calls_and_tensors) ------------------------
+// tensor_rows(tensors, pass_id, step_id, tids, k, node_id, layouts, call_of, forward_roles, rows, notes, unknown,
+// sharded, seqs) -> the next k, or None: the writer's loop over one source of tensor rows (a pass's, the activations',
+// the final ones), done here: for each row (key, seq, role, slot, status, reason, dtype, shape, numel, norm, min, max,
+// mean, std, nan, posinf, neginf, zeros, checksum, layout, nnz, coalesced, sharding) with id tids[k], the
+// tensor_data row (step_id, id, pass_id or None, call id or None, node id, role, slot, status, layout id, norm or
+// None where the view derives it bit for bit, min ... zeros) appended to `rows`, and what the loop appends to
+// `notes`, `unknown`, `sharded` and `seqs`, the same as the Python loop does. Nothing is appended and None is
+// returned where a row is not what the common path reads (not a 23-tuple, a key without a node id, a count or
+// statistic of another type): the Python loop then takes the whole source.
+PyObject* py_tensor_rows(PyObject*, PyObject* args) {
+  PyObject *tensors, *pass_id, *step_id, *tids, *node_id, *layouts, *call_of, *forward_roles;
+  PyObject *rows, *notes, *unknown, *sharded, *seqs;
+  Py_ssize_t k;
+  if (!PyArg_ParseTuple(args, "OOOOnO!O!O!OO!O!O!O!O!", &tensors, &pass_id, &step_id, &tids, &k, &PyDict_Type,
+                        &node_id, &PyDict_Type, &layouts, &PyDict_Type, &call_of, &forward_roles, &PyList_Type, &rows,
+                        &PyList_Type, &notes, &PyList_Type, &unknown, &PyList_Type, &sharded, &PyList_Type, &seqs))
+    return nullptr;
+  PyObject* items = PySequence_Fast(tensors, "tensor rows");
+  if (items == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  PyObject** at = PySequence_Fast_ITEMS(items);
+  // built apart, handed over only once every row went through
+  PyObject* out[5] = {PyList_New(0), PyList_New(0), PyList_New(0), PyList_New(0), PyList_New(0)};
+  enum { ROWS, NOTES, UNKNOWN, SHARDED, SEQS };
+  bool ok = out[0] && out[1] && out[2] && out[3] && out[4];
+  bool declined = false;
+  for (Py_ssize_t r = 0; ok && !declined && r < n; ++r) {
+    PyObject* t = at[r];
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 23) {
+      declined = true;
+      break;
+    }
+    PyObject* const* v = &PyTuple_GET_ITEM(t, 0);
+    PyObject *key = v[0], *seq = v[1], *role = v[2], *slot = v[3], *status = v[4], *reason = v[5];
+    PyObject *dtype = v[6], *shape = v[7], *numel = v[8], *norm = v[9], *mn = v[10], *mx = v[11], *mean = v[12];
+    PyObject *std_ = v[13], *nan = v[14], *pinf = v[15], *ninf = v[16], *zeros = v[17], *csum = v[18];
+    PyObject *tlayout = v[19], *nnz = v[20], *coalesced = v[21], *sharding = v[22];
+    PyObject* node = PyDict_GetItemWithError(node_id, key);  // borrowed
+    if (node == nullptr) {
+      if (PyErr_Occurred()) ok = false;
+      declined = true;  // the Python loop raises the KeyError, as it always did
+      break;
+    }
+    PyObject* tid = PySequence_GetItem(tids, k);
+    if (tid == nullptr) {
+      ok = false;
+      break;
+    }
+    PyObject* lkey = PyTuple_Pack(3, dtype, shape, numel);
+    PyObject* lay = lkey != nullptr ? PyDict_GetItemWithError(layouts, lkey) : nullptr;  // borrowed
+    Py_XDECREF(lkey);
+    if (lay == nullptr && PyErr_Occurred()) {
+      Py_DECREF(tid);
+      ok = false;
+      break;
+    }
+    if (lay == nullptr) {
+      lay = Py_None;
+      if (dtype != Py_None || shape != Py_None || numel != Py_None) {
+        PyObject* kk = PyLong_FromSsize_t(k);
+        ok = kk != nullptr && PyList_Append(out[UNKNOWN], kk) == 0;
+        Py_XDECREF(kk);
+      }
+    }
+    PyObject* stored_norm = norm;
+    if (ok && std_ != Py_None && mean != Py_None && norm != Py_None && numel != Py_None) {
+      if (!PyFloat_CheckExact(std_) || !PyFloat_CheckExact(mean) || !PyFloat_CheckExact(norm) ||
+          !PyLong_CheckExact(numel) || !PyLong_CheckExact(nan) || !PyLong_CheckExact(pinf) || !PyLong_CheckExact(ninf)) {
+        Py_DECREF(tid);
+        declined = true;
+        break;
+      }
+      int o1 = 0, o2 = 0, o3 = 0, o4 = 0;
+      long long c = PyLong_AsLongLongAndOverflow(numel, &o1) - PyLong_AsLongLongAndOverflow(nan, &o2) -
+                    PyLong_AsLongLongAndOverflow(pinf, &o3) - PyLong_AsLongLongAndOverflow(ninf, &o4);
+      if (o1 || o2 || o3 || o4 || PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_DECREF(tid);
+        declined = true;
+        break;
+      }
+      if (c > 0) {
+        double sd = PyFloat_AS_DOUBLE(std_), mu = PyFloat_AS_DOUBLE(mean);
+        double a = (double)(c - 1) * sd * sd;  // as Python: int * float, left to right
+        double b = (double)c * mu * mu;
+        if (std::sqrt(a + b) == PyFloat_AS_DOUBLE(norm)) stored_norm = Py_None;
+      }
+    }
+    PyObject* cid = Py_None;
+    if (ok && pass_id != Py_None) {
+      PyObject* got = PyDict_GetItemWithError(call_of, seq);
+      if (got == nullptr && PyErr_Occurred()) ok = false;
+      if (got != nullptr) cid = got;
+    }
+    if (ok && cid == Py_None) {
+      int forward = PySequence_Contains(forward_roles, role);
+      if (forward < 0) ok = false;
+      if (forward > 0) {
+        PyObject* pair = PyTuple_Pack(2, tid, seq);
+        ok = pair != nullptr && PyList_Append(out[SEQS], pair) == 0;
+        Py_XDECREF(pair);
+      }
+    }
+    if (ok) {
+      PyObject* row = PyTuple_Pack(18, step_id, tid, cid == Py_None ? pass_id : Py_None, cid, node, role, slot, status,
+                                   lay, stored_norm, mn, mx, mean, std_, nan, pinf, ninf, zeros);
+      ok = row != nullptr && PyList_Append(out[ROWS], row) == 0;
+      Py_XDECREF(row);
+    }
+    if (ok && (reason != Py_None || csum != Py_None || tlayout != Py_None)) {
+      PyObject* note = PyTuple_Pack(6, tid, reason, csum, tlayout, nnz, coalesced);
+      ok = note != nullptr && PyList_Append(out[NOTES], note) == 0;
+      Py_XDECREF(note);
+    }
+    if (ok && sharding != Py_None) {
+      PyObject* pair = PyTuple_Pack(2, tid, sharding);
+      ok = pair != nullptr && PyList_Append(out[SHARDED], pair) == 0;
+      Py_XDECREF(pair);
+    }
+    Py_DECREF(tid);
+    ++k;
+  }
+  Py_DECREF(items);
+  PyObject* const targets[5] = {rows, notes, unknown, sharded, seqs};
+  PyObject* result = nullptr;
+  if (ok && !declined) {
+    bool handed = true;
+    for (int i = 0; i < 5 && handed; ++i)
+      handed = PyList_SetSlice(targets[i], PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, out[i]) == 0;
+    result = handed ? PyLong_FromSsize_t(k) : nullptr;
+  } else if (ok) {
+    result = Py_NewRef(Py_None);
+  }
+  for (PyObject* o : out) Py_XDECREF(o);
+  return result;
+}
+
 // ---- the models' structure (gradstore.recording.modules.Structure.same) ------------------------------------------
 // same_structure(modules, stored) -> True / False / None: whether the flat fingerprint of `modules` (a list) equals
 // `stored` element by element, by identity, as Structure._fingerprint builds it in Python: per module its class, then
@@ -1941,6 +2081,7 @@ PyMethodDef methods[] = {
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
     {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
+    {"tensor_rows", py_tensor_rows, METH_VARARGS, "The writer's tensor_data rows of one source of tensor rows."},
     {"same_structure", py_same_structure, METH_VARARGS, "Whether the modules' fingerprint is the one stored."},
     {"none_groups", py_none_groups, METH_VARARGS, "Rows split by where they hold None (Insert.run's groups)."},
     {nullptr, nullptr, 0, nullptr}};
