@@ -38,7 +38,9 @@ leaves the child to finish the build for the next one. `GRADSTORE_NATIVE=0` turn
 Relies on PyTorch's C++ autograd API (torch/csrc/autograd: Node::add_pre_hook, add_post_hook, del_post_hook,
 next_edges, sequence_nr, name, FunctionPreHook, FunctionPostHook, get_current_graph_task_id, AccumulateGrad::variable,
 functionToPyObject), which the headers of the installed torch
-describe; a torch whose headers no longer compile it leaves the Python hooks in place (`status()` says why).
+describe, and nn.Module's private `_modules` / `_parameters` dicts (`same_structure`, read by getattr as
+gradstore.recording.torch_private.module_registries reads them); a torch whose headers no longer compile it
+leaves the Python hooks in place (`status()` says why).
 """
 
 from __future__ import annotations
