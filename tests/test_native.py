@@ -316,17 +316,32 @@ def test_python_measurement_fault_is_a_skipped_row(tmp_path, monkeypatch):
     assert (t[t.dtype == "float32"].status == "ok").all()
 
 
-def test_not_built_without_a_compiler(tmp_path, python_hooks):
-    """No C++ compiler: one warning, and the Python hooks record (a fresh process and cache directory)."""
+@pytest.mark.parametrize("settled", ["whenever", "before the step", "during backward"])
+def test_not_built_without_a_compiler(tmp_path, python_hooks, settled):
+    """No C++ compiler: one warning, pointing at the user's line wherever the failed build is noticed (at record
+    entry, in a module hook, inside torch.autograd.backward), and the Python hooks record (a fresh process and
+    cache directory)."""
     script = textwrap.dedent(f"""
-        import warnings, torch, gradstore
+        import threading, time, warnings, torch, gradstore
         from gradstore.recording import native
+        def settle():
+            while native.status() == "building":
+                time.sleep(0.01)
         warnings.simplefilter("always")
         with warnings.catch_warnings(record=True) as w:
             torch.manual_seed(0)
             m = torch.nn.Linear(3, 2)
+            if {settled == "before the step"}:
+                native.load()  # the background build starts, and fails
+                settle()
+            if {settled == "during backward"}:  # the background build held until the backward pass
+                gate, build = threading.Event(), native._settle
+                native._settle = lambda wait: (gate.wait(), build(wait))
             with gradstore.record("r", db={str(tmp_path / "x.db")!r}, model=m):
-                m(torch.ones(1, 3)).sum().backward()
+                out = m(torch.ones(1, 3)).sum()
+                if {settled == "during backward"}:  # the build ends inside torch.autograd.backward
+                    out.register_hook(lambda g: (gate.set(), settle()) and None)
+                out.backward()
             native.load(wait=True)
         print(native.status())
         print(sum("C++ node hooks" in str(x.message) for x in w))

@@ -267,10 +267,12 @@ def _settle(wait: bool):
 
 
 def _user_stacklevel() -> int:
-    """The `stacklevel` (for a warning raised by this module's caller) of the first frame outside gradstore."""
+    """The `stacklevel` (for a warning raised by this module's caller) of the first frame outside gradstore and
+    torch: the warning may be said from inside a backward pass (torch.autograd's frames), still the user's line."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # gradstore/, all of it
+    skipped = (package, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(package):
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1
     return level
 
