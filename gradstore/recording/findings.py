@@ -194,14 +194,18 @@ def _zero(row) -> bool | None:
     return None
 
 
-def _value(measured: dict, hooked, ran: dict, i: int, role: int, slot: int) -> tuple[float | None, int]:
-    """(norm or None where not measured, non-finite elements) of node i's slot in one pass."""
-    row = measured.get((i, role, slot))
-    if row is not None:
-        return _norm_of(row), _nonfinite(row)
+def _source(measured: dict, hooked, ran: dict, i: int, role: int, slot: int) -> int:
+    """Where the value of node i's slot in one pass comes from: the position of its row among the pass's tensors,
+    _ZERO (hooked and did not run: no gradient passed, 0) or _UNMEASURED."""
+    pos = measured.get((i, role, slot))
+    if pos is not None:
+        return pos
     if (hooked is None or hooked[i]) and i not in ran:
-        return 0.0, 0  # hooked and did not run: no gradient passed
-    return None, 0
+        return _ZERO
+    return _UNMEASURED
+
+
+_ZERO, _UNMEASURED = -1, -2
 
 
 def _tally(calls, v: float | None, nf: int, count: list, missing: list, sq: list, bad: list) -> None:
@@ -243,7 +247,7 @@ def _build(f: StepFacts) -> Result:
     out = Result()
     if f.dropped is not None and f.dropped():
         return out  # the calls and tensors were dropped: nothing here would be measured
-    key = _repeat_key(f) if REUSE else None
+    key = _repeat_key(f) if REUSE and f.level == "shape" else None
     if key is not None:
         with _REPEAT_LOCK:
             last = _REPEAT[0]
@@ -252,23 +256,88 @@ def _build(f: StepFacts) -> Result:
     passes = [_Pass(r) for r in f.records]
     _params(f, passes, out)
     if f.forward is not None:
-        _modules_and_nodes(f, passes, out)
+        _modules(f, passes, out, key is None)
     if key is not None:
         with _REPEAT_LOCK:
             _REPEAT[0] = (key, _again(out, f.step, f.step), f.step)
     return out
 
 
-# ---- a stats='shape' step whose facts repeat the step before -----------------------------------------------
+def _modules(f: StepFacts, passes: list[_Pass], out: Result, reuse: bool) -> None:
+    """The module calls and step nodes of a step into `out`: their structure (everything but the gradient values
+    crossing the calls' boundaries) that of the step before where its facts repeat that one's (`reuse`, `REUSE`),
+    else built; the values tallied from this step's tensor rows either way."""
+    key = _repeat_key(f, values=True) if reuse and REUSE and any(p.rec.seqs is not None for p in passes) else None
+    last = None
+    if key is not None:
+        with _REPEAT_LOCK:
+            last = _STRUCTURE[0]
+    if last is not None and last[0] == key:
+        part, plan, was = last[1], last[2], last[3]
+    else:
+        part, plan, was = Result(), [], f.step
+        _modules_and_nodes(f, passes, part, plan)
+        if key is not None:
+            with _REPEAT_LOCK:
+                _STRUCTURE[0] = (key, part, plan, f.step)
+    out.nodes.extend(part.nodes)
+    out.step_nodes.extend(_again(part, was, f.step).step_nodes if was != f.step else part.step_nodes)
+    values = _tallies(plan, passes, len(part.module_calls))
+    out.module_calls.extend(row + v for row, v in zip(part.module_calls, values))
+
+
+def _tallies(plan: list, passes: list[_Pass], n: int) -> list[tuple]:
+    """(in_norm, in_count, in_unmeasured, out_norm, out_count, out_unmeasured, non-finite) per module call, from
+    the plan `_modules_and_nodes` made (pass, source, calls, into: one gradient slot crossing the boundaries of
+    `calls`, in or out) and the passes' tensor rows."""
+    in_sq = [0.0] * n
+    out_sq = [0.0] * n
+    in_count = [0] * n
+    out_count = [0] * n
+    in_missing = [0] * n
+    out_missing = [0] * n
+    bad = [0] * n
+    rows = [p.tensors for p in passes]
+    for pi, src, calls, into in plan:
+        if src >= 0:
+            row = rows[pi][src]
+            v, nf = _norm_of(row), _nonfinite(row)
+        else:
+            v, nf = (0.0 if src == _ZERO else None), 0
+        if into:
+            _tally(calls, v, nf, in_count, in_missing, in_sq, bad)
+        else:
+            _tally(calls, v, nf, out_count, out_missing, out_sq, bad)
+    return [
+        (
+            in_sq[k] ** 0.5 if in_count[k] > in_missing[k] else None,
+            in_count[k],
+            in_missing[k],
+            out_sq[k] ** 0.5 if out_count[k] > out_missing[k] else None,
+            out_count[k],
+            out_missing[k],
+            bad[k],
+        )
+        for k in range(n)
+    ]
+
+
+# ---- a step whose facts repeat the step before -------------------------------------------------------------
 # At stats='shape' no value is measured: a step of the same code as the step before hands over the same facts, but
 # for its sequence numbers (each step's nodes take new ones) and its number. Its findings are then those of the
 # step before, with this step's number where that one's stood (in step_nodes: a node born in this step). Building
 # them took 5.8 ms of the 18 ms the writer's child spent on a step of benchmarks/steady.py's MLP (a replay of
-# captured steps, one process); comparing the facts takes about 0.6. REUSE=False builds every step (tests compare).
+# captured steps, one process); comparing the facts takes about 0.6. At the levels that measure values the facts
+# repeat but for the values: the parameters' statuses are built again, the module calls' structure and the step's
+# nodes are those of the step before, and the gradient crossing each call's boundaries is tallied again from this
+# step's rows by the plan that step's build made (`_tallies`). REUSE=False builds every step (tests compare).
 REUSE = True
 # (the facts' key, the findings, the step number) of the last stats='shape' step built: one step's rows, held until
 # the next stats='shape' step replaces them
 _REPEAT: list = [None]
+# (the facts' key, the module part of the findings without values, its tally plan, the step number) of the last
+# step of another level built
+_STRUCTURE: list = [None]
 _REPEAT_LOCK = threading.Lock()
 
 
@@ -286,15 +355,19 @@ def _shifted(values, base: int) -> list | None:
     return out
 
 
-def _repeat_key(f: StepFacts) -> list | None:
+def _repeat_key(f: StepFacts, values: bool = False) -> list | None:
     """Everything the findings read of a stats='shape' step, its sequence numbers relative to its first one (a
-    list to compare with `==`); None where the step's findings are to be built whatever came before: another
-    level (its values differ from step to step), no module tracking, nodes born in an earlier step."""
-    if f.level != "shape" or f.forward is None:
+    list to compare with `==`); with `values`, everything the module part reads of a step of any level but the
+    values in its tensor rows (a row's key, call, role and slot). None where the step's findings are to be built
+    whatever came before: no module tracking, nodes born in an earlier step."""
+    if f.forward is None:
         return None
     base, fw = f.first_seq, f.forward
     # copies, not the facts' own lists and dicts: the key is kept for the next step, whatever happens to them
-    key = [list(f.params), dict(f.names), dict(f.has_grad), len(f.records)]
+    if values:  # the parameters' part is built every step
+        key = [dict(f.names), len(f.records)]
+    else:
+        key = [list(f.params), dict(f.names), dict(f.has_grad), len(f.records)]
     for column in (fw.seqs, fw.call_seqs, fw.call_exits, fw.out_seqs):
         shifted = _shifted(column, base)
         if shifted is None:
@@ -316,7 +389,8 @@ def _repeat_key(f: StepFacts) -> list | None:
             span,
             list(r.nodes),
             [c[:2] for c in r.calls],  # node key, seq (the order of calls in the step); not their times
-            list(r.tensors),  # at stats='shape' no statistics: the same rows for the same calls
+            # at stats='shape' no statistics: the same rows for the same calls
+            [row[:4] for row in r.tensors] if values else list(r.tensors),
             None if r.hooked is None else list(r.hooked),
             list(r.walk_edges or ()),
             None if r.root_nodes is None else list(r.root_nodes),
@@ -419,7 +493,10 @@ _OWN: dict[tuple, tuple] = {}
 _CROSS: dict[tuple, tuple] = {}
 
 
-def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
+def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: list) -> None:
+    """The module calls (their first ten columns: no values), the unreached outputs' nodes and the step nodes
+    into `out`; into `plan` what `_tallies` reads of the passes' rows for the values, in the order it tallies
+    them."""
     fw = f.forward
     step, first_seq = f.step, f.first_seq
     calls = fw.calls
@@ -511,13 +588,6 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             )
         return hit
 
-    in_sq = [0.0] * n
-    out_sq = [0.0] * n
-    in_count = [0] * n
-    out_count = [0] * n
-    in_missing = [0] * n
-    out_missing = [0] * n
-    bad = [0] * n
     first_call: list[int | None] = [None] * n
     found: list[set] = [set() for _ in range(n)]
     ran_found: list[set] = [set() for _ in range(n)]
@@ -527,17 +597,18 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     counted = any(c[4] is None or c[1] < 0 for c in calls)
     # per node identity (seq, or the key for nodes without one): the first pass reaching it, ran, born
     seen: dict = {}
-    for p in passes:
+    tally = plan.append
+    for pi, p in enumerate(passes):
         rec = p.rec
         if rec.seqs is None:
             continue
-        measured: dict[tuple, tuple] = {}
-        for row in p.tensors:
+        measured: dict[tuple, int] = {}  # (node, role, slot) -> the position of its row in p.tensors
+        for pos, row in enumerate(p.tensors):
             role = row[_ROLE]
             if role == _GO or role == _GI:
                 i = p.index.get(row[_KEY])
                 if i is not None:
-                    measured[(i, role, row[_SLOT])] = row
+                    measured[(i, role, row[_SLOT])] = pos
         hooked = p.hooked
         node_calls = [innermost(s) for s in p.seqs]
 
@@ -561,15 +632,14 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                 out_of = [out_of[x] for x in not_own(cj, len(out_of), dst.key)]
                 if not out_of:
                     continue
-            v, nf = _value(measured, hooked, ran_of, j, _GI, slot)  # the edge's one piece, whichever call it leaves
-            _tally(out_of, v, nf, out_count, out_missing, out_sq, bad)
+            # the edge's one piece, whichever call it leaves
+            tally((pi, _source(measured, hooked, ran_of, j, _GI, slot), out_of, False))
         for r in rec.root_nodes or ():
             root_slots = {s for (i, role, s) in measured if i == r and role == _GO} or {0}
             for s in root_slots:
                 slots_in.setdefault((r, s), set()).update(chains[node_calls[r]])
         for (i, slot), held in slots_in.items():
-            v, nf = _value(measured, hooked, ran_of, i, _GO, slot)
-            _tally(held, v, nf, in_count, in_missing, in_sq, bad)
+            tally((pi, _source(measured, hooked, ran_of, i, _GO, slot), tuple(held), True))
         # the nodes by their innermost module call: what each call holds is the union over the calls inside it
         held_all: dict[int, list] = {}  # innermost call -> identities of its nodes
         held_ran: dict[int, list] = {}  # ... of those that ran
@@ -736,12 +806,5 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                 c[4] - c[1] if c[4] is not None and c[1] >= 0 else len(found[k]),
                 len(ran_found[k]) if walked else None,
                 first_call[k],
-                in_sq[k] ** 0.5 if in_count[k] > in_missing[k] else None,
-                in_count[k],
-                in_missing[k],
-                out_sq[k] ** 0.5 if out_count[k] > out_missing[k] else None,
-                out_count[k],
-                out_missing[k],
-                bad[k],
             )
         )
