@@ -181,6 +181,7 @@ def test_reused_findings_are_the_findings_built_again(tmp_path, monkeypatch, sta
         assert reused == [3, 7]  # where the step before ran the same branch
     else:
         assert reused  # steps 1-7 repeat too (the recomputed calls the same each step)
+    db.close()
 
 
 @pytest.mark.parametrize("stats", ["shape", "full"])
