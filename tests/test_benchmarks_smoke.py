@@ -153,7 +153,9 @@ def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
     assert cost["params"] == 52 and cost["param_bytes"] == 4 * 8 * (2 * 32 + 2 * (32 * 32 + 32)) + 4 * (
         2 * 32 + 32 * 10 + 10
     )
-    assert cost["full_read_ms"] > cost["params_read_ms"] > 0
+    # times measured (which is larger is not asserted: on the tiny model both are tens of microseconds, and the
+    # order of two such timings on a loaded machine is chance)
+    assert cost["full_read_ms"] > 0 and cost["params_read_ms"] > 0
     assert "| `cnn` | " in report.split("## Read cost")[1].split("## Ratios")[0]
 
 

@@ -10,6 +10,7 @@ module calls with the same sequence numbers, and for the common case the module 
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict, namedtuple
 from dataclasses import fields
 
@@ -220,11 +221,16 @@ def test_other_threads_and_compile_tracing_note_nothing(monkeypatch):
     worker.join()
     assert fast.take().call_names == slow.take().call_names == []
     calls = []
-    fast, _ = _pair(qualified_names([("", net)]))
+    fast, _ = _pair(qualified_names([("", net)]), tap=False)  # the global hooks: the Python functions in front
     monkeypatch.setattr(modules, "_is_compiling", lambda: calls.append(1) or True)
     fast._native_hooks = None  # made anew: with the patched check
     _run([fast], lambda: net(x))
     assert fast.take().call_names == [] and len(calls) == 8  # 4 modules, a pre-hook and a hook each
+    # the tap: what torch._dynamo traces in place of its C `__get__` is a Python function giving None (a traced module
+    # call goes on to `_call_impl`, noting nothing); test_compile.py compiles through it
+    tap = modules._module_tap()
+    assert inspect.getattr_static(type(tap), "__get__") is modules._tracer_get
+    assert modules._tracer_get(tap, net, type(net)) is None
 
 
 def test_the_common_case_never_calls_the_python_hooks():
@@ -258,3 +264,104 @@ def test_the_common_case_never_calls_the_python_hooks():
                 h.remove()
         _same(tracker, slow)
         assert called == [("post", net.blocks[i - 1]) for i in handed]  # the container subclasses only
+
+
+class Hooked(nn.Module):
+    """Modules whose own hooks run between a global module hook and the forward: a forward pre-hook that makes a
+    node, a forward hook that makes one and replaces the output, a full backward hook (torch wraps the inputs and
+    outputs in BackwardHookFunction nodes); a submodule called with a keyword argument; a module outside the names."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(3, 3)
+        self.post = nn.Linear(3, 3)
+        self.back = nn.Linear(3, 3)
+        self.kw = nn.Linear(3, 3)
+        self.pre.register_forward_pre_hook(lambda m, args: (args[0] * 1.5,))
+        self.post.register_forward_hook(lambda m, args, out: out * 2.0)
+        self.back.register_full_backward_hook(lambda m, gi, go: None)
+
+    def forward(self, x, stranger):
+        return stranger(self.kw(input=self.back(self.post(self.pre(x)))))
+
+
+def _relative(rec) -> dict:
+    """A ForwardRecord's columns, its sequence numbers counted from its first boundary's."""
+    base = rec.seqs[0]
+    out = {f.name: list(getattr(rec, f.name)) for f in fields(rec)}
+    for name in ("seqs", "call_seqs", "call_exits", "out_seqs"):
+        out[name] = [s - base if s is not None else None for s in out[name]]
+    return out
+
+
+def test_the_tap_notes_what_the_global_hooks_note():
+    """The same forwards seen through the module tap and through the global hooks (one after the other, the
+    sequence numbers counted from each run's first): the same boundaries, owners, calls and outputs, with modules
+    of their own hooks, a module the names do not know, containers and subclasses returned, a raising forward and
+    a recomputation; no global hook while the tap takes the calls, and torch's class attribute back after."""
+    from torch.nn.modules.module import Module
+
+    from gradstore.recording import torch_private as tp
+
+    _native_or_skip()
+    x = torch.randn(2, 3, requires_grad=True)
+    stranger = nn.Tanh()  # not under the names: '<Tanh>'
+    cases = []
+    net = Net(ALL)
+    cases.append(("containers", qualified_names([("", net)]), lambda net=net: net(x), {}))
+    hooked = Hooked()
+    cases.append(("own hooks", qualified_names([("", hooked)]), lambda: hooked(x, stranger).sum().backward(), {}))
+    bad = Net(["plain", "raises"])
+    cases.append(("raises", qualified_names([("", bad)]), lambda: bad(x), {}))
+    cases.append(("recomputation", qualified_names([("", net)]), lambda net=net: net(x), {"context": (0, 7)}))
+    for label, names, fn, extra in cases:
+        records = []
+        for tap in (False, True):
+            tracker = ModuleTracker(dict(names), tap=tap)
+            if "context" in extra:
+                tracker.context = lambda c=extra["context"]: c
+            tracker.install()
+            try:
+                assert tracker._tapped is tap, label
+                assert not any(tp.global_module_hook_dicts()) if tap else all(tracker._handles)
+                try:
+                    fn()
+                except ValueError as e:
+                    assert label == "raises" and str(e) == "boom"
+            finally:
+                tracker.remove()
+            assert Module.__dict__["_compiled_call_impl"] is None
+            records.append(_relative(tracker.take()))
+        assert records[0] == records[1], label
+        assert records[1]["call_names"], label
+    tracker = ModuleTracker(dict(qualified_names([("", hooked)])))
+    _run([tracker], lambda: hooked(x, stranger))
+    assert tracker.take().call_names == ["", "pre", "post", "back", "kw", "<Tanh>"]
+
+
+def test_the_tap_leaves_other_threads_and_a_second_tracker_alone():
+    import threading
+
+    from gradstore.recording import modules
+
+    _native_or_skip()
+    net = Net(["plain"])
+    names = qualified_names([("", net)])
+    x = torch.randn(2, 3, requires_grad=True)
+    first, second = ModuleTracker(dict(names)), ModuleTracker(dict(names))
+    first.install()
+    try:
+        second.install()  # the tap is taken: global hooks
+        try:
+            assert first._tapped and not second._tapped and second._handles
+            worker = threading.Thread(target=lambda: net(x))
+            worker.start()
+            worker.join()
+            assert first.take().call_names == second.take().call_names == []
+            net(x)
+        finally:
+            second.remove()
+    finally:
+        first.remove()
+    assert modules._tap_owner is None
+    assert first.take().call_names == second.take().call_names == ["", "blocks.0", "blocks.0.lin", "head"]

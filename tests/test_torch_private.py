@@ -290,3 +290,48 @@ def test_module_registries_are_the_dicts_of_children_and_own_parameters():
     seq.extra = torch.nn.Linear(3, 1)
     seq[0].register_parameter("bias", None)
     assert children["extra"] is seq.extra and lin_params["bias"] is None
+
+
+def test_a_class_attribute_in_the_call_slot_takes_every_module_call_without_a_compiled_instance():
+    """torch's `nn.Module.__call__` calls `self._compiled_call_impl(*args, **kwargs)` when that is not None (the module
+    tap stands there, gradstore.recording.modules): a descriptor set on the class is read for a module without an
+    instance attribute of that name, not for one `Module.compile()` set it on; torch's None is back after."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    assert tp.call_slot_free()
+    seen = []
+
+    class Slot:
+        def __get__(self, module, owner=None):
+            if module is None:
+                return None
+
+            def call(*args, **kwargs):
+                seen.append((type(module).__name__, len(args), sorted(kwargs)))
+                return module._call_impl(*args, **kwargs)
+
+            return call
+
+    slot = Slot()
+    lin, inner = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    inner.__dict__["_compiled_call_impl"] = None  # an instance attribute, as Module.compile() sets one: found first
+    seq = torch.nn.Sequential(lin, torch.nn.Tanh())
+    x = torch.ones(1, 2)
+    assert tp.set_call_slot(slot) and tp.set_call_slot(slot)  # twice: still in place
+    try:
+        assert not tp.set_call_slot(Slot())  # another one stands there: refused
+        out = seq(x)
+        lin(input=x)
+        inner(x)
+    finally:
+        tp.clear_call_slot(slot)
+    assert torch.nn.Module.__dict__["_compiled_call_impl"] is None and tp.call_slot_free()
+    assert torch.equal(out, torch.tanh(lin(x)))
+    assert seen == [("Sequential", 1, []), ("Linear", 1, []), ("Tanh", 1, []), ("Linear", 0, ["input"])]
+    handle = register_module_forward_hook(lambda m, a, o: None)
+    try:
+        dicts = tp.global_module_hook_dicts()
+        assert len(dicts) == 4 and sum(len(d) for d in dicts) == 1
+    finally:
+        handle.remove()
+    assert not any(tp.global_module_hook_dicts())

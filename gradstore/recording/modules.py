@@ -1,11 +1,23 @@
-"""Which module owns each autograd Node: forward hooks note the sequence counter at module boundaries.
+"""Which module owns each autograd Node: the tracker notes the sequence counter at module boundaries.
 
-Every Node gets `sequence_nr` from a per-thread counter when the forward op creates it. Global module
-forward pre-hooks and hooks (`torch.nn.modules.module.register_module_forward_pre_hook` and
-`register_module_forward_hook`) record the counter at each module entry and exit, with the module that is
-innermost from then on. A Node's owner is the innermost module at the last boundary before its number
-(found by bisection). This is exact for in-place ops (ReLU(inplace=True)) and for modules whose outputs
-are not tensors, where walking back from module outputs is not.
+Every Node gets `sequence_nr` from a per-thread counter when the forward op creates it. The tracker records the
+counter at each module entry and exit, with the module that is innermost from then on. A Node's owner is the
+innermost module at the last boundary before its number (found by bisection). This is exact for in-place ops
+(ReLU(inplace=True)) and for modules whose outputs are not tensors, where walking back from module outputs is not.
+
+How module calls are seen, while a tracker records:
+- with the C++ hooks built (gradstore.recording.native), through the module tap: the class attribute
+  `nn.Module._compiled_call_impl` (torch's None; gradstore.recording.torch_private.set_call_slot), which torch's
+  `nn.Module.__call__` calls in place of `_call_impl` when it is set. The tap runs the tracker's C pre-hook,
+  `module._call_impl(...)` and its C hook, so torch's call path meets no global hook: with any global module hook
+  installed, torch takes a slower path for every module call (its hook loops, a closure per call), which cost a
+  module call more than the tracker's own work (benchmarks/STEADY.md). What the tap notes is what global hooks
+  would: where something runs between a global hook and the forward (the module's own forward hooks or backward
+  hooks, or someone's global module hook), the tracker's hooks are put first among the module's own for that
+  call (`ModuleTracker._call_hooked`);
+- else (no C++ hooks, a `record(forward=True)` scope, another global module hook already installed, another
+  tracker on the tap, or a torch whose `nn.Module.__call__` differs) by global module forward pre-hooks and hooks
+  (`torch.nn.modules.module.register_module_forward_pre_hook` and `register_module_forward_hook`).
 """
 
 from __future__ import annotations
@@ -278,6 +290,33 @@ def compiling() -> bool:
     return bool(_is_compiling())
 
 
+def _tracer_get(self, module, owner=None):
+    """The module tap's `__get__` as torch._dynamo reads it (the C slot is what the interpreter runs): None, so that
+    a traced module call goes on to `_call_impl` and a compiled region notes no module call, as the tracker's global
+    hooks, which return at once under `torch.compiler.is_compiling()`."""
+    return None
+
+
+_tap = None  # the C++ hooks' ModuleTap (made once per process), False where there is none; None: not asked yet
+_tap_owner = None  # the ModuleTracker whose hooks the tap runs now, or None
+_skipped = False  # torch._dynamo told to compile no frame of ModuleTracker._call_hooked (torch_private.skip_top_frame)
+
+
+def _module_tap():
+    """The process's module tap (`module_tap` of the C++ hooks), or None while they are not built (asked again)."""
+    global _tap
+    if _tap is None:
+        module = native.load()
+        if module is None:
+            return None
+        make = getattr(module, "module_tap", None)
+        try:
+            _tap = make(_tracer_get) if make is not None else False
+        except Exception:
+            _tap = False
+    return _tap or None
+
+
 _TENSOR = torch.Tensor
 _get_ident = threading.get_ident
 _peek = tp.sequence_counter() or tp.next_sequence_nr  # the raw counter read: no wrapper call per module call
@@ -348,13 +387,16 @@ class ModuleTracker:
         regions: id(wrapper) -> the modules inside its compiled region (`compiled_regions`), for the
             `torch.compile` wrappers known in advance; others are found when they run.
         refresh: None, or a callable returning fresh id(module) -> name (see above).
+        tap: False to see module calls through global module hooks only (a scope that installs a global module
+            hook of its own, `record(forward=True)`, where torch's hooked path is taken anyway); True: through the
+            module tap where it can be used (the module docstring).
 
     `context`: None, or a callable returning (pass, seq) of the backward call running on this thread (or None):
     set while a backward pass runs, so that a module's forward re-run inside it (activation checkpointing) is
     noted as such.
     """
 
-    def __init__(self, names: dict[int, str], regions: dict[int, str] | None = None, refresh=None):
+    def __init__(self, names: dict[int, str], regions: dict[int, str] | None = None, refresh=None, tap: bool = True):
         self.names = names
         self.regions = dict(regions or {})
         self.refresh = refresh
@@ -370,6 +412,10 @@ class ModuleTracker:
         self._region_stack: list[tuple[int, str]] = []
         self._handles = []
         self._native_hooks = None  # (pre-hook, hook) from the C++ hooks module, False: the Python ones; None: not asked
+        self._c_hooks = None  # the C++ hooks module's (pre-hook, hook) behind `_native_hooks`
+        self._use_tap = tap
+        self._tapped = False  # module calls come through the module tap (`_tap_in`)
+        self._hooked_now: set[int] = set()  # ids of the modules whose call `_call_hooked` has hooked, running
 
     def _bind(self, record: ForwardRecord) -> None:
         """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
@@ -487,13 +533,65 @@ class ModuleTracker:
             self._region_vals.append(regions[-1][1] if regions else None)
 
     def install(self) -> None:
-        """Register the global forward pre-hook and hook (no-op when the sequence counter is unreadable). They
-        are hidden from torch's check for global hooks, so `torch.compile(module)` does not warn about them."""
-        if not tp.has_sequence_nr() or self._handles:
+        """Start noting module calls (no-op when the sequence counter is unreadable): through the module tap where
+        it can be used (`_tap_in`, the module docstring), else by a global forward pre-hook and hook, hidden from
+        torch's check for global hooks, so `torch.compile(module)` does not warn about them."""
+        if not tp.has_sequence_nr() or self._handles or self._tapped:
             return
         pre, post = self._hooks()
+        if self._tap_in():
+            return
         self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
         tp.hide_global_module_hooks(self._handles)
+
+    def _tap_in(self) -> bool:
+        """Have module calls come through the module tap, with this tracker's C pre-hook and hook as its target: True
+        when done; False without the C++ hooks, with `tap=False`, while another tracker uses it, while a global module
+        hook is installed (torch takes its hooked path for every call anyway), or where torch's `nn.Module.__call__`
+        differs from the one the tap stands behind (`torch_private.set_call_slot`)."""
+        global _tap_owner, _skipped
+        if not self._use_tap or not self._c_hooks or _tap_owner is not None:
+            return False
+        tap = _module_tap()
+        dicts = tp.global_module_hook_dicts()
+        if tap is None or any(dicts):
+            return False
+        module = native.load()
+        try:
+            module.tap_target(tap, *self._c_hooks, self._call_hooked, self._thread, dicts)
+        except Exception:
+            return False
+        if not tp.set_call_slot(tap):
+            module.tap_target(tap)
+            return False
+        if not _skipped:  # once torch._dynamo is imported: `_call_hooked` is no frame of its own to compile
+            _skipped = tp.skip_top_frame(ModuleTracker._call_hooked)
+        _tap_owner = self
+        self._tapped = True
+        return True
+
+    def _call_hooked(self, module, args, kwargs):
+        """A module call that the module tap hands over (on the tracker's thread): the module holds forward or
+        backward hooks, or a global module hook exists, and torch runs them (and wraps a module's outputs for its
+        backward hooks) after the point where the tracker's global hooks would have run. The tracker's C pre-hook and
+        hook go first among the module's own for this call (`prepend=True`: after any global hook, before the
+        module's, where its global hooks would have run; the hook with `always_call=True`) and come off after it; a
+        call of the same module inside it is noted by them too."""
+        hooks = self._c_hooks
+        key = id(module)
+        if hooks is None or key in self._hooked_now:
+            return module._call_impl(*args, **kwargs)
+        handles = (
+            module.register_forward_pre_hook(hooks[0], prepend=True),
+            module.register_forward_hook(hooks[1], prepend=True, always_call=True),
+        )
+        self._hooked_now.add(key)
+        try:
+            return module._call_impl(*args, **kwargs)
+        finally:
+            self._hooked_now.discard(key)
+            for h in handles:
+                h.remove()
 
     def _hooks(self) -> tuple:
         """The pre-hook and hook to register: where the C++ hooks module is built (gradstore.recording.native), two
@@ -509,6 +607,7 @@ class ModuleTracker:
                 except Exception:
                     self._native_hooks = False
                 else:
+                    self._c_hooks = (c_pre, c_post)
 
                     def pre(module, args):
                         if _is_compiling():
@@ -524,13 +623,22 @@ class ModuleTracker:
         return self._native_hooks or (self._pre, self._post)
 
     def remove(self) -> None:
-        """Remove the global hooks; safe to call twice."""
+        """Stop noting module calls (torch's `nn.Module._compiled_call_impl` back, or the global hooks removed); safe
+        to call twice."""
+        global _tap_owner
+        if self._tapped:
+            if _tap_owner is self:
+                _tap_owner = None
+                tp.clear_call_slot(_tap)
+                native.load().tap_target(_tap)  # the tap holds this tracker's hooks: let go of them
+            self._tapped = False
         tp.unhide_global_module_hooks(self._handles)
         for h in self._handles:
             h.remove()
         self._handles = []
         if self._native_hooks:  # they hold this tracker: let go of them, or the two would wait for the collector
             self._native_hooks = None
+            self._c_hooks = None
         self._stack.clear()
         self._region_stack.clear()
 

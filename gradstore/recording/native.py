@@ -18,7 +18,9 @@ float32/float64 CPU gradient, built into its row tuple with no `Measured` object
 into packed rows (`param_pack`: one bytes object for all of them, built into rows where they are read, the writer's
 child process). It also holds the module tracker's forward hooks on their common path (`module_hooks`,
 gradstore.recording.modules: the same appends as the tracker's Python hooks, without their bytecode per module
-call), and the check that the models' structure is unchanged since their names were read (`same_structure`,
+call), the module tap that runs them around a module call with no global module hook installed (`module_tap`,
+`tap_target`: the class attribute `nn.Module._compiled_call_impl` while a step records), and the check that the
+models' structure is unchanged since their names were read (`same_structure`,
 `Structure.same`: each module's class and registries compared by identity, with no fingerprint list built).
 
 Every row is what the Python hooks (gradstore.recording.passes, gradstore.recording.stats) record for the same tensor: a
@@ -68,7 +70,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 14
+ABI_VERSION = 15
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()

@@ -442,7 +442,13 @@ class record:
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
         known = self._known_names(models)
         self._fsdp = fsdp_modules(models, [ref() for ref in known.fsdp])
-        self._tracker = ModuleTracker(known.names, known.regions, refresh=lambda: self._names_of(models))
+        self._tracker = ModuleTracker(
+            # forward=True installs a global module hook: torch takes its hooked path for every module call anyway
+            known.names,
+            known.regions,
+            refresh=lambda: self._names_of(models),
+            tap=not self.options.forward,
+        )
         self._frames = FrameTracker() if self.options.frames else None
         self._lineage.clear()
         self._warning_log = WarningLog(self._step_warnings, self._thread, self._in_pass)

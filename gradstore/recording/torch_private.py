@@ -286,6 +286,77 @@ def unhide_global_module_hooks(handles) -> None:
         _original_check = None
 
 
+# ---- a module call without global module hooks -----------------------------------------------------------------
+_CALL_SLOT = "_compiled_call_impl"
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def call_slot_free() -> bool:
+    """True where `nn.Module.__call__` is torch's `_wrapped_call_impl`, which calls `self._compiled_call_impl(*args,
+    **kwargs)` in place of `self._call_impl(...)` when that attribute is not None, and the class attribute
+    `nn.Module._compiled_call_impl` (private; `Module.compile()` sets it on an instance) is torch's None: then
+    `set_call_slot` can take module calls without a global module hook."""
+    module_type = torch.nn.Module
+    wrapped = getattr(module_type, "_wrapped_call_impl", None)
+    return (
+        _CALL_SLOT in module_type.__dict__
+        and module_type.__dict__[_CALL_SLOT] is None
+        and wrapped is not None
+        and module_type.__dict__.get("__call__") is wrapped
+    )
+
+
+def set_call_slot(tap) -> bool:
+    """Put `tap` (a non-data descriptor: its `__get__(module, owner)` gives a callable `(*args, **kwargs)` that ends
+    in `module._call_impl(*args, **kwargs)`, or None for torch's own path) as the class attribute
+    `nn.Module._compiled_call_impl` (private), where `call_slot_free()`. Every module without an instance attribute
+    of that name then has its calls go through `tap`, and torch's `_call_impl` runs with no global hook. One class
+    attribute write (the interpreter's caches of nn.Module's subclasses start again: measured as nothing on a
+    training step, tests/test_module_hooks.py's notes). Returns True when `tap` is in place. Undo with
+    `clear_call_slot(tap)`."""
+    if torch.nn.Module.__dict__.get(_CALL_SLOT, None) is tap:
+        return True
+    if not call_slot_free():
+        return False
+    torch.nn.Module._compiled_call_impl = tap
+    return True
+
+
+def clear_call_slot(tap) -> None:
+    """Undo `set_call_slot(tap)`: torch's None is back where `tap` still stands."""
+    if torch.nn.Module.__dict__.get(_CALL_SLOT, None) is tap:
+        torch.nn.Module._compiled_call_impl = None
+
+
+def global_module_hook_dicts() -> tuple:
+    """torch.nn.modules.module's dicts of global module hooks (forward pre-hooks, forward hooks, backward pre-hooks,
+    backward hooks: private module attributes, what `register_module_forward_pre_hook` and its siblings add to), the
+    dicts themselves, as a tuple; those missing are left out."""
+    return tuple(d for d in (getattr(_MODULE, n, None) for n in _GLOBAL_HOOK_DICTS) if isinstance(d, dict))
+
+
+def skip_top_frame(fn) -> bool:
+    """Make torch._dynamo leave frames of `fn` (a Python function) uncompiled where they are the frame it is asked to
+    compile, and go on with the frames they call, while still inlining `fn` where a traced frame calls it: what it
+    does with torch's own `nn.Module` call path, so that a function on that path adds no frame to compile ahead of
+    the module's `forward`. `torch._dynamo.eval_frame.skip_code` (private). Returns False while torch._dynamo is not
+    imported (nothing can compile yet) or where `skip_code` is missing."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    skip_code = getattr(eval_frame, "skip_code", None)
+    if skip_code is None:
+        return False
+    try:
+        skip_code(fn.__code__)
+    except Exception:
+        return False
+    return True
+
+
 # ---- sparse tensors ------------------------------------------------------------------------------------------
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 

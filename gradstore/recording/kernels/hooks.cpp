@@ -47,7 +47,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 14;
+constexpr int ABI = 15;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -1980,6 +1980,258 @@ bool ready_tracker_type() {
   return PyType_Ready(&TrackerHookType) == 0;
 }
 
+// ---- the module tracker's tap: nn.Module._compiled_call_impl (gradstore.recording.modules) ---------------------------
+// module_tap(tracer_get) -> the process's ModuleTap, made once: an object that gradstore.recording.modules sets as the
+// class attribute `nn.Module._compiled_call_impl` (torch's is None) while a ModuleTracker records. torch's
+// `nn.Module.__call__` (`_wrapped_call_impl`) reads `self._compiled_call_impl` first and, when it is not None, calls
+// it in place of `self._call_impl`; an instance attribute of that name (`Module.compile()`) is found before a class
+// attribute without `__set__`, as here. The tap is a non-data descriptor: reading it from a module on the tracker's
+// thread, while a target is set (`tap_target`), gives a BoundTap (below), which notes the call around
+// `module._call_impl(*args, **kwargs)`; on any other thread, with no target, or read from the class, it gives None
+// (torch's own path). No Python frame and no global module hook: torch's `_call_impl` takes its path without hooks.
+// `tracer_get`: a Python function `__get__(self, module, owner=None)` that returns None, put in the type's dict under
+// `__get__` (the C slot, which the interpreter calls, is left as it is): torch._dynamo traces a descriptor's
+// `__get__` only where the type's dict holds a Python function, and a compiled region notes nothing (as the
+// tracker's global hooks, which ask `torch.compiler.is_compiling()`, return at once there).
+//
+// tap_target(tap, pre, post, hooked, thread, global_dicts) sets the target: `pre` / `post` are module_hooks' callables
+// (called `pre(module, ())` before and `post(module, (), output)` after `_call_impl`: they read no argument but the
+// module and the output), `hooked(module, args, kwargs)` takes a call where something runs between a global hook
+// and the forward (the module's own forward hooks or backward hooks, or a global module hook in `global_dicts`,
+// torch.nn.modules.module's dicts), `thread` the tracker's. tap_target(tap) clears it.
+struct ModuleTap {
+  PyObject_HEAD
+  unsigned long thread;
+  PyObject* pre;  // nullptr: no target
+  PyObject* post;
+  PyObject* hooked;
+  PyObject* global_dicts;  // a tuple of dicts
+};
+
+struct BoundTap {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  ModuleTap* tap;
+  PyObject* module;
+};
+
+PyObject *s_forward_hooks, *s_backward_hooks, *s_backward_pre_hooks, *s_call_impl, *s_empty;
+PyTypeObject ModuleTapType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+PyTypeObject BoundTapType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+ModuleTap* the_tap = nullptr;
+
+// 1 where a global module hook or one of the module's own forward / backward hooks is registered, 0 where none is
+int tap_has_hooks(ModuleTap* t, PyObject* module) {
+  Py_ssize_t n = PyTuple_GET_SIZE(t->global_dicts);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* d = PyTuple_GET_ITEM(t->global_dicts, i);
+    if (PyDict_Check(d) && PyDict_GET_SIZE(d) > 0) return 1;
+  }
+  PyObject* dict = PyObject_GenericGetDict(module, nullptr);
+  if (dict == nullptr) {
+    PyErr_Clear();
+    return 1;  // no instance dict to read: `hooked` decides
+  }
+  int found = 0;
+  PyObject* const names[3] = {s_forward_hooks, s_backward_hooks, s_backward_pre_hooks};
+  for (PyObject* name : names) {
+    PyObject* v = PyDict_Check(dict) ? PyDict_GetItemWithError(dict, name) : nullptr;
+    if (v == nullptr) PyErr_Clear();
+    if (v != nullptr && (!PyDict_Check(v) || PyDict_GET_SIZE(v) > 0)) {
+      found = 1;
+      break;
+    }
+  }
+  Py_DECREF(dict);
+  return found;
+}
+
+PyObject* bound_tap_call(PyObject* self, PyObject* const* argv, size_t nargsf, PyObject* kwnames) {
+  auto* b = (BoundTap*)self;
+  ModuleTap* t = b->tap;
+  PyObject* module = b->module;
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  Py_ssize_t nkw = kwnames != nullptr ? PyTuple_GET_SIZE(kwnames) : 0;
+  // module, then the call's arguments: what `_call_impl` is called with (a method call, `module` as self)
+  PyObject* small[10];
+  std::vector<PyObject*> big;
+  PyObject** stack = small;
+  if (n + nkw + 1 > 10) {
+    big.resize((size_t)(n + nkw + 1));
+    stack = big.data();
+  }
+  stack[0] = module;
+  for (Py_ssize_t i = 0; i < n + nkw; ++i) stack[i + 1] = argv[i];
+  if (t->pre == nullptr || PyThread_get_thread_ident() != t->thread)  // the target went since it was bound
+    return PyObject_VectorcallMethod(s_call_impl, stack, (size_t)(n + 1), kwnames);
+  Py_INCREF(t);  // the target's objects are held for the call: a step may end inside it
+  PyObject* pre = Py_NewRef(t->pre);
+  PyObject* post = Py_NewRef(t->post);
+  PyObject* out = nullptr;
+  if (tap_has_hooks(t, module)) {
+    PyObject* args = PyTuple_New(n);
+    PyObject* kwargs = args != nullptr ? PyDict_New() : nullptr;
+    if (kwargs != nullptr) {
+      for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(args, i, Py_NewRef(argv[i]));
+      bool ok = true;
+      for (Py_ssize_t i = 0; i < nkw && ok; ++i)
+        ok = PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), argv[n + i]) == 0;
+      if (ok) {
+        PyObject* hooked_args[3] = {module, args, kwargs};
+        out = PyObject_Vectorcall(t->hooked, hooked_args, 3, nullptr);
+      }
+    }
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+  } else {
+    PyObject* pre_args[2] = {module, s_empty};
+    PyObject* r = PyObject_Vectorcall(pre, pre_args, 2, nullptr);
+    if (r != nullptr) {
+      Py_DECREF(r);
+      out = PyObject_VectorcallMethod(s_call_impl, stack, (size_t)(n + 1), kwnames);
+      if (out != nullptr) {
+        PyObject* post_args[3] = {module, s_empty, out};
+        r = PyObject_Vectorcall(post, post_args, 3, nullptr);
+        if (r == nullptr) Py_CLEAR(out);
+        Py_XDECREF(r);
+      } else if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        // as torch runs a global hook registered with always_call=True when the forward raised an Exception (not
+        // a KeyboardInterrupt): with the output None; an error of the hook is dropped, the forward's propagates
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject* post_args[3] = {module, s_empty, Py_None};
+        r = PyObject_Vectorcall(post, post_args, 3, nullptr);
+        if (r == nullptr) PyErr_Clear();
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb);
+      }
+    }
+  }
+  Py_DECREF(pre);
+  Py_DECREF(post);
+  Py_DECREF(t);
+  return out;
+}
+
+void bound_tap_dealloc(PyObject* self) {
+  auto* b = (BoundTap*)self;
+  Py_CLEAR(b->tap);
+  Py_CLEAR(b->module);
+  PyObject_Free(self);
+}
+
+PyObject* module_tap_get(PyObject* self, PyObject* obj, PyObject*) {
+  auto* t = (ModuleTap*)self;
+  if (obj == nullptr || obj == Py_None || t->pre == nullptr || PyThread_get_thread_ident() != t->thread)
+    Py_RETURN_NONE;
+  auto* b = PyObject_New(BoundTap, &BoundTapType);
+  if (b == nullptr) return nullptr;
+  b->vectorcall = bound_tap_call;
+  b->tap = (ModuleTap*)Py_NewRef(self);
+  b->module = Py_NewRef(obj);
+  return (PyObject*)b;
+}
+
+void module_tap_clear_target(ModuleTap* t) {
+  Py_CLEAR(t->pre);
+  Py_CLEAR(t->post);
+  Py_CLEAR(t->hooked);
+  Py_CLEAR(t->global_dicts);
+}
+
+int module_tap_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* t = (ModuleTap*)self;
+  Py_VISIT(t->pre);
+  Py_VISIT(t->post);
+  Py_VISIT(t->hooked);
+  Py_VISIT(t->global_dicts);
+  return 0;
+}
+
+int module_tap_clear(PyObject* self) {
+  module_tap_clear_target((ModuleTap*)self);
+  return 0;
+}
+
+void module_tap_dealloc(PyObject* self) {  // the process's tap is held by this module: reached only at teardown
+  PyObject_GC_UnTrack(self);
+  module_tap_clear_target((ModuleTap*)self);
+  PyObject_GC_Del(self);
+}
+
+PyObject* py_module_tap(PyObject*, PyObject* args) {
+  PyObject* tracer_get;
+  if (!PyArg_ParseTuple(args, "O", &tracer_get)) return nullptr;
+  if (the_tap != nullptr) return Py_NewRef((PyObject*)the_tap);
+  if (!PyFunction_Check(tracer_get)) {
+    PyErr_SetString(PyExc_TypeError, "module_tap(tracer_get): a Python function");
+    return nullptr;
+  }
+  struct {
+    PyObject** at;
+    const char* text;
+  } all[] = {{&s_forward_hooks, "_forward_hooks"},
+             {&s_backward_hooks, "_backward_hooks"},
+             {&s_backward_pre_hooks, "_backward_pre_hooks"},
+             {&s_call_impl, "_call_impl"}};
+  for (auto& a : all)
+    if (*a.at == nullptr && (*a.at = PyUnicode_InternFromString(a.text)) == nullptr) return nullptr;
+  if (s_empty == nullptr && (s_empty = PyTuple_New(0)) == nullptr) return nullptr;
+  // the slot stays ours; the dict's `__get__` is what a tracer reads (inspect.getattr_static(type(tap), "__get__"))
+  if (PyDict_SetItemString(ModuleTapType.tp_dict, "__get__", tracer_get) < 0) return nullptr;
+  PyType_Modified(&ModuleTapType);
+  auto* t = PyObject_GC_New(ModuleTap, &ModuleTapType);
+  if (t == nullptr) return nullptr;
+  t->thread = 0;
+  t->pre = t->post = t->hooked = t->global_dicts = nullptr;
+  PyObject_GC_Track((PyObject*)t);
+  the_tap = t;
+  return Py_NewRef((PyObject*)t);
+}
+
+PyObject* py_tap_target(PyObject*, PyObject* args) {
+  PyObject *tap, *pre = nullptr, *post = nullptr, *hooked = nullptr, *global_dicts = nullptr;
+  unsigned long thread = 0;
+  if (!PyArg_ParseTuple(args, "O!|OOOkO!", &ModuleTapType, &tap, &pre, &post, &hooked, &thread, &PyTuple_Type,
+                        &global_dicts))
+    return nullptr;
+  auto* t = (ModuleTap*)tap;
+  if (pre == nullptr) {
+    module_tap_clear_target(t);
+    Py_RETURN_NONE;
+  }
+  if (post == nullptr || hooked == nullptr || global_dicts == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "tap_target(tap, pre, post, hooked, thread, global_dicts) or tap_target(tap)");
+    return nullptr;
+  }
+  module_tap_clear_target(t);
+  t->pre = Py_NewRef(pre);
+  t->post = Py_NewRef(post);
+  t->hooked = Py_NewRef(hooked);
+  t->global_dicts = Py_NewRef(global_dicts);
+  t->thread = thread;
+  Py_RETURN_NONE;
+}
+
+bool ready_tap_types() {
+  ModuleTapType.tp_name = "_gradstore_hooks.ModuleTap";
+  ModuleTapType.tp_basicsize = sizeof(ModuleTap);
+  ModuleTapType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  ModuleTapType.tp_descr_get = module_tap_get;
+  ModuleTapType.tp_dealloc = module_tap_dealloc;
+  ModuleTapType.tp_traverse = module_tap_traverse;
+  ModuleTapType.tp_clear = module_tap_clear;
+  ModuleTapType.tp_doc = "nn.Module._compiled_call_impl while gradstore's module tracker records (module_tap)";
+  BoundTapType.tp_name = "_gradstore_hooks.BoundTap";
+  BoundTapType.tp_basicsize = sizeof(BoundTap);
+  BoundTapType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  BoundTapType.tp_vectorcall_offset = offsetof(BoundTap, vectorcall);
+  BoundTapType.tp_call = PyVectorcall_Call;
+  BoundTapType.tp_dealloc = bound_tap_dealloc;
+  BoundTapType.tp_doc = "one module call with gradstore's module tracker around it (module_tap)";
+  return PyType_Ready(&ModuleTapType) == 0 && PyType_Ready(&BoundTapType) == 0;
+}
+
 // none_groups(rows, keep_order) -> [(pattern, rows)]: the rows (a list of tuples) split by where they hold None, as
 // gradstore.store.inserts.Insert.run splits them for its statements: pattern () for a row without None, else a
 // tuple of bools (True where the row holds None), one per item. keep_order: runs of consecutive rows with the same
@@ -2081,6 +2333,8 @@ PyMethodDef methods[] = {
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
     {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
+    {"module_tap", py_module_tap, METH_VARARGS, "The process's nn.Module._compiled_call_impl tap (made once)."},
+    {"tap_target", py_tap_target, METH_VARARGS, "Set (or clear) the module tap's target: the tracker's hooks."},
     {"tensor_rows", py_tensor_rows, METH_VARARGS, "The writer's tensor_data rows of one source of tensor rows."},
     {"same_structure", py_same_structure, METH_VARARGS, "Whether the modules' fingerprint is the one stored."},
     {"none_groups", py_none_groups, METH_VARARGS, "Rows split by where they hold None (Insert.run's groups)."},
@@ -2092,6 +2346,6 @@ struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradsto
 }  // namespace
 
 PyMODINIT_FUNC PyInit__gradstore_hooks(void) {
-  if (!ready_tracker_type()) return nullptr;
+  if (!ready_tracker_type() || !ready_tap_types()) return nullptr;
   return PyModule_Create(&module);
 }
