@@ -277,6 +277,45 @@ def test_submodule_compiled_in_place_and_the_decorators_module_argument(tmp_path
     torch._dynamo.reset()
 
 
+def _graphs_compiled(step, steps: int) -> int:
+    """Graphs dynamo compiles over `steps` calls of `step(x)` from a fresh cache (`unique_graphs`, plain torch)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for i in range(steps):
+        step(XS[i % len(XS)].clone().requires_grad_())
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_recording_every_other_step_of_a_compiled_model_compiles_no_more_than_without(tmp_path):
+    """Module calls are noted through the module tap (gradstore.recording.modules), not global module hooks, which
+    dynamo guards on: a compiled model recorded on every other step compiles as many graphs as without recording,
+    with no graph break, and the recorded steps name its modules as the eager ones do."""
+    net = make()
+    compiled = torch.compile(net, backend="aot_eager")
+    plain = _graphs_compiled(lambda x: compiled(x).sum().backward(), 6)
+    net = make()
+    compiled = torch.compile(net, backend="aot_eager")
+    db = str(tmp_path / "g.db")
+    step = gradstore.record("every2", db=db, model=net, every=2)(lambda x: compiled(x).sum().backward())
+    breaks = _graph_breaks()
+    recorded = _graphs_compiled(step, 6)
+    assert _graph_breaks() == breaks
+    assert plain >= 1 and recorded == plain
+    calls = _sql(
+        db,
+        "SELECT DISTINCT m.module FROM module_calls m JOIN steps s ON s.id = m.step_id JOIN runs r ON r.id = s.run_id "
+        "WHERE r.name = 'every2' ORDER BY m.module",
+    )
+    # the compiled model's call (and aot_eager's GraphModule, a module call at run time, named by its class); its
+    # submodules ran inside the compiled region, where nothing is noted
+    assert [c for (c,) in calls] == ["", "<GraphModule>"]
+
+
 def test_backward_inside_a_compiled_step_is_recorded_as_a_pass(tmp_path):
     """`loss.backward()` inside a torch.compile'd training step: dynamo breaks its graph at the backward call
     with or without recording (the same count), the pass is recorded as an eager one, and AOTAutograd's

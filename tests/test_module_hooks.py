@@ -365,3 +365,115 @@ def test_the_tap_leaves_other_threads_and_a_second_tracker_alone():
         first.remove()
     assert modules._tap_owner is None
     assert first.take().call_names == second.take().call_names == ["", "blocks.0", "blocks.0.lin", "head"]
+
+
+def test_the_tap_is_none_to_user_code_and_to_tracers():
+    """While the tap stands, `module._compiled_call_impl` read by anything but torch's call path is torch's None (code
+    that compiles a module lazily when it is None does as without recording), and a call that torch.export traces
+    non-strictly (`torch.compiler.is_compiling()` True, a forward on fake tensors) notes nothing, as the global hooks
+    return at once there: the records of both ways are the same."""
+    from torch.nn.modules.module import Module
+
+    _native_or_skip()
+
+    class Asks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.append((self._compiled_call_impl, self.lin._compiled_call_impl, Module._compiled_call_impl))
+            return self.lin(x).tanh()
+
+    x = torch.randn(2, 3, requires_grad=True)
+    records = []
+    for tap in (False, True):
+        torch.manual_seed(0)
+        net = Asks()
+        tracker = ModuleTracker(dict(qualified_names([("", net)])), tap=tap)
+        tracker.install()
+        try:
+            assert tracker._tapped is tap
+            torch.export.export(net, (x.detach(),), strict=False)
+            net(x)
+        finally:
+            tracker.remove()
+        assert net.seen[-1] == (None, None, None)
+        records.append(_relative(tracker.take()))
+    assert records[0] == records[1]
+    assert records[1]["call_names"] == ["", "lin"]  # the real forward only
+
+
+def test_a_module_with_hooks_of_its_own_is_noted_by_global_hooks_for_its_call(tmp_path):
+    """A call the tap hands over (a module with hooks of its own, or a global module hook registered during the
+    step) is noted by the tracker's global hooks, first among the global ones: nothing of gradstore's in the module's
+    own hook dicts (a forward hook that deep-copies its module works, a TorchScript module is called), and the record
+    is the one global hooks give."""
+    import copy
+
+    from torch.nn.modules.module import register_module_forward_hook
+
+    _native_or_skip()
+    copies = []
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = torch.jit.script(nn.Linear(3, 3))
+            self.c = nn.Linear(3, 3)
+            self.a.register_forward_hook(lambda m, args, out: copies.append(copy.deepcopy(m)) or out * 2)
+
+        def forward(self, x):
+            return self.c(self.b(self.a(x)))
+
+    x = torch.randn(2, 3, requires_grad=True)
+    records = []
+    for tap in (False, True):
+        torch.manual_seed(0)
+        net = Net()
+        tracker = ModuleTracker(dict(qualified_names([("", net)])), tap=tap)
+        tracker.install()
+        try:
+            net(x)
+            handle = register_module_forward_hook(lambda m, args, out, c=net.c: out * 1.0 if m is c else None)
+            try:
+                net(x)  # a global hook of the user's, registered during the step: made a node after `c`'s exit
+            finally:
+                handle.remove()
+            # the module's own hook dicts hold the user's hook only
+            assert [type(h).__name__ for h in net.a._forward_hooks.values()] == ["function"]
+            assert not net.a._forward_pre_hooks and not net.c._forward_hooks and not net.c._forward_pre_hooks
+        finally:
+            tracker.remove()
+        records.append(_relative(tracker.take()))
+    assert records[0] == records[1]
+    assert records[1]["call_names"] == ["", "a", "b", "c"] * 2
+    assert len(copies) == 4 and all(isinstance(c, nn.Linear) for c in copies)
+
+
+def test_which_structures_the_tap_sees_whole():
+    """`Structure.call_slot_reached`: every module's call reaches the tap with nothing of its own around the
+    forward; a module with a hook, one compiled in place, or a class with its own `__call__` makes it False."""
+    from gradstore.recording.modules import Structure
+
+    def plain():
+        return nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Tanh(), nn.Linear(2, 2)))
+
+    assert Structure([("", plain())]).call_slot_reached()
+    hooked = plain()
+    structure = Structure([("", hooked)])
+    handle = hooked[1][0].register_forward_pre_hook(lambda m, a: None)
+    assert not structure.call_slot_reached()
+    handle.remove()
+    assert structure.call_slot_reached()
+    hooked[1].compile()  # an instance attribute `_compiled_call_impl`
+    assert not structure.call_slot_reached()
+
+    class OwnCall(nn.Linear):
+        def __call__(self, *args, **kwargs):
+            return self._call_impl(*args, **kwargs)
+
+    assert not Structure([("", nn.Sequential(OwnCall(2, 2)))]).call_slot_reached()
+    assert Structure([("", torch.compile(plain()))]).call_slot_reached()  # OptimizedModule's __call__ ends in torch's

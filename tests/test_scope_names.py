@@ -340,3 +340,39 @@ def test_the_c_check_of_the_structure_says_what_the_python_fingerprint_says():
     bare = nn.Linear(2, 2)
     del bare._parameters  # an unfinished module: no judgement
     assert same([bare], [nn.Linear, bare._modules]) is None  # its class and _modules as stored, no _parameters
+
+
+def test_a_torchscript_submodule_is_named_and_a_failed_entry_leaves_no_scope_open(tmp_path, monkeypatch):
+    """A model holding a `torch.jit.script`ed submodule (whose registries are torch.jit's mappings, not dicts: its
+    structure is read again every step) records with the scripted module named; an error while a scope opens
+    reaches the caller and leaves no scope open, so the next `record` opens."""
+    db = str(tmp_path / "s.db")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated in torch 2.13
+        net = nn.Sequential(nn.Linear(2, 2), torch.jit.script(nn.Sequential(nn.Linear(2, 2), nn.ReLU())))
+    assert not Structure([("", net)]).checkable
+    x = torch.randn(3, 2)
+    for _ in range(2):
+        with gradstore.record("script", db=db, model=net):
+            net(x).sum().backward()
+    gradstore.record("script", db=db).flush()
+    conn = sqlite3.connect(db)
+    modules = conn.execute("SELECT module, COUNT(*) FROM module_calls GROUP BY module ORDER BY module").fetchall()
+    assert modules == [("", 2), ("0", 2), ("1", 2)]
+    keys = {k for (k,) in conn.execute("SELECT key FROM nodes")}
+    assert {"1/AddmmBackward0#0", "1/ReluBackward0#0", "param:1.0.weight", "param:1.0.bias"} <= keys
+    conn.close()
+
+    def broken(self, models):
+        raise RuntimeError("reading the names failed")
+
+    monkeypatch.setattr(gs_recorder.record, "_known_names", broken)
+    with pytest.raises(RuntimeError, match="reading the names failed"):
+        with gradstore.record("broken", db=db, model=net):
+            pass
+    monkeypatch.undo()
+    assert gs_recorder._open_scope is None
+    assert torch.autograd.graph._engine_run_backward is ORIGINAL_ENGINE_ENTRY
+    with gradstore.record("after", db=db, model=net):
+        net(x).sum().backward()

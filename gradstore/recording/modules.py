@@ -11,18 +11,23 @@ How module calls are seen, while a tracker records:
   `nn.Module.__call__` calls in place of `_call_impl` when it is set. The tap runs the tracker's C pre-hook,
   `module._call_impl(...)` and its C hook, so torch's call path meets no global hook: with any global module hook
   installed, torch takes a slower path for every module call (its hook loops, a closure per call), which cost a
-  module call more than the tracker's own work (benchmarks/STEADY.md). What the tap notes is what global hooks
-  would: where something runs between a global hook and the forward (the module's own forward hooks or backward
-  hooks, or someone's global module hook), the tracker's hooks are put first among the module's own for that
-  call (`ModuleTracker._call_hooked`);
+  module call more than the tracker's own work (benchmarks/STEADY.md). It gives torch's None to any other reader
+  (the frame reading it must be torch's `_wrapped_call_impl`) and while torch.compile or torch.export traces
+  (`torch.compiler.is_compiling()`), where the global hooks note nothing either. What the tap notes is what global
+  hooks would: a call where something runs between a global hook and the forward (the module's own forward or
+  backward hooks, or someone's global module hook) is handed to `ModuleTracker._call_hooked`, which notes it and
+  the calls inside it by the tracker's global hooks;
 - else (no C++ hooks, a `record(forward=True)` scope, another global module hook already installed, another
-  tracker on the tap, or a torch whose `nn.Module.__call__` differs) by global module forward pre-hooks and hooks
+  tracker on the tap, a torch whose call path differs, or a `tap()` giving False: gradstore.recording.recorder asks
+  `Structure.call_slot_reached`, False where a module of the model has hooks of its own, is compiled in place or
+  overrides the call path) by global module forward pre-hooks and hooks
   (`torch.nn.modules.module.register_module_forward_pre_hook` and `register_module_forward_hook`).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 import threading
 import weakref
@@ -237,8 +242,20 @@ class Structure:
                 seen.add(id(m))
                 if id(m) not in tops:
                     self._modules.append(m)
-        self.checkable = all(_plain(type(m)) for _, m in models) and all(_plain(type(m)) for m in self._modules)
+        self.checkable = (
+            all(_plain(type(m)) for _, m in models)
+            and all(_plain(type(m)) for m in self._modules)
+            # a TorchScript module's registries are torch.jit's own mappings, not dicts
+            and all(
+                type(d) is dict or isinstance(d, dict)
+                for m in [*(m for _, m in models), *self._modules]
+                for d in tp.module_registries(m)
+            )
+        )
         self._print = self._fingerprint([m for _, m in models]) if self.checkable else None
+        # every module's class calls through torch's path to `_compiled_call_impl` (`call_slot_reached`)
+        everything = [*(m for _, m in models), *self._modules, *itertools.chain(*self._chains)]
+        self._plain_calls = all(tp.plain_call_path(type(m)) for m in everything)
 
     def _fingerprint(self, tops: list[nn.Module]) -> list:
         """Class, `_modules` and `_parameters` (the dict, its keys, its values) of every module, flat: two equal
@@ -253,6 +270,22 @@ class Structure:
                     more(d)
                     more(d.values())
         return out
+
+    def call_slot_reached(self) -> bool:
+        """True when a call of every module under the models reaches torch's `nn.Module._compiled_call_impl`, where the
+        module tap stands (the module docstring), with nothing of the module's own around its forward: no module
+        class overrides torch's call path (`torch_private.plain_call_path`, read when the structure was taken), and
+        no module holds that attribute itself (`Module.compile()`) or module hooks of its own (FSDP2's, a user's:
+        `torch_private.own_call_path`, read now, about 0.2 µs a module). Else a step notes module calls through
+        global hooks, as it did before the tap (torch.compile recompiles a frame whose module calls meet global
+        hooks in some steps and not in others). False once a top-level model is collected."""
+        if not self._plain_calls:
+            return False
+        tops = [ref() for ref in self._tops]
+        if any(m is None for m in tops):
+            return False
+        own = tp.own_call_path
+        return not any(own(m) for m in itertools.chain(tops, self._modules, *self._chains))
 
     def same(self, models: list[tuple[str, nn.Module]]) -> bool:
         """True when the names of `models` are still those this structure was taken from (see the class)."""
@@ -389,14 +422,15 @@ class ModuleTracker:
         refresh: None, or a callable returning fresh id(module) -> name (see above).
         tap: False to see module calls through global module hooks only (a scope that installs a global module
             hook of its own, `record(forward=True)`, where torch's hooked path is taken anyway); True: through the
-            module tap where it can be used (the module docstring).
+            module tap where it can be used (the module docstring); a callable: asked at each `install()` (False:
+            global hooks for that step), as `Structure.call_slot_reached`.
 
     `context`: None, or a callable returning (pass, seq) of the backward call running on this thread (or None):
     set while a backward pass runs, so that a module's forward re-run inside it (activation checkpointing) is
     noted as such.
     """
 
-    def __init__(self, names: dict[int, str], regions: dict[int, str] | None = None, refresh=None, tap: bool = True):
+    def __init__(self, names: dict[int, str], regions: dict[int, str] | None = None, refresh=None, tap=True):
         self.names = names
         self.regions = dict(regions or {})
         self.refresh = refresh
@@ -415,7 +449,6 @@ class ModuleTracker:
         self._c_hooks = None  # the C++ hooks module's (pre-hook, hook) behind `_native_hooks`
         self._use_tap = tap
         self._tapped = False  # module calls come through the module tap (`_tap_in`)
-        self._hooked_now: set[int] = set()  # ids of the modules whose call `_call_hooked` has hooked, running
 
     def _bind(self, record: ForwardRecord) -> None:
         """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
@@ -546,19 +579,22 @@ class ModuleTracker:
 
     def _tap_in(self) -> bool:
         """Have module calls come through the module tap, with this tracker's C pre-hook and hook as its target: True
-        when done; False without the C++ hooks, with `tap=False`, while another tracker uses it, while a global module
-        hook is installed (torch takes its hooked path for every call anyway), or where torch's `nn.Module.__call__`
-        differs from the one the tap stands behind (`torch_private.set_call_slot`)."""
+        when done; False without the C++ hooks, with `tap` False (or a `tap()` giving False), while another tracker
+        uses it, while a global module hook is installed (torch takes its hooked path for every call anyway), or
+        where torch's call path differs from the one the tap stands in (`torch_private.set_call_slot`)."""
         global _tap_owner, _skipped
-        if not self._use_tap or not self._c_hooks or _tap_owner is not None:
+        if not self._c_hooks or _tap_owner is not None:
+            return False
+        if not (self._use_tap() if callable(self._use_tap) else self._use_tap):
             return False
         tap = _module_tap()
         dicts = tp.global_module_hook_dicts()
-        if tap is None or any(dicts):
+        flags = tp.compiling_flags()
+        if tap is None or any(dicts) or flags is None:
             return False
         module = native.load()
         try:
-            module.tap_target(tap, *self._c_hooks, self._call_hooked, self._thread, dicts)
+            module.tap_target(tap, *self._c_hooks, self._call_hooked, self._thread, dicts, flags, tp.call_path_code())
         except Exception:
             return False
         if not tp.set_call_slot(tap):
@@ -571,25 +607,23 @@ class ModuleTracker:
         return True
 
     def _call_hooked(self, module, args, kwargs):
-        """A module call that the module tap hands over (on the tracker's thread): the module holds forward or
-        backward hooks, or a global module hook exists, and torch runs them (and wraps a module's outputs for its
-        backward hooks) after the point where the tracker's global hooks would have run. The tracker's C pre-hook and
-        hook go first among the module's own for this call (`prepend=True`: after any global hook, before the
-        module's, where its global hooks would have run; the hook with `always_call=True`) and come off after it; a
-        call of the same module inside it is noted by them too."""
-        hooks = self._c_hooks
-        key = id(module)
-        if hooks is None or key in self._hooked_now:
-            return module._call_impl(*args, **kwargs)
-        handles = (
-            module.register_forward_pre_hook(hooks[0], prepend=True),
-            module.register_forward_hook(hooks[1], prepend=True, always_call=True),
-        )
-        self._hooked_now.add(key)
+        """A module call that the module tap hands over (on the tracker's thread): the module holds forward pre-hooks,
+        forward hooks or backward hooks of its own, or a global module hook exists. torch runs those between the
+        points where the tracker's global hooks would have noted the call and its forward, and a hook may add or take
+        hooks meanwhile: so this call, and every module call inside it, is noted by the tracker's global hooks, put
+        first among the global hooks as if installed when the step began, while the tap stands aside
+        (`tap_passthrough`). Nothing is put in the module's own hook dicts."""
+        module_hooks = native.load()
+        pre, post = self._native_hooks
+        handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+        tp.put_global_hooks_first(handles)
+        tp.hide_global_module_hooks(handles)
+        module_hooks.tap_passthrough(_tap, True)
         try:
             return module._call_impl(*args, **kwargs)
         finally:
-            self._hooked_now.discard(key)
+            module_hooks.tap_passthrough(_tap, False)
+            tp.unhide_global_module_hooks(handles)
             for h in handles:
                 h.remove()
 

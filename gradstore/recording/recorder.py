@@ -437,17 +437,24 @@ class record:
         self._in_scope = True
         self._scope_pid = os.getpid()
         _open_scope = self
-        models = self.models or models
+        try:
+            self._open_scope(self.models or models)
+        except BaseException:  # nothing of a scope that failed to open stays installed, nor the scope itself
+            self._close_scope()
+            raise
+
+    def _open_scope(self, models: list[nn.Module]) -> None:
+        """`_enter`'s work once the scope is marked open: names, trackers, the first step (raises what they raise)."""
         self._named_nothing = not models
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
         known = self._known_names(models)
         self._fsdp = fsdp_modules(models, [ref() for ref in known.fsdp])
         self._tracker = ModuleTracker(
-            # forward=True installs a global module hook: torch takes its hooked path for every module call anyway
             known.names,
             known.regions,
             refresh=lambda: self._names_of(models),
-            tap=not self.options.forward,
+            # forward=True installs a global module hook: torch takes its hooked path for every module call anyway
+            tap=False if self.options.forward else self._call_slot_reached,
         )
         self._frames = FrameTracker() if self.options.frames else None
         self._lineage.clear()
@@ -457,12 +464,8 @@ class record:
             self._forward = ForwardRecorder(self._tracker.names, self.options, wrappers)
         if self.options.keep is not None and self._flight is None:
             self._flight = FlightRecorder(self.options.keep, self.options.dump_on, self.options.spike_factor)
-        try:
-            self._check_filters(models)
-            self._begin_step()
-        except BaseException:  # nothing of a scope that failed to open stays installed
-            self._close_scope()
-            raise
+        self._check_filters(models)
+        self._begin_step()
 
     def _exit(self, exc: BaseException | None, run_status: str | None) -> None:
         if self._scope_pid != os.getpid():
@@ -516,6 +519,12 @@ class record:
             param_names={n: all_names_of[id(p)] for n, p in recorded},
             fsdp=[weakref.ref(m) for m in fsdp_candidates(models)],  # weakly: a model may be one of them
         )
+
+    def _call_slot_reached(self) -> bool:
+        """Whether the module tap sees every call of the scope's models (`Structure.call_slot_reached` of the names
+        read last); True for a scope without models, whose modules are all strangers to it."""
+        known = self._known_box.value
+        return known is None or known.structure.call_slot_reached()
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:

@@ -333,6 +333,70 @@ def clear_call_slot(tap) -> None:
         torch.nn.Module._compiled_call_impl = None
 
 
+def compiling_flags() -> dict | None:
+    """The dict holding `_is_compiling_flag` (torch.compiler's globals, private: what `torch.compiler.is_compiling()`
+    returns outside TorchScript; set while torch._dynamo compiles, AOTAutograd traces included, and while
+    `torch.export` traces non-strictly), for C code that asks it on every module call; None where it is missing."""
+    flags = vars(torch.compiler)
+    return flags if isinstance(flags.get("_is_compiling_flag"), bool) else None
+
+
+def call_path_code():
+    """The code object of torch's `nn.Module._wrapped_call_impl`: the frame that reads `_compiled_call_impl` to call
+    it (a read anywhere else is user code asking for the attribute)."""
+    return torch.nn.Module._wrapped_call_impl.__code__
+
+
+_plain_call_classes: dict[type, bool] = {}
+
+
+def plain_call_path(cls: type) -> bool:
+    """True when a call of a `cls` module reaches `_compiled_call_impl` the way torch's own does: `cls` overrides
+    none of `_wrapped_call_impl`, `_call_impl`, `_compiled_call_impl` and `__getattribute__`, and its `__call__` is
+    torch's `_wrapped_call_impl` or ends in it (`torch.compile`'s OptimizedModule, whose `__call__` calls
+    `super().__call__` after a check). Another `__call__` may call `_call_impl` directly. Cached per class."""
+    hit = _plain_call_classes.get(cls)
+    if hit is None:
+        module_type = torch.nn.Module
+        below = cls.__mro__[: cls.__mro__.index(module_type)] if module_type in cls.__mro__ else (cls,)
+        own = {name for c in below for name in vars(c)}
+        call_ok = "__call__" not in own or _optimized_module_call(cls)
+        hit = _plain_call_classes[cls] = (
+            call_ok
+            and not own & {"_wrapped_call_impl", "_call_impl", _CALL_SLOT}
+            and cls.__getattribute__ is object.__getattribute__
+        )
+    return hit
+
+
+def _optimized_module_call(cls: type) -> bool:
+    """True when `cls.__call__` is torch.compile's OptimizedModule's (it ends in `super().__call__`)."""
+    optimized = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    return optimized is not None and issubclass(cls, optimized) and cls.__call__ is optimized.__call__
+
+
+_OWN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def own_call_path(module) -> bool:
+    """True when `module` holds `_compiled_call_impl` itself (an instance attribute: `Module.compile()`, or code that
+    sets it to None; torch's call path reads it before a class attribute) or module hooks of its own (forward
+    pre-hooks, forward hooks, backward pre-hooks, backward hooks: nn.Module's private dicts, which torch's
+    `_call_impl` runs around the forward)."""
+    d = vars(module)
+    return _CALL_SLOT in d or any(d.get(name) for name in _OWN_HOOKS)
+
+
+def put_global_hooks_first(handles) -> None:
+    """Move the global module hooks behind `handles` (RemovableHandles of `register_module_forward_pre_hook` /
+    `register_module_forward_hook`) to the front of torch's dicts of global hooks (private OrderedDicts), so that
+    they run before the global hooks registered earlier, as if registered first."""
+    for d in global_module_hook_dicts():
+        for h in handles:
+            if h.id in d and hasattr(d, "move_to_end"):
+                d.move_to_end(h.id, last=False)
+
+
 def global_module_hook_dicts() -> tuple:
     """torch.nn.modules.module's dicts of global module hooks (forward pre-hooks, forward hooks, backward pre-hooks,
     backward hooks: private module attributes, what `register_module_forward_pre_hook` and its siblings add to), the

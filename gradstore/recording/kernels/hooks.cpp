@@ -1985,27 +1985,36 @@ bool ready_tracker_type() {
 // class attribute `nn.Module._compiled_call_impl` (torch's is None) while a ModuleTracker records. torch's
 // `nn.Module.__call__` (`_wrapped_call_impl`) reads `self._compiled_call_impl` first and, when it is not None, calls
 // it in place of `self._call_impl`; an instance attribute of that name (`Module.compile()`) is found before a class
-// attribute without `__set__`, as here. The tap is a non-data descriptor: reading it from a module on the tracker's
-// thread, while a target is set (`tap_target`), gives a BoundTap (below), which notes the call around
-// `module._call_impl(*args, **kwargs)`; on any other thread, with no target, or read from the class, it gives None
-// (torch's own path). No Python frame and no global module hook: torch's `_call_impl` takes its path without hooks.
+// attribute without `__set__`, as here. The tap is a non-data descriptor. Read by `_wrapped_call_impl` (the code
+// object given to tap_target: the frame reading it is checked) from a module on the tracker's thread, while a target
+// is set, no tracer runs (torch.compiler's `_is_compiling_flag`, what `torch.compiler.is_compiling()` returns: set
+// while dynamo compiles and while torch.export traces) and no module call has handed the thread to global hooks
+// (`tap_passthrough`), it gives a BoundTap (below), which notes the call around `module._call_impl(*args,
+// **kwargs)`. Read anywhere else (user code asking `module._compiled_call_impl`, the class), it gives torch's None.
+// No Python frame and no global module hook: torch's `_call_impl` takes its path without hooks.
 // `tracer_get`: a Python function `__get__(self, module, owner=None)` that returns None, put in the type's dict under
 // `__get__` (the C slot, which the interpreter calls, is left as it is): torch._dynamo traces a descriptor's
 // `__get__` only where the type's dict holds a Python function, and a compiled region notes nothing (as the
 // tracker's global hooks, which ask `torch.compiler.is_compiling()`, return at once there).
 //
-// tap_target(tap, pre, post, hooked, thread, global_dicts) sets the target: `pre` / `post` are module_hooks' callables
-// (called `pre(module, ())` before and `post(module, (), output)` after `_call_impl`: they read no argument but the
-// module and the output), `hooked(module, args, kwargs)` takes a call where something runs between a global hook
-// and the forward (the module's own forward hooks or backward hooks, or a global module hook in `global_dicts`,
-// torch.nn.modules.module's dicts), `thread` the tracker's. tap_target(tap) clears it.
+// tap_target(tap, pre, post, hooked, thread, global_dicts, flags, wrapped_code) sets the target: `pre` / `post` are
+// module_hooks' callables (called `pre(module, ())` before and `post(module, (), output)` after `_call_impl`: they
+// read no argument but the module and the output), `hooked(module, args, kwargs)` takes a call where something
+// runs between a global hook and the forward (the module's own forward pre-hooks, forward hooks or backward hooks,
+// or a global module hook in `global_dicts`, torch.nn.modules.module's dicts), `thread` the tracker's, `flags` the
+// dict holding `_is_compiling_flag` (torch.compiler's globals), `wrapped_code` the code object of torch's
+// `_wrapped_call_impl`. tap_target(tap) clears it. tap_passthrough(tap, on): while on, the tap gives None (a call
+// that `hooked` runs with global hooks, and the calls inside it).
 struct ModuleTap {
   PyObject_HEAD
   unsigned long thread;
+  int passthrough;
   PyObject* pre;  // nullptr: no target
   PyObject* post;
   PyObject* hooked;
   PyObject* global_dicts;  // a tuple of dicts
+  PyObject* flags;         // a dict
+  PyObject* wrapped_code;  // a code object
 };
 
 struct BoundTap {
@@ -2015,7 +2024,8 @@ struct BoundTap {
   PyObject* module;
 };
 
-PyObject *s_forward_hooks, *s_backward_hooks, *s_backward_pre_hooks, *s_call_impl, *s_empty;
+PyObject *s_forward_hooks, *s_forward_pre_hooks, *s_backward_hooks, *s_backward_pre_hooks, *s_call_impl,
+    *s_compiling_flag, *s_empty;
 PyTypeObject ModuleTapType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 PyTypeObject BoundTapType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 ModuleTap* the_tap = nullptr;
@@ -2033,7 +2043,7 @@ int tap_has_hooks(ModuleTap* t, PyObject* module) {
     return 1;  // no instance dict to read: `hooked` decides
   }
   int found = 0;
-  PyObject* const names[3] = {s_forward_hooks, s_backward_hooks, s_backward_pre_hooks};
+  PyObject* const names[4] = {s_forward_pre_hooks, s_forward_hooks, s_backward_hooks, s_backward_pre_hooks};
   for (PyObject* name : names) {
     PyObject* v = PyDict_Check(dict) ? PyDict_GetItemWithError(dict, name) : nullptr;
     if (v == nullptr) PyErr_Clear();
@@ -2062,7 +2072,7 @@ PyObject* bound_tap_call(PyObject* self, PyObject* const* argv, size_t nargsf, P
   }
   stack[0] = module;
   for (Py_ssize_t i = 0; i < n + nkw; ++i) stack[i + 1] = argv[i];
-  if (t->pre == nullptr || PyThread_get_thread_ident() != t->thread)  // the target went since it was bound
+  if (t->pre == nullptr || t->passthrough || PyThread_get_thread_ident() != t->thread)  // changed since it was bound
     return PyObject_VectorcallMethod(s_call_impl, stack, (size_t)(n + 1), kwnames);
   Py_INCREF(t);  // the target's objects are held for the call: a step may end inside it
   PyObject* pre = Py_NewRef(t->pre);
@@ -2120,10 +2130,25 @@ void bound_tap_dealloc(PyObject* self) {
   PyObject_Free(self);
 }
 
+// 1 when the frame reading the attribute runs `wrapped_code` (torch's `_wrapped_call_impl`), 0 otherwise
+int read_by_call_path(ModuleTap* t) {
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame whose attribute read called the descriptor
+  if (frame == nullptr) return 0;
+  PyCodeObject* code = PyFrame_GetCode(frame);
+  int yes = (PyObject*)code == t->wrapped_code;
+  Py_DECREF(code);
+  return yes;
+}
+
 PyObject* module_tap_get(PyObject* self, PyObject* obj, PyObject*) {
   auto* t = (ModuleTap*)self;
-  if (obj == nullptr || obj == Py_None || t->pre == nullptr || PyThread_get_thread_ident() != t->thread)
+  if (obj == nullptr || obj == Py_None || t->pre == nullptr || t->passthrough ||
+      PyThread_get_thread_ident() != t->thread)
     Py_RETURN_NONE;
+  PyObject* compiling = PyDict_GetItemWithError(t->flags, s_compiling_flag);  // borrowed
+  if (compiling == nullptr && PyErr_Occurred()) return nullptr;
+  if (compiling != nullptr && compiling != Py_False) Py_RETURN_NONE;
+  if (!read_by_call_path(t)) Py_RETURN_NONE;
   auto* b = PyObject_New(BoundTap, &BoundTapType);
   if (b == nullptr) return nullptr;
   b->vectorcall = bound_tap_call;
@@ -2137,6 +2162,9 @@ void module_tap_clear_target(ModuleTap* t) {
   Py_CLEAR(t->post);
   Py_CLEAR(t->hooked);
   Py_CLEAR(t->global_dicts);
+  Py_CLEAR(t->flags);
+  Py_CLEAR(t->wrapped_code);
+  t->passthrough = 0;
 }
 
 int module_tap_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -2145,6 +2173,8 @@ int module_tap_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(t->post);
   Py_VISIT(t->hooked);
   Py_VISIT(t->global_dicts);
+  Py_VISIT(t->flags);
+  Py_VISIT(t->wrapped_code);
   return 0;
 }
 
@@ -2171,9 +2201,11 @@ PyObject* py_module_tap(PyObject*, PyObject* args) {
     PyObject** at;
     const char* text;
   } all[] = {{&s_forward_hooks, "_forward_hooks"},
+             {&s_forward_pre_hooks, "_forward_pre_hooks"},
              {&s_backward_hooks, "_backward_hooks"},
              {&s_backward_pre_hooks, "_backward_pre_hooks"},
-             {&s_call_impl, "_call_impl"}};
+             {&s_call_impl, "_call_impl"},
+             {&s_compiling_flag, "_is_compiling_flag"}};
   for (auto& a : all)
     if (*a.at == nullptr && (*a.at = PyUnicode_InternFromString(a.text)) == nullptr) return nullptr;
   if (s_empty == nullptr && (s_empty = PyTuple_New(0)) == nullptr) return nullptr;
@@ -2183,25 +2215,28 @@ PyObject* py_module_tap(PyObject*, PyObject* args) {
   auto* t = PyObject_GC_New(ModuleTap, &ModuleTapType);
   if (t == nullptr) return nullptr;
   t->thread = 0;
-  t->pre = t->post = t->hooked = t->global_dicts = nullptr;
+  t->passthrough = 0;
+  t->pre = t->post = t->hooked = t->global_dicts = t->flags = t->wrapped_code = nullptr;
   PyObject_GC_Track((PyObject*)t);
   the_tap = t;
   return Py_NewRef((PyObject*)t);
 }
 
 PyObject* py_tap_target(PyObject*, PyObject* args) {
-  PyObject *tap, *pre = nullptr, *post = nullptr, *hooked = nullptr, *global_dicts = nullptr;
+  PyObject *tap, *pre = nullptr, *post = nullptr, *hooked = nullptr, *global_dicts = nullptr, *flags = nullptr,
+                 *wrapped_code = nullptr;
   unsigned long thread = 0;
-  if (!PyArg_ParseTuple(args, "O!|OOOkO!", &ModuleTapType, &tap, &pre, &post, &hooked, &thread, &PyTuple_Type,
-                        &global_dicts))
+  if (!PyArg_ParseTuple(args, "O!|OOOkO!O!O!", &ModuleTapType, &tap, &pre, &post, &hooked, &thread, &PyTuple_Type,
+                        &global_dicts, &PyDict_Type, &flags, &PyCode_Type, &wrapped_code))
     return nullptr;
   auto* t = (ModuleTap*)tap;
   if (pre == nullptr) {
     module_tap_clear_target(t);
     Py_RETURN_NONE;
   }
-  if (post == nullptr || hooked == nullptr || global_dicts == nullptr) {
-    PyErr_SetString(PyExc_TypeError, "tap_target(tap, pre, post, hooked, thread, global_dicts) or tap_target(tap)");
+  if (wrapped_code == nullptr) {
+    PyErr_SetString(PyExc_TypeError,
+                    "tap_target(tap, pre, post, hooked, thread, global_dicts, flags, wrapped_code) or tap_target(tap)");
     return nullptr;
   }
   module_tap_clear_target(t);
@@ -2209,7 +2244,17 @@ PyObject* py_tap_target(PyObject*, PyObject* args) {
   t->post = Py_NewRef(post);
   t->hooked = Py_NewRef(hooked);
   t->global_dicts = Py_NewRef(global_dicts);
+  t->flags = Py_NewRef(flags);
+  t->wrapped_code = Py_NewRef(wrapped_code);
   t->thread = thread;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_tap_passthrough(PyObject*, PyObject* args) {
+  PyObject* tap;
+  int on;
+  if (!PyArg_ParseTuple(args, "O!p", &ModuleTapType, &tap, &on)) return nullptr;
+  ((ModuleTap*)tap)->passthrough = on;
   Py_RETURN_NONE;
 }
 
@@ -2335,6 +2380,7 @@ PyMethodDef methods[] = {
     {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
     {"module_tap", py_module_tap, METH_VARARGS, "The process's nn.Module._compiled_call_impl tap (made once)."},
     {"tap_target", py_tap_target, METH_VARARGS, "Set (or clear) the module tap's target: the tracker's hooks."},
+    {"tap_passthrough", py_tap_passthrough, METH_VARARGS, "While on, the module tap gives torch's None."},
     {"tensor_rows", py_tensor_rows, METH_VARARGS, "The writer's tensor_data rows of one source of tensor rows."},
     {"same_structure", py_same_structure, METH_VARARGS, "Whether the modules' fingerprint is the one stored."},
     {"none_groups", py_none_groups, METH_VARARGS, "Rows split by where they hold None (Insert.run's groups)."},
