@@ -318,3 +318,32 @@ def test_split_times_the_engine_inside_the_recorded_pass():
         assert forward > 0 and engine > 0 and step > 0
         assert abs(step - forward - engine - rest) < 0.02  # the three parts make the step (rounded to 0.01 ms)
     assert float(rows[0][-1]) == 1.0 and rows[1][6].startswith(("+", "-"))
+
+
+def test_module_calls_benchmark_runs_both_ways():
+    """`python -m benchmarks.module_calls --tiny`: the forward and recorded blocks through the module tap and
+    through global module hooks, in one process; every figure is there (what they are is not asserted)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.module_calls",
+            "--tiny",
+            "--models",
+            "mlp",
+            "--threads",
+            "1",
+            "--levels",
+            "params",
+            "--rounds",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines() if "| `mlp` |" in line]
+    assert [r[2] for r in rows] == ["forward (ms)", "`params`, steady state (ratio)"]
+    assert all(float(r[-1]) > 0 for r in rows)
