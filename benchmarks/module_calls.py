@@ -34,13 +34,11 @@ LEVELS = ("params", "shape", "full")
 def _forward(m, rounds: int, per: int) -> dict:
     """ms per forward of `m` plain, with a global-hooks tracker and with a tap tracker, interleaved; medians."""
     from gradstore.recording import native
-    from gradstore.recording.modules import ModuleTracker, named_models
+    from gradstore.recording.modules import ModuleTracker, named_models, qualified_names
 
     native.load(wait=True)
-    trackers = {}
-    for way, tap in (("global hooks", False), ("tap", True)):
-        trackers[way] = ModuleTracker.for_models(named_models(m.model))
-        trackers[way]._use_tap = tap
+    names = qualified_names(named_models(m.model))
+    trackers = {way: ModuleTracker(dict(names), tap=tap) for way, tap in (("global hooks", False), ("tap", True))}
 
     def run(tracker) -> float:
         t0 = time.perf_counter()
