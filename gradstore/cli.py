@@ -1105,6 +1105,9 @@ _RULE_WORDS = {
     "missing": "missing on some rank",
 }
 
+# rank_divergence's stage, after a parameter's name
+_STAGE_WORDS = {"backward": " (after the backward pass)", "final": " (as the optimizer saw it: the final row)"}
+
 
 def _names(names: list[str], verbose: bool, limit: int = 8) -> str:
     if verbose or len(names) <= limit:
@@ -1118,11 +1121,12 @@ def _names(names: list[str], verbose: bool, limit: int = 8) -> str:
 @click.option("--step", type=int, default=None, help="The step to check (default: the last step the run recorded).")
 @click.option("--verbose", "-v", is_flag=True, help="One line per parameter: its rule and the result.")
 def ranks(db, run, step, verbose):
-    """Compare every parameter's final gradient at a step of run RUN (database DB) across ranks: the .grad
-    each rank held when the step's last backward pass returned (after DDP's all-reduce or FSDP2's
-    reduce-scatter), by the rule its layout calls for. Replicated gradients (plain tensors, DTensor copies
-    along Replicate mesh dimensions) must agree: bitwise where the record holds checksums, else statistic by
-    statistic. Sharded ones (different DTensor shards or Partial terms) differ by design: only their layout
+    """Compare every parameter's gradient at a step of run RUN (database DB) across ranks, at two stages: the
+    .grad each rank held when the step's last backward pass returned (after DDP's all-reduce or FSDP2's
+    reduce-scatter), and the .grad the optimizer saw (the step's final rows, where recorded: after
+    GradScaler.unscale_ or clipping), by the rule its layout calls for. Replicated gradients (plain tensors,
+    DTensor copies along Replicate mesh dimensions) must agree: bitwise where the record holds checksums, else
+    statistic by statistic. Sharded ones (different DTensor shards or Partial terms) differ by design: only their layout
     is compared. A row missing, skipped or recorded without statistics on either rank is not compared, and
     counted as such. Needs every rank in DB (see `gradstore merge`).
     """
@@ -1185,19 +1189,45 @@ def ranks(db, run, step, verbose):
         members = [p for p in params if rule in rules[p].split("+")]
         if members:
             click.echo(f"  {_RULE_WORDS[rule]}: {len(members)}: {_names(members, verbose)}")
-    for _, r in table[table["result"] == "differs"].iterrows():
-        a, b = f"rank {int(r['rank_a'])}", f"rank {int(r['rank_b'])}"
-        how = "" if r["rule"] == "replicated" else f" ({r['rule']}: layouts differ)"
-        click.echo(f"  {r['param']}: {b} differs from {a}{how}: {_difference_words(r, a, b)}")
-    shown = table[table["result"] == "not compared"]
-    for _, r in shown.iloc[: None if verbose else 20].iterrows():
-        click.echo(f"  {r['param']}: rank {int(r['rank_b'])} vs rank {int(r['rank_a'])} not compared: {r['reason']}")
+    # one line per parameter and pair of ranks: its first stage that differs (or was not compared); a later stage
+    # of the same pair is listed by --verbose, or where the first one agreed
+    said: set = set()
+    for result in ("differs", "not compared"):
+        rows = []
+        for _, r in table[table["result"] == result].iterrows():
+            pair = (r["param"], r["rank_a"], r["rank_b"])
+            if pair in said and not verbose:
+                continue
+            said.add(pair)
+            rows.append(r)
+        if result == "differs":
+            for r in rows:
+                a, b = f"rank {int(r['rank_a'])}", f"rank {int(r['rank_b'])}"
+                how = "" if r["rule"] == "replicated" else f" ({r['rule']}: layouts differ)"
+                click.echo(
+                    f"  {r['param']}{_STAGE_WORDS.get(r.get('stage'), '')}: {b} differs from {a}{how}: "
+                    f"{_difference_words(r, a, b)}"
+                )
+        else:
+            shown = rows
+            for r in shown[: None if verbose else 20]:
+                click.echo(
+                    f"  {r['param']}{_STAGE_WORDS.get(r.get('stage'), '')}: rank {int(r['rank_b'])} vs rank "
+                    f"{int(r['rank_a'])} not compared: {r['reason']}"
+                )
     if not verbose and len(shown) > 20:
         click.echo(f"  ... and {len(shown) - 20} more not compared (--verbose lists them)")
     if verbose:
         for p in params:
             click.echo(f"  {p}: {rules[p]}: {verdict[p]}")
     replicated_differ = table[(table["result"] == "differs") & (table["rule"] == "replicated")]
+    if "stage" in table and not replicated_differ.empty and set(replicated_differ["stage"]) == {"final"}:
+        after_pass = table[(table["stage"] == "backward") & table["param"].isin(replicated_differ["param"])]
+        if not after_pass.empty and set(after_pass["result"]) == {"equal"}:
+            click.echo(
+                "After the backward pass these gradients agree across ranks: they came apart between the pass and "
+                "the optimizer (GradScaler.unscale_ with a different scale, clipping, or code that changes .grad)."
+            )
     if not replicated_differ.empty:
         r = replicated_differ.iloc[0]
         click.echo(

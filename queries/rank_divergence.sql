@@ -1,14 +1,15 @@
 -- title: Parameter gradients that differ across ranks, or could not be compared
--- description: At each step, every parameter's final gradient on each rank (its param_grad row of the step's last top-level backward pass: .grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank that recorded the step has no param_grad row for the parameter (side says which rank has one). result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side: nothing is claimed about its values), equal or sharded (layouts agree; values not compared, by design). Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
+-- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank that recorded the step has no param_grad row for the parameter (side says which rank has one). result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side: nothing is claimed about its values), equal or sharded (layouts agree; values not compared, by design). Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
 -- param run: run name; empty (NULL) for every run
 -- param step: step number; empty (NULL) for every step
 -- param all: 1 to list every comparison (the equal and sharded ones too); empty (NULL): only those that differ or were not compared
-WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
+WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass's first ('backward'); the final row ('final')
     SELECT t.id AS tid, t.step_id AS sid, st.run_id, st.step, st.rank, t.node_id,
-           ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id ORDER BY p.pass DESC) AS latest
+           CASE WHEN t.pass_id IS NULL THEN 'final' ELSE 'backward' END AS stage,
+           ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.pass_id IS NULL ORDER BY p.pass DESC) AS latest
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
-    JOIN passes p ON p.id = t.pass_id
+    LEFT JOIN passes p ON p.id = t.pass_id
     WHERE t.role = 2
       AND t.node_id IN (  -- the parameters' nodes first: an index lookup, not a table scan
           SELECT n2.id FROM nodes n2 JOIN runs r2 ON r2.id = n2.run_id
@@ -20,17 +21,17 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
           WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
             AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st2.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER)))
 ), g AS (  -- the final row of each parameter on each rank, with its layout: which region it holds
-    SELECT l.tid, l.sid, l.run_id, l.step, l.rank, l.node_id,
+    SELECT l.tid, l.sid, l.run_id, l.step, l.rank, l.node_id, l.stage,
            CASE WHEN d.id IS NULL THEN -1 ELSE COALESCE(d.shard, -2) END AS shard,  -- -1: a plain tensor
            COALESCE(d.partial, 0) AS term,
            d.placements, d.mesh_shape, d.global_shape, d.global_offset
     FROM latest_rows l
     LEFT JOIN dtensors d ON d.id = l.tid
     WHERE l.latest = 1
-), lowest AS (  -- per parameter: the lowest rank that has a row
-    SELECT run_id, step, node_id, MIN(rank) AS rank FROM g GROUP BY run_id, step, node_id
-), holders AS (  -- per region (shard and Partial term): the lowest rank that holds it
-    SELECT run_id, step, node_id, shard, term, MIN(rank) AS rank FROM g GROUP BY run_id, step, node_id, shard, term
+), lowest AS (  -- per parameter and stage: the lowest rank that has a row
+    SELECT run_id, step, stage, node_id, MIN(rank) AS rank FROM g GROUP BY run_id, step, stage, node_id
+), holders AS (  -- per region (shard and Partial term) and stage: the lowest rank that holds it
+    SELECT run_id, step, stage, node_id, shard, term, MIN(rank) AS rank FROM g GROUP BY run_id, step, stage, node_id, shard, term
 ), recorded AS (  -- the ranks that recorded each step
     SELECT st.run_id, st.step, st.rank
     FROM steps st JOIN runs r ON r.id = st.run_id
@@ -38,25 +39,26 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
       AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
 ), pairs AS (
     -- a copy of a region, against the region's lowest holder: must agree
-    SELECT b.run_id, b.step, b.node_id, h.rank AS rank_a, b.rank AS rank_b, 'replicated' AS rule,
+    SELECT b.run_id, b.step, b.stage, b.node_id, h.rank AS rank_a, b.rank AS rank_b, 'replicated' AS rule,
            a.sid AS a_sid, a.tid AS a_tid, b.sid AS b_sid, b.tid AS b_tid
     FROM g b
-    JOIN holders h ON h.run_id = b.run_id AND h.step = b.step AND h.node_id = b.node_id
+    JOIN holders h ON h.run_id = b.run_id AND h.step = b.step AND h.stage = b.stage AND h.node_id = b.node_id
                   AND h.shard = b.shard AND h.term = b.term AND h.rank < b.rank
-    JOIN g a ON a.run_id = b.run_id AND a.step = b.step AND a.node_id = b.node_id AND a.rank = h.rank
+    JOIN g a ON a.run_id = b.run_id AND a.step = b.step AND a.stage = b.stage AND a.node_id = b.node_id AND a.rank = h.rank
     UNION ALL
     -- another region's lowest holder, against the parameter's lowest rank: different values by design
-    SELECT b.run_id, b.step, b.node_id, lo.rank, b.rank,
+    SELECT b.run_id, b.step, b.stage, b.node_id, lo.rank, b.rank,
            CASE WHEN a.shard <> b.shard OR a.shard < 0 OR b.shard < 0 THEN 'sharded' ELSE 'partial' END,
            a.sid, a.tid, b.sid, b.tid
     FROM g b
-    JOIN holders h ON h.run_id = b.run_id AND h.step = b.step AND h.node_id = b.node_id
+    JOIN holders h ON h.run_id = b.run_id AND h.step = b.step AND h.stage = b.stage AND h.node_id = b.node_id
                   AND h.shard = b.shard AND h.term = b.term AND h.rank = b.rank
-    JOIN lowest lo ON lo.run_id = b.run_id AND lo.step = b.step AND lo.node_id = b.node_id AND lo.rank < b.rank
-    JOIN g a ON a.run_id = b.run_id AND a.step = b.step AND a.node_id = b.node_id AND a.rank = lo.rank
+    JOIN lowest lo ON lo.run_id = b.run_id AND lo.step = b.step AND lo.stage = b.stage AND lo.node_id = b.node_id
+                  AND lo.rank < b.rank
+    JOIN g a ON a.run_id = b.run_id AND a.step = b.step AND a.stage = b.stage AND a.node_id = b.node_id AND a.rank = lo.rank
     UNION ALL
     -- a rank that recorded the step without a row for the parameter
-    SELECT lo.run_id, lo.step, lo.node_id,
+    SELECT lo.run_id, lo.step, lo.stage, lo.node_id,
            CASE WHEN rc.rank < lo.rank THEN rc.rank ELSE lo.rank END,
            CASE WHEN rc.rank < lo.rank THEN lo.rank ELSE rc.rank END,
            'missing',
@@ -64,9 +66,10 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
            CASE WHEN rc.rank < lo.rank THEN a.sid ELSE NULL END, CASE WHEN rc.rank < lo.rank THEN a.tid ELSE NULL END
     FROM lowest lo
     JOIN recorded rc ON rc.run_id = lo.run_id AND rc.step = lo.step
-    JOIN g a ON a.run_id = lo.run_id AND a.step = lo.step AND a.node_id = lo.node_id AND a.rank = lo.rank
-    WHERE NOT EXISTS (SELECT 1 FROM g x WHERE x.run_id = lo.run_id AND x.step = lo.step AND x.node_id = lo.node_id
-                                          AND x.rank = rc.rank)
+    JOIN g a ON a.run_id = lo.run_id AND a.step = lo.step AND a.stage = lo.stage AND a.node_id = lo.node_id
+                AND a.rank = lo.rank
+    WHERE NOT EXISTS (SELECT 1 FROM g x WHERE x.run_id = lo.run_id AND x.step = lo.step AND x.stage = lo.stage
+                                          AND x.node_id = lo.node_id AND x.rank = rc.rank)
 ), sides AS (
     SELECT pr.*, ta.id AS ida, tb.id AS idb,
            ta.status AS sa, tb.status AS sb, ta.reason AS reason_a, tb.reason AS reason_b,
@@ -136,6 +139,7 @@ WITH latest_rows AS (  -- each rank's param_grad rows, the latest pass first
 )
 SELECT r.name AS run,
        v.step,
+       v.stage,
        n.param,
        n.module,
        v.rank_a,
@@ -148,7 +152,9 @@ SELECT r.name AS run,
        v.differs,
        CASE WHEN v.how = 'missing' THEN 'no param_grad row on rank '
                  || CAST(CASE WHEN v.ida IS NULL THEN v.rank_a ELSE v.rank_b END AS TEXT)
-                 || ', which recorded the step (its .grad was not read: a parameter outside its model=, or filtered by params=)'
+                 || ', which recorded the step (its .grad was not read '
+                 || CASE WHEN v.stage = 'final' THEN 'when the step ended' ELSE 'after the backward pass' END
+                 || ': a parameter outside its model=, or filtered by params=)'
             WHEN v.how = 'skipped' THEN 'skipped on rank '
                  || CAST(CASE WHEN v.sa = 2 THEN v.rank_a ELSE v.rank_b END AS TEXT) || ': '
                  || COALESCE(CASE WHEN v.sa = 2 THEN v.reason_a ELSE v.reason_b END, 'no reason recorded')
@@ -202,4 +208,4 @@ JOIN nodes n ON n.id = v.node_id
 LEFT JOIN statuses sua ON sua.id = v.sa
 LEFT JOIN statuses sub ON sub.id = v.sb
 WHERE v.result IN ('differs', 'not compared') OR CAST(NULLIF(CAST(:all AS TEXT), '') AS INTEGER) = 1
-ORDER BY v.run_id, v.step, v.node_id, v.rank_b, v.rank_a;
+ORDER BY v.run_id, v.step, v.node_id, v.stage, v.rank_b, v.rank_a;

@@ -349,15 +349,18 @@ def test_rank_divergence_names_exactly_the_changed_parameter(store):
     assert store.runs().set_index("run").loc["job", "world_size"] == 2
     assert sorted(set(store.steps("job")["rank"])) == [0, 1]
     bad = store.rank_divergence("job", step=0)
-    assert list(bad.param) == ["0.bias"]
-    row = bad.iloc[0]
-    assert (row.rank_a, row.rank_b, row.side, row.module) == (0, 1, "both", "0")
+    # after the backward pass, and as the optimizer saw it (the step's final rows: nothing changed .grad between)
+    assert list(zip(bad.param, bad.stage)) == [("0.bias", "backward"), ("0.bias", "final")]
     _, grads = twin(0)
-    assert row.norm_a == pytest.approx(norm64(grads["0.bias"]), rel=1e-9)
-    assert row.norm_b == pytest.approx(norm64(grads["0.bias"] * 1.25), rel=1e-9)
-    assert row.norm_rel == pytest.approx(0.25 / 1.25, rel=1e-6)
+    for _, row in bad.iterrows():
+        assert (row.rank_a, row.rank_b, row.side, row.module) == (0, 1, "both", "0")
+        assert row.norm_a == pytest.approx(norm64(grads["0.bias"]), rel=1e-9)
+        assert row.norm_b == pytest.approx(norm64(grads["0.bias"] * 1.25), rel=1e-9)
+        assert row.norm_rel == pytest.approx(0.25 / 1.25, rel=1e-6)
     everything = store.rank_divergence("job")
-    assert list(zip(everything.step, everything.param)) == [(s, "0.bias") for s in range(STEPS)]
+    assert list(zip(everything.step, everything.param, everything.stage)) == [
+        (s, "0.bias", stage) for s in range(STEPS) for stage in ("backward", "final")
+    ]
     assert store.rank_divergence("agree").empty
     # node by node, rank 1 first differs where the hook acts: what reaches 0.bias's AccumulateGrad
     first = store.first_divergence("job", rank_a=0, rank_b=1, step_a=0)
@@ -391,8 +394,8 @@ def test_rank_divergence_uses_checksums_where_both_ranks_have_them(tmp_path, mon
         con.close()
     with gradstore.open(db) as store:
         bad = store.rank_divergence("r", step=0)
-        assert list(bad.param) == ["2.weight"]
-        assert (bad.compared.iloc[0], bad.differs.iloc[0]) == ("checksum", "checksum")
+        assert list(zip(bad.param, bad.stage)) == [("2.weight", "backward"), ("2.weight", "final")]
+        assert set(zip(bad.compared, bad.differs)) == {("checksum", "checksum")}
         first = store.first_divergence("r", rank_a=0, rank_b=1, step_a=0)
         assert list(zip(first.key, first.role, first.differs)) == [("param:2.weight", "param_grad", "checksum")]
         assert store.first_divergence("r", rank_a=0, rank_b=1, step_a=0, rtol=1e-12).empty  # tolerance: no bits
@@ -453,7 +456,10 @@ def test_cli_ranks(recorded):
     assert f"ranks differ at step 1: 1 of {n_params} parameter gradients differ (ranks 0, 1)" in result.output
     _, grads = twin(1)
     a, b = norm64(grads["0.bias"]), norm64(grads["0.bias"] * 1.25)
-    assert f"  0.bias: rank 1 differs from rank 0: norm {a:.5g} vs {b:.5g} (rel 0.2)" in result.output
+    said = f"  0.bias (after the backward pass): rank 1 differs from rank 0: norm {a:.5g} vs {b:.5g} (rel 0.2)"
+    assert said in result.output
+    assert "0.bias (as the optimizer saw it" not in result.output  # one line per parameter: its first stage
+    assert "0.bias (as the optimizer saw it" in invoke("ranks", recorded, "job", "--step", 1, "--verbose").output
     con = sqlite3.connect(recorded)
     try:
         missing = con.execute(
@@ -502,7 +508,9 @@ def test_rank_divergence_reports_skipped_and_unmeasured_rows_as_not_compared(tmp
         _record_complex(db, "shape", rank, 2, monkeypatch, stats="shape")
     with gradstore.open(db) as store:
         bad = store.rank_divergence("c", step=0)
-        every = store.rank_divergence("c", step=0, all=True).set_index("param")
+        every = store.rank_divergence("c", step=0, all=True)
+        assert set(every["stage"]) == {"backward", "final"}
+        every = every[every["stage"] == "backward"].set_index("param")
         shape = store.rank_divergence("shape", step=0)
     # the complex parameters' rows are skipped on both ranks: not compared, never equal; the real ones agree
     assert set(bad["param"]) == {"c.weight", "c.bias"} and set(bad["result"]) == {"not compared"}
@@ -510,14 +518,14 @@ def test_rank_divergence_reports_skipped_and_unmeasured_rows_as_not_compared(tmp
     assert (bad["differs"] == "").all()
     assert every.loc["r.weight", "result"] == "equal" and every.loc["r.weight", "compared"] == "statistics"
     # recorded at stats='shape': no statistics on either rank, so nothing about the values is claimed
-    assert len(shape) == 4 and set(shape["result"]) == {"not compared"}
+    assert len(shape) == 8 and set(shape["result"]) == {"not compared"}  # 4 parameters, 2 stages
     reasons = dict(zip(shape["param"], shape["reason"]))
     assert "without statistics" in reasons["r.weight"] and "without statistics" in reasons["r.bias"]
     assert reasons["c.weight"].startswith("skipped on rank 0: complex dtype")
     out = invoke("ranks", db, "c", "--step", 0).output
     assert "no difference at step 0 among the 2 of 4 parameter gradients compared; 2 not compared" in out
     assert "  not compared: 2" in out and "ranks agree" not in out
-    assert "c.weight: rank 1 vs rank 0 not compared: skipped on rank 0: complex dtype" in out
+    assert "c.weight (after the backward pass): rank 1 vs rank 0 not compared: skipped on rank 0: complex dtype" in out
 
 
 def test_diff_and_first_divergence_never_call_unmeasured_rows_equal(tmp_path):

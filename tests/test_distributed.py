@@ -146,6 +146,61 @@ def test_plain_ddp_ranks_record_local_grads_and_agree_after_the_all_reduce(tmp_p
             assert store.rank_divergence("ddp").empty
 
 
+# ---- (a2) one GradScaler scale per rank: the all-reduced .grad agrees, the unscaled one the optimizer sees does not --
+def _scaled_per_rank(rank, db):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    out = {}
+    for run, scale in (("mis", 1024.0 * (rank + 1)), ("ctl", 1024.0)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        torch.manual_seed(100 + rank)
+        x = torch.randn(6, 4)
+        with gradstore.record(run, db=db, model=ddp):
+            scaler.scale(ddp(x).pow(2).sum()).backward()
+            after_pass = _grads(model)
+            scaler.unscale_(opt)
+            unscaled = _grads(model)
+        opt.zero_grad()
+        out[run] = {"pass": after_pass, "final": unscaled}
+    return out
+
+
+def test_ranks_whose_scalers_differ_differ_as_the_optimizer_saw_the_gradients(tmp_path):
+    """Case 14 of shared/cases: DDP all-reduces the scaled gradients (equal on both ranks), then each rank divides
+    by its own scale: the optimizers step with different gradients. rank_divergence compares both stages."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    db = str(tmp_path / "grads.db")
+    r0, r1 = run_distributed(_scaled_per_rank, db)
+    params = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    for p in params:  # plain PyTorch: equal after the pass; rank 1's unscaled gradient is half rank 0's
+        assert torch.equal(_t(r0["mis"]["pass"][p]), _t(r1["mis"]["pass"][p]))
+        assert not torch.equal(_t(r0["mis"]["final"][p]), _t(r1["mis"]["final"][p]))
+        assert torch.equal(_t(r0["ctl"]["final"][p]), _t(r1["ctl"]["final"][p]))
+    with gradstore.open(db) as store:
+        every = store.rank_divergence("mis", all=True).set_index(["param", "stage"])
+        assert store.rank_divergence("ctl").empty
+    assert set(every.index) == {(p, s) for p in params for s in ("backward", "final")}
+    for p in params:
+        assert every.loc[(p, "backward"), "result"] == "equal"
+        assert every.loc[(p, "backward"), "compared"] == "checksum"
+        final = every.loc[(p, "final")]
+        assert final["result"] == "differs" and "checksum" in final["differs"].split(",")
+        assert math.isclose(final["norm_a"], float(_t(r0["mis"]["final"][p]).double().norm()), rel_tol=1e-9)
+        assert math.isclose(final["norm_b"], float(_t(r1["mis"]["final"][p]).double().norm()), rel_tol=1e-9)
+    said = CliRunner().invoke(main, ["ranks", db, "mis"])
+    assert said.exit_code == 0, said.output
+    assert said.output.startswith("ranks differ at step 0: 4 of 4 parameter gradients differ")
+    assert "fc2.bias (as the optimizer saw it: the final row): rank 1 differs from rank 0" in said.output
+    assert "After the backward pass these gradients agree across ranks" in said.output
+    said = CliRunner().invoke(main, ["ranks", db, "ctl"])
+    assert said.output.startswith("ranks agree at step 0: all 4 parameter gradients bitwise equal"), said.output
+
+
 # ---- (b) a forward that bypasses the DDP wrapper: no all-reduce, the gradients that depend on data differ -------
 class Bypass(nn.Module):
     def __init__(self):

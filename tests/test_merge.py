@@ -130,7 +130,9 @@ def test_merge_counts_every_row_and_queries_agree(sources, tmp_path):
         pd.testing.assert_frame_equal(canonical(merged.edges("job")), canonical(sb.edges("job")))
         # what merging is for: the ranks side by side
         bad = merged.rank_divergence("job")
-        assert list(zip(bad.step, bad.param)) == [(s, "0.bias") for s in range(STEPS)]
+        assert list(zip(bad.step, bad.param, bad.stage)) == [
+            (s, "0.bias", stage) for s in range(STEPS) for stage in ("backward", "final")
+        ]
 
 
 def test_merge_again_is_a_conflict_unless_skipped(sources, tmp_path):
@@ -218,7 +220,9 @@ def test_merge_into_postgresql_keeps_every_value(sources, pg_url):
             pd.testing.assert_frame_equal(canonical(got), canonical(src.history("job", key="0/AddmmBackward0#0")))
         assert merged.history("job", param="0.bias", role="param_grad")["checksum"].notna().all()
         bad = merged.rank_divergence("job")
-        assert list(zip(bad.step, bad.param, bad.compared)) == [(s, "0.bias", "checksum") for s in range(STEPS)]
+        assert list(zip(bad.step, bad.param, bad.compared, bad.stage)) == [
+            (s, "0.bias", "checksum", stage) for s in range(STEPS) for stage in ("backward", "final")
+        ]
 
 
 def test_rows_keyed_by_a_tensor_id_follow_it(tmp_path, monkeypatch):

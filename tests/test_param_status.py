@@ -74,7 +74,7 @@ class Truth:
             return "zero" if all(bool(torch.isfinite(g).all()) and not g.any() for g in got) else "ok"
         if p.grad is not None:
             return "stale"
-        if module not in self.ran:
+        if module not in self.ran and name not in self.reached:
             return "not used"
         return "unreachable"
 
@@ -279,6 +279,29 @@ def test_reached_but_not_run_is_unreachable_with_reached_set(db):
     assert st.loc["v", "status"] == tr.status("v") == "unreachable"
     assert st.loc["v", "reached"] == 1 and st.loc["v", "calls"] == 0
     assert "reached, not run" in set(never.why) and "ExpBackward0" in set(never.name)
+
+
+def test_reached_over_an_earlier_steps_graph_is_unreachable_not_unused(db):
+    """Shared case 24: a step that runs no forward and walks the graph an earlier step built (retain_graph=True),
+    with backward(inputs=[w]): v's AccumulateGrad is reached and not run, though its module's forward did not run
+    in the step. That is 'unreachable' with reached = 1 (README), not 'not used'."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with gradstore.record("earlier", db=db, model=lin) as rec:
+        loss = torch.tanh(lin(x)).sum()
+        torch.autograd.grad(loss, [lin.weight], retain_graph=True)
+        rec.step()
+        tr = Truth(lin)  # step 1: no module runs
+        tr.before_backward(loss)
+        loss.backward(inputs=[lin.weight], retain_graph=True)
+        tr.close()
+    assert tr.ran == set() and tr.reached == {"weight", "bias"} and set(tr.received) == {"weight"}
+    with gradstore.open(db) as store:
+        st = store.param_status("earlier", step=1).set_index("param")
+    assert st.loc["weight", "status"] == tr.status("weight") == "ok"
+    assert st.loc["bias", "status"] == tr.status("bias") == "unreachable"
+    assert st.loc["bias", "reached"] == 1 and st.loc["bias", "calls"] == 0 and st.loc["bias", "module_ran"] == 0
 
 
 class Boom(torch.autograd.Function):

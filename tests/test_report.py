@@ -133,19 +133,24 @@ def test_a_run_that_logged_step_values_shows_them(tmp_path):
     model = torch.nn.Linear(3, 1)
     losses = []
     with gradstore.record("logged", db=db, model=model, keep=2) as rec:
-        for i in range(3):
+        for i in range(5):
             loss = model(torch.randn(4, 3)).pow(2).mean()
             loss.backward()
-            rec.log(loss=loss.detach(), lr=0.1 * (i + 1))
-            losses.append(float(loss))
+            if i < 3:
+                rec.log(loss=loss.detach(), lr=0.1 * (i + 1))
+            elif i == 3:  # a NaN logged, and lr not logged at all
+                rec.log(loss=float("nan"))
+            losses.append(float(loss.detach()))
             model.zero_grad()
-            if i < 2:
+            if i < 4:
                 rec.step()
     page = _write(db, "logged", tmp_path / "v.html")
     assert 'id="values">Step values' in page and "No step values" not in page
-    for i, v in enumerate(losses):  # the table of the last steps: step, rank, loss and lr as logged
+    for i, v in enumerate(losses[:3]):  # the table of the last steps: step, rank, loss and lr as logged
         cells = "".join(f'<td class="num">{x}</td>' for x in (i, 0, f"{v:.4g}", f"{0.1 * (i + 1):.4g}"))
         assert cells in page, (i, v)
+    # a logged NaN is "NaN", a value not logged "-" (step 4 logged nothing: no row)
+    assert "".join(f'<td class="num">{x}</td>' for x in (3, 0, "NaN", "-")) in page
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (.ci/run installs Debian's chromium)")

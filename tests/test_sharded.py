@@ -384,7 +384,8 @@ def test_fsdp2_ranks_healthy_and_with_a_skipped_all_reduce(fsdp_record):
         every = store.rank_divergence("fsdp", all=True)
         broken = store.rank_divergence("fsdp-broken", step=0)
     names = ranks[0]["names"]
-    assert len(every) == 2 * len(names)  # one comparison per parameter and step (rank 1 against rank 0)
+    # one comparison per parameter, step and stage (after the pass, as the optimizer saw it): rank 1 against rank 0
+    assert len(every) == 2 * 2 * len(names) and set(every["stage"]) == {"backward", "final"}
     for _, r in every.iterrows():
         if r["param"] == "gain":
             assert (r["rule"], r["result"], r["compared"]) == ("replicated", "equal", "checksum")
@@ -393,7 +394,7 @@ def test_fsdp2_ranks_healthy_and_with_a_skipped_all_reduce(fsdp_record):
             assert "different shards" in r["reason"]
     # rank 1 kept its own gain gradient: only gain differs, bitwise
     assert ranks[0]["broken_gain"] != ranks[1]["broken_gain"]
-    assert list(broken["param"]) == ["gain"]
+    assert list(zip(broken["param"], broken["stage"])) == [("gain", "backward"), ("gain", "final")]
     assert (broken.iloc[0]["result"], broken.iloc[0]["compared"], broken.iloc[0]["rule"]) == (
         "differs",
         "checksum",
@@ -407,7 +408,7 @@ def test_fsdp2_ranks_healthy_and_with_a_skipped_all_reduce(fsdp_record):
     bad = _invoke("ranks", db, "fsdp-broken", "--step", 0)
     assert f"ranks differ at step 0: 1 of {len(names)} parameter gradients differ (ranks 0, 1)" in bad.output
     assert "  not compared: 0" in bad.output
-    assert "  gain: rank 1 differs from rank 0: " in bad.output
+    assert "  gain (after the backward pass): rank 1 differs from rank 0: " in bad.output
 
 
 # =============================================================================================================
@@ -553,7 +554,9 @@ def test_tp_ranks_healthy_and_with_a_skipped_all_reduce(tp_record):
     db, ranks = tp_record
     with gradstore.open(db) as store:
         assert store.rank_divergence("tp").empty
-        every = store.rank_divergence("tp", step=0, all=True).set_index("param")
+        every = store.rank_divergence("tp", step=0, all=True)
+        assert set(every[every["stage"] == "final"]["result"]) == {"equal", "sharded"}
+        every = every[every["stage"] == "backward"].set_index("param")
         broken = store.rank_divergence("tp-broken")
     assert every.loc["fc2.bias", "rule"] == "replicated" and every.loc["fc2.bias", "result"] == "equal"
     assert every.loc["fc1.weight", "rule"] == "sharded" and every.loc["fc1.weight", "result"] == "sharded"
@@ -563,7 +566,7 @@ def test_tp_ranks_healthy_and_with_a_skipped_all_reduce(tp_record):
     assert set(broken["param"]) == differ and set(broken["result"]) == {"differs"}
     out = _invoke("ranks", db, "tp-broken").output
     assert "ranks differ at step 0: 1 of 7 parameter gradients differ (ranks 0, 1)" in out
-    assert "  gain: rank 1 differs from rank 0: " in out
+    assert "  gain (after the backward pass): rank 1 differs from rank 0: " in out
 
 
 def _tp_both_hooks(rank, db):
@@ -702,7 +705,10 @@ def test_fsdp2_with_tp_on_a_2x2_mesh(tmp_path):
     }
     assert set(every["result"]) == {"equal", "sharded"}
     assert ranks[3]["broken_gain"] != ranks[0]["broken_gain"]
-    assert list(zip(broken["param"], broken["rank_a"], broken["rank_b"])) == [("gain", 0, 3)]
+    assert list(zip(broken["param"], broken["rank_a"], broken["rank_b"], broken["stage"])) == [
+        ("gain", 0, 3, "backward"),
+        ("gain", 0, 3, "final"),
+    ]
 
 
 # =============================================================================================================

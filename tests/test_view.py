@@ -262,3 +262,27 @@ def test_first_nonfinite_path_of_a_sqrt_at_zero(tmp_path):
     g = graph(gradstore.open(db), "s")
     first = [line for line in g.body if "FIRST NON-FINITE" in line]
     assert len(first) == 1 and "SqrtBackward0" in first[0]
+
+
+def test_changed_most_reads_the_gradient_before_clipping(tmp_path):
+    """The report's "changed most" table reads each step's pass row (the gradient the backward left), as the plot
+    beside it does: clipping the .grad to norm 1 after the pass would hide a gradient that grew 100 times."""
+    db = str(tmp_path / "clip.db")
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 1)
+    x = torch.randn(5, 3)
+    before = []  # plain PyTorch: the norm of weight's .grad after backward, before clipping
+    for step in range(3):
+        with gradstore.record("clip", db=db, model=lin):
+            (lin(x).sum() * 10.0**step).backward()
+            before.append(float(lin.weight.grad.double().norm()))
+            torch.nn.utils.clip_grad_norm_(lin.parameters(), 1.0)
+        lin.zero_grad()
+    with gradstore.open(db) as store:
+        top = story.changed_most(store, "clip").set_index("param")
+        final = store.param_grads("clip", param="weight")
+    w = top.loc["weight"]
+    assert w["steps"] == 3 and w["nonfinite"] == 0
+    assert w["first"] == pytest.approx(before[0], rel=1e-9) and w["last"] == pytest.approx(before[2], rel=1e-9)
+    assert w["ratio"] == pytest.approx(before[2] / before[0], rel=1e-9) and w["ratio"] > 90
+    assert final["norm"].max() < 1.0 + 1e-6  # the final rows are the clipped ones

@@ -413,7 +413,7 @@ class RecordedExplanation:
     region: str | None = None
 
     def lines(self) -> list[str]:
-        where = f"module {self.module!r}" if self.module else "outside any module"
+        where = f"module {self.module!r}" if self.module else "top level (the model itself, or no module)"
         out = [
             f"{self.key} in run {self.run!r}: {self.name} ({self.kind}), {where}, first seen at step "
             f"{self.first_step}" + (f", parameter {self.param}" if self.param else "")

@@ -475,9 +475,9 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                 status = "received"
         elif has_grad:
             status = "stale"
-        elif module_ran == 0:
+        elif module_ran == 0 and not (walked and key in reached):
             status = "not used"
-        else:
+        else:  # its module ran, or a pass reached it (a graph of an earlier step's forward) and did not run it
             status = "unreachable"
         param_status.append(
             (key, PARAM_STATUS[status], module_ran, int(key in reached) if walked else None, n_calls, int(has_grad))

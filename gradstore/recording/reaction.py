@@ -135,7 +135,7 @@ def describe(row: dict | None, db) -> str:
         return "a non-finite gradient was recorded (no statistics name the tensor at this stats level)"
     slot = "param_grad" if row["role"] == "param_grad" else f"{row['role']}s[{row['slot']}]"
     counts = ", ".join(f"{row[k]} {k}" for k in ("nan", "posinf", "neginf") if row[k])
-    where = f"module {row['module']!r}" if row["module"] else "outside any module"
+    where = f"module {row['module']!r}" if row["module"] else "top level (the model itself, or no module)"
     frame = f", created at {row['frame']}" if row["frame"] else ""
     return (
         f"step {row['step']} of run {row['run']!r} (rank {row['rank']}): first non-finite gradient at "

@@ -298,9 +298,10 @@ class Store:
           'received': it got a gradient whose values were not measured (stats='shape'; stats='params' in a
               pass that raised);
           'frozen': requires_grad is False;
-          'not used': got nothing, and its module's forward did not run in the step;
+          'not used': got nothing, its module's forward did not run in the step and no pass reached it;
           'unreachable': got nothing although its module ran (or is not known): no pass's roots reach its
-              AccumulateGrad, or one reached it and did not run it (backward(inputs=...), autograd.grad);
+              AccumulateGrad, or one reached it and did not run it (backward(inputs=...), autograd.grad; also
+              over a graph an earlier step built);
           'stale': got nothing this step, but .grad still holds an earlier gradient (the optimizer applies it).
         A step whose backward raised has rows too: what each parameter got before the failure. At stats='params'
         (no node hooks) a backward pass that changed .grad (a new tensor or an in-place addition) counts as a
@@ -629,9 +630,11 @@ class Store:
         return self.query("saved", run=run, step=step, rank=rank, module=module)
 
     def rank_divergence(self, run: str, step: int | None = None, all: bool = False) -> pd.DataFrame:  # noqa: A002
-        """The parameters whose final gradients at a step (the param_grad rows of the step's last top-level
-        backward pass: after accumulation, DDP's all-reduce or FSDP2's reduce-scatter) differ between ranks, or
-        could not be compared, as queries/rank_divergence.sql.
+        """The parameters whose gradients at a step differ between ranks, or could not be compared, as
+        queries/rank_divergence.sql, at two stages (`stage`): 'backward', the param_grad rows of the step's last
+        top-level backward pass (after accumulation, DDP's all-reduce or FSDP2's reduce-scatter), and 'final', the
+        step's final rows where it has them (`.grad` as the optimizer saw it: after `GradScaler.unscale_`,
+        clipping or a division by hand). Each stage is compared with the same stage on the other rank.
 
         Each rank's row is compared by the rule its layout calls for (`rule`): 'replicated' (a plain tensor, or
         a DTensor's copies along Replicate mesh dimensions: the values must agree; by checksum where both ranks
@@ -644,7 +647,7 @@ class Store:
         Args:
             run: the run; step: one step (None: every step); all: also the comparisons that agree ('equal',
                 'sharded'), so that every parameter's rule shows.
-        Columns: run, step, param, module, rank_a, rank_b, rule, result, side, compared, differs, reason,
+        Columns: run, step, stage, param, module, rank_a, rank_b, rule, result, side, compared, differs, reason,
         status_a/_b, placements_a/_b, shape_a/_b, norm, min, max, mean, std (_a, _b, _abs, _rel), nan, posinf,
         neginf, zeros, checksum (_a, _b).
         Empty (with all=False) only when every comparison was made and agreed. Raises UnknownRun;

@@ -68,6 +68,8 @@ def _svg(svg: bytes, alt: str) -> str:
 
 
 def _num(v, digits: int = 4) -> str:
+    if isinstance(v, str):  # already in words (e.g. a logged NaN: "NaN", where "-" is a value not logged)
+        return _e(v)
     if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)):
         return "-"
     if isinstance(v, (int, np.integer)):
@@ -438,7 +440,16 @@ def _values_section(page: _Page, store, run: str) -> None:
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
     page.add(_png(fig, "step values over steps"))
-    page.add(_table(vals.tail(10), set(names) | {"step", "rank"}))
+    # the wide frame has NaN both where a step logged NaN and where it logged nothing: the long one tells them apart
+    logged = {(int(r.step), int(r.rank), r.name) for r in store.query("values", run=run).itertuples()}
+    shown = vals.tail(10).astype({name: object for name in names})
+    for i, row in shown.iterrows():
+        for name in names:
+            v = row[name]
+            if isinstance(v, float) and np.isnan(v) and (int(row["step"]), int(row.get("rank", 0)), name) in logged:
+                shown.at[i, name] = "NaN"
+    page.add(_table(shown, set(names) | {"step", "rank"}))
+    page.add('<p class="note">NaN: the step logged NaN; -: the step did not log that value.</p>')
 
 
 def report_html(store, run: str, progress: Callable[[str], None] | None = None) -> str:

@@ -165,12 +165,15 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
 
 
 def changed_most(store, run: str, rank: int | None = None, top: int = 10) -> pd.DataFrame:
-    """The parameters whose .grad norm (after each step's last backward pass) moved most over the recorded
+    """The parameters whose .grad norm (after each step's last backward pass, before any clipping or unscaling: the
+    `param_grads(which='pass')` rows) moved most over the recorded
     steps of `rank` (default the lowest): param, module, steps (with a finite norm), first, last, smallest,
     largest (finite norms), ratio (largest / smallest positive finite norm; NaN with fewer than two), nonfinite
     (steps whose .grad held NaN or Inf). Non-finite parameters first, then by ratio, largest first; `top` rows.
     Raises UnknownRun."""
-    pg = store.param_grads(run=run, rank=rank)
+    # the pass's rows, as the plot beside the table draws them (gradstore.view.cells.series): clipping and unscaling
+    # after the pass would hide how far the gradient itself moved
+    pg = store.param_grads(run=run, rank=rank, which="pass")
     if pg.empty:
         return pd.DataFrame(
             columns=["param", "module", "steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"]
