@@ -14,6 +14,13 @@ writer='auto', the child process writing), on benchmarks/steady.py's models, 1 t
 - **Handing a step to the writer's child** (gradstore.recording.offload): the writer thread's CPU time per step
   (`time.thread_time`) in `detached` (the rows that are not sent packed are built there) and in `pickle.dumps`,
   and the bytes sent. This runs in the training process, with the GIL for most of it.
+- **The child's work**: the writer's child process's CPU time per step (user + system, from Linux's
+  /proc/PID/stat; `-` elsewhere): building the rows and the findings, and SQLite's inserts. It runs on another
+  core, yet on a host whose cores share their execution units (hyperthreads, or virtual CPUs the host runs on
+  one core) it slows training all the same: `--contention` measures how much, on this host.
+- **Contention** (`--contention`): the plain step (unrecorded) timed alone and with a process that keeps one core
+  busy (`while True: pass`, started before and killed after each block), interleaved, medians: on a machine with
+  a free core the ratio is about 1.0; on one whose cores share execution units, well above.
 Medians are not needed here: these are totals over many steps. Everything here measures; nothing is imported by
 gradstore.
 """
@@ -80,6 +87,8 @@ def measure(model: str, level: str, steps: int, a) -> dict:
     offload.detached, offload.pickle = timed_detached, _TimedPickle(writer)
     gc.callbacks.append(on_gc)
     blocks = max(1, steps // block)
+    child = _child_pid(slot)
+    child_cpu = _cpu_seconds(child)
     t0 = time.perf_counter()
     try:
         for _ in range(blocks):
@@ -88,6 +97,7 @@ def measure(model: str, level: str, steps: int, a) -> dict:
         gc.callbacks.remove(on_gc)
         offload.detached, offload.pickle = detached, pickle
     n = blocks * block
+    child_after = _cpu_seconds(child)
     return {
         "model": model,
         "level": level,
@@ -100,7 +110,63 @@ def measure(model: str, level: str, steps: int, a) -> dict:
         "pickle_ms": writer["pickle_ms"] / n,
         "bytes": writer["bytes"] / n,
         "child": slot.rec is not None and _child_wrote(slot),
+        "child_ms": None if child_cpu is None or child_after is None else (child_after - child_cpu) / n * 1e3,
     }
+
+
+def _child_pid(slot: Slot) -> int | None:
+    """The process id of the writer's child of `slot`'s database, or None (no child: writer='thread')."""
+    from gradstore.store.writer import writer_for
+
+    if slot.rec is None:
+        return None
+    proc = getattr(writer_for(slot.rec.db).sink, "proc", None)
+    return getattr(proc, "pid", None)
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process `pid` so far (Linux's /proc/PID/stat: utime, stime); None where there
+    is no such file."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def contention(model: str, rounds: int, a) -> dict:
+    """The plain step of `model` alone and with one core kept busy by another process: medians over `rounds`
+    interleaved blocks (ms per step) and their ratio."""
+    import statistics
+    import subprocess
+    import sys
+
+    m = build(model, a)
+    block = 2 if a.tiny else 10
+
+    def run_block() -> float:
+        t0 = time.perf_counter()
+        for _ in range(block):
+            m.step(m.model, m)
+        return (time.perf_counter() - t0) / block * 1e3
+
+    run_block()
+    alone, busy = [], []
+    for _ in range(rounds):
+        alone.append(run_block())
+        spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.2)  # the busy process has started and runs
+            busy.append(run_block())
+        finally:
+            spin.kill()
+            spin.wait()
+    med_alone, med_busy = statistics.median(alone), statistics.median(busy)
+    return {"model": model, "alone_ms": med_alone, "busy_ms": med_busy, "ratio": med_busy / med_alone}
 
 
 def _child_wrote(slot: Slot) -> bool:
@@ -118,15 +184,16 @@ def report(rows: list[dict]) -> str:
 
     out = [
         "| model | level | step ms | GC ms/step | collections /100 steps (young, middle, full) | ms each "
-        "| writer thread: detached ms/step | pickle ms/step | KB/step | child wrote |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| writer thread: detached ms/step | pickle ms/step | KB/step | child wrote | child CPU ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per, each = r["per_100"], r["each_ms"]
         out.append(
             f"| {r['model']} | {r['level']} | {r['step_ms']:.1f} | {r['gc_ms']:.2f} | "
             f"{per[0]:.0f}, {per[1]:.1f}, {per[2]:.2f} | {ms(each[0])}, {ms(each[1])}, {ms(each[2])} | "
-            f"{r['detached_ms']:.2f} | {r['pickle_ms']:.2f} | {r['bytes'] / 1e3:.0f} | {r['child']} |"
+            f"{r['detached_ms']:.2f} | {r['pickle_ms']:.2f} | {r['bytes'] / 1e3:.0f} | {r['child']} | "
+            f"{ms(r.get('child_ms'))} |"
         )
     return "\n".join(out)
 
@@ -140,12 +207,26 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny models and blocks of 2 steps (a smoke run)")
     p.add_argument("--mlp-blocks", type=int, default=48)
     p.add_argument("--mlp-width", type=int, default=128)
+    p.add_argument(
+        "--contention",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also time each model's plain step alone and with one core kept busy, ROUNDS interleaved blocks",
+    )
     a = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(a.threads)
     rows = [measure(model, level, a.steps, a) for model in a.models.split(",") for level in a.levels.split(",")]
     print(report(rows))
+    if a.contention:
+        print()
+        print("| model | plain step alone (ms) | with one core kept busy (ms) | ratio |")
+        print("|---|---|---|---|")
+        for model in a.models.split(","):
+            c = contention(model, a.contention, a)
+            print(f"| {c['model']} | {c['alone_ms']:.2f} | {c['busy_ms']:.2f} | {c['ratio']:.2f} |")
     return 0
 
 

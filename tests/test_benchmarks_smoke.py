@@ -274,6 +274,8 @@ def test_housekeeping_runs_and_the_child_writes_the_steps():
             "shape,full",
             "--steps",
             "6",
+            "--contention",
+            "1",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -282,11 +284,18 @@ def test_housekeeping_runs_and_the_child_writes_the_steps():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| mlp |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["shape", "full"]
-    for r in rows:
+    assert len(rows) == 3, proc.stdout  # shape, full, then the contention table's row
+    levels, (busy,) = rows[:2], rows[2:]
+    assert [r.split("|")[2].strip() for r in levels] == ["shape", "full"]
+    for r in levels:
         cells = [c.strip() for c in r.strip("|").split("|")]
-        assert cells[-1] == "True"  # the child wrote them
-        assert float(cells[2]) > 0 and float(cells[-2]) > 0  # a step took time, and bytes went to the child
+        assert cells[-2] == "True"  # the child wrote them
+        assert float(cells[2]) > 0 and float(cells[-3]) > 0  # a step took time, and bytes went to the child
+        if sys.platform.startswith("linux"):
+            assert float(cells[-1]) > 0  # the child's CPU time, read from /proc
+    cells = [c.strip() for c in busy.strip("|").split("|")]  # the contention row: alone, busy, ratio
+    assert float(cells[1]) > 0 and float(cells[2]) > 0
+    assert float(cells[3]) == pytest.approx(float(cells[2]) / float(cells[1]), rel=0.02)
 
 
 def test_split_times_the_engine_inside_the_recorded_pass():
