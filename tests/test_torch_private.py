@@ -335,3 +335,36 @@ def test_a_class_attribute_in_the_call_slot_takes_every_module_call_without_a_co
     finally:
         handle.remove()
     assert not any(tp.global_module_hook_dicts())
+
+
+def test_a_module_with_hooks_of_its_own_is_seen_by_both_checks():
+    """own_call_path / any_own_call_path read nn.Module's private hook dicts and the instance's call slot: each kind
+    of module hook torch's `_call_impl` runs, and `Module.compile()`'s instance attribute, makes a module's call
+    path its own; a plain module's is not. The one-loop check agrees with the generic one on every case."""
+
+    def plain():
+        return torch.nn.Linear(2, 2)
+
+    cases = {"plain": (plain(), False)}
+    m = plain()
+    m.register_forward_pre_hook(lambda mod, args: None)
+    cases["forward pre-hook"] = (m, True)
+    m = plain()
+    m.register_forward_hook(lambda mod, args, out: None)
+    cases["forward hook"] = (m, True)
+    m = plain()
+    m.register_full_backward_pre_hook(lambda mod, go: None)
+    cases["backward pre-hook"] = (m, True)
+    m = plain()
+    m.register_full_backward_hook(lambda mod, gi, go: None)
+    cases["backward hook"] = (m, True)
+    m = plain()
+    m._compiled_call_impl = None  # an instance attribute in the call slot (Module.compile() sets one)
+    cases["instance call slot"] = (m, True)
+    for name, (module, want) in cases.items():
+        assert tp.own_call_path(module) is want, name
+        assert tp.any_own_call_path([plain(), module, plain()]) is want, name
+    bare = torch.nn.Module.__new__(torch.nn.Module)  # no __init__: none of the dicts
+    bare.__dict__["_forward_hooks"] = {0: print}
+    assert tp.any_own_call_path([bare]) is tp.own_call_path(bare) is True
+    assert tp.any_own_call_path([]) is False

@@ -276,7 +276,7 @@ class Structure:
         module tap stands (the module docstring), with nothing of the module's own around its forward: no module
         class overrides torch's call path (`torch_private.plain_call_path`, read when the structure was taken), and
         no module holds that attribute itself (`Module.compile()`) or module hooks of its own (FSDP2's, a user's:
-        `torch_private.own_call_path`, read now, about 0.2 µs a module). Else a step notes module calls through
+        `torch_private.any_own_call_path`, read now, about 0.2 µs a module). Else a step notes module calls through
         global hooks, as it did before the tap (torch.compile recompiles a frame whose module calls meet global
         hooks in some steps and not in others). False once a top-level model is collected."""
         if not self._plain_calls:
@@ -284,8 +284,7 @@ class Structure:
         tops = [ref() for ref in self._tops]
         if any(m is None for m in tops):
             return False
-        own = tp.own_call_path
-        return not any(own(m) for m in itertools.chain(tops, self._modules, *self._chains))
+        return not tp.any_own_call_path(itertools.chain(tops, self._modules, *self._chains))
 
     def same(self, models: list[tuple[str, nn.Module]]) -> bool:
         """True when the names of `models` are still those this structure was taken from (see the class)."""

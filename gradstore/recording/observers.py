@@ -189,19 +189,26 @@ _WRAPS = (
 )
 
 
+# id(original) -> (original, the wrap function, its wrapper): kept from step to step (the original held, so that
+# its id names it)
+_WRAPPERS: dict[int, tuple] = {}
+
+
 def activate(target: Observed) -> None:
     """Report into `target` (the step now open) until `deactivate`; installs the wrappers and hooks."""
     global _target
     with _lock:
         if not _saved:
-            made: dict[int, object] = {}  # one wrapper per original (two module names, one function)
             for owner, name, wrap in _WRAPS:
                 original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
                 if original is None:
                     continue
-                wrapper = made.get(id(original))
-                if wrapper is None:
-                    wrapper = made[id(original)] = wrap(original)
+                # one wrapper per original (two module names, one function), made once: functools.wraps took
+                # about half of a step's activate and deactivate
+                made = _WRAPPERS.get(id(original))
+                if made is None or made[0] is not original or made[1] is not wrap:
+                    made = _WRAPPERS[id(original)] = (original, wrap, wrap(original))
+                wrapper = made[2]
                 _saved.append((owner, name, original, wrapper))
                 setattr(owner, name, wrapper)
             _handles.append(register_optimizer_step_pre_hook(_optimizer_pre_hook))
