@@ -670,7 +670,8 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     births = store.node_births(run=run, rank=rank, step=step)
     recomputed = store.recomputations(run=run, rank=rank, step=step)
     if not births.empty:
-        earlier = births[births["born_step"] != step]
+        # born_step NULL: an earlier step, not known which (unrecorded, or an AccumulateGrad an earlier node uses)
+        earlier = births[births["born_step"].isna() | (births["born_step"] != step)]
         click.echo(
             f"\nNodes reached in this step but born elsewhere: {len(earlier)} in an earlier step, "
             f"{len(births) - len(earlier)} in a backward pass (gradstore query {db} node_births -p run={run} "

@@ -87,6 +87,7 @@ def _rnn(db=None, every=1, steps=3):
     xs = [torch.randn(2, 3) for _ in range(steps)]
     h = torch.zeros(2, 3, requires_grad=True)
     created, reached, ran = [], [], []  # per step: node sets (plain)
+    accs = []  # per step: the AccumulateGrad nodes it created (a retained graph keeps a parameter's alive)
     rec = gradstore.record("rnn", db=db, model=model, every=every) if db else contextlib.nullcontext()
     with rec as r:
         for t, x in enumerate(xs):
@@ -96,6 +97,8 @@ def _rnn(db=None, every=1, steps=3):
                 nodes = graph_nodes_of([loss.grad_fn])
                 earlier = set().union(*created) if created else set()
                 created.append({n for n in nodes if n not in earlier and "AccumulateGrad" not in n.name()})
+                earlier_accs = set().union(*accs) if accs else set()
+                accs.append({n for n in nodes if n not in earlier_accs and "AccumulateGrad" in n.name()})
                 reached.append(nodes)
                 tr = Running([loss.grad_fn])
             loss.backward(retain_graph=True)  # the graph stays: the next step reaches into it
@@ -109,15 +112,21 @@ def _rnn(db=None, every=1, steps=3):
         # plain data only, per step t and earlier step s: the names of s's nodes that step t's pass reached
         back = [{s: Counter(plain_name(n) for n in reached[t] & created[s]) for s in range(t)} for t in range(len(xs))]
         assert all(reached[t] & created[s] <= ran[t] for t in range(len(xs)) for s in range(t))  # and ran
-        return grads, back, [len(r) for r in ran]
-    return grads, None, None
+        # the AccumulateGrad nodes step t reached that an earlier step created (the same objects)
+        old_accs = [
+            Counter(plain_name(n) for n in reached[t] if any(n in accs[s] for s in range(t))) for t in range(len(xs))
+        ]
+        return grads, back, [len(r) for r in ran], old_accs
+    return grads, None, None, None
 
 
 def test_a_pass_that_reaches_back_into_earlier_steps_keeps_their_keys_and_modules(db):
-    plain, back, calls = _rnn()
+    plain, back, calls, old_accs = _rnn()
     one_step = Counter(list(MODULE_OF))  # each of the cell's four nodes once
     assert back[1] == {0: one_step} and back[2] == {0: one_step, 1: one_step}
-    recorded, _, _ = _rnn(db)
+    # step 0's: lin.weight's, lin.bias's and the first hidden state's (a leaf that requires grad)
+    assert old_accs == [Counter(), Counter({"AccumulateGrad": 3}), Counter({"AccumulateGrad": 3})]
+    recorded, _, _, _ = _rnn(db)
     for n in plain:
         assert torch.equal(plain[n], recorded[n]), n
     with gradstore.open(db) as store:
@@ -125,6 +134,11 @@ def test_a_pass_that_reaches_back_into_earlier_steps_keeps_their_keys_and_module
         all_calls = store.calls("rnn")
     for t in range(3):
         mine = births[births.step == t]
+        # an AccumulateGrad a node of an earlier step points to existed then: born in an earlier step, which one
+        # not known (born_step NULL)
+        acc = mine[mine.name == "AccumulateGrad"]
+        assert Counter(acc.name) == old_accs[t] and acc.born_step.isna().all(), t
+        mine = mine[mine.name != "AccumulateGrad"]
         got = {s: Counter(mine[mine.born_step == s].name) for s in sorted(set(mine.born_step))}
         assert got == {s: c for s, c in back[t].items() if c}, t
         # an old node keeps the module it was created in
@@ -141,13 +155,16 @@ def test_a_pass_that_reaches_back_into_earlier_steps_keeps_their_keys_and_module
 
 
 def test_nodes_of_an_unrecorded_step_are_born_earlier_in_no_recorded_step(db):
-    _, back, _ = _rnn(steps=3)
+    _, back, _, old_accs = _rnn(steps=3)
     _rnn(db, every=2, steps=3)  # step 1 is not recorded
     with gradstore.open(db) as store:
         births = store.node_births("rnn", step=2)
     got = Counter((None if pd.isna(b) else int(b), n) for b, n in zip(births.born_step, births.name))
     expected = Counter({(0, n): k for n, k in back[2][0].items()})
     expected += Counter({(None, n): k for n, k in back[2][1].items()})
+    expected += Counter(
+        {(None, n): k for n, k in old_accs[2].items()}
+    )  # step 0's AccumulateGrads: which step not known
     assert got == expected
 
 

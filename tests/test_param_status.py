@@ -299,9 +299,22 @@ def test_reached_over_an_earlier_steps_graph_is_unreachable_not_unused(db):
     assert tr.ran == set() and tr.reached == {"weight", "bias"} and set(tr.received) == {"weight"}
     with gradstore.open(db) as store:
         st = store.param_status("earlier", step=1).set_index("param")
+        never = store.never_ran("earlier", step=1)
+        births = store.node_births("earlier", step=1).set_index("key")
+        never_0 = store.never_ran("earlier", step=0)
     assert st.loc["weight", "status"] == tr.status("weight") == "ok"
     assert st.loc["bias", "status"] == tr.status("bias") == "unreachable"
     assert st.loc["bias", "reached"] == 1 and st.loc["bias", "calls"] == 0 and st.loc["bias", "module_ran"] == 0
+    # the AccumulateGrad nodes step 1 reached are step 0's (AddmmBackward0, born in step 0, points to them): not
+    # created in step 1, so not "never ran" there; born in an earlier step, which one not known
+    assert never.empty
+    assert {"param:bias", "param:weight", "AddmmBackward0#0"} <= set(births.index)
+    assert births.loc["param:bias"].isna()["born_step"] and births.loc["AddmmBackward0#0", "born_step"] == 0
+    # in step 0, torch.autograd.grad ran neither AccumulateGrad (it returns the gradient instead)
+    assert set(zip(never_0["key"], never_0["why"])) == {
+        ("param:bias", "reached, not run"),
+        ("param:weight", "reached, not run"),
+    }
 
 
 class Boom(torch.autograd.Function):

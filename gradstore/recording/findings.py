@@ -592,6 +592,9 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
     found: list[set] = [set() for _ in range(n)]
     ran_found: list[set] = [set() for _ in range(n)]
     walked_seqs: set[int] = set()
+    # AccumulateGrad keys that a node born in an earlier step has an edge to: the AccumulateGrad existed when that
+    # node was created (next_functions point to nodes that exist), so it was not created in this step either
+    acc_earlier: set[str] = set()
     # `found` counts a call's nodes only where its sequence numbers do not (a call still running, or entered
     # before any number was read)
     counted = any(c[4] is None or c[1] < 0 for c in calls)
@@ -611,6 +614,11 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
                     measured[(i, role, row[_SLOT])] = pos
         hooked = p.hooked
         node_calls = [innermost(s) for s in p.seqs]
+        if rec.walk_edges and any(0 <= s < first_seq for s in p.seqs):
+            seqs_p, infos_p = p.seqs, p.infos
+            for j, _slot, i, _dslot in rec.walk_edges:
+                if infos_p[i].kind == "accumulate_grad" and 0 <= seqs_p[j] < first_seq:
+                    acc_earlier.add(infos_p[i].key)
 
         slots_in: dict[tuple[int, int], set] = {}  # (node, slot) -> the calls its gradient flows into
         infos, ran_of = p.infos, p.ran
@@ -768,7 +776,7 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
     # step_nodes of the walked nodes that are not plain (born in this step's forward, and ran)
     for entry in seen.values():
         info, first_pass, ran, seq, born, k = entry
-        earlier = 0 <= seq < first_seq
+        earlier = 0 <= seq < first_seq or (seq == _ACC and info.key in acc_earlier)
         in_pass = None if earlier or seq == _ACC or seq < 0 else born_in(seq)
         recomputed = k >= 0 and calls[k][2] is not None
         if not earlier and in_pass is None and ran is not False:

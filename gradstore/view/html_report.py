@@ -392,8 +392,9 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
     if differing.empty:
         how = "bitwise (checksums)" if (agree["compared"] == "checksum").all() else "by their statistics"
         page.add(
-            f'<p class="calm">At all {len(agree):,} steps recorded by several ranks, every parameter\'s final .grad '
-            f"agrees across ranks ({how}).</p>"
+            f'<p class="calm">At all {len(agree):,} steps recorded by several ranks, every parameter\'s .grad '
+            f"agrees across ranks ({how}): after the backward pass, and as the optimizer saw it (the step's final "
+            "rows).</p>"
         )
     else:
         first = differing.iloc[0]

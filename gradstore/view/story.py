@@ -209,7 +209,8 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10) -> pd.
 
 def rank_agreement(store, run: str) -> pd.DataFrame:
     """Per step recorded by more than one rank: step, ranks (how many), params (parameters with a .grad row on
-    the lowest rank), differing (parameters whose final .grad differs from the lowest rank's on some rank),
+    the lowest rank), differing (parameters whose .grad differs from the lowest rank's on some rank, after the
+    backward pass or as the optimizer saw it, or was not compared: `Store.rank_divergence`),
     compared ('checksum' where every differing or agreeing row had checksums, else 'statistics'), first (the
     first differing parameter, or None). Empty when no step has two ranks. Raises UnknownRun."""
     steps = store.steps(run=run)
