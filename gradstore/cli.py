@@ -678,7 +678,7 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             f"-p step={step}):"
         )
         shown_b, more = _limited(
-            births[["rank", "pass", "key", "module", "born_step", "born_pass", "recomputed"]], limit
+            births[["rank", "pass", "key", "module", "born_step", "born_pass", "recomputed", "ran"]], limit
         )
         click.echo(_table(shown_b))
         if more:
@@ -1162,6 +1162,11 @@ def ranks(db, run, step, verbose):
         # no comparison at all is no agreement either
         verdict[p] = next((v for v in ("differs", "not compared", "equal", "sharded") if v in results), "not compared")
         rules[p] = "+".join(sorted(set(rows["rule"]) - {"missing"})) or "missing"
+    if not params:
+        click.echo(
+            f"nothing compared at step {step}: no rank recorded a parameter gradient in it (ranks {rank_list}){note}"
+        )
+        return
     differ = [p for p in params if verdict[p] == "differs"]
     unchecked = [p for p in params if verdict[p] == "not compared"]
     fine = [p for p in params if verdict[p] in ("equal", "sharded")]
@@ -1222,13 +1227,21 @@ def ranks(db, run, step, verbose):
         for p in params:
             click.echo(f"  {p}: {rules[p]}: {verdict[p]}")
     replicated_differ = table[(table["result"] == "differs") & (table["rule"] == "replicated")]
-    if "stage" in table and not replicated_differ.empty and set(replicated_differ["stage"]) == {"final"}:
-        after_pass = table[(table["stage"] == "backward") & table["param"].isin(replicated_differ["param"])]
+    stage = table["stage"] if "stage" in table else pd.Series("backward", index=table.index)
+    # parameters whose final rows differ while their rows after the backward pass agree on every pair of ranks
+    late = []
+    for p in dict.fromkeys(replicated_differ["param"]):
+        mine = table[table["param"] == p]
+        after_pass = mine[stage[mine.index] == "backward"]
         if not after_pass.empty and set(after_pass["result"]) == {"equal"}:
-            click.echo(
-                "After the backward pass these gradients agree across ranks: they came apart between the pass and "
-                "the optimizer (GradScaler.unscale_ with a different scale, clipping, or code that changes .grad)."
-            )
+            late.append(p)
+    if late:
+        click.echo(
+            f"After the backward pass the gradients of {_names(late, verbose)} agree across ranks: they came apart "
+            "between the pass "
+            "and the optimizer (GradScaler.unscale_ with a different scale, clipping, or code that changes .grad)."
+        )
+    replicated_differ = replicated_differ[stage[replicated_differ.index] == "backward"]
     if not replicated_differ.empty:
         r = replicated_differ.iloc[0]
         click.echo(

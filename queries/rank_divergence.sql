@@ -150,11 +150,15 @@ SELECT r.name AS run,
        CASE v.how WHEN 'checksum' THEN 'checksum' WHEN 'statistics' THEN 'statistics' WHEN 'status' THEN 'status'
                   WHEN 'layout' THEN 'layout' END AS compared,
        v.differs,
-       CASE WHEN v.how = 'missing' THEN 'no param_grad row on rank '
+       CASE WHEN v.how = 'missing' AND v.stage = 'final' THEN 'no final row on rank '
                  || CAST(CASE WHEN v.ida IS NULL THEN v.rank_a ELSE v.rank_b END AS TEXT)
-                 || ', which recorded the step (its .grad was not read '
-                 || CASE WHEN v.stage = 'final' THEN 'when the step ended' ELSE 'after the backward pass' END
-                 || ': a parameter outside its model=, or filtered by params=)'
+                 || ', which recorded the step (its .grad was not read as the optimizer saw it there: no top-level '
+                 || 'backward pass, clip_grad_norm_, GradScaler.unscale_ or zero_grad read it in the step on that rank, '
+                 || 'or a parameter outside its model=, or filtered by params=)'
+            WHEN v.how = 'missing' THEN 'no param_grad row on rank '
+                 || CAST(CASE WHEN v.ida IS NULL THEN v.rank_a ELSE v.rank_b END AS TEXT)
+                 || ', which recorded the step (its .grad was not read after the backward pass there: no top-level '
+                 || 'backward pass on that rank, or a parameter outside its model=, or filtered by params=)'
             WHEN v.how = 'skipped' THEN 'skipped on rank '
                  || CAST(CASE WHEN v.sa = 2 THEN v.rank_a ELSE v.rank_b END AS TEXT) || ': '
                  || COALESCE(CASE WHEN v.sa = 2 THEN v.reason_a ELSE v.reason_b END, 'no reason recorded')

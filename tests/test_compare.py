@@ -548,3 +548,20 @@ def test_diff_and_first_divergence_never_call_unmeasured_rows_equal(tmp_path):
     assert all("no statistics on side a" in r for r in ok["reason"])
     out = invoke("diff", db, "a", "b").output
     assert "not compared" in out and "agrees with run 'a' on every gradient" not in out
+
+
+def test_cli_ranks_with_no_parameter_rows_compares_nothing_and_says_so(tmp_path, monkeypatch):
+    """Two ranks record a step that reads no parameter gradient (torch.autograd.grad of the input only, nothing
+    clipped): nothing was compared, so `gradstore ranks` must not say the ranks agree."""
+    db = str(tmp_path / "empty.db")
+    for rank in (0, 1):
+        monkeypatch.setattr(recorder, "_rank_and_world_size", lambda rank=rank: (rank, 2))
+        model = make_model()
+        x = torch.randn(2, 4, requires_grad=True)
+        with gradstore.record("empty", db=db, model=model):
+            torch.autograd.grad(model(x).sum(), [x])
+    with gradstore.open(db) as store:
+        assert store.param_grads("empty").empty and store.rank_divergence("empty", all=True).empty
+    out = invoke("ranks", db, "empty").output
+    assert out.startswith("nothing compared at step 0: no rank recorded a parameter gradient in it (ranks 0, 1)")
+    assert "agree" not in out

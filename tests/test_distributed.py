@@ -196,9 +196,22 @@ def test_ranks_whose_scalers_differ_differ_as_the_optimizer_saw_the_gradients(tm
     assert said.exit_code == 0, said.output
     assert said.output.startswith("ranks differ at step 0: 4 of 4 parameter gradients differ")
     assert "fc2.bias (as the optimizer saw it: the final row): rank 1 differs from rank 0" in said.output
-    assert "After the backward pass these gradients agree across ranks" in said.output
+    assert "After the backward pass the gradients of fc1.bias, fc1.weight, fc2.bias, fc2.weight agree" in said.output
+    assert "Node by node" not in said.output  # each rank's local gradients would differ under DDP by design
     said = CliRunner().invoke(main, ["ranks", db, "ctl"])
     assert said.output.startswith("ranks agree at step 0: all 4 parameter gradients bitwise equal"), said.output
+    # the report says where they differ: as the optimizer saw them, not after the backward pass
+    from gradstore.view import story
+
+    with gradstore.open(db) as store:
+        agree = story.rank_agreement(store, "mis")
+    assert list(zip(agree["differing"], agree["stages"], agree["not_compared"])) == [(4, "final", 0)]
+    out = tmp_path / "mis.html"
+    said = CliRunner().invoke(main, ["report", db, "mis", "-o", str(out)])
+    assert said.exit_code == 0, said.output
+    page = out.read_text()
+    assert "4 of 4 parameter .grad differ as the optimizer saw them (the final rows); after the backward pass" in page
+    assert "Node by node" not in page
 
 
 # ---- (b) a forward that bypasses the DDP wrapper: no all-reduce, the gradients that depend on data differ -------

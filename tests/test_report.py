@@ -169,3 +169,34 @@ def test_chromium_renders_the_report_with_no_console_message(demo_page, tmp_path
     )
     assert any("Content Security Policy" in line for line in _screenshot(control, tmp_path / "control.png", tmp_path))
     assert _spread(tmp_path / "control.png")[0] < 1.0
+
+
+def test_a_run_with_final_rows_only_shows_them_and_draws_nothing_false(tmp_path):
+    """No backward pass writes .grad: torch.autograd.grad, .grad set by hand from its result, then clipped (the clip
+    takes the step's final rows). The "changed most" table reads those rows and says so; no plot of pass rows that
+    do not exist (a log scale of nothing raised)."""
+    import torch
+
+    db = str(tmp_path / "f.db")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+    norms = []
+    for step in range(3):
+        with gradstore.record("hand", db=db, model=model):
+            grads = torch.autograd.grad(model(x).sum() * 10.0**step, list(model.parameters()))
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            norms.append(float(model.weight.grad.double().norm()))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # a no-op clip: the final rows are the grads
+    page = _write(db, "hand", tmp_path / "f.html")
+    assert "as the optimizer saw it (the step&#x27;s final rows: no backward pass" in page or (
+        "as the optimizer saw it (the step's final rows: no backward pass" in page
+    )
+    assert "No .grad after a backward pass recorded: nothing to draw." in page
+    assert "No parameter .grad rows recorded" not in page
+    with gradstore.open(db) as store:
+        from gradstore.view import story
+
+        w = story.changed_most(store, "hand", which="final").set_index("param").loc["weight"]
+    assert w["first"] == pytest.approx(norms[0], rel=1e-9) and w["last"] == pytest.approx(norms[2], rel=1e-9)

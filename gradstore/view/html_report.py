@@ -336,30 +336,43 @@ def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
 
 def _params_section(page: _Page, store, run: str) -> None:
     page.section("params", "Parameters whose gradients changed most")
-    top = story.changed_most(store, run, top=10)
+    top, when = story.changed_most(store, run, top=10), "after the step's last backward pass"
+    if top.empty:  # no top-level backward pass recorded a .grad: the final rows, where there are
+        top, when = (
+            story.changed_most(store, run, top=10, which="final"),
+            ("as the optimizer saw it (the step's final rows: no backward pass of the run recorded a .grad)"),
+        )
     if top.empty:
         page.add('<p class="note">No parameter .grad rows recorded.</p>')
         return
     page.add(
-        "<p>Each parameter's .grad after the step's last backward pass: parameters with non-finite steps first, "
+        f"<p>Each parameter's .grad {when}: parameters with non-finite steps first, "
         "then by the ratio of their largest to smallest finite norm over the recorded steps.</p>"
     )
     page.add(_table(top, {"steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"}))
     if top["steps"].max() < 2:
         page.add('<p class="note">One measured step per parameter: no change to draw.</p>')
         return
+    if not when.startswith("after"):  # the plot draws the pass rows (gradstore.view.history): there are none
+        page.add('<p class="note">No .grad after a backward pass recorded: nothing to draw.</p>')
+        return
     names = top["param"].head(6).tolist()
     fig, ax = new_axes(None, (10.0, 4.2))
     steps: list[int] = []
+    drawn = False  # a finite positive norm on the log scale
     for name in names:
         s = cells.series(store, run, param=name)
         s = s[s["rank"] == s["rank"].min()]
         steps += [int(v) for v in s["step"]]
         bad = (s["nan"].fillna(0) + s["posinf"].fillna(0) + s["neginf"].fillna(0)) > 0
         y = s["value"].where(~bad & (s["value"] > 0))
+        drawn = drawn or bool(y.notna().any())
         (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=name)
         if bad.any():
             mark_nonfinite_steps(ax, s["step"][bad], line.get_color(), size=60)
+    if not drawn:
+        page.add('<p class="note">No finite, nonzero .grad norm to draw on a log scale.</p>')
+        return
     steps_in_view(ax, steps)
     ax.set_yscale("log")
     ax.set_xlabel("step")
@@ -389,22 +402,44 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
         page.add('<p class="note">No step was recorded by two ranks: ranks not compared.</p>')
         return
     differing = agree[agree["differing"] > 0]
-    if differing.empty:
+    unchecked = agree[(agree["differing"] == 0) & (agree["not_compared"] > 0)]
+    empty = agree[agree["params"] == 0]
+    if differing.empty and unchecked.empty and empty.empty:
         how = "bitwise (checksums)" if (agree["compared"] == "checksum").all() else "by their statistics"
         page.add(
             f'<p class="calm">At all {len(agree):,} steps recorded by several ranks, every parameter\'s .grad '
-            f"agrees across ranks ({how}): after the backward pass, and as the optimizer saw it (the step's final "
-            "rows).</p>"
+            f"agrees across ranks ({how}): after the backward pass, and as the optimizer saw it where the step has "
+            "final rows.</p>"
         )
-    else:
+    if not differing.empty:
         first = differing.iloc[0]
+        stages = str(first["stages"]).split(",")
+        if stages == ["final"]:
+            where = (
+                " as the optimizer saw them (the final rows); after the backward pass they agree: they came apart "
+                "between the pass and the optimizer (GradScaler.unscale_, clipping, or code that changes .grad)"
+            )
+        else:
+            where = " after the backward pass" + (", and as the optimizer saw them" if "final" in stages else "")
+        hint = (
+            f" Node by node: <code>gradstore diff DB {_e(run)} --step-a {int(first['step'])} --rank-a "
+            f"{int(ranks[0])} --rank-b {int(ranks[1])}</code>."
+            if "backward" in stages
+            else ""
+        )
         page.add(
             f'<p class="callout">Ranks differ at {len(differing):,} of {len(agree):,} steps compared, first at step '
-            f"{int(first['step'])}: {int(first['differing'])} of {int(first['params'])} parameter .grad differ "
-            f"(first <code>{_e(first['first'])}</code>). Node by node: <code>gradstore diff DB {_e(run)} --step-a "
-            f"{int(first['step'])} --rank-a {int(ranks[0])} --rank-b {int(ranks[1])}</code>.</p>"
+            f"{int(first['step'])}: {int(first['differing'])} of {int(first['params'])} parameter .grad differ"
+            f"{where} (first <code>{_e(first['first'])}</code>).{hint}</p>"
         )
-    page.add(_table(agree.head(200), {"step", "ranks", "params", "differing"}))
+    if not unchecked.empty or not empty.empty:
+        page.add(
+            f'<p class="callout">Not compared: at {len(unchecked) + len(empty):,} of {len(agree):,} steps some '
+            "parameter's .grad could not be compared across ranks (a row missing, skipped or without statistics on "
+            "some rank, or no parameter rows at all): nothing is claimed about those. "
+            "<code>gradstore ranks DB RUN --step N</code> says why.</p>"
+        )
+    page.add(_table(agree.head(200), {"step", "ranks", "params", "differing", "not_compared"}))
 
 
 def _values_section(page: _Page, store, run: str) -> None:

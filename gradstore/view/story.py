@@ -164,16 +164,16 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
     )
 
 
-def changed_most(store, run: str, rank: int | None = None, top: int = 10) -> pd.DataFrame:
+def changed_most(store, run: str, rank: int | None = None, top: int = 10, which: str = "pass") -> pd.DataFrame:
     """The parameters whose .grad norm (after each step's last backward pass, before any clipping or unscaling: the
-    `param_grads(which='pass')` rows) moved most over the recorded
+    `param_grads(which='pass')` rows; `which='final'`: as the optimizer saw it) moved most over the recorded
     steps of `rank` (default the lowest): param, module, steps (with a finite norm), first, last, smallest,
     largest (finite norms), ratio (largest / smallest positive finite norm; NaN with fewer than two), nonfinite
     (steps whose .grad held NaN or Inf). Non-finite parameters first, then by ratio, largest first; `top` rows.
     Raises UnknownRun."""
     # the pass's rows, as the plot beside the table draws them (gradstore.view.cells.series): clipping and unscaling
     # after the pass would hide how far the gradient itself moved
-    pg = store.param_grads(run=run, rank=rank, which="pass")
+    pg = store.param_grads(run=run, rank=rank, which=which)
     if pg.empty:
         return pd.DataFrame(
             columns=["param", "module", "steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"]
@@ -210,31 +210,40 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10) -> pd.
 def rank_agreement(store, run: str) -> pd.DataFrame:
     """Per step recorded by more than one rank: step, ranks (how many), params (parameters with a .grad row on
     the lowest rank), differing (parameters whose .grad differs from the lowest rank's on some rank, after the
-    backward pass or as the optimizer saw it, or was not compared: `Store.rank_divergence`),
-    compared ('checksum' where every differing or agreeing row had checksums, else 'statistics'), first (the
-    first differing parameter, or None). Empty when no step has two ranks. Raises UnknownRun."""
+    backward pass or as the optimizer saw it: `Store.rank_divergence`), stages (where they differ: 'backward',
+    'final' or 'backward,final'; '' when none does), not_compared (parameters not compared on some rank and
+    differing nowhere), compared ('checksum' where every row had checksums, else 'statistics'), first (the first
+    differing parameter, else the first not compared, or None). Empty when no step has two ranks. Raises
+    UnknownRun."""
+    columns = ["step", "ranks", "params", "differing", "stages", "not_compared", "compared", "first"]
     steps = store.steps(run=run)
     multi = steps.groupby("step")["rank"].nunique()
     multi = multi[multi > 1]
     if multi.empty:
-        return pd.DataFrame(columns=["step", "ranks", "params", "differing", "compared", "first"])
+        return pd.DataFrame(columns=columns)
     bad = store.rank_divergence(run)
+    if "stage" not in bad:
+        bad = bad.assign(stage="backward")
     hist = store.history(run, role="param_grad")
     rows = []
     for step, n in multi.items():
         at = hist[hist["step"] == step]
         lowest = at[at["rank"] == at["rank"].min()] if len(at) else at
-        diff = bad[bad["step"] == step]
-        params = list(dict.fromkeys(diff["param"]))
+        here = bad[bad["step"] == step]
+        diff = here[here["result"] == "differs"]
+        differing = list(dict.fromkeys(diff["param"]))
+        unchecked = [q for q in dict.fromkeys(here[here["result"] == "not compared"]["param"]) if q not in differing]
         checks = at["checksum"].notna().all() if len(at) else False
         rows.append(
             {
                 "step": int(step),
                 "ranks": int(n),
                 "params": int(lowest["param"].nunique()) if len(lowest) else 0,
-                "differing": len(params),
+                "differing": len(differing),
+                "stages": ",".join(st for st in ("backward", "final") if st in set(diff["stage"])),
+                "not_compared": len(unchecked),
                 "compared": "checksum" if checks else "statistics",
-                "first": params[0] if params else None,
+                "first": differing[0] if differing else (unchecked[0] if unchecked else None),
             }
         )
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=columns)
