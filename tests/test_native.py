@@ -520,3 +520,66 @@ def test_another_thread_backward_on_the_same_model(tmp_path, stats):
     ).fetchall()
     steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
     assert sorted(modules) == sorted((str(i), steps) for i in range(12))
+
+
+def test_grads_of_reads_what_python_reads_and_declines_what_it_cannot():
+    """hooks.cpp's grads_of: each parameter's requires_grad and .grad (the same tensor object Python's `p.grad`
+    gives, or None), for torch.Tensor and torch.nn.Parameter leaves; None (the caller reads them in Python) for a
+    subclass, a non-leaf (whose .grad warns in Python) or anything that is not a tensor."""
+    grads_of = native.grads_of()
+    assert grads_of is not None
+    plain = (torch.Tensor, torch.nn.Parameter)
+    with_grad = torch.nn.Parameter(torch.ones(2))
+    with_grad.grad = torch.full((2,), 3.0)
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    no_grad_yet = torch.nn.Parameter(torch.zeros(1))
+    leaf = torch.ones(2, requires_grad=True)
+    leaf.sum().backward()
+    params = [with_grad, frozen, no_grad_yet, leaf]
+    flags, grads = grads_of(params, plain)
+    assert flags == [p.requires_grad for p in params] == [True, False, True, True]
+    assert all(g is p.grad for g, p in zip(grads, params))  # the same objects: None, or the tensor itself
+    assert grads_of(tuple(params), plain) == (flags, grads)
+    assert grads_of([], plain) == ([], [])
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert grads_of([with_grad, leaf.as_subclass(Sub).detach().requires_grad_()], plain) is None
+    assert grads_of([with_grad, leaf * 2], plain) is None  # a non-leaf
+    assert grads_of([with_grad, "weight"], plain) is None
+    assert grads_of([with_grad], (torch.Tensor,)) is None  # a Parameter, where only plain tensors were asked for
+
+
+def test_parameter_rows_are_the_same_read_in_cpp_or_in_python(tmp_path, monkeypatch):
+    """The pass's and the step's final param_grad rows, with grads_of reading `.grad` and with Python's attribute
+    reads (grads_of turned off; and under a TorchFunctionMode, which makes gradstore read them in Python): equal,
+    and equal to the norms of the gradients plain PyTorch left (a frozen parameter has none)."""
+    from torch.overrides import TorchFunctionMode
+
+    class PassThrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def run(name, mode=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        model[2].bias.requires_grad_(False)
+        with gradstore.record(name, db=str(tmp_path / "g.db"), model=model):
+            with mode if mode is not None else contextlib.nullcontext():
+                model(torch.randn(5, 3)).pow(2).sum().backward()
+        return {n: float(p.grad.double().norm()) for n, p in model.named_parameters() if p.grad is not None}
+
+    import contextlib
+
+    want = run("cpp")
+    assert run("mode", PassThrough()) == want
+    monkeypatch.setattr(native, "grads_of", lambda: None)
+    assert run("python") == want
+    with gradstore.open(str(tmp_path / "g.db")) as store:
+        rows = store.param_grads(which="all")
+    for name in ("cpp", "mode", "python"):
+        mine = rows[(rows["run"] == name) & (rows["status"] == "ok")]
+        assert set(mine["param"]) == set(want) and len(mine) == 2 * len(want)  # the pass's row and the final one
+        for _, r in mine.iterrows():
+            assert r["norm"] == pytest.approx(want[r["param"]], rel=1e-6)

@@ -368,3 +368,12 @@ def test_a_module_with_hooks_of_its_own_is_seen_by_both_checks():
     bare.__dict__["_forward_hooks"] = {0: print}
     assert tp.any_own_call_path([bare]) is tp.own_call_path(bare) is True
     assert tp.any_own_call_path([]) is False
+
+
+def test_a_torch_function_mode_is_seen_while_active():
+    from torch.overrides import TorchFunctionMode
+
+    assert tp.torch_function_mode_active() is False
+    with TorchFunctionMode():
+        assert tp.torch_function_mode_active() is True
+    assert tp.torch_function_mode_active() is False

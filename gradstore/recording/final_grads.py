@@ -22,8 +22,11 @@ from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter
 
+import torch
+
 from ..records import ROLE, NodeInfo
 from . import native
+from . import torch_private as tp
 from .options import Options
 from .param_list import ParamList
 from .rows import PackedRows
@@ -80,6 +83,13 @@ def _selected(params: list[tuple[str, object]], options: Options, sharded_of: di
     filters = (options.modules, options.params)
     if not sharded_of and isinstance(params, ParamList):
         infos, chosen = params.picked(filters, lambda ps: _pick(ps, options))
+        read = native.grads_of()  # in C++: 85 us for the MLP's 292 parameters in Python, twice a step
+        got = read(chosen, _PLAIN_TYPES) if read is not None and not tp.torch_function_mode_active() else None
+        if got is not None:
+            flags, grads = got
+            if all(flags):
+                return list(infos), grads, list(chosen)
+            return list(compress(infos, flags)), list(compress(grads, flags)), list(compress(chosen, flags))
         try:
             flags = list(map(_REQUIRES_GRAD, chosen))
         except AttributeError:  # not a tensor: the loop below reads it with a default
@@ -116,6 +126,8 @@ def _pick(params: ParamList, options: Options) -> tuple[tuple, tuple]:
 
 
 _REQUIRES_GRAD, _GRAD = attrgetter("requires_grad"), attrgetter("grad")
+# the tensor types whose `requires_grad` and `.grad` C++ reads as Python does (a subclass may override them)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NORM_AT, _NAN_AT = ROW_COLUMNS.index("norm"), ROW_COLUMNS.index("nan")
 
 

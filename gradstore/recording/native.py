@@ -70,7 +70,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 15
+ABI_VERSION = 16
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
@@ -370,6 +370,14 @@ def same_structure():
     judgement) where the module is loaded in this process, else None. Never starts a build; never raises."""
     module = _state.get("module") if _state.get("pid") == os.getpid() else None
     return getattr(module, "same_structure", None)
+
+
+def grads_of():
+    """The hooks module's `grads_of(params, types)` (each parameter's `requires_grad` and `.grad`, read in C++: see
+    hooks.cpp; None where it declines) where the module is loaded in this process, else None. Never starts a
+    build; never raises."""
+    module = _state.get("module") if _state.get("pid") == os.getpid() else None
+    return getattr(module, "grads_of", None)
 
 
 def status() -> str:

@@ -387,6 +387,12 @@ def own_call_path(module) -> bool:
     return _CALL_SLOT in d or any(d.get(name) for name in _OWN_HOOKS)
 
 
+def torch_function_mode_active() -> bool:
+    """True while a TorchFunctionMode is active (`torch._C._is_torch_function_mode_enabled`): it sees a tensor's
+    attribute reads, so reading `.grad` around Python's getter would skip it."""
+    return torch._C._is_torch_function_mode_enabled()
+
+
 def any_own_call_path(modules) -> bool:
     """`any(own_call_path(m) for m in modules)`, in one loop that reads the four dicts by name (about 0.17 µs a
     module against 0.8-1.0 for the generic loop: 195 modules of a 48-block MLP, every recorded step); a module

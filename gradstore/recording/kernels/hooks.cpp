@@ -47,7 +47,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 15;
+constexpr int ABI = 16;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -2355,10 +2355,71 @@ PyObject* py_none_groups(PyObject*, PyObject* args) {
   return out;
 }
 
+// grads_of(params, types) -> (flags, grads) or None: each parameter's `requires_grad` (a list of bools) and `.grad` (a
+// list: the tensor, or None), read from the C++ tensor as Python's `p.requires_grad` and `p.grad` read them, without
+// an attribute lookup each (292 parameters: about 85 us in Python). None, to have the caller read them in Python,
+// where an item is not a leaf tensor of one of `types` exactly (a tuple of types: torch.Tensor and
+// torch.nn.Parameter; a subclass may override those attributes, or handle them in __torch_function__; a non-leaf's
+// `.grad` warns in Python) or reading one throws. With the GIL held.
+PyObject* py_grads_of(PyObject*, PyObject* args) {
+  PyObject *params, *types;
+  if (!PyArg_ParseTuple(args, "OO!", &params, &PyTuple_Type, &types)) return nullptr;
+  PyObject* seq = PySequence_Fast(params, "grads_of(params, types): a sequence of tensors");
+  if (seq == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  PyObject* flags = PyList_New(n);
+  PyObject* grads = PyList_New(n);
+  if (flags == nullptr || grads == nullptr) {
+    Py_XDECREF(flags);
+    Py_XDECREF(grads);
+    Py_DECREF(seq);
+    return nullptr;
+  }
+  bool ok = true;
+  try {
+    for (Py_ssize_t i = 0; i < n && ok; ++i) {
+      PyObject* item = items[i];
+      bool known = false;
+      for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); ++k) known = known || (PyObject*)Py_TYPE(item) == PyTuple_GET_ITEM(types, k);
+      if (!known || !THPVariable_Check(item)) {
+        ok = false;
+        break;
+      }
+      const at::Tensor& v = THPVariable_Unpack(item);
+      if (!v.is_leaf()) {
+        ok = false;
+        break;
+      }
+      PyObject* flag = v.requires_grad() ? Py_True : Py_False;
+      Py_INCREF(flag);
+      PyList_SET_ITEM(flags, i, flag);
+      const at::Tensor& g = v.grad();
+      PyObject* grad = g.defined() ? THPVariable_Wrap(g) : none();
+      if (grad == nullptr) {
+        ok = false;
+        PyErr_Clear();
+        break;
+      }
+      PyList_SET_ITEM(grads, i, grad);
+    }
+  } catch (const std::exception&) {
+    ok = false;
+  }
+  Py_DECREF(seq);
+  if (!ok) {  // the unset items of a list are NULL, which its deallocation skips
+    Py_DECREF(flags);
+    Py_DECREF(grads);
+    Py_RETURN_NONE;
+  }
+  return Py_BuildValue("(NN)", flags, grads);
+}
+
 PyObject* py_abi(PyObject*, PyObject*) { return PyLong_FromLong(ABI); }
 
 PyMethodDef methods[] = {
     {"abi", py_abi, METH_NOARGS, "The ABI version of this build."},
+    {"grads_of", py_grads_of, METH_VARARGS, "The parameters' requires_grad flags and .grad, read here."},
     {"init", py_init, METH_VARARGS, "Set the kernel entry points, dtype codes and the Python fallback."},
     {"scalar_type", py_scalar_type, METH_O, "c10::ScalarType of a tensor, as an int."},
     {"step", py_step, METH_NOARGS, "A new step: the call counter and the active passes."},
