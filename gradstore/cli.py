@@ -1211,14 +1211,13 @@ def ranks(db, run, step, verbose):
                 a, b = f"rank {int(r['rank_a'])}", f"rank {int(r['rank_b'])}"
                 how = "" if r["rule"] == "replicated" else f" ({r['rule']}: layouts differ)"
                 click.echo(
-                    f"  {r['param']}{_STAGE_WORDS.get(r.get('stage'), '')}: {b} differs from {a}{how}: "
-                    f"{_difference_words(r, a, b)}"
+                    f"  {r['param']}{_STAGE_WORDS[r['stage']]}: {b} differs from {a}{how}: {_difference_words(r, a, b)}"
                 )
         else:
             shown = rows
             for r in shown[: None if verbose else 20]:
                 click.echo(
-                    f"  {r['param']}{_STAGE_WORDS.get(r.get('stage'), '')}: rank {int(r['rank_b'])} vs rank "
+                    f"  {r['param']}{_STAGE_WORDS[r['stage']]}: rank {int(r['rank_b'])} vs rank "
                     f"{int(r['rank_a'])} not compared: {r['reason']}"
                 )
     if not verbose and len(shown) > 20:
@@ -1227,7 +1226,7 @@ def ranks(db, run, step, verbose):
         for p in params:
             click.echo(f"  {p}: {rules[p]}: {verdict[p]}")
     replicated_differ = table[(table["result"] == "differs") & (table["rule"] == "replicated")]
-    stage = table["stage"] if "stage" in table else pd.Series("backward", index=table.index)
+    stage = table["stage"]
     # parameters whose final rows differ while their rows after the backward pass agree on every pair of ranks
     late = []
     for p in dict.fromkeys(replicated_differ["param"]):
@@ -1238,8 +1237,8 @@ def ranks(db, run, step, verbose):
     if late:
         click.echo(
             f"After the backward pass the gradients of {_names(late, verbose)} agree across ranks: they came apart "
-            "between the pass "
-            "and the optimizer (GradScaler.unscale_ with a different scale, clipping, or code that changes .grad)."
+            "between the pass and the optimizer (GradScaler.unscale_ with a different scale, clipping, or code that "
+            "changes .grad)."
         )
     replicated_differ = replicated_differ[stage[replicated_differ.index] == "backward"]
     if not replicated_differ.empty:

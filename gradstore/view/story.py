@@ -171,8 +171,8 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     largest (finite norms), ratio (largest / smallest positive finite norm; NaN with fewer than two), nonfinite
     (steps whose .grad held NaN or Inf). Non-finite parameters first, then by ratio, largest first; `top` rows.
     Raises UnknownRun."""
-    # the pass's rows, as the plot beside the table draws them (gradstore.view.cells.series): clipping and unscaling
-    # after the pass would hide how far the gradient itself moved
+    # 'pass' by default, as the plot beside the report's table draws them (gradstore.view.cells.series): clipping and
+    # unscaling after the pass would hide how far the gradient itself moved
     pg = store.param_grads(run=run, rank=rank, which=which)
     if pg.empty:
         return pd.DataFrame(
@@ -222,8 +222,6 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
     if multi.empty:
         return pd.DataFrame(columns=columns)
     bad = store.rank_divergence(run)
-    if "stage" not in bad:
-        bad = bad.assign(stage="backward")
     hist = store.history(run, role="param_grad")
     rows = []
     for step, n in multi.items():
