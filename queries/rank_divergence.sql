@@ -20,7 +20,7 @@ WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass'
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
           WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))
             AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st2.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER)))
-), g AS (  -- the final row of each parameter on each rank, with its layout: which region it holds
+), g AS (  -- per stage, the row of each parameter on each rank, with its layout: which region it holds
     SELECT l.tid, l.sid, l.run_id, l.step, l.rank, l.node_id, l.stage,
            CASE WHEN d.id IS NULL THEN -1 ELSE COALESCE(d.shard, -2) END AS shard,  -- -1: a plain tensor
            COALESCE(d.partial, 0) AS term,
