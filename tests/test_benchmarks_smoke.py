@@ -16,16 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("transformers")
 
 
+def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m ARGS...` in the repository root, its output captured; asserts it exits 0 (the output's tail if
+    not)."""
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def test_benchmark_command_runs_end_to_end_in_quick_mode(tmp_path):
     out = tmp_path / "RESULTS.md"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--tiny", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _bench("benchmarks.run", "--quick", "--tiny", "--out", str(out))
 
     report = out.read_text()
     for heading in (
@@ -70,14 +71,7 @@ def test_benchmark_command_runs_end_to_end_in_quick_mode(tmp_path):
 def test_inside_benchmark_runs_alone(tmp_path):
     """`python -m benchmarks.inside` (issue 13's options on the reference step) runs and counts its rows."""
     out = tmp_path / "INSIDE.md"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.inside", "--tiny", "--repeats", "1", "--warmup", "0", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _bench("benchmarks.inside", "--tiny", "--repeats", "1", "--warmup", "0", "--out", str(out))
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     assert all(r["status"] == "ok" for r in results.values()), {k: r["status"] for k, r in results.items()}
     assert results["gradstore full, slices=*"]["counts"]["tensor_slices rows"] > 0
@@ -113,30 +107,21 @@ def test_steady_state_benchmark_runs_in_quick_mode(tmp_path):
     """`python -m benchmarks.steady --quick --tiny` (issue 17's steady-state blocks) writes its report; the NaN
     storm's rows and the ratio of the two recorded steps are there. Nothing about speed is asserted."""
     out = tmp_path / "STEADY.md"
-    proc = subprocess.run(
-        # the writer thread: a child per recorded block would only add its start (benchmarks.ab's test has one)
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.steady",
-            "--quick",
-            "--tiny",
-            "--models",
-            "mlp,cnn,nan",
-            "--writer",
-            "thread",
-            "--parts",
-            "--out",
-            str(out),
-            "--results",
-            str(tmp_path / "RESULTS.md"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # the writer thread: a child per recorded block would only add its start (benchmarks.ab's test has one)
+    _bench(
+        "benchmarks.steady",
+        "--quick",
+        "--tiny",
+        "--models",
+        "mlp,cnn,nan",
+        "--writer",
+        "thread",
+        "--parts",
+        "--out",
+        str(out),
+        "--results",
+        str(tmp_path / "RESULTS.md"),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = out.read_text()
     _check_results_section(tmp_path, report)
     for row in ("| `mlp` | 1 | `full` |", "| `cnn` | 1 | `params` |", "| `nan` | 1 | `full NaN / full finite` |"):
@@ -196,39 +181,27 @@ def test_gpu_check_says_so_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: the script would measure (run it by hand)")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _bench("benchmarks.gpu_check", timeout=120)
     assert "no CUDA device" in proc.stdout
 
 
 def test_side_by_side_benchmark_runs_on_one_checkout_twice():
     """`python -m benchmarks.ab` (two checkouts' processes taking turns) prints its table; this checkout stands
     for both sides. Nothing about speed is asserted."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.ab",
-            "--before",
-            str(ROOT),
-            "--tiny",
-            "--turns",
-            "1",
-            "--rounds",
-            "1",
-            "--models",
-            "mlp",
-            "--levels",
-            "params",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _bench(
+        "benchmarks.ab",
+        "--before",
+        str(ROOT),
+        "--tiny",
+        "--turns",
+        "1",
+        "--rounds",
+        "1",
+        "--models",
+        "mlp",
+        "--levels",
+        "params",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| `mlp` | `params` |")]
     assert len(rows) == 1
     before, after = (float(x) for x in rows[0].split("|")[3:5])
@@ -262,27 +235,18 @@ for s in (kept, dropped):
 def test_housekeeping_runs_and_the_child_writes_the_steps():
     """`python -m benchmarks.housekeeping --tiny`: one row per model and level, measured with the writer's child
     process writing (its steps reach the child packed: gradstore.recording.rows.PackedRows)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.housekeeping",
-            "--tiny",
-            "--models",
-            "mlp",
-            "--levels",
-            "shape,full",
-            "--steps",
-            "6",
-            "--contention",
-            "1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _bench(
+        "benchmarks.housekeeping",
+        "--tiny",
+        "--models",
+        "mlp",
+        "--levels",
+        "shape,full",
+        "--steps",
+        "6",
+        "--contention",
+        "1",
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| mlp |")]
     assert len(rows) == 3, proc.stdout  # shape, full, then the contention table's row
     levels, (busy,) = rows[:2], rows[2:]
@@ -301,25 +265,7 @@ def test_housekeeping_runs_and_the_child_writes_the_steps():
 def test_split_times_the_engine_inside_the_recorded_pass():
     """`python -m benchmarks.split --tiny`: the plain and recorded steps, each split into forward, torch's engine and
     the rest; the engine is timed in the recorded step too (gradstore calls the benchmark's wrapper as torch's)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.split",
-            "--tiny",
-            "--models",
-            "mlp",
-            "--levels",
-            "params,full",
-            "--rounds",
-            "2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _bench("benchmarks.split", "--tiny", "--models", "mlp", "--levels", "params,full", "--rounds", "2")
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines() if "| `mlp` |" in line]
     assert [r[1] for r in rows] == ["`none`", "`params, no writer`", "`full, no writer`"]
     for r in rows:
@@ -332,27 +278,9 @@ def test_split_times_the_engine_inside_the_recorded_pass():
 def test_module_calls_benchmark_runs_both_ways():
     """`python -m benchmarks.module_calls --tiny`: the forward and recorded blocks through the module tap and
     through global module hooks, in one process; every figure is there (what they are is not asserted)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.module_calls",
-            "--tiny",
-            "--models",
-            "mlp",
-            "--threads",
-            "1",
-            "--levels",
-            "params",
-            "--rounds",
-            "1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _bench(
+        "benchmarks.module_calls", "--tiny", "--models", "mlp", "--threads", "1", "--levels", "params", "--rounds", "1"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines() if "| `mlp` |" in line]
     assert [r[2] for r in rows] == ["forward (ms)", "`params`, steady state (ratio)"]
     assert all(float(r[-1]) > 0 for r in rows)

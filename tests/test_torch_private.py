@@ -345,22 +345,20 @@ def test_a_module_with_hooks_of_its_own_is_seen_by_both_checks():
     def plain():
         return torch.nn.Linear(2, 2)
 
-    cases = {"plain": (plain(), False)}
-    m = plain()
-    m.register_forward_pre_hook(lambda mod, args: None)
-    cases["forward pre-hook"] = (m, True)
-    m = plain()
-    m.register_forward_hook(lambda mod, args, out: None)
-    cases["forward hook"] = (m, True)
-    m = plain()
-    m.register_full_backward_pre_hook(lambda mod, go: None)
-    cases["backward pre-hook"] = (m, True)
-    m = plain()
-    m.register_full_backward_hook(lambda mod, gi, go: None)
-    cases["backward hook"] = (m, True)
-    m = plain()
-    m._compiled_call_impl = None  # an instance attribute in the call slot (Module.compile() sets one)
-    cases["instance call slot"] = (m, True)
+    def hooked(how):
+        m = plain()
+        how(m)
+        return m
+
+    cases = {
+        "plain": (plain(), False),
+        "forward pre-hook": (hooked(lambda m: m.register_forward_pre_hook(lambda mod, args: None)), True),
+        "forward hook": (hooked(lambda m: m.register_forward_hook(lambda mod, args, out: None)), True),
+        "backward pre-hook": (hooked(lambda m: m.register_full_backward_pre_hook(lambda mod, go: None)), True),
+        "backward hook": (hooked(lambda m: m.register_full_backward_hook(lambda mod, gi, go: None)), True),
+        # an instance attribute in the call slot (Module.compile() sets one)
+        "instance call slot": (hooked(lambda m: setattr(m, "_compiled_call_impl", None)), True),
+    }
     for name, (module, want) in cases.items():
         assert tp.own_call_path(module) is want, name
         assert tp.any_own_call_path([plain(), module, plain()]) is want, name

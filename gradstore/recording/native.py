@@ -373,9 +373,13 @@ def same_structure():
 
 
 def grads_of():
-    """The hooks module's `grads_of(params, types)` (each parameter's `requires_grad` and `.grad`, read in C++: see
-    hooks.cpp; None where it declines) where the module is loaded in this process, else None. Never starts a
-    build; never raises."""
+    """The hooks module's `grads_of(params, types)` where the module is loaded in this process, else None. Never
+    starts a build; never raises.
+
+    The function returned takes a sequence of tensors and a tuple of the exact types it reads (torch.Tensor,
+    torch.nn.Parameter), and returns ([requires_grad: bool], [.grad: Tensor or None]) as Python's attribute reads
+    give them (`at::Tensor::requires_grad()`, `grad()`), or None where it declines (a subclass, a non-leaf, not a
+    tensor, an error while reading): the caller then reads them in Python."""
     module = _state.get("module") if _state.get("pid") == os.getpid() else None
     return getattr(module, "grads_of", None)
 
