@@ -127,6 +127,45 @@ def test_training_with_a_child_writer_leaves_gradients_as_they_are(tmp_path):
             assert (x is None and y is None) or torch.equal(x, y)
 
 
+def test_a_process_with_over_a_thousand_files_open_still_hands_its_steps_to_a_child(tmp_path):
+    """The pipe to the child gets a descriptor numbered above 1024 where the training process holds many files (a
+    long job, a test runner): select.select refuses those (ValueError), so the child looked dead and the writer
+    thread wrote every step. The child must take the steps after the first, as with few files open."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1200
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {want}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) > 1024
+        torch.manual_seed(0)
+        m = Net()
+        db = str(tmp_path / "many.db")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # "the process writing to ... is gone or could not start"
+            with gradstore.record("many", db=db, model=m, writer="process") as rec:
+                for i in range(3):
+                    m(torch.randn(5, 4)).backward()
+                    m.zero_grad()
+                    rec.step()
+                    if i == 0:
+                        rec.flush()
+                        sink = writer_for(rec.db).sink
+                        assert sink is not None and sink.ready(wait=True)
+                rec.flush()
+                assert sink.written == 2
+        assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM steps").fetchone() == (3,)
+    finally:
+        for fd in held:
+            os.close(fd)
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_child_that_dies_hands_the_steps_back_and_nothing_is_lost(tmp_path):
     db = str(tmp_path / "die.db")
     torch.manual_seed(0)

@@ -41,6 +41,7 @@ try:
 except ImportError:  # Windows: no pipes to widen
     fcntl = None
 import gc
+import math
 import os
 import pickle
 import select
@@ -289,13 +290,22 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def _readable(fd: int, timeout: float) -> bool:
+    """Whether `fd` has bytes to read (or its end) within `timeout` seconds (>= 0). `select.poll`, not
+    `select.select`: select() refuses a descriptor numbered 1024 or above (ValueError), which a process with many
+    files open gets for its pipe to the child."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+
+
 def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
     """n bytes from fd; None at end of file (the other side closed). Raises TimeoutError past `deadline`."""
     parts, got = [], 0
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not _readable(fd, left):
                 raise TimeoutError("no answer in time")
         chunk = os.read(fd, min(n - got, 1 << 20))
         if not chunk:
@@ -385,7 +395,7 @@ class ProcessSink:
         if self._ready:
             return True
         late = time.monotonic() - self._started > START_TIMEOUT_S
-        if not wait and not late and not select.select([self._from], [], [], 0)[0]:
+        if not wait and not late and not _readable(self._from, 0):
             return False
         status, detail = self._answer(max(START_TIMEOUT_S - (time.monotonic() - self._started), 0.001))
         if status != "ready":
