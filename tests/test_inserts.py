@@ -32,6 +32,11 @@ class Recording:
         self.calls.append((sql, rows))
         return self.cur.executemany(sql, rows)
 
+    def execute(self, sql, values):
+        values = list(values)
+        self.calls.append((sql, [values]))
+        return self.cur.execute(sql, values)
+
 
 @pytest.fixture(params=["python", "native"], autouse=True)
 def splitter(request):
@@ -108,11 +113,52 @@ def test_rows_are_stored_as_plain_executemany_stores_them(keep_order):
     else:  # the same rows; one executemany per None pattern
         assert sorted(map(repr, got)) == sorted(map(repr, plain))
         patterns = {tuple(v is None for v in r) for r in rows}
-        assert len(cur.calls) == len(patterns)
+        per_pattern = {sql.split(" VALUES ")[1].split(")")[0] for sql, _ in cur.calls}  # a statement's first row
+        assert len(per_pattern) == len(patterns)
     # no None was bound, except the one column a row of NULLs binds (a statement needs a parameter)
     for sql, bound in cur.calls:
         assert all(v is not None for row in bound for v in row) or sql.count("?") == 1, sql
     assert any("NULL" in sql for sql, _ in cur.calls)
+
+
+@pytest.mark.parametrize("keep_order", [True, False])
+@pytest.mark.parametrize("suffix", ["", " ON CONFLICT DO NOTHING"])
+def test_long_runs_go_many_rows_to_a_statement_and_are_stored_as_executemany_stores_them(keep_order, suffix):
+    """Runs longer than MULTI_ROWS rows (a few None patterns, 150-400 rows each, and a run of a row's width that
+    binds more than MAX_BOUND values at MULTI_ROWS rows): the same rows in the same order as one plain executemany
+    stores them, the long runs in statements of several VALUES rows, each binding at most MAX_BOUND values."""
+    rng = random.Random(7)
+    rows = []
+    for pattern, n in (((False,) * 5, 150), ((False, True, False, True, False), 400), ((True,) * 5, 70)):
+        rows += [tuple(None if none else rng.choice([0, 1, -3, 2.5, "x"]) for none in pattern) for _ in range(n)]
+    rows += [(1, 2, 3, 4, 5)] * 3
+    conn = sqlite3.connect(":memory:")
+    _table(conn, "plain")
+    _table(conn, "many")
+    conn.executemany(f"INSERT INTO plain ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", rows)
+    cur = Recording(conn.cursor())
+    Insert("many", COLUMNS, "?", suffix=suffix).run(cur, rows, keep_order=keep_order)
+    cols = ", ".join(COLUMNS)
+    got = conn.execute(f"SELECT {cols} FROM many ORDER BY id").fetchall()
+    plain = conn.execute(f"SELECT {cols} FROM plain ORDER BY id").fetchall()
+    if keep_order:
+        assert got == plain == rows
+    else:  # one group per None pattern: the three rows without None join the first run
+        assert sorted(map(repr, got)) == sorted(map(repr, plain)) and got[:150] == rows[:150]
+    multi = [(sql, bound) for sql, bound in cur.calls if sql.count("), (") > 0]
+    assert multi and all(sql.endswith(")" + suffix) for sql, _ in multi)
+    # 64-row statements: 2 of the 150 (+3) rows binding 5 values, 6 of the 400 binding 3, 1 of the 70 NULL rows
+    # (which bind their first column)
+    assert sum(len(b[0]) for _, b in multi) == 2 * 64 * 5 + 6 * 64 * 3 + 1 * 64 * 1
+    assert all(sql.count("?") == len(b[0]) <= inserts.MAX_BOUND for sql, b in multi)
+    wide = tuple(f"c{i}" for i in range(40))  # 40 columns: 24 rows a statement
+    conn.execute(f"CREATE TABLE w (id INTEGER PRIMARY KEY, {', '.join(wide)})")
+    wide_rows = [tuple(range(k, k + 40)) for k in range(100)]
+    cur = Recording(conn.cursor())
+    Insert("w", wide, "?").run(cur, wide_rows, keep_order=keep_order)
+    assert conn.execute(f"SELECT {', '.join(wide)} FROM w ORDER BY id").fetchall() == wide_rows
+    assert [len(b[0]) for _, b in cur.calls[:4]] == [24 * 40] * 4  # 4 statements of 24 rows, 40 values each
+    assert len(cur.calls) == 5 and len(cur.calls[4][1]) == 4  # the other 4 rows: one executemany
 
 
 def test_types_are_kept():

@@ -12,14 +12,22 @@ measurement by hand, not one of benchmarks/' scripts).
 `Insert.run(cursor, rows)` splits the rows into runs of consecutive rows with the same None positions (order is
 kept: the tables' pages fill as they are appended) and runs one `executemany` per run, with a statement that
 names NULL where the run's rows hold None and binds the other values (`keep_order=False`: one executemany per None
-pattern, for a table keyed by the rows' own ids). The rows stored are the same either way.
+pattern, for a table keyed by the rows' own ids); a long run goes MULTI_ROWS rows to a statement (`INSERT ...
+VALUES (...), (...), ...`, one `execute` each), its rest row by row. The rows stored are the same either way.
 With a driver other than sqlite3 (PostgreSQL's psycopg) every row is bound as it is, in one executemany.
 """
 
 from __future__ import annotations
 
+from itertools import chain
 from operator import itemgetter
 
+# sqlite3: rows per INSERT statement where a run of rows is long enough (a statement with several VALUES rows binds
+# the same values with one statement step per MULTI_ROWS rows: 4.4 against 5.9 us a row for the 1,898 tensor_data
+# rows of benchmarks/steady.py's MLP step at stats='full', medians of 22 interleaved commits, by hand), and the
+# most parameters one statement binds (SQLite's SQLITE_MAX_VARIABLE_NUMBER before 3.32; 32766 since)
+MULTI_ROWS = 64
+MAX_BOUND = 999
 _IS_NONE = None.__eq__  # True for None, NotImplemented for anything else: a row's None pattern, mapped in C
 _native_groups = None  # none_groups of the C++ hooks module once it is loaded (`use_native_groups`), else None
 
@@ -55,13 +63,16 @@ class Insert:
         self.prefix, self.suffix = prefix, suffix
         self.sql = self._statement(())
         self._patterns: dict[tuple, tuple[str, itemgetter | None]] = {}
+        self._multi: dict[tuple[tuple, int], str] = {}  # (None pattern, rows) -> the statement of that many rows
 
-    def _statement(self, nulls) -> str:
-        values = ", ".join("NULL" if i in nulls else self.mark for i in range(len(self.columns)))
-        return f"{self.prefix} INTO {self.table} ({', '.join(self.columns)}) VALUES ({values}){self.suffix}"
+    def _statement(self, nulls, rows: int = 1) -> str:
+        values = "(" + ", ".join("NULL" if i in nulls else self.mark for i in range(len(self.columns))) + ")"
+        many = ", ".join([values] * rows)
+        return f"{self.prefix} INTO {self.table} ({', '.join(self.columns)}) VALUES {many}{self.suffix}"
 
-    def _for(self, pattern: tuple) -> tuple[str, itemgetter | None]:
-        """(statement, picker of the bound values) for rows whose None positions are `pattern`'s True items."""
+    def _for(self, pattern: tuple) -> tuple[str, itemgetter | None, frozenset]:
+        """(statement, picker of the bound values, the columns written as NULL) for rows whose None positions are
+        `pattern`'s True items."""
         hit = self._patterns.get(pattern)
         if hit is None:
             nulls = frozenset(i for i, v in enumerate(pattern) if v is True)
@@ -69,7 +80,7 @@ class Insert:
             if not kept:  # a row of NULLs only: bind the first column (None) so the statement has a parameter
                 nulls, kept = nulls - {0}, [0]
             pick = itemgetter(*kept) if len(kept) > 1 else (lambda row, i=kept[0]: (row[i],))
-            hit = self._patterns[pattern] = (self._statement(nulls), pick)
+            hit = self._patterns[pattern] = (self._statement(nulls), pick, nulls)
         return hit
 
     def run(self, cur, rows, keep_order: bool = True) -> None:
@@ -120,7 +131,21 @@ class Insert:
         if not run:
             return
         if not pattern:
-            cur.executemany(self.sql, run)
-            return
-        sql, pick = self._for(pattern)
-        cur.executemany(sql, list(map(pick, run)))
+            sql, values, nulls = self.sql, run, ()
+        else:
+            sql, pick, nulls = self._for(pattern)
+            values = list(map(pick, run))
+        width = len(values[0])
+        per = min(MULTI_ROWS, MAX_BOUND // width) if width else 0
+        whole = len(values) - len(values) % per if per > 1 else 0
+        if whole:  # runs of `per` rows in one statement each, in order: SQLite inserts a VALUES list's rows in order
+            multi = self._multi.get((pattern, per))
+            if multi is None:
+                multi = self._multi[(pattern, per)] = self._statement(nulls, per)
+            flat = list(chain.from_iterable(values[:whole]))
+            size = width * per
+            for at in range(0, len(flat), size):
+                cur.execute(multi, flat[at : at + size])
+            values = values[whole:]
+        if values:
+            cur.executemany(sql, values)
