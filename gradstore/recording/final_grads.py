@@ -148,6 +148,12 @@ class PackedParams:
     counts: list
     nonfinite: bool
 
+    def again(self) -> PackedParams:
+        """The same measurement with rows of its own (a new `rows.PackedRows` over the same bytes): the step's final
+        rows where they are the pass's (`FinalGrads.take`)."""
+        rows = PackedRows("tensors", len(self.rows), self.rows.payload)
+        return PackedParams(self.nodes, self.keys, rows, self.norms, self.counts, self.nonfinite)
+
 
 def pack_params(
     params: list[tuple[str, object]], options: Options, sharded_of: dict | None = None
@@ -247,9 +253,25 @@ class FinalGrads:
         self.results: list | None = None  # None: no valid snapshot
         self.taken_by: str | None = None
         self.passes = 0  # top-level backward passes finished in the step
+        self.reused = 0  # snapshots that are the last pass's measurement (`take`)
+        # (the last top-level pass's PackedParams, the .grads' states then, the operator count then) while the
+        # operator watch runs for it (`after_pass`), else None
+        self._pass: tuple | None = None
 
     def take(self, why: str) -> None:
-        """Measure the gradients now, replacing an earlier snapshot of the step. `why` names the moment."""
+        """Take the snapshot now, replacing an earlier one of the step. `why` names the moment.
+
+        The last top-level backward pass's measurement stands for it, with no second read of the `.grad`s, where
+        nothing can have changed them since: every `.grad` is the same tensor (address) at the same version
+        counter as when the pass measured them (`hooks.cpp grad_states`), and PyTorch's dispatcher ran no operator
+        on any thread in between (`native.ops_watch`: a `.grad.data.mul_()` or an all-reduce is an operator,
+        though it moves no version counter). Otherwise they are measured now. What no operator writes (a NumPy
+        array sharing a `.grad`'s memory, a C extension writing it) is not seen: measured again only where
+        an operator or a version moved too."""
+        if self._unchanged_since_pass():
+            self.reused += 1
+            self.taken_by = why
+            return
         sharded_of = {id(u): sh for sh, u in self._aliases()} if self._aliases is not None else None
         packed = pack_params(self.params, self.options, sharded_of)
         if packed is not None:
@@ -263,11 +285,53 @@ class FinalGrads:
         if self.results is None and self.passes:
             self.take(why)
 
-    def after_pass(self) -> None:
-        """A top-level backward pass finished: `.grad` changed after any snapshot, which no longer stands."""
+    def after_pass(self, packed: PackedParams | None = None, states=None) -> None:
+        """A top-level backward pass finished: `.grad` changed after any snapshot, which no longer stands.
+
+        Args: packed: the pass's measurement of the parameters' `.grad`s (`pack_params`), or None; states: the
+        `.grad`s' states when it was taken (hooks.cpp `grad_states` bytes), or None. Given both (and no FSDP2
+        aliases), the operator watch starts: `take` may then use that measurement (see there)."""
         self.passes += 1
         self.results = None
         self.taken_by = None
+        self.close()
+        watch = native.ops_watch()
+        if packed is None or type(states) is not bytes or self._aliases is not None or watch is None:
+            return
+        try:
+            count = watch(True)
+        except Exception:
+            return
+        if count >= 0:
+            self._pass = (packed, states, count)
+
+    def close(self) -> None:
+        """Stop the operator watch this step started, if it runs (the end of the step; a new pass)."""
+        pending, self._pass = self._pass, None
+        if pending is not None:
+            watch = native.ops_watch()
+            if watch is not None:
+                watch(False)
+
+    def _unchanged_since_pass(self) -> bool:
+        """True (and the snapshot set to the last pass's measurement) where no operator ran and no `.grad` changed
+        since the pass measured them; the operator watch stops either way."""
+        pending, self._pass = self._pass, None
+        if pending is None:
+            return False
+        packed, states, count = pending
+        watch, module = native.ops_watch(), native.available(self.options.param_level)
+        try:
+            seen = watch(False) - count if watch is not None else -1
+            if seen != 0 or module is None:
+                return False
+            params = self.params
+            if module.grad_states(params if type(params) is list else list(params)) != states:
+                return False
+        except Exception:
+            return False
+        self.nodes, self.results = packed.nodes, packed.again()
+        return True
 
     def rows(self) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:
         """(nodes, tensor rows (key, None, role code of param_grad, 0, *ROW_COLUMNS), any non-finite, (keys, norms,
@@ -275,7 +339,10 @@ class FinalGrads:
         pass ran. The rows are a `rows.PackedRows` where the C++ hooks packed them (`pack_params`), else a list built
         here, on the training thread (one host copy per device for results still in device tensors). The norms and
         counts are per parameter, None where its row has none (what gradstore.recording.flight's summary holds)."""
-        self.take_if_missing("end of step")
+        try:
+            self.take_if_missing("end of step")
+        finally:
+            self.close()
         if self.results is None:
             return [], [], False, ([], [], [])
         results, nodes = self.results, self.nodes

@@ -70,7 +70,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 16
+ABI_VERSION = 17
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
@@ -382,6 +382,22 @@ def grads_of():
     tensor, an error while reading): the caller then reads them in Python."""
     module = _state.get("module") if _state.get("pid") == os.getpid() else None
     return getattr(module, "grads_of", None)
+
+
+def ops_watch():
+    """The hooks module's `ops_watch(on)` where the module is loaded in this process, else None. Never starts a
+    build; never raises.
+
+    The function returned counts the operators PyTorch's dispatcher runs, on every thread, while a watcher is on
+    (a global `at::RecordFunction` callback, `at::addGlobalCallback`): `ops_watch(True)` adds a watcher and returns
+    the count so far (int), or -1 where RecordFunction is off on the calling thread (no watcher added);
+    `ops_watch(False)` removes one and returns the count (-1 where none was on). The count only grows: a window's
+    operators are the difference of its two readings. torch.profiler.record_function's own enter / exit operators
+    and the 'Optimizer.*' records torch.optim opens around `step()` / `zero_grad()` are not counted (the operators
+    inside them are). A write to a tensor's memory that no operator makes (through a NumPy array sharing it, a C
+    extension writing raw memory) is not counted."""
+    module = _state.get("module") if _state.get("pid") == os.getpid() else None
+    return getattr(module, "ops_watch", None)
 
 
 def status() -> str:

@@ -236,6 +236,9 @@ class PassRecorder:
         self._trusted: list[bool] = []
         self._claimable: list[bool] = []
         self.native = None  # the C++ hooks' pass (gradstore.recording.native) when they record this pass
+        # (PackedParams, the .grads' grad_states then): the parameters' measurement at the end of a top-level
+        # backward pass, where `finish` packed one (and no FSDP2 alias changed which tensor is measured); else None
+        self.params_measured: tuple | None = None
         self._params_packed = None  # the param_grad rows packed (final_grads.pack_params), else in `measured`
         # slices=, values=, saved=True: what the hooks see inside tensors, beside their statistics
         self.inside = PassInside(step.values) if options.inside or options.saved else None
@@ -509,6 +512,8 @@ class PassRecorder:
                 packed = None if opts.inside else pack_params(self.params, opts, self._sharded_of)
                 if packed is not None:  # their rows packed in C++, built where they are read
                     self._params_packed = packed
+                    if not self._sharded_of:  # what the step's final rows may be (FinalGrads.after_pass)
+                        self.params_measured = (packed, after)
                     param_keys = packed.keys
                     param_nodes = dict(zip(param_keys, packed.nodes))
                     nodes = results = measured = ()

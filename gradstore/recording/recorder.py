@@ -655,6 +655,8 @@ class record:
         if state is None or (
             quiet and not state.records and not state.faults and not state.tracing_passes and not activations
         ):
+            if final is not None:
+                final.close()
             if run_status is not None:
                 self._writer.set_run_status(self.run_id, run_status, time.time())
             return
@@ -817,7 +819,8 @@ class record:
                 if p is not None:
                     rec = p.finish(ok)
                     if ok and self._final is not None and rec.kind == "backward" and rec.parent_pass is None:
-                        self._final.after_pass()  # .grad changed: a snapshot taken before it no longer stands
+                        # .grad changed: a snapshot taken before it no longer stands
+                        self._final.after_pass(*(p.params_measured or ()))
                     if self._forward is not None and not state.active:  # a top-level pass: the next forward's keys
                         self._forward.backward_done()
             finally:

@@ -157,6 +157,11 @@ class PackedRows(LazyRows):
     def __reduce__(self):
         return (PackedRows, (self._what, self._len, self._payload))
 
+    @property
+    def payload(self) -> tuple:
+        """What the rows are built from (see Args): bytes, keys and rows, never changed once made."""
+        return self._payload
+
 
 def unpack(what: str, payload: tuple) -> list:
     """The rows of a `PackedRows` (see there): built by the C++ hooks' `unpack_rows` / `unpack_calls` where that

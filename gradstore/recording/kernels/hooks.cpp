@@ -10,12 +10,14 @@
 // PyTorch API used (torch/csrc/autograd): Node::add_pre_hook / pre_hooks() / add_post_hook / del_post_hook,
 // Node::next_edges / sequence_nr / name, AccumulateGrad::variable, functionToPyObject (the graph walk),
 // FunctionPreHook / FunctionPostHook, get_current_graph_task_id(), THPCppFunction / THPFunction (the Python
-// grad_fn objects' Node), THPVariable_Wrap; c10: TensorImpl::pyobj_slot(), version_counter().
+// grad_fn objects' Node), THPVariable_Wrap; c10: TensorImpl::pyobj_slot(), version_counter(); ATen: addGlobalCallback /
+// removeCallback, RecordFunction::name / scope, isRecordFunctionEnabled (the operator watch, `ops_watch`).
 #include <Python.h>
 
 #include <cmath>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -47,7 +49,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 16;
+constexpr int ABI = 17;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -1484,6 +1486,52 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
   return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
 }
 
+// ---- the operator watch (gradstore.recording.final_grads): PyTorch operators run between two points ---------------
+// A global RecordFunction callback (every thread) counts the operators the dispatcher runs while at least one
+// watcher is on. ops_watch(True) adds a watcher (registering the callback for the first) and returns the count so far,
+// or -1 where RecordFunction is off on this thread (nothing to count with: no watcher is added); ops_watch(False)
+// removes one (the callback goes with the last) and returns the count, or -1 where none was on. The count only grows: a watcher's operators
+// are its two readings' difference, whatever other watchers do. Not counted: torch.profiler.record_function's own
+// enter / exit operators, and the USER_SCOPE records named 'Optimizer.*' that torch.optim opens around step() and
+// zero_grad() before their hooks run (the operators inside them are counted). Called with the GIL.
+std::atomic<int64_t> g_ops_seen{0};
+int g_ops_watchers = 0;
+at::CallbackHandle g_ops_handle = 0;
+
+std::unique_ptr<at::ObserverContext> ops_seen(const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  if (name != nullptr) {
+    if (fn.scope() == at::RecordScope::USER_SCOPE) {
+      if (std::strncmp(name, "Optimizer.", 10) == 0) return nullptr;
+    } else if (std::strncmp(name, "profiler::_record_function", 26) == 0) {
+      return nullptr;
+    }
+  }
+  g_ops_seen.fetch_add(1, std::memory_order_relaxed);
+  return nullptr;
+}
+
+PyObject* py_ops_watch(PyObject*, PyObject* on) {
+  int start = PyObject_IsTrue(on);
+  if (start < 0) return nullptr;
+  try {
+    if (start) {
+      if (!at::isRecordFunctionEnabled()) return PyLong_FromLong(-1);
+      if (g_ops_watchers == 0)
+        g_ops_handle = at::addGlobalCallback(at::RecordFunctionCallback(ops_seen).needsInputs(false).needsIds(false));
+      ++g_ops_watchers;
+    } else if (g_ops_watchers == 0) {
+      return PyLong_FromLong(-1);
+    } else if (--g_ops_watchers == 0) {
+      at::removeCallback(g_ops_handle);
+    }
+    return PyLong_FromLongLong((long long)g_ops_seen.load(std::memory_order_relaxed));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 // ---- the writer's tensor_data rows (gradstore.store.writer.Writer._write_calls_and_tensors) ------------------------
 // tensor_rows(tensors, pass_id, step_id, tids, k, node_id, layouts, call_of, forward_roles, rows, notes, unknown,
 // sharded, seqs) -> the next k, or None: the writer's loop over one source of tensor rows (a pass's, the activations',
@@ -2436,6 +2484,7 @@ PyMethodDef methods[] = {
     {"unpack_rows", py_unpack_rows, METH_VARARGS, "Tensor rows from pack()'s bytes."},
     {"unpack_calls", py_unpack_calls, METH_VARARGS, "Call rows from pack()'s bytes."},
     {"grad_states", py_grad_states, METH_O, "What tells each parameter's .grad changed, as bytes."},
+    {"ops_watch", py_ops_watch, METH_O, "Add (True) or remove (False) an operator watcher; the operators counted so far."},
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
     {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
