@@ -33,11 +33,12 @@ Models (each step: forward, loss, `loss.backward()`, SGD step, `zero_grad(set_to
 - the model's *read cost*, measured once before the rounds, with plain PyTorch (`read_costs`): the gradients that hooks
   on every node of one backward pass see (`grad_inputs`, `grad_outputs`) and the parameters' `.grad`, each
   element counted once however many views reach it, and the time of one `torch.linalg.vector_norm` over a
-  contiguous float32 tensor of as many bytes as a level reads a step: `full` every gradient once and every
-  `.grad` twice, `params` every `.grad` twice (the pass's `param_grad` rows and the step's `final` ones).
+  contiguous float32 tensor of as many bytes as a level reads a step: `full` every gradient and every `.grad`
+  once, `params` every `.grad` once (the pass's `param_grad` rows; the step's `final` rows are that measurement
+  where no operator ran between the pass and the optimizer, as in these models' loops: FinalGrads.take).
   `1 + that time / the plain step` is what measuring those values costs at memory speed, with no cost per
   tensor, node or row: a reference, not a bound (hooks read a gradient just after the op wrote it, while it may
-  still be in cache; and the long tensor is read again and again, as hot as it can be); and the time of two
+  still be in cache; and the long tensor is read again and again, as hot as it can be); and the time of one
   `torch._foreach_norm` over the `.grad`s right after a plain backward: what `params` reads, where it reads it
   (the `params` verdicts use this one).
 
@@ -383,11 +384,11 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
     "gradients": the storages of the gradients hooks on every node see (grad_inputs and grad_outputs),
     "gradient_bytes": the bytes of their distinct elements, "params" / "param_bytes": the same of the parameters'
     `.grad`, "full_read_ms": one `torch.linalg.vector_norm` over a contiguous float32 tensor of
-    gradient_bytes + 2 x param_bytes (what `full` reads: every gradient in the hooks, every `.grad` at the end of
-    the pass and for the step's final rows), "params_read_ms": the same over 2 x param_bytes (what `params`
-    reads), "params_in_step_ms": two `torch._foreach_norm` over the parameters' `.grad`s right after a plain
-    backward (what `params` reads, where it reads it: the pass's rows then the final rows, both before the
-    optimizer's step)}; the times are medians of `rounds`. The contiguous reads have no per-tensor cost and
+    gradient_bytes + param_bytes (what `full` reads: every gradient in the hooks, every `.grad` at the end of
+    the pass, which the step's final rows reuse where no operator ran before the optimizer's step, as here),
+    "params_read_ms": the same over param_bytes (what `params` reads), "params_in_step_ms": one
+    `torch._foreach_norm` over the parameters' `.grad`s right after a plain backward (what `params` reads, where
+    it reads it)}; the times are medians of `rounds`. The contiguous reads have no per-tensor cost and
     read a tensor read just before (as hot in cache as it can be); the in-step reads are the `.grad`s as a
     backward leaves them, strided ones only (sparse `.grad`s are not counted); params_in_step_ms is None where
     no parameter has a strided `.grad` (not measured)."""
@@ -443,8 +444,7 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
         if not dense:  # no strided .grad (sparse or none): nothing this reference reads
             break
         t0 = time.perf_counter()
-        torch._foreach_norm(dense)  # the pass's param_grad rows
-        torch._foreach_norm(dense)  # the step's final rows
+        torch._foreach_norm(dense)  # the pass's param_grad rows (the step's final rows: the same measurement)
         in_step.append(time.perf_counter() - t0)
     out = {
         "step_ms": step_s * 1e3,
@@ -454,8 +454,8 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
         "gradient_bytes": grad_bytes,
         "params": n_params,
         "param_bytes": param_bytes,
-        "full_read_ms": read_ms(grad_bytes + 2 * param_bytes),
-        "params_read_ms": read_ms(2 * param_bytes),
+        "full_read_ms": read_ms(grad_bytes + param_bytes),
+        "params_read_ms": read_ms(param_bytes),
         "params_in_step_ms": median(in_step[1:]) * 1e3 if len(in_step) > 1 else None,
     }
     m.opt.zero_grad(set_to_none=True)
@@ -465,7 +465,7 @@ def read_costs(m: Model, rounds: int = 7) -> dict:
 def read_cost_of(res: dict, model: str, level: str) -> float | None:
     """The read-cost ratio of `level` on `model`: 1 + its read time over the plain step of the same run (the `none`
     row at the read cost's thread count; else its own plain step), or None. level: 'full' or 'params' (the
-    contiguous reads), 'params in step' (the `.grad`s read twice right after a backward; None in a result from
+    contiguous reads), 'params in step' (the `.grad`s read once right after a backward; None in a result from
     before it was measured)."""
     f = res["models"].get(model, {}).get("read_cost")
     if not f or level not in ("full", "params", "params in step"):
@@ -565,7 +565,7 @@ def _verdict(
     model: str, row: str, threads: int, ratio, read: float | None = None, read_what: str = "one read of its values"
 ) -> str:
     """The issue 17 target of a 1-thread row, met or missed, and where `--parts` measured it, the row's read cost
-    (`read_cost_of`), named by `read_what` (the contiguous read, or the `.grad`s read twice where `params` reads
+    (`read_cost_of`), named by `read_what` (the contiguous read, or the `.grad`s read once where `params` reads
     them)."""
     if threads != 1 or ratio is None:
         return ""
@@ -610,17 +610,18 @@ def report(res: dict) -> str:
             "Plain PyTorch, once per model before its rounds: the gradients that hooks on every node of one "
             "backward pass see (`grad_inputs` and `grad_outputs`), and the parameters' `.grad`, each element "
             "counted once however many views reach it; then one `torch.linalg.vector_norm` over a contiguous "
-            "float32 tensor of as many bytes as a level reads in a step: `full`, every gradient once and every "
-            "`.grad` twice (the pass's `param_grad` rows, the step's `final` rows); `params`, every `.grad` twice. "
+            "float32 tensor of as many bytes as a level reads in a step: `full`, every gradient and every `.grad` "
+            "once; `params`, every `.grad` once (the pass's `param_grad` rows; the step's `final` rows are that "
+            "measurement where no operator ran between the pass and the optimizer, as in these loops). "
             "Read cost = 1 + that time / the `none` row's step of the same run: measuring those values at memory "
             "speed, with no cost per tensor, node or row. A reference, not a bound: hooks read a gradient just "
             "after the op wrote it, while it may still be in cache; and the tensor read was read just before. "
             "The last two columns read the parameters' `.grad`s where `params` reads them: "
-            "`torch._foreach_norm` over them twice right after a plain backward (the pass's rows, then the final "
-            "rows), as the backward leaves them; the `params` verdicts use that one where it was measured.",
+            "`torch._foreach_norm` over them once right after a plain backward, as the backward leaves them; the "
+            "`params` verdicts use that one where it was measured.",
             "",
             "| model | nodes | gradients: storages (MB) | parameters' `.grad`: storages (MB) | `full` reads (ms) | "
-            "`full`, one read | `params` reads (ms) | `params`, one read | `.grad`s read twice in the step (ms) | "
+            "`full`, one read | `params` reads (ms) | `params`, one read | `.grad`s read once in the step (ms) | "
             "`params`, in the step |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -651,7 +652,7 @@ def ratio_table(res: dict) -> list[str]:
             read, read_what = read_cost_of(res, model, row), "one read of its values"
             in_step = read_cost_of(res, model, "params in step") if row == "params" else None
             if in_step is not None:  # the `.grad`s where `params` reads them, when measured
-                read, read_what = in_step, "its `.grad`s read twice in the step"
+                read, read_what = in_step, "its `.grad`s read once in the step"
             verdict = _verdict(model, row, int(threads), e["ratio"], read, read_what)
             k = e.get("k", "")
             lines.append(

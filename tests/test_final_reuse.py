@@ -175,3 +175,46 @@ def test_checksum_true_measures_the_final_rows_again(db, monkeypatch):
     assert len(calls) == 4
     rows = gradstore.open(db).param_grads("sum", which="all")
     assert len(rows) == 8
+
+
+def test_accumulated_micro_batches_end_in_the_last_pass_measurement(db, monkeypatch):
+    """Two micro-batches per step: each pass measures the .grads (the second one the sum of both); the final
+    rows are the second pass's measurement (nothing ran after it), equal to plain PyTorch's accumulated .grad."""
+    calls = []
+    real = final_grads.pack_params
+    counted = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(final_grads, "pack_params", counted)
+    monkeypatch.setattr(passes, "pack_params", counted)
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+    def model():
+        torch.manual_seed(1)
+        net = nn.Linear(3, 2)
+        return net, torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(net, opt, a, b, seen=None):
+        opt.zero_grad()
+        net(a).square().sum().backward()
+        net(b).square().sum().backward()
+        if seen is not None:
+            seen.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        opt.step()
+
+    plain, plain_opt = model()
+    want = []
+    for a, b in zip(xs[::2], xs[1::2]):
+        step(plain, plain_opt, a, b, want)
+    net, opt = model()
+    rec = gradstore.record("acc", db=db, model=net)
+    recorded = rec(step)
+    for a, b in zip(xs[::2], xs[1::2]):
+        recorded(net, opt, a, b)
+    rec.flush()
+    assert native.ops_watch()(False) == -1
+    assert len(calls) == 2 * 2  # two passes a step, no third read
+    rows = gradstore.open(db).param_grads("acc", which="final")
+    for k, grads in enumerate(want):
+        for name, g in grads.items():
+            row = rows[(rows.step == k) & (rows.param == name)].iloc[0]
+            for stat, value in _reference(g).items():
+                assert row[stat] == pytest.approx(value, rel=1e-6, abs=1e-12), (k, name, stat)

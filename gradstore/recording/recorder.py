@@ -787,6 +787,8 @@ class record:
         if outer:  # a module forward entered while this pass runs is a recomputation (activation checkpointing)
             self._tracker.context = state.open_call
         if state is not None:
+            if self._final is not None:  # a pass changes .grad: no operator watch while the engine runs
+                self._final.close()
             try:
                 p = PassRecorder(
                     state,
