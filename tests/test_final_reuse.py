@@ -9,11 +9,14 @@ just before the optimizer steps. The number of measurements: calls of final_grad
 
 from __future__ import annotations
 
+import os
 import threading
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import gradstore
 from gradstore.recording import final_grads, native, passes
@@ -218,3 +221,187 @@ def test_accumulated_micro_batches_end_in_the_last_pass_measurement(db, monkeypa
             row = rows[(rows.step == k) & (rows.param == name)].iloc[0]
             for stat, value in _reference(g).items():
                 assert row[stat] == pytest.approx(value, rel=1e-6, abs=1e-12), (k, name, stat)
+
+
+def test_a_grad_replaced_by_a_view_of_its_memory_is_measured_again(db):
+    """`.grad` set (no operator) to a view made earlier over the same memory: the same data pointer and version
+    counter, other strides. The final rows hold the view's statistics (what the optimizer steps with), as plain
+    torch computes them, not the pass's."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 4, bias=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net.weight.grad = torch.zeros(4, 4)
+    g = net.weight.grad
+    row0 = g.as_strided((4, 4), (0, 1))  # row 0 four times: g's memory and version counter
+    seen = []
+    rec = gradstore.record("view", db=db, model=net, stats="params")
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+
+    @rec
+    def step(x):
+        opt.zero_grad(set_to_none=False)
+        net(x).pow(2).sum().backward()
+        net.weight.grad = row0  # a Python attribute assignment: no operator runs
+        opt.step()
+        net.weight.grad = g
+
+    for x in xs:
+        step(x)
+        seen.append((g.clone(), row0.clone()))  # SGD leaves .grad as it was
+    rec.flush()
+    rows = gradstore.open(db).param_grads("view", which="all")
+    for k, (passed, final) in enumerate(seen):
+        for flag, want in ((0, passed), (1, final)):
+            row = rows[(rows.step == k) & (rows.final == flag)].iloc[0]
+            assert row["norm"] == pytest.approx(float(want.double().norm()), rel=1e-6), (k, flag)
+    assert float(seen[0][0].norm()) != pytest.approx(float(seen[0][1].norm()), rel=1e-3)  # the case under test
+
+
+def test_several_ranks_measure_the_final_rows_again(db, monkeypatch):
+    """With a process group of more than one rank an asynchronous collective may still be writing the .grads
+    when the pass ends: the final rows are measured again even with checksum=False."""
+    calls = []
+    real = final_grads.pack_params
+    counted = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(final_grads, "pack_params", counted)
+    monkeypatch.setattr(passes, "pack_params", counted)
+    monkeypatch.setattr(final_grads, "world_size", lambda: 2)
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    rec = gradstore.record("ranks", db=db, model=net, checksum=False)
+
+    @rec
+    def step(x):
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+
+    for _ in range(2):
+        step(torch.randn(2, 3))
+    rec.flush()
+    assert len(calls) == 4
+
+
+def test_a_forked_child_has_no_operator_watch_of_its_parent():
+    """A child forked while an operator watch runs gets none of it: its first reading says no watcher is on."""
+    watch = native.ops_watch()
+    watch(True)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the hooks module's own function, as the parent's accessor is the parent's
+            code = native._state["module"].ops_watch(False)
+            os.write(w, str(code).encode())
+            os._exit(0)
+        os.close(w)
+        got = os.read(r, 64).decode()
+        os.waitpid(pid, 0)
+        os.close(r)
+    finally:
+        watch(False)
+    assert got == "-1"
+
+
+def _halve_pre_hook(optimizer, args, kwargs):
+    with torch.no_grad():
+        for p in optimizer.param_groups[0]["params"]:
+            p.grad.mul_(0.5)
+
+
+def _loop_own_pre_hook(net, opt, x):
+    net(x).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _loop_zero_grad_before_step(net, opt, x):  # a bug in the loop: the optimizer steps with what zero_grad left
+    net(x).pow(2).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    opt.step()
+
+
+def _loop_set_to_none_before_step(net, opt, x):
+    net(x).pow(2).sum().backward()
+    opt.zero_grad(set_to_none=True)
+    opt.step()
+
+
+def _loop_clip(net, opt, x):
+    opt.zero_grad()
+    net(x).pow(2).sum().backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+    opt.step()
+
+
+# loop -> (a pre-hook that halves the .grads: the optimizer's own, or global and registered in the scope; the
+# .grad measurements per step: the pass's, then the final rows')
+LOOPS = {
+    "the optimizer's own pre-hook": (_loop_own_pre_hook, "own", 2),
+    "a global pre-hook registered after the scope opened": (_loop_own_pre_hook, "global", 2),
+    # zero_grad's snapshot is the pass's measurement (nothing ran in between); the optimizer's is a read
+    "zero_grad(set_to_none=False) between backward and step": (_loop_zero_grad_before_step, None, 2),
+    "zero_grad(set_to_none=True) between backward and step": (_loop_set_to_none_before_step, None, 2),
+    "clip_grad_norm_ then step": (_loop_clip, None, 2),
+}
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_the_final_rows_are_what_the_optimizers_step_reads(db, loop, monkeypatch):
+    """The final rows hold the `.grad`s as the optimizer's step() reads them, after its own pre-hooks and global
+    ones registered later (torch.optim runs gradstore's global pre-hook first), and after a zero_grad placed
+    between backward and step; a clipped loop reads them twice a step (the pass, after clipping), not three
+    times. Expected: the `.grad`s a pre-hook of the optimizer's own, registered last, copies in a plain run of the
+    same seeded model (a pre-hook of the optimizer runs after every global one)."""
+    fn, hook, reads = LOOPS[loop]
+    calls = []
+    real = final_grads.pack_params
+    counted = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(final_grads, "pack_params", counted)
+    monkeypatch.setattr(passes, "pack_params", counted)
+    xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+
+    def model(seen=None):
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        if hook == "own":
+            opt.register_step_pre_hook(_halve_pre_hook)
+        if seen is not None:  # the plain run: its last pre-hook sees the .grads as step() reads them
+            opt.register_step_pre_hook(
+                lambda o, a, k: seen.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
+            )
+        return net, opt
+
+    want: list = []
+    plain, plain_opt = model(want)
+    handle = register_optimizer_step_pre_hook(_halve_pre_hook) if hook == "global" else None
+    try:
+        for x in xs:
+            fn(plain, plain_opt, x)
+    finally:
+        if handle is not None:
+            handle.remove()
+    net, opt = model()
+    with gradstore.record("saw", db=db, model=net, stats="params") as rec:
+        handle = register_optimizer_step_pre_hook(_halve_pre_hook) if hook == "global" else None
+        try:
+            for x in xs:
+                fn(net, opt, x)
+                rec.step()
+        finally:
+            if handle is not None:
+                handle.remove()
+    for a, b in zip(plain.parameters(), net.parameters()):  # recording changed no parameter
+        assert torch.equal(a, b)
+    assert len(calls) == reads * len(xs)
+    rows = gradstore.open(db).param_grads("saw", which="final")
+    names = [n for n, _ in net.named_parameters()]
+    for k, grads in enumerate(want):
+        for name, g in zip(names, grads):
+            row = rows[(rows.step == k) & (rows.param == name)].iloc[0]
+            if g is None:
+                assert row["status"] == "none" and pd.isna(row["norm"]), (loop, k, name)
+                continue
+            for stat, value in _reference(g).items():
+                assert row[stat] == pytest.approx(value, rel=1e-6, abs=1e-12), (loop, k, name, stat)

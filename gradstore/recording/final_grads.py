@@ -7,12 +7,15 @@ When is "over": the `.grad` the optimizer reads. The final rows are taken
   optimizer: HuggingFace `on_pre_optimizer_step`, Lightning `on_before_optimizer_step`), and again whenever
   `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` or `GradScaler.unscale_` returns inside the step (each
   replaces the earlier snapshot: gradstore.recording.observers);
-- else just before an optimizer's `step()` (torch.optim's global step pre-hook), or when it returns if a
-  backward pass ran inside it (a closure: LBFGS, Lightning), or when `GradScaler.step` skipped it, or just
-  before `Optimizer.zero_grad` / `Module.zero_grad` clears them;
+- else when an optimizer's `step()` is about to read them, after every pre-hook of its own and every global one
+  (gradstore.recording.observers), or when it returns if a backward pass ran inside it (a closure: LBFGS,
+  Lightning), or when `GradScaler.step` skipped it, or just before `Optimizer.zero_grad` / `Module.zero_grad`
+  clears them; an optimizer step takes them again where the snapshot it finds may not be what it reads (taken
+  by `zero_grad`, or an operator ran or a `.grad` moved since: `FinalGrads.at_optimizer_step`);
 - else when the step ends (a step whose loop has no optimizer).
 A backward pass that finishes after a snapshot voids it (the gradients have changed again), so gradient
-accumulation micro-batches end up in the snapshot.
+accumulation micro-batches end up in the snapshot. A snapshot is the last measurement where nothing in this
+process can have changed the `.grad`s since it was made (`FinalGrads.take`): no second read in a plain loop.
 """
 
 from __future__ import annotations
@@ -147,12 +150,13 @@ class PackedParams:
     norms: list
     counts: list
     nonfinite: bool
+    declined: int = 0  # `.grad`s the C++ hooks left to `stats.measure` (a device or float16 tensor, a DTensor)
 
     def again(self) -> PackedParams:
         """The same measurement with rows of its own (a new `rows.PackedRows` over the same bytes): the step's final
         rows where they are the pass's (`FinalGrads.take`)."""
         rows = PackedRows("tensors", len(self.rows), self.rows.payload)
-        return PackedParams(self.nodes, self.keys, rows, self.norms, self.counts, self.nonfinite)
+        return PackedParams(self.nodes, self.keys, rows, self.norms, self.counts, self.nonfinite, self.declined)
 
 
 def pack_params(
@@ -182,7 +186,7 @@ def pack_params(
         counts[i] = None if nan is None else nan + (row[_NAN_AT + 1] or 0) + (row[_NAN_AT + 2] or 0)
     keys = [info.key for info in nodes]
     rows = PackedRows("tensors", len(keys), (blob, keys, fallbacks, []))
-    return PackedParams(nodes, keys, rows, norms, counts, any(counts))
+    return PackedParams(nodes, keys, rows, norms, counts, any(counts), len(declined))
 
 
 def total_norm(norms: list) -> float | None:
@@ -238,6 +242,35 @@ def wanted(options: Options, module: str, param: str | None) -> bool:
     return options.wants_module(module) and (param is None or options.wants_param(param))
 
 
+def watch_start() -> int | None:
+    """Add an operator watcher (`native.ops_watch`): the operators counted so far, or None where none can be added
+    (the C++ hooks not loaded, RecordFunction off on this thread). A count returned must reach `watch_stop`."""
+    watch = native.ops_watch()
+    try:
+        count = watch(True) if watch is not None else -1
+    except Exception:
+        return None
+    return count if count >= 0 else None
+
+
+def watch_stop(count: int) -> int:
+    """Remove the watcher `watch_start` added (which returned `count`): the operators counted since, or -1 where
+    that is unknown."""
+    watch = native.ops_watch()
+    try:
+        now = watch(False) if watch is not None else -1
+    except Exception:
+        return -1
+    return now - count if now >= 0 else -1
+
+
+def reusable(packed: PackedParams | None) -> bool:
+    """Whether the step's final rows may be this pass measurement (`FinalGrads.take`): every `.grad` measured by
+    the C++ hooks (plain dense float32/float64 CPU tensors: no device stream or DTensor can still be writing them)
+    and no process group of more than one rank (whose asynchronous collectives may complete after the pass)."""
+    return packed is not None and not packed.declined and world_size() == 1
+
+
 class FinalGrads:
     """The final parameter gradients of one step (see the module's docstring for when they are taken).
 
@@ -254,24 +287,34 @@ class FinalGrads:
         self.taken_by: str | None = None
         self.passes = 0  # top-level backward passes finished in the step
         self.reused = 0  # snapshots that are the last pass's measurement (`take`)
-        # (the last top-level pass's PackedParams, the .grads' states then, the operator count then) while the
-        # operator watch runs for it (`after_pass`), else None
-        self._pass: tuple | None = None
+        # what the .grads were when last measured, while an operator watcher runs for it: (PackedParams of the
+        # last top-level pass, or None for the snapshot in `results`; the watcher's count from just before that
+        # measurement; the .grads' grad_states and grad_impls then), else None
+        self._basis: tuple | None = None
 
     def take(self, why: str) -> None:
         """Take the snapshot now, replacing an earlier one of the step. `why` names the moment.
 
         The last top-level backward pass's measurement stands for it, with no second read of the `.grad`s, where
-        nothing can have changed them since: every `.grad` is the same tensor (address) at the same version
-        counter as when the pass measured them (`hooks.cpp grad_states`), and PyTorch's dispatcher ran no operator
-        on any thread in between (`native.ops_watch`: a `.grad.data.mul_()` or an all-reduce is an operator,
-        though it moves no version counter). Otherwise they are measured now. What no operator writes (a NumPy
-        array sharing a `.grad`'s memory, a C extension writing it) is not seen: measured again only where
-        an operator or a version moved too."""
-        if self._unchanged_since_pass():
-            self.reused += 1
-            self.taken_by = why
-            return
+        nothing in this process can have changed them since (`_unchanged`): every `.grad` is the same tensor (its
+        TensorImpl and data pointer) at the same version counter as when the pass measured them (hooks.cpp
+        `grad_impls`, `grad_states`), and PyTorch's dispatcher started no operator on any thread with
+        RecordFunction on from just before that measurement (`native.ops_watch`: `.grad.data.mul_()` is an
+        operator, though it moves no version counter); only for plain CPU `.grad`s and without a process group of
+        several ranks (`reusable`). Otherwise they are measured now. Not seen: a write no operator makes (a NumPy
+        array or DLPack view made before the pass ended, a C extension, another process sharing the memory), an
+        operator already running on another thread when the pass ended."""
+        basis, self._basis = self._basis, None
+        if basis is not None and basis[0] is not None:  # the pass's measurement: `_unchanged` removes its watcher
+            if self._unchanged(basis):
+                packed = basis[0]
+                self.reused += 1
+                self.nodes, self.results, self.taken_by = packed.nodes, packed.again(), why
+                self._basis = self._rewatch(basis)  # the snapshot is that measurement: watched on
+                return
+        elif basis is not None:
+            watch_stop(basis[1])
+        count = watch_start() if self._aliases is None and world_size() == 1 else None
         sharded_of = {id(u): sh for sh, u in self._aliases()} if self._aliases is not None else None
         packed = pack_params(self.params, self.options, sharded_of)
         if packed is not None:
@@ -279,59 +322,85 @@ class FinalGrads:
         else:
             self.nodes, self.results, _ = measure_params(self.params, self.options, sharded_of)
         self.taken_by = why
+        if count is not None:
+            states = self._states() if reusable(packed) else None
+            if states is None:
+                watch_stop(count)
+            else:
+                self._basis = (None, count, *states)
 
     def take_if_missing(self, why: str) -> None:
         """Measure now unless the step already holds a snapshot taken after its last backward pass."""
         if self.results is None and self.passes:
             self.take(why)
 
-    def after_pass(self, packed: PackedParams | None = None, states=None) -> None:
+    def at_optimizer_step(self, why: str) -> None:
+        """The optimizer is about to step with the `.grad`s as they are now: the snapshot is taken (`take`) if the
+        step holds none since its last backward pass, and again where the one it holds may no longer be what the
+        optimizer reads: taken by `zero_grad` (which then cleared the `.grad`s), or where an operator ran or a
+        `.grad` changed since it was measured (`_unchanged`, where it can tell). Nothing before a backward pass."""
+        if not self.passes:
+            return
+        if self.results is None or self.taken_by == "zero_grad":
+            self.take(why)
+            return
+        basis = self._basis
+        if basis is None or basis[0] is not None:  # nothing to tell a change by: the snapshot stands
+            return
+        self._basis = None
+        if self._unchanged(basis):
+            self._basis = self._rewatch(basis)
+            return
+        self.take(why)
+
+    def after_pass(self, packed: PackedParams | None = None, states=None, count=None, impls=None) -> None:
         """A top-level backward pass finished: `.grad` changed after any snapshot, which no longer stands.
 
-        Args: packed: the pass's measurement of the parameters' `.grad`s (`pack_params`), or None; states: the
-        `.grad`s' states when it was taken (hooks.cpp `grad_states` bytes), or None. Given both (and no FSDP2
-        aliases), the operator watch starts: `take` may then use that measurement (see there)."""
+        Args (all from `PassRecorder.params_measured`, or none): packed: the pass's measurement of the parameters'
+        `.grad`s (`pack_params`, `reusable`); states: the `.grad`s' data pointers and version counters when it was
+        taken (hooks.cpp `grad_states` bytes); count: the operator watch `watch_start` added before that
+        measurement, which this object takes over (and removes: at `take`, `close` or the next pass); impls: the
+        `.grad`s' TensorImpl addresses then (hooks.cpp `grad_impls` bytes). Given them all (and no FSDP2 aliases),
+        `take` may use that measurement (see there)."""
         self.passes += 1
         self.results = None
         self.taken_by = None
         self.close()
-        watch = native.ops_watch()
-        if packed is None or type(states) is not bytes or self._aliases is not None or watch is None:
+        if count is None:
             return
-        try:
-            count = watch(True)
-        except Exception:
+        if packed is None or type(states) is not bytes or type(impls) is not bytes or self._aliases is not None:
+            watch_stop(count)
             return
-        if count >= 0:
-            self._pass = (packed, states, count)
+        self._basis = (packed, count, states, impls)
 
     def close(self) -> None:
-        """Stop the operator watch this step started, if it runs (the end of the step; a new pass)."""
-        pending, self._pass = self._pass, None
-        if pending is not None:
-            watch = native.ops_watch()
-            if watch is not None:
-                watch(False)
+        """Remove the operator watcher of the last measurement, if one runs (the end of the step; a new pass)."""
+        basis, self._basis = self._basis, None
+        if basis is not None:
+            watch_stop(basis[1])
 
-    def _unchanged_since_pass(self) -> bool:
-        """True (and the snapshot set to the last pass's measurement) where no operator ran and no `.grad` changed
-        since the pass measured them; the operator watch stops either way."""
-        pending, self._pass = self._pass, None
-        if pending is None:
-            return False
-        packed, states, count = pending
-        watch, module = native.ops_watch(), native.available(self.options.param_level)
+    def _states(self) -> tuple[bytes, bytes] | None:
+        """(grad_states, grad_impls) of the parameters now (hooks.cpp), or None where they cannot be read."""
+        module = native.available(self.options.param_level)
         try:
-            seen = watch(False) - count if watch is not None else -1
-            if seen != 0 or module is None:
-                return False
-            params = self.params
-            if module.grad_states(params if type(params) is list else list(params)) != states:
-                return False
+            params = self.params if type(self.params) is list else list(self.params)
+            states = module.grad_states(params) if module is not None else None
+            impls = module.grad_impls(params) if states is not None else None
         except Exception:
-            return False
-        self.nodes, self.results = packed.nodes, packed.again()
-        return True
+            return None
+        return (states, impls) if type(states) is bytes and type(impls) is bytes else None
+
+    def _unchanged(self, basis: tuple) -> bool:
+        """Whether nothing ran and nothing moved since `basis`' measurement: no operator counted by its watcher
+        (removed here) and the same grad_states and grad_impls now."""
+        _, count, states, impls = basis
+        return watch_stop(count) == 0 and self._states() == (states, impls)
+
+    def _rewatch(self, basis: tuple) -> tuple | None:
+        """The snapshot's basis, watched again from now: `basis`' states, just found unchanged (`_unchanged`
+        removed its watcher), with a new watcher's count; None where no watcher can be added."""
+        count = watch_start()
+        return None if count is None else (None, count, basis[2], basis[3])
 
     def rows(self) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:
         """(nodes, tensor rows (key, None, role code of param_grad, 0, *ROW_COLUMNS), any non-finite, (keys, norms,

@@ -70,7 +70,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 17
+ABI_VERSION = 18
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
@@ -245,6 +245,8 @@ def _init(module) -> None:
     _state["kernel"] = k is not None
     inserts.use_native_groups(module.none_groups)  # the writer's inserts split their rows in C from now on
     writer.use_native_rows(getattr(module, "tensor_rows", None))  # and build the tensor_data rows in C
+    if hasattr(os, "register_at_fork"):  # a child forked while an operator watch runs: not its watch (ops_watch)
+        os.register_at_fork(after_in_child=lambda: module.ops_watch(None))
 
 
 def _settle(wait: bool):
@@ -384,6 +386,14 @@ def grads_of():
     return getattr(module, "grads_of", None)
 
 
+def grad_impls():
+    """The hooks module's `grad_impls(params)` where the module is loaded in this process, else None. Never starts
+    a build; never raises. The function returned takes a list of (name, parameter) and returns the address of each
+    parameter's `.grad` TensorImpl (0 for None) as int64 bytes, or None where a parameter is not a plain tensor."""
+    module = _state.get("module") if _state.get("pid") == os.getpid() else None
+    return getattr(module, "grad_impls", None)
+
+
 def ops_watch():
     """The hooks module's `ops_watch(on)` where the module is loaded in this process, else None. Never starts a
     build; never raises.
@@ -395,7 +405,8 @@ def ops_watch():
     operators are the difference of its two readings. torch.profiler.record_function's own enter / exit operators
     and the 'Optimizer.*' records torch.optim opens around `step()` / `zero_grad()` are not counted (the operators
     inside them are). A write to a tensor's memory that no operator makes (through a NumPy array sharing it, a C
-    extension writing raw memory) is not counted."""
+    extension writing raw memory) is not counted. `ops_watch(None)` (run in every forked child) removes the callback
+    and every watcher: a child's operators are not the parent's."""
     module = _state.get("module") if _state.get("pid") == os.getpid() else None
     return getattr(module, "ops_watch", None)
 

@@ -16,10 +16,13 @@ through otherwise (and on any thread but the recording's):
   did not call `optimizer.step()`, else 0.0; read from the scaler's private state through
   gradstore.recording.torch_private, left out where it cannot be read);
 - torch.optim's global step hooks (`torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`,
-  public): the final gradients just before an optimizer steps, unless already taken after the last backward
-  pass, and when it returns if a backward pass ran inside it (a closure);
+  public): the final gradients just before an optimizer steps, after every pre-hook of its own and every global
+  one (the global pre-hook adds one to the optimizer, last, for the step: `Optimizer.register_step_pre_hook`),
+  taken again there where the snapshot the step holds may no longer be what the optimizer reads
+  (`FinalGrads.at_optimizer_step`), and when it returns if a backward pass ran inside it (a closure);
 - `torch.optim.Optimizer.zero_grad` and `torch.nn.Module.zero_grad`: the final gradients just before they are
-  cleared, unless already taken after the last backward pass (a loop that zeroes them inside the step).
+  cleared, unless already taken after the last backward pass (a loop that zeroes them inside the step); an
+  optimizer step after that takes them again (it steps with what zero_grad left).
 Every wrapper returns the wrapped function's result unchanged and passes its exceptions through; a fault of
 gradstore's own is noted on the step and never reaches the caller.
 """
@@ -41,6 +44,7 @@ _lock = threading.Lock()
 _target = None  # the open step: an Observed
 _saved: list[tuple[object, str, object, object]] = []  # (owner, attribute, original, wrapper) while installed
 _handles: list = []
+_last: dict = {}  # id(optimizer) -> the handle of its `_last_pre_hook` while its step runs
 
 
 class Observed:
@@ -164,13 +168,34 @@ def _zero_grad(original):
 
 
 def _optimizer_pre_hook(optimizer, args, kwargs):
+    """torch.optim's global pre-hooks run before the optimizer's own (`Optimizer.register_step_pre_hook`), and a
+    global one registered later runs after this one: either may change the `.grad`s. So this one adds a pre-hook
+    to the optimizer, last of its own (`_last_pre_hook`), which takes the final gradients; removed when the step
+    returns (`_optimizer_post_hook`) or at the optimizer's next step. Where that cannot be added, taken here."""
+    t = _here()
+    if t is None:
+        return None
+    old = _last.pop(id(optimizer), None)
+    if old is not None:  # a step that raised: its hook is still there (the optimizer's hooks do not run yet)
+        old.remove()
+    try:
+        _last[id(optimizer)] = optimizer.register_step_pre_hook(_last_pre_hook)
+    except Exception:
+        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step")
+    return None
+
+
+def _last_pre_hook(optimizer, args, kwargs):
     t = _here()
     if t is not None:
-        _guarded("optimizer step pre-hook", t.final.take_if_missing, "optimizer step")
+        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step")
     return None
 
 
 def _optimizer_post_hook(optimizer, args, kwargs):
+    hook = _last.pop(id(optimizer), None)
+    if hook is not None:  # the optimizer's own post-hooks ran: its pre-hooks are not being iterated
+        hook.remove()
     t = _here()
     if t is not None:
         _guarded("optimizer step post-hook", t.final.take_if_missing, "optimizer step (after its closure)")
@@ -228,3 +253,5 @@ def deactivate() -> None:
                 setattr(owner, name, original)
         while _handles:
             _handles.pop().remove()
+        while _last:
+            _last.popitem()[1].remove()

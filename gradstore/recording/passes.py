@@ -28,7 +28,7 @@ import torch
 from ..records import NodeInfo, PassRecord
 from . import native as native_hooks
 from . import torch_private as tp
-from .final_grads import measure_params, pack_params, wanted
+from .final_grads import measure_params, pack_params, reusable, wanted, watch_start, watch_stop
 from .graph import Keyed, LazyNodes, describe, roots_of, walk
 from .inside import PassInside
 from .native import LEVEL_CODES
@@ -236,8 +236,9 @@ class PassRecorder:
         self._trusted: list[bool] = []
         self._claimable: list[bool] = []
         self.native = None  # the C++ hooks' pass (gradstore.recording.native) when they record this pass
-        # (PackedParams, the .grads' grad_states then): the parameters' measurement at the end of a top-level
-        # backward pass, where `finish` packed one (and no FSDP2 alias changed which tensor is measured); else None
+        # (PackedParams, the .grads' grad_states then, an operator watcher's count from before it, the .grads'
+        # grad_impls then): the parameters' measurement at the end of a top-level backward pass that the step's
+        # final rows may be (final_grads.reusable; no FSDP2 alias), for FinalGrads.after_pass; else None
         self.params_measured: tuple | None = None
         self._params_packed = None  # the param_grad rows packed (final_grads.pack_params), else in `measured`
         # slices=, values=, saved=True: what the hooks see inside tensors, beside their statistics
@@ -488,6 +489,7 @@ class PassRecorder:
         rec = self.record
         t_end = time.perf_counter()
         rec.seq_range = (self.seq_start, tp.next_sequence_nr())
+        watch_from = None  # an operator watcher added here and not handed over (params_measured) goes at the end
         try:
             native = None
             if self.native is not None:  # the C++ hooks come off first, whatever happens next
@@ -503,6 +505,8 @@ class PassRecorder:
             param_nodes: dict[str, NodeInfo] = {}
             param_keys: list[str] = []
             if rec.kind == "backward" and rec.parent_pass is None:  # what the optimizer will see, also after a fault
+                if ok and not self._sharded_of and not self.options.inside:  # from before the measurement on
+                    watch_from = watch_start()
                 after = grad_states(self.params, self.step.native)
                 self.step.note_grads(self.params, after)
                 if self.grads_before is not None:
@@ -512,8 +516,12 @@ class PassRecorder:
                 packed = None if opts.inside else pack_params(self.params, opts, self._sharded_of)
                 if packed is not None:  # their rows packed in C++, built where they are read
                     self._params_packed = packed
-                    if not self._sharded_of:  # what the step's final rows may be (FinalGrads.after_pass)
-                        self.params_measured = (packed, after)
+                    impls = self.step.native.grad_impls if self.step.native is not None else None
+                    if watch_from is not None and reusable(packed) and impls is not None:
+                        # what the step's final rows may be (FinalGrads.after_pass takes the watcher over)
+                        impls = impls(self.params if type(self.params) is list else list(self.params))
+                        self.params_measured = (packed, after, watch_from, impls)
+                        watch_from = None
                     param_keys = packed.keys
                     param_nodes = dict(zip(param_keys, packed.nodes))
                     nodes = results = measured = ()
@@ -544,6 +552,8 @@ class PassRecorder:
         except Exception as exc:
             self.step.fault("end of pass", exc)
         finally:
+            if watch_from is not None:
+                watch_stop(watch_from)
             rec.finish = time.perf_counter() - t_end
             if self in self.step.active:
                 self.step.active.remove(self)

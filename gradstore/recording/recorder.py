@@ -32,7 +32,7 @@ from ..store.writer import flush_pending, writer_for
 from ..version import __version__
 from . import intercept, kernel, native, observers
 from . import torch_private as tp
-from .final_grads import FinalGrads, total_norm
+from .final_grads import FinalGrads, total_norm, watch_stop
 from .findings import Findings, StepFacts
 from .flight import FlightRecorder
 from .forward import ForwardRecorder
@@ -820,9 +820,12 @@ class record:
             try:
                 if p is not None:
                     rec = p.finish(ok)
+                    measured = p.params_measured  # with an operator watcher to take over or remove
                     if ok and self._final is not None and rec.kind == "backward" and rec.parent_pass is None:
                         # .grad changed: a snapshot taken before it no longer stands
-                        self._final.after_pass(*(p.params_measured or ()))
+                        self._final.after_pass(*(measured or ()))
+                    elif measured is not None:
+                        watch_stop(measured[2])
                     if self._forward is not None and not state.active:  # a top-level pass: the next forward's keys
                         self._forward.backward_done()
             finally:

@@ -49,7 +49,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 17;
+constexpr int ABI = 18;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -1486,6 +1486,33 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
   return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
 }
 
+// grad_impls(params) -> bytes, or None: the address of each parameter's .grad TensorImpl (0 for None), int64 each, for
+// a list of (name, parameter) of plain tensors (None otherwise). With grad_states' data pointer and version counter it
+// tells a .grad replaced by another tensor over the same memory (a view with other strides) without an operator.
+PyObject* py_grad_impls(PyObject*, PyObject* params) {
+  if (!PyList_Check(params)) {
+    PyErr_SetString(PyExc_TypeError, "grad_impls(params): a list of (name, parameter)");
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(params);
+  std::string out((size_t)n * 8, '\0');
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyList_GET_ITEM(params, i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) Py_RETURN_NONE;
+    PyObject* p = PyTuple_GET_ITEM(item, 1);
+    if ((PyObject*)Py_TYPE(p) != G.plain[0] && (PyObject*)Py_TYPE(p) != G.plain[1]) Py_RETURN_NONE;
+    int64_t a = 0;
+    try {
+      const at::Tensor& grad = THPVariable_Unpack(p).grad();
+      if (grad.defined()) a = (int64_t)(intptr_t)grad.unsafeGetTensorImpl();
+    } catch (const std::exception&) {
+      Py_RETURN_NONE;
+    }
+    std::memcpy(&out[(size_t)i * 8], &a, 8);
+  }
+  return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
+}
+
 // ---- the operator watch (gradstore.recording.final_grads): PyTorch operators run between two points ---------------
 // A global RecordFunction callback (every thread) counts the operators the dispatcher runs while at least one
 // watcher is on. ops_watch(True) adds a watcher (registering the callback for the first) and returns the count so far,
@@ -1493,7 +1520,8 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
 // removes one (the callback goes with the last) and returns the count, or -1 where none was on. The count only grows: a watcher's operators
 // are its two readings' difference, whatever other watchers do. Not counted: torch.profiler.record_function's own
 // enter / exit operators, and the USER_SCOPE records named 'Optimizer.*' that torch.optim opens around step() and
-// zero_grad() before their hooks run (the operators inside them are counted). Called with the GIL.
+// zero_grad() before their hooks run (the operators inside them are counted). ops_watch(None), in a forked child,
+// removes the callback and every watcher the parent had. Called with the GIL.
 std::atomic<int64_t> g_ops_seen{0};
 int g_ops_watchers = 0;
 at::CallbackHandle g_ops_handle = 0;
@@ -1512,6 +1540,14 @@ std::unique_ptr<at::ObserverContext> ops_seen(const at::RecordFunction& fn) {
 }
 
 PyObject* py_ops_watch(PyObject*, PyObject* on) {
+  if (on == Py_None) {  // a forked child: the parent's watchers are not its own; the callback goes
+    try {
+      if (g_ops_watchers > 0) at::removeCallback(g_ops_handle);
+    } catch (const std::exception&) {
+    }
+    g_ops_watchers = 0;
+    Py_RETURN_NONE;
+  }
   int start = PyObject_IsTrue(on);
   if (start < 0) return nullptr;
   try {
@@ -2485,6 +2521,7 @@ PyMethodDef methods[] = {
     {"unpack_calls", py_unpack_calls, METH_VARARGS, "Call rows from pack()'s bytes."},
     {"grad_states", py_grad_states, METH_O, "What tells each parameter's .grad changed, as bytes."},
     {"ops_watch", py_ops_watch, METH_O, "Add (True) or remove (False) an operator watcher; the operators counted so far."},
+    {"grad_impls", py_grad_impls, METH_O, "The address of each parameter's .grad TensorImpl, as bytes."},
     {"param_rows", py_param_rows, METH_VARARGS, "The rows of the parameters' .grad measured here, or None each."},
     {"param_pack", py_param_pack, METH_VARARGS, "The parameters' .grad measured here, as packed tensor rows."},
     {"module_hooks", py_module_hooks, METH_VARARGS, "The module tracker's forward pre-hook and hook, in C."},
