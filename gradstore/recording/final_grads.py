@@ -314,7 +314,6 @@ class FinalGrads:
                 return
         elif basis is not None:
             watch_stop(basis[1])
-        count = watch_start() if self._aliases is None and world_size() == 1 else None
         sharded_of = {id(u): sh for sh, u in self._aliases()} if self._aliases is not None else None
         packed = pack_params(self.params, self.options, sharded_of)
         if packed is not None:
@@ -322,8 +321,12 @@ class FinalGrads:
         else:
             self.nodes, self.results, _ = measure_params(self.params, self.options, sharded_of)
         self.taken_by = why
+        # watched from the measurement's end (its own operators, a checksum's, are no change): what tells an
+        # optimizer step later whether this snapshot still stands (`at_optimizer_step`), also where it could not
+        # stand in for a read (`reusable`)
+        count = watch_start() if self._aliases is None else None
         if count is not None:
-            states = self._states() if reusable(packed) else None
+            states = self._states()
             if states is None:
                 watch_stop(count)
             else:
@@ -337,12 +340,17 @@ class FinalGrads:
     def at_optimizer_step(self, why: str) -> None:
         """The optimizer is about to step with the `.grad`s as they are now: the snapshot is taken (`take`) if the
         step holds none since its last backward pass, and again where the one it holds may no longer be what the
-        optimizer reads: taken by `zero_grad` (which then cleared the `.grad`s), or where an operator ran or a
-        `.grad` changed since it was measured (`_unchanged`, where it can tell). Nothing before a backward pass."""
+        optimizer reads: taken by `zero_grad` (which then cleared the `.grad`s), or taken before any optimizer
+        step (clipping, `GradScaler.unscale_`, `rec.final_grads()`) where an operator ran or a `.grad` changed
+        since it was measured (`_unchanged`, where it can tell). A snapshot an optimizer step took stands for the
+        step's later optimizer steps (another optimizer reads other parameters, after the first one's
+        `zero_grad` may have cleared its own). Nothing before a backward pass."""
         if not self.passes:
             return
         if self.results is None or self.taken_by == "zero_grad":
             self.take(why)
+            return
+        if (self.taken_by or "").startswith("optimizer step"):
             return
         basis = self._basis
         if basis is None or basis[0] is not None:  # nothing to tell a change by: the snapshot stands
