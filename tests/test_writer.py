@@ -6,6 +6,7 @@ import sqlite3
 import time
 
 import pytest
+import torch
 from sqlalchemy import insert
 
 from gradstore.records import NodeInfo, PassRecord, StepBatch
@@ -304,3 +305,34 @@ def test_a_call_row_takes_about_24_bytes(writer):
         ).fetchall()
     assert n == 300 * steps and indexes == []
     assert per["call_data"] / n < 26
+
+
+def test_a_database_deleted_between_recordings_is_created_again(tmp_path):
+    """A process that recorded into a SQLite file, which is then deleted (with its -wal and -shm files), records
+    into the same path again: a new file holds the new recording (the old writer's connections would have
+    written into the deleted file, and `gradstore.open` found nothing)."""
+    import gradstore
+
+    db = tmp_path / "again.db"
+
+    def record(run):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 2)
+        with gradstore.record(run, db=str(db), model=net) as rec:
+            for _ in range(2):
+                net(torch.randn(4, 3)).sum().backward()
+                net.zero_grad()
+                rec.step()
+
+    record("first")
+    assert db.exists()
+    for suffix in ("", "-wal", "-shm"):
+        p = tmp_path / f"again.db{suffix}"
+        if p.exists():
+            p.unlink()
+    record("second")
+    assert db.exists()
+    runs = gradstore.open(str(db)).runs()
+    assert list(runs["run"]) == ["second"]
+    steps = sqlite3.connect(db).execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+    assert steps == 2

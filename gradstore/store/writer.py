@@ -167,6 +167,7 @@ class Writer:
         except (SQLAlchemyError, GradstoreError) as exc:
             self.engine.dispose()
             raise explain(db, exc, writing=True) from None
+        self.file_id = _file_id(db)  # (device, inode) of a SQLite file when opened: `writer_for` tells a new file
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         self.rows_written = 0
@@ -1151,6 +1152,7 @@ class Writer:
 
 # ---- one writer per database per process ------------------------------------------------------------------
 _writers: dict[str, Writer] = {}
+_retired: list[Writer] = []  # writers of SQLite files deleted or replaced since (`writer_for`), flushed at exit
 _writers_lock = threading.Lock()
 _exit_hook_pid: int | None = None
 
@@ -1159,12 +1161,29 @@ def _db_id(db) -> str:
     return str(db) if is_url(db) else str(Path(db).resolve())
 
 
+def _file_id(db) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of a SQLite database file, None for a URL or a file that is not there."""
+    if is_url(db):
+        return None
+    try:
+        st = os.stat(db)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def writer_for(db) -> Writer:
-    """The process's Writer for `db` (created, with its schema ensured, on first use)."""
+    """The process's Writer for `db` (created, with its schema ensured, on first use). A SQLite file deleted or
+    replaced since this process's writer opened it gets a new writer: the old one's connections would keep writing
+    to the deleted file, and its caches (node ids, edges, layouts) describe the old one. The old writer is left to
+    any recording that holds it (the steps it writes go to the file it has open) and flushed at exit."""
     global _exit_hook_pid
     key = _db_id(db)
+    stale = None
     with _writers_lock:
         w = _writers.get(key)
+        if w is not None and w.pid == os.getpid() and w.file_id is not None and _file_id(db) != w.file_id:
+            stale, w = _writers.pop(key), None
         if w is None:
             w = _writers[key] = Writer(db)
         if _exit_hook_pid != os.getpid():
@@ -1173,7 +1192,9 @@ def writer_for(db) -> Writer:
 
             multiprocessing.util.Finalize(None, _flush_all, exitpriority=100)
             _exit_hook_pid = os.getpid()
-        return w
+    if stale is not None:  # a recording still open may hold it: it stays open, and is flushed at exit
+        _retired.append(stale)
+    return w
 
 
 def close_writer(db) -> None:
@@ -1197,7 +1218,7 @@ def _flush_all() -> None:
     """At exit: write what is pending, release this process's claims, then close the connections (SQLite folds
     its WAL file back into the database when the last connection closes, so the .db file alone holds the
     record)."""
-    for w in list(_writers.values()):
+    for w in [*_writers.values(), *_retired]:
         try:
             if w.pid == os.getpid():
                 w.release_all()  # the decorator's claims are held until the process ends
