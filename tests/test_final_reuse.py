@@ -61,6 +61,39 @@ CHANGES = {
 }
 
 
+def _count_reads(monkeypatch) -> list:
+    """A list that gets an item per measurement of the parameters' `.grad`s (final_grads.pack_params, called by
+    the pass and by the final rows' snapshot)."""
+    calls: list = []
+    real = final_grads.pack_params
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(final_grads, "pack_params", counted)  # the final rows' measurement
+    monkeypatch.setattr(passes, "pack_params", counted)  # the pass's
+    return calls
+
+
+def _two_steps(db, run: str, **options) -> None:
+    """Two recorded steps of a plain loop (zero_grad, backward, SGD step) on a Linear(3, 2)."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    rec = gradstore.record(run, db=db, model=net, **options)
+
+    @rec
+    def step(x):
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+
+    for _ in range(2):
+        step(torch.randn(2, 3))
+    rec.flush()
+
+
 def _reference(g: torch.Tensor) -> dict:
     x = g.detach().double().reshape(-1)
     return {"norm": float(x.norm()), "min": float(x.min()), "max": float(x.max()), "mean": float(x.mean())}
@@ -70,11 +103,7 @@ def _reference(g: torch.Tensor) -> dict:
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_final_rows_are_measured_again_exactly_when_a_grad_may_have_changed(db, change, level, monkeypatch):
     fn, reused = CHANGES[change]
-    calls = []
-    real = final_grads.pack_params
-    counted = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
-    monkeypatch.setattr(final_grads, "pack_params", counted)  # the final rows' measurement
-    monkeypatch.setattr(passes, "pack_params", counted)  # the pass's
+    calls = _count_reads(monkeypatch)
     xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(k)) for k in range(3)]
 
     def model():
@@ -161,20 +190,7 @@ def test_checksum_true_measures_the_final_rows_again(db, monkeypatch):
     real = final_grads.measure_params
     monkeypatch.setattr(final_grads, "measure_params", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     monkeypatch.setattr(passes, "measure_params", final_grads.measure_params)
-    torch.manual_seed(0)
-    net = nn.Linear(3, 2)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    rec = gradstore.record("sum", db=db, model=net, checksum=True)
-
-    @rec
-    def step(x):
-        opt.zero_grad()
-        net(x).sum().backward()
-        opt.step()
-
-    for _ in range(2):
-        step(torch.randn(2, 3))
-    rec.flush()
+    _two_steps(db, "sum", checksum=True)
     assert len(calls) == 4
     rows = gradstore.open(db).param_grads("sum", which="all")
     assert len(rows) == 8
@@ -183,11 +199,7 @@ def test_checksum_true_measures_the_final_rows_again(db, monkeypatch):
 def test_accumulated_micro_batches_end_in_the_last_pass_measurement(db, monkeypatch):
     """Two micro-batches per step: each pass measures the .grads (the second one the sum of both); the final
     rows are the second pass's measurement (nothing ran after it), equal to plain PyTorch's accumulated .grad."""
-    calls = []
-    real = final_grads.pack_params
-    counted = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
-    monkeypatch.setattr(final_grads, "pack_params", counted)
-    monkeypatch.setattr(passes, "pack_params", counted)
+    calls = _count_reads(monkeypatch)
     xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(k)) for k in range(4)]
 
     def model():
@@ -260,26 +272,9 @@ def test_a_grad_replaced_by_a_view_of_its_memory_is_measured_again(db):
 def test_several_ranks_measure_the_final_rows_again(db, monkeypatch):
     """With a process group of more than one rank an asynchronous collective may still be writing the .grads
     when the pass ends: the final rows are measured again even with checksum=False."""
-    calls = []
-    real = final_grads.pack_params
-    counted = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
-    monkeypatch.setattr(final_grads, "pack_params", counted)
-    monkeypatch.setattr(passes, "pack_params", counted)
+    calls = _count_reads(monkeypatch)
     monkeypatch.setattr(final_grads, "world_size", lambda: 2)
-    torch.manual_seed(0)
-    net = nn.Linear(3, 2)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    rec = gradstore.record("ranks", db=db, model=net, checksum=False)
-
-    @rec
-    def step(x):
-        opt.zero_grad()
-        net(x).sum().backward()
-        opt.step()
-
-    for _ in range(2):
-        step(torch.randn(2, 3))
-    rec.flush()
+    _two_steps(db, "ranks", checksum=False)
     assert len(calls) == 4
 
 
@@ -366,11 +361,7 @@ def test_the_final_rows_are_what_the_optimizers_step_reads(db, loop, checksum, m
     times. Expected: the `.grad`s a pre-hook of the optimizer's own, registered last, copies in a plain run of the
     same seeded model (a pre-hook of the optimizer runs after every global one)."""
     fn, hook, reads = LOOPS[loop]
-    calls = []
-    real = final_grads.pack_params
-    counted = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
-    monkeypatch.setattr(final_grads, "pack_params", counted)
-    monkeypatch.setattr(passes, "pack_params", counted)
+    calls = _count_reads(monkeypatch)
     xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(k)) for k in range(3)]
 
     def model(seen=None):
