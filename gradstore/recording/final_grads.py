@@ -265,7 +265,7 @@ def watch_stop(count: int) -> int:
 
 
 def reusable(packed: PackedParams | None) -> bool:
-    """Whether the step's final rows may be this pass measurement (`FinalGrads.take`): every `.grad` measured by
+    """Whether the step's final rows may be this pass's measurement (`FinalGrads.take`): every `.grad` measured by
     the C++ hooks (plain dense float32/float64 CPU tensors: no device stream or DTensor can still be writing them)
     and no process group of more than one rank (whose asynchronous collectives may complete after the pass)."""
     return packed is not None and not packed.declined and world_size() == 1

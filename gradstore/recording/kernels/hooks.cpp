@@ -1449,68 +1449,59 @@ PyObject* py_unpack_calls(PyObject*, PyObject* args) {
   return out;
 }
 
-// grad_states(params) -> bytes, or None where a parameter is not a plain torch.Tensor / nn.Parameter (whose `.grad`
-// Python code may compute): per (name, parameter) of the list, two int64: (0, -2) for a `.grad` of None, (data
-// pointer, version counter) for a `.grad` with storage and a version, else (its TensorImpl's address, -1). What
-// tells that a `.grad` changed (gradstore.recording.passes), read without a Python object per parameter.
-PyObject* py_grad_states(PyObject*, PyObject* params) {
+// W int64 words per (name, parameter) of the list `params`, written by `fill(grad, words)` from the parameter's
+// `.grad` (an undefined tensor for None), as bytes; None where an item is not such a pair of a plain
+// torch.Tensor / nn.Parameter (whose `.grad` Python code may compute) or reading it faults. `what` names the caller
+// in the TypeError for a `params` that is not a list. Read without a Python object per parameter.
+template <int W, typename Fill>
+PyObject* grad_words(PyObject* params, const char* what, Fill fill) {
   if (!PyList_Check(params)) {
-    PyErr_SetString(PyExc_TypeError, "grad_states(params): a list of (name, parameter)");
+    PyErr_Format(PyExc_TypeError, "%s(params): a list of (name, parameter)", what);
     return nullptr;
   }
   Py_ssize_t n = PyList_GET_SIZE(params);
-  std::string out((size_t)n * 16, '\0');
+  std::string out((size_t)n * W * 8, '\0');
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = PyList_GET_ITEM(params, i);
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) Py_RETURN_NONE;
     PyObject* p = PyTuple_GET_ITEM(item, 1);
     if ((PyObject*)Py_TYPE(p) != G.plain[0] && (PyObject*)Py_TYPE(p) != G.plain[1]) Py_RETURN_NONE;
-    int64_t a = 0, b = -2;
+    int64_t words[W];
     try {
-      const at::Tensor& grad = THPVariable_Unpack(p).grad();
-      if (grad.defined()) {
-        c10::TensorImpl* impl = grad.unsafeGetTensorImpl();
-        b = -1;
-        a = (int64_t)(intptr_t)impl;
-        if (impl->has_storage() && !impl->is_inference() && !impl->is_python_dispatch()) {
-          a = (int64_t)(intptr_t)grad.data_ptr();
-          b = (int64_t)impl->version_counter().current_version();
-        }
-      }
+      fill(THPVariable_Unpack(p).grad(), words);
     } catch (const std::exception&) {
       Py_RETURN_NONE;
     }
-    std::memcpy(&out[(size_t)i * 16], &a, 8);
-    std::memcpy(&out[(size_t)i * 16 + 8], &b, 8);
+    std::memcpy(&out[(size_t)i * W * 8], words, W * 8);
   }
   return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
 }
 
-// grad_impls(params) -> bytes, or None: the address of each parameter's .grad TensorImpl (0 for None), int64 each, for
-// a list of (name, parameter) of plain tensors (None otherwise). With grad_states' data pointer and version counter it
-// tells a .grad replaced by another tensor over the same memory (a view with other strides) without an operator.
-PyObject* py_grad_impls(PyObject*, PyObject* params) {
-  if (!PyList_Check(params)) {
-    PyErr_SetString(PyExc_TypeError, "grad_impls(params): a list of (name, parameter)");
-    return nullptr;
-  }
-  Py_ssize_t n = PyList_GET_SIZE(params);
-  std::string out((size_t)n * 8, '\0');
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PyList_GET_ITEM(params, i);
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) Py_RETURN_NONE;
-    PyObject* p = PyTuple_GET_ITEM(item, 1);
-    if ((PyObject*)Py_TYPE(p) != G.plain[0] && (PyObject*)Py_TYPE(p) != G.plain[1]) Py_RETURN_NONE;
-    int64_t a = 0;
-    try {
-      const at::Tensor& grad = THPVariable_Unpack(p).grad();
-      if (grad.defined()) a = (int64_t)(intptr_t)grad.unsafeGetTensorImpl();
-    } catch (const std::exception&) {
-      Py_RETURN_NONE;
+// grad_states(params) -> bytes, or None (grad_words): two int64 per parameter: (0, -2) for a `.grad` of None, (data
+// pointer, version counter) for a `.grad` with storage and a version, else (its TensorImpl's address, -1). What
+// tells that a `.grad` changed (gradstore.recording.passes).
+PyObject* py_grad_states(PyObject*, PyObject* params) {
+  return grad_words<2>(params, "grad_states", [](const at::Tensor& grad, int64_t* w) {
+    w[0] = 0;
+    w[1] = -2;
+    if (!grad.defined()) return;
+    c10::TensorImpl* impl = grad.unsafeGetTensorImpl();
+    w[0] = (int64_t)(intptr_t)impl;
+    w[1] = -1;
+    if (impl->has_storage() && !impl->is_inference() && !impl->is_python_dispatch()) {
+      w[0] = (int64_t)(intptr_t)grad.data_ptr();
+      w[1] = (int64_t)impl->version_counter().current_version();
     }
-    std::memcpy(&out[(size_t)i * 8], &a, 8);
-  }
-  return PyBytes_FromStringAndSize(out.data(), (Py_ssize_t)out.size());
+  });
+}
+
+// grad_impls(params) -> bytes, or None (grad_words): the address of each parameter's `.grad` TensorImpl (0 for
+// None), one int64 each. With grad_states' data pointer and version counter it tells a `.grad` replaced by another
+// tensor over the same memory (a view with other strides) without an operator (gradstore.recording.final_grads).
+PyObject* py_grad_impls(PyObject*, PyObject* params) {
+  return grad_words<1>(params, "grad_impls", [](const at::Tensor& grad, int64_t* w) {
+    w[0] = grad.defined() ? (int64_t)(intptr_t)grad.unsafeGetTensorImpl() : 0;
+  });
 }
 
 // ---- the operator watch (gradstore.recording.final_grads): PyTorch operators run between two points ---------------
