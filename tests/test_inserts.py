@@ -40,17 +40,17 @@ class Recording:
 
 @pytest.fixture(params=["python", "native"], autouse=True)
 def splitter(request):
-    """Every test runs with the rows split by Insert.run's Python loop and by the C++ hooks' none_groups."""
-    kept = inserts._native_groups
+    """Every test runs with the rows split by Insert.run's Python loop and by the C++ hooks' none_values."""
+    kept = inserts._native_values
     if request.param == "native":
         module = native.load(wait=True)
         if module is None:
             pytest.skip(f"C++ hooks: {native.status()}")
-        inserts.use_native_groups(module.none_groups)
+        inserts.use_native_values(module.none_values)
     else:
-        inserts.use_native_groups(None)
+        inserts.use_native_values(None)
     yield request.param
-    inserts.use_native_groups(kept)
+    inserts.use_native_values(kept)
 
 
 def _pattern(row) -> tuple:
@@ -58,31 +58,44 @@ def _pattern(row) -> tuple:
 
 
 @pytest.mark.parametrize("keep_order", [True, False])
-def test_none_groups_split_the_rows_as_a_plain_python_split(keep_order):
-    """The C++ none_groups against an independent split: itertools.groupby of consecutive patterns (keep_order),
-    else a dict of patterns in order of first appearance; the rows are the same objects, in the rows' order."""
+@pytest.mark.parametrize("multi_rows, max_bound", [(64, 999), (4, 999), (64, 9), (1, 999)])
+def test_none_values_split_and_pick_the_rows_as_a_plain_python_split(keep_order, multi_rows, max_bound):
+    """The C++ none_values against an independent split: itertools.groupby of consecutive patterns (keep_order),
+    else a dict of patterns in order of first appearance; each group's values that are not None (a row of None
+    only: its first, None), the first whole statements of min(multi_rows, max_bound // width) rows in one flat
+    list (none below 2 rows a statement), the other rows a tuple each."""
     module = native.load(wait=True)
     if module is None:
         pytest.skip(f"C++ hooks: {native.status()}")
-    none_groups = module.none_groups
-    rows = _rows(500, seed=3) + [(None,)]  # a row of another length does not share a pattern with one of None
+    none_values = module.none_values
+    rows = _rows(500, seed=3) + [(None,), (7,)]  # rows of another length share no group with those of 5
+    rows += [(1, 2, None, 4.5, "x")] * 70 + [(1, 2, 3, 4, 5)] * 130 + [(None,) * 5] * 9  # runs of one pattern
     if keep_order:
-        want = [(p, list(g)) for p, g in itertools.groupby(rows, key=_pattern)]
+        groups = [(p, list(g)) for p, g in itertools.groupby(rows, key=lambda r: (len(r), _pattern(r)))]
     else:
-        groups: dict = {}
+        by: dict = {}
         for r in rows:
-            groups.setdefault(_pattern(r), []).append(r)
-        want = list(groups.items())
-    got = none_groups(rows, keep_order)
-    assert [(p, g) for p, g in got] == want
-    assert all(a is b for (_, g), (_, h) in zip(got, want) for a, b in zip(g, h))
-    assert none_groups([], keep_order) == []
+            by.setdefault((len(r), _pattern(r)), []).append(r)
+        groups = list(by.items())
+    want = []
+    for (_, pattern), group in groups:
+        picked = [tuple(v for v in r if v is not None) or (None,) for r in group]
+        per = min(multi_rows, max_bound // len(picked[0]))
+        whole = len(picked) - len(picked) % per if per > 1 else 0
+        want.append((pattern, [v for r in picked[:whole] for v in r], picked[whole:]))
+    got = none_values(rows, keep_order, multi_rows, max_bound)
+    assert got == want
+    if multi_rows > 1 and max_bound > 5:  # some statements of several rows were made
+        assert sum(len(flat) for _, flat, _ in got) > 0
+    assert none_values([], keep_order, multi_rows, max_bound) == []
     with pytest.raises(TypeError):
-        none_groups([(1,), [2]], keep_order)
+        none_values([(1,), [2]], keep_order, multi_rows, max_bound)
+    with pytest.raises(TypeError):
+        none_values([(1,), ()], keep_order, multi_rows, max_bound)
 
 
 def test_rows_that_are_not_tuples_are_still_stored():
-    """A list row (which none_groups refuses) goes through the Python loop: stored as executemany stores it."""
+    """A list row (which none_values refuses) goes through the Python loop: stored as executemany stores it."""
     conn = sqlite3.connect(":memory:")
     _table(conn, "t")
     Insert("t", COLUMNS, "?").run(conn.cursor(), [(1, None, 3, 4, 5), [None, 2, 3, 4, 5]])

@@ -70,7 +70,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 18
+ABI_VERSION = 19
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
@@ -243,7 +243,7 @@ def _init(module) -> None:
         len(ROW_COLUMNS) + 1,  # a row's items after its head: the columns, then the sharding (stats.to_rows)
     )
     _state["kernel"] = k is not None
-    inserts.use_native_groups(module.none_groups)  # the writer's inserts split their rows in C from now on
+    inserts.use_native_values(module.none_values)  # the writer's inserts split and pick their rows in C from now on
     writer.use_native_rows(getattr(module, "tensor_rows", None))  # and build the tensor_data rows in C
     if hasattr(os, "register_at_fork"):  # a child forked while an operator watch runs: not its watch (ops_watch)
         os.register_at_fork(after_in_child=lambda: module.ops_watch(None))

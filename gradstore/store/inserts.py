@@ -29,21 +29,25 @@ from operator import itemgetter
 MULTI_ROWS = 64
 MAX_BOUND = 999
 _IS_NONE = None.__eq__  # True for None, NotImplemented for anything else: a row's None pattern, mapped in C
-_native_groups = None  # none_groups of the C++ hooks module once it is loaded (`use_native_groups`), else None
+_native_values = None  # none_values of the C++ hooks module once it is loaded (`use_native_values`), else None
 
 
-def use_native_groups(fn) -> None:
-    """Split rows by their None positions with `fn` (the C++ hooks module's `none_groups(rows, keep_order)`, set
-    by gradstore.recording.native when it loads that module; None: this module's Python loop). `fn(rows,
-    keep_order)` returns [(pattern, rows)] as `Insert.run` makes them: pattern () for rows without None, else
-    one bool per column (True where None); consecutive runs (keep_order) or one group per pattern in order of
-    first appearance. The loop took 2.4 us a row on a slow host (1,898 tensor rows of an MLP step at
-    stats='shape': 4.5 ms of a 38-43 ms write); `fn` does the same in C.
+def use_native_values(fn) -> None:
+    """Split rows by their None positions, and pick the values each statement binds, with `fn` (the C++ hooks
+    module's `none_values(rows, keep_order, multi_rows, max_bound)`, set by gradstore.recording.native when it
+    loads that module; None: this module's Python loop). `fn` returns [(pattern, flat, rest)]: pattern () for
+    rows without None, else one bool per column (True where None); consecutive runs (keep_order) or one group per
+    pattern in order of first appearance; `flat`, the bound values (those not None) of the group's first rows, a
+    whole number of statements of min(multi_rows, max_bound // width) rows, in one list (empty where fewer than
+    2 rows go to a statement); `rest`, the bound values of its other rows, a tuple each. The loop took 2.4 us a
+    row on a slow host (1,898 tensor rows of an MLP step at stats='shape': 4.5 ms of a 38-43 ms write), and the
+    picking and flattening in Python 6 % of the writer child's CPU at stats='full' (py-spy); `fn` does both in C.
 
-    Args: fn: a callable (list[tuple], bool) -> list[tuple[tuple, list[tuple]]], or None. Returns None; raises
-    nothing (a `fn` that raises TypeError for a row that is not a tuple leaves that call to the Python loop)."""
-    global _native_groups
-    _native_groups = fn
+    Args: fn: a callable (list[tuple], bool, int, int) -> list[tuple[tuple, list, list[tuple]]], or None.
+    Returns None; raises nothing (a `fn` that raises TypeError for a row that is not a tuple leaves that call to
+    the Python loop)."""
+    global _native_values
+    _native_values = fn
 
 
 class Insert:
@@ -97,14 +101,14 @@ class Insert:
         if self.mark != "?":
             cur.executemany(self.sql, rows)
             return
-        if _native_groups is not None and type(rows) is list:
+        if _native_values is not None and type(rows) is list:
             try:
-                split = _native_groups(rows, keep_order)
+                split = _native_values(rows, keep_order, MULTI_ROWS, MAX_BOUND)
             except TypeError:  # a row that is not a tuple: the loop below
                 split = None
             if split is not None:
-                for p, group in split:
-                    self._flush(cur, p, group)
+                for p, flat, rest in split:
+                    self._flush_values(cur, p, flat, rest)
                 return
         if not keep_order:
             groups: dict[tuple, list] = {}
@@ -126,6 +130,22 @@ class Insert:
                 run, pattern = [], p
             run.append(row)
         self._flush(cur, pattern, run)
+
+    def _flush_values(self, cur, pattern, flat: list, rest: list) -> None:
+        """`_flush` of a group `none_values` split and picked: `flat` in statements of several rows, `rest` row
+        by row."""
+        sql, _, nulls = self._for(pattern) if pattern else (self.sql, None, ())
+        if flat:
+            width = len(self.columns) - len(nulls)
+            per = min(MULTI_ROWS, MAX_BOUND // width)
+            multi = self._multi.get((pattern, per))
+            if multi is None:
+                multi = self._multi[(pattern, per)] = self._statement(nulls, per)
+            size = width * per
+            for at in range(0, len(flat), size):
+                cur.execute(multi, flat[at : at + size])
+        if rest:
+            cur.executemany(sql, rest)
 
     def _flush(self, cur, pattern, run: list) -> None:
         if not run:

@@ -49,7 +49,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 18;
+constexpr int ABI = 19;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -2352,80 +2352,146 @@ bool ready_tap_types() {
   return PyType_Ready(&ModuleTapType) == 0 && PyType_Ready(&BoundTapType) == 0;
 }
 
-// none_groups(rows, keep_order) -> [(pattern, rows)]: the rows (a list of tuples) split by where they hold None, as
-// gradstore.store.inserts.Insert.run splits them for its statements: pattern () for a row without None, else a
-// tuple of bools (True where the row holds None), one per item. keep_order: runs of consecutive rows with the same
-// pattern, in order; else one group per pattern, in order of first appearance, each in the rows' order. The rows
-// are the same objects. Raises TypeError for a row that is not a tuple (the caller then splits them itself).
-PyObject* py_none_groups(PyObject*, PyObject* args) {
+// none_values(rows, keep_order, multi_rows, max_bound) -> [(pattern, flat, rest)]: the rows (a list of tuples) split by
+// where they hold None, as gradstore.store.inserts.Insert.run splits them for its statements, with the values each
+// group's statements bind already picked: pattern () for a row without None, else a tuple of bools (True where the
+// row holds None), one per item. keep_order: runs of consecutive rows with the same pattern, in order; else one group
+// per pattern, in order of first appearance, each in the rows' order. A group's bound values are its rows' values
+// that are not None (a row of None only binds its first item, None: a statement needs a parameter), `width` a row;
+// with per = min(multi_rows, max_bound / width) rows to a statement, `flat` holds the bound values of the group's
+// first rows, a whole number of statements of `per` rows (none where per < 2), one list in row order, and `rest`
+// the bound values of the others, a tuple a row. Raises TypeError for a row that is not a tuple (the caller then
+// splits them itself).
+namespace {
+struct ValueGroup {
+  PyObject* pattern = nullptr;  // owned until handed to the result
+  std::vector<PyObject*> rows;  // borrowed from the caller's list
+  Py_ssize_t width = 0;
+};
+
+PyObject* group_values(ValueGroup& g, Py_ssize_t multi_rows, Py_ssize_t max_bound) {
+  const Py_ssize_t n = (Py_ssize_t)g.rows.size();
+  const Py_ssize_t width = g.width > 0 ? g.width : 1;
+  Py_ssize_t per = std::min(multi_rows, max_bound / width);
+  const Py_ssize_t whole = per > 1 ? n - n % per : 0;
+  PyObject* flat = PyList_New(whole * width);
+  PyObject* rest = PyList_New(n - whole);
+  if (flat == nullptr || rest == nullptr) {
+    Py_XDECREF(flat);
+    Py_XDECREF(rest);
+    return nullptr;
+  }
+  Py_ssize_t at = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* row = g.rows[(size_t)i];
+    const Py_ssize_t m = PyTuple_GET_SIZE(row);
+    PyObject* picked = nullptr;
+    if (i >= whole) {
+      picked = PyTuple_New(width);
+      if (picked == nullptr) {
+        Py_DECREF(flat);
+        Py_DECREF(rest);
+        return nullptr;
+      }
+      PyList_SET_ITEM(rest, i - whole, picked);
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t j = 0; j < m && k < width; ++j) {
+      PyObject* v = PyTuple_GET_ITEM(row, j);
+      if (v == Py_None && !(g.width == 0 && j == 0)) continue;
+      Py_INCREF(v);
+      if (picked != nullptr) {
+        PyTuple_SET_ITEM(picked, k, v);
+      } else {
+        PyList_SET_ITEM(flat, at++, v);
+      }
+      ++k;
+    }
+  }
+  PyObject* out = PyTuple_New(3);
+  if (out == nullptr) {
+    Py_DECREF(flat);
+    Py_DECREF(rest);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(out, 0, g.pattern);
+  g.pattern = nullptr;
+  PyTuple_SET_ITEM(out, 1, flat);
+  PyTuple_SET_ITEM(out, 2, rest);
+  return out;
+}
+}  // namespace
+
+PyObject* py_none_values(PyObject*, PyObject* args) {
   PyObject* rows;
   int keep_order;
-  if (!PyArg_ParseTuple(args, "O!p", &PyList_Type, &rows, &keep_order)) return nullptr;
-  PyObject* out = PyList_New(0);
-  if (out == nullptr) return nullptr;
-  std::unordered_map<std::string, PyObject*> groups;  // pattern -> its list (borrowed from `out`)
+  Py_ssize_t multi_rows, max_bound;
+  if (!PyArg_ParseTuple(args, "O!pnn", &PyList_Type, &rows, &keep_order, &multi_rows, &max_bound)) return nullptr;
+  std::vector<ValueGroup> groups;
+  std::unordered_map<std::string, size_t> index;  // pattern -> its group (not keep_order)
   std::string key, last;
-  PyObject* run = nullptr;  // keep_order: the list of the current run (borrowed from `out`)
+  auto fail = [&groups]() -> PyObject* {
+    for (auto& g : groups) Py_XDECREF(g.pattern);
+    return nullptr;
+  };
   const Py_ssize_t n = PyList_GET_SIZE(rows);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* row = PyList_GET_ITEM(rows, i);
     if (!PyTuple_Check(row)) {
-      Py_DECREF(out);
-      PyErr_SetString(PyExc_TypeError, "none_groups(): a row that is not a tuple");
-      return nullptr;
+      PyErr_SetString(PyExc_TypeError, "none_values(): a row that is not a tuple");
+      return fail();
     }
     const Py_ssize_t m = PyTuple_GET_SIZE(row);
     key.assign((size_t)m, '\0');
-    bool any = false;
+    Py_ssize_t nones = 0;
     for (Py_ssize_t j = 0; j < m; ++j) {
       if (PyTuple_GET_ITEM(row, j) == Py_None) {
         key[(size_t)j] = '\1';
-        any = true;
+        ++nones;
       }
     }
-    if (!any) key.clear();  // pattern ()
-    PyObject* target = nullptr;
+    if (m == 0) {
+      PyErr_SetString(PyExc_TypeError, "none_values(): a row of no values");
+      return fail();
+    }
+    const bool any = nones > 0;  // the key keeps the row's length: rows of two lengths never share a group
+    ValueGroup* target = nullptr;
     if (keep_order) {
-      if (run != nullptr && key == last) target = run;
+      if (!groups.empty() && key == last) target = &groups.back();
     } else {
-      auto hit = groups.find(key);
-      if (hit != groups.end()) target = hit->second;
+      auto hit = index.find(key);
+      if (hit != index.end()) target = &groups[hit->second];
     }
     if (target == nullptr) {
       PyObject* pattern = PyTuple_New(any ? m : 0);
-      PyObject* list = PyList_New(0);
-      PyObject* pair = (pattern != nullptr && list != nullptr) ? PyTuple_New(2) : nullptr;
-      if (pair == nullptr) {
-        Py_XDECREF(pattern);
-        Py_XDECREF(list);
-        Py_DECREF(out);
-        return nullptr;
-      }
+      if (pattern == nullptr) return fail();
       for (Py_ssize_t j = 0; any && j < m; ++j) {
         PyObject* flag = key[(size_t)j] ? Py_True : Py_False;
         Py_INCREF(flag);
         PyTuple_SET_ITEM(pattern, j, flag);
       }
-      PyTuple_SET_ITEM(pair, 0, pattern);
-      PyTuple_SET_ITEM(pair, 1, list);
-      int failed = PyList_Append(out, pair);
-      Py_DECREF(pair);  // `out` holds it (and with it `list`)
-      if (failed != 0) {
-        Py_DECREF(out);
-        return nullptr;
-      }
-      target = list;
+      groups.emplace_back();
+      groups.back().pattern = pattern;
+      groups.back().width = m - nones;
       if (keep_order) {
-        run = list;
         last = key;
       } else {
-        groups.emplace(key, list);
+        index.emplace(key, groups.size() - 1);
       }
+      target = &groups.back();
     }
-    if (PyList_Append(target, row) != 0) {
+    target->rows.push_back(row);
+  }
+  PyObject* out = PyList_New((Py_ssize_t)groups.size());
+  if (out == nullptr) return fail();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    PyObject* item = group_values(groups[g], multi_rows, max_bound);
+    if (item == nullptr) {
       Py_DECREF(out);
+      for (size_t h = g; h < groups.size(); ++h) Py_XDECREF(groups[h].pattern);
       return nullptr;
     }
+    PyList_SET_ITEM(out, (Py_ssize_t)g, item);
   }
   return out;
 }
@@ -2521,7 +2587,7 @@ PyMethodDef methods[] = {
     {"tap_passthrough", py_tap_passthrough, METH_VARARGS, "While on, the module tap gives torch's None."},
     {"tensor_rows", py_tensor_rows, METH_VARARGS, "The writer's tensor_data rows of one source of tensor rows."},
     {"same_structure", py_same_structure, METH_VARARGS, "Whether the modules' fingerprint is the one stored."},
-    {"none_groups", py_none_groups, METH_VARARGS, "Rows split by where they hold None (Insert.run's groups)."},
+    {"none_values", py_none_values, METH_VARARGS, "Rows split by where they hold None, their bound values picked."},
     {nullptr, nullptr, 0, nullptr}};
 
 struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gradstore_hooks", "gradstore's node hooks in C++", -1,
