@@ -34,9 +34,13 @@ AccumulateGrad: not reachable from the roots, or reached and not run: `backward(
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import partial
+from itertools import compress
 
 from ..records import PARAM_STATUS, ROLE, NodeInfo
 from . import torch_private as tp
@@ -60,6 +64,9 @@ _KEY, _ROLE, _SLOT, _STATUS, _NUMEL, _NORM, _MIN, _MAX, _NAN, _PINF, _NINF, _ZER
     17,
 )
 _STATUS_OK, _STATUS_NONE = 0, 1
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_KEY_OF, _ROLE_OF = operator.itemgetter(_KEY), operator.itemgetter(_ROLE)
+_IS_PARAM, _IS_GO = partial(operator.eq, _PARAM), partial(operator.eq, _GO)
 
 
 def kind_of_name(name: str) -> str:
@@ -154,11 +161,10 @@ class _Pass:
         self.seqs = rec.seqs or []
         self.index = {info.key: i for i, info in enumerate(self.infos)}
         self.calls = list(rec.calls)
-        self.ran: dict[int, int] = {}  # node index -> seq of its call
-        for c in self.calls:
-            i = self.index.get(c[0])
-            if i is not None and i not in self.ran:
-                self.ran[i] = c[1]
+        # node index -> seq of its first call: the calls from last to first, so that the first one is kept
+        backwards = self.calls[::-1]
+        self.ran: dict[int, int] = dict(zip(map(self.index.get, map(_FIRST, backwards)), map(_SECOND, backwards)))
+        self.ran.pop(None, None)  # calls of nodes not among the walked ones
         self.tensors = list(rec.tensors)
         self.hooked = rec.hooked
 
@@ -431,33 +437,34 @@ def _param_facts(name: str, names: tuple) -> tuple:
 def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     walked = any(p.rec.seqs is not None for p in passes)
     ran_modules = {c[0] for c in f.forward.calls} if f.forward is not None else None
-    calls: dict[str, int] = {}
-    zero: dict[str, list] = {}
+    names_of, has_grad_of = f.names, f.has_grad
+    facts = [(name, frozen, _param_facts(name, names_of.get(name, (name,)))) for name, frozen in f.params]
+    keys = {fact[0] for _, _, fact in facts}  # the recorded parameters' AccumulateGrad keys
+    is_key = keys.__contains__
+    calls: Counter = Counter()  # key -> its AccumulateGrad's calls in the step
+    zero: dict[str, list] = {}  # key -> _zero of each of its grad_output rows
     reached: set[str] = set()
     changed: set[str] = set()
     final: dict[str, tuple] = {}  # key -> the last param_grad row
-    for p in passes:
-        reached.update(k for k in p.index if k.startswith("param:"))
-        for c in p.calls:
-            if c[0].startswith("param:"):
-                calls[c[0]] = calls.get(c[0], 0) + 1
-        for row in p.tensors:
-            role = row[_ROLE]
-            if role == _PARAM:
-                final[row[_KEY]] = row
-            elif role == _GO and row[_KEY].startswith("param:"):
-                zero.setdefault(row[_KEY], []).append(_zero(row))
+    for p in passes:  # the rows are read by C loops (map, filter, compress): thousands a step
+        reached |= keys.intersection(p.index)
+        calls.update(filter(is_key, map(_FIRST, p.calls)))
+        rows = p.tensors
+        roles = list(map(_ROLE_OF, rows))
+        mine = list(compress(rows, map(_IS_PARAM, roles)))
+        final.update(zip(map(_KEY_OF, mine), mine))
+        go = list(compress(rows, map(_IS_GO, roles)))
+        for row in compress(go, map(is_key, map(_KEY_OF, go))):
+            zero.setdefault(row[_KEY], []).append(_zero(row))
         if p.rec.grads_changed:
             changed.update(p.rec.grads_changed)
     nodes, param_names, param_status = out.nodes, out.param_names, out.param_status
-    names_of, has_grad_of = f.names, f.has_grad
-    for name, frozen in f.params:
-        key, info, rows, modules = _param_facts(name, names_of.get(name, (name,)))
+    for name, frozen, (key, info, rows, modules) in facts:
         nodes.append(info)
         param_names.extend(rows)
         module_ran = None if ran_modules is None else int(not ran_modules.isdisjoint(modules))
         has_grad = has_grad_of.get(name, False)
-        n_calls = calls.get(key, 0) if walked else None
+        n_calls = calls[key] if walked else None
         if n_calls:
             got, zeros = True, zero.get(key, [])
         else:  # no AccumulateGrad call (or none hooked: stats='params'): a backward that changed .grad gave it one
@@ -466,10 +473,10 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             zeros = [_zero(row)] if row is not None else [None]
         if frozen:
             status = "frozen"
-        elif got:
-            if zeros and all(z is True for z in zeros):
+        elif got:  # each of `zeros` is True, False or None (`_zero`)
+            if zeros and zeros.count(True) == len(zeros):
                 status = "zero"
-            elif any(z is False for z in zeros):
+            elif False in zeros:
                 status = "ok"
             else:
                 status = "received"
