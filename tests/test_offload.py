@@ -752,6 +752,52 @@ def test_an_interrupted_message_leaves_the_child_in_step(tmp_path, monkeypatch):
     assert all(calls.get(k, 0) > 0 for k in steps)  # every step's findings came through
 
 
+def test_a_params_step_is_made_on_the_training_thread(tmp_path, monkeypatch):
+    """stats='params' hooks no node: a pass has no calls to build, so the step's message is made where it is
+    submitted (`prepare` takes it) rather than with the GIL on the writer thread while the next step runs; the
+    database holds what the writer thread writes, and the gradients are those of the same steps unrecorded."""
+    made = []
+    prepare = offload.ProcessSink.prepare
+
+    def spy(self, batch):
+        token = prepare(self, batch)
+        made.append((batch.step, threading.get_ident(), token is not None))
+        return token
+
+    monkeypatch.setattr(offload.ProcessSink, "prepare", spy)
+    tables, grads = {}, {}
+    for mode in ("none", "thread", "process"):
+        db = str(tmp_path / f"{mode}.db")
+        torch.manual_seed(0)
+        m = Net()
+        gen = torch.Generator().manual_seed(1)
+
+        def train(x, m=m):
+            m(x).backward()
+
+        step = train if mode == "none" else gradstore.record("p", db=db, model=m, stats="params", writer=mode)(train)
+        for i in range(5):
+            m.zero_grad()
+            step(torch.randn(3, 4, generator=gen))
+            if i == 0 and mode == "process":
+                _child_up(db)
+        grads[mode] = [(n, p.grad.clone()) for n, p in m.named_parameters() if p.grad is not None]
+        if mode != "none":
+            writer_for(db).flush()
+            tables[mode] = _tables(db)
+    main = threading.get_ident()
+    assert [(step, ident == main, ok) for step, ident, ok in made] == [(i, True, True) for i in range(1, 5)]
+    assert writer_for(str(tmp_path / "process.db")).sink.written == 4
+    for table in tables["thread"]:
+        assert tables["thread"][table] == tables["process"][table], table
+    assert [n for n, _ in grads["none"]] == ["a.weight", "a.bias", "b.weight"]
+    for mode in ("thread", "process"):
+        assert [n for n, _ in grads[mode]] == [n for n, _ in grads["none"]]
+        assert all(
+            torch.equal(a.view(torch.int32), b.view(torch.int32)) for (_, a), (_, b) in zip(grads["none"], grads[mode])
+        )
+
+
 def test_a_flight_recorder_summary_is_made_on_the_writer_thread(tmp_path, monkeypatch):
     """keep=N: a summary's message packs the ring's copy of the step when it is built: the training thread leaves
     that to the writer thread (`prepare` declines it), and the database holds what the writer thread writes."""

@@ -573,7 +573,9 @@ class PassRecorder:
     def _python_rows(self, param_keys: list[str]) -> None:
         """The record's calls and tensors from the Python hooks' lists (and the parameter gradients)."""
         rec, infos, calls, measured = self.record, self.infos, self.calls, self.measured
-        rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos))
+        # no calls (stats='params' hooks no node): rows already built, so that the step's message to the writer's
+        # child is made on the training thread (offload._light), not with the GIL on the writer thread
+        rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos)) if calls else LazyRows.of([])
         packed = self._params_packed  # the param_grad rows packed (then `measured` holds none of them), or None
         if packed is not None and not measured:  # stats='params': the param_grad rows alone, built where read
             rec.nonfinite = packed.nonfinite
