@@ -32,10 +32,10 @@ torch uses every CPU the child would take one from training: on 2 cores with 2 t
 benchmarks/steady.py cost 1.74x recorded at 'full' with a child against 1.45x with the writer thread (medians
 of 9 interleaved rounds in one process, a hand measurement). A child at the lowest CPU priority (Linux's
 SCHED_IDLE, or nice 19) does not change that: on 2 cores with 2 torch threads it cut benchmarks/steady.py's MLP
-(many small ops, gaps between them) from 1.53-1.60x to 1.45x at 'params' and from 2.45-2.81x to 2.16-2.21x at
-'full' against the writer thread, left the CNN where it was, and took GPT-2's 'full' from 1.22x to 1.38x (its
-torch threads leave no gaps: the child's work waited for the block's flush); with a spare core it changed
-nothing (MLP, 1 thread, 3 runs each: 1.18-1.22x either way at 'params'). Medians of 12-15 interleaved rounds,
+(many small ops, gaps between them) from 1.53-1.60x to 1.42-1.45x at 'params' and from 2.36-2.81x to 2.06-2.21x
+at 'full' against the writer thread, left the CNN where it was, and took GPT-2's 'full' from 1.22x to 1.38x (one
+run each; likely its torch threads leave the child no gaps, so its work waits for the flush); with a spare core it
+changed nothing (MLP, 1 thread, 3 runs each: 1.18-1.22x either way at 'params'). Medians of 12-15 interleaved rounds,
 one process per configuration, 2026-12-05 (benchmarks/STEADY.md's notes). A short recording never pays for the
 child's start or its memory (about 250 MB resident).
 """
