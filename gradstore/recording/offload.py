@@ -36,7 +36,7 @@ SCHED_IDLE, or nice 19) does not change that: on 2 cores with 2 torch threads it
 at 'full' against the writer thread, left the CNN where it was, and took GPT-2's 'full' from 1.22x to 1.38x (one
 run each; likely its torch threads leave the child no gaps, so its work waits for the flush); with a spare core it
 changed nothing (MLP, 1 thread, 3 runs each: 1.18-1.22x either way at 'params'). Medians of 12-15 interleaved rounds,
-one process per configuration, 2026-12-05 (benchmarks/STEADY.md's notes). A short recording never pays for the
+one process per configuration, by hand, 2026-12-05 (benchmarks/STEADY.md's notes). A short recording never pays for the
 child's start or its memory (about 250 MB resident).
 """
 

@@ -132,8 +132,9 @@ class Insert:
         self._flush(cur, pattern, run)
 
     def _flush_values(self, cur, pattern, flat: list, rest: list) -> None:
-        """`_flush` of a group `none_values` split and picked: `flat` in statements of several rows, `rest` row
-        by row."""
+        """Insert one group of rows with the None positions `pattern` (() for none), its bound values picked:
+        `flat`, the values of a whole number of statements of `per` rows each (in order: SQLite inserts a VALUES
+        list's rows in order), then `rest`, row by row (a tuple each)."""
         sql, _, nulls = self._for(pattern) if pattern else (self.sql, None, ())
         if flat:
             width = len(self.columns) - len(nulls)
@@ -148,24 +149,15 @@ class Insert:
             cur.executemany(sql, rest)
 
     def _flush(self, cur, pattern, run: list) -> None:
+        """`_flush_values` of a group the Python loop split: its values picked and flattened here, as the C++
+        hooks' `none_values` does."""
         if not run:
             return
-        if not pattern:
-            sql, values, nulls = self.sql, run, ()
-        else:
-            sql, pick, nulls = self._for(pattern)
+        if pattern:
+            _, pick, nulls = self._for(pattern)
             values = list(map(pick, run))
-        width = len(values[0])
-        per = min(MULTI_ROWS, MAX_BOUND // width) if width else 0
+        else:
+            values, nulls = run, ()
+        per = min(MULTI_ROWS, MAX_BOUND // (len(self.columns) - len(nulls)))
         whole = len(values) - len(values) % per if per > 1 else 0
-        if whole:  # runs of `per` rows in one statement each, in order: SQLite inserts a VALUES list's rows in order
-            multi = self._multi.get((pattern, per))
-            if multi is None:
-                multi = self._multi[(pattern, per)] = self._statement(nulls, per)
-            flat = list(chain.from_iterable(values[:whole]))
-            size = width * per
-            for at in range(0, len(flat), size):
-                cur.execute(multi, flat[at : at + size])
-            values = values[whole:]
-        if values:
-            cur.executemany(sql, values)
+        self._flush_values(cur, pattern, list(chain.from_iterable(values[:whole])), values[whole:])
