@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 from .errors import (
+    ArgumentError,
     DatabaseNotFound,
     DatabaseUnavailable,
     GradstoreError,
@@ -66,6 +67,7 @@ __all__ = [
     "UnknownRun",
     "UnknownQuery",
     "QueryParameterError",
+    "ArgumentError",
     "RecordUsageError",
     "RecordUsageWarning",
     "NonFiniteGradient",

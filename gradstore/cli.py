@@ -245,9 +245,10 @@ def _largest_module_norms(norms: pd.DataFrame, top: int) -> pd.DataFrame:
 
 
 def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> str | None:
-    """'First non-finite gradient: ...' for the run's first call with NaN/Inf gradients (per rank), or None.
+    """'First non-finite gradient: ...' for the run's first call with NaN/Inf gradients (per rank; where no call
+    held one first, the parameter's `.grad` that did, as at stats='params'), or None.
 
-    With `step`, only when that call is in that step.
+    With `step`, only when that call (or `.grad`) is in that step.
     """
     bad = store.first_nonfinite(run=run)
     if step is not None:
@@ -255,8 +256,16 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
     if bad.empty:
         return None
     lines = []
-    for (rank, _), rows in bad.groupby(["rank", "seq"], sort=True):
+    for (rank, _, _), rows in bad.groupby(["rank", "phase", "seq"], sort=False, dropna=False):
         r = rows.iloc[0]
+        if r["role"] == "param_grad":  # no node call held one first: a parameter's .grad (stats='params')
+            where = "the step's final rows" if pd.isna(r["pass"]) else f"pass {r['pass']}"
+            lines.append(
+                f"First non-finite gradient (rank {rank}): step {r['step']}, {where}: the .grad of {r['key']} "
+                f"({r['nan']} nan, {r['posinf']} +inf, {r['neginf']} -inf of {r['numel']}; no node call before it "
+                "held one)"
+            )
+            continue
         slots = "; ".join(
             f"{row.role}[{row.slot}]: {row.nan} nan, {row.posinf} +inf, {row.neginf} -inf" for row in rows.itertuples()
         )
@@ -397,7 +406,8 @@ def _status_why(row) -> str:
         "frozen": "requires_grad=False",
         "zero": "received gradients, all exactly 0",
         "received": "received a gradient whose values were not measured at this stats level",
-        "stale": "received nothing this step; .grad still holds an earlier step's",
+        "stale": "received nothing this step; .grad still holds a tensor from before (an earlier gradient, or "
+        "zeros from zero_grad(set_to_none=False))",
         "not used": "its module's forward did not run in the step",
     }.get(status, "")
 

@@ -38,6 +38,11 @@ class QueryParameterError(GradstoreError):
     """A query was given a parameter it does not declare."""
 
 
+class ArgumentError(GradstoreError, ValueError):
+    """A reading or drawing function was given an argument value it does not take (`by=`, `role=`, `stat=`, ...):
+    the message names the values it takes. Also a ValueError, as such an error is in plain Python."""
+
+
 class RecordUsageError(GradstoreError):
     """`record` was used in a way it cannot work (bad argument, nested scopes)."""
 

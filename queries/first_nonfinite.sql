@@ -1,9 +1,9 @@
 -- title: First non-finite gradient (and forward activation or loss)
--- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls).
+-- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls). Where no call's gradients held one before, a parameter's gradient does (a `.grad` measured with NaN or +/-Inf at a pass's end, or in the step's final rows, as at stats='params', which records no calls): the first such param_grad row (phase backward, seq NULL; pass NULL for a final row), ordered after the calls of its step, by pass (the final rows last) and then in the order its rows were written.
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
--- param role: grad_output, grad_input, activation or loss (only rows of that role); empty (NULL) for all four
+-- param role: grad_output, grad_input, param_grad, activation or loss (only rows of that role); empty (NULL) for all five
 WITH bad AS (
     SELECT st.run_id, st.rank, st.step, c.seq, t.call_id
     FROM tensors t
@@ -18,9 +18,27 @@ WITH bad AS (
       AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
       AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
       AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
-), ranked AS (
-    SELECT run_id, rank, step, seq, call_id, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
-    FROM bad
+), pbad AS (  -- parameters' gradients (a pass's param_grad rows, the step's final rows): after the step's calls
+    SELECT st.run_id, st.rank, st.step, t.step_id, t.node_id, t.id AS tid, COALESCE(p.pass, 2147483647) AS pass_order
+    FROM tensors t
+    JOIN steps st ON st.id = t.step_id
+    JOIN runs r ON r.id = st.run_id
+    JOIN roles ro ON ro.id = t.role
+    LEFT JOIN passes p ON p.id = t.pass_id
+    WHERE t.nan + t.posinf + t.neginf > 0
+      AND t.role = 2  -- param_grad
+      AND (NULLIF(CAST(:role AS TEXT), '') IS NULL OR ro.name = NULLIF(CAST(:role AS TEXT), ''))
+      AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+      AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
+      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
+), ranked AS (  -- calls (kind 0, by seq) before parameters' gradients (kind 1) in a step
+    SELECT run_id, rank, step, seq, call_id, step_id, node_id, tid,
+           ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, kind, seq, pass_order, tid) AS nth
+    FROM (SELECT run_id, rank, step, 0 AS kind, seq, 0 AS pass_order, call_id, NULL AS step_id, NULL AS node_id,
+                 NULL AS tid
+          FROM bad
+          UNION ALL
+          SELECT run_id, rank, step, 1, NULL, pass_order, NULL, step_id, node_id, tid FROM pbad) u
 ), fbad AS (  -- record(forward=True): non-finite activations and losses
     SELECT st.run_id, st.rank, st.step, a.seq, t.id AS tid, t.node_id, t.pass_id, t.role, t.slot, t.numel, t.nan,
            t.posinf, t.neginf, t.norm, t.min, t.max
@@ -40,7 +58,7 @@ WITH bad AS (
     FROM (SELECT run_id, rank, step, seq, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth
           FROM fbad) f
     LEFT JOIN ranked b ON b.run_id = f.run_id AND b.rank = f.rank AND b.nth = 1
-    WHERE f.nth = 1 AND (b.step IS NULL OR f.step < b.step OR (f.step = b.step AND f.seq < b.seq))
+    WHERE f.nth = 1 AND (b.step IS NULL OR f.step < b.step OR (f.step = b.step AND (b.seq IS NULL OR f.seq < b.seq)))
 ), found AS (
     SELECT r.id AS o_run, 0 AS o_phase, t.role AS o_role,
            r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.frame,
@@ -55,6 +73,17 @@ WITH bad AS (
     JOIN roles ro ON ro.id = t.role
     WHERE ranked.nth = 1 AND t.nan + t.posinf + t.neginf > 0 AND t.role IN (0, 1)
       AND (NULLIF(CAST(:role AS TEXT), '') IS NULL OR ro.name = NULLIF(CAST(:role AS TEXT), ''))
+    UNION ALL
+    SELECT r.id, 0, t.role, r.name, st.rank, st.step, p.pass, NULL, n.key, n.name, n.module, n.frame,
+           ro.name, t.slot, t.numel, t.nan, t.posinf, t.neginf, t.norm, t.min, t.max, 'backward'
+    FROM ranked
+    JOIN tensors t ON t.step_id = ranked.step_id AND t.node_id = ranked.node_id AND t.id = ranked.tid
+    JOIN steps st ON st.id = t.step_id
+    JOIN runs r ON r.id = st.run_id
+    JOIN nodes n ON n.id = t.node_id
+    JOIN roles ro ON ro.id = t.role
+    LEFT JOIN passes p ON p.id = t.pass_id
+    WHERE ranked.nth = 1 AND ranked.tid IS NOT NULL
     UNION ALL
     SELECT r.id, -1, f.role, r.name, f.rank, f.step, p.pass, f.seq, n.key, n.name, n.module, n.frame,
            ro.name, f.slot, f.numel, f.nan, f.posinf, f.neginf, f.norm, f.min, f.max, 'forward'

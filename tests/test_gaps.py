@@ -81,12 +81,27 @@ def test_first_nonfinite_reports_gradient_rows_only_and_saved_tensors_have_their
         saved = store.first_nonfinite_saved("nan")
         none_at_0 = store.first_nonfinite("nan", step=0)
         at_1 = store.first_nonfinite("nan", step=1)
-        with pytest.raises(ValueError, match="grad_output, grad_input, activation, loss"):
+        with pytest.raises(gradstore.ArgumentError, match="grad_output, grad_input, param_grad, activation, loss"):
             store.first_nonfinite("nan", role="saved")
     assert set(grads.name) == {first_grad} and set(grads.role) == {"grad_input"} and list(grads.step) == [1]
     assert set(outs.name) == {first_out} and set(outs.role) == {"grad_output"}
     assert set(saved.name) == {first_saved} and set(saved.role) == {"saved"} and (saved.posinf > 0).all()
     assert none_at_0.empty and at_1.equals(grads)
+
+
+def test_a_bad_argument_of_a_reading_helper_is_a_gradstore_error(db):
+    with gradstore.record("r", db=db) as rec:
+        torch.ones(2, requires_grad=True).sum().backward()
+        rec.step()
+    with gradstore.open(db) as store:
+        for call in (
+            lambda: store.grad_norms("r", by="layer"),
+            lambda: store.first_nonfinite("r", role="saved"),
+            lambda: store.param_grads("r", scope="world"),
+        ):
+            with pytest.raises(gradstore.GradstoreError) as info:
+                call()
+            assert isinstance(info.value, gradstore.ArgumentError) and isinstance(info.value, ValueError)
 
 
 # ---- a module assigned after the scope opened ---------------------------------------------------------------

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
+from click.testing import CliRunner
 
 import gradstore
 from gradstore.store import writer
@@ -132,8 +134,13 @@ def test_a_nonfinite_parameter_gradient_after_the_pass_is_named_too(db):
         net(_x(False)).pow(2).mean().backward()
         net[1].bias.grad.div_(0.0)
     assert gradstore.open(db).steps("late")["status"].iloc[0] == "nonfinite"
-    assert gradstore.open(db).first_nonfinite("late").empty  # no node call saw it
     assert got[0]["key"] == "param:1.bias" and got[0]["role"] == "param_grad" and got[0]["pass"] is None
+    # no node call saw it: the store's first is that final row too (plain PyTorch: x / 0 over the bias's 4 values)
+    stored = gradstore.open(db).first_nonfinite("late")
+    assert len(stored) == 1 and pd.isna(stored.iloc[0]["pass"]) and pd.isna(stored.iloc[0]["seq"])
+    for column in ("key", "role", "step", "nan", "posinf", "neginf", "numel"):
+        assert stored.iloc[0][column] == got[0][column], column
+    assert int(stored.iloc[0]["posinf"] + stored.iloc[0]["neginf"] + stored.iloc[0]["nan"]) == 4
 
 
 def test_finite_steps_never_wait_for_the_writer_and_an_amp_skip_does_not_react(db, monkeypatch):
@@ -165,3 +172,58 @@ def test_finite_steps_never_wait_for_the_writer_and_an_amp_skip_does_not_react(d
 def test_a_bad_on_nonfinite_is_refused():
     with pytest.raises(gradstore.RecordUsageError, match="on_nonfinite"):
         gradstore.record("x", on_nonfinite="stop")
+
+
+def _two_steps_nan_in_the_second(model, rec=None) -> list[dict[str, int]]:
+    """Two steps of `model` (a 4 -> 4 -> 1 Sequential), the second input holding one NaN; per step, plain
+    PyTorch's NaN count of each parameter's .grad after the backward, in named_parameters order."""
+    counts = []
+    for i in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+        if i == 1:
+            x[0, 0] = float("nan")
+        model(x).sum().backward()
+        counts.append({n: int(p.grad.isnan().sum()) for n, p in model.named_parameters()})
+        if rec is not None:
+            rec.step()
+        model.zero_grad()
+    return counts
+
+
+def test_first_nonfinite_finds_a_parameter_grad_where_no_call_was_recorded(db):
+    """stats='params' records no node call: the first non-finite gradient is a parameter's .grad, not 'none'."""
+    from gradstore.cli import main as cli
+    from gradstore.view import story
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    reacted: list[dict] = []
+    with gradstore.record("p", db=db, model=model, stats="params", on_nonfinite=reacted.append) as rec:
+        counts = _two_steps_nan_in_the_second(model, rec)
+    assert not any(counts[0].values())  # plain PyTorch: step 0 finite
+    first = next(n for n, k in counts[1].items() if k)  # the first parameter (named_parameters order) with NaN
+    assert first == "0.weight" and counts[1]["0.bias"] == 0  # the NaN input reaches 0.weight, not 0.bias
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with gradstore.record("f", db=db, model=full, stats="full") as rec:
+        _two_steps_nan_in_the_second(full, rec)
+    with gradstore.open(db) as store:
+        assert list(store.steps("p")["status"]) == ["ok", "nonfinite"]
+        bad = store.first_nonfinite("p")
+        only = store.first_nonfinite("p", role="param_grad")
+        no_calls = store.first_nonfinite("p", role="grad_input")
+        at_0 = store.first_nonfinite("p", step=0)
+        with_calls = store.first_nonfinite("f")
+        assert story.first_nonfinite(store, "p") is None  # no node call to start a path from
+        assert story.first_nonfinite(store, "f") is not None
+    assert len(bad) == 1 and bad.iloc[0]["key"] == f"param:{first}" and bad.iloc[0]["role"] == "param_grad"
+    r = bad.iloc[0]
+    assert (int(r["step"]), int(r["pass"]), int(r["nan"]), int(r["numel"])) == (1, 0, counts[1][first], 16)
+    assert pd.isna(r["seq"]) and r["phase"] == "backward"
+    assert only.equals(bad) and no_calls.empty and at_0.empty
+    assert [x["key"] for x in reacted] == [f"param:{first}"]  # the recorder's reaction names the same row
+    # with node calls recorded, a call comes first (the same NaN input, the same step)
+    assert set(with_calls["role"]) <= {"grad_output", "grad_input"} and with_calls["seq"].notna().all()
+    assert set(with_calls["step"]) == {1}
+    out = CliRunner().invoke(cli, ["show", str(db), "p"], catch_exceptions=False).output
+    assert f"the .grad of param:{first}" in out and f"{counts[1][first]} nan" in out

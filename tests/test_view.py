@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 import shutil
 
+import matplotlib.colors
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import gradstore
-from gradstore.view import cells, graph, heatmap, history, story
+from gradstore.view import cells, graph, heatmap, history, plots, story
 from gradstore.view.plots import MISSING_FACE, NONFINITE_COLOUR
 
 pytest.importorskip("matplotlib")
@@ -182,7 +183,20 @@ def test_history_series_of_two_runs_match_plain_pytorch(recorded):
     fig = history(store, ["run-a", "run-b"], param="a.weight")
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["run-a", "run-b", "NaN / Inf in the gradient"]
-    with pytest.raises(ValueError, match="exactly one"):
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    to_axes = ax.transData + ax.transAxes.inverted()  # data -> fractions of the axes
+    heights = [
+        to_axes.transform((x, y))[1]
+        for line in ax.lines
+        for x, y in zip(line.get_xdata(), line.get_ydata())
+        if np.isfinite(y)
+    ]
+    assert heights and max(heights) < 1 - plots.NONFINITE_BAND  # every value drawn below the NaN / Inf row
+    marks = [c for c in ax.collections if len(c.get_offsets()) and c.get_offsets()[0][1] > 1 - plots.NONFINITE_BAND]
+    expected = [[t for t in range(4) if not torch.isfinite(seen[t]["a.weight"]).all()] for seen in (a, b)]
+    assert [list(c.get_offsets()[:, 0]) for c in marks] == [e for e in expected if e]  # plain PyTorch's NaN steps
+    with pytest.raises(gradstore.ArgumentError, match="exactly one"):
         history(store, "run-a", param="a.weight", module="a")
     with pytest.raises(gradstore.UnknownRun):
         history(store, "nope", param="a.weight")
@@ -262,6 +276,13 @@ def test_first_nonfinite_path_of_a_sqrt_at_zero(tmp_path):
     g = graph(gradstore.open(db), "s")
     first = [line for line in g.body if "FIRST NON-FINITE" in line]
     assert len(first) == 1 and "SqrtBackward0" in first[0]
+    # the heatmap outlines its cell (by node: finite in the default grad_output view, its seed 1 was finite)
+    edge = matplotlib.colors.to_rgb(plots.FIRST_EDGE)
+    for by, label in (("module", cells.TOP_LEVEL), ("node", start.key)):
+        ax = heatmap(gradstore.open(db), "s", by=by).axes[0]
+        rows = [t.get_text() for t in ax.get_yticklabels()]
+        boxes = [p for p in ax.patches if not p.get_fill() and tuple(p.get_edgecolor()[:3]) == edge]
+        assert [(b.get_x(), b.get_y()) for b in boxes] == [(-0.5, rows.index(label) - 0.5)], by
 
 
 def test_changed_most_reads_the_gradient_before_clipping(tmp_path):

@@ -21,13 +21,13 @@ Definitions (README "Why and where" says the same):
 
 Parameter status, in this order: 'frozen' (requires_grad is False at the end of the step); 'ok', 'zero' or
 'received' when its AccumulateGrad ran in some pass of the step, or a top-level backward pass changed its .grad
-otherwise (stats='params', which hooks no node; DDP's reducer writing a parameter this rank did not use; calls
-is 0 then and the final .grad is judged): 'zero' when every gradient it received was finite and all zeros (at
-stats='health' from min = max = 0), 'received' where no value was measured (stats='shape'; stats='params' in a
-pass that raised, whose .grad is not measured), else 'ok'; 'stale' when it received nothing but holds a .grad
-from before (what the step's last backward left); 'not used' when its module's forward did not run (any module
-of a tied parameter's names); 'unreachable' otherwise (its module ran, or is not known, and no pass ran its
-AccumulateGrad: not reachable from the roots, or reached and not run: `backward(inputs=...)`,
+otherwise (stats='params', which hooks no node; DDP's reducer writing a parameter this rank did not use; calls is 0
+then and the final .grad is judged): 'zero' when every gradient it received was finite and all zeros (at
+stats='health' from min = max = 0), 'received' where no value was measured (stats='shape'; stats='params' in a pass
+that raised, whose .grad is not measured), else 'ok'; 'stale' when it received nothing but holds a .grad from before
+(an earlier gradient, or zeros from zero_grad(set_to_none=False)); 'not used' when its module's forward did not run
+(any module of a tied parameter's names); 'unreachable' otherwise (its module ran, or is not known, and no pass ran
+its AccumulateGrad: not reachable from the roots, or reached and not run: `backward(inputs=...)`,
 `torch.autograd.grad`).
 """
 

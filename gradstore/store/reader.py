@@ -13,14 +13,14 @@ from pathlib import Path
 import pandas as pd
 from sqlalchemy import select
 
-from ..errors import GradstoreError, UnknownRun, ValuesNotRecorded
+from ..errors import ArgumentError, GradstoreError, UnknownRun, ValuesNotRecorded
 from . import queries
 from . import schema as s
 from . import values as stored_values
 from .database import open_existing, open_sqlite_reader
 from .writer import flush_pending
 
-_NONFINITE_ROLES = ("grad_output", "grad_input", "activation", "loss")  # first_nonfinite(role=...)
+_NONFINITE_ROLES = ("grad_output", "grad_input", "param_grad", "activation", "loss")  # first_nonfinite(role=)
 
 
 class Store:
@@ -179,9 +179,9 @@ class Store:
         module: str | None = None,
     ) -> pd.DataFrame:
         """Per step and node key (by='node') or module (by='module'): grad_output_norm, grad_input_norm, calls,
-        nonfinite. Raises ValueError for another `by`."""
+        nonfinite. Raises ArgumentError (a ValueError) for another `by`."""
         if by not in ("node", "module"):
-            raise ValueError(f"grad_norms(by=...) is 'node' or 'module', got {by!r}")
+            raise ArgumentError(f"grad_norms(by=...) is 'node' or 'module', got {by!r}")
         return self.query("grad_norms", run=run, by=by, step=step, rank=rank, module=module)
 
     def grad_cells(
@@ -196,10 +196,10 @@ class Store:
         grad_output) summed so that they combine again exactly (queries/grad_cells.sql): run, rank, step, key,
         module, tensor_rows, measured (rows with a measured norm), numel, finite (elements), sumsq (sum of squared
         L2 norms over finite elements), total (sum of the finite elements), min, max, absmax, nan, posinf, neginf,
-        zeros (exact counts). gradstore.view.heatmap draws it. Raises ValueError for another `by`,
+        zeros (exact counts). gradstore.view.heatmap draws it. Raises ArgumentError (a ValueError) for another `by`,
         QueryParameterError for an unknown role."""
         if by not in ("node", "module"):
-            raise ValueError(f"grad_cells(by=...) is 'node' or 'module', got {by!r}")
+            raise ArgumentError(f"grad_cells(by=...) is 'node' or 'module', got {by!r}")
         return self.query("grad_cells", run=run, by=by, role=role, rank=rank, module=module)
 
     def param_grads(
@@ -225,15 +225,15 @@ class Store:
         which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN), or,
             for a step without that row (recorded before schema revision 0009_loop), as the step's last
             top-level backward pass returned it (final = 0); 'pass': always the latter; 'all': both rows.
-        Raises UnknownRun; QueryParameterError for another `which`; ValueError for another scope, or a rank
-        with 'global'.
+        Raises UnknownRun; QueryParameterError for another `which`; ArgumentError (a ValueError) for another
+        scope, or a rank with 'global'.
         """
         if scope == "global":
             if rank is not None:
-                raise ValueError("param_grads(scope='global') combines every rank: leave rank=None")
+                raise ArgumentError("param_grads(scope='global') combines every rank: leave rank=None")
             return self.global_grads(run, step=step, param=param)
         if scope != "rank":
-            raise ValueError(f"param_grads(scope=...) is 'rank' or 'global', got {scope!r}")
+            raise ArgumentError(f"param_grads(scope=...) is 'rank' or 'global', got {scope!r}")
         return self.query("param_grads", run=run, step=step, rank=rank, param=param, which=which)
 
     def global_grads(self, run: str | None = None, step: int | None = None, param: str | None = None) -> pd.DataFrame:
@@ -302,7 +302,8 @@ class Store:
           'unreachable': got nothing although its module ran (or is not known): no pass's roots reach its
               AccumulateGrad, or one reached it and did not run it (backward(inputs=...), autograd.grad; also
               over a graph an earlier step built);
-          'stale': got nothing this step, but .grad still holds an earlier gradient (the optimizer applies it).
+          'stale': got nothing this step, but .grad still holds a tensor from before: an earlier gradient, or the
+              zeros zero_grad(set_to_none=False) wrote (the optimizer applies it either way).
         A step whose backward raised has rows too: what each parameter got before the failure. At stats='params'
         (no node hooks) a backward pass that changed .grad (a new tensor or an in-place addition) counts as a
         gradient, and reached and calls are NULL. Parameters left out by record(params=, modules=) have no rows.
@@ -325,11 +326,15 @@ class Store:
         pass, seq, key, name, module, frame, role, slot, numel, nan, posinf, neginf, norm, min, max, phase
         ('backward'); one row per non-finite slot of that call. With record(forward=True), first the forward
         event (phase 'forward': a module call's outputs, role 'activation', or a pass's loss, role 'loss') whose
-        tensors hold NaN/Inf, when it comes before that call. `role=` keeps rows of that role only. Empty when
-        every gradient (and forward tensor) was finite. As queries/first_nonfinite.sql.
-        Raises UnknownRun; ValueError for a role other than grad_output, grad_input, activation, loss."""
+        tensors hold NaN/Inf, when it comes before that call. Where no call's gradients held one before, a
+        parameter's: the first param_grad row with NaN/Inf (a `.grad` measured at a pass's end, pass set, seq None; or
+        in the step's final rows, pass None), as at stats='params', which records no calls. `role=` keeps rows of
+        that role only. Empty when every measured gradient (and forward tensor) was finite; a step at
+        stats='shape' measured no values (Store.steps' level says which). As queries/first_nonfinite.sql.
+        Raises UnknownRun; ArgumentError (a ValueError) for a role other than grad_output, grad_input,
+        param_grad, activation, loss."""
         if role is not None and role not in _NONFINITE_ROLES:
-            raise ValueError(
+            raise ArgumentError(
                 f"first_nonfinite(role=...) is one of {', '.join(_NONFINITE_ROLES)} (or None for all), got {role!r}"
             )
         return self.query("first_nonfinite", run=run, step=step, rank=rank, role=role)
@@ -433,7 +438,7 @@ class Store:
         row of that key, role and slot in the step; micro-batches count up), status, dtype, shape, numel, norm,
         min, max, mean, std, nan, posinf, neginf, zeros, checksum, final (1 for the param_grad row taken when
         the step ended, last in its step). With no filter: every gradient of the run.
-        Raises UnknownRun; ValueError for a role other than grad_output, grad_input, param_grad.
+        Raises UnknownRun; ArgumentError (a ValueError) for a role other than grad_output, grad_input, param_grad.
         """
         _check_role(role)
         return self.query("history", run=run, key=key, module=module, param=param, role=role, rank=rank)
@@ -484,12 +489,12 @@ class Store:
         status, dtype and shape exactly); by default any difference (bitwise on the stored statistics, and on
         the checksums where both sides have one). As queries/first_divergence.sql: one row per differing role
         and slot of that call, columns as `diff`. Empty when the sides agree. Sides as in `diff`.
-        Raises UnknownRun; GradstoreError for a step or rank not recorded; ValueError for a negative or
-        non-finite tolerance.
+        Raises UnknownRun; GradstoreError for a step or rank not recorded; ArgumentError (a ValueError) for a
+        negative or non-finite tolerance.
         """
         for name, value in (("rtol", rtol), ("atol", atol)):
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"first_divergence({name}=...) is a finite number >= 0, got {value!r}")
+                raise ArgumentError(f"first_divergence({name}=...) is a finite number >= 0, got {value!r}")
         self._check_sides(run_a, run_b, step_a, step_b, rank_a, rank_b)
         sides = dict(run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a, rank_b=rank_b)
         first = self.query("first_divergence", **sides, rtol=float(rtol), atol=float(atol))
@@ -550,13 +555,14 @@ class Store:
             occurrence: 0 for the first row of that key, role and slot in the step, 1, 2, ... for micro-batches.
         Returns: torch.Tensor (decoded from little-endian bytes: gradstore.store.values.decode).
         Raises: UnknownRun; ValuesNotRecorded when no such stored gradient exists (the message says which are
-            stored for that key, and how many the step's byte budget left out); ValueError for a bad role.
+            stored for that key, and how many the step's byte budget left out); ArgumentError (a ValueError) for a
+            bad role.
         """
         if param is not None:
             key = key or f"param:{param}"
             role = role or "param_grad"
         if key is None:
-            raise ValueError("tensor(...) needs key= (a node key) or param= (a parameter's qualified name)")
+            raise ArgumentError("tensor(...) needs key= (a node key) or param= (a parameter's qualified name)")
         _check_role(role)
         self._check_run(run)
         frame = self.query("tensor_values", run=run, key=key, step=step, rank=rank)
@@ -599,8 +605,8 @@ class Store:
         """With record(slices=...): each selected gradient summarised along one dimension, as queries/slices.sql:
         run, rank, step, pass, seq, key, name, module, param, role, slot, shape, dim, slices, zero (all-zero
         slices), nonfinite (slices holding NaN/Inf), norm_min, norm_median, norm_max (over the finite slices),
-        zero_first, nonfinite_first (first 8 indices, comma-separated), reason. Raises UnknownRun; ValueError for
-        a bad role."""
+        zero_first, nonfinite_first (first 8 indices, comma-separated), reason. Raises UnknownRun; ArgumentError
+        (a ValueError) for a bad role."""
         _check_role(role)
         return self.query("slices", run=run, step=step, rank=rank, role=role, module=module, key=key)
 
@@ -681,7 +687,7 @@ class Store:
 
     def _check_sides(self, run_a, run_b, step_a, step_b, rank_a, rank_b) -> None:
         if run_a is None:
-            raise ValueError("run_a is required (the run of side a)")
+            raise ArgumentError("run_a is required (the run of side a)")
         self._check_run(run_a)
         self._check_run(run_b)
         self._check_step(run_a, step_a if step_a is not None else step_b, rank_a if rank_a is not None else rank_b)
@@ -704,7 +710,7 @@ def _pivot(long: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 def _check_role(role: str | None) -> None:
     if role is not None and role not in ("grad_output", "grad_input", "param_grad"):
-        raise ValueError(f"role is grad_output, grad_input or param_grad (or None for all), got {role!r}")
+        raise ArgumentError(f"role is grad_output, grad_input or param_grad (or None for all), got {role!r}")
 
 
 def open(db: str | Path = "gradstore.db") -> Store:  # noqa: A001 - the public name the API promises

@@ -14,7 +14,7 @@ from collections import deque
 
 import pandas as pd
 
-from ..errors import GradstoreError
+from ..errors import ArgumentError, GradstoreError
 from . import story
 from .cells import pick_rank
 from .extras import require
@@ -74,7 +74,7 @@ def graph(
     from ..errors import UnknownNode
 
     if depth < 0:
-        raise ValueError(f"depth is >= 0 (edges away from `around`), got {depth!r}")
+        raise ArgumentError(f"depth is >= 0 (edges away from `around`), got {depth!r}")
     start = story.first_nonfinite(store, run, rank=rank)
     steps = store.steps(run=run)
     if steps.empty:

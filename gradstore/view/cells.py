@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..errors import GradstoreError
+from ..errors import ArgumentError, GradstoreError
 
 STATS = ("norm", "absmax", "min", "max", "mean")
 BY = ("module", "param", "node")
@@ -62,7 +62,7 @@ def values(parts: pd.DataFrame, stat: str) -> pd.Series:
     """The statistic `stat` (one of STATS) of combined parts: norm = sqrt(sumsq), mean = total / finite, absmax,
     min, max; NaN where nothing was measured (or, for mean, no element was finite)."""
     if stat not in STATS:
-        raise ValueError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
+        raise ArgumentError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
     measured = parts["measured"].fillna(0) > 0
     if stat == "norm":
         v = np.sqrt(parts["sumsq"])
@@ -160,14 +160,15 @@ def grid(
     depth (exact: the parts are combined again) when `depth` is given, or automatically, to the deepest depth
     that keeps at most `max_rows` rows, when by is 'module' or 'param' and there are more rows than that.
 
-    Raises UnknownRun, ValueError (by, stat, role, depth), GradstoreError (no such rank, nothing recorded).
+    Raises UnknownRun, ArgumentError (a ValueError: by, stat, role, depth), GradstoreError (no such rank,
+    nothing recorded).
     """
     if by not in BY:
-        raise ValueError(f"by is one of {', '.join(BY)}, got {by!r}")
+        raise ArgumentError(f"by is one of {', '.join(BY)}, got {by!r}")
     if stat not in STATS:
-        raise ValueError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
+        raise ArgumentError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
     if depth is not None and (not isinstance(depth, int) or depth < 1):
-        raise ValueError(f"depth is a whole number >= 1 (module name parts kept), got {depth!r}")
+        raise ArgumentError(f"depth is a whole number >= 1 (module name parts kept), got {depth!r}")
     rank, rank_note = pick_rank(store, run, rank)
     notes = [rank_note] if rank_note else []
     recorded = store.steps(run=run, rank=rank)["step"].astype(int).tolist()
@@ -178,7 +179,7 @@ def grid(
             raise GradstoreError(f"run {run!r} rank {rank} recorded none of the steps asked for")
     if by == "param":
         if role not in (None, "param_grad"):
-            raise ValueError("by='param' draws the parameters' .grad (role param_grad); leave role out")
+            raise ArgumentError("by='param' draws the parameters' .grad (role param_grad); leave role out")
         role = "param_grad"
         rows = store.param_grads(run=run, rank=rank)
         rows = rows[rows["param"].notna()]
@@ -188,7 +189,7 @@ def grid(
     else:
         role = role or "grad_output"
         if role not in ("grad_output", "grad_input", "param_grad", "saved"):
-            raise ValueError(f"role is grad_output, grad_input, param_grad or saved, got {role!r}")
+            raise ArgumentError(f"role is grad_output, grad_input, param_grad or saved, got {role!r}")
         parts = store.grad_cells(run=run, by="node" if by == "node" else "module", role=role, rank=rank, module=prefix)
         label = parts["key"] if by == "node" else parts["module"].map(lambda m: m if m else TOP_LEVEL)
         parts = parts.assign(label=label)
@@ -260,15 +261,16 @@ def series(
     one row per recorded step of each run and rank, in step order. Several rows of one step (calls of a
     module's nodes, micro-batches) combine exactly (norm: sqrt of the summed squares); for param_grad rows
     the step's last pass counts (the .grad after accumulation).
-    Raises UnknownRun, ValueError (not exactly one of param / module / key; stat; role), GradstoreError (rank).
+    Raises UnknownRun, ArgumentError (a ValueError: not exactly one of param / module / key; stat; role),
+    GradstoreError (rank).
     """
     if sum(x is not None for x in (param, module, key)) != 1:
-        raise ValueError("give exactly one of param=, module= or key=")
+        raise ArgumentError("give exactly one of param=, module= or key=")
     if stat not in STATS:
-        raise ValueError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
+        raise ArgumentError(f"stat is one of {', '.join(STATS)}, got {stat!r}")
     runs = [runs] if isinstance(runs, str) else list(runs)
     if not runs:
-        raise ValueError("runs is a run name or a list of them")
+        raise ArgumentError("runs is a run name or a list of them")
     role = role or ("param_grad" if param is not None else "grad_output")
     out = []
     for run in runs:

@@ -26,7 +26,7 @@ from ..version import __version__
 from . import cells, story
 from .backward_graph import graph
 from .extras import require
-from .plots import figure_class, heatmap, mark_nonfinite_steps, new_axes, steps_in_view
+from .plots import clear_nonfinite_band, figure_class, heatmap, mark_nonfinite_steps, new_axes, steps_in_view
 
 SECTIONS = ("run", "steps", "first non-finite gradient", "heatmap", "parameters", "ranks", "step values")
 _STATUS_COLOURS = {"ok": "#9ccf9c", "nonfinite": "#ff1f5b", "error": "#222222"}
@@ -359,7 +359,7 @@ def _params_section(page: _Page, store, run: str) -> None:
     names = top["param"].head(6).tolist()
     fig, ax = new_axes(None, (10.0, 4.2))
     steps: list[int] = []
-    drawn = False  # a finite positive norm on the log scale
+    drawn = marked = False  # a finite positive norm on the log scale; a step marked non-finite
     for name in names:
         s = cells.series(store, run, param=name)
         s = s[s["rank"] == s["rank"].min()]
@@ -370,14 +370,17 @@ def _params_section(page: _Page, store, run: str) -> None:
         (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=name)
         if bad.any():
             mark_nonfinite_steps(ax, s["step"][bad], line.get_color(), size=60)
+            marked = True
     if not drawn:
         page.add('<p class="note">No finite, nonzero .grad norm to draw on a log scale.</p>')
         return
     steps_in_view(ax, steps)
     ax.set_yscale("log")
+    if marked:
+        clear_nonfinite_band(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("L2 norm of .grad (log scale)")
-    ax.set_title("X on the top edge: the step's .grad held NaN or Inf", fontsize=9, loc="left")
+    ax.set_title("X in the shaded top row: the step's .grad held NaN or Inf", fontsize=9, loc="left")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     page.add(_png(fig, "gradient norm history of the parameters that changed most"))

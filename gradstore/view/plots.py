@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import textwrap
 
 import numpy as np
@@ -57,6 +58,22 @@ def new_axes(ax, size: tuple[float, float]):
     return fig, fig.add_subplot()
 
 
+def _first_nonfinite_cell(store, run: str, g) -> tuple | None:
+    """(row, column, gradstore.view.story.NonfiniteStart) of the run's first non-finite node call in grid `g` (by
+    'module' or 'node', its rank), or None: none recorded, or its step or module not among the grid's."""
+    from .story import first_nonfinite
+
+    start = first_nonfinite(store, run, rank=g.rank)
+    if start is None or start.rank != g.rank or start.step not in g.steps:
+        return None
+    label = start.key if g.by == "node" else (start.module or cells.TOP_LEVEL)
+    if g.depth is not None and g.by != "node":
+        label = cells.truncate(label, g.depth)
+    if label not in g.labels:
+        return None
+    return g.labels.index(label), g.steps.index(start.step), start
+
+
 def _nonfinite_word(nan: float, posinf: float, neginf: float) -> str:
     parts = [w for w, n in (("NaN", nan), ("+Inf", posinf), ("-Inf", neginf)) if n > 0]
     return "/".join(parts)
@@ -99,9 +116,12 @@ def heatmap(
     words NaN / +Inf / -Inf where cells are large enough) where any gradient of the cell held NaN or Inf, from
     the exact counts (the statistic over the finite elements is not drawn there); white where the statistic is
     exactly 0 (log scales); grey hatching where nothing was measured (no call, a None slot, a skipped tensor, a
-    level that does not measure it). Rows with a non-finite cell have red labels.
-    Raises UnknownRun, ValueError (by, stat, role, depth), GradstoreError (no such rank, nothing recorded),
-    MissingDependency (matplotlib not installed: pip install 'gradstore[view]').
+    level that does not measure it). Rows with a non-finite cell have red labels. By module or node, the cell of
+    the run's first non-finite node call (gradstore.view.story.first_nonfinite: its module, or its key, and its
+    step) is outlined, and the legend names it: with the default role grad_output its own cell may be finite (its
+    backward made the NaN / Inf from finite grad_outputs), while the red rows show where it went.
+    Raises UnknownRun, ArgumentError (a ValueError: by, stat, role, depth), GradstoreError (no such rank, nothing
+    recorded), MissingDependency (matplotlib not installed: pip install 'gradstore[view]').
     """
     colors = require("matplotlib.colors", "gradstore.view.heatmap")
     mpl = require("matplotlib", "gradstore.view.heatmap")
@@ -155,6 +175,12 @@ def heatmap(
                 word = _nonfinite_word(g.nan[i, j], g.posinf[i, j], g.neginf[i, j])
                 size = min(7, font) * (0.75 if len(word) > 4 else 1.0)
                 ax.text(j, i, word, ha="center", va="center", fontsize=size, color="white", weight="bold")
+    start = _first_nonfinite_cell(store, run, g) if by != "param" else None
+    if start is not None:  # the first non-finite node call's cell, outlined: with role grad_output its own cell
+        i, j, start = start  # may be finite (its backward made the NaN / Inf), so the colours alone miss it
+        ax.add_patch(
+            mpatches.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor=FIRST_EDGE, linewidth=2.2, zorder=6)
+        )
     ax.set_xlim(-0.5, ncols - 0.5)
     ax.set_ylim(nrows - 0.5, -0.5)  # first label on top
     ax.set_yticks(np.arange(nrows))
@@ -188,6 +214,16 @@ def heatmap(
     ]
     if log and zeros.any():
         handles.append(mpatches.Patch(facecolor=ZERO_COLOUR, edgecolor="#777777", label="exactly 0"))
+    if start is not None:
+        how = "its backward made it" if start.made_here else "it arrived in its grad_outputs"
+        handles.append(
+            mpatches.Patch(
+                facecolor="none",
+                edgecolor=FIRST_EDGE,
+                linewidth=2.2,
+                label=textwrap.fill(f"the first non-finite gradient: {start.key}, step {start.step} ({how})", 48),
+            )
+        )
     ax.legend(
         handles=handles,
         loc="upper left",
@@ -200,13 +236,29 @@ def heatmap(
     return fig
 
 
+FIRST_EDGE = "#111111"  # the outline of the first non-finite node call's cell in a heatmap
+NONFINITE_BAND = 0.12  # the top fraction of a history plot's height kept for the NaN / Inf markers
+
+
 def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
     """Draw an X on the top edge of `ax` at each step of `steps` (a sequence of step numbers: the steps whose
-    gradient held NaN or Inf), in a line's `colour` with a red edge; `size` in points squared. The markers sit
-    in axes coordinates vertically (x in data), so they take no part in autoscaling: call `steps_in_view`."""
+    gradient held NaN or Inf), in a line's `colour` with a red edge; `size` in points squared; the top
+    NONFINITE_BAND of the axes shaded as their row. The markers sit in axes coordinates vertically (x in data), so
+    they take no part in autoscaling: call `steps_in_view`, and `clear_nonfinite_band` once the y scale is set, so
+    that no value is drawn in that row (where it would read as one of them)."""
+    patches = require("matplotlib.patches", "gradstore.view")
+    if not getattr(ax, "_gradstore_band", False):
+        ax._gradstore_band = True
+        band = patches.Rectangle((0, 1 - NONFINITE_BAND), 1, NONFINITE_BAND, transform=ax.transAxes, linewidth=0)
+        band.set_facecolor("#c40030")
+        band.set_alpha(0.07)
+        band.set_zorder(0)
+        ax.add_patch(band)
+        ax.text(0.004, 1 - NONFINITE_BAND / 2, "NaN / Inf", transform=ax.transAxes, va="center", ha="left",
+                fontsize=7, color="#c40030", zorder=1)  # fmt: skip
     ax.scatter(
         list(steps),
-        np.full(len(steps), 0.96),
+        np.full(len(steps), 1 - NONFINITE_BAND / 2),
         transform=ax.get_xaxis_transform(),  # x in data, y in axes fractions
         marker="X",
         s=size,
@@ -216,6 +268,19 @@ def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
         zorder=5,
         clip_on=False,
     )
+
+
+def clear_nonfinite_band(ax) -> None:
+    """Raise the top of `ax`'s y axis (linear or log, after `set_yscale`) so that the values drawn stay below the
+    NaN / Inf row of `mark_nonfinite_steps`: the data's range then fills the lower 1 - NONFINITE_BAND of the
+    height, with a little room to spare."""
+    lo, hi = ax.get_ylim()
+    keep = 1 - NONFINITE_BAND - 0.03
+    if ax.get_yscale() == "log" and lo > 0 and hi > 0:
+        top = math.log10(lo) + (math.log10(hi) - math.log10(lo)) / keep
+        ax.set_ylim(lo, 10**top)
+    elif hi > lo:
+        ax.set_ylim(lo, lo + (hi - lo) / keep)
 
 
 def steps_in_view(ax, steps) -> None:
@@ -254,10 +319,11 @@ def history(
         rank: None (every rank recorded: a line each when there are several), a rank, or a list of ranks.
         ax: a matplotlib Axes to draw into (default: a new Figure).
 
-    Returns the matplotlib Figure. A step whose gradients held NaN or Inf is an X on the top edge, in its
-    line's colour (its value over the finite elements is not drawn); on a log axis a value of exactly 0 is a
-    triangle on the bottom edge; a step with nothing measured is a gap in the line.
-    Raises UnknownRun, ValueError, GradstoreError (no such rank), MissingDependency (no matplotlib).
+    Returns the matplotlib Figure. A step whose gradients held NaN or Inf is an X in a shaded row along the top
+    edge, above every value drawn, in its line's colour (its value over the finite elements is not drawn); on a
+    log axis a value of exactly 0 is a triangle on the bottom edge; a step with nothing measured is a gap in the
+    line.
+    Raises UnknownRun, ArgumentError (a ValueError), GradstoreError (no such rank), MissingDependency (no matplotlib).
     """
     ticker = require("matplotlib.ticker", "gradstore.view.history")
     mlines = require("matplotlib.lines", "gradstore.view.history")
@@ -296,6 +362,8 @@ def history(
             ax.yaxis.set_major_formatter(plain)
             ax.yaxis.set_minor_formatter(plain)
     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    if any_bad:
+        clear_nonfinite_band(ax)
     ax.set_xlabel("step")
     role_eff = role or ("param_grad" if param is not None else "grad_output")
     ax.set_ylabel(f"{_UNITS[stat]} of {'.grad' if role_eff == 'param_grad' else role_eff + 's'}")

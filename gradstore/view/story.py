@@ -64,18 +64,28 @@ def _count(v) -> int:
 
 
 def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart | None:
-    """The first non-finite gradient of `run` (on `rank`, or the lowest rank that has one) and its path, or None
-    when every recorded gradient was finite. Raises UnknownRun.
+    """The first node call of `run` whose grad_outputs or grad_inputs held NaN or Inf (on `rank`, or the lowest
+    rank that has one) and its path, or None when no recorded node call saw one (a parameter's `.grad` may still
+    have: `Store.first_nonfinite` reports that row where no call came first, as at stats='params', which records no
+    calls). Raises UnknownRun.
 
     The path follows the recorded edges from the first non-finite call: an edge carried a non-finite gradient
     when its source's grad_inputs[src_slot] (or, where that was not recorded, its destination's
     grad_outputs[dst_slot]) held NaN or Inf in that pass.
     """
-    rows = store.first_nonfinite(run=run, rank=rank)
-    if rows.empty:
+    # the first node call with a non-finite grad_output or grad_input (the earlier of the two firsts); the query's
+    # own first may be a parameter's .grad where no call was recorded (stats='params'), which has no path to follow
+    found = [store.first_nonfinite(run=run, rank=rank, role=role) for role in ("grad_output", "grad_input")]
+    found = [f for f in found if not f.empty]
+    if not found:
         return None
+    rows = pd.concat(found, ignore_index=True)
     rank = int(rows["rank"].min())
     rows = rows[rows["rank"] == rank]
+    first = min(zip(rows["step"].astype(int), rows["seq"].astype(int)))
+    rows = rows[(rows["step"].astype(int) == first[0]) & (rows["seq"].astype(int) == first[1])]
+    order = rows["role"].map({"grad_output": 0, "grad_input": 1})
+    rows = rows.assign(_order=order).sort_values(["_order", "slot"]).drop(columns="_order")
     r = rows.iloc[0]
     step, pass_ = int(r["step"]), int(r["pass"])
     tensors = store.tensors(run=run, step=step, rank=rank)
