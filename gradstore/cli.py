@@ -1073,6 +1073,18 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         except ValueError as exc:  # a tolerance of inf or nan
             raise click.BadParameter(str(exc)) from None
         ranks = set(store.steps(run=run_a)["rank"]) | set(store.steps(run=run_b)["rank"])
+        held_a, held_b, summaries = _summary_steps(store, **sides, label_a=label_a, label_b=label_b)
+    if len(first) and (held_a or held_b):  # a row only on one side, whose other side kept a summary: not a divergence
+        eff_a, eff_b = (step_a if step_a is not None else step_b), (step_b if step_b is not None else step_a)
+
+        def unseen(r) -> bool:
+            if r["side"] == "b":
+                return int(eff_a if eff_a is not None else r["step_b"]) in held_a
+            if r["side"] == "a":
+                return int(eff_b if eff_b is not None else r["step_a"]) in held_b
+            return False
+
+        first = first[~first.apply(unseen, axis=1)]
     both = table[table["side"] == "both"]
     unmeasured = both["differs"] == "not compared"
     n_diff = int(((both["differs"] != "") & ~unmeasured).sum())
@@ -1084,8 +1096,17 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         f"{n_unmeasured:,} not compared (not measured on a side: skipped, or recorded without statistics)."
     )
     tolerance = f"rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
+    if first.empty and len(both) == n_unmeasured:  # no gradient measured on both sides: no verdict at all
+        click.echo(
+            f"nothing compared: no gradient was measured on both {label_a} and {label_b}, so no agreement or "
+            "divergence can be told" + (f"; {summaries}" if summaries else "")
+        )
+        return
     if first.empty:
-        scope = "every gradient" if n_unmeasured == 0 else f"every compared gradient ({n_unmeasured:,} not compared)"
+        partial = n_unmeasured or summaries
+        scope = "every compared gradient" if partial else "every gradient"
+        if n_unmeasured:
+            scope += f" ({n_unmeasured:,} not compared)"
         click.echo(
             f"no divergence: {label_b} agrees with {label_a} on {scope}"
             + (f" within {tolerance}" if tolerance else " (bitwise-identical statistics)")
@@ -1093,6 +1114,8 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         if n_unmeasured:
             r = both[unmeasured].iloc[0]
             click.echo(f"  e.g. {r['key']} {_slot_label(r['role'], r['slot'])}: {r['reason']}")
+        if summaries:
+            click.echo(f"  {summaries}")
         return
     tolerance = f" beyond {tolerance}" if tolerance else ""
     several = len(ranks) > 1
@@ -1107,6 +1130,39 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             click.echo(
                 f"  also {_slot_label(other['role'], other['slot'])}: {_difference_words(other, label_a, label_b)}"
             )
+    if summaries:  # an earlier step kept only its summary: the sides may have parted there, unseen
+        click.echo(summaries)
+
+
+def _summary_steps(
+    store, run_a, run_b, step_a, step_b, rank_a, rank_b, label_a: str, label_b: str
+) -> tuple[set[int], set[int], str]:
+    """(side a's, side b's steps that hold a flight-recorder summary only: `Store.steps` level 'summary', no
+    gradient rows, only each parameter's final norm; a sentence naming them for `diff`, '' for none)."""
+    step_a, step_b = (step_a if step_a is not None else step_b), (step_b if step_b is not None else step_a)
+    rank_a, rank_b = (rank_a if rank_a is not None else rank_b), (rank_b if rank_b is not None else rank_a)
+    held, parts = [], []
+    for label, run, step, rank in ((label_a, run_a, step_a, rank_a), (label_b, run_b, step_b, rank_b)):
+        rows = store.steps(run=run, step=step, rank=rank)
+        steps = {int(x) for x in rows.loc[rows["level"] == "summary", "step"]}
+        held.append(steps)
+        if not steps:
+            continue
+        if "step" in label:  # the label names the step already
+            part = label
+        else:
+            part = f"step {_step_ranges(steps)}" if len(steps) == 1 else f"steps {_step_ranges(steps)}"
+            if label_a != label_b:
+                part = f"{part} of {label}"
+        if part not in parts:
+            parts.append(part)
+    text = (
+        f"not compared: {'; '.join(parts)} (flight-recorder summaries: their gradients were not kept, only each "
+        "parameter's final norm, Store.param_norms)"
+        if parts
+        else ""
+    )
+    return held[0], held[1], text
 
 
 _RULE_WORDS = {

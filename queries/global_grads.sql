@@ -1,5 +1,5 @@
 -- title: Global parameter gradients from every rank's shard
--- description: Per step and parameter, the statistics of the whole gradient (what p.grad.full_tensor() holds) combined from the ranks' param_grad rows of the step's last top-level backward pass, and the total norm over the parameters. rule says how the rows were combined: sharded (a DTensor with Shard / _StridedShard placements: the regions of the tensor, each counted once, the lowest measured replica of a region where Replicate dimensions copy it), replicated (a plain tensor, as DDP's all-reduced .grad, or a DTensor replicated everywhere: one copy, the lowest rank's) or partial (a DTensor with a Partial placement: each element is the reduction of one term per rank). status is ok (combined from every region), none (.grad was None on every rank) or incomplete (a region's row is missing, skipped, recorded without statistics, or the ranks disagree on the layout: nothing is derived; not_derivable says which). numel, norm (sqrt of the sum of squares), min, max, mean, std (Bessel-corrected, from the regions' means and spreads), nan, posinf, neginf and zeros (sums) are exact combinations of the regions' statistics, all over the finite elements as in param_grads. A Partial placement keeps only what per-rank statistics determine: numel, the mean of a Partial(sum) or Partial(avg) gradient (its elements' sum is the sum of the terms' sums) and the max of Partial(max) (the min of Partial(min)), when every term is finite; its norm, the other extremes, std, zeros and non-finite counts depend on how the terms' elements line up and are NULL, and not_derivable names them. total_norm: sqrt of the sum of squared norms over the step's selected parameters that have a gradient (NULL when one of them has no derivable norm: see its not_derivable); with param = NULL it is the norm clip_grad_norm_ computes over all parameters. shards: the rows counted (one per region and Partial term); ranks: the ranks that have a row.
+-- description: Per step and parameter, the statistics of the whole gradient (what p.grad.full_tensor() holds) combined from the ranks' param_grad rows of the step's last top-level backward pass, and the total norm over the parameters. rule says how the rows were combined: sharded (a DTensor with Shard / _StridedShard placements: the regions of the tensor, each counted once, the lowest measured replica of a region where Replicate dimensions copy it), replicated (a plain tensor, as DDP's all-reduced .grad, or a DTensor replicated everywhere: one copy, the lowest rank's) or partial (a DTensor with a Partial placement: each element is the reduction of one term per rank). status is ok (combined from every region), none (.grad was None on every rank) or incomplete (a region's row is missing, skipped, recorded without statistics, the ranks disagree on the layout, or the copies of a region that several ranks hold, which must be equal, differ: a replicated gradient the ranks did not synchronise; nothing is derived; not_derivable says which). numel, norm (sqrt of the sum of squares), min, max, mean, std (Bessel-corrected, from the regions' means and spreads), nan, posinf, neginf and zeros (sums) are exact combinations of the regions' statistics, all over the finite elements as in param_grads. A Partial placement keeps only what per-rank statistics determine: numel, the mean of a Partial(sum) or Partial(avg) gradient (its elements' sum is the sum of the terms' sums) and the max of Partial(max) (the min of Partial(min)), when every term is finite; its norm, the other extremes, std, zeros and non-finite counts depend on how the terms' elements line up and are NULL, and not_derivable names them. total_norm: sqrt of the sum of squared norms over the step's selected parameters that have a gradient (NULL when one of them has no derivable norm: see its not_derivable); with param = NULL it is the norm clip_grad_norm_ computes over all parameters. shards: the rows counted (one per region and Partial term); ranks: the ranks that have a row.
 -- param run: run name; empty (NULL) for every run
 -- param step: step number; empty (NULL) for every step
 -- param param: qualified parameter name; empty (NULL) for all (total_norm then covers every parameter)
@@ -69,6 +69,16 @@ WITH latest AS (  -- each rank's param_grad rows, the latest pass first
            SUM(CASE WHEN copy = 1 THEN neginf END) AS neginf
     FROM picked
     GROUP BY run_id, step, node_id
+), split AS (  -- regions whose measured copies (replicas on several ranks) disagree: no one whole gradient
+    SELECT run_id, step, node_id, COUNT(*) AS regions, MIN(lo_rank) AS lo_rank, MAX(hi_rank) AS hi_rank
+    FROM (SELECT run_id, step, node_id, shard, term, MIN(rank) AS lo_rank, MAX(rank) AS hi_rank
+          FROM g
+          WHERE measured = 1
+          GROUP BY run_id, step, node_id, shard, term
+          HAVING MIN(norm) <> MAX(norm) OR MIN(min) <> MAX(min) OR MIN(max) <> MAX(max) OR MIN(numel) <> MAX(numel)
+              OR MIN(nan) <> MAX(nan) OR MIN(posinf) <> MAX(posinf) OR MIN(neginf) <> MAX(neginf)
+              OR MIN(zeros) <> MAX(zeros)) x
+    GROUP BY run_id, step, node_id
 ), kinds AS (  -- how the rows combine, and whether they can
     SELECT agg.*,
            CASE WHEN dtensor_rows = 0 THEN 'replicated'
@@ -93,6 +103,9 @@ WITH latest AS (  -- each rank's param_grad rows, the latest pass first
                 WHEN dtensor_rows > 0 AND dtensor_rows + nones < ranks THEN 'the ranks disagree: a DTensor on some, a plain tensor on others'
                 WHEN layouts > 1 + CASE WHEN nones > 0 THEN 1 ELSE 0 END THEN 'the ranks disagree on the placements, mesh or global shape'
                 WHEN nones > 0 AND oks > 0 THEN '.grad is None on some rank while others hold a gradient'
+                WHEN sp.regions > 0 THEN 'the ranks'' copies differ (ranks ' || CAST(sp.lo_rank AS TEXT) || ' to '
+                     || CAST(sp.hi_rank AS TEXT) || ', in ' || CAST(sp.regions AS TEXT)
+                     || ' region(s)): each rank holds its own gradient, not one whole gradient (rank_divergence says where)'
                 WHEN skipped > 0 THEN 'a region''s row was skipped (first on rank ' || CAST(skipped_rank AS TEXT) || '): its values were not measured'
                 WHEN unmeasured > 0 THEN 'a region was recorded without statistics (stats=''shape'')'
                 WHEN dtensor_rows > 0 AND covered <> global_numel * partials
@@ -100,6 +113,7 @@ WITH latest AS (  -- each rank's param_grad rows, the latest pass first
                           || ' elements (terms): a rank''s shard is missing (merge every rank''s database)'
                 END AS gap
     FROM agg
+    LEFT JOIN split sp ON sp.run_id = agg.run_id AND sp.step = agg.step AND sp.node_id = agg.node_id
 ), combined AS (
     SELECT k.*,
            CASE WHEN gap IS NOT NULL THEN NULL WHEN nfinite > 0 THEN total / CAST(nfinite AS DOUBLE PRECISION) END AS gmean

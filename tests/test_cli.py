@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 import pandas as pd
 import pytest
+import torch
 from click.testing import CliRunner
 
 import gradstore
@@ -283,3 +284,31 @@ def test_show_step_says_why_parameters_lack_gradients_and_what_the_step_warned(d
     assert "Module gains" in out
     run_view = invoke("show", db, "why").output
     assert "Warnings raised inside steps: 1 distinct" in run_view
+
+
+def test_diff_never_calls_flight_recorder_summary_steps_equal(tmp_path):
+    """A flight-recorder summary step keeps no gradient rows: diff says 'nothing compared' for it (its gradients
+    differ from the other step's, plain PyTorch says), and names the summary steps it could not look into."""
+    db = str(tmp_path / "flight.db")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 1)
+    norms = []
+    with gradstore.record("fl", db=db, model=lin, keep=2) as rec:
+        for i in range(6):
+            x = torch.randn(4, 3) * (i + 1)
+            if i == 5:
+                x[0, 0] = float("nan")  # the trigger: steps 4 and 5 are dumped in full
+            lin(x).pow(2).mean().backward()
+            norms.append(float(lin.weight.grad.norm()))
+            rec.step()
+            lin.zero_grad()
+    with gradstore.open(db) as store:
+        levels = store.steps("fl").set_index("step")["level"].to_dict()
+    assert [levels[i] for i in range(6)] == ["summary"] * 4 + ["full"] * 2
+    assert norms[0] != norms[3] and norms[3] != norms[4]  # plain PyTorch: the steps' gradients differ
+    for a, b, named in ((0, 3, "step 0; step 3 ("), (3, 4, "step 3 (")):
+        out = invoke("diff", db, "fl", "--step-a", a, "--step-b", b).output
+        assert "nothing compared" in out and "agrees" not in out and "differs" not in out, out
+        assert f"not compared: {named}flight-recorder summaries" in out, out
+    out = invoke("diff", db, "fl", "--step-a", 4, "--step-b", 5).output
+    assert "step 5 differs from step 4 first at" in out and "not compared" not in out.split("\n", 1)[1]

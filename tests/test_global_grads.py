@@ -117,6 +117,26 @@ def test_a_replicated_dimension_is_counted_once(tmp_path):
     assert (g["rule"], g["shards"], g["numel"], g["norm"]) == ("replicated", 1, 2, 5.0)
 
 
+@pytest.mark.parametrize("placements", ["(Replicate(),)", None])  # a DTensor replicated everywhere; a plain tensor
+def test_copies_that_differ_are_no_one_whole_gradient(tmp_path, placements):
+    """Two ranks' copies of one replicated gradient that differ (a rank that skipped the all-reduce): which one is
+    'the' gradient is not known, so nothing is derived, rather than the lowest rank's copy standing for both."""
+    db = str(tmp_path / "g.db")
+    a, b = [3.0, 4.0], [6.0, 8.0]  # rank 1's copy is twice rank 0's
+    lay = [_layout(placements, r, "2", "0", replica=r) if placements else None for r in (0, 1)]
+    _write(db, "d", [[_row(a, lay[0])], [_row(b, lay[1])]])
+    g = _global(db, "d")
+    assert (g["rule"], g["status"]) == ("replicated", "incomplete")
+    assert "the ranks' copies differ (ranks 0 to 1, in 1 region(s))" in g["not_derivable"], g["not_derivable"]
+    assert pd.isna(g["norm"]) and pd.isna(g["total_norm"])
+    _write(db, "e", [[_row(a, lay[0])], [_row(list(a), lay[1])]])  # equal copies: one gradient, counted once
+    with gradstore.open(db) as store:
+        e = store.global_grads("e").iloc[0]
+        total = store.global_norm("d")
+    assert (e["status"], e["norm"], e["shards"]) == ("ok", 5.0, 1) and pd.isna(e["not_derivable"])
+    assert pd.isna(total["total_norm"].iloc[0]) and total["not_derivable"].iloc[0] == 1
+
+
 def test_partial_sum_keeps_only_what_the_terms_sums_determine(tmp_path):
     db = str(tmp_path / "g.db")
     a, b = [1.0, -1.0, 2.0], [0.5, 1.0, -4.0]

@@ -224,7 +224,8 @@ class Store:
 
         which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN), or,
             for a step without that row (recorded before schema revision 0009_loop), as the step's last
-            top-level backward pass returned it (final = 0); 'pass': always the latter; 'all': both rows.
+            top-level backward pass returned it (final = 0); 'pass': always the latter; 'all': both rows (two a
+            step, not one per pass: each micro-batch's pass rows are `tensors(role='param_grad')`).
         Raises UnknownRun; QueryParameterError for another `which`; ArgumentError (a ValueError) for another
         scope, or a rank with 'global'.
         """
@@ -251,6 +252,8 @@ class Store:
         not_derivable (which statistics could not be combined, and why; NULL when all could).
         A Partial placement leaves norm, std, zeros, the non-finite counts and (but for Partial(min) /
         Partial(max)) min and max NULL: an elementwise sum's statistics depend on how the terms line up.
+        Copies of one region held by several ranks (Replicate, a plain DDP gradient) must be equal: where their
+        statistics differ, the parameter is incomplete (each rank holds its own gradient; rank_divergence).
         Raises UnknownRun.
         """
         return self.query("global_grads", run=run, step=step, param=param)
@@ -466,6 +469,8 @@ class Store:
         without record(values=...)); and, compared here in Python from the elements both sides stored
         (gradstore.store.values): values_compared ('yes', or 'no: ' and why), values_max_abs (max |a - b|),
         values_rel (values_max_abs / the largest |element| of either side), values_cosine.
+        A flight-recorder summary step (`steps()` level 'summary') kept no gradient rows: it has no row here, and the
+        other side's rows of that step are one-sided ('missing'), not a divergence (`gradstore diff` says so).
         Raises UnknownRun; GradstoreError for a step or rank that side's run did not record.
         """
         self._check_sides(run_a, run_b, step_a, step_b, rank_a, rank_b)
@@ -488,7 +493,9 @@ class Store:
         sides beyond `rtol`/`atol` (|a - b| > atol + rtol * max(|a|, |b|) for norm, min, max, mean, std; counts,
         status, dtype and shape exactly); by default any difference (bitwise on the stored statistics, and on
         the checksums where both sides have one). As queries/first_divergence.sql: one row per differing role
-        and slot of that call, columns as `diff`. Empty when the sides agree. Sides as in `diff`.
+        and slot of that call, columns as `diff`. Empty when the sides agree, and when nothing was compared (no
+        gradient measured on both sides: a flight-recorder summary step has none; `diff` counts them). Sides as
+        in `diff`.
         Raises UnknownRun; GradstoreError for a step or rank not recorded; ArgumentError (a ValueError) for a
         negative or non-finite tolerance.
         """

@@ -319,17 +319,26 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> sto
     return start
 
 
-def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
+def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame, rank: int | None = None) -> None:
+    """The heatmap by module of `rank`: the rank of the first non-finite gradient where there is one (the lowest
+    rank may hold none), else the lowest."""
     page.section("heatmap", "Gradient norms by module and step")
     try:
-        fig = heatmap(store, run, by="module")
+        fig = heatmap(store, run, by="module", rank=rank)
     except GradstoreError as exc:
         page.add(f'<p class="note">No heatmap: {_e(exc)}</p>')
         return
+    ranks = sorted(int(r) for r in steps["rank"].unique()) if "rank" in steps else []
+    which = ""
+    if len(ranks) > 1:
+        shown = rank if rank is not None else ranks[0]
+        why = "the rank of the first non-finite gradient" if rank is not None else "the lowest"
+        which = f" Rank {shown} ({why}) of ranks {', '.join(map(str, ranks))}."
     page.add(
         "<p>L2 norm of the grad_outputs flowing into each module's nodes (over finite elements, combined over "
         "calls), log colour scale. Red cells held NaN or Inf (exact counts); hatched cells hold no value (not "
-        "measured, or no gradient: a .grad of None, a None slot); white cells are exactly 0.</p>"
+        "measured, or no gradient: a .grad of None, a None slot); white cells are exactly 0; the black outline is "
+        f"the first non-finite node call's module and step.{which}</p>"
     )
     page.add(_png(fig, f"heatmap of gradient norms by module for {run}"))
 
@@ -505,10 +514,10 @@ def report_html(store, run: str, progress: Callable[[str], None] | None = None) 
     tick("steps")
     _steps_section(page, steps, run)
     tick("first non-finite gradient")
-    _nonfinite_section(page, store, run, steps)
+    start = _nonfinite_section(page, store, run, steps)
     tick("heatmap")
     if len(steps):
-        _heatmap_section(page, store, run, steps)
+        _heatmap_section(page, store, run, steps, rank=start.rank if start is not None else None)
     tick("parameters")
     _params_section(page, store, run)
     tick("ranks")
