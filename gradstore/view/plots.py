@@ -238,6 +238,7 @@ def heatmap(
 
 FIRST_EDGE = "#111111"  # the outline of the first non-finite node call's cell in a heatmap
 NONFINITE_BAND = 0.12  # the top fraction of a history plot's height kept for the NaN / Inf markers
+_BAND_GID = "gradstore-nonfinite-band"
 
 
 def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
@@ -247,9 +248,9 @@ def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
     they take no part in autoscaling: call `steps_in_view`, and `clear_nonfinite_band` once the y scale is set, so
     that no value is drawn in that row (where it would read as one of them)."""
     patches = require("matplotlib.patches", "gradstore.view")
-    if not getattr(ax, "_gradstore_band", False):
-        ax._gradstore_band = True
+    if not any(p.get_gid() == _BAND_GID for p in ax.patches):  # one row, however many lines are marked
         band = patches.Rectangle((0, 1 - NONFINITE_BAND), 1, NONFINITE_BAND, transform=ax.transAxes, linewidth=0)
+        band.set_gid(_BAND_GID)
         band.set_facecolor("#c40030")
         band.set_alpha(0.07)
         band.set_zorder(0)
