@@ -261,7 +261,10 @@ def render() -> str:
         "inside the node's own hooks, or after a pass with `retain_graph=True`. After a pass without it, a node "
         "that saved tensors raises; a node that saved none (`AddBackward0`) still runs. Two exceptions: "
         "`AccumulateGrad` (calling it adds into `.grad`) and custom Functions, whose node is not callable: use "
-        "`node.apply(*grad_outputs)`, which returns one value per *forward argument*."
+        "`node.apply(*grad_outputs)`, which returns one value per *forward argument*. What it returns is the "
+        "backward formula's result: the engine then sums each one to the shape of the input it flows to (a "
+        "broadcast bias's `(4, 1)` becomes `(1,)`) before any hook sees it; `gradstore.replay(node, grad_outputs)` "
+        "does that too."
     )
     w_(
         "3. **The state is in the node's `_saved_*` attributes** (tensors and plain values such as dims and "
