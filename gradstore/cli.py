@@ -442,6 +442,18 @@ def _table_keeping(df: pd.DataFrame, keep: list[int], gap: callable) -> str:
     return "\n".join(out)
 
 
+def _shown(db: str) -> str:
+    """A database path as given, or a URL with its password hidden ('***'), for printing."""
+    if "://" not in str(db):
+        return str(db)
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(str(db)).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy reads: print nothing of it but its scheme
+        return str(db).split("://", 1)[0] + "://..."
+
+
 def _step_ranges(steps) -> str:
     """'0-3, 5, 7-9' from step numbers."""
     nums = sorted({int(s) for s in steps})
@@ -1347,7 +1359,7 @@ def merge(out, inputs, skip_existing):
         if r.skipped:
             line += f"; {len(r.skipped):,} steps already in {out} skipped"
         click.echo(line)
-    click.echo(f"merged {len(reports)} database{'s' if len(reports) > 1 else ''} into {out}")
+    click.echo(f"merged {len(reports)} database{'s' if len(reports) > 1 else ''} into {_shown(out)}")
 
 
 # ---- pictures: the HTML report, Datasette -------------------------------------------------------------------

@@ -241,3 +241,36 @@ def test_usage_warnings_name_the_users_line(db):
     ours = [w for w in caught if issubclass(w.category, gradstore.RecordUsageWarning)]
     assert len(ours) == 2, [str(w.message) for w in ours]
     assert [w.filename for w in ours] == [__file__, __file__]
+
+
+def test_grad_norms_of_unmeasured_gradients_are_null_not_zero(db):
+    """stats='shape' measures no values: grad_norms says NULL (not measured), where it used to say 0.0."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    with gradstore.record("s", db=db, model=m, stats="shape") as rec:
+        m(torch.ones(4, 3)).sum().backward()
+        rec.step()
+    with gradstore.open(db) as store:
+        by_node, by_module = store.grad_norms("s"), store.grad_norms("s", by="module")
+    ops = by_node[~by_node["key"].str.startswith("param:")]  # an AccumulateGrad has no grad_inputs: 0 flows out
+    assert len(ops) and len(by_node) > len(ops)
+    for g, cols in ((by_node, ("grad_output_norm", "nonfinite")), (ops, ("grad_input_norm",)), (by_module, ())):
+        assert len(g) and g["calls"].min() >= 1
+        for col in cols or ("grad_output_norm", "grad_input_norm", "nonfinite"):
+            assert g[col].isna().all(), (col, g[col].tolist())
+
+
+def test_module_gains_at_params_say_not_known_rather_than_nothing_flowed(db):
+    """stats='params' walks no graph: a module call's counts are NULL, not 0 ('nothing flowed in')."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    for level in ("params", "full"):
+        with gradstore.record(level, db=db, model=m, stats=level) as rec:
+            m(torch.ones(2, 3)).sum().backward()
+            rec.step()
+    with gradstore.open(db) as store:
+        params, full = store.module_gains("params"), store.module_gains("full")
+    cols = ["in_norm", "out_norm", "ratio", "in_tensors", "out_tensors", "in_unmeasured", "out_unmeasured", "nodes"]
+    assert len(params) == len(full) == 4  # the Sequential and its three layers
+    assert params[cols].isna().all().all(), params[cols]
+    assert full["in_tensors"].notna().all() and (full["nodes"] > 0).all()  # measured where the graph was walked

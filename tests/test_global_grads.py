@@ -105,7 +105,29 @@ def test_shards_combine_exactly_with_nonfinite_counts(tmp_path):
     assert g["norm"] == pytest.approx(norm, rel=1e-15)
     assert g["mean"] == pytest.approx(mean, rel=1e-15)
     assert g["std"] == pytest.approx(std, rel=1e-14)
-    assert g["total_norm"] == pytest.approx(norm, rel=1e-15)
+    # the NaN makes clip_grad_norm_'s total NaN: no total from the finite elements (their norm is the row's norm)
+    assert math.isnan(sum(v * v for v in a + b)) and pd.isna(g["total_norm"])
+    with gradstore.open(db) as store:
+        total = store.global_norm("s").iloc[0]
+    assert pd.isna(total["total_norm"]) and (total["params"], total["nonfinite"], total["not_derivable"]) == (1, 1, 0)
+
+
+def test_a_finite_step_has_its_total_norm(tmp_path):
+    db = str(tmp_path / "g.db")
+    a, b = [1.0, -2.0, 0.0], [4.0, 2.0, 0.5]
+    _write(
+        db,
+        "f",
+        [
+            [_row(a, _layout("(Shard(dim=0),)", 0, "6", "0", shard=0))],
+            [_row(b, _layout("(Shard(dim=0),)", 1, "6", "3", shard=1))],
+        ],
+    )
+    g = _global(db, "f")
+    assert g["total_norm"] == pytest.approx(math.sqrt(math.fsum(v * v for v in a + b)), rel=1e-15)
+    with gradstore.open(db) as store:
+        total = store.global_norm("f").iloc[0]
+    assert total["total_norm"] == g["total_norm"] and total["nonfinite"] == 0
 
 
 def test_a_replicated_dimension_is_counted_once(tmp_path):

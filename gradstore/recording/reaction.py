@@ -88,12 +88,15 @@ class LastStep:
 
     Attributes:
         step (int), rank (int): its number and rank.
-        status (str): 'ok', 'error' or 'nonfinite' (some gradient, of a node or a parameter, held NaN or Inf).
+        status (str): 'ok', 'error' or 'nonfinite' (some gradient, of a node or a parameter, held NaN or Inf; at
+            stats='shape', which measures no value, 'ok' says only that nothing raised: finiteness is unknown).
         error (str | None): the exception's text (and recorder faults).
         passes (int): backward passes in the step.
         values (dict[str, float]): its step values.
-        written (str): 'full' (its rows are written, at its stats level), 'summary' (flight recorder: only the
-            summary so far; the detail is in the ring) or 'dumped' (flight recorder: written in full by a dump).
+        written (str): 'full' (its rows go to the database, at its stats level: handed to the writer, which writes
+            them after the step; a write that fails is a RuntimeWarning naming the database and the fix, and
+            the writer's `errors`), 'summary' (flight recorder: only the summary so far; the detail is in the ring)
+            or 'dumped' (flight recorder: written in full by a dump).
         dump (str | None): the trigger that made this step dump the ring ('nonfinite', 'spike', 'error',
             'manual'), else None.
         grad_norm (float | None): the total norm (sqrt of the sum of squares) of the final parameter gradients'

@@ -288,6 +288,19 @@ def _read_only_reason(path: Path) -> str:
     return "SQLite may not write it (an immutable file or directory, or read-only media)"
 
 
+def damaged(exc: BaseException) -> bool:
+    """True when a driver error says an SQLite file is damaged (SQLITE_CORRUPT: 'database disk image is
+    malformed'; SQLITE_NOTADB met after the file was opened) or could not be read (SQLITE_IOERR)."""
+    name, text = _sqlite_error(exc)
+    low = text.lower()
+    return (
+        name.startswith(("SQLITE_CORRUPT", "SQLITE_IOERR", "SQLITE_NOTADB"))
+        or "malformed" in low
+        or "disk i/o error" in low
+        or "file is not a database" in low
+    )
+
+
 def explain(db: str | Path, exc: BaseException, writing: bool) -> GradstoreError:
     """The GradstoreError that says, in words, why database `db` could not be opened or written, and the fix.
 
@@ -316,6 +329,12 @@ def explain(db: str | Path, exc: BaseException, writing: bool) -> GradstoreError
             f"{db} is read-only to this process ({_read_only_reason(path)}): gradstore.record cannot write it; "
             f"record into a file it can write (record(db=...)), or copy {db} to a writable place and record "
             f"there; gradstore.open({str(db)!r}) reads it as it is"
+        )
+    if name.startswith("SQLITE_CORRUPT") or "malformed" in low:
+        what = "steps cannot be written to it" if writing else "it cannot be read where it is damaged"
+        return DatabaseUnavailable(
+            f"{db} is damaged (SQLite: {text}): {what}; `sqlite3 {db} 'PRAGMA integrity_check'` says where, and "
+            f"`sqlite3 {db} .recover | sqlite3 recovered.db` saves what can be read; record into a new file"
         )
     if name == "SQLITE_FULL" or "disk is full" in low:
         return DatabaseUnavailable(

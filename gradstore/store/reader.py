@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pandas as pd
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 
 from ..errors import ArgumentError, GradstoreError, UnknownRun, ValuesNotRecorded
 from . import queries
 from . import schema as s
 from . import values as stored_values
-from .database import open_existing, open_sqlite_reader
+from .database import damaged, explain, open_existing, open_sqlite_reader
 from .writer import flush_pending
 
 _NONFINITE_ROLES = ("grad_output", "grad_input", "param_grad", "activation", "loss")  # first_nonfinite(role=)
@@ -72,14 +73,20 @@ class Store:
     def query(self, name: str, **params) -> pd.DataFrame:
         """Run the query file queries/NAME.sql with `:named` parameters; returns a DataFrame.
 
-        Raises UnknownQuery, QueryParameterError, UnknownRun.
+        Raises UnknownQuery, QueryParameterError, UnknownRun; DatabaseUnavailable where the file is damaged or
+        cannot be read where the query reads it (SQLite's 'database disk image is malformed').
         """
-        self._check_run(params.get("run"))
-        self._refresh()
-        q = queries.get(name)
-        if "now" in q.params and params.get("now") is None:
-            params["now"] = time.time()  # the reference time that tells a live run from an interrupted one
-        return queries.run(self.engine, name, params)
+        try:
+            self._check_run(params.get("run"))
+            self._refresh()
+            q = queries.get(name)
+            if "now" in q.params and params.get("now") is None:
+                params["now"] = time.time()  # the reference time that tells a live run from an interrupted one
+            return queries.run(self.engine, name, params)
+        except DBAPIError as exc:  # a file damaged where this query reads it: named, with the fix
+            if damaged(exc):
+                raise explain(self.db, exc, writing=False) from None
+            raise
 
     # ---- the tables ------------------------------------------------------------------------------------------
     def runs(self, run: str | None = None) -> pd.DataFrame:
@@ -90,7 +97,8 @@ class Store:
         return self.query("runs", run=run)
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
-        """Steps: run, rank, step, status (ok/error/nonfinite), passes, tracing_passes (torch.compile's tracing
+        """Steps: run, rank, step, status (ok/error/nonfinite; at level 'shape' no value is measured: 'ok' there
+        says only that nothing raised), passes, tracing_passes (torch.compile's tracing
         calls of autograd, not recorded), level (the stats level; 'summary' for a flight-recorder step written
         without its detail), dropped (rows), waited (s), values_bytes and values_left_out (record(values=...)),
         started_at, ended_at, duration (s), error; then one column per step value the steps logged (`values`; a name
@@ -261,23 +269,27 @@ class Store:
     def global_norm(self, run: str | None = None, step: int | None = None) -> pd.DataFrame:
         """The total gradient norm of every step (the norm `torch.nn.utils.clip_grad_norm_` returns on the
         sharded model), from the ranks' shards: one row per run and step with run, step, total_norm (NULL
-        when some parameter's norm is not derivable), params (parameters with a gradient), not_derivable (how
-        many of them have no derivable norm: `global_grads` says why). Runs queries/global_grads.sql.
+        when some parameter's norm is not derivable, and when some gradient holds NaN or Inf: clip_grad_norm_
+        then returns nan or inf, not the finite elements' norm), params (parameters with a gradient),
+        not_derivable (how many of them have no derivable norm: `global_grads` says why), nonfinite (how many
+        hold NaN or Inf). Runs queries/global_grads.sql.
         Raises UnknownRun."""
         g = self.query("global_grads", run=run, step=step)
-        cols = ["run", "step", "total_norm", "params", "not_derivable"]
+        cols = ["run", "step", "total_norm", "params", "not_derivable", "nonfinite"]
         if g.empty:
             return pd.DataFrame(columns=cols)
         has = g[g["status"] != "none"]
+        counts = has[["nan", "posinf", "neginf"]].apply(pd.to_numeric).fillna(0).sum(axis=1)
         out = (
             g.groupby(["run", "step"], sort=False)
             .agg(total_norm=("total_norm", "first"))
             .join(has.groupby(["run", "step"], sort=False).agg(params=("param", "size")))
             .join(has[has["norm"].isna()].groupby(["run", "step"], sort=False).agg(not_derivable=("param", "size")))
+            .join(has[counts > 0].groupby(["run", "step"], sort=False).agg(nonfinite=("param", "size")))
             .reset_index()
         )
-        out["params"] = out["params"].fillna(0).astype(int)
-        out["not_derivable"] = out["not_derivable"].fillna(0).astype(int)
+        for c in ("params", "not_derivable", "nonfinite"):
+            out[c] = out[c].fillna(0).astype(int)
         return out[cols]
 
     def param_status(
@@ -362,7 +374,8 @@ class Store:
         Columns: run, rank, step, call (0, 1, ... in order of entry), module, ordinal (the module's 0th, 1st, ...
         call in the step), first_seq (the seq of the first call of one of its nodes), in_norm, out_norm, ratio
         (out_norm / in_norm; NULL where a boundary tensor was not measured, held NaN/Inf, or nothing flowed in),
-        in_tensors, out_tensors, in_unmeasured, out_unmeasured, nonfinite, nodes, ran, during_pass, recomputes.
+        in_tensors, out_tensors, in_unmeasured, out_unmeasured, nonfinite, nodes, ran, during_pass, recomputes
+        (at stats='params', which walks no graph, the norms, the ratio and the counts are NULL: not known).
         What is summed, as sqrt(sum of squared norms) over the step's passes (L2 norms over finite elements):
           in: the grad_outputs of the call's nodes (the nodes created while it, or a submodule, ran) at each slot
               that an edge from a node outside the call feeds, each slot once per pass and whole, and the

@@ -48,7 +48,7 @@ from ..errors import GradstoreError
 from ..records import KIND, ROLE, StepBatch
 from . import claims, step_values
 from . import schema as s
-from .database import ensure_schema, explain, is_url, make_engine, transient
+from .database import damaged, ensure_schema, explain, is_url, make_engine, transient
 from .inserts import Insert
 
 # tensor_data's columns in the order the writer builds its rows
@@ -571,6 +571,9 @@ class Writer:
                     self._unchecked = not self._pg
             except Exception as exc:
                 detail = exc.detail if isinstance(exc, OffloadFailed) else f"{type(exc).__name__}: {exc}"
+                cause = RuntimeError(detail) if isinstance(exc, OffloadFailed) else exc  # the child's is text
+                if damaged(cause):  # the file is damaged: say so, and the fix
+                    detail = str(explain(self.db, cause, writing=True))
                 msg = f"step {getattr(item, 'step', '?')}: {detail}"
                 self.errors.append(msg)
                 _warn(f"gradstore: could not write to {self.db}: {msg}")

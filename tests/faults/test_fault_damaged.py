@@ -1,0 +1,50 @@
+"""A database file damaged after it was written (pages overwritten: a bad disk, a copy cut short): reading where
+it is damaged, and recording into it, each raise one GradstoreError naming the file and the fix, SQLite's
+own words included; the rows of a part that is not damaged stay readable until then."""
+
+import os
+import sqlite3
+
+import pytest
+import torch
+
+import gradstore
+
+
+def _recorded_then_damaged(tmp_path) -> str:
+    db = str(tmp_path / "d.db")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    with gradstore.record("d", db=db, model=m, writer="thread") as rec:
+        for _ in range(20):
+            m(torch.randn(4, 8)).sum().backward()
+            rec.step()
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    with open(db, "r+b") as f:  # pages 6-8 of the file: tables' pages, well inside it
+        f.seek(4096 * 5)
+        f.write(bytes(range(256)) * 48)
+    con = sqlite3.connect(db)
+    try:  # SQLite itself finds it damaged: a check that fails, or one that cannot even run
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] != "ok"
+    except sqlite3.DatabaseError as exc:
+        assert "malformed" in str(exc)
+    finally:
+        con.close()
+    return db
+
+
+def test_reading_and_recording_a_damaged_file_say_so(tmp_path):
+    db = _recorded_then_damaged(tmp_path)
+    with pytest.raises(gradstore.DatabaseUnavailable) as info:
+        with gradstore.open(db) as store:
+            store.tensors("d")
+    text = str(info.value)
+    assert db in text and "is damaged" in text and "malformed" in text and "integrity_check" in text
+    m = torch.nn.Linear(2, 1)
+    with pytest.raises(gradstore.GradstoreError) as info:
+        with gradstore.record("d", db=db, model=m) as rec:
+            m(torch.ones(1, 2)).sum().backward()
+            rec.step()
+    assert db in str(info.value) and "damaged" in str(info.value) and os.path.exists(db)
