@@ -550,8 +550,11 @@ def _nonfinite_mask(df: pd.DataFrame) -> pd.Series:
 
 def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int) -> None:
     """The step's non-finite parameter .grad and node gradients, before any list sorted by norm (a norm is over
-    the finite elements: an all-NaN gradient has norm 0 and would sort last)."""
-    bad_params = grads[_nonfinite_mask(grads)]
+    the finite elements: an all-NaN gradient has norm 0 and would sort last). `grads`: param_grads(which='all'),
+    the .grad after the step's last backward pass and as the optimizer saw it: a parameter counts when either
+    held NaN or Inf (a loop that sets .grad to None before the step ends leaves only the first)."""
+    bad_params = grads[_nonfinite_mask(grads)].drop_duplicates(["rank", "param"])
+    grads = grads.drop_duplicates(["rank", "param"])
     node_rows = tensors[tensors["role"].isin(["grad_output", "grad_input"])]
     bad_nodes = node_rows[_nonfinite_mask(node_rows)]
     if bad_params.empty and bad_nodes.empty:
@@ -567,8 +570,8 @@ def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int) -> N
         )
         return
     click.echo(
-        f"\nNon-finite parameter .grad (after the step's last backward pass): {len(bad_params):,} of {len(grads):,}"
-        + (":" if len(bad_params) else "")
+        f"\nNon-finite parameter .grad (after the step's last backward pass, or as the optimizer saw it): "
+        f"{len(bad_params):,} of {len(grads):,}" + (":" if len(bad_params) else "")
     )
     if len(bad_params):
         cols = ["rank", "param", "shape", "numel", "nan", "posinf", "neginf", "norm"]
@@ -742,7 +745,7 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
 
     tensors = store.tensors(run=run, rank=rank, step=step)
     grads = store.param_grads(run=run, rank=rank, step=step)
-    _show_nonfinite(tensors, grads, limit)
+    _show_nonfinite(tensors, store.param_grads(run=run, rank=rank, step=step, which="all"), limit)
 
     calls = store.calls(run=run, rank=rank, step=step)
     slow = calls.sort_values("duration", ascending=False).head(limit)

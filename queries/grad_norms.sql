@@ -1,5 +1,5 @@
 -- title: Gradient norms per node or per module, per step
--- description: For each step and node key (by = node) or owning module (by = module): the L2 norm of all grad_outputs flowing into it and of all grad_inputs flowing out of it, taken over finite elements and combined over slots, calls and passes as sqrt(sum of squared norms) (a None slot, no gradient, adds 0); NULL where one of those gradients was not measured (stats='shape', a skipped tensor), never 0; calls counts executions; nonfinite counts NaN and +/-Inf elements, NULL where one was not measured. With by = module, key is NULL.
+-- description: For each step and node key (by = node) or owning module (by = module): the L2 norm of all grad_outputs flowing into it and of all grad_inputs flowing out of it, taken over finite elements and combined over slots, calls and passes as sqrt(sum of squared norms) (a None slot, no gradient, adds 0); NULL where one of those gradients was not measured (stats='shape', a skipped tensor), never 0, and where there is none (an AccumulateGrad has no grad_inputs); calls counts executions; nonfinite counts NaN and +/-Inf elements, NULL where one was not measured. With by = module, key is NULL.
 -- param run: run name; empty (NULL) for every run
 -- param by: node (the default, also when empty or NULL) or module
 -- param rank: rank; empty (NULL) for every rank
@@ -9,8 +9,10 @@ SELECT r.name AS run, st.rank, st.step,
        CASE WHEN COALESCE(NULLIF(CAST(:by AS TEXT), ''), 'node') = 'module' THEN NULL ELSE n.key END AS key,
        n.module,
        CASE WHEN SUM(CASE WHEN t.role = 0 AND (t.status = 2 OR (t.status = 0 AND t.norm IS NULL)) THEN 1 ELSE 0 END) > 0
+                 OR SUM(CASE WHEN t.role = 0 THEN 1 ELSE 0 END) = 0
             THEN NULL ELSE SQRT(SUM(CASE WHEN t.role = 0 THEN t.norm * t.norm ELSE 0 END)) END AS grad_output_norm,
        CASE WHEN SUM(CASE WHEN t.role = 1 AND (t.status = 2 OR (t.status = 0 AND t.norm IS NULL)) THEN 1 ELSE 0 END) > 0
+                 OR SUM(CASE WHEN t.role = 1 THEN 1 ELSE 0 END) = 0  -- none: an AccumulateGrad has no grad_inputs
             THEN NULL ELSE SQRT(SUM(CASE WHEN t.role = 1 THEN t.norm * t.norm ELSE 0 END)) END AS grad_input_norm,
        COUNT(DISTINCT t.call_id) AS calls,
        CASE WHEN SUM(CASE WHEN t.status = 2 OR (t.status = 0 AND t.nan IS NULL) THEN 1 ELSE 0 END) > 0 THEN NULL

@@ -312,3 +312,23 @@ def test_diff_never_calls_flight_recorder_summary_steps_equal(tmp_path):
         assert f"not compared: {named}flight-recorder summaries" in out, out
     out = invoke("diff", db, "fl", "--step-a", 4, "--step-b", 5).output
     assert "step 5 differs from step 4 first at" in out and "not compared" not in out.split("\n", 1)[1]
+
+
+def test_show_step_lists_a_nonfinite_grad_that_the_loop_cleared_before_the_step_ended(tmp_path):
+    """The loop sets .grad to None before the step ends: the final rows hold no gradient, the pass rows the NaN that
+    a hook put in. `show --step` lists it rather than 'Non-finite gradients: none'."""
+    db = str(tmp_path / "cleared.db")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    m[0].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
+    with gradstore.record("c", db=db, model=m, stats="params") as rec:
+        m(torch.ones(2, 3)).sum().backward()
+        bad = {n: int(p.grad.isnan().sum()) for n, p in m.named_parameters()}  # plain PyTorch
+        for p in m.parameters():
+            p.grad = None
+        rec.step()
+    assert bad == {"0.weight": 0, "0.bias": 1, "1.weight": 0, "1.bias": 0}
+    out = invoke("show", db, "c", "--step", 0).output
+    assert "Non-finite gradients: none" not in out, out
+    section = out[out.index("Non-finite parameter .grad") :]
+    assert "1 of 4:" in section.splitlines()[0] and "0.bias" in section.splitlines()[2], section

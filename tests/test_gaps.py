@@ -252,12 +252,24 @@ def test_grad_norms_of_unmeasured_gradients_are_null_not_zero(db):
         rec.step()
     with gradstore.open(db) as store:
         by_node, by_module = store.grad_norms("s"), store.grad_norms("s", by="module")
-    ops = by_node[~by_node["key"].str.startswith("param:")]  # an AccumulateGrad has no grad_inputs: 0 flows out
-    assert len(ops) and len(by_node) > len(ops)
-    for g, cols in ((by_node, ("grad_output_norm", "nonfinite")), (ops, ("grad_input_norm",)), (by_module, ())):
+    for g in (by_node, by_module):
         assert len(g) and g["calls"].min() >= 1
-        for col in cols or ("grad_output_norm", "grad_input_norm", "nonfinite"):
+        for col in ("grad_output_norm", "grad_input_norm", "nonfinite"):
             assert g[col].isna().all(), (col, g[col].tolist())
+        assert g["grad_output_norm"].dtype == g["grad_input_norm"].dtype == "float64"
+    m.zero_grad()
+    with gradstore.record("f", db=db, model=m) as rec:  # measured: norms, but none for what does not exist
+        m(torch.ones(4, 3)).sum().backward()
+        rec.step()
+    with gradstore.open(db) as store:
+        full, default = store.grad_norms("f"), store.grad_norms("f", by=None)
+    assert full.equals(default)  # by=None is the default, by node
+    params = full["key"].str.startswith("param:")
+    assert params.any() and full.loc[params, "grad_input_norm"].isna().all()  # an AccumulateGrad has no grad_inputs
+    assert full.loc[~params, "grad_input_norm"].notna().all() and full["grad_output_norm"].notna().all()
+    grads = {f"param:{n}": float(p.grad.norm()) for n, p in m.named_parameters()}
+    for key, norm in zip(full.loc[params, "key"], full.loc[params, "grad_output_norm"]):
+        assert norm == pytest.approx(grads[key], rel=1e-6)  # what reached .grad, plain PyTorch
 
 
 def test_module_gains_at_params_say_not_known_rather_than_nothing_flowed(db):

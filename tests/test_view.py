@@ -193,6 +193,8 @@ def test_history_series_of_two_runs_match_plain_pytorch(recorded):
         if np.isfinite(y)
     ]
     assert heights and max(heights) < 1 - plots.NONFINITE_BAND  # every value drawn below the NaN / Inf row
+    labelled = [t.get_position()[1] for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+    assert labelled and max(to_axes.transform((0, y))[1] for y in labelled) < 1 - plots.NONFINITE_BAND  # no number
     marks = [c for c in ax.collections if len(c.get_offsets()) and c.get_offsets()[0][1] > 1 - plots.NONFINITE_BAND]
     expected = [[t for t in range(4) if not torch.isfinite(seen[t]["a.weight"]).all()] for seen in (a, b)]
     assert [list(c.get_offsets()[:, 0]) for c in marks] == [e for e in expected if e]  # plain PyTorch's NaN steps

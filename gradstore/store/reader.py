@@ -186,11 +186,17 @@ class Store:
         rank: int | None = None,
         module: str | None = None,
     ) -> pd.DataFrame:
-        """Per step and node key (by='node') or module (by='module'): grad_output_norm, grad_input_norm, calls,
-        nonfinite. Raises ArgumentError (a ValueError) for another `by`."""
+        """Per step and node key (by='node'; also for None or '') or module (by='module'): grad_output_norm,
+        grad_input_norm (float64; NaN where a gradient was not measured, or where there is none: an AccumulateGrad
+        has no grad_inputs), calls, nonfinite (NaN where not measured). Raises ArgumentError (a ValueError) for
+        another `by`."""
+        by = by or "node"
         if by not in ("node", "module"):
             raise ArgumentError(f"grad_norms(by=...) is 'node' or 'module', got {by!r}")
-        return self.query("grad_norms", run=run, by=by, step=step, rank=rank, module=module)
+        frame = self.query("grad_norms", run=run, by=by, step=step, rank=rank, module=module)
+        for col in ("grad_output_norm", "grad_input_norm"):  # all NULL (stats='shape') would read back as objects
+            frame[col] = pd.to_numeric(frame[col]).astype("float64")
+        return frame
 
     def grad_cells(
         self,

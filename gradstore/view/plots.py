@@ -274,7 +274,8 @@ def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
 def clear_nonfinite_band(ax) -> None:
     """Raise the top of `ax`'s y axis (linear or log, after `set_yscale`) so that the values drawn stay below the
     NaN / Inf row of `mark_nonfinite_steps`: the data's range then fills the lower 1 - NONFINITE_BAND of the
-    height, with a little room to spare."""
+    height, with a little room to spare; the y tick labels above that range are left blank."""
+    ticker = require("matplotlib.ticker", "gradstore.view")
     lo, hi = ax.get_ylim()
     keep = 1 - NONFINITE_BAND - 0.03
     if ax.get_yscale() == "log" and lo > 0 and hi > 0:
@@ -282,6 +283,14 @@ def clear_nonfinite_band(ax) -> None:
         ax.set_ylim(lo, 10**top)
     elif hi > lo:
         ax.set_ylim(lo, lo + (hi - lo) / keep)
+    else:
+        return
+    # no tick label above the values' range: a number beside the NaN / Inf row would read as the marker's value
+    for axis_formatter, setter in (
+        (ax.yaxis.get_major_formatter(), ax.yaxis.set_major_formatter),
+        (ax.yaxis.get_minor_formatter(), ax.yaxis.set_minor_formatter),
+    ):
+        setter(ticker.FuncFormatter(lambda v, pos, f=axis_formatter: "" if v > hi * (1 + 1e-9) else f(v, pos)))
 
 
 def steps_in_view(ax, steps) -> None:
