@@ -86,17 +86,16 @@ def _global(db, run):
     return frame.iloc[0]
 
 
+def _two_shards(db, run, a, b):
+    """One step of `run`: a 6-element gradient sharded on dim 0, rank 0 holding `a` and rank 1 `b` (3 values each)."""
+    lay = [_layout("(Shard(dim=0),)", r, "6", str(3 * r), shard=r) for r in (0, 1)]
+    _write(db, run, [[_row(a, lay[0])], [_row(b, lay[1])]])
+
+
 def test_shards_combine_exactly_with_nonfinite_counts(tmp_path):
     db = str(tmp_path / "g.db")
     a, b = [1.0, -2.0, 0.0], [4.0, math.nan, 0.5]  # rank 1's shard holds a NaN
-    _write(
-        db,
-        "s",
-        [
-            [_row(a, _layout("(Shard(dim=0),)", 0, "6", "0", shard=0))],
-            [_row(b, _layout("(Shard(dim=0),)", 1, "6", "3", shard=1))],
-        ],
-    )
+    _two_shards(db, "s", a, b)
     g = _global(db, "s")
     numel, norm, mn, mx, mean, std, nan, posinf, neginf, zeros = _stats(a + b)
     assert (g["rule"], g["status"], g["shards"], g["ranks"]) == ("sharded", "ok", 2, 2)
@@ -115,14 +114,7 @@ def test_shards_combine_exactly_with_nonfinite_counts(tmp_path):
 def test_a_finite_step_has_its_total_norm(tmp_path):
     db = str(tmp_path / "g.db")
     a, b = [1.0, -2.0, 0.0], [4.0, 2.0, 0.5]
-    _write(
-        db,
-        "f",
-        [
-            [_row(a, _layout("(Shard(dim=0),)", 0, "6", "0", shard=0))],
-            [_row(b, _layout("(Shard(dim=0),)", 1, "6", "3", shard=1))],
-        ],
-    )
+    _two_shards(db, "f", a, b)
     g = _global(db, "f")
     assert g["total_norm"] == pytest.approx(math.sqrt(math.fsum(v * v for v in a + b)), rel=1e-15)
     with gradstore.open(db) as store:
