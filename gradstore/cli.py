@@ -512,9 +512,9 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     )
     counts = steps["status"].value_counts()
     click.echo("\nSteps (" + ", ".join(f"{n} {status}" for status, n in counts.items()) + "); times in seconds:")
-    # the steps that are not ok first (up to the limit), then the first and last steps around them
+    # the steps that raised or held NaN / Inf first (up to the limit), then the first and last steps around them
     positions = list(range(len(out)))
-    keep = [i for i in positions if out["status"].iloc[i] != "ok"][:limit]
+    keep = [i for i in positions if out["status"].iloc[i] not in ("ok", "unmeasured")][:limit]
     rest = [i for i in positions if i not in set(keep)]
     room = max(limit - len(keep), 0)
     keep += rest[: (room + 1) // 2] + (rest[-(room // 2) :] if room // 2 else [])

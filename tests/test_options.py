@@ -256,3 +256,38 @@ def test_same_gradient_is_reduced_once_and_in_place_accumulation_is_not_missed()
     assert mi.shape == "4,8" and mi.vec is mo.vec
     (mi2,) = m.grad_inputs([go[:4]], [go], [mo], m.versions([go]))  # half of it: measured on its own
     assert mi2.vec is not mo.vec and mi2.numel == 16
+
+
+def test_shape_level_step_status_says_unmeasured_not_ok(tmp_path):
+    """stats='shape' measures no value: a step whose gradients are all NaN (plain PyTorch says so) must not read
+    'ok' there. It reads 'unmeasured'; the same step at 'full' reads 'nonfinite', and a finite one 'ok'."""
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(5, 4)
+    poison = torch.tensor([float("nan"), 1.0, 1.0])  # step 0's loss is NaN, steps 1 and 2 finite
+    plain = []
+    for k in range(3):
+        net(x).pow(2).sum().mul(poison[k]).backward()
+        plain.append(all(bool(p.grad.isfinite().all()) for p in net.parameters()))
+        net.zero_grad()
+    assert plain == [False, True, True]
+    got = {}
+    for level in ("full", "shape"):
+        db = str(tmp_path / f"{level}.db")
+        rec = gradstore.record("r", db=db, model=net, stats=level)
+        last = []
+        for k in range(3):
+            with rec:
+                net(x).pow(2).sum().mul(poison[k]).backward()
+                net.zero_grad()
+            last.append(rec.last_step.status)
+        rec.flush()
+        got[level] = (last, list(gradstore.open(db).steps("r").status))
+    assert got["full"] == (["nonfinite", "ok", "ok"], ["nonfinite", "ok", "ok"])
+    assert got["shape"] == (["unmeasured"] * 3, ["unmeasured"] * 3)
+    # a shape-level step written 'ok' by an older gradstore reads 'unmeasured' too
+    import sqlite3
+
+    with sqlite3.connect(str(tmp_path / "shape.db")) as conn:
+        conn.execute("UPDATE steps SET status = 'ok'")
+    assert list(gradstore.open(str(tmp_path / "shape.db")).steps("r").status) == ["unmeasured"] * 3

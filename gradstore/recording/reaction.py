@@ -88,8 +88,9 @@ class LastStep:
 
     Attributes:
         step (int), rank (int): its number and rank.
-        status (str): 'ok', 'error' or 'nonfinite' (some gradient, of a node or a parameter, held NaN or Inf; at
-            stats='shape', which measures no value, 'ok' says only that nothing raised: finiteness is unknown).
+        status (str): 'ok' (nothing raised and every measured gradient was finite), 'error', 'nonfinite' (some
+            gradient, of a node or a parameter, held NaN or Inf) or 'unmeasured' (stats='shape', which measures no
+            value: nothing raised, finiteness unknown).
         error (str | None): the exception's text (and recorder faults).
         passes (int): backward passes in the step.
         values (dict[str, float]): its step values.

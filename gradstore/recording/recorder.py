@@ -676,6 +676,8 @@ class record:
             or any(row[i] for row in activations for i in _ACTIVATION_NONFINITE)
         ):
             status = "nonfinite"
+        elif self.options.stats == "shape":
+            status = "unmeasured"  # nothing raised; no value was measured, so finiteness is unknown
         if state.faults:
             error = "\n".join(filter(None, [error, "recorder faults: " + "; ".join(state.faults[:20])]))
         records = sorted(state.records, key=lambda r: r.number)

@@ -97,12 +97,12 @@ class Store:
         return self.query("runs", run=run)
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
-        """Steps: run, rank, step, status (ok/error/nonfinite; at level 'shape' no value is measured: 'ok' there
-        says only that nothing raised), passes, tracing_passes (torch.compile's tracing
-        calls of autograd, not recorded), level (the stats level; 'summary' for a flight-recorder step written
-        without its detail), dropped (rows), waited (s), values_bytes and values_left_out (record(values=...)),
-        started_at, ended_at, duration (s), error; then one column per step value the steps logged (`values`; a name
-        equal to one of the columns before it gets the prefix 'value:'), NaN where a step has none."""
+        """Steps: run, rank, step, status (ok / error / nonfinite, or unmeasured: level 'shape', which measures no
+        value, where nothing raised; a step recorded before gradstore said so reads unmeasured too), passes,
+        tracing_passes (torch.compile's tracing calls of autograd, not recorded), level (the stats level; 'summary' for
+        a flight-recorder step written without its detail), dropped (rows), waited (s), values_bytes and values_left_out
+        (record(values=...)), started_at, ended_at, duration (s), error; then one column per step value the steps logged
+        (`values`; a name equal to one of the columns before it gets the prefix 'value:'), NaN where a step has none."""
         frame = self.query("steps", run=run, rank=rank, step=step)
         long = self.query("values", run=run, rank=rank, step=step)
         if long.empty or frame.empty:

@@ -29,7 +29,9 @@ from .extras import require
 from .plots import clear_nonfinite_band, figure_class, heatmap, mark_nonfinite_steps, new_axes, steps_in_view
 
 SECTIONS = ("run", "steps", "first non-finite gradient", "heatmap", "parameters", "ranks", "step values")
-_STATUS_COLOURS = {"ok": "#9ccf9c", "nonfinite": "#ff1f5b", "error": "#222222"}
+# 'unmeasured': stats='shape' measured no value (nothing raised; finiteness unknown)
+_STATUS_COLOURS = {"ok": "#9ccf9c", "unmeasured": "#a9c4e0", "nonfinite": "#ff1f5b", "error": "#222222"}
+_STATUS_CLASS = {"ok": "good", "unmeasured": "note"}  # the CSS class a status's count is written in
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; color: #1d2330; margin: 0;
@@ -122,22 +124,21 @@ def _status_strip(steps: pd.DataFrame):
     mpatches = require("matplotlib.patches", "gradstore report")
     ranks = sorted(steps["rank"].unique())
     nums = sorted(steps["step"].unique())
-    codes = {"ok": 0, "nonfinite": 1, "error": 2}
+    codes = {s: i for i, s in enumerate(_STATUS_COLOURS)}
     grid = np.full((len(ranks), len(nums)), np.nan)
     ri = {r: i for i, r in enumerate(ranks)}
     ci = {s: j for j, s in enumerate(nums)}
     for r, s, st in zip(steps["rank"], steps["step"], steps["status"]):
-        grid[ri[r], ci[s]] = codes.get(st, 2)
+        grid[ri[r], ci[s]] = codes.get(st, codes["error"])
     fig, ax = new_axes(None, (11.0, 0.9 + 0.32 * len(ranks)))
-    cmap = colors.ListedColormap([_STATUS_COLOURS["ok"], _STATUS_COLOURS["nonfinite"], _STATUS_COLOURS["error"]])
-    cmap = cmap.with_extremes(bad="#e9e9e9")
+    cmap = colors.ListedColormap(list(_STATUS_COLOURS.values())).with_extremes(bad="#e9e9e9")
     ax.pcolormesh(
         np.arange(len(nums) + 1) - 0.5,
         np.arange(len(ranks) + 1) - 0.5,
         np.ma.masked_invalid(grid),
         cmap=cmap,
         vmin=-0.5,
-        vmax=2.5,
+        vmax=len(codes) - 0.5,
     )
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_yticks(range(len(ranks)))
@@ -186,7 +187,7 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str) -> None:
     ranks = sorted(steps["rank"].unique())
     counts = steps["status"].value_counts()
     words = ", ".join(
-        f'<span class="{"good" if s == "ok" else "bad"}">{int(n):,} {_e(s)}</span>' for s, n in counts.items()
+        f'<span class="{_STATUS_CLASS.get(s, "bad")}">{int(n):,} {_e(s)}</span>' for s, n in counts.items()
     )
     nums = sorted(int(s) for s in steps["step"].unique())
     levels = ", ".join(f"{_e(lv)} ({int(n):,})" for lv, n in steps["level"].value_counts().items())
@@ -195,9 +196,21 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str) -> None:
         f"(steps {_e(_ranges(nums))}): {words}. Recorded at stats level {levels}.</p>"
     )
     page.add(_png(_status_strip(steps), f"status of each step of {run}"))
-    bad = steps[steps["status"] != "ok"]
+    unmeasured = int((steps["status"] == "unmeasured").sum())
+    if unmeasured:
+        page.add(
+            f'<p class="note">{unmeasured:,} step record{"s" if unmeasured > 1 else ""} unmeasured: recorded at '
+            "stats='shape', which measures no value; nothing raised there, but whether a gradient held NaN or Inf "
+            "is not known.</p>"
+        )
+    bad = steps[~steps["status"].isin(["ok", "unmeasured"])]
     if bad.empty:
-        page.add('<p class="calm">Every recorded step has status ok.</p>')
+        if unmeasured < len(steps):
+            page.add(
+                '<p class="calm">Every recorded step has status ok.</p>'
+                if not unmeasured
+                else '<p class="calm">Every other recorded step has status ok.</p>'
+            )
         return
     shown = bad.head(50)
     out = pd.DataFrame(
@@ -209,10 +222,10 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str) -> None:
             "error": shown["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:300]),
         }
     )
-    page.add("<h3>Steps whose status is not ok</h3>" + _table(out, {"step", "rank", "passes"}))
+    page.add("<h3>Steps that raised or held NaN / Inf</h3>" + _table(out, {"step", "rank", "passes"}))
     if len(bad) > len(shown):
         page.add(
-            f'<p class="note">{len(bad) - len(shown):,} more steps not ok, not listed: steps '
+            f'<p class="note">{len(bad) - len(shown):,} more such steps, not listed: steps '
             f"{_e(_ranges(sorted(int(s) for s in bad['step'].iloc[len(shown) :].unique())))}.</p>"
         )
 
