@@ -142,7 +142,8 @@ def test_sparse_embedding_gradient_is_measured_as_its_dense_tensor_and_left_unco
     dense = [r for r in rows(db, "emb") if r["layout"] is None and r["status"] == "ok"]
     assert dense and all(r["nnz"] is None and r["coalesced"] is None for r in dense)
     with gradstore.open(db) as store:
-        assert list(store.steps("emb").status) == ["ok"]
+        # stats='shape' measures no value: finiteness is not known there
+        assert list(store.steps("emb").status) == ["unmeasured" if stats == "shape" else "ok"]
 
 
 def test_sparse_embedding_param_grad_row_and_nonfinite_counts(tmp_path):
