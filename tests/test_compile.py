@@ -311,9 +311,102 @@ def test_recording_every_other_step_of_a_compiled_model_compiles_no_more_than_wi
         "SELECT DISTINCT m.module FROM module_calls m JOIN steps s ON s.id = m.step_id JOIN runs r ON r.id = s.run_id "
         "WHERE r.name = 'every2' ORDER BY m.module",
     )
-    # the compiled model's call (and aot_eager's GraphModule, a module call at run time, named by its class); its
-    # submodules ran inside the compiled region, where nothing is noted
-    assert [c for (c,) in calls] == ["", "<GraphModule>"]
+    # the compiled model's call; its submodules ran inside the compiled region, where nothing is noted, and the
+    # GraphModule that aot_eager runs as a module at run time is torch.compile's graph, not a module of the model
+    assert [c for (c,) in calls] == [""]
+
+
+class BrokenBlock(Block):
+    """Block with a graph break between its two layers: dynamo compiles Net's forward in several graphs."""
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _broken() -> Net:
+    net = make()
+    net.block = BrokenBlock()
+    torch.manual_seed(1)
+    for p in net.block.parameters():
+        torch.nn.init.normal_(p)
+    return net
+
+
+@pytest.mark.parametrize("given", ["compiled", "plain"])
+def test_graph_breaks_give_one_region_node_per_graph_owned_by_the_compiled_module(tmp_path, given):
+    """A graph break inside a submodule splits the compiled model into several graphs, one CompiledFunctionBackward
+    node each. Module hooks inside compiled code do not run, and dynamo may run the caller's rest before the broken
+    submodule's call returns, so no node is given to a module on a hook's word: each region node belongs to the
+    compiled module ('') and lists its modules; the parameters whose gradients each gives are those plain torch's
+    next_functions show; module_ran is NULL (not known), not 0; gradients are bit-identical; nothing recompiles."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ref = _broken()
+    names = {id(p): n for n, p in ref.named_parameters()}
+    compiled = torch.compile(ref, backend="aot_eager")
+    plain = []
+    for x0 in XS * 2:
+        compiled(x0.clone()).sum().backward()
+        plain.append([p.grad.clone() for p in ref.parameters()])
+        ref.zero_grad(set_to_none=True)
+    graphs = counters["stats"]["unique_graphs"]
+    # which parameters each region node feeds, from plain torch on a fresh forward
+    y = compiled(XS[0].clone())
+    order = []
+    seen, stack = set(), [y.grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if n.name() == "CompiledFunctionBackward":
+            feeds = sorted(
+                names[id(f.variable)] for f, _ in n.next_functions if f is not None and hasattr(f, "variable")
+            )
+            order.append((n._sequence_nr(), feeds))
+        stack.extend(f for f, _ in n.next_functions)
+    expected = [feeds for _, feeds in sorted(order)]
+    assert graphs >= 3 and len(expected) >= 3  # the break gives more than one graph
+    assert ["block.b.bias", "block.b.weight"] in expected and ["head.bias", "head.weight"] in expected
+
+    torch._dynamo.reset()
+    counters.clear()
+    net = _broken()
+    compiled = torch.compile(net, backend="aot_eager")
+    db = str(tmp_path / "b.db")
+    recorded = []
+    with gradstore.record("broken", db=db, model=compiled if given == "compiled" else net) as rec:
+        for x0 in XS * 2:
+            compiled(x0.clone()).sum().backward()
+            recorded.append([p.grad.clone() for p in net.parameters()])
+            net.zero_grad(set_to_none=True)
+            rec.step()
+    assert counters["stats"]["unique_graphs"] == graphs  # recording compiles no more graphs
+    assert all(torch.equal(a, b) for pa, pb in zip(plain, recorded) for a, b in zip(pa, pb))
+    rows = _sql(
+        db,
+        "SELECT n.key, n.module, n.region, GROUP_CONCAT(d.param) FROM nodes n JOIN runs r ON r.id = n.run_id "
+        "JOIN edges e ON e.src = n.id JOIN nodes d ON d.id = e.dst WHERE r.name = 'broken' "
+        "AND n.name = 'CompiledFunctionBackward' GROUP BY n.id ORDER BY n.key",
+    )
+    region = ",".join(n for n, _ in net.named_modules() if n)
+    assert [(k, m, rg) for k, m, rg, _ in rows] == [
+        (f"CompiledFunctionBackward#{i}", "", region) for i in range(len(expected))
+    ]
+    assert [sorted(p.split(",")) for *_, p in rows] == expected  # ordinals in forward order, as sequence_nr
+    status = _sql(
+        db,
+        "SELECT DISTINCT x.module_ran IS NULL, ps.name FROM param_status x JOIN param_statuses ps ON ps.id = x.status",
+    )
+    assert status == [(1, "ok")]
+    calls = _sql(db, "SELECT DISTINCT module FROM module_calls")
+    assert calls == [("",)]
+    torch._dynamo.reset()
 
 
 def test_backward_inside_a_compiled_step_is_recorded_as_a_pass(tmp_path):

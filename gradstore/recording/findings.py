@@ -437,6 +437,12 @@ def _param_facts(name: str, names: tuple) -> tuple:
 def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     walked = any(p.rec.seqs is not None for p in passes)
     ran_modules = {c[0] for c in f.forward.calls} if f.forward is not None else None
+    # the modules of compiled regions that ran: torch.compile runs their calls inside its compiled code, where no
+    # module hook runs, so that they did not run is not known (module_ran NULL unless a call of theirs was seen)
+    compiled = set()
+    if f.forward is not None:
+        for region in set(f.forward.compiled):
+            compiled.update(region.split(","))
     names_of, has_grad_of = f.names, f.has_grad
     facts = [(name, frozen, _param_facts(name, names_of.get(name, (name,)))) for name, frozen in f.params]
     keys = {fact[0] for _, _, fact in facts}  # the recorded parameters' AccumulateGrad keys
@@ -463,6 +469,9 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         nodes.append(info)
         param_names.extend(rows)
         module_ran = None if ran_modules is None else int(not ran_modules.isdisjoint(modules))
+        unseen = module_ran == 0  # no call of its module was seen (in a compiled region: not known whether it ran)
+        if unseen and not compiled.isdisjoint(modules):
+            module_ran = None
         has_grad = has_grad_of.get(name, False)
         n_calls = calls[key] if walked else None
         if n_calls:
@@ -482,7 +491,7 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                 status = "received"
         elif has_grad:
             status = "stale"
-        elif module_ran == 0 and not (walked and key in reached):
+        elif unseen and not (walked and key in reached):
             status = "not used"
         else:  # its module ran, or a pass reached it (a graph of an earlier step's forward) and did not run it
             status = "unreachable"

@@ -354,6 +354,7 @@ _get_ident = threading.get_ident
 _peek = tp.sequence_counter() or tp.next_sequence_nr  # the raw counter read: no wrapper call per module call
 _sequence_nr = tp.sequence_nr
 _CONTAINERS = (tuple, list, dict)
+_GRAPH_MODULE = torch.fx.GraphModule
 
 
 @dataclass
@@ -368,7 +369,13 @@ class ForwardRecord:
     (every Node created takes one number: exit - entry nodes were created inside); outputs: (call index,
     sequence_nr, name)
     of the grad_fn of each tensor a module call returned (its direct tensors, and those of a tuple, list or
-    dict it returned).
+    dict it returned); compiled: the region (`region_of`) of each `torch.compile` wrapper call, in order.
+
+    Inside a compiled region the boundaries stay those of the compiled module: torch.compile inlines the module
+    calls it traces (their hooks do not run), and after a graph break inside a module it may run the rest of
+    the caller's code before that module's call returns (nested graph breaks), so a hook seen there does not
+    bound the module's ops. Such a call is in `calls` (the module ran) with no boundary of its own; so whether a
+    module listed in `compiled` ran is not known from `calls` alone.
 
     The hooks append to flat columns of numbers and strings (`call_names` ... `out_names`), which the garbage
     collector does not track. A list or tuple per module call would count towards its young generation and be
@@ -388,6 +395,7 @@ class ForwardRecord:
     out_calls: list = field(default_factory=list)
     out_seqs: list = field(default_factory=list)
     out_names: list = field(default_factory=list)
+    compiled: list = field(default_factory=list)
 
     @property
     def calls(self) -> list[list]:
@@ -443,6 +451,8 @@ class ModuleTracker:
         self._region_seqs: list[int] = []
         self._region_vals: list[str | None] = []
         self._region_stack: list[tuple[int, str]] = []
+        # indices of the module calls entered inside a compiled region: noted as calls, but no owner (below)
+        self._unowned: set[int] = set()
         self._handles = []
         self._native_hooks = None  # (pre-hook, hook) from the C++ hooks module, False: the Python ones; None: not asked
         self._c_hooks = None  # the C++ hooks module's (pre-hook, hook) behind `_native_hooks`
@@ -508,6 +518,12 @@ class ModuleTracker:
         elif self.regions:
             region = self.regions.get(key)
         seq = _peek()
+        if self._region_stack and region is None:  # a module called inside a compiled region
+            if self._inside(module):
+                return
+            unowned = True
+        else:
+            unowned = False
         names = self._names
         index = len(names)
         context = self.context
@@ -517,6 +533,9 @@ class ModuleTracker:
         self._lasts.append(None)
         self._exits.append(None)
         self._stack.append(index)
+        if unowned:
+            self._unowned.add(index)
+            return
         self._seqs.append(seq)
         self._owners.append(name)
         self._owner_calls.append(index)
@@ -524,13 +543,22 @@ class ModuleTracker:
             self._region_stack.append((key, region))
             self._region_seqs.append(seq)
             self._region_vals.append(region)
+            self._record.compiled.append(region)
+
+    def _inside(self, module) -> bool:
+        """True for a graph that torch.compile made and calls inside its compiled region (a `torch.fx.GraphModule`
+        no model names: backends such as 'aot_eager' run it as a module): not a module call of the model."""
+        return isinstance(module, _GRAPH_MODULE) and id(module) not in self.names
 
     def _post(self, module, _args, output):
         if _is_compiling() or _get_ident() != self._thread:
             return
+        if self._region_stack and self._inside(module):
+            return
         stack = self._stack
         seq = _peek()
         names = self._names
+        index = None
         if stack:
             index = stack.pop()
             self._lasts[index] = len(names) - 1
@@ -550,6 +578,9 @@ class ModuleTracker:
                             self._out_calls.append(index)
                             self._out_seqs.append(_sequence_nr(fn))
                             self._out_names.append(fn.name())
+        if index in self._unowned:  # called inside a compiled region: the owner stays the compiled module
+            self._unowned.discard(index)
+            return
         self._seqs.append(seq)
         if stack:
             top = stack[-1]
@@ -673,6 +704,7 @@ class ModuleTracker:
             self._native_hooks = None
             self._c_hooks = None
         self._stack.clear()
+        self._unowned.clear()
         self._region_stack.clear()
 
     def forget_in_child(self) -> None:
@@ -687,6 +719,7 @@ class ModuleTracker:
         is left as it is."""
         self._bind(ForwardRecord())
         self._stack = []
+        self._unowned = set()
         self._region_seqs = []
         self._region_vals = []
 

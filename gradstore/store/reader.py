@@ -311,7 +311,7 @@ class Store:
 
         Columns: run, rank, step, param, module, status, shared_with (the other names of a tied weight, ''),
         node_param (the name its node is keyed by), module_ran, reached, calls, has_grad (0/1, NULL where not
-        known). status is one of:
+        known: module_ran of a module inside a torch.compile region that no hook saw run). status is one of:
           'ok': its AccumulateGrad ran in the step (or, calls = 0, a backward pass wrote its .grad otherwise:
               DDP's reducer for a parameter this rank did not use) and the gradient is not all zeros;
           'zero': every gradient it received was finite and all zeros (stats='health': min = max = 0;
@@ -319,7 +319,8 @@ class Store:
           'received': it got a gradient whose values were not measured (stats='shape'; stats='params' in a
               pass that raised);
           'frozen': requires_grad is False;
-          'not used': got nothing, its module's forward did not run in the step and no pass reached it;
+          'not used': got nothing, no call of its module's forward was seen in the step (module_ran 0; NULL where
+              it is inside a torch.compile region, where no module hook runs) and no pass reached it;
           'unreachable': got nothing although its module ran (or is not known): no pass's roots reach its
               AccumulateGrad, or one reached it and did not run it (backward(inputs=...), autograd.grad; also
               over a graph an earlier step built);

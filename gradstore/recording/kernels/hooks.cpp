@@ -1753,7 +1753,8 @@ PyObject* py_same_structure(PyObject*, PyObject* args) {
 // register_module_forward_pre_hook / register_module_forward_hook that do what the tracker's Python `_pre(module,
 // args)` / `_post(module, args, output)` do, appending the same items to the tracker's lists, without a Python frame;
 // every case but the common one goes to those Python methods (given), before anything is appended: a module that
-// `tracker.names` does not name, known compiled regions (`tracker.regions`, `tracker._region_stack`), a recomputation
+// `tracker.names` does not name, known compiled regions (`tracker.regions`, `tracker._region_stack`: pre-hook and
+// hook alike), a recomputation
 // (`tracker.context`), an output that is a tensor subclass or a container other than a plain tuple, list or dict.
 // Like the Python ones, they do nothing on a thread other than `thread` (the tracker's `_thread`: the one that made it)
 // or while `is_compiling()` (None: not asked, where the caller asks it first), and return
@@ -1858,8 +1859,10 @@ PyObject* tracker_pre(TrackerHook* h, PyObject* const* args, size_t nargsf) {
   PyObject* names = a.get(s_names);
   PyObject* regions = a.get(s_regions);
   PyObject* context = a.get(s_context);
+  PyObject* region_stack = a.get(s_region_stack);  // inside a compiled region: `_pre` keeps its owner
   if (names == nullptr || !PyDict_CheckExact(names) || regions == nullptr || !PyDict_CheckExact(regions) ||
-      PyDict_GET_SIZE(regions) != 0 || context != Py_None)
+      PyDict_GET_SIZE(regions) != 0 || context != Py_None || region_stack == nullptr ||
+      !PyList_CheckExact(region_stack) || PyList_GET_SIZE(region_stack) > 0)
     return call_fallback(h, args, nargsf);
   PyObject* key = PyLong_FromVoidPtr(module);
   if (key == nullptr) return nullptr;
