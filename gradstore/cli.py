@@ -1089,6 +1089,13 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             raise click.BadParameter(str(exc)) from None
         ranks = set(store.steps(run=run_a)["rank"]) | set(store.steps(run=run_b)["rank"])
         held_a, held_b, summaries = _summary_steps(store, **sides, label_a=label_a, label_b=label_b)
+        store_levels = (
+            (_side_levels(store, run_a, step_a, step_b, rank_a, rank_b), label_a),
+            (
+                _side_levels(store, run_b, step_b, step_a, rank_b, rank_a),
+                label_b,
+            ),
+        )
     if len(first) and (held_a or held_b):  # a row only on one side, whose other side kept a summary: not a divergence
         eff_a, eff_b = (step_a if step_a is not None else step_b), (step_b if step_b is not None else step_a)
 
@@ -1101,34 +1108,46 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
 
         first = first[~first.apply(unseen, axis=1)]
     both = table[table["side"] == "both"]
-    unmeasured = both["differs"] == "not compared"
-    n_diff = int(((both["differs"] != "") & ~unmeasured).sum())
+    unmeasured = table["differs"] == "not compared"
+    n_diff = int(((both["differs"] != "") & (both["differs"] != "not compared")).sum())
     n_unmeasured = int(unmeasured.sum())
-    only_a, only_b = int((table["side"] == "a").sum()), int((table["side"] == "b").sum())
+    missing = table["differs"] == "missing"
+    only_a, only_b = int((missing & (table["side"] == "a")).sum()), int((missing & (table["side"] == "b")).sum())
+    # a gradient whose values were measured on both sides (a None slot matched on both is no gradient compared)
+    valued = both[(both["differs"] != "not compared") & (both["status_a"] == "ok") & (both["status_b"] == "ok")]
     click.echo(
         f"Compared {label_a} with {label_b}: {len(table):,} gradients aligned by node key, role, slot and "
         f"occurrence; {n_diff:,} differ bitwise, {only_a:,} only in {label_a}, {only_b:,} only in {label_b}, "
-        f"{n_unmeasured:,} not compared (not measured on a side: skipped, or recorded without statistics)."
+        f"{n_unmeasured:,} not compared (not measured on a side: skipped, recorded without statistics, or a step, "
+        "level or filter of one side that records no such row)."
     )
+    levels = _levels(store_levels)
+    if levels:
+        click.echo(levels)
     tolerance = f"rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
-    if first.empty and len(both) == n_unmeasured:  # no gradient measured on both sides: no verdict at all
+    if first.empty and valued.empty:  # no gradient measured on both sides: no verdict at all
         click.echo(
             f"nothing compared: no gradient was measured on both {label_a} and {label_b}, so no agreement or "
             "divergence can be told" + (f"; {summaries}" if summaries else "")
         )
+        if n_unmeasured:
+            click.echo(f"  e.g. {_not_compared_example(table[unmeasured])}")
         return
     if first.empty:
-        partial = n_unmeasured or summaries
-        scope = "every compared gradient" if partial else "every gradient"
-        if n_unmeasured:
-            scope += f" ({n_unmeasured:,} not compared)"
+        scope = "every compared gradient" if n_unmeasured or summaries else "every gradient"
+        elements = bool(table["values_a"].notna().any() and table["values_b"].notna().any())
+        notes = [f"{n_unmeasured:,} not compared"] if n_unmeasured else []
+        if not elements:
+            notes.append("the elements were not compared: record(values=...) stores small gradients' elements")
         click.echo(
-            f"no divergence: {label_b} agrees with {label_a} on {scope}"
-            + (f" within {tolerance}" if tolerance else " (bitwise-identical statistics)")
+            f"no divergence: {label_b} agrees with {label_a} on the statistics"
+            + (" and stored elements" if elements else "")
+            + f" of {scope}, "
+            + (f"within {tolerance}" if tolerance else "bitwise")
+            + (f" ({'; '.join(notes)})" if notes else "")
         )
         if n_unmeasured:
-            r = both[unmeasured].iloc[0]
-            click.echo(f"  e.g. {r['key']} {_slot_label(r['role'], r['slot'])}: {r['reason']}")
+            click.echo(f"  e.g. {_not_compared_example(table[unmeasured])}")
         if summaries:
             click.echo(f"  {summaries}")
         return
@@ -1147,6 +1166,35 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             )
     if summaries:  # an earlier step kept only its summary: the sides may have parted there, unseen
         click.echo(summaries)
+
+
+def _side_levels(store, run, step, other_step, rank, other_rank) -> set[str]:
+    """The stats levels of one side's compared steps (a flight-recorder summary left out)."""
+    rows = store.steps(
+        run=run, step=step if step is not None else other_step, rank=rank if rank is not None else other_rank
+    )
+    return set(rows["level"]) - {"summary"}
+
+
+def _levels(sides) -> str:
+    """A sentence for `diff` where the two sides were recorded at different stats levels, '' where not."""
+    (a, label_a), (b, label_b) = sides
+    if not a or not b or a == b:
+        return ""
+    words = [f"{label_a} was recorded at stats={', '.join(sorted(a))} and {label_b} at stats={', '.join(sorted(b))}"]
+    if "health" in a | b:
+        words.append(
+            "mean, std and zeros are not compared where a side is at 'health', which does not measure them, and its "
+            "norms are summed in float32 blocks: they may differ from a 'full' norm in the last bits (--rtol 1e-6 "
+            "allows that)"
+        )
+    return "Levels differ: " + "; ".join(words) + "."
+
+
+def _not_compared_example(rows: pd.DataFrame) -> str:
+    """'KEY slot: why' of the first row not compared."""
+    r = rows.iloc[0]
+    return f"{r['key']} {_slot_label(r['role'], r['slot'])}: {r['reason']}"
 
 
 def _summary_steps(

@@ -1,5 +1,5 @@
 -- title: Diff of two runs, steps or ranks, node by node
--- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do, missing for a row of one side only, not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls, the step's final param_grad rows, taken when it ended, after all its passes and as their last occurrence); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine.
+-- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do; a one-sided row is missing (the other side could hold it and does not: its graph differs) or not compared where the other side could not hold it: it recorded no such step (every=, steps=, a shorter run), kept a flight-recorder summary of it, hooks no node (stats='params'), or its run's graph held the node while none of its compared steps recorded a gradient of it (modules= / params= filters); where a side is at stats='health', mean, std and zeros are not compared; not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls, the step's final param_grad rows, taken when it ended, after all its passes and as their last occurrence); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine.
 -- param run_a: side a's run name; empty (NULL): run_b's (both empty: each run against itself)
 -- param run_b: side b's run name; empty (NULL): run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; empty (NULL): step_b's (both empty: every step, paired by step number)
@@ -54,10 +54,26 @@ WITH prm AS (  -- a NULL side takes the other side's value
     JOIN calls c ON c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id
     WHERE p.id IN (SELECT pid FROM a WHERE seq IS NULL UNION SELECT pid FROM b WHERE seq IS NULL)
     GROUP BY p.id
-), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable)
+), akeys AS (  -- the node keys each side recorded a gradient of (p = 1: a param_grad row, 0: a node's)
+    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 ELSE 0 END AS p FROM a
+), bkeys AS (
+    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 ELSE 0 END AS p FROM b
+), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable); why: for a row of one side
+    -- only, why the other side cannot hold it (NULL: it could, so the row is missing there): the other side did not
+    -- record that step, kept a flight-recorder summary of it, hooks no node (stats='params'), or its run's graph held
+    -- the node while none of its compared steps recorded a gradient of it (modules= / params= filters)
     SELECT a.sid AS a_sid, a.nid AS a_nid, a.tid AS a_tid, b.sid AS b_sid, b.nid AS b_nid, b.tid AS b_tid, a.occurrence,
            COALESCE(a.seq, ea.seq, CASE WHEN a.pid IS NULL THEN 2147483647 ELSE -1 END) AS a_ord,
-           CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END) END AS b_ord
+           CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END) END AS b_ord,
+           CASE WHEN b.tid IS NULL THEN CASE WHEN ob.id IS NULL THEN 'not compared: side b recorded no step ' || a.step || ' of rank ' || a.rank
+                WHEN ob.level = 'summary' THEN 'not compared: side b kept only a flight-recorder summary of step ' || ob.step
+                WHEN a.role IN (0, 1) AND ob.level = 'params'
+                     THEN 'not compared: side b was recorded at stats=''params'', which hooks no node'
+                WHEN ob.run_id <> a.run_id
+                     AND NOT EXISTS (SELECT 1 FROM bkeys k WHERE k.key = a.key AND k.p = CASE WHEN a.role = 2 THEN 1 ELSE 0 END)
+                     AND EXISTS (SELECT 1 FROM nodes n2 WHERE n2.run_id = ob.run_id AND n2.key = a.key)
+                     THEN 'not compared: side b''s graph held this node, but none of its compared steps recorded a '
+                          || 'gradient of it (no hook on it there: record(modules=...) or params= filters)' END END AS why
     FROM a CROSS JOIN prm
     LEFT JOIN b ON b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
         AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
@@ -65,10 +81,23 @@ WITH prm AS (  -- a NULL side takes the other side's value
         AND (prm.rank_a IS NOT NULL OR b.rank = a.rank)
     LEFT JOIN ends ea ON ea.pid = a.pid AND a.seq IS NULL
     LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
+    LEFT JOIN steps ob ON ob.run_id = COALESCE((SELECT r.id FROM runs r WHERE r.name = prm.run_b), a.run_id)
+        AND ob.step = COALESCE(prm.step_b, a.step) AND ob.rank = COALESCE(prm.rank_b, a.rank)
     UNION ALL
-    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END)
+    SELECT NULL, NULL, NULL, b.sid, b.nid, b.tid, b.occurrence, NULL, COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END),
+           CASE WHEN oa.id IS NULL THEN 'not compared: side a recorded no step ' || b.step || ' of rank ' || b.rank
+                WHEN oa.level = 'summary' THEN 'not compared: side a kept only a flight-recorder summary of step ' || oa.step
+                WHEN b.role IN (0, 1) AND oa.level = 'params'
+                     THEN 'not compared: side a was recorded at stats=''params'', which hooks no node'
+                WHEN oa.run_id <> b.run_id
+                     AND NOT EXISTS (SELECT 1 FROM akeys k WHERE k.key = b.key AND k.p = CASE WHEN b.role = 2 THEN 1 ELSE 0 END)
+                     AND EXISTS (SELECT 1 FROM nodes n2 WHERE n2.run_id = oa.run_id AND n2.key = b.key)
+                     THEN 'not compared: side a''s graph held this node, but none of its compared steps recorded a '
+                          || 'gradient of it (no hook on it there: record(modules=...) or params= filters)' END
     FROM b CROSS JOIN prm
     LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
+    LEFT JOIN steps oa ON oa.run_id = COALESCE((SELECT r.id FROM runs r WHERE r.name = prm.run_a), b.run_id)
+        AND oa.step = COALESCE(prm.step_a, b.step) AND oa.rank = COALESCE(prm.rank_a, b.rank)
     WHERE NOT EXISTS (SELECT 1 FROM a WHERE b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
                                          AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
                                          AND (prm.step_a IS NOT NULL OR b.step = a.step)
@@ -92,7 +121,7 @@ SELECT ra.name AS run_a,
        COALESCE(ta.slot, tb.slot) AS slot,
        pr.occurrence,
        CASE WHEN ta.id IS NULL THEN 'b' WHEN tb.id IS NULL THEN 'a' ELSE 'both' END AS side,
-       CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN 'missing'
+       CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN CASE WHEN pr.why IS NULL THEN 'missing' ELSE 'not compared' END
         WHEN ta.status = 2 OR tb.status = 2 OR (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
                   AND (ta.checksum IS NULL OR tb.checksum IS NULL))
              THEN COALESCE(NULLIF(RTRIM(CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
@@ -106,9 +135,9 @@ SELECT ra.name AS run_a,
              || CASE WHEN COALESCE(ta.norm <> tb.norm, ta.norm IS NOT NULL OR tb.norm IS NOT NULL) THEN 'norm,' ELSE '' END
              || CASE WHEN COALESCE(ta.min <> tb.min, ta.min IS NOT NULL OR tb.min IS NOT NULL) THEN 'min,' ELSE '' END
              || CASE WHEN COALESCE(ta.max <> tb.max, ta.max IS NOT NULL OR tb.max IS NOT NULL) THEN 'max,' ELSE '' END
-             || CASE WHEN COALESCE(ta.mean <> tb.mean, ta.mean IS NOT NULL OR tb.mean IS NOT NULL) THEN 'mean,' ELSE '' END
-             || CASE WHEN COALESCE(ta.std <> tb.std, ta.std IS NOT NULL OR tb.std IS NOT NULL) THEN 'std,' ELSE '' END
-             || CASE WHEN COALESCE(ta.zeros <> tb.zeros, ta.zeros IS NOT NULL OR tb.zeros IS NOT NULL) THEN 'zeros,' ELSE '' END
+             || CASE WHEN sa.level <> 'health' AND sb.level <> 'health' AND COALESCE(ta.mean <> tb.mean, ta.mean IS NOT NULL OR tb.mean IS NOT NULL) THEN 'mean,' ELSE '' END
+             || CASE WHEN sa.level <> 'health' AND sb.level <> 'health' AND COALESCE(ta.std <> tb.std, ta.std IS NOT NULL OR tb.std IS NOT NULL) THEN 'std,' ELSE '' END
+             || CASE WHEN sa.level <> 'health' AND sb.level <> 'health' AND COALESCE(ta.zeros <> tb.zeros, ta.zeros IS NOT NULL OR tb.zeros IS NOT NULL) THEN 'zeros,' ELSE '' END
              || CASE WHEN ta.checksum <> tb.checksum THEN 'checksum,' ELSE '' END, ',') END AS differs,
        sua.name AS status_a,
        sub.name AS status_b,
@@ -148,13 +177,16 @@ SELECT ra.name AS run_a,
        tb.zeros AS zeros_b,
        ta.checksum AS checksum_a,
        tb.checksum AS checksum_b,
-       CASE WHEN ta.id IS NULL THEN 'only in side b' WHEN tb.id IS NULL THEN 'only in side a'
+       CASE WHEN ta.id IS NULL THEN COALESCE(pr.why, 'only in side b') WHEN tb.id IS NULL THEN COALESCE(pr.why, 'only in side a')
             WHEN ta.status = 2 THEN 'skipped on side a: ' || COALESCE(ta.reason, 'no reason recorded')
             WHEN tb.status = 2 THEN 'skipped on side b: ' || COALESCE(tb.reason, 'no reason recorded')
             WHEN (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
                   AND (ta.checksum IS NULL OR tb.checksum IS NULL))
                  THEN 'no statistics on side ' || CASE WHEN ta.norm IS NULL THEN 'a' ELSE 'b' END
-                      || ' (recorded at stats=''shape''): only dtype and shape compared' END AS reason,
+                      || ' (recorded at stats=''shape''): only dtype and shape compared'
+            WHEN sa.level = 'health' OR sb.level = 'health'
+                 THEN 'mean, std and zeros not compared: side ' || CASE WHEN sa.level = 'health' THEN 'a' ELSE 'b' END
+                      || ' was recorded at stats=''health'', which does not measure them' END AS reason,
        ta.id AS id_a,
        tb.id AS id_b,
        LENGTH(va.data) AS values_a,

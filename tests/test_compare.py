@@ -302,11 +302,13 @@ def test_micro_batches_are_aligned_by_occurrence(store):
 
 
 def test_rows_only_in_one_side_are_flagged(store, recorded):
-    # 'steps' has a step 2, 'base' does not: paired by step number, step 2's rows are side b only
+    # 'steps' has a step 2, 'base' does not: paired by step number, step 2's rows are side b only, and not compared
+    # (side a recorded no step 2: no gradient there to differ from)
     d = store.diff("base", "steps")
     assert set(d[d.side == "both"].step_a) == {0, 1}
     only_b = d[d.side == "b"]
-    assert set(only_b.step_b) == {2} and only_b.step_a.isna().all() and (only_b.differs == "missing").all()
+    assert set(only_b.step_b) == {2} and only_b.step_a.isna().all() and (only_b.differs == "not compared").all()
+    assert set(only_b.reason) == {"not compared: side a recorded no step 2 of rank 0"}
     steps2 = store.tensors("steps", step=2)
     assert len(only_b) == len(steps2[steps2.role != "saved"])
     assert (d.side != "a").all()
@@ -565,3 +567,120 @@ def test_cli_ranks_with_no_parameter_rows_compares_nothing_and_says_so(tmp_path,
     out = invoke("ranks", db, "empty").output
     assert out.startswith("nothing compared at step 0: no rank recorded a parameter gradient in it (ranks 0, 1)")
     assert "agree" not in out
+
+
+def _record_opts(db, run, steps=4, **options) -> list[list[torch.Tensor]]:
+    """`steps` SGD steps of make_model() on inputs (step i on input i % STEPS) recorded with `options`; returns every
+    step's parameter gradients, read by plain torch after the backward."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradstore.record(run, db=db, model=model, **options)
+    grads = []
+    for i in range(steps):
+        with rec:
+            loss_of(model(inputs()[i % STEPS])).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+    rec.flush()
+    return grads
+
+
+def test_diff_calls_rows_a_side_could_not_record_not_compared(tmp_path):
+    """The same training, recorded in full, every other step, at stats='params', with a modules= filter and at
+    stats='health': plain torch says every gradient is the same (torch.equal). What one side did not record is
+    'not compared' with the reason, never 'only in run ...' (a divergence); a 'health' side leaves mean, std and
+    zeros uncompared; agreement is said of the statistics compared, the elements named as not compared."""
+    db = str(tmp_path / "o.db")
+    ref = _record_opts(db, "ref")
+    others = {
+        "every2": dict(every=2),
+        "params": dict(stats="params"),
+        "mod": dict(modules="4"),
+        "health": dict(stats="health"),
+    }
+    for run, options in others.items():
+        got = _record_opts(db, run, **options)
+        assert all(torch.equal(a, b) for ga, gb in zip(ref, got) for a, b in zip(ga, gb))
+    with gradstore.open(db) as store:
+        steps = set(store.steps("ref").step)
+        frames = {run: store.diff("ref", run) for run in others}
+        firsts = {run: store.first_divergence("ref", run) for run in ("every2", "params", "mod")}
+        loose = store.first_divergence("ref", "health", rtol=1e-6)
+        nodes_ref = set(store.calls("ref").key)
+    for run, first in firsts.items():
+        assert first.empty, (run, first)
+    d = frames["every2"]
+    one = d[d["side"] == "a"]
+    assert set(one["step_a"]) == {1, 3} and set(one["differs"]) == {"not compared"}  # every=2 recorded 0 and 2
+    assert set(one["reason"]) == {f"not compared: side b recorded no step {s} of rank 0" for s in (1, 3)}
+    assert set(d[d["side"] == "both"]["step_a"]) == {0, 2} and set(d[d["side"] == "both"]["differs"]) == {""}
+    d = frames["params"]  # no node hooks at stats='params': every node row of 'ref' is not compared
+    one = d[d["side"] == "a"]
+    assert set(one["key"]) == nodes_ref  # every node that ran (AccumulateGrad nodes too: their grad_outputs)
+    assert set(one["differs"]) == {"not compared"} and set(one["role"]) <= {"grad_output", "grad_input"}
+    assert set(d[d["side"] == "both"]["role"]) == {"param_grad"} and set(d[d["side"] == "both"]["differs"]) == {""}
+    d = frames["mod"]  # only module 4's nodes (and its parameters) hooked
+    one = d[d["side"] == "a"]
+    assert len(one) and set(one["differs"]) == {"not compared"} and not any(k.startswith("4/") for k in one["key"])
+    assert all("record(modules=...) or params= filters" in r for r in one["reason"])
+    d = frames["health"]
+    assert (d["side"] == "both").all() and not d["differs"].str.contains("mean|std|zeros").any()
+    measured = d[d["status_a"] == "ok"]
+    assert (
+        measured["reason"]
+        .str.startswith("mean, std and zeros not compared: side b was recorded at stats='health'")
+        .all()
+    )
+    assert loose.empty  # the norms agree within float32 summation's rounding
+    assert steps == {0, 1, 2, 3}
+
+    out = {run: invoke("diff", db, "ref", run).output for run in others}
+    for run in ("every2", "params", "mod"):
+        assert "only in run" in out[run] and "0 only in run 'ref', 0 only in run" in out[run], out[run]
+        assert "differs" not in out[run].split("\n", 1)[1] and "no divergence" in out[run]
+        assert "every compared gradient" in out[run] and "the elements were not compared" in out[run]
+    assert "e.g. " in out["every2"] and "side b recorded no step 1 of rank 0" in out["every2"]
+    assert "Levels differ: run 'ref' was recorded at stats=full and run 'health' at stats=health" in out["health"]
+    assert "no divergence" in invoke("diff", db, "ref", "health", "--rtol", "1e-6").output
+
+
+def test_diff_of_two_shape_level_runs_compares_nothing(tmp_path):
+    """At stats='shape' no value is measured: the only rows matching in value are None slots. Two such runs are
+    'nothing compared', not in agreement."""
+    db = str(tmp_path / "s.db")
+    _record_opts(db, "s1", steps=2, stats="shape")
+    _record_opts(db, "s2", steps=2, stats="shape")
+    out = invoke("diff", db, "s1", "s2").output
+    assert "nothing compared" in out and "agrees" not in out, out
+
+
+def test_a_node_only_one_run_ran_is_missing_and_a_divergence(tmp_path):
+    """Both runs hook every node; run 'extra' scales its model's output by a Mul node the other has not: that node's
+    rows are in 'extra' only ('missing': a real difference in the graph), and diff names it."""
+    db = str(tmp_path / "m.db")
+    _record_opts(db, "plain", steps=1)
+    model = make_model()
+    with gradstore.record("extra", db=db, model=model):
+        loss_of(model(inputs()[0]) * 1.0).backward()
+    with gradstore.open(db) as store:
+        d = store.diff("plain", "extra")
+        first = store.first_divergence("plain", "extra")
+    only = d[d["side"] == "b"]
+    assert set(only["key"]) == {"MulBackward0#0"} and set(only["differs"]) == {"missing"}
+    assert set(only["reason"]) == {"only in side b"}
+    assert "MulBackward0#0" in set(first["key"])
+    assert "only in run 'extra'" in invoke("diff", db, "plain", "extra").output
+
+
+def test_values_compared_names_the_side_that_stored_no_elements(tmp_path):
+    db = str(tmp_path / "v.db")
+    _record_opts(db, "plain", steps=1)
+    _record_opts(db, "vals", steps=1, values="*")
+    with gradstore.open(db) as store:
+        d = store.diff("plain", "vals")
+        back = store.diff("vals", "plain")
+    stored_b = d[(d["side"] == "both") & d["values_b"].notna()]
+    assert len(stored_b) and set(stored_b["values_compared"]) == {"no: no values on side a"}
+    stored_a = back[(back["side"] == "both") & back["values_a"].notna()]
+    assert len(stored_a) and set(stored_a["values_compared"]) == {"no: no values on side b"}

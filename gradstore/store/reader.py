@@ -482,7 +482,9 @@ class Store:
 
         Columns: run_a, run_b, rank_a, rank_b, step_a, step_b, pass_a, pass_b, seq_a, seq_b, key, name, module,
         param, role, slot, occurrence, side (both / a / b: the row exists in one side only), differs (the fields
-        that differ bitwise, comma-separated; '' when equal; 'missing' for a one-sided row; 'values' where the
+        that differ bitwise, comma-separated; '' when equal; 'missing' for a one-sided row the other side could hold,
+        'not compared' for one it could not (a step it did not record, stats='params', a modules= / params= filter:
+        `reason` says which) and for a row not measured on a side; 'values' where the
         stored elements differ), status_a/_b, dtype_a/_b, shape_a/_b, numel_a/_b, then for norm, min, max,
         mean, std: _a, _b, _abs (|a - b|), _rel (|a - b| / max(|a|, |b|)), and nan, posinf, neginf, zeros,
         checksum: _a, _b; id_a, id_b (the tensor ids), values_a, values_b (bytes of stored elements, NULL
@@ -490,7 +492,7 @@ class Store:
         (gradstore.store.values): values_compared ('yes', or 'no: ' and why), values_max_abs (max |a - b|),
         values_rel (values_max_abs / the largest |element| of either side), values_cosine.
         A flight-recorder summary step (`steps()` level 'summary') kept no gradient rows: it has no row here, and the
-        other side's rows of that step are one-sided ('missing'), not a divergence (`gradstore diff` says so).
+        other side's rows of that step are one-sided and 'not compared', not a divergence (`gradstore diff` says so).
         Raises UnknownRun; GradstoreError for a step or rank that side's run did not record.
         """
         self._check_sides(run_a, run_b, step_a, step_b, rank_a, rank_b)

@@ -115,6 +115,13 @@ def _none(v):
     return v
 
 
+def _which(values_a, values_b) -> str:
+    """Which side stored no elements for a row ('side a', 'side b' or 'either side'), from its values_a / values_b
+    (bytes stored, NULL where none)."""
+    a, b = _none(values_a) is None, _none(values_b) is None
+    return "either side" if a and b else "side a" if a else "side b"
+
+
 def add_columns(frame, stored_a: dict, stored_b: dict, rtol: float = 0.0, atol: float = 0.0, mark: bool = True):
     """`frame` (rows of queries/diff.sql or first_divergence.sql, with id_a, id_b) with VALUE_COLUMNS added, and a
     boolean column `values_differ` (None where not compared); with `mark`, ',values' (or 'values') is appended to
@@ -122,7 +129,8 @@ def add_columns(frame, stored_a: dict, stored_b: dict, rtol: float = 0.0, atol: 
     if not stored_a and not stored_b:  # nothing stored on either side: no row is compared (no per-row work)
         out = frame.copy()
         out["values_compared"] = [
-            "no: no values on either side" if side == "both" else "no: a row of one side only" for side in frame["side"]
+            "no: a row of one side only" if side != "both" else f"no: no values on {_which(va, vb)}"
+            for side, va, vb in zip(frame["side"], frame["values_a"], frame["values_b"])
         ]
         for c in VALUE_COLUMNS[1:]:
             out[c] = None
