@@ -5,6 +5,7 @@ edges, and the first non-finite gradient's path is the chain worked out by hand.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 
 import matplotlib.colors
@@ -309,3 +310,96 @@ def test_changed_most_reads_the_gradient_before_clipping(tmp_path):
     assert w["first"] == pytest.approx(before[0], rel=1e-9) and w["last"] == pytest.approx(before[2], rel=1e-9)
     assert w["ratio"] == pytest.approx(before[2] / before[0], rel=1e-9) and w["ratio"] > 90
     assert final["norm"].max() < 1.0 + 1e-6  # the final rows are the clipped ones
+
+
+def _poke_run(db):
+    """Six SGD steps of a two-layer net, where step 3's fc2.weight.grad[0, 0] is set to NaN after the backward pass
+    (the optimizer then spreads it: step 4's forward holds NaN). Returns what plain PyTorch saw: per step, whether
+    each parameter's .grad held a NaN after the backward pass and when the optimizer read it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    seen = []
+    with gradstore.record("poke", db=db, model=model) as rec:
+        for step in range(6):
+            model(torch.randn(5, 3, generator=gen)).pow(2).mean().backward()
+            after = {n: bool(p.grad.isnan().any()) for n, p in model.named_parameters()}
+            if step == 3:
+                model[2].weight.grad[0, 0] = float("nan")
+            read = {n: bool(p.grad.isnan().any()) for n, p in model.named_parameters()}
+            seen.append((after, read))
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    return seen
+
+
+def test_a_grad_that_went_nan_after_the_pass_is_the_first_nonfinite_gradient(tmp_path):
+    """helper trial: the report named step 4's first NaN node call as the first non-finite gradient, while step 3's
+    .grad (NaN when the optimizer read it, finite after the pass) came first; the history drew step 3 as finite."""
+    db = str(tmp_path / "p.db")
+    seen = _poke_run(db)
+    first_read = min(s for s, (_, read) in enumerate(seen) if any(read.values()))
+    first_after = min(s for s, (after, _) in enumerate(seen) if any(after.values()))
+    assert (first_read, first_after) == (3, 4) and not any(seen[3][0].values())
+    store = gradstore.open(db)
+    pf = story.param_first(store, "poke")
+    assert (pf.step, pf.param, pf.pass_, pf.nan, pf.after_pass) == (3, "2.weight", None, 1, True)
+    start = story.first_nonfinite(store, "poke")
+    assert start.step == first_after  # the first node call with NaN comes later
+    # the heatmap by param outlines that .grad's cell; by module it outlines nothing and names it in the legend
+    fig = heatmap(store, "poke", by="param")
+    rect = [p for p in fig.axes[0].patches if getattr(p, "get_edgecolor", None) and p.get_linewidth() == 2.2]
+    g = cells.grid(store, "poke", by="param")
+    assert [(r.get_x() + 0.5, r.get_y() + 0.5) for r in rect] == [(g.steps.index(3), g.labels.index("2.weight"))]
+    fig = heatmap(store, "poke", by="module")
+    assert not [p for p in fig.axes[0].patches if p.get_linewidth() == 2.2]
+    legend = " ".join(t.get_text() for t in fig.axes[0].get_legend().get_texts())
+    assert "parameter 2.weight's .grad, step 3" in " ".join(legend.split())
+    # the history of that parameter marks step 3 (its final row), though the pass row there was finite
+    s = cells.series(store, "poke", param="2.weight")
+    marked = {int(r.step) for r in s.itertuples() if (r.nan or 0) > 0}
+    assert 3 in marked and marked == {
+        st for st, (after, read) in enumerate(seen) if after["2.weight"] or read["2.weight"]
+    }
+    from gradstore.view.html_report import report_html
+
+    html = report_html(store, "poke")
+    text = " ".join(re.sub(r"<[^>]+>", "", html).split())
+    assert "Parameter 2.weight (module 2): its .grad held 1 NaN as the optimizer read it" in text
+    assert "step 3, before any recorded node call held NaN or Inf" in text
+    assert "The first node call that held NaN or Inf (later: step 4)" in text
+
+
+def test_a_nan_added_between_two_nodes_is_said_to_arrive_on_the_way(tmp_path):
+    """A tensor hook turns the gradient between Tanh's node and the Linear below into NaN: the first node call to
+    hold NaN is the Linear's AddmmBackward0, in its grad_outputs, while TanhBackward0 gave a finite gradient
+    (plain PyTorch's own node hooks say both)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    db = str(tmp_path / "b.db")
+    seen = {}
+    with gradstore.record("between", db=db, model=model):
+        h = model[0](x)
+        h.register_hook(lambda g: g * float("nan"))  # the gradient flowing into module 0's output
+        out = model[2](model[1](h))
+        tanh_fn = next(f for f, _ in out.grad_fn.next_functions if f is not None and f.name() == "TanhBackward0")
+        tanh_fn.register_hook(lambda gi, go: seen.update(tanh_in=bool(torch.isnan(gi[0]).any())))
+        out.pow(2).mean().backward()
+    assert tanh_fn.name() == "TanhBackward0" and seen == {"tanh_in": False}
+    store = gradstore.open(db)
+    start = story.first_nonfinite(store, "between")
+    assert (start.key, start.made_here, start.arrived, start.arrived_from) == (
+        "0/AddmmBackward0#0",
+        False,
+        "between",
+        "1/TanhBackward0#0",
+    )
+    from gradstore.view.html_report import report_html
+
+    text = " ".join(re.sub(r"<[^>]+>", "", report_html(store, "between")).split())
+    assert (
+        "while 1/TanhBackward0#0, whose grad_inputs flow there, gave a finite gradient: it changed on the way" in text
+    )

@@ -260,7 +260,9 @@ def series(
     neginf (exact counts over the step's rows), measured (rows), label ('RUN rank R', or 'RUN' for one rank),
     one row per recorded step of each run and rank, in step order. Several rows of one step (calls of a
     module's nodes, micro-batches) combine exactly (norm: sqrt of the summed squares); for param_grad rows
-    the step's last pass counts (the .grad after accumulation).
+    the step's last pass counts (the .grad after accumulation), and nan / posinf / neginf are the larger of its
+    counts and those of the step's final row (the .grad the optimizer read), so a `.grad` that went non-finite
+    after the backward pass marks the step.
     Raises UnknownRun, ArgumentError (a ValueError: not exactly one of param / module / key; stat; role),
     GradstoreError (rank).
     """
@@ -287,10 +289,21 @@ def series(
                 )
         rows = store.history(run, key=key, module=module, param=param, role=role)
         rows = rows[rows["rank"].isin(ranks)]
+        final = None
         if role == "param_grad" and not rows.empty:
+            # the step's final row (the .grad the optimizer read): its non-finite counts mark the step too, so a
+            # .grad that went NaN after the backward pass (a hook, code writing to .grad) is not drawn as finite
+            final = rows[rows["final"] == 1][["rank", "step", "nan", "posinf", "neginf"]]
             last = rows.groupby(["rank", "step"])["pass"].transform("max")
             rows = rows[rows["pass"] == last]
         parts = combine(additive(rows), ["rank", "step"]) if not rows.empty else None
+        if parts is not None and final is not None and not final.empty:
+            extra = final.groupby(["rank", "step"])[["nan", "posinf", "neginf"]].sum()
+            keyed = parts.set_index(["rank", "step"])
+            for c in ("nan", "posinf", "neginf"):
+                got = extra[c].reindex(keyed.index)
+                keyed[c] = np.maximum(keyed[c].fillna(0), got.fillna(0)).where(keyed[c].notna() | got.notna())
+            parts = keyed.reset_index()
         frame = recorded[recorded["rank"].isin(ranks)].sort_values(["rank", "step"])
         if parts is not None:
             parts = parts.assign(

@@ -230,9 +230,31 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str) -> None:
         )
 
 
-def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> story.NonfiniteStart | None:
+def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int | None:
+    """The section on the run's first non-finite gradient; returns the rank it is on (None: none recorded)."""
     page.section("nonfinite", "First non-finite gradient")
     start = story.first_nonfinite(store, run)
+    pf = story.param_first(store, run)
+    if pf is not None:  # a parameter's .grad held NaN / Inf before any recorded node call did
+        counts = ", ".join(f"{n:,} {w}" for w, n in (("NaN", pf.nan), ("+Inf", pf.posinf), ("-Inf", pf.neginf)) if n)
+        seen = (
+            "as the optimizer read it (the step's final row)"
+            if pf.pass_ is None
+            else f"when backward pass {pf.pass_} returned"
+        )
+        why = (
+            " The step's backward pass left it finite: it went non-finite after the pass (a hook on .grad, code "
+            "that wrote to it, clipping or unscaling), outside any node the record holds."
+            if pf.after_pass
+            else ""
+        )
+        page.add(
+            f'<div class="callout"><p>Parameter <code>{_e(pf.param)}</code> (module '
+            f"<code>{_e(pf.module or '(top level)')}</code>): its .grad held {counts} {seen}, rank {pf.rank}, "
+            f"step {pf.step}, before any recorded node call held NaN or Inf.{why}</p></div>"
+        )
+        if start is not None:
+            page.add(f"<h3>The first node call that held NaN or Inf (later: step {start.step})</h3>")
     unmeasured = steps[steps["level"] == "shape"]
     params_only = steps[steps["level"] == "params"]
     caveats = []
@@ -243,6 +265,10 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> sto
             f"{len(params_only):,} step records at stats='params' hold parameter .grad only: their nodes "
             "were not checked"
         )
+    if start is None and pf is not None:
+        for c in caveats:
+            page.add(f'<p class="note">{_e(c)}.</p>')
+        return pf.rank
     if start is None:
         pg = store.param_grads(run=run)
         badp = pg[(pg["nan"].fillna(0) + pg["posinf"].fillna(0) + pg["neginf"].fillna(0)) > 0]
@@ -277,8 +303,17 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> sto
         "(a forward that went non-finite: the loss then is too), or the derivative itself is not finite there "
         "(sqrt or log at 0, a division by 0); record(forward=True) or record(saved=True) tells the two apart."
         if start.made_here
-        else "They were already in its grad_outputs when it ran: they came from the pass's root gradient, or from "
-        "a node the record does not hold."
+        else {
+            "between": f"They were already in its grad_outputs when it ran, while <code>{_e(start.arrived_from)}"
+            "</code>, whose grad_inputs flow there, gave a finite gradient: it changed on the way, in a tensor hook "
+            "or a node hook that returned a new gradient.",
+            "root": "They were already in its grad_outputs when it ran, and no recorded edge leads into it: they came "
+            "with the gradient handed to backward() (the pass's root).",
+        }.get(
+            start.arrived,
+            "They were already in its grad_outputs when it ran, from a node whose grad_inputs the record does not "
+            "hold.",
+        )
     )
     page.add(
         f'<div class="callout"><p><b>{_e(start.name)}</b> <code>{_e(start.key)}</code><br>module '
@@ -329,7 +364,7 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> sto
         )
     for c in caveats:
         page.add(f'<p class="note">{_e(c)}.</p>')
-    return start
+    return pf.rank if pf is not None else start.rank
 
 
 def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame, rank: int | None = None) -> None:
@@ -350,8 +385,9 @@ def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame, rank: in
     page.add(
         "<p>L2 norm of the grad_outputs flowing into each module's nodes (over finite elements, combined over "
         "calls), log colour scale. Red cells held NaN or Inf (exact counts); hatched cells hold no value (not "
-        "measured, or no gradient: a .grad of None, a None slot); white cells are exactly 0; the black outline is "
-        f"the first non-finite node call's module and step.{which}</p>"
+        "measured, or no gradient: a .grad of None, a None slot); white cells are exactly 0; a black outline marks "
+        "the first non-finite node call's module and step, where that call holds the run's first non-finite "
+        f"gradient (a parameter's .grad that came first is named in the legend, not outlined).{which}</p>"
     )
     page.add(_png(fig, f"heatmap of gradient norms by module for {run}"))
 
@@ -527,10 +563,10 @@ def report_html(store, run: str, progress: Callable[[str], None] | None = None) 
     tick("steps")
     _steps_section(page, steps, run)
     tick("first non-finite gradient")
-    start = _nonfinite_section(page, store, run, steps)
+    rank = _nonfinite_section(page, store, run, steps)
     tick("heatmap")
     if len(steps):
-        _heatmap_section(page, store, run, steps, rank=start.rank if start is not None else None)
+        _heatmap_section(page, store, run, steps, rank=rank)
     tick("parameters")
     _params_section(page, store, run)
     tick("ranks")

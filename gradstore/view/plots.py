@@ -59,10 +59,24 @@ def new_axes(ax, size: tuple[float, float]):
 
 
 def _first_nonfinite_cell(store, run: str, g) -> tuple | None:
-    """(row, column, gradstore.view.story.NonfiniteStart) of the run's first non-finite node call in grid `g` (by
-    'module' or 'node', its rank), or None: none recorded, or its step or module not among the grid's."""
-    from .story import first_nonfinite
+    """(row, column, legend text) of the run's first non-finite gradient in grid `g` (its rank): a node call's cell
+    (by 'module' or 'node'), or a parameter's (by 'param') where a `.grad` held NaN / Inf before any node call
+    did; row and column None where that gradient is not a cell of the grid (a parameter's, by module or node);
+    None where none was recorded or its step or row is not among the grid's."""
+    from .story import first_nonfinite, param_first
 
+    pf = param_first(store, run, rank=g.rank)
+    if pf is not None and pf.rank == g.rank:
+        when = " (after the backward pass)" if pf.after_pass else ""
+        text = f"the first non-finite gradient: parameter {pf.param}'s .grad, step {pf.step}{when}"
+        if g.by != "param":
+            return (None, None, text) if pf.step in g.steps else None
+        label = pf.param if g.depth is None else cells.truncate(pf.param, g.depth)
+        if pf.step not in g.steps or label not in g.labels:
+            return None
+        return g.labels.index(label), g.steps.index(pf.step), text
+    if g.by == "param":
+        return None
     start = first_nonfinite(store, run, rank=g.rank)
     if start is None or start.rank != g.rank or start.step not in g.steps:
         return None
@@ -71,7 +85,12 @@ def _first_nonfinite_cell(store, run: str, g) -> tuple | None:
         label = cells.truncate(label, g.depth)
     if label not in g.labels:
         return None
-    return g.labels.index(label), g.steps.index(start.step), start
+    how = "its backward made it" if start.made_here else "it arrived in its grad_outputs"
+    return (
+        g.labels.index(label),
+        g.steps.index(start.step),
+        f"the first non-finite gradient: {start.key}, step {start.step} ({how})",
+    )
 
 
 def _nonfinite_word(nan: float, posinf: float, neginf: float) -> str:
@@ -175,9 +194,9 @@ def heatmap(
                 word = _nonfinite_word(g.nan[i, j], g.posinf[i, j], g.neginf[i, j])
                 size = min(7, font) * (0.75 if len(word) > 4 else 1.0)
                 ax.text(j, i, word, ha="center", va="center", fontsize=size, color="white", weight="bold")
-    start = _first_nonfinite_cell(store, run, g) if by != "param" else None
-    if start is not None:  # the first non-finite node call's cell, outlined: with role grad_output its own cell
-        i, j, start = start  # may be finite (its backward made the NaN / Inf), so the colours alone miss it
+    start = _first_nonfinite_cell(store, run, g)
+    if start is not None and start[0] is not None:  # the first non-finite gradient's cell, outlined: a node call's
+        i, j, _ = start  # own cell may be finite with role grad_output (its backward made the NaN / Inf)
         ax.add_patch(
             mpatches.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor=FIRST_EDGE, linewidth=2.2, zorder=6)
         )
@@ -214,14 +233,13 @@ def heatmap(
     ]
     if log and zeros.any():
         handles.append(mpatches.Patch(facecolor=ZERO_COLOUR, edgecolor="#777777", label="exactly 0"))
-    if start is not None:
-        how = "its backward made it" if start.made_here else "it arrived in its grad_outputs"
+    if start is not None:  # outlined where it is a cell here; else (a parameter's .grad, by module or node) named
         handles.append(
             mpatches.Patch(
                 facecolor="none",
-                edgecolor=FIRST_EDGE,
+                edgecolor=FIRST_EDGE if start[0] is not None else "none",
                 linewidth=2.2,
-                label=textwrap.fill(f"the first non-finite gradient: {start.key}, step {start.step} ({how})", 48),
+                label=textwrap.fill(start[2] + ("" if start[0] is not None else " (by='param' outlines it)"), 48),
             )
         )
     ax.legend(

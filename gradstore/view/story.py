@@ -33,13 +33,17 @@ class PathEdge:
 class NonfiniteStart:
     """The first call (execution order) whose gradients held NaN or Inf, on one rank, and where they went.
 
-    run, rank, step, pass_ (the backward pass within the step), seq; key, name, module, frame (the user-code line
-    with record(frames=True), else None) of the node; slots: its non-finite slots (role, slot, numel, nan, posinf,
-    neginf); made_here: True when its grad_outputs were finite and a grad_input was not (its own backward made
-    them), False when they arrived in its grad_outputs (from the pass's root gradient or from a node the record
-    does not hold); path: the shortest chain of non-finite edges from it to the first parameter it reached (or to
-    the farthest node reached when it reached none); edges: every non-finite edge reachable from it in that pass;
-    reached_nodes: nodes those edges reach; params: parameters whose .grad held NaN or Inf after that step.
+    run, rank, step, pass_ (the backward pass within the step), seq; key, name, module, frame (the user-code line with
+    record(frames=True), else None) of the node; slots: its non-finite slots (role, slot, numel, nan, posinf, neginf);
+    made_here: True when its grad_outputs were finite and a grad_input was not (its own backward made them), False when
+    they arrived in its grad_outputs; arrived: how they arrived there when not made here ('between': every edge into
+    that slot carried a finite gradient from its source's grad_inputs, so it changed on the way, in a tensor hook or a
+    node hook that returned a new gradient; 'root': no recorded edge leads into the node, so it is a root of the pass
+    and they came with the gradient handed to backward; 'unrecorded': the edges into that slot come from nodes whose
+    grad_inputs the record does not hold), None when made here; arrived_from: the source node of the 'between' edge;
+    path: the shortest chain of non-finite edges from it to the first parameter it reached (or to the farthest node
+    reached when it reached none); edges: every non-finite edge reachable from it in that pass; reached_nodes: nodes
+    those edges reach; params: parameters whose .grad held NaN or Inf after that step.
     """
 
     run: str
@@ -53,10 +57,70 @@ class NonfiniteStart:
     frame: str | None
     slots: pd.DataFrame
     made_here: bool
+    arrived: str | None = None
+    arrived_from: str | None = None
     path: list[PathEdge] = field(default_factory=list)
     edges: list[PathEdge] = field(default_factory=list)
     reached_nodes: int = 0
     params: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ParamFirst:
+    """A parameter's `.grad` that held NaN or Inf before any recorded node call did (`Store.first_nonfinite`'s row
+    of role param_grad), on one rank.
+
+    run, rank, step; param, module; pass_ (the backward pass whose end measured it, None for the step's final row,
+    the .grad as the optimizer read it); nan, posinf, neginf (exact counts); after_pass: True when that step's
+    backward passes left this .grad finite (its last pass row), so it went non-finite after them (a hook on
+    .grad, code that wrote to it, clipping or unscaling); False when a pass row already held NaN/Inf; None when
+    no pass row was recorded.
+    """
+
+    run: str
+    rank: int
+    step: int
+    param: str
+    module: str
+    pass_: int | None
+    nan: int
+    posinf: int
+    neginf: int
+    after_pass: bool | None
+
+
+def param_first(store, run: str, rank: int | None = None) -> ParamFirst | None:
+    """The run's first non-finite gradient (on `rank`, or the lowest rank that has one) when it is a parameter's
+    `.grad` that no recorded node call preceded with NaN or Inf (a step before the first such call, or no call
+    recorded at all: stats='params'), else None. Raises UnknownRun."""
+    f = store.first_nonfinite(run=run, rank=rank)
+    if f.empty:
+        return None
+    f = f[f["rank"] == f["rank"].min()]
+    r = f.iloc[0]
+    if r["role"] != "param_grad":
+        return None
+    rank, step = int(r["rank"]), int(r["step"])
+    param = str(r["key"]).removeprefix("param:")
+    rows = store.param_grads(run=run, step=step, rank=rank, param=param, which="all")
+    passes = rows[rows["final"] == 0]
+    after = None
+    if len(passes):
+        last = passes.sort_values("pass").iloc[-1]
+        after = _count(last["nan"]) + _count(last["posinf"]) + _count(last["neginf"]) == 0
+    pass_ = r["pass"]
+    return ParamFirst(
+        run=run,
+        rank=rank,
+        step=step,
+        param=param,
+        module=str(r["module"] or ""),
+        pass_=None if pass_ is None or pd.isna(pass_) else int(pass_),
+        nan=_count(r["nan"]),
+        posinf=_count(r["posinf"]),
+        neginf=_count(r["neginf"]),
+        after_pass=after,
+    )
 
 
 def _count(v) -> int:
@@ -105,6 +169,17 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
     nodes = store.nodes(run=run).set_index("key")
     ran = set(grads["key"])
     edges = store.edges(run=run)
+    arrived, arrived_from = None, None
+    if not made_here:
+        bad_slots = set(own.loc[bad_out, "slot"].astype(int))
+        into = edges[(edges["dst"] == key) & edges["dst_slot"].isin(bad_slots)]
+        given = [(e.src, lookup.get((e.src, "grad_input", int(e.src_slot)))) for e in into.itertuples(index=False)]
+        if given and all(c is not None and sum(c) == 0 for _, c in given):  # every source gave a finite gradient
+            arrived, arrived_from = "between", given[0][0]
+        elif edges[edges["dst"] == key].empty:
+            arrived = "root"
+        else:
+            arrived = "unrecorded"
     edges = edges[edges["src"].isin(ran)]
     by_src: dict[str, list] = {}
     for e in edges.itertuples(index=False):
@@ -167,6 +242,8 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
         frame=frame,
         slots=slots,
         made_here=made_here,
+        arrived=arrived,
+        arrived_from=arrived_from,
         path=path,
         edges=found,
         reached_nodes=len(seen) - 1,
