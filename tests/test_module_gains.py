@@ -202,3 +202,22 @@ def test_unhooked_boundaries_are_unmeasured_not_zero(db):
     assert g.loc["layers.2", "out_norm"] == pytest.approx(flows.out[("layers.2", 0)], rel=1e-9)
     # layers.4: its nodes had no hooks; nothing measured, nothing claimed
     assert g.loc["layers.4", "in_unmeasured"] == 1 and math.isnan(g.loc["layers.4", "ratio"])
+
+
+@pytest.mark.parametrize("params", ["*.bias", "*.weight", "layers.3.*"])
+def test_a_params_filter_leaves_the_filtered_parameters_gradients_out_of_out_norm(db, params):
+    """With params=, the parameters left out have no param_grad rows, but their AccumulateGrad nodes are still the
+    module's own: their gradients are not flowing out of the module (a helper trial saw a ratio of 1.78 where plain
+    PyTorch gives 0.49)."""
+    names = [f"layers.{i}" for i in range(6)]
+    model = Deep()
+    flows = Flows(model, set(names) | {""})
+    _run(model, _x())
+    flows.close()
+    run = f"filtered-{params}"
+    _run(Deep(), _x(), db, run=run, params=params)
+    with gradstore.open(db) as store:
+        g = store.module_gains(run).set_index("module")
+    for n in names + [""]:
+        assert g.loc[n, "out_norm"] == pytest.approx(flows.out[(n, 0)], rel=1e-9), n
+        assert g.loc[n, "in_norm"] == pytest.approx(flows.inn[(n, 0)], rel=1e-9), n

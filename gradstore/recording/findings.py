@@ -592,7 +592,8 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
         modules = chain_modules.get(c)
         if modules is None:
             modules = chain_modules[c] = tuple(calls[k][0] for k in chains[c])
-        names = names_of.get(key[6:], ()) if key.startswith("param:") else ()
+        # a parameter the params= / modules= filters left out has no entry: its key still names it
+        names = (names_of.get(key[6:]) or (key[6:],)) if key.startswith("param:") else ()
         hit = _OWN.get((modules, length, key, names))
         if hit is None:
             if len(_OWN) > 50_000:
