@@ -605,3 +605,62 @@ def test_an_all_nan_gradient_gives_the_masked_results_without_the_masked_path(dt
         assert calls == [] and isinstance(got, tuple), (value, where)
         assert_same_vector(got, real_masked(u, level).tolist())
         assert_matches(u)
+
+
+def _scaled_norm(t: torch.Tensor) -> float:
+    """The L2 norm of t's finite elements in float64, computed scaled by a power of two (plain torch's float64
+    norm of values under 1.5e-154 underflows: their squares are below the smallest normal double)."""
+    x = t.detach().to(torch.float64).reshape(-1)
+    x = x[torch.isfinite(x)]
+    big = float(x.abs().max())
+    if big == 0:
+        return 0.0
+    s = 2.0 ** math.frexp(big)[1]
+    return float(torch.linalg.vector_norm(x / s)) * s
+
+
+@pytest.mark.parametrize("level", ["full", "health"])
+@pytest.mark.parametrize(
+    "dtype, value",
+    [
+        (torch.float64, 8e-170),  # squares under the smallest double: a norm of 0.0 before
+        (torch.float64, 3e-160),
+        (torch.float32, 1e-30),  # at 'health' squares are added in float32: 0.0 before
+        (torch.float32, 1e-22),  # float32 subnormal squares: 1 % low before
+        (torch.float32, 1e-44),  # a float32 subnormal itself
+        (torch.bfloat16, 1e-40),  # a bfloat16 subnormal
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("n", [1, 8, 2 * kernel.SPLIT + 5])
+def test_tiny_gradients_keep_their_norm(level, dtype, value, n):
+    """A vanishing gradient is what one looks for: its norm must not underflow to 0.0 (a helper trial saw 0.0 next
+    to a non-zero min and max). Against the scaled float64 norm, and norm >= the largest magnitude."""
+    t = torch.full((n,), value, dtype=dtype)
+    t[0] = -t[0]
+    t.reshape(-1)[n // 2] = 0.0 if n > 2 else t.reshape(-1)[n // 2]
+    want = _scaled_norm(t)
+    assert want > 0
+    got = stats.to_dicts([stats.measure(t, level)])[0]
+    rel = 5e-7 if level == "health" else 1e-12
+    assert got["norm"] == pytest.approx(want, rel=rel), (got["norm"], want)
+    assert got["norm"] >= max(abs(got["min"]), abs(got["max"]))
+
+
+@pytest.mark.parametrize("level", ["full", "health"])
+def test_pipeline_tiny_gradients_keep_their_norm(db, level):
+    """Through the recorder (the C++ hooks where built, which hand a tiny tensor to the scaled measurement): every
+    row of a float64 gradient of 1e-170s has its true norm, not 0.0."""
+    w = torch.full((5, 8), 1e-170, dtype=torch.float64)
+    w[0] = -3e-170
+    model = Holder(torch.ones(5, 8, dtype=torch.float64))
+    with gradstore.record("tiny", db=db, model=model, stats=level):
+        (model.p * w).sum().backward()
+    assert torch.equal(model.p.grad, w)
+    want = _scaled_norm(w)
+    with gradstore.open(db) as store:
+        t = store.tensors("tiny")
+    rows = t[(t.numel == 40) & (t.status == "ok") & (t["max"].abs() < 1e-100)]  # the rows of w (not Sum's ones)
+    assert len(rows) >= 4  # Mul's grad_input, AccumulateGrad's grad_output, the pass's and the final param_grad
+    for r in rows.itertuples():
+        assert r.norm == pytest.approx(want, rel=1e-12), (r.key, r.role, r.norm)

@@ -237,10 +237,14 @@ def _fused(k: kernel.Kernel, x: torch.Tensor, level: str):
         # past 1.8e19 (its squares are added in float32 blocks here): the masked kernel counts them
         if not math.isfinite(sumsq):
             return _all_nan(n, level) if mn == math.inf and mx == -math.inf else _masked_fused(k, x, level)
+        if _tiny(x.dtype, level, mn, mx):
+            return _masked(x, level)
         return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)
     s, sumsq, mn, mx, zeros = k.full(suffix, ptr, n, size)
     if not (math.isfinite(s) and math.isfinite(sumsq)):  # NaN, Inf, or float64 squares or sums overflowing
         return _all_nan(n, level) if mn == math.inf and mx == -math.inf else _masked_fused(k, x, level)
+    if _tiny(x.dtype, level, mn, mx):
+        return _masked(x, level)
     mean = s / n
     m2 = sumsq - s * mean
     if mn == mx:
@@ -259,7 +263,7 @@ def _masked_fused(k: kernel.Kernel, x: torch.Tensor, level: str):
     leave for `_masked`, which scales them."""
     suffix, n, ptr, size = _KERNEL_SUFFIX[x.dtype], x.numel(), x.data_ptr(), x.element_size()
     nan, posinf, neginf, zeros, nf, s, q, mn, mx = k.masked(suffix, ptr, n, size)
-    if not (math.isfinite(s) and math.isfinite(q)):
+    if not (math.isfinite(s) and math.isfinite(q)) or _tiny(x.dtype, level, mn, mx):
         return _masked(x, level)
     if level != "full":
         return (nan, posinf, neginf, _ABSENT, nf, math.sqrt(q), mn, mx, _ABSENT, _ABSENT)
@@ -281,6 +285,18 @@ def _all_nan(n: int, level: str) -> tuple:
     if level == "full":
         return (float(n), 0.0, 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf, math.nan, -0.0)
     return (float(n), 0.0, 0.0, _ABSENT, 0.0, 0.0, math.inf, -math.inf, _ABSENT, _ABSENT)
+
+
+# below these largest finite magnitudes the squares lose precision to underflow (kernels/reduce.c, `tiny`): float64
+# values under 2^-500 (squares near the smallest normal double), float32 ones under 2^-50 at 'health' (squares
+# added in float32); such a tensor is measured scaled by `_masked`, whose float64 sums see no underflow
+_TINY = {(torch.float64, "full"): 2.0**-500, (torch.float64, "health"): 2.0**-500, (torch.float32, "health"): 2.0**-50}
+
+
+def _tiny(dtype: torch.dtype, level: str, mn: float, mx: float) -> bool:
+    """True where the largest finite magnitude (from min and max of the finite values) is under _TINY's limit."""
+    big = max(abs(mn), abs(mx))
+    return 0.0 < big < _TINY.get((dtype, level), 0.0)
 
 
 def _std(m2: float, n: int) -> float:
@@ -316,7 +332,7 @@ def _cpu_numpy(x: torch.Tensor, level: str):
     if not (math.isfinite(mn) and math.isfinite(mx)):  # NaN propagates through min/max
         return _masked(x, level)
     sumsq = _sum_of_squares(x, a)
-    if not math.isfinite(sumsq):  # finite values whose squares overflow: the masked path scales them
+    if not math.isfinite(sumsq) or _tiny(x.dtype, level, mn, mx):  # squares that overflow or underflow: scaled
         return _masked(x, level)
     if level != "full":
         return (0.0, 0.0, 0.0, _ABSENT, float(n), math.sqrt(sumsq), mn, mx, _ABSENT, _ABSENT)

@@ -301,7 +301,8 @@ DEFINE_MASKED(double, f64)
  * tensor takes the one-pass kernel (and the second pass around the mean where the mean dominates); one that is
  * NaN throughout gives the masked results without a second pass (the kernel's min and max skip NaN); any other
  * non-finite one takes gs_masked and gs_masked_m2. Returns 0, or 1 where the sums of finite float64 values
- * overflow (|x| past 1.3e154): the caller measures that tensor with its values scaled (stats.py, `_masked`).
+ * overflow (|x| past 1.3e154), or whose largest finite magnitude is so small that its squares underflow (`tiny`):
+ * the caller measures that tensor with its values scaled (stats.py, `_masked`).
  * The products below go through a volatile so that no compiler fuses them into a multiply-add: the results are
  * bit for bit those of the same expressions in Python. */
 static double product(double a, double b) { volatile double p = a * b; return p; }
@@ -313,6 +314,15 @@ static void all_nan(int64_t n, int level, double *out) {
     memcpy(out, level == 2 ? full : health, sizeof full);
 }
 
+/* stats.py `_tiny`: the largest finite magnitude (min, max of the finite values) is so small that the squares lose
+ * precision to underflow: float64 values below 2^-500 (squares near the smallest normal double), float32 ones below
+ * 2^-50 at health (squares added in float32). The caller measures those scaled, as an overflow. */
+static int tiny(int kind, int level, double mn, double mx) {
+    double big = fmax(fabs(mn), fabs(mx)); /* +Inf where no value is finite */
+    double limit = kind == 1 ? 0x1p-500 : (level != 2 ? 0x1p-50 : 0.0);
+    return big > 0.0 && big < limit;
+}
+
 static double std_of(double m2, int64_t n) { /* stats.py `_std` */
     return n > 1 ? sqrt((m2 > 0.0 ? m2 : 0.0) / (double)(n - 1)) : NAN;
 }
@@ -322,6 +332,7 @@ int gs_stats(const void *x, int64_t n, int kind, int level, double *out) {
     if (level != 2) {
         if (kind == 0) gs_health_f32(x, n, r); else gs_health_f64(x, n, r);
         if (isfinite(r[0])) {
+            if (tiny(kind, level, r[1], r[2])) return 1;
             double v[10] = {0, 0, 0, NAN, (double)n, sqrt(r[0]), r[1], r[2], NAN, NAN};
             memcpy(out, v, sizeof v);
             return 0;
@@ -331,6 +342,7 @@ int gs_stats(const void *x, int64_t n, int kind, int level, double *out) {
         if (kind == 0) gs_full_f32(x, n, r); else gs_full_f64(x, n, r);
         double s = r[0], sumsq = r[1], mn = r[2], mx = r[3];
         if (isfinite(s) && isfinite(sumsq)) {
+            if (tiny(kind, level, mn, mx)) return 1;
             double mean = s / (double)n;
             double m2 = sumsq - product(s, mean);
             if (mn == mx) {
@@ -346,7 +358,7 @@ int gs_stats(const void *x, int64_t n, int kind, int level, double *out) {
     }
     if (kind == 0) gs_masked_f32(x, n, r); else gs_masked_f64(x, n, r);
     double nf = r[4], s = r[5], q = r[6];
-    if (!(isfinite(s) && isfinite(q))) return 1;
+    if (!(isfinite(s) && isfinite(q)) || tiny(kind, level, r[7], r[8])) return 1;
     out[0] = r[0]; out[1] = r[1]; out[2] = r[2]; out[4] = nf; out[5] = sqrt(q); out[6] = r[7]; out[7] = r[8];
     if (level == 2) {
         double mean = s / nf; /* 0 / 0: NaN where nothing is finite, as the masked path */
