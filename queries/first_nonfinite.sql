@@ -1,13 +1,28 @@
 -- title: First non-finite gradient (and forward activation or loss)
--- description: Per run and rank, in execution order (step, then seq across the step's passes), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls). Where no call's gradients held one before, a parameter's gradient does (a `.grad` measured with NaN or +/-Inf at a pass's end, or in the step's final rows, as at stats='params', which records no calls): the first such param_grad row (phase backward, seq NULL; pass NULL for a final row), ordered after the calls of its step, by pass (the final rows last) and then in the order its rows were written.
+-- description: Per run and rank, in execution order (step, then seq across the step's passes; a call's grad_inputs count at its end, after the calls of passes nested in it, as a reentrant checkpoint's), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls). Where no call's gradients held one before, a parameter's gradient does (a `.grad` measured with NaN or +/-Inf at a pass's end, or in the step's final rows, as at stats='params', which records no calls): the first such param_grad row (phase backward, seq NULL; pass NULL for a final row), ordered after the calls of its step, by pass (the final rows last) and then in the order its rows were written.
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
 -- param role: grad_output, grad_input, param_grad, activation or loss (only rows of that role); empty (NULL) for all five
-WITH bad AS (
-    SELECT st.run_id, st.rank, st.step, c.seq, t.call_id
+WITH bad AS (  -- seq: when the row's values were there: a call's grad_outputs at its start, its grad_inputs at its
+    -- end, which for a call that ran nested passes (a reentrant checkpoint's recomputation and backward) comes after
+    -- their calls (and those of passes nested in them): half past the last of those
+    SELECT st.run_id, st.rank, st.step,
+           CASE WHEN t.role = 1 AND EXISTS (SELECT 1 FROM passes p2 WHERE p2.step_id = t.step_id
+                                            AND p2.parent_pass = pc.pass AND p2.parent_seq = c.seq)
+                THEN 0.5 + (SELECT MAX(x.seq) FROM (
+                         SELECT c2.seq FROM passes p2 JOIN call_data c2 ON c2.pass_id = p2.id
+                         WHERE p2.step_id = t.step_id AND p2.parent_pass = pc.pass AND p2.parent_seq = c.seq
+                         UNION ALL
+                         SELECT c3.seq FROM passes p2 JOIN call_data c2 ON c2.pass_id = p2.id
+                         JOIN passes p3 ON p3.step_id = p2.step_id AND p3.parent_pass = p2.pass AND p3.parent_seq = c2.seq
+                         JOIN call_data c3 ON c3.pass_id = p3.id
+                         WHERE p2.step_id = t.step_id AND p2.parent_pass = pc.pass AND p2.parent_seq = c.seq) x)
+                ELSE c.seq END AS seq,
+           t.call_id
     FROM tensors t
     JOIN calls c ON c.id = t.call_id
+    JOIN passes pc ON pc.id = c.pass_id
     JOIN steps st ON st.id = t.step_id
     JOIN runs r ON r.id = st.run_id
     JOIN roles ro ON ro.id = t.role

@@ -979,3 +979,71 @@ def test_flush_from_a_record_that_never_opened_a_scope_waits_for_the_others(tmp_
     gradstore.record("late", db=db).flush()
     with sqlite3.connect(db) as conn:
         assert conn.execute("select status from runs where name = 'late'").fetchall() == [("finished",)]
+
+
+class _SqrtBlock(nn.Module):
+    """sqrt of zeros: its backward makes +/-Inf from a finite gradient. Under plain hooks, also on the nodes its
+    recomputation creates inside the backward (a reentrant checkpoint), the order each node's hooks fire in."""
+
+    def __init__(self, events=None):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.events = events
+
+    def forward(self, x):
+        out = torch.sqrt(self.lin(x).pow(2) * 0.0)
+        if self.events is not None and torch._C._current_autograd_node() is not None:
+            _hook_all(out.grad_fn, self.events)  # the recomputed graph, inside the backward
+        return out
+
+
+def _hook_all(root, events, seen=None):
+    seen = set() if seen is None else seen
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        name = n.name()
+        n.register_hook(
+            lambda gi, go, name=name: events.append((name, any(g is not None and not g.isfinite().all() for g in gi)))
+        )
+        stack.extend(f for f, _ in n.next_functions)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, events=None):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.block = _SqrtBlock(events)
+        self.post = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.post(checkpoint(self.block, self.pre(x), use_reentrant=True) + 1).sum()
+
+
+def test_first_nonfinite_inside_a_reentrant_checkpoint_is_the_node_that_made_it(db):
+    """helper trial: the checkpoint's CheckpointFunctionBackward call starts before the nested pass that recomputes
+    and runs the block, but its grad_inputs come after: the Inf is first made by SqrtBackward0 in the nested pass
+    (plain hooks fire there first), and first_nonfinite, on_nonfinite and the story say so."""
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    events = []
+    torch.manual_seed(0)
+    plain = _Checkpointed(events)
+    loss = plain(x)
+    _hook_all(loss.grad_fn, events)
+    loss.backward()
+    first = next(name for name, bad in events if bad)
+    assert first == "SqrtBackward0"
+    assert [n for n, _ in events].index("SqrtBackward0") < [n for n, _ in events].index("CheckpointFunctionBackward")
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    rec = gradstore.record("ckpt", db=db, model=model)
+    with rec:
+        model(x).backward()
+    assert rec.last_step.status == "nonfinite" and rec.last_step.first_nonfinite["key"] == "block/SqrtBackward0#0"
+    with gradstore.open(db) as store:
+        got = store.first_nonfinite("ckpt")
+    assert set(got["key"]) == {"block/SqrtBackward0#0"} and set(got["role"]) == {"grad_input"}
+    assert set(got["pass"]) == {1}

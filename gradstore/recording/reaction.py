@@ -19,6 +19,7 @@ from .stats import ROW_COLUMNS
 _ROW = {name: i + 4 for i, name in enumerate(ROW_COLUMNS)}
 _NAN, _POSINF, _NEGINF = _ROW["nan"], _ROW["posinf"], _ROW["neginf"]
 _ROLE_ORDER = {0: 0, 1: 1, 3: 2, 2: 3}  # grad_output, grad_input, saved, param_grad
+_GRAD_INPUT = ROLES.index("grad_input")
 
 
 def _nonfinite(row) -> bool:
@@ -33,6 +34,20 @@ def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
     only statuses, as at stats='shape')."""
     best, best_key, where = None, None, None
     infos = {}
+    # a call's grad_inputs count at its end: after the calls of the passes nested in it (a reentrant checkpoint's),
+    # and of those nested in them (queries/first_nonfinite.sql)
+    calls_of = {p.number: [c[1] for c in p.calls] for p in batch.passes}
+    ends: dict[tuple[int, int], float] = {}
+    for p in batch.passes:
+        if p.parent_pass is None or p.parent_seq is None:
+            continue
+        inner = list(calls_of.get(p.number, []))
+        for q in batch.passes:
+            if q.parent_pass == p.number and q.parent_seq in set(inner):
+                inner += calls_of.get(q.number, [])
+        if inner:
+            at = (p.parent_pass, p.parent_seq)
+            ends[at] = max(ends.get(at, -1), max(inner) + 0.5)
     for p in batch.passes:
         for info in p.nodes:
             infos.setdefault(info.key, info)
@@ -40,6 +55,8 @@ def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
             if not _nonfinite(row):
                 continue
             seq = row[1]
+            if seq is not None and row[2] == _GRAD_INPUT:
+                seq = ends.get((p.number, seq), seq)
             key = (0, seq, _ROLE_ORDER.get(row[2], 9), row[3]) if seq is not None else (1, p.number, 0, 0)
             if best_key is None or key < best_key:
                 best, best_key, where = row, key, p.number
