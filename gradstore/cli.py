@@ -260,10 +260,15 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         r = rows.iloc[0]
         if r["role"] == "param_grad":  # no node call held one first: a parameter's .grad (stats='params')
             where = "the step's final rows" if pd.isna(r["pass"]) else f"pass {r['pass']}"
+            level = store.steps(run=run, step=int(r["step"]), rank=int(rank))["level"]
+            before = (
+                "no node call is measured at stats='params'"
+                if (level == "params").any()
+                else "no recorded node call before it held one"
+            )
             lines.append(
                 f"First non-finite gradient (rank {rank}): step {r['step']}, {where}: the .grad of {r['key']} "
-                f"({r['nan']} nan, {r['posinf']} +inf, {r['neginf']} -inf of {r['numel']}; no node call before it "
-                "held one)"
+                f"({r['nan']} nan, {r['posinf']} +inf, {r['neginf']} -inf of {r['numel']}; {before})"
             )
             continue
         slots = "; ".join(
@@ -548,7 +553,7 @@ def _nonfinite_mask(df: pd.DataFrame) -> pd.Series:
     return (df["nan"].fillna(0) + df["posinf"].fillna(0) + df["neginf"].fillna(0)).astype("int64") > 0
 
 
-def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int) -> None:
+def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int, levels: set | None = None) -> None:
     """The step's non-finite parameter .grad and node gradients, before any list sorted by norm (a norm is over
     the finite elements: an all-NaN gradient has norm 0 and would sort last). `grads`: param_grads(which='all'),
     the .grad after the step's last backward pass and as the optimizer saw it: a parameter counts when either
@@ -565,6 +570,11 @@ def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int) -> N
                 ""
                 if measured == len(tensors)
                 else "; the others were not measured: None slots, skipped, or shape level"
+            )
+            + (
+                "; the nodes' gradients were not measured: stats='params' reads the parameters' .grad only"
+                if levels and "params" in levels
+                else ""
             )
             + ")"
         )
@@ -745,7 +755,8 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
 
     tensors = store.tensors(run=run, rank=rank, step=step)
     grads = store.param_grads(run=run, rank=rank, step=step)
-    _show_nonfinite(tensors, store.param_grads(run=run, rank=rank, step=step, which="all"), limit)
+    levels = set(store.steps(run=run, rank=rank, step=step)["level"])
+    _show_nonfinite(tensors, store.param_grads(run=run, rank=rank, step=step, which="all"), limit, levels)
 
     calls = store.calls(run=run, rank=rank, step=step)
     slow = calls.sort_values("duration", ascending=False).head(limit)
@@ -770,26 +781,27 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
 
     click.echo(f"\nGradient statistics rows ({len(tensors):,}) by role and status:")
     if not tensors.empty:
-        nonfinite = tensors["nan"].fillna(0) + tensors["posinf"].fillna(0) + tensors["neginf"].fillna(0)
+        # NaN (shown '-') where no row of the group was counted: stats='shape' measures no value
+        nonfinite = tensors[["nan", "posinf", "neginf"]].astype("float64").sum(axis=1, min_count=1)
         by = (
             tensors.assign(nonfinite=nonfinite)
             .groupby(["role", "status"])
             .agg(
                 rows=("slot", "size"),
                 elements=("numel", "sum"),
-                nonfinite=("nonfinite", "sum"),
+                nonfinite=("nonfinite", lambda x: x.sum(min_count=1)),
                 max_norm=("norm", "max"),
             )
             .reset_index()
         )
         by["elements"] = by["elements"].fillna(0).astype("int64")
-        by["nonfinite"] = by["nonfinite"].astype("int64")
+        by["nonfinite"] = [None if pd.isna(v) else int(v) for v in by["nonfinite"]]
         click.echo(_table(by))
     else:
         click.echo("  (none)")
 
     bad = _nonfinite_mask(grads)
-    finite = grads[~bad & (grads["status"] == "ok")]
+    finite = grads[~bad & (grads["status"] == "ok") & grads["norm"].notna()]
     top = finite.sort_values("norm", ascending=False).head(limit)
     others = []
     if len(finite) > len(top):
@@ -798,7 +810,7 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         others.append(f"{int(bad.sum()):,} non-finite listed above")
     unmeasured = len(grads) - len(finite) - int(bad.sum())
     if unmeasured:
-        others.append(f"{unmeasured:,} with no .grad or not measured (status none / skipped)")
+        others.append(f"{unmeasured:,} with no .grad or not measured (status none / skipped, or stats='shape')")
     click.echo(
         f"\nLargest finite parameter .grad norms (as the step left them for the optimizer; see param_grads): the "
         f"{len(top):,} largest "

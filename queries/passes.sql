@@ -1,11 +1,13 @@
 -- title: Backward passes
--- description: One row per backward pass: kind (backward accumulates into .grad; grad is torch.autograd.grad), flags, number of roots, inputs= and reachable nodes, the parent pass and call of a nested pass (reentrant checkpoint), duration in seconds (from hook registration to the engine's return), and the recorder's own seconds on the training thread before the engine ran (setup: graph walk, keys, hooks) and after (finish: hook removal, parameter gradients, host transfer, rows).
+-- description: One row per backward pass: kind (backward accumulates into .grad; grad is torch.autograd.grad), flags, number of roots, inputs= and reachable nodes and node calls (NULL at stats='params', which walks no graph and hooks no node), the parent pass and call of a nested pass (reentrant checkpoint), duration in seconds (from hook registration to the engine's return), and the recorder's own seconds on the training thread before the engine ran (setup: graph walk, keys, hooks) and after (finish: hook removal, parameter gradients, host transfer, rows).
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
 SELECT r.name AS run, st.rank, st.step, p.pass, p.kind, p.parent_pass, p.parent_seq,
-       p.create_graph, p.retain_graph, p.roots, p.inputs, p.nodes,
-       (SELECT COUNT(*) FROM calls c WHERE c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id) AS calls,
+       p.create_graph, p.retain_graph, p.roots, p.inputs,
+       CASE WHEN st.level = 'params' THEN NULL ELSE p.nodes END AS nodes,  -- stats='params' walks no graph: not counted
+       CASE WHEN st.level = 'params' THEN NULL  -- no node hooked: not counted
+            ELSE (SELECT COUNT(*) FROM calls c WHERE c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id) END AS calls,
        p.started_at, p.duration, p.setup, p.finish
 FROM passes p
 JOIN steps st ON st.id = p.step_id

@@ -332,3 +332,50 @@ def test_show_step_lists_a_nonfinite_grad_that_the_loop_cleared_before_the_step_
     assert "Non-finite gradients: none" not in out, out
     section = out[out.index("Non-finite parameter .grad") :]
     assert "1 of 4:" in section.splitlines()[0] and "0.bias" in section.splitlines()[2], section
+
+
+def _nan_step_runs(db):
+    """Two steps of a small MLP at stats='params' and at 'shape'; step 1's loss is NaN (plain PyTorch: every
+    parameter's .grad holds NaN there, and the nodes' gradients too)."""
+    import torch
+    import torch.nn as nn
+
+    seen = {}
+    for level in ("params", "shape"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        x = torch.randn(5, 3)
+        rec = gradstore.record(level, db=db, model=model, stats=level)
+        for step in range(2):
+            with rec:
+                (model(x).pow(2).sum() * (float("nan") if step == 1 else 1.0)).backward()
+                seen[(level, step)] = all(bool(p.grad.isnan().all()) for p in model.parameters())
+                model.zero_grad()
+        rec.flush()
+    return seen
+
+
+def test_show_says_what_a_level_did_not_measure(tmp_path):
+    """At stats='params' no node is measured: show must not say 'no node call before it held one' nor call the nodes
+    finite; at 'shape' no value is: no 'nonfinite 0', no parameter listed as a finite norm; explain at 'params' does
+    not say a node has 0 edges; passes' nodes and calls are NULL there, not 0."""
+    db = str(tmp_path / "levels.db")
+    seen = _nan_step_runs(db)
+    assert seen[("params", 1)] and seen[("shape", 1)] and not seen[("params", 0)]
+    out = invoke("show", db, "params", "--step", 1).output
+    assert "no node call is measured at stats='params'" in out and "no node call before it held one" not in out
+    out = invoke("show", db, "params", "--step", 0).output
+    assert "the nodes' gradients were not measured: stats='params' reads the parameters' .grad only" in out
+    out = invoke("show", db, "shape", "--step", 1).output
+    table = out.split("by role and status:")[1].split("\n\n")[0]
+    rows = [line.split() for line in table.strip().splitlines()[1:]]
+    assert rows and all(r[4] == "-" for r in rows), table  # nonfinite: not counted, never 0
+    assert "the 0 largest of 4; 4 with no .grad or not measured" in out
+    out = invoke("explain", db, "params", "param:0.weight").output
+    assert "edge(s)" not in out and "edges: none recorded" in out
+    assert "store.param_grads('params', param='0.weight')" in out
+    with gradstore.open(db) as store:
+        passes = store.passes("params")
+        full_like = store.passes("shape")
+    assert passes["nodes"].isna().all() and passes["calls"].isna().all()
+    assert (full_like["nodes"] > 0).all() and (full_like["calls"] > 0).all()

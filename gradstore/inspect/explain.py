@@ -423,14 +423,27 @@ class RecordedExplanation:
             out.append(
                 f"a torch.compile region: one node for the compiled forward of {where}; modules inside: {inside}"
             )
-        out.append(f"grad_outputs come from ({len(self.edges_in)} edge(s)):")
-        for r in self.edges_in.itertuples():
-            out.append(f"  {r.src} grad_inputs[{r.src_slot}] -> grad_outputs[{r.dst_slot}]")
-        out.append(f"grad_inputs go to ({len(self.edges_out)} edge(s)):")
-        for r in self.edges_out.itertuples():
-            out.append(f"  grad_inputs[{r.src_slot}] -> {r.dst} grad_outputs[{r.dst_slot}]")
+        if len(self.edges_in) == 0 and len(self.edges_out) == 0:  # not "no edges": none were recorded
+            out.append(
+                "edges: none recorded (the record holds the edges of the graphs backward passes walked: none at "
+                "stats='params', and none of a node no pass reached)"
+            )
+        else:
+            out.append(f"grad_outputs come from ({len(self.edges_in)} edge(s)):")
+            for r in self.edges_in.itertuples():
+                out.append(f"  {r.src} grad_inputs[{r.src_slot}] -> grad_outputs[{r.dst_slot}]")
+            out.append(f"grad_inputs go to ({len(self.edges_out)} edge(s)):")
+            for r in self.edges_out.itertuples():
+                out.append(f"  grad_inputs[{r.src_slot}] -> {r.dst} grad_outputs[{r.dst_slot}]")
         if self.step is None:
-            out.append("no recorded call of this node")
+            out.append(
+                "no recorded call of this node"
+                + (
+                    f"; its parameter's .grad: store.param_grads({self.run!r}, param={self.param!r})"
+                    if self.param
+                    else ""
+                )
+            )
             return out
         out.append(f"step {self.step}, rank {self.rank}: {len(self.calls)} call(s)")
         for c in self.calls.to_dict("records"):
