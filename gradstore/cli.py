@@ -682,18 +682,26 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         spread = measured.assign(
             away=measured["ratio"].map(lambda r: abs(math.log(r)) if r > 0 else math.inf)
         ).sort_values("away", ascending=False)
-        click.echo(
-            "\nModule gains, furthest from 1 (out_norm / in_norm of the gradient crossing each module call; "
-            "parameter gradients not included):"
-        )
         top = spread.head(limit)
+        left = len(measured) - len(top)
+        unmeasured = len(gains) - len(measured)
+        notes = [f"{left:,} closer to 1 not shown: --limit N"] if left else []
+        if unmeasured:
+            notes.append(f"{unmeasured:,} with no ratio (a side not measured)")
+        click.echo(
+            f"\nModule gains, the {len(top):,} furthest from 1 of {len(measured):,} module calls"
+            + (f" ({'; '.join(notes)})" if notes else "")
+            + " (out_norm / in_norm of the gradient crossing each module call; its own parameters' gradients not "
+            f"included; ordinal: the module's how-manieth call in the step; every row: gradstore query {db} "
+            f"module_gains -p run={run} -p step={step}):"
+        )
         click.echo(
             _table(
                 pd.DataFrame(
                     {
                         "rank": top["rank"],
                         "module": top["module"].map(_module_label),
-                        "call": top["ordinal"],
+                        "ordinal": top["ordinal"],
                         "in_norm": top["in_norm"],
                         "out_norm": top["out_norm"],
                         "ratio": top["ratio"],

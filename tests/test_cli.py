@@ -379,3 +379,26 @@ def test_show_says_what_a_level_did_not_measure(tmp_path):
         full_like = store.passes("shape")
     assert passes["nodes"].isna().all() and passes["calls"].isna().all()
     assert (full_like["nodes"] > 0).all() and (full_like["calls"] > 0).all()
+
+
+def test_show_module_gains_says_how_many_it_left_out(tmp_path):
+    """One Linear called 30 times in a step: 30 module calls with a ratio; show lists the --limit furthest from 1
+    and says how many it left out, with the ordinal column named as what it is."""
+    import torch
+    import torch.nn as nn
+
+    db = str(tmp_path / "g.db")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"lin": nn.Linear(4, 4)})
+    x = torch.randn(2, 4, requires_grad=True)
+    with gradstore.record("many", db=db, model=model):
+        h = x
+        for _ in range(30):
+            h = torch.tanh(model["lin"](h))
+        h.sum().backward()
+    with gradstore.open(db) as store:
+        assert store.module_gains("many")["ratio"].notna().sum() == 30
+    out = invoke("show", db, "many", "--step", 0, "--limit", 7).output
+    assert "Module gains, the 7 furthest from 1 of 30 module calls (23 closer to 1 not shown: --limit N)" in out
+    header = out.split("Module gains")[1].splitlines()[1].split()
+    assert header == ["rank", "module", "ordinal", "in_norm", "out_norm", "ratio"]
