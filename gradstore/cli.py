@@ -734,7 +734,10 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             )
         )
     if not never.empty:
-        click.echo(f"\nNodes created in the step that never ran ({len(never)}):")
+        click.echo(
+            f"\nNodes created in the step that never ran, found as module outputs or by a pass's walk ({len(never)}; "
+            "nodes inside a module that no pass reached are not listed: module_gains' nodes - ran counts them):"
+        )
         shown_n, more = _limited(never[["rank", "key", "module", "why"]], limit)
         click.echo(_table(shown_n))
         if more:

@@ -323,3 +323,47 @@ def test_non_reentrant_recomputed_nodes_are_marked_not_missing(db, early_stop):
     # the original forward call carries the gradient figures
     fwd = gains[(gains.module == "l1") & gains.during_pass.isna()].iloc[0]
     assert fwd.nodes == 2 and fwd.ran == 2 and fwd.in_norm > 0
+
+
+class _Recurrent(nn.Module):
+    """nn.LSTM returns (output, (h_n, c_n)) and nn.GRU (output, h_n); only `output` reaches the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.gru = nn.GRU(4, 4, batch_first=True)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        h, _ = self.gru(h)
+        return h[:, -1].sum()
+
+
+@pytest.mark.parametrize("python_hooks", [False, True])
+def test_never_ran_finds_the_nodes_of_a_nested_output_tuple(db, python_hooks, monkeypatch):
+    """h_n and c_n of the LSTM (inside a tuple inside its output tuple) and h_n of the GRU are not reached from the
+    loss: their grad_fns never run (plain torch: they are not among the nodes the loss's graph reaches)."""
+    if python_hooks:  # the module tracker's Python hooks (no C++ module hooks, no tap)
+        from gradstore.recording import modules
+
+        monkeypatch.setattr(modules.native, "load", lambda *a, **k: None)
+    torch.manual_seed(0)
+    model = _Recurrent()
+    x = torch.randn(2, 5, 3)
+    out, (hn, cn) = model.lstm(x)
+    _, gn = model.gru(out)
+    reached, stack = set(), [model(x).grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is not None and n not in reached:
+            reached.add(n)
+            stack.extend(f for f, _ in n.next_functions)
+    assert not {hn.grad_fn, cn.grad_fn, gn.grad_fn} & reached
+    torch.manual_seed(0)
+    model = _Recurrent()
+    with gradstore.record("rnn", db=db, model=model):
+        model(x).backward()
+    with gradstore.open(db) as store:
+        never = store.never_ran("rnn")
+    assert sorted(never.loc[never["module"] == "lstm", "why"]) == ["not reachable", "not reachable"]  # h_n, c_n
+    assert list(never.loc[never["module"] == "gru", "why"]) == ["not reachable"]  # h_n

@@ -354,6 +354,18 @@ _get_ident = threading.get_ident
 _peek = tp.sequence_counter() or tp.next_sequence_nr  # the raw counter read: no wrapper call per module call
 _sequence_nr = tp.sequence_nr
 _CONTAINERS = (tuple, list, dict)
+
+
+def _nested_tensors(output, depth: int = 3):
+    """The tensors of a module's output container, and of containers inside it down to `depth` levels (nn.LSTM
+    returns (output, (h_n, c_n))), in order."""
+    for t in output.values() if isinstance(output, dict) else output:
+        if isinstance(t, _TENSOR):
+            yield t
+        elif depth > 1 and isinstance(t, _CONTAINERS):
+            yield from _nested_tensors(t, depth - 1)
+
+
 _GRAPH_MODULE = torch.fx.GraphModule
 
 
@@ -361,15 +373,14 @@ _GRAPH_MODULE = torch.fx.GraphModule
 class ForwardRecord:
     """What a ModuleTracker saw in one step, handed to the step's findings (gradstore.recording.findings).
 
-    seqs, owners, owner_calls: the module boundaries (sequence number, innermost module name after it, index of
-    that module call in `calls` or -1), in order; calls: per module call, in order of entry,
-    [module name, sequence number at entry, context, last, sequence number at exit] where context is (pass,
-    seq) of the backward call running when it was entered (a recomputation) or None (a forward), last is the
-    index of the last call nested in it (itself when none) and the exit number is None while it still runs
-    (every Node created takes one number: exit - entry nodes were created inside); outputs: (call index,
-    sequence_nr, name)
-    of the grad_fn of each tensor a module call returned (its direct tensors, and those of a tuple, list or
-    dict it returned); compiled: the region (`region_of`) of each `torch.compile` wrapper call, in order.
+    seqs, owners, owner_calls: the module boundaries (sequence number, innermost module name after it, index of that
+    module call in `calls` or -1), in order; calls: per module call, in order of entry, [module name, sequence number at
+    entry, context, last, sequence number at exit] where context is (pass, seq) of the backward call running when it was
+    entered (a recomputation) or None (a forward), last is the index of the last call nested in it (itself when none)
+    and the exit number is None while it still runs (every Node created takes one number: exit - entry nodes were
+    created inside); outputs: (call index, sequence_nr, name) of the grad_fn of each tensor a module call returned (its
+    direct tensors, and those of a tuple, list or dict it returned, and of such containers inside it, three levels deep:
+    nn.LSTM's (output, (h_n, c_n))); compiled: the region (`region_of`) of each `torch.compile` wrapper call, in order.
 
     Inside a compiled region the boundaries stay those of the compiled module: torch.compile inlines the module
     calls it traces (their hooks do not run), and after a graph break inside a module it may run the rest of
@@ -571,13 +582,12 @@ class ModuleTracker:
                     self._out_seqs.append(_sequence_nr(fn))
                     self._out_names.append(fn.name())
             elif isinstance(output, _CONTAINERS):
-                for t in output.values() if isinstance(output, dict) else output:
-                    if isinstance(t, _TENSOR):
-                        fn = t.grad_fn
-                        if fn is not None:
-                            self._out_calls.append(index)
-                            self._out_seqs.append(_sequence_nr(fn))
-                            self._out_names.append(fn.name())
+                for t in _nested_tensors(output):
+                    fn = t.grad_fn
+                    if fn is not None:
+                        self._out_calls.append(index)
+                        self._out_seqs.append(_sequence_nr(fn))
+                        self._out_names.append(fn.name())
         if index in self._unowned:  # called inside a compiled region: the owner stays the compiled module
             self._unowned.discard(index)
             return

@@ -422,9 +422,10 @@ class Store:
         'reached, not run' (backward(inputs=...), torch.autograd.grad), 'recomputed, not run' (activation
         checkpointing without reentrance rebuilds saved tensors with nodes that never run: not a missing call).
 
-        What is found: every node a pass's walk reached, and the grad_fn of each tensor a module returned (its
-        direct tensors and those of a returned tuple, list or dict). Not found: a node that no pass reaches and no
-        module returns (the TBackward0 under an unused Linear's AddmmBackward0, ops outside any module).
+        What is found: every node a pass's walk reached, and the grad_fn of each tensor a module returned (its direct
+        tensors and those of a returned tuple, list or dict, and of containers inside it, three deep). Not found: a node
+        that no pass reaches and no module returns (the TBackward0 under an unused Linear's AddmmBackward0, ops outside
+        any module).
         Columns: run, rank, step, key, name, module, why, pass, module_call, call_module, call_ordinal,
         born_pass, recomputed. `module=` keeps that module and its submodules. Raises UnknownRun.
         """

@@ -1832,6 +1832,8 @@ int classify_output(PyObject* output, std::vector<PyObject*>& tensors) {
       if (THPVariable_Check(at[i])) {
         if (!plain_tensor(at[i])) ok = 0;
         else tensors.push_back(at[i]);  // borrowed: `output` holds it for the call
+      } else if (PyTuple_Check(at[i]) || PyList_Check(at[i]) || PyDict_Check(at[i])) {
+        ok = 0;  // a container inside (nn.LSTM's (output, (h_n, c_n))): the Python hook reads it
       }
     }
     Py_DECREF(items);
