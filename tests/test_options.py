@@ -291,3 +291,36 @@ def test_shape_level_step_status_says_unmeasured_not_ok(tmp_path):
     with sqlite3.connect(str(tmp_path / "shape.db")) as conn:
         conn.execute("UPDATE steps SET status = 'ok'")
     assert list(gradstore.open(str(tmp_path / "shape.db")).steps("r").status) == ["unmeasured"] * 3
+
+
+class _TiedLM(nn.Module):
+    """An embedding whose weight is also the output head's (weight tying): one parameter, two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tok):
+        return nn.functional.cross_entropy(self.head(self.emb(tok)), tok)
+
+
+@pytest.mark.parametrize("filters", [dict(params="head.weight"), dict(params="head.*"), dict(modules="head")])
+def test_filters_keep_a_tied_parameter_by_any_of_its_names(tmp_path, filters):
+    """params= or modules= naming the tied weight's second name (GPT-2's lm_head.weight) records it: its .grad row
+    (under its first name) holds plain PyTorch's gradient; nothing was recorded before."""
+    torch.manual_seed(0)
+    plain = _TiedLM()
+    plain(torch.tensor([1, 2, 3])).backward()
+    want = float(plain.emb.weight.grad.double().norm())
+    torch.manual_seed(0)
+    model = _TiedLM()
+    db = str(tmp_path / "tied.db")
+    with gradstore.record("tied", db=db, model=model, **filters):
+        model(torch.tensor([1, 2, 3])).backward()
+    store = gradstore.open(db)
+    pg = store.param_grads("tied")
+    assert list(pg["param"]) == ["emb.weight"] and pg["shared_with"].iloc[0] == "head.weight"
+    assert math.isclose(pg["norm"].iloc[0], want, rel_tol=1e-9)
+    assert set(store.param_status("tied")["status"]) == {"ok"}

@@ -104,6 +104,9 @@ class Options:
     writer: str = "auto"  # where the step's findings and SQL run: 'auto', 'process' or 'thread'
     # (key, module, param) -> (slice dim or None, slices matched, values matched), filled as nodes are seen
     _inside: dict = field(default_factory=dict, compare=False, repr=False)
+    # a tied parameter's first name -> every name it has (filled by the recorder from the models): the filters keep
+    # a tied parameter when any of its names (with its module) passes them
+    aliases: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def make(
@@ -246,6 +249,12 @@ class Options:
         parts = module.split(".") if module else [""]
         candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
         return any(fnmatch.fnmatchcase(c, g) for c in candidates for g in self.modules)
+
+    def wants_tied(self, name: str) -> bool:
+        """True when parameter `name` (its first name) is recorded under both filters: where it is tied, when any of
+        its names passes modules= (its module) and params=."""
+        names = self.aliases.get(name, (name,))
+        return any(self.wants_module(n.rsplit(".", 1)[0] if "." in n else "") and self.wants_param(n) for n in names)
 
     def wants_param(self, name: str) -> bool:
         """True when parameter `name` (qualified) is recorded: it matches a params= glob (all when None)."""

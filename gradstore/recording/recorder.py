@@ -190,7 +190,8 @@ class record:
         modules: glob or list of globs on module qualified names ('transformer.h.*.attn'): only nodes owned
             by a matching module or a submodule of one get hooks. Applied before any reduction.
         params: glob or list of globs on parameter qualified names: only matching parameters' AccumulateGrad
-            nodes and param_grad rows are recorded.
+            nodes and param_grad rows are recorded (a tied parameter when any of its names matches, as with
+            modules=).
         on_full: when more than `queue_rows` rows wait for the database: 'wait' (the step blocks until the
             writer catches up; seconds waited go to steps.waited) or 'drop' (the step's calls and tensors are
             dropped; their count goes to steps.dropped).
@@ -504,11 +505,8 @@ class record:
         all_names_of = {id(p): all_names for all_names, p in groups}
         params = ParamList((all_names[0], p) for all_names, p in groups)
         opts = self.options
-        recorded = ParamList(
-            (n, p)
-            for n, p in params
-            if opts.wants_module(n.rsplit(".", 1)[0] if "." in n else "") and opts.wants_param(n)
-        )
+        opts.aliases.update({names[0]: tuple(names) for names, _ in groups if len(names) > 1})
+        recorded = ParamList((n, p) for n, p in params if opts.wants_tied(n))
         names = qualified_names(models)
         return _KnownNames(
             structure=structure,
