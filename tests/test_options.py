@@ -324,3 +324,23 @@ def test_filters_keep_a_tied_parameter_by_any_of_its_names(tmp_path, filters):
     assert list(pg["param"]) == ["emb.weight"] and pg["shared_with"].iloc[0] == "head.weight"
     assert math.isclose(pg["norm"].iloc[0], want, rel_tol=1e-9)
     assert set(store.param_status("tied")["status"]) == {"ok"}
+
+
+def test_a_tied_weights_rows_say_whether_their_own_module_ran(tmp_path):
+    """A tied weight has one param_status row per name; module_ran on each is that name's module's (plain forward
+    hooks say which ran): the embedding is skipped when vectors are given, the head runs."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    ran = set()
+    handles = [m.register_forward_hook(lambda m, a, o, n=n: ran.add(n)) for n, m in model.named_children()]
+    vec = torch.randn(3, 4)
+    model.head(vec).sum()
+    for h in handles:
+        h.remove()
+    assert ran == {"head"}
+    db = str(tmp_path / "tied.db")
+    with gradstore.record("tied", db=db, model=model):
+        model.head(vec).logsumexp(-1).mean().backward()
+    st = gradstore.open(db).param_status("tied").set_index("param")
+    assert (st.loc["head.weight", "module_ran"], st.loc["emb.weight", "module_ran"]) == (1, 0)
+    assert set(st["status"]) == {"ok"}
