@@ -151,6 +151,25 @@ def test_a_run_that_logged_step_values_shows_them(tmp_path):
         assert cells in page, (i, v)
     # a logged NaN is "NaN", a value not logged "-" (step 4 logged nothing: no row)
     assert "".join(f'<td class="num">{x}</td>' for x in (3, 0, "NaN", "-")) in page
+    # in the plot, the logged NaN is an x on the loss panel's top edge (a line leaves it out silently); lr's panel,
+    # which step 3 did not log, has none
+    from gradstore.view import html_report
+
+    figs = []
+    real = html_report._png
+    html_report._png = lambda fig, alt: figs.append(fig) or real(fig, alt)
+    try:
+        html_report._values_section(html_report._Page(), gradstore.open(db), "logged")
+    finally:
+        html_report._png = real
+    (fig,) = figs
+    marks = {
+        ax.get_title(loc="left").split(" ")[0]: [
+            list(ln.get_xdata()) for ln in ax.lines if ln.get_label() == "NaN / Inf logged"
+        ]
+        for ax in fig.axes
+    }
+    assert marks == {"loss": [[3]], "lr": []}
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (.ci/run installs Debian's chromium)")

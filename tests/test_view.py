@@ -198,7 +198,10 @@ def test_history_series_of_two_runs_match_plain_pytorch(recorded):
     assert labelled and max(to_axes.transform((0, y))[1] for y in labelled) < 1 - plots.NONFINITE_BAND  # no number
     marks = [c for c in ax.collections if len(c.get_offsets()) and c.get_offsets()[0][1] > 1 - plots.NONFINITE_BAND]
     expected = [[t for t in range(4) if not torch.isfinite(seen[t]["a.weight"]).all()] for seen in (a, b)]
-    assert [list(c.get_offsets()[:, 0]) for c in marks] == [e for e in expected if e]  # plain PyTorch's NaN steps
+    # plain PyTorch's NaN steps; two lines marked at one step sit apart (within 0.5 of it), not on top of each other
+    assert [[round(x) for x in c.get_offsets()[:, 0]] for c in marks] == [e for e in expected if e]
+    xs = [x for c in marks for x in c.get_offsets()[:, 0]]
+    assert len(set(xs)) == len(xs) and all(abs(x - round(x)) < 0.5 for x in xs)
     with pytest.raises(gradstore.ArgumentError, match="exactly one"):
         history(store, "run-a", param="a.weight", module="a")
     with pytest.raises(gradstore.UnknownRun):
@@ -403,3 +406,27 @@ def test_a_nan_added_between_two_nodes_is_said_to_arrive_on_the_way(tmp_path):
     assert (
         "while 1/TanhBackward0#0, whose grad_inputs flow there, gave a finite gradient: it changed on the way" in text
     )
+
+
+def test_the_nan_row_keeps_a_log_axis_tick_labels_as_matplotlib_chooses_them():
+    """clear_nonfinite_band blanks the labels above the values; below, the axis's own formatter still picks which
+    minor ticks of a log axis to label (a helper trial saw every minor tick labelled, overlapping)."""
+    import matplotlib.figure
+
+    def labelled(ax):
+        ax.figure.canvas.draw()
+        return sorted(t.get_position()[1] for t in ax.get_yticklabels(minor=True) if t.get_text())
+
+    ys = [0.21, 0.35, 0.5, 0.62]
+    plain = matplotlib.figure.Figure().add_subplot()
+    plain.plot(range(4), ys)
+    plain.set_yscale("log")
+    banded = matplotlib.figure.Figure().add_subplot()
+    banded.plot(range(4), ys)
+    banded.set_yscale("log")
+    hi = banded.get_ylim()[1]
+    plots.clear_nonfinite_band(banded)
+    got = labelled(banded)
+    minor_ticks = [y for y in banded.yaxis.get_minorticklocs() if y <= hi]
+    assert got and len(got) < len(minor_ticks)  # not every minor tick
+    assert labelled(plain)  # the same data without the row: matplotlib labels some minor ticks too

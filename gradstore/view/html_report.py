@@ -519,26 +519,40 @@ def _values_section(page: _Page, store, run: str) -> None:
     if not names:
         page.add('<p class="note">No numeric step values recorded in this run.</p>')
         return
+    # the wide frame has NaN both where a step logged NaN and where it logged nothing: the long one tells them apart
+    logged = {(int(r.step), int(r.rank), r.name) for r in store.query("values", run=run).itertuples()}
     cols = min(3, len(names))
     rows = int(np.ceil(len(names) / cols))
     fig = figure_class()(figsize=(4.0 * cols, 2.6 * rows), layout="constrained")
     for i, name in enumerate(names):
         ax = fig.add_subplot(rows, cols, i + 1)
         groups = vals.groupby("rank") if "rank" in vals else [(None, vals)]
+        bad_steps: set[int] = set()
         for rank, f in groups:
+            y = pd.to_numeric(f[name], errors="coerce")
+            ax.plot(f["step"], y, marker="o", markersize=2, label=None if rank is None else f"rank {rank}")
+            # a logged NaN or +/-Inf draws no point: marked on the top edge instead of left out silently
+            for st, v in zip(f["step"], y):
+                r = 0 if rank is None else int(rank)
+                if (v != v and (int(st), r, name) in logged) or v in (np.inf, -np.inf):
+                    bad_steps.add(int(st))
+        if bad_steps:
+            xs = sorted(bad_steps)
             ax.plot(
-                f["step"],
-                pd.to_numeric(f[name], errors="coerce"),
-                marker="o",
-                markersize=2,
-                label=None if rank is None else f"rank {rank}",
+                xs,
+                [1.0] * len(xs),
+                "x",
+                color=_STATUS_COLOURS["nonfinite"],
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+                markersize=6,
+                label="NaN / Inf logged",
             )
-        ax.set_title(str(name), fontsize=9, loc="left")
+            ax.legend(fontsize=6, loc="lower left", frameon=False)
+        ax.set_title(str(name) + (" (NaN / Inf: x on the top edge)" if bad_steps else ""), fontsize=9, loc="left")
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
     page.add(_png(fig, "step values over steps"))
-    # the wide frame has NaN both where a step logged NaN and where it logged nothing: the long one tells them apart
-    logged = {(int(r.step), int(r.rank), r.name) for r in store.query("values", run=run).itertuples()}
     shown = vals.tail(10).astype({name: object for name in names})
     for i, row in shown.iterrows():
         for name in names:

@@ -275,8 +275,11 @@ def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
         ax.add_patch(band)
         ax.text(0.004, 1 - NONFINITE_BAND / 2, "NaN / Inf", transform=ax.transAxes, va="center", ha="left",
                 fontsize=7, color="#c40030", zorder=1)  # fmt: skip
-    ax.scatter(
-        list(steps),
+    # the k-th line marked on these axes sits a little to the side, so that lines marked at one step stay apart
+    k = sum(1 for c in ax.collections if c.get_gid() == _BAND_GID)
+    dx = (0.0, 0.2, -0.2, 0.4, -0.4)[k % 5]
+    marks = ax.scatter(
+        [float(v) + dx for v in steps],
         np.full(len(steps), 1 - NONFINITE_BAND / 2),
         transform=ax.get_xaxis_transform(),  # x in data, y in axes fractions
         marker="X",
@@ -287,6 +290,7 @@ def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
         zorder=5,
         clip_on=False,
     )
+    marks.set_gid(_BAND_GID)
 
 
 def clear_nonfinite_band(ax) -> None:
@@ -304,11 +308,28 @@ def clear_nonfinite_band(ax) -> None:
     else:
         return
     # no tick label above the values' range: a number beside the NaN / Inf row would read as the marker's value
-    for axis_formatter, setter in (
-        (ax.yaxis.get_major_formatter(), ax.yaxis.set_major_formatter),
-        (ax.yaxis.get_minor_formatter(), ax.yaxis.set_minor_formatter),
-    ):
-        setter(ticker.FuncFormatter(lambda v, pos, f=axis_formatter: "" if v > hi * (1 + 1e-9) else f(v, pos)))
+
+    class BelowTop(ticker.Formatter):
+        """The axis's own formatter below `hi`, nothing above. It passes on `set_axis` and `set_locs`, through which
+        a log axis's formatter decides which minor ticks to label (a plain FuncFormatter wrap labels them all, and
+        they overlap)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def set_axis(self, axis):
+            super().set_axis(axis)
+            self.inner.set_axis(axis)
+
+        def set_locs(self, locs):
+            super().set_locs(locs)
+            self.inner.set_locs(locs)
+
+        def __call__(self, v, pos=None):
+            return "" if v > hi * (1 + 1e-9) else self.inner(v, pos)
+
+    ax.yaxis.set_major_formatter(BelowTop(ax.yaxis.get_major_formatter()))
+    ax.yaxis.set_minor_formatter(BelowTop(ax.yaxis.get_minor_formatter()))
 
 
 def steps_in_view(ax, steps) -> None:
