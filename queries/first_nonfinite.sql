@@ -1,5 +1,5 @@
 -- title: First non-finite gradient (and forward activation or loss)
--- description: Per run and rank, in execution order (step, then seq across the step's passes; a call's grad_inputs count at its end, after the calls of passes nested in it, as a reentrant checkpoint's), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls). Where no call's gradients held one before, a parameter's gradient does (a `.grad` measured with NaN or +/-Inf at a pass's end, or in the step's final rows, as at stats='params', which records no calls): the first such param_grad row (phase backward, seq NULL; pass NULL for a final row), ordered after the calls of its step, by pass (the final rows last) and then in the order its rows were written.
+-- description: Per run and rank, in execution order (step, then seq across the step's passes; a call's grad_inputs count at its end, after the calls of passes nested in it, as a reentrant checkpoint's), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls). Where no call's gradients held one before, a parameter's gradient does (a `.grad` measured with NaN or +/-Inf at a pass's end, or in the step's final rows, as at stats='params', which records no calls): the first such param_grad row (phase backward, seq NULL; pass NULL for a final row), ordered after the calls of its step, by pass (the final rows last), then in the order the parameters' AccumulateGrad nodes ran (in that pass; for a final row, in the step), then in the order its rows were written.
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
@@ -33,8 +33,13 @@ WITH bad AS (  -- seq: when the row's values were there: a call's grad_outputs a
       AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
       AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
       AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
-), pbad AS (  -- parameters' gradients (a pass's param_grad rows, the step's final rows): after the step's calls
-    SELECT st.run_id, st.rank, st.step, t.step_id, t.node_id, t.id AS tid, COALESCE(p.pass, 2147483647) AS pass_order
+), pbad AS (  -- parameters' gradients (a pass's param_grad rows, the step's final rows): after the step's calls;
+    -- among them, in the order their AccumulateGrad nodes ran (in that pass; for a final row, in the step)
+    SELECT st.run_id, st.rank, st.step, t.step_id, t.node_id, t.id AS tid, COALESCE(p.pass, 2147483647) AS pass_order,
+           COALESCE((SELECT MIN(c.seq) FROM passes p2
+                     JOIN call_data c ON c.id BETWEEN p2.first_call AND p2.last_call AND +c.pass_id = +p2.id
+                     WHERE p2.step_id = t.step_id AND (p.id IS NULL OR p2.id = p.id) AND c.node_id = t.node_id),
+                    2147483647) AS acc_seq
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
     JOIN runs r ON r.id = st.run_id
@@ -48,12 +53,12 @@ WITH bad AS (  -- seq: when the row's values were there: a call's grad_outputs a
       AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
 ), ranked AS (  -- calls (kind 0, by seq) before parameters' gradients (kind 1) in a step
     SELECT run_id, rank, step, seq, call_id, step_id, node_id, tid,
-           ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, kind, seq, pass_order, tid) AS nth
-    FROM (SELECT run_id, rank, step, 0 AS kind, seq, 0 AS pass_order, call_id, NULL AS step_id, NULL AS node_id,
-                 NULL AS tid
+           ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, kind, seq, pass_order, acc_seq, tid) AS nth
+    FROM (SELECT run_id, rank, step, 0 AS kind, seq, 0 AS pass_order, 0 AS acc_seq, call_id, NULL AS step_id,
+                 NULL AS node_id, NULL AS tid
           FROM bad
           UNION ALL
-          SELECT run_id, rank, step, 1, NULL, pass_order, NULL, step_id, node_id, tid FROM pbad) u
+          SELECT run_id, rank, step, 1, NULL, pass_order, acc_seq, NULL, step_id, node_id, tid FROM pbad) u
 ), fbad AS (  -- record(forward=True): non-finite activations and losses
     SELECT st.run_id, st.rank, st.step, a.seq, t.id AS tid, t.node_id, t.pass_id, t.role, t.slot, t.numel, t.nan,
            t.posinf, t.neginf, t.norm, t.min, t.max

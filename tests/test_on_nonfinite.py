@@ -227,3 +227,39 @@ def test_first_nonfinite_finds_a_parameter_grad_where_no_call_was_recorded(db):
     assert set(with_calls["step"]) == {1}
     out = CliRunner().invoke(cli, ["show", str(db), "p"], catch_exceptions=False).output
     assert f"the .grad of param:{first}" in out and f"{counts[1][first]} nan" in out
+
+
+def test_first_param_grad_is_the_one_whose_accumulate_grad_ran_first(db):
+    """A NaN put into the gradient of module 1's output reaches fc1's and fc0's parameters; with role='param_grad'
+    the first non-finite .grad is that of the parameter whose AccumulateGrad ran first (plain node hooks on the
+    AccumulateGrad nodes give the order), not the first row written."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    x = torch.randn(2, 3)
+
+    def forward():
+        h = model[1](model[0](x))
+        h.register_hook(lambda g: g * float("nan"))  # the gradient flowing into module 1's output
+        return model[2](h).sum()
+
+    order = []
+    loss = forward()
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if hasattr(n, "variable"):
+            name = names[id(n.variable)]
+            n.register_hook(lambda gi, go, name=name: order.append((name, bool(go[0].isnan().any()))))
+        stack.extend(f for f, _ in n.next_functions)
+    loss.backward()
+    first_bad = next(name for name, bad in order if bad)
+    model.zero_grad()
+    with gradstore.record("order", db=db, model=model):
+        forward().backward()
+    with gradstore.open(db) as store:
+        got = store.first_nonfinite("order", role="param_grad")
+    assert list(got["key"]) == [f"param:{first_bad}"] and first_bad.startswith("1.")

@@ -51,13 +51,20 @@ def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
     for p in batch.passes:
         for info in p.nodes:
             infos.setdefault(info.key, info)
+        acc = {}  # node key -> its first call's seq in the pass: a parameter's rows in the order its AccumulateGrad ran
+        for c in p.calls:
+            acc.setdefault(c[0], c[1])
         for row in p.tensors:
             if not _nonfinite(row):
                 continue
             seq = row[1]
             if seq is not None and row[2] == _GRAD_INPUT:
                 seq = ends.get((p.number, seq), seq)
-            key = (0, seq, _ROLE_ORDER.get(row[2], 9), row[3]) if seq is not None else (1, p.number, 0, 0)
+            key = (
+                (0, seq, _ROLE_ORDER.get(row[2], 9), row[3])
+                if seq is not None
+                else (1, p.number, acc.get(row[0], 1 << 62), 0)
+            )
             if best_key is None or key < best_key:
                 best, best_key, where = row, key, p.number
     if best is None:
