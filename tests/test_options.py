@@ -344,3 +344,36 @@ def test_a_tied_weights_rows_say_whether_their_own_module_ran(tmp_path):
     st = gradstore.open(db).param_status("tied").set_index("param")
     assert (st.loc["head.weight", "module_ran"], st.loc["emb.weight", "module_ran"]) == (1, 0)
     assert set(st["status"]) == {"ok"}
+
+
+def test_a_module_registered_under_two_names_names_its_parameters_under_both(tmp_path):
+    """self.dec = self.enc: one Linear, two names. named_parameters(remove_duplicate=False) gives enc.* and dec.*;
+    the record names each parameter under both (a tied parameter), so param_grads(param='dec.weight') finds the
+    gradient plain PyTorch computed."""
+
+    class AE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(3, 3)
+            self.dec = self.enc
+
+        def forward(self, x):
+            return self.dec(torch.tanh(self.enc(x))).pow(2).sum()
+
+    torch.manual_seed(0)
+    model = AE()
+    assert [n for n, _ in model.named_parameters(remove_duplicate=False)] == [
+        "enc.weight",
+        "enc.bias",
+        "dec.weight",
+        "dec.bias",
+    ]
+    x = torch.randn(2, 3)
+    db = str(tmp_path / "ae.db")
+    with gradstore.record("ae", db=db, model=model):
+        model(x).backward()
+    store = gradstore.open(db)
+    got = store.param_grads("ae", param="dec.weight")
+    assert list(got["param"]) == ["enc.weight"] and got["shared_with"].iloc[0] == "dec.weight"
+    assert math.isclose(got["norm"].iloc[0], float(model.enc.weight.grad.double().norm()), rel_tol=1e-9)
+    assert sorted(store.param_status("ae")["param"]) == ["dec.bias", "dec.weight", "enc.bias", "enc.weight"]

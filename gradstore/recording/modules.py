@@ -71,6 +71,7 @@ def walk_modules(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modu
     (`net.block = torch.compile(block)`) gives its `_orig_mod` and that module's children its own name, so no name
     holds `_orig_mod` or DDP's `module.`."""
     out: list[tuple[str, nn.Module]] = []
+    depth_of: dict[int, int] = {}
     for prefix, model in models:
         chain = _peel(model)
         out.extend((prefix, m) for m in chain[:-1])
@@ -83,9 +84,19 @@ def walk_modules(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modu
                 m = inner
                 out.append((name, m))
                 inner = tp.compiled_module_inner(m)
-            children = [(f"{name}.{n}" if name else n, c) for n, c in m.named_children()]
+            if depth_of.get(id(m), 0) > 64:  # a module that contains itself: named once, not walked forever
+                continue
+            # every child under each of its names: named_children() names a module registered twice (self.dec =
+            # self.enc) only once, and its second name's parameters would have no name
+            kids = m._modules.items() if type(m).named_children is _NAMED_CHILDREN else m.named_children()
+            children = [(f"{name}.{n}" if name else n, c) for n, c in kids if c is not None]
+            for _, c in children:
+                depth_of[id(c)] = depth_of.get(id(m), 0) + 1
             stack.extend(reversed(children))
     return out
+
+
+_NAMED_CHILDREN = nn.Module.named_children
 
 
 def qualified_names(models: list[tuple[str, nn.Module]]) -> dict[int, str]:
