@@ -262,7 +262,8 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
             where = "the step's final rows" if pd.isna(r["pass"]) else f"pass {r['pass']}"
             level = store.steps(run=run, step=int(r["step"]), rank=int(rank))["level"]
             before = (
-                "no node call is measured at stats='params'"
+                "no node call is measured at stats='params', which records no AccumulateGrad call either: which "
+                "parameter's .grad went non-finite first within the pass is not known"
                 if (level == "params").any()
                 else "no recorded node call before it held one"
             )
@@ -406,6 +407,11 @@ def _status_why(row) -> str:
     if status == "unreachable":
         if reached == 1:
             return "a pass reached its AccumulateGrad and did not run it: torch.autograd.grad or backward(inputs=...)"
+        if reached is None or reached != reached:  # NULL: no graph was walked (stats='params')
+            return (
+                "its module ran and got no gradient; whether a pass's roots reach it is not known (stats='params' "
+                "walks no graph: detached, a branch the loss does not use, or backward(inputs=...))"
+            )
         return "its module ran, but no pass's roots reach it (detached, or a branch the loss does not use)"
     return {
         "frozen": "requires_grad=False",
@@ -564,6 +570,12 @@ def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int, leve
     bad_nodes = node_rows[_nonfinite_mask(node_rows)]
     if bad_params.empty and bad_nodes.empty:
         measured = int(tensors["nan"].notna().sum()) if not tensors.empty else 0
+        if measured == 0 and len(tensors):  # nothing counted: no "none" about what was not measured
+            click.echo(
+                f"\nNon-finite gradients: not measured (none of the {len(tensors):,} gradient rows holds NaN/Inf "
+                "counts: stats='shape' measures no value, or every row is a None slot or skipped)"
+            )
+            return
         click.echo(
             f"\nNon-finite gradients: none (exact NaN/Inf counts of {measured:,} of {len(tensors):,} gradient rows"
             + (
@@ -662,7 +674,8 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         odd = status[status["status"] != "ok"]
         ok = int((status["status"] == "ok").sum())
         click.echo(
-            f"\nParameters without a gradient, or with an all-zero one ({len(odd)} of {len(status)} names; {ok} ok): "
+            f"\nParameters whose status is not ok: without a gradient, with an all-zero one, or with one not measured "
+            f"({len(odd)} of {len(status)} names; {ok} ok): "
             "status says why (README: param_status; ok says nothing of NaN/Inf, listed below)"
         )
         shown_odd, more = _limited(odd, limit)

@@ -270,7 +270,7 @@ def test_show_step_says_why_parameters_lack_gradients_and_what_the_step_warned(d
     assert [str(w.message) for w in shown] == ["check this"]
     out = invoke("show", db, "why", "--step", 0).output
     lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Parameters without a gradient, or"))
+    start = next(i for i, line in enumerate(lines) if line.startswith("Parameters whose status is not ok"))
     assert "(4 of 6 names; 2 ok)" in lines[start]
     rows = [line.split() for line in lines[start + 2 : start + 6]]
     assert {(r[1], " ".join(r[2:5])) for r in rows} == {  # name, then status and the start of why
@@ -371,6 +371,7 @@ def test_show_says_what_a_level_did_not_measure(tmp_path):
     rows = [line.split() for line in table.strip().splitlines()[1:]]
     assert rows and all(r[4] == "-" for r in rows), table  # nonfinite: not counted, never 0
     assert "the 0 largest of 4; 4 with no .grad or not measured" in out
+    assert "Non-finite gradients: not measured" in out and "Non-finite gradients: none" not in out
     out = invoke("explain", db, "params", "param:0.weight").output
     assert "edge(s)" not in out and "edges: none recorded" in out
     assert "store.param_grads('params', param='0.weight')" in out
@@ -402,3 +403,29 @@ def test_show_module_gains_says_how_many_it_left_out(tmp_path):
     assert "Module gains, the 7 furthest from 1 of 30 module calls (23 closer to 1 not shown: --limit N)" in out
     header = out.split("Module gains")[1].splitlines()[1].split()
     assert header == ["rank", "module", "ordinal", "in_norm", "out_norm", "ratio"]
+
+
+def test_show_at_params_does_not_say_why_no_pass_reached_a_parameter(tmp_path):
+    """backward(inputs=[a.weight]) leaves b's parameters without a gradient although the root reaches them (plain
+    torch: b's AccumulateGrad nodes are in the loss's graph). stats='params' walks no graph: show must not say no
+    pass's roots reach them."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    x = torch.randn(2, 3)
+    loss = model(x).sum()
+    reached, stack = set(), [loss.grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is not None and n not in reached:
+            reached.add(n)
+            stack.extend(f for f, _ in n.next_functions)
+    assert any(getattr(n, "variable", None) is model[1].weight for n in reached)
+    db = str(tmp_path / "inputs.db")
+    with gradstore.record("inputs", db=db, model=model, stats="params"):
+        model(x).sum().backward(inputs=[model[0].weight])
+    out = invoke("show", db, "inputs", "--step", 0).output
+    assert "no pass's roots reach it (detached" not in out
+    assert "whether a pass's roots reach it is not known (stats='params' walks no graph" in out

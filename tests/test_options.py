@@ -326,26 +326,6 @@ def test_filters_keep_a_tied_parameter_by_any_of_its_names(tmp_path, filters):
     assert set(store.param_status("tied")["status"]) == {"ok"}
 
 
-def test_a_tied_weights_rows_say_whether_their_own_module_ran(tmp_path):
-    """A tied weight has one param_status row per name; module_ran on each is that name's module's (plain forward
-    hooks say which ran): the embedding is skipped when vectors are given, the head runs."""
-    torch.manual_seed(0)
-    model = _TiedLM()
-    ran = set()
-    handles = [m.register_forward_hook(lambda m, a, o, n=n: ran.add(n)) for n, m in model.named_children()]
-    vec = torch.randn(3, 4)
-    model.head(vec).sum()
-    for h in handles:
-        h.remove()
-    assert ran == {"head"}
-    db = str(tmp_path / "tied.db")
-    with gradstore.record("tied", db=db, model=model):
-        model.head(vec).logsumexp(-1).mean().backward()
-    st = gradstore.open(db).param_status("tied").set_index("param")
-    assert (st.loc["head.weight", "module_ran"], st.loc["emb.weight", "module_ran"]) == (1, 0)
-    assert set(st["status"]) == {"ok"}
-
-
 def test_a_module_registered_under_two_names_names_its_parameters_under_both(tmp_path):
     """self.dec = self.enc: one Linear, two names. named_parameters(remove_duplicate=False) gives enc.* and dec.*;
     the record names each parameter under both (a tied parameter), so param_grads(param='dec.weight') finds the
