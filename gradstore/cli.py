@@ -700,7 +700,10 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         unmeasured = len(gains) - len(measured)
         notes = [f"{left:,} closer to 1 not shown: --limit N"] if left else []
         if unmeasured:
-            notes.append(f"{unmeasured:,} with no ratio (a side not measured)")
+            notes.append(
+                f"{unmeasured:,} with no ratio: no gradient flowed out (inputs that need none) or in, or a side was "
+                "not measured"
+            )
         click.echo(
             f"\nModule gains, the {len(top):,} furthest from 1 of {len(measured):,} module calls"
             + (f" ({'; '.join(notes)})" if notes else "")
