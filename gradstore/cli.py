@@ -707,9 +707,9 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         click.echo(
             f"\nModule gains, the {len(top):,} furthest from 1 of {len(measured):,} module calls"
             + (f" ({'; '.join(notes)})" if notes else "")
-            + " (out_norm / in_norm of the gradient crossing each module call; its own parameters' gradients not "
-            f"included; ordinal: the module's how-manieth call in the step; every row: gradstore query {db} "
-            f"module_gains -p run={run} -p step={step}):"
+            + ":\n  ratio = out_norm / in_norm of the gradient crossing the call (its own parameters' gradients not "
+            "included); ordinal = the module's how-manieth call in the step;\n"
+            f"  every row: gradstore query {db} module_gains -p run={run} -p step={step}"
         )
         click.echo(
             _table(

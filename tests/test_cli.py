@@ -401,7 +401,7 @@ def test_show_module_gains_says_how_many_it_left_out(tmp_path):
         assert store.module_gains("many")["ratio"].notna().sum() == 30
     out = invoke("show", db, "many", "--step", 0, "--limit", 7).output
     assert "Module gains, the 7 furthest from 1 of 30 module calls (23 closer to 1 not shown: --limit N)" in out
-    header = out.split("Module gains")[1].splitlines()[1].split()
+    header = out.split("Module gains")[1].splitlines()[3].split()
     assert header == ["rank", "module", "ordinal", "in_norm", "out_norm", "ratio"]
 
 
