@@ -83,7 +83,7 @@ def _selected(params: list[tuple[str, object]], options: Options, sharded_of: di
     """(NodeInfos, `.grad`s, parameters) of the parameters `measure_params` measures, in order: those that require
     grad now, of the ones the filters keep. For a ParamList (and no FSDP2 sharded parameter to put in place) the
     filters' choice is made once (`ParamList.picked`) and each call reads only `requires_grad` and `.grad`."""
-    filters = (options.modules, options.params, id(options.aliases), len(options.aliases))
+    filters = (options.modules, options.params, options.aliases_key)
     if not sharded_of and isinstance(params, ParamList):
         infos, chosen = params.picked(filters, lambda ps: _pick(ps, options))
         read = native.grads_of()  # in C++: 85 us for the MLP's 292 parameters in Python, twice a step
@@ -216,7 +216,7 @@ _UNKNOWN = object()
 
 def _node_of(options: Options, name: str) -> NodeInfo | None:
     """The NodeInfo of parameter `name` under the options' filters (None: left out), made once per name."""
-    filters = (options.modules, options.params, id(options.aliases), len(options.aliases))
+    filters = (options.modules, options.params, options.aliases_key)
     known = _PARAM_NODES.get(filters)
     if known is None:
         if len(_PARAM_NODES) > 64:

@@ -107,6 +107,12 @@ class Options:
     # a tied parameter's first name -> every name it has (filled by the recorder from the models): the filters keep
     # a tied parameter when any of its names (with its module) passes them
     aliases: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    aliases_key: tuple = field(default=(), compare=False, hash=False, repr=False)  # `aliases` as a tuple (caches)
+
+    def add_aliases(self, groups) -> None:
+        """Note the names of the tied parameters among `groups` ([(every name, parameter)]) in `aliases`."""
+        self.aliases.update({names[0]: tuple(names) for names, _ in groups if len(names) > 1})
+        object.__setattr__(self, "aliases_key", tuple(sorted(self.aliases.items())))
 
     @classmethod
     def make(

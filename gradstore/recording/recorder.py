@@ -505,7 +505,7 @@ class record:
         all_names_of = {id(p): all_names for all_names, p in groups}
         params = ParamList((all_names[0], p) for all_names, p in groups)
         opts = self.options
-        opts.aliases.update({names[0]: tuple(names) for names, _ in groups if len(names) > 1})
+        opts.add_aliases(groups)
         recorded = ParamList((n, p) for n, p in params if opts.wants_tied(n))
         names = qualified_names(models)
         return _KnownNames(
