@@ -221,3 +221,33 @@ def test_a_params_filter_leaves_the_filtered_parameters_gradients_out_of_out_nor
     for n in names + [""]:
         assert g.loc[n, "out_norm"] == pytest.approx(flows.out[(n, 0)], rel=1e-9), n
         assert g.loc[n, "in_norm"] == pytest.approx(flows.inn[(n, 0)], rel=1e-9), n
+
+
+class _TiedMid(nn.Module):
+    """emb -> mid -> head, head's weight tied to emb's (or an untied copy)."""
+
+    def __init__(self, tied):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(7, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight if tied else nn.Parameter(self.emb.weight.detach().clone())
+
+    def forward(self, tok):
+        return nn.functional.cross_entropy(self.head(torch.tanh(self.mid(self.emb(tok)))), tok)
+
+
+def test_a_filtered_out_tied_weight_is_its_modules_own_not_an_unmeasured_output(db):
+    """modules='mid' hooks neither emb nor head. head's edge into the tied weight's AccumulateGrad is its own
+    parameter's (not a gradient flowing out of head), so head counts the same unmeasured outputs tied as untied:
+    one, the gradient into mid's output."""
+    got = {}
+    for tied in (True, False):
+        model = _TiedMid(tied)
+        with gradstore.record(f"t{tied}", db=db, model=model, modules="mid"):
+            model(torch.tensor([1, 2, 3])).backward()
+        with gradstore.open(db) as store:
+            g = store.module_gains(f"t{tied}").set_index("module")
+        got[tied] = (int(g.loc["head", "out_unmeasured"]), int(g.loc["head", "out_tensors"]))
+    assert got[True] == got[False] == (1, 1)

@@ -514,7 +514,8 @@ class record:
             regions=compiled_regions(models, names),
             params=params,
             recorded=recorded,
-            param_names={n: all_names_of[id(p)] for n, p in recorded},
+            # every parameter, recorded or not: a module owns a filtered-out tied weight under any of its names
+            param_names={n: all_names_of[id(p)] for n, p in params},
             fsdp=[weakref.ref(m) for m in fsdp_candidates(models)],  # weakly: a model may be one of them
         )
 
