@@ -251,3 +251,38 @@ def test_a_filtered_out_tied_weight_is_its_modules_own_not_an_unmeasured_output(
             g = store.module_gains(f"t{tied}").set_index("module")
         got[tied] = (int(g.loc["head", "out_unmeasured"]), int(g.loc["head", "out_tensors"]))
     assert got[True] == got[False] == (1, 1)
+
+
+def test_gains_of_tiny_float64_gradients_are_not_zero(db):
+    """A float64 model whose loss is scaled by 1e-170: every gradient's norm is about 1e-170, whose square is 0.0
+    in float64. The module calls' in and out norms are those plain PyTorch's hooks give (norms taken scaled), not
+    0.0 (a helper trial saw 0.0 where the truth is 3.9e-170)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+
+    def scaled_norm(g):
+        big = g.abs().max()
+        return float((g / big).norm() * big) if big > 0 else 0.0
+
+    flows = {}
+
+    def watch(name):
+        def hook(_mod, inp, out):
+            out.register_hook(lambda g: flows.__setitem__((name, "in"), scaled_norm(g)))
+            inp[0].register_hook(lambda g: flows.__setitem__((name, "out"), scaled_norm(g)))
+
+        return hook
+
+    handles = [model[i].register_forward_hook(watch(str(i))) for i in range(3)]
+    (model(x).sum() * 1e-170).backward()
+    for h in handles:
+        h.remove()
+    assert 1e-172 < flows[("2", "in")] < 1e-168
+    with gradstore.record("tiny", db=db, model=model):
+        (model(x).sum() * 1e-170).backward()
+    with gradstore.open(db) as store:
+        g = store.module_gains("tiny").set_index("module")
+    for name in ("0", "1", "2"):
+        assert g.loc[name, "in_norm"] == pytest.approx(flows[(name, "in")], rel=1e-12, abs=0)
+        assert g.loc[name, "out_norm"] == pytest.approx(flows[(name, "out")], rel=1e-12, abs=0)

@@ -34,6 +34,7 @@ its AccumulateGrad: not reachable from the roots, or reached and not run: `backw
 from __future__ import annotations
 
 import bisect
+import math
 import operator
 import threading
 import warnings
@@ -214,6 +215,38 @@ def _source(measured: dict, hooked, ran: dict, i: int, role: int, slot: int) -> 
 _ZERO, _UNMEASURED = -1, -2
 
 
+# a sum of squared norms outside (_SQ_LOW, _SQ_HIGH) may have lost its norms to underflow (float64 gradients under
+# about 1.5e-154: their squares are 0.0) or overflowed (over 1.3e154): `_exact_norms` sums those calls' norms again
+# with math.hypot (a sum of 0.0 too, which is all-zero gradients or squares that underflowed)
+_SQ_LOW, _SQ_HIGH = 2.0**-960, 2.0**960
+
+
+def _exact_norms(plan: list, rows: list, in_sq: list, out_sq: list, measured: tuple) -> dict:
+    """{(into, call): norm} for the module calls whose sum of squared norms float64 cannot hold (see _SQ_LOW): the
+    math.hypot of their norms, from a second walk over the plan for those calls only (none in a usual step).
+    measured: (in, out) lists of how many slots of each call have a norm (a call with none is left as it is)."""
+    odd = {
+        (into, k)
+        for into, sq, got in ((True, in_sq, measured[0]), (False, out_sq, measured[1]))
+        for k, v in enumerate(sq)
+        if got[k] > 0 and not (_SQ_LOW < v < _SQ_HIGH)
+    }
+    if not odd:
+        return {}
+    norms: dict[tuple, list] = {key: [] for key in odd}
+    for pi, src, calls, into in plan:
+        if src < 0:
+            continue
+        v = _norm_of(rows[pi][src])
+        if v is None:
+            continue
+        for k in calls:
+            got = norms.get((bool(into), k))
+            if got is not None:
+                got.append(v)
+    return {key: math.hypot(*vs) for key, vs in norms.items()}  # scaled inside: no square underflows or overflows
+
+
 def _tally(calls, v: float | None, nf: int, count: list, missing: list, sq: list, bad: list) -> None:
     """Count one gradient slot (norm v, None where not measured; nf non-finite elements) for each module call
     of `calls` it crosses: in count, missing or the sum of squares, and bad."""
@@ -314,12 +347,17 @@ def _tallies(plan: list, passes: list[_Pass], n: int) -> list[tuple]:
             _tally(calls, v, nf, in_count, in_missing, in_sq, bad)
         else:
             _tally(calls, v, nf, out_count, out_missing, out_sq, bad)
+    measured = (
+        [c - m for c, m in zip(in_count, in_missing)],
+        [c - m for c, m in zip(out_count, out_missing)],
+    )
+    exact = _exact_norms(plan, rows, in_sq, out_sq, measured)
     return [
         (
-            in_sq[k] ** 0.5 if in_count[k] > in_missing[k] else None,
+            exact.get((True, k), in_sq[k] ** 0.5) if in_count[k] > in_missing[k] else None,
             in_count[k],
             in_missing[k],
-            out_sq[k] ** 0.5 if out_count[k] > out_missing[k] else None,
+            exact.get((False, k), out_sq[k] ** 0.5) if out_count[k] > out_missing[k] else None,
             out_count[k],
             out_missing[k],
             bad[k],
