@@ -642,7 +642,7 @@ def test_tiny_gradients_keep_their_norm(level, dtype, value, n):
     want = _scaled_norm(t)
     assert want > 0
     got = stats.to_dicts([stats.measure(t, level)])[0]
-    rel = 5e-7 if level == "health" else 1e-12
+    rel = 5e-7 if level == "health" else 1e-9  # float64 sums of a million squares: 1e-10 relative at worst
     assert got["norm"] == pytest.approx(want, rel=rel, abs=0), (got["norm"], want)
     assert got["norm"] >= max(abs(got["min"]), abs(got["max"]))
 
