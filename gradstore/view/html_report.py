@@ -437,7 +437,7 @@ def _params_section(page: _Page, store, run: str) -> None:
     if marked:
         clear_nonfinite_band(ax)
     ax.set_xlabel("step")
-    ax.set_ylabel("L2 norm of .grad (log scale)")
+    ax.set_ylabel("L2 norm of .grad after the backward pass\n(before clipping; log scale)", fontsize=8)
     ax.set_title("X in the shaded top row: the step's .grad held NaN or Inf", fontsize=9, loc="left")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)

@@ -415,7 +415,9 @@ def history(
         clear_nonfinite_band(ax)
     ax.set_xlabel("step")
     role_eff = role or ("param_grad" if param is not None else "grad_output")
-    ax.set_ylabel(f"{_UNITS[stat]} of {'.grad' if role_eff == 'param_grad' else role_eff + 's'}")
+    ax.set_ylabel(
+        f"{_UNITS[stat]} of {'.grad after the backward pass' if role_eff == 'param_grad' else role_eff + 's'}"
+    )
     what = f"parameter {param}" if param is not None else (f"module {module}" if module is not None else key)
     ax.set_title(f"{_UNITS[stat]} of {what}", fontsize=10, loc="left")
     ax.grid(True, which="major", alpha=0.3)
