@@ -1268,6 +1268,7 @@ def _summary_steps(
 
 
 _RULE_WORDS = {
+    "summary": "flight-recorder summary (each rank's final norm only: a norm that differs is a difference)",
     "replicated": "replicated (the ranks' values must agree)",
     "sharded": "sharded (different shards: layout compared; values differ by design)",
     "partial": "partial (different Partial terms: layout compared; values differ by design)",
@@ -1304,6 +1305,7 @@ def ranks(db, run, step, verbose):
         steps = store.steps(run=run)
         if steps.empty:
             raise click.ClickException(f"run {run!r} has no steps yet")
+        step_given = step
         if step is None:
             step = int(steps["step"].max())
         store._check_step(run, step, None)
@@ -1322,6 +1324,13 @@ def ranks(db, run, step, verbose):
             return
         table = store.rank_divergence(run, step, all=True)
         params = list(dict.fromkeys(store.param_grads(run=run, step=step)["param"]))
+        if not params:  # a flight-recorder summary step: compared by each rank's final norm
+            params = list(dict.fromkeys(table.loc[table["rule"] == "summary", "param"]))
+        earlier = None
+        if step_given is None:  # the last step only: say where the ranks first differed, if earlier
+            every = store.rank_divergence(run)
+            bad = every[every["result"] == "differs"]
+            earlier = int(bad["step"].min()) if len(bad) and int(bad["step"].min()) < step else None
     rank_list = ", ".join(map(str, ranks_at))
     by_param = {p: table[table["param"] == p] for p in params}
     verdict, rules = {}, {}
@@ -1357,9 +1366,14 @@ def ranks(db, run, step, verbose):
             f"values {'bitwise equal' if bitwise else 'with equal statistics'}, sharded layouts equal{note}"
         )
     click.echo(head)
+    if earlier is not None:
+        click.echo(
+            f"  the ranks differed earlier, first at step {earlier}: gradstore ranks {db} {run} --step {earlier} "
+            "(without --step, only the last recorded step is checked)"
+        )
     if differ or unchecked:
         click.echo(f"  not compared: {len(unchecked)}")
-    for rule in ("replicated", "sharded", "partial", "missing"):
+    for rule in ("replicated", "summary", "sharded", "partial", "missing"):
         members = [p for p in params if rule in rules[p].split("+")]
         if members:
             click.echo(f"  {_RULE_WORDS[rule]}: {len(members)}: {_names(members, verbose)}")
@@ -1377,7 +1391,9 @@ def ranks(db, run, step, verbose):
         if result == "differs":
             for r in rows:
                 a, b = f"rank {int(r['rank_a'])}", f"rank {int(r['rank_b'])}"
-                how = "" if r["rule"] == "replicated" else f" ({r['rule']}: layouts differ)"
+                how = {"replicated": "", "summary": " (flight-recorder summary: final norms)"}.get(
+                    r["rule"], f" ({r['rule']}: layouts differ)"
+                )
                 click.echo(
                     f"  {r['param']}{_STAGE_WORDS[r['stage']]}: {b} differs from {a}{how}: {_difference_words(r, a, b)}"
                 )

@@ -684,3 +684,36 @@ def test_values_compared_names_the_side_that_stored_no_elements(tmp_path):
     assert len(stored_b) and set(stored_b["values_compared"]) == {"no: no values on side a"}
     stored_a = back[(back["side"] == "both") & back["values_a"].notna()]
     assert len(stored_a) and set(stored_a["values_compared"]) == {"no: no values on side b"}
+
+
+def test_ranks_compare_flight_recorder_summaries_by_their_final_norms(tmp_path, monkeypatch):
+    """Two ranks (one database) recorded with a flight recorder (keep=2, no dump): every step is a summary with each
+    rank's final norms. Rank 1 doubles 0.bias's gradient at step 1 (plain torch: its norm is twice rank 0's);
+    rank_divergence says so by the norms; the other parameters' equal norms are 'not compared', not agreement."""
+    db = str(tmp_path / "fr.db")
+    truth = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(recorder, "_rank_and_world_size", lambda rank=rank: (rank, 2))
+        model = make_model()
+        with gradstore.record("fr", db=db, model=model, keep=2) as rec:
+            for i in range(3):
+                loss_of(model(inputs()[0])).backward()
+                if rank == 1 and i == 1:
+                    model[0].bias.grad.mul_(2)
+                truth[(rank, i)] = float(model[0].bias.grad.double().norm())
+                model.zero_grad()
+                if i < 2:
+                    rec.step()
+    assert truth[(1, 1)] == pytest.approx(2 * truth[(0, 1)]) and truth[(1, 0)] == truth[(0, 0)]
+    with gradstore.open(db) as store:
+        assert set(store.steps("fr")["level"]) == {"summary"}
+        table = store.rank_divergence("fr", step=1)
+        every = store.rank_divergence("fr", all=True)
+    differs = table[table["result"] == "differs"]
+    assert list(differs["param"]) == ["0.bias"] and set(differs["rule"]) == {"summary"}
+    assert differs["norm_b"].iloc[0] == pytest.approx(2 * differs["norm_a"].iloc[0])
+    others = table[table["result"] != "differs"]
+    assert len(others) == 5 and set(others["result"]) == {"not compared"}  # 6 parameters, equal norms
+    assert set(every.loc[every["step"] != 1, "result"]) == {"not compared"}
+    out = invoke("ranks", db, "fr").output
+    assert "the ranks differed earlier, first at step 1" in out and "ranks agree" not in out

@@ -686,13 +686,75 @@ class Store:
         Columns: run, step, stage, param, module, rank_a, rank_b, rule, result, side, compared, differs, reason,
         status_a/_b, placements_a/_b, shape_a/_b, norm, min, max, mean, std (_a, _b, _abs, _rel), nan, posinf,
         neginf, zeros, checksum (_a, _b).
+        A flight-recorder summary step (`steps()` level 'summary') kept each rank's final norm only
+        (`param_norms`): its parameters are compared by that norm (rule 'summary', stage 'final', compared
+        'norm'): 'differs' where the ranks' norms or non-finite counts differ, else 'not compared' (equal norms do
+        not make equal gradients; `reason` says so).
         Empty (with all=False) only when every comparison was made and agreed. Raises UnknownRun;
         GradstoreError for a step the run did not record.
         """
         self._check_run(run)
         if step is not None:
             self._check_step(run, step, None)
-        return self.query("rank_divergence", run=run, step=step, all=1 if all else None)
+        frame = self.query("rank_divergence", run=run, step=step, all=1 if all else None)
+        summaries = self._summary_rank_rows(run, step)
+        if summaries.empty:
+            return frame
+        return pd.concat([frame, summaries.reindex(columns=frame.columns)], ignore_index=True)
+
+    def _summary_rank_rows(self, run: str, step: int | None) -> pd.DataFrame:
+        """rank_divergence rows for the flight-recorder summary steps of `run` (at `step`): each rank's final norm
+        and non-finite count (`param_norms`) against the lowest rank's."""
+        steps = self.steps(run=run, step=step)
+        held = steps[steps["level"] == "summary"]
+        if held.empty:
+            return pd.DataFrame()
+        norms = self.param_norms(run=run, step=step)
+        norms = norms[norms["step"].isin(set(held["step"]))]
+        # a DTensor parameter (placements in a step written in full) holds a different shard on each rank
+        full = self.param_grads(run=run)
+        sharded = set(full.loc[full["placements"].notna(), "param"]) if "placements" in full else set()
+        out = []
+        for (st, param), rows in norms.groupby(["step", "param"], sort=True):
+            rows = rows.sort_values("rank")
+            a = rows.iloc[0]
+            for b in rows.iloc[1:].itertuples():
+                na, nb = a["norm"], b.norm
+                same_norm = (pd.isna(na) and pd.isna(nb)) or na == nb
+                same_bad = a["nonfinite"] == b.nonfinite
+                differs = [f for f, same in (("norm", same_norm), ("nonfinite", same_bad)) if not same]
+                if param in sharded:  # shards differ by design: their norms say nothing
+                    differs = []
+                out.append(
+                    {
+                        "run": run,
+                        "step": int(st),
+                        "stage": "final",
+                        "param": param,
+                        "module": a["module"],
+                        "rank_a": int(a["rank"]),
+                        "rank_b": int(b.rank),
+                        "rule": "summary",
+                        "result": "differs" if differs else "not compared",
+                        "side": "both",
+                        "compared": "norm",
+                        "differs": ",".join(differs),
+                        "reason": None
+                        if differs
+                        else (
+                            "flight-recorder summary of a DTensor parameter: each rank's shard differs by design, and "
+                            "only its norm was kept"
+                            if param in sharded
+                            else "flight-recorder summary: only each rank's final norm was kept, and the norms are "
+                            "equal (equal norms do not make equal gradients)"
+                        ),
+                        "norm_a": na,
+                        "norm_b": nb,
+                        "nan_a": None,
+                        "nan_b": None,
+                    }
+                )
+        return pd.DataFrame(out)
 
     def _check_step(self, run: str, step: int | None, rank: int | None) -> None:
         """Raise GradstoreError when `run` has no such step (and rank); the message says what it has."""
