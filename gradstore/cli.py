@@ -648,6 +648,19 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     )
     click.echo("\nStep:")
     click.echo(_table(out))
+    held = steps[steps["level"] == "summary"]
+    if len(held):  # a flight-recorder summary: no passes, calls or gradient rows were kept
+        ranks_held = ", ".join(str(int(r)) for r in held["rank"])
+        click.echo(
+            f"\nA flight-recorder summary on rank(s) {ranks_held}: the step's gradients were not kept (its passes, "
+            "calls and gradient rows are not in the record; the passes column counts the passes it ran), only each "
+            f"parameter's final norm (gradstore query {db} param_norms -p run={run} -p step={step}):"
+        )
+        norms = store.param_norms(run=run, step=step, rank=rank)
+        shown, more = _limited(norms[["rank", "param", "norm", "nonfinite"]], limit)
+        click.echo(_table(shown))
+        if more:
+            click.echo(more)
     traced = int(steps["tracing_passes"].sum())
     if traced:
         click.echo(f"(and {traced} backward pass(es) torch.compile ran while tracing: not recorded)")

@@ -717,3 +717,10 @@ def test_ranks_compare_flight_recorder_summaries_by_their_final_norms(tmp_path, 
     assert set(every.loc[every["step"] != 1, "result"]) == {"not compared"}
     out = invoke("ranks", db, "fr").output
     assert "the ranks differed earlier, first at step 1" in out and "ranks agree" not in out
+    out = invoke("show", db, "fr", "--step", 1).output
+    assert "A flight-recorder summary on rank(s) 0, 1: the step's gradients were not kept" in out
+    norms = [line.split() for line in out.splitlines() if line.split()[1:2] == ["0.bias"]]
+    assert [(int(r[0]), float(r[2])) for r in norms] == [
+        (0, pytest.approx(truth[(0, 1)], rel=1e-5)),
+        (1, pytest.approx(truth[(1, 1)], rel=1e-5)),
+    ]
