@@ -717,6 +717,12 @@ def test_ranks_compare_flight_recorder_summaries_by_their_final_norms(tmp_path, 
     assert set(every.loc[every["step"] != 1, "result"]) == {"not compared"}
     out = invoke("ranks", db, "fr").output
     assert "the ranks differed earlier, first at step 1" in out and "ranks agree" not in out
+    from gradstore.view import story
+
+    with gradstore.open(db) as store:
+        agree = story.rank_agreement(store, "fr").set_index("step")
+    assert (agree.loc[1, "params"], agree.loc[1, "differing"], agree.loc[1, "stages"]) == (6, 1, "summary")
+    assert agree.loc[1, "compared"] == "norm" and agree.loc[0, "differing"] == 0
     out = invoke("show", db, "fr", "--step", 1).output
     assert "A flight-recorder summary on rank(s) 0, 1: the step's gradients were not kept" in out
     norms = [line.split() for line in out.splitlines() if line.split()[1:2] == ["0.bias"]]

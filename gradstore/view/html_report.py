@@ -401,10 +401,24 @@ def _params_section(page: _Page, store, run: str) -> None:
             ("as the optimizer saw it (the step's final rows: no backward pass of the run recorded a .grad)"),
         )
     if top.empty:
-        page.add('<p class="note">No parameter .grad rows recorded.</p>')
+        summaries = store.steps(run=run)
+        summaries = summaries[summaries["level"] == "summary"]
+        page.add(
+            '<p class="note">No parameter .grad rows recorded'
+            + (
+                f": {len(summaries):,} step records are flight-recorder summaries, which keep each parameter's final "
+                "norm only (Store.param_norms)."
+                if len(summaries)
+                else "."
+            )
+            + "</p>"
+        )
         return
+    ranks = sorted(int(r) for r in store.steps(run=run)["rank"].unique())
     page.add(
-        f"<p>Each parameter's .grad {when}: parameters with non-finite steps first, "
+        f"<p>Each parameter's .grad {when}"
+        + (f", on rank {ranks[0]} (of ranks {', '.join(map(str, ranks))})" if len(ranks) > 1 else "")
+        + ": parameters with non-finite steps first, "
         "then by the ratio of their largest to smallest finite norm over the recorded steps.</p>"
     )
     page.add(_table(top, {"steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"}))
@@ -475,7 +489,12 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
     if not differing.empty:
         first = differing.iloc[0]
         stages = str(first["stages"]).split(",")
-        if stages == ["final"]:
+        if stages == ["summary"]:
+            where = (
+                " by their final norms (the step is a flight-recorder summary: its gradients were not kept, so where "
+                "they came apart, after the backward pass or before the optimizer, is not known)"
+            )
+        elif stages == ["final"]:
             where = (
                 " as the optimizer saw them (the final rows); after the backward pass they agree: they came apart "
                 "between the pass and the optimizer (GradScaler.unscale_, clipping, or code that changes .grad)"
@@ -497,7 +516,8 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
         page.add(
             f'<p class="callout">Not compared: at {len(unchecked) + len(empty):,} of {len(agree):,} steps some '
             "parameter's .grad could not be compared across ranks (a row missing, skipped or without statistics on "
-            "some rank, or no parameter rows at all): nothing is claimed about those. "
+            "some rank, no parameter rows at all, or a flight-recorder summary whose ranks' final norms are equal): "
+            "nothing is claimed about those. "
             "<code>gradstore ranks DB RUN --step N</code> says why.</p>"
         )
     page.add(_table(agree.head(200), {"step", "ranks", "params", "differing", "not_compared"}))

@@ -295,13 +295,13 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
 
 
 def rank_agreement(store, run: str) -> pd.DataFrame:
-    """Per step recorded by more than one rank: step, ranks (how many), params (parameters with a .grad row on
-    the lowest rank), differing (parameters whose .grad differs from the lowest rank's on some rank, after the
-    backward pass or as the optimizer saw it: `Store.rank_divergence`), stages (where they differ: 'backward',
-    'final' or 'backward,final'; '' when none does), not_compared (parameters not compared on some rank and
-    differing nowhere), compared ('checksum' where every row had checksums, else 'statistics'), first (the first
-    differing parameter, else the first not compared, or None). Empty when no step has two ranks. Raises
-    UnknownRun."""
+    """Per step recorded by more than one rank: step, ranks (how many), params (parameters with a .grad row on the
+    lowest rank; of a flight-recorder summary step, with a final norm), differing (parameters whose .grad differs from
+    the lowest rank's on some rank, after the backward pass or as the optimizer saw it: `Store.rank_divergence`), stages
+    (where they differ: 'backward', 'final' or 'backward,final', 'summary' by the final norms of a flight-recorder
+    summary step; '' when none does), not_compared (parameters not compared on some rank and differing nowhere),
+    compared ('checksum' where every row had checksums, 'norm' for a summary step, else 'statistics'), first (the first
+    differing parameter, else the first not compared, or None). Empty when no step has two ranks. Raises UnknownRun."""
     columns = ["step", "ranks", "params", "differing", "stages", "not_compared", "compared", "first"]
     steps = store.steps(run=run)
     multi = steps.groupby("step")["rank"].nunique()
@@ -319,15 +319,21 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         differing = list(dict.fromkeys(diff["param"]))
         unchecked = [q for q in dict.fromkeys(here[here["result"] == "not compared"]["param"]) if q not in differing]
         checks = at["checksum"].notna().all() if len(at) else False
+        summary = (here["rule"] == "summary").any()  # a flight-recorder summary: each rank's final norm only
+        params = int(lowest["param"].nunique()) if len(lowest) else 0
+        if summary:
+            params = int(here["param"].nunique())
         rows.append(
             {
                 "step": int(step),
                 "ranks": int(n),
-                "params": int(lowest["param"].nunique()) if len(lowest) else 0,
+                "params": params,
                 "differing": len(differing),
-                "stages": ",".join(st for st in ("backward", "final") if st in set(diff["stage"])),
+                "stages": "summary"
+                if summary and len(diff)
+                else ",".join(st for st in ("backward", "final") if st in set(diff["stage"])),
                 "not_compared": len(unchecked),
-                "compared": "checksum" if checks else "statistics",
+                "compared": "norm" if summary else ("checksum" if checks else "statistics"),
                 "first": differing[0] if differing else (unchecked[0] if unchecked else None),
             }
         )
