@@ -686,9 +686,10 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     if not status.empty:
         odd = status[status["status"] != "ok"]
         ok = int((status["status"] == "ok").sum())
+        per = " (a row per name and rank)" if status["rank"].nunique() > 1 else ""
         click.echo(
             f"\nParameters whose status is not ok: without a gradient, with an all-zero one, or with one not measured "
-            f"({len(odd)} of {len(status)} names; {ok} ok): "
+            f"({len(odd)} of {len(status)} names{per}; {ok} ok): "
             "status says why (README: param_status; ok says nothing of NaN/Inf, listed below)"
         )
         shown_odd, more = _limited(odd, limit)
@@ -1097,6 +1098,8 @@ def _where(row, carried: set[str], several_ranks: bool) -> str:
     p = row[f"pass_{side}"]
     if not _missing(p):
         parts.append(f"pass {int(p)}")
+    elif row["role"] == "param_grad":  # the step's final row: .grad as the optimizer read it
+        parts.append("the step's final .grad, as the optimizer read it")
     return ", ".join(parts)
 
 
