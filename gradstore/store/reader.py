@@ -723,7 +723,8 @@ class Store:
                 same_norm = (pd.isna(na) and pd.isna(nb)) or na == nb
                 same_bad = a["nonfinite"] == b.nonfinite
                 differs = [f for f, same in (("norm", same_norm), ("nonfinite", same_bad)) if not same]
-                if param in sharded:  # shards differ by design: their norms say nothing
+                unmeasured = pd.isna(na) or pd.isna(nb)  # a summary at stats='shape' keeps no norm
+                if param in sharded or unmeasured:  # shards differ by design; a missing norm says nothing
                     differs = []
                 out.append(
                     {
@@ -742,8 +743,10 @@ class Store:
                         "reason": None
                         if differs
                         else (
-                            "flight-recorder summary of a DTensor parameter: each rank's shard differs by design, and "
-                            "only its norm was kept"
+                            "flight-recorder summary without a norm on some rank (stats='shape' measures none)"
+                            if unmeasured
+                            else "flight-recorder summary of a DTensor parameter: each rank's shard differs by design, "
+                            "and only its norm was kept"
                             if param in sharded
                             else "flight-recorder summary: only each rank's final norm was kept, and the norms are "
                             "equal (equal norms do not make equal gradients)"

@@ -92,7 +92,10 @@ class ParamFirst:
 def param_first(store, run: str, rank: int | None = None) -> ParamFirst | None:
     """The run's first non-finite gradient (on `rank`, or the lowest rank that has one) when it is a parameter's
     `.grad` that no recorded node call preceded with NaN or Inf (a step before the first such call, or no call
-    recorded at all: stats='params'), else None. Raises UnknownRun."""
+    recorded at all: stats='params'), else None.
+
+    Args: store (gradstore.Store), run (str), rank (int | None). Returns a ParamFirst (counts are elements) or None.
+    Reads Store.first_nonfinite and Store.param_grads(which='all'); no PyTorch call. Raises UnknownRun."""
     f = store.first_nonfinite(run=run, rank=rank)
     if f.empty:
         return None
