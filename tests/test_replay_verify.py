@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradstore
 from gradstore.errors import ReplayError, SavedTensorsFreed
+from gradstore.inspect.replay import replayable
 
 
 def _observe(node):
@@ -299,3 +300,45 @@ def test_verify_and_replay_check_skip_a_backward_that_runs_its_own_pass():
     df = gradstore.replay_check(y.sum()).set_index("name")
     assert not df.loc["ReentrantBackward", "replayable"] and df.loc["SumBackward0", "replayable"]
     assert x.grad is None
+
+
+def test_replay_names_a_grad_output_of_the_wrong_shape():
+    x = torch.randn(3, requires_grad=True)
+    y = x.exp()
+    with pytest.raises(ReplayError, match=r"grad_output 0 of ExpBackward0 has shape \(4,\).*\(3,\)"):
+        gradstore.replay(y.grad_fn, torch.ones(4))
+
+
+def test_a_compiled_region_is_never_replayed_and_the_real_pass_is_untouched():
+    """AOTAutograd's backward frees the region's saved tensors when called: replaying CompiledFunctionBackward in
+    its prehook used to leave the real pass 'Trying to backward through the graph a second time'."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    net(x).pow(2).sum().backward()
+    plain = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    compiled = torch.compile(net, backend="aot_eager")
+    loss = compiled(x).pow(2).sum()
+    node = loss.grad_fn
+    while node.name() != "CompiledFunctionBackward":
+        node = node.next_functions[0][0]
+    assert replayable(node)[0] is False
+    raised = []
+
+    def pre(grad_outputs):
+        try:
+            gradstore.replay(node, grad_outputs)
+        except ReplayError as exc:
+            raised.append(str(exc))
+
+    node.register_prehook(pre)
+    loss.backward()
+    assert raised and "torch.compile region" in raised[0]
+    assert all(torch.allclose(p.grad, g, rtol=1e-6, atol=1e-7) for p, g in zip(net.parameters(), plain))
+    assert "re-runnable now: no" in str(gradstore.explain(compiled(x).grad_fn))
+
+    before = [p.grad.clone() for p in net.parameters()]
+    with pytest.raises(ReplayError, match="donated_buffer = False"):
+        gradstore.replay_check(compiled(x).pow(2).sum())
+    assert all(torch.equal(p.grad, b) for p, b in zip(net.parameters(), before))

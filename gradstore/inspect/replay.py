@@ -11,6 +11,9 @@ What PyTorch does (torch 2.13, measured; tests/test_replay_verify.py checks each
   hooks, after a pass with `retain_graph=True`, or before any pass. After a pass without it, unpacking a saved
   tensor raises RuntimeError 'Trying to backward through the graph a second time'.
 - AccumulateGrad is the exception: calling it adds its grad_output into the leaf's `.grad`. It is never replayed.
+- Neither is a torch.compile region's node (CompiledFunctionBackward): AOTAutograd's backward frees the region's
+  saved tensors as it runs, whether the engine or a direct call runs it, so a replay (before the pass or in its
+  hooks) leaves the real pass 'Trying to backward through the graph a second time'.
 - A custom Function whose backward starts a backward pass of its own (the reentrant
   `torch.utils.checkpoint.CheckpointFunction`) would accumulate into `.grad` again: replay blocks any backward
   pass started during a replay and reports it.
@@ -49,6 +52,17 @@ REASON_ACCUMULATE = (
 )
 REASON_FREED = "its saved tensors were freed by a backward pass without retain_graph=True"
 REASON_NOT_RUN = "it did not run in the pass (no gradient reached it, or it was not needed)"
+REASON_COMPILED = (
+    "a torch.compile region's node (CompiledFunctionBackward): AOTAutograd's backward frees the region's saved "
+    "tensors when it runs (and may write into buffers donated to it), so a replay would use up what the real "
+    "pass still needs; replay the region's nodes on the model run without torch.compile, or check its custom "
+    "backward code with gradstore.verify"
+)
+DONATED_ADVICE = (
+    "the graph holds a torch.compile region compiled with donated buffers, which cannot be run with "
+    "retain_graph=True (replay_check keeps the graph alive); set torch._functorch.config.donated_buffer = False "
+    "before the first compile, or check the model without torch.compile"
+)
 
 
 # ---- node structure ------------------------------------------------------------------------------------------
@@ -79,6 +93,8 @@ def replayable(node) -> tuple[bool, str | None]:
     kind = node_kind(node, name)
     if kind == "accumulate_grad":
         return False, REASON_ACCUMULATE
+    if kind == "compiled":
+        return False, REASON_COMPILED
     if name in NESTED_NAMES:
         return False, REASON_NESTED
     if saved_tensors(node).freed:
@@ -203,8 +219,9 @@ def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: li
     Raises:
         SavedTensorsFreed: a backward pass already freed the node's saved tensors (the message says to use
             retain_graph=True).
-        ReplayError: AccumulateGrad (no backward to replay: it would add into .grad); a backward that starts a
-            nested backward pass (reentrant checkpoint); a wrong number of grad_outputs.
+        ReplayError: AccumulateGrad (no backward to replay: it would add into .grad); a torch.compile region's
+            node (its backward frees its saved tensors); a backward that starts a nested backward pass (reentrant
+            checkpoint); a wrong number of grad_outputs, or one whose shape is not its forward output's.
         Whatever the node's backward raises for bad inputs (RuntimeError).
     Side effects: none (no hook runs, no .grad changes).
     """
@@ -223,6 +240,12 @@ def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: li
             f"{name} has {len(meta)} forward output(s), so replay takes {len(meta)} grad_outputs "
             f"(None for an unused output); got {len(grad_outputs)}"
         )
+    for i, (g, m) in enumerate(zip(grad_outputs, meta or ())):
+        if isinstance(g, torch.Tensor) and m["shape"] is not None and tuple(g.shape) != m["shape"]:
+            raise ReplayError(
+                f"grad_output {i} of {name} has shape {tuple(g.shape)}, but forward output {i} has shape "
+                f"{m['shape']}: pass a gradient of the output's shape (what the node's prehook receives)"
+            )
     grad_outputs = _materialize(grad_fn, grad_outputs)
     try:
         with torch.set_grad_enabled(create_graph), no_nested_backward():
@@ -342,6 +365,39 @@ def _restore_set(nodes, leaves, model) -> list:
     return out
 
 
+def _run_pass(nodes, hooks, roots, grad_outputs, leaves, via, model) -> None:
+    """replay_check's one backward pass over the live graph, with a capturing prehook and hook on every node (removed
+    afterwards); via 'backward' restores the `.grad`s it touched. Raises what the pass raises."""
+    handles = []
+    try:
+        for i, node in enumerate(nodes):
+            pre, post = hooks(i)
+            handles.append(node.register_prehook(pre))
+            handles.append(node.register_hook(post))
+        used = [(r, g) for r, g in zip(roots, grad_outputs) if r.grad_fn is not None or r.requires_grad]
+        if via == "grad":
+            torch.autograd.grad(
+                [r for r, _ in used], leaves, [g for _, g in used], retain_graph=True, allow_unused=True
+            )
+        else:
+            before = [
+                (v, v.grad, v.grad.detach().clone() if v.grad is not None else None)
+                for v in _restore_set(nodes, leaves, model)
+            ]
+            try:
+                torch.autograd.backward([r for r, _ in used], [g for _, g in used], retain_graph=True)
+            finally:
+                with torch.no_grad():
+                    for v, obj, saved in before:
+                        if obj is not None and v.grad is obj:
+                            obj.copy_(saved)  # in place: whoever holds the .grad tensor sees it restored
+                        else:
+                            v.grad = saved
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def replay_check(
     loss_or_roots,
     grad_outputs=None,
@@ -375,7 +431,8 @@ def replay_check(
         max_abs_diff (float, max over slots; NaN when not replayed), slot_max_abs_diff (tuple, per slot; None
         for a slot that is None in both), equal (bitwise, all slots; <NA> when not replayed), close.
     Raises:
-        ReplayError: no tensor with a grad_fn; a bad argument.
+        ReplayError: no tensor with a grad_fn; a bad argument; a graph holding a torch.compile region compiled with
+            donated buffers (torch._functorch.config.donated_buffer), which refuses retain_graph=True.
     Cost: one backward pass, one replay per node, and a copy of every gradient (grad_outputs and grad_inputs)
     held until the comparison ends.
     """
@@ -388,7 +445,6 @@ def replay_check(
     infos = describe(w, owner_fn(owner), param_names(model), Keyed())
     captured_out: dict[int, tuple] = {}
     captured_in: dict[int, tuple] = {}
-    handles = []
 
     def hooks(i):
         def pre(gos):
@@ -409,32 +465,11 @@ def replay_check(
     if via not in ("grad", "backward"):
         raise ReplayError(f"replay_check(via=...) is 'grad' or 'backward', got {via!r}")
     try:
-        for i, node in enumerate(w.nodes):
-            pre, post = hooks(i)
-            handles.append(node.register_prehook(pre))
-            handles.append(node.register_hook(post))
-        used = [(r, g) for r, g in zip(roots, grad_outputs) if r.grad_fn is not None or r.requires_grad]
-        if via == "grad":
-            torch.autograd.grad(
-                [r for r, _ in used], leaves, [g for _, g in used], retain_graph=True, allow_unused=True
-            )
-        else:
-            before = [
-                (v, v.grad, v.grad.detach().clone() if v.grad is not None else None)
-                for v in _restore_set(w.nodes, leaves, model)
-            ]
-            try:
-                torch.autograd.backward([r for r, _ in used], [g for _, g in used], retain_graph=True)
-            finally:
-                with torch.no_grad():
-                    for v, obj, saved in before:
-                        if obj is not None and v.grad is obj:
-                            obj.copy_(saved)  # in place: whoever holds the .grad tensor sees it restored
-                        else:
-                            v.grad = saved
-    finally:
-        for h in handles:
-            h.remove()
+        _run_pass(w.nodes, hooks, roots, grad_outputs, leaves, via, model)
+    except RuntimeError as exc:
+        if "donated buffer" in str(exc):
+            raise ReplayError(f"replay_check cannot run the pass: {DONATED_ADVICE} ({exc})") from None
+        raise
 
     rows = []
     for i, node in enumerate(w.nodes):
