@@ -342,3 +342,52 @@ def test_observers_pass_through_outside_the_recording_thread_and_scope(db):
     assert out["norm"] > 0
     observers.deactivate()  # twice is harmless
     assert torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP
+
+
+def test_two_optimizers_each_after_its_own_backward_keep_what_each_one_read(db):
+    """Lightning's manual optimization with two optimizers: o1 steps `a` after loss1's backward (clipped), then
+    loss2's backward changes `a.grad` again, and o2 steps `b`. `a`'s final row is what o1 read, not loss2's
+    gradient that no optimizer read (it used to be)."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    def loop(net, o1, o2, x, seen=None):
+        o1.zero_grad()
+        o2.zero_grad()
+        net(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(net.a.parameters(), 0.05)
+        if seen is not None:
+            seen["a"] = [p.grad.clone() for p in net.a.parameters()]
+        o1.step()
+        o1.zero_grad()
+        (net(x) - 1).abs().mean().backward()
+        if seen is not None:
+            seen["b"] = [p.grad.clone() for p in net.b.parameters()]
+        o2.step()
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    plain, recorded = Two(), Two()
+    recorded.load_state_dict(plain.state_dict())
+    seen = {}
+    for net in (plain, recorded):
+        o1 = torch.optim.SGD(net.a.parameters(), lr=0.1)
+        o2 = torch.optim.SGD(net.b.parameters(), lr=0.1)
+        if net is plain:
+            loop(net, o1, o2, x, seen)
+        else:
+            with gradstore.record("two", db=db, model=net):
+                loop(net, o1, o2, x)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), recorded.parameters()))
+    final = gradstore.open(db).param_grads("two", step=0).set_index("param")
+    for name, g in zip(["a.weight", "a.bias"], seen["a"]):
+        assert final.loc[name, "norm"] == pytest.approx(_norm(g), rel=1e-6)
+    assert math.sqrt(sum(final.loc[n, "norm"] ** 2 for n in ["a.weight", "a.bias"])) == pytest.approx(0.05, rel=1e-5)
+    for name, g in zip(["b.weight", "b.bias"], seen["b"]):
+        assert final.loc[name, "norm"] == pytest.approx(_norm(g), rel=1e-6)

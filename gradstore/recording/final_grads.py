@@ -14,7 +14,8 @@ When is "over": the `.grad` the optimizer reads. The final rows are taken
   by `zero_grad`, or an operator ran or a `.grad` moved since: `FinalGrads.at_optimizer_step`);
 - else when the step ends (a step whose loop has no optimizer).
 A backward pass that finishes after a snapshot voids it (the gradients have changed again), so gradient
-accumulation micro-batches end up in the snapshot. A snapshot is the last measurement where nothing in this
+accumulation micro-batches end up in the snapshot; the rows of the parameters an optimizer stepped on it stay
+(`FinalGrads._lock_stepped`): two optimizers, each stepping after its own loss's backward. A snapshot is the last measurement where nothing in this
 process can have changed the `.grad`s since it was made (`FinalGrads.take`): no second read in a plain loop.
 """
 
@@ -294,6 +295,11 @@ class FinalGrads:
         # last top-level pass, or None for the snapshot in `results`; the watcher's count from just before that
         # measurement; the .grads' grad_states and grad_impls then), else None
         self._basis: tuple | None = None
+        # the parameters (by id) of the optimizers that stepped on the snapshot held now (`at_optimizer_step`), and
+        # the rows an optimizer step read for parameters whose `.grad` a later backward pass of the step changed
+        # again: key -> (NodeInfo, row, norm, NaN + Inf count), what the step's final rows hold for them (`rows`)
+        self._stepped: set[int] = set()
+        self._locked: dict[str, tuple] = {}
 
     def take(self, why: str) -> None:
         """Take the snapshot now, replacing an earlier one of the step. `why` names the moment.
@@ -307,6 +313,7 @@ class FinalGrads:
         several ranks (`reusable`). Otherwise they are measured now. Not seen: a write no operator makes (a NumPy
         array or DLPack view made before the pass ended, a C extension, another process sharing the memory), an
         operator already running on another thread when the pass ended."""
+        self._lock_stepped()
         basis, self._basis = self._basis, None
         if basis is not None and basis[0] is not None:  # the pass's measurement: `_unchanged` removes its watcher
             if self._unchanged(basis):
@@ -340,16 +347,27 @@ class FinalGrads:
         if self.results is None and self.passes:
             self.take(why)
 
-    def at_optimizer_step(self, why: str) -> None:
+    def at_optimizer_step(self, why: str, optimizer=None) -> None:
         """The optimizer is about to step with the `.grad`s as they are now: the snapshot is taken (`take`) if the
         step holds none since its last backward pass, and again where the one it holds may no longer be what the
         optimizer reads: taken by `zero_grad` (which then cleared the `.grad`s), or taken before any optimizer
         step (clipping, `GradScaler.unscale_`, `rec.final_grads()`) where an operator ran or a `.grad` changed
         since it was measured (`_unchanged`, where it can tell). A snapshot an optimizer step took stands for the
         step's later optimizer steps (another optimizer reads other parameters, after the first one's
-        `zero_grad` may have cleared its own). Nothing before a backward pass."""
+        `zero_grad` may have cleared its own). Nothing before a backward pass.
+
+        optimizer: the `torch.optim.Optimizer` stepping (None: not known). Its parameters' rows of the snapshot
+        are what the step's final rows hold for them even where a later backward pass of the step changes their
+        `.grad` again (two optimizers, each stepping after its own loss's backward: `_lock_stepped`), unless an
+        optimizer steps them again later in the step."""
         if not self.passes:
             return
+        try:
+            self._at_optimizer_step(why)
+        finally:
+            self._note_stepped(optimizer)
+
+    def _at_optimizer_step(self, why: str) -> None:
         if self.results is None or self.taken_by == "zero_grad":
             self.take(why)
             return
@@ -374,6 +392,7 @@ class FinalGrads:
         `.grad`s' TensorImpl addresses then (hooks.cpp `grad_impls` bytes). Given them all (and no FSDP2 aliases),
         `take` may use that measurement (see there)."""
         self.passes += 1
+        self._lock_stepped()
         self.results = None
         self.taken_by = None
         self.close()
@@ -423,10 +442,16 @@ class FinalGrads:
             self.take_if_missing("end of step")
         finally:
             self.close()
+        got = self._snapshot_rows()
+        self.results = None
+        locked, self._locked, self._stepped = self._locked, {}, set()
+        return _with_locked(got, locked) if locked else got
+
+    def _snapshot_rows(self) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:
+        """`rows`' 4-tuple for the snapshot held now (empty where there is none), which stays held."""
         if self.results is None:
             return [], [], False, ([], [], [])
         results, nodes = self.results, self.nodes
-        self.results = None
         if isinstance(results, PackedParams):
             return nodes, results.rows, results.nonfinite, (results.keys, results.norms, results.counts)
         rows = to_rows(results)
@@ -439,3 +464,51 @@ class FinalGrads:
             counts.append(None if nan is None else nan + (row[_NAN_AT + 1] or 0) + (row[_NAN_AT + 2] or 0))
         keys = [n.key for n in nodes]
         return nodes, [(n.key, None, role, 0) + row for n, row in zip(nodes, rows)], nonfinite, (keys, norms, counts)
+
+    def _note_stepped(self, optimizer) -> None:
+        """Note the parameters `optimizer` steps on the snapshot held now; rows an earlier optimizer step read for
+        them no longer stand (this step reads them later)."""
+        try:
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        except Exception:  # not a torch.optim.Optimizer, or not known
+            return
+        self._stepped |= ids
+        if self._locked:
+            for key in self._keys_of(ids):
+                self._locked.pop(key, None)
+
+    def _lock_stepped(self) -> None:
+        """A backward pass is about to change the `.grad`s the snapshot holds: keep its rows of the parameters an
+        optimizer stepped on it (what that optimizer read), for `rows`."""
+        stepped, self._stepped = self._stepped, set()
+        if not stepped or self.results is None:
+            return
+        keys = self._keys_of(stepped)
+        nodes, rows, _, (_, norms, counts) = self._snapshot_rows()
+        for i, node in enumerate(nodes):
+            if node.key in keys:
+                self._locked[node.key] = (node, rows[i], norms[i], counts[i])
+
+    def _keys_of(self, ids: set[int]) -> set[str]:
+        """The parameter node keys ('param:<name>', every name of a tied one) of the parameters with these ids."""
+        return {f"param:{name}" for name, p in self.params if id(p) in ids}
+
+
+def _with_locked(got: tuple, locked: dict[str, tuple]) -> tuple:
+    """`FinalGrads.rows`' 4-tuple `got` with the rows of `locked` (key -> (NodeInfo, row, norm, count)) in place of
+    the snapshot's rows of those parameters (appended where the snapshot has none)."""
+    nodes, rows, _, (keys, norms, counts) = got
+    nodes, rows, keys, norms, counts = list(nodes), list(rows), list(keys), list(norms), list(counts)
+    at = {k: i for i, k in enumerate(keys)}
+    for key, (node, row, norm, count) in locked.items():
+        i = at.get(key)
+        if i is None:
+            nodes.append(node)
+            rows.append(row)
+            keys.append(key)
+            norms.append(norm)
+            counts.append(count)
+        else:
+            rows[i], norms[i], counts[i] = row, norm, count
+    nonfinite = any(c for c in counts if c)
+    return nodes, rows, nonfinite, (keys, norms, counts)
