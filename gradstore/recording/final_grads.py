@@ -15,8 +15,9 @@ When is "over": the `.grad` the optimizer reads. The final rows are taken
 - else when the step ends (a step whose loop has no optimizer).
 A backward pass that finishes after a snapshot voids it (the gradients have changed again), so gradient
 accumulation micro-batches end up in the snapshot; the rows of the parameters an optimizer stepped on it stay
-(`FinalGrads._lock_stepped`): two optimizers, each stepping after its own loss's backward. A snapshot is the last measurement where nothing in this
-process can have changed the `.grad`s since it was made (`FinalGrads.take`): no second read in a plain loop.
+(`FinalGrads._lock_stepped`): two optimizers, each stepping after its own loss's backward. A snapshot is the
+last measurement where nothing in this process can have changed the `.grad`s since it was made
+(`FinalGrads.take`): no second read in a plain loop.
 """
 
 from __future__ import annotations
