@@ -405,6 +405,12 @@ def _status_why(row) -> str:
     """One line of README's param_status table for a row of Store.param_status (its status and the facts)."""
     status, reached = row.status, row.reached
     if status == "unreachable":
+        calls = getattr(row, "calls", None)
+        if calls is not None and calls == calls and calls > 0:
+            return (
+                "its AccumulateGrad ran with no gradient: the backward of the op that uses it returned None for it "
+                "(an undefined grad_output)"
+            )
         if reached == 1:
             return "a pass reached its AccumulateGrad and did not run it: torch.autograd.grad or backward(inputs=...)"
         if reached is None or reached != reached:  # NULL: no graph was walked (stats='params')
@@ -419,8 +425,21 @@ def _status_why(row) -> str:
         "received": "received a gradient whose values were not measured at this stats level",
         "stale": "received nothing this step; .grad still holds a tensor from before (an earlier gradient, or "
         "zeros from zero_grad(set_to_none=False))",
-        "not used": "its module's forward did not run in the step",
+        "not used": _not_used_why(row),
     }.get(status, "")
+
+
+def _not_used_why(row) -> str:
+    """Why a 'not used' parameter got nothing: its module's forward did not run, or (module_ran NULL) no call of it
+    was seen inside a torch.compile region, where module calls run in compiled code."""
+    ran, reached = getattr(row, "module_ran", None), getattr(row, "reached", None)
+    if ran is None or ran != ran:
+        why = (
+            "no call of its module's forward was seen: the module is inside a torch.compile region, where module "
+            "calls run in compiled code, so whether it ran is not known"
+        )
+        return why + ("; no pass reached its AccumulateGrad" if reached == 0 else "")
+    return "its module's forward did not run in the step"
 
 
 def _limited(df: pd.DataFrame, limit: int) -> tuple[pd.DataFrame, str]:

@@ -486,3 +486,83 @@ def test_a_gradient_written_outside_the_graph_is_not_stale(db):
         st = store.param_status("reducer").set_index("param")
     assert st.loc["unused.weight", "status"] == "zero" and st.loc["unused.weight", "calls"] == 0
     assert st.loc["unused.weight", "module_ran"] == 0 and st.loc["used.weight", "status"] == "ok"
+
+
+class _NoGradForW(torch.autograd.Function):
+    """y = x * w, whose backward gives x its gradient and w none (None): the engine still calls w's AccumulateGrad,
+    with an undefined gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g * w, None
+
+
+@pytest.mark.parametrize("stats", ["full", "health"])
+def test_an_accumulate_grad_called_with_no_gradient_did_not_receive_one(db, stats):
+    """It was reported 'received' ("a gradient whose values were not measured") though .grad stayed None."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return _NoGradForW.apply(self.lin(x), self.w).sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    seen = []
+    with gradstore.record("none-grad", db=db, model=net, stats=stats):
+        loss = net(torch.randn(2, 3))
+        acc = next(fn for fn in graph_nodes_of([loss.grad_fn]) if getattr(fn, "variable", None) is net.w)
+        acc.register_prehook(lambda go: seen.append(go[0]))
+        loss.backward()
+    assert seen == [None] and net.w.grad is None and net.lin.weight.grad is not None  # plain facts
+    st = gradstore.open(db).param_status("none-grad").set_index("param")
+    assert st.loc["w", "status"] == "unreachable"
+    assert (st.loc["w", "calls"], st.loc["w", "reached"], st.loc["w", "has_grad"]) == (1, 1, 0)
+    assert st.loc["lin.weight", "status"] == "ok"
+    out = CliRunner().invoke(main, ["show", db, "none-grad", "--step", "0"]).output
+    assert "ran with no gradient" in out and "received a gradient" not in out
+
+
+def test_show_does_not_say_a_module_inside_a_compiled_region_did_not_run(db):
+    """At stats='params' a module whose output is detached inside a torch.compile region is 'not used' with
+    module_ran NULL: its calls run in compiled code. show used to explain that as "its module's forward did not
+    run in the step"; here it ran (its forward hook, eager, says so)."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.side = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x + self.side(x).detach()).sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    ran = []
+    hook = net.side.register_forward_hook(lambda *_: ran.append(1))
+    net(torch.randn(3, 4))
+    hook.remove()
+    assert ran  # plain fact: side's forward runs in every call
+    compiled = torch.compile(net, backend="aot_eager")
+    with gradstore.record("side", db=db, model=compiled, stats="params"):
+        compiled(torch.randn(3, 4)).backward()
+    st = gradstore.open(db).param_status("side").set_index("param")
+    assert st.loc["side.weight", "module_ran"] is None or st.loc["side.weight", "module_ran"] != 1
+    out = CliRunner().invoke(main, ["show", db, "side", "--step", "0"]).output
+    assert "whether it ran is not known" in out and "forward did not run" not in out

@@ -28,7 +28,8 @@ that raised, whose .grad is not measured), else 'ok'; 'stale' when it received n
 (an earlier gradient, or zeros from zero_grad(set_to_none=False)); 'not used' when its module's forward did not run
 (any module of a tied parameter's names); 'unreachable' otherwise (its module ran, or is not known, and no pass ran
 its AccumulateGrad: not reachable from the roots, or reached and not run: `backward(inputs=...)`,
-`torch.autograd.grad`).
+`torch.autograd.grad`; or every call of it had no gradient, calls > 0: the backward of the op using it returned None
+for it, an undefined grad_output).
 """
 
 from __future__ import annotations
@@ -487,6 +488,7 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     is_key = keys.__contains__
     calls: Counter = Counter()  # key -> its AccumulateGrad's calls in the step
     zero: dict[str, list] = {}  # key -> _zero of each of its grad_output rows
+    defined: set[str] = set()  # keys with a grad_output row that holds a gradient (the engine may pass none)
     reached: set[str] = set()
     changed: set[str] = set()
     final: dict[str, tuple] = {}  # key -> the last param_grad row
@@ -500,6 +502,8 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         go = list(compress(rows, map(_IS_GO, roles)))
         for row in compress(go, map(is_key, map(_KEY_OF, go))):
             zero.setdefault(row[_KEY], []).append(_zero(row))
+            if row[_STATUS] != _STATUS_NONE:
+                defined.add(row[_KEY])
         if p.rec.grads_changed:
             changed.update(p.rec.grads_changed)
     nodes, param_names, param_status = out.nodes, out.param_names, out.param_status
@@ -512,8 +516,8 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             module_ran = None
         has_grad = has_grad_of.get(name, False)
         n_calls = calls[key] if walked else None
-        if n_calls:
-            got, zeros = True, zero.get(key, [])
+        if n_calls:  # its AccumulateGrad ran: with a gradient, unless the engine passed it none in every call
+            got, zeros = key in defined or key not in zero, zero.get(key, [])
         else:  # no AccumulateGrad call (or none hooked: stats='params'): a backward that changed .grad gave it one
             got = name in changed
             row = final.get(key)

@@ -323,7 +323,8 @@ class Store:
               it is inside a torch.compile region, where no module hook runs) and no pass reached it;
           'unreachable': got nothing although its module ran (or is not known): no pass's roots reach its
               AccumulateGrad, or one reached it and did not run it (backward(inputs=...), autograd.grad; also
-              over a graph an earlier step built);
+              over a graph an earlier step built), or every call of it had no gradient (calls > 0: a backward
+              returned None for it);
           'stale': got nothing this step, but .grad still holds a tensor from before: an earlier gradient, or the
               zeros zero_grad(set_to_none=False) wrote (the optimizer applies it either way).
         A step whose backward raised has rows too: what each parameter got before the failure. At stats='params'
