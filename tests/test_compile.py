@@ -775,3 +775,54 @@ def test_fsdp2_with_torch_compile_on_2_ranks(tmp_path):
         db, "SELECT COUNT(*) FROM tensors t JOIN dtensors d ON d.id = t.id WHERE t.role = 2 AND t.pass_id IS NOT NULL"
     )
     assert sharded[0][0] > 0
+
+
+def _reach(fn) -> set:
+    """Every node reachable from `fn` but the leaves' AccumulateGrad (plain `next_functions`)."""
+    seen, stack = set(), [fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen or fn.name().endswith("AccumulateGrad"):
+            continue
+        seen.add(fn)
+        stack.extend(n for n, _ in fn.next_functions)
+    return seen
+
+
+def _nodes_made(out: torch.Tensor, inp: torch.Tensor | None = None) -> int:
+    """The autograd nodes a module's forward made: those its output reaches that its input does not."""
+    return len(_reach(out.grad_fn) - (_reach(inp.grad_fn) if inp is not None else set()))
+
+
+@pytest.mark.parametrize("where", ["whole", "block"])
+def test_module_gains_count_no_node_of_compile_time_tracing(tmp_path, where):
+    """The step that compiles traces the region with fake tensors: those nodes took sequence numbers inside the
+    compiled call, which module_gains counted as its nodes (31 for a one-node region), reading as 'nodes that did
+    not run'."""
+    net = make()
+    model = torch.compile(net, backend="aot_eager") if where == "whole" else net
+    if where == "block":
+        net.block = torch.compile(net.block, backend="aot_eager")
+    torch._dynamo.reset()
+    made = []
+    db = str(tmp_path / "g.db")
+    with gradstore.record("g", db=db, model=model) as rec:
+        for x in XS:
+            inner = {}
+            hook = net.block.register_forward_hook(lambda m, i, o, inner=inner: inner.update(block=(o, i[0])))
+            y = model(x)
+            hook.remove()
+            made.append({"": _nodes_made(y), "block": _nodes_made(*inner["block"]) if "block" in inner else None})
+            y.sum().backward()
+            rec.step()
+    steps = gradstore.open(db).steps("g")
+    assert int(steps.tracing_passes.iloc[0]) >= 1  # the first step compiled
+    gains = gradstore.open(db).module_gains("g")
+    for step, expected in enumerate(made):
+        got = gains[(gains.step == step) & (gains.module == "")]
+        assert int(got.nodes.iloc[0]) == expected[""]
+        assert int(got.ran.iloc[0]) == expected[""]
+    if where == "block":
+        assert made[0]["block"] == made[1]["block"] == 1  # the region runs as one CompiledFunctionBackward
+        got = gains[gains.module == "block"].sort_values("step")
+        assert got.nodes.tolist() == [1, 1]

@@ -104,6 +104,7 @@ class StepFacts:
     has_grad: dict[str, bool]
     level: str
     dropped: object = None  # callable: True when the writer dropped the step's calls and tensors
+    tracing: int = 0  # backward passes torch.compile ran while tracing in the step (it compiled something then)
 
 
 @dataclass
@@ -657,6 +658,14 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
     # `found` counts a call's nodes only where its sequence numbers do not (a call still running, or entered
     # before any number was read)
     counted = any(c[4] is None or c[1] < 0 for c in calls)
+    # a step in which torch.compile traced: its tracing made nodes (fake tensors' graphs) that took sequence numbers
+    # inside the calls around a compiled region, which then runs as one node: those calls count the nodes found
+    exact = [True] * n
+    wrappers = set(getattr(fw, "compiled_calls", ()))
+    if f.tracing and wrappers:
+        for k in range(n):
+            exact[k] = wrappers.isdisjoint(range(k, last[k] + 1))
+        counted = counted or not all(exact)
     # per node identity (seq, or the key for nodes without one): the first pass reaching it, ran, born
     seen: dict = {}
     tally = plan.append
@@ -870,7 +879,7 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
                 ctx[0] if ctx is not None else None,
                 ctx[1] if ctx is not None else None,
                 recomputes[k],
-                c[4] - c[1] if c[4] is not None and c[1] >= 0 else len(found[k]),
+                c[4] - c[1] if exact[k] and c[4] is not None and c[1] >= 0 else len(found[k]),
                 len(ran_found[k]) if walked else None,
                 first_call[k],
             )

@@ -391,7 +391,8 @@ class ForwardRecord:
     and the exit number is None while it still runs (every Node created takes one number: exit - entry nodes were
     created inside); outputs: (call index, sequence_nr, name) of the grad_fn of each tensor a module call returned (its
     direct tensors, and those of a tuple, list or dict it returned, and of such containers inside it, three levels deep:
-    nn.LSTM's (output, (h_n, c_n))); compiled: the region (`region_of`) of each `torch.compile` wrapper call, in order.
+    nn.LSTM's (output, (h_n, c_n))); compiled: the region (`region_of`) of each `torch.compile` wrapper call, in order;
+    compiled_calls: the index in `calls` of each of those wrapper calls.
 
     Inside a compiled region the boundaries stay those of the compiled module: torch.compile inlines the module
     calls it traces (their hooks do not run), and after a graph break inside a module it may run the rest of
@@ -418,6 +419,7 @@ class ForwardRecord:
     out_seqs: list = field(default_factory=list)
     out_names: list = field(default_factory=list)
     compiled: list = field(default_factory=list)
+    compiled_calls: list = field(default_factory=list)  # the index in `calls` of each wrapper call of `compiled`
 
     @property
     def calls(self) -> list[list]:
@@ -566,6 +568,7 @@ class ModuleTracker:
             self._region_seqs.append(seq)
             self._region_vals.append(region)
             self._record.compiled.append(region)
+            self._record.compiled_calls.append(index)
 
     def _inside(self, module) -> bool:
         """True for a graph that torch.compile made and calls inside its compiled region (a `torch.fx.GraphModule`

@@ -747,6 +747,7 @@ class record:
             has_grad=state.has_grad,
             level=self.options.stats,
             dropped=_dropped_of(weakref.ref(batch)),
+            tracing=state.tracing_passes,
         )
         findings = Findings(facts)
         batch.nodes = LazyRows.deferred(lambda: findings.result().nodes, findings)
