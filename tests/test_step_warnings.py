@@ -12,6 +12,8 @@ import textwrap
 from collections import Counter
 
 import pytest
+import torch
+import torch.nn as nn
 
 import gradstore
 
@@ -162,3 +164,39 @@ def test_a_warning_repeated_in_a_step_is_counted_as_shown(db, action, shown):
     row = w[w.message == "again"].iloc[0]
     assert row["count"] == len(mine) and row.category == "RuntimeWarning"
     assert row.location == f"{mine[0].filename}:{mine[0].lineno}"
+
+
+def test_warnings_torch_compile_hides_while_tracing_are_not_noted(tmp_path):
+    """torch._dynamo reads `.grad` of the tensors it traces under torch._logging.hide_warnings: the non-leaf
+    warning is raised but never shown. It was noted as a step warning though the user saw none."""
+    import warnings
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, h):
+            return self.a(h).relu()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.block = nn.Linear(3, 4), Block()
+
+        def forward(self, x):
+            return self.block(self.pre(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    net.block = torch.compile(net.block, backend="aot_eager")
+    torch._dynamo.reset()
+    db = str(tmp_path / "w.db")
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with gradstore.record("w", db=db, model=net):
+            net(torch.randn(2, 3)).sum().backward()
+    seen = {str(w.message) for w in shown if "gradstore" not in str(w.filename)}
+    noted = set(gradstore.open(db).warnings("w")["message"])
+    assert not any(".grad attribute of a Tensor that is not a leaf" in m for m in noted)
+    assert noted <= seen

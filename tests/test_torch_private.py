@@ -375,3 +375,24 @@ def test_a_torch_function_mode_is_seen_while_active():
     with TorchFunctionMode():
         assert tp.torch_function_mode_active() is True
     assert tp.torch_function_mode_active() is False
+
+
+def test_a_warning_torch_hides_is_told_from_one_it_shows():
+    """torch._logging.hide_warnings wraps warnings.showwarning in a `_showwarning` closure over `filter_fn` and
+    `prior` (what `warning_hidden` reads); torch._dynamo reads `.grad` under it with `safe_grad_filter`."""
+    import warnings
+
+    from torch._logging import _internal
+
+    def message(text, category=UserWarning):
+        return warnings.WarningMessage(text, category, __file__, 1)
+
+    hidden = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+    assert not tp.warning_hidden(message(hidden))
+    with _internal.hide_warnings(_internal.safe_grad_filter):
+        assert tp.warning_hidden(message(hidden + " by something"))
+        assert not tp.warning_hidden(message("another warning"))
+        with _internal.hide_warnings(lambda m, *a, **k: "second" not in str(m)):
+            assert tp.warning_hidden(message("a second filter's"))
+            assert tp.warning_hidden(message(hidden))
+    assert not tp.warning_hidden(message(hidden))

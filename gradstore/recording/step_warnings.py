@@ -11,8 +11,11 @@ without gradstore:
 - a `warnings.catch_warnings(record=True)` of the user's own still collects its warnings (they are noted too:
   they were raised in the step);
 - `warnings.showwarning` replaced by the user is still called (by the wrapped hook, as before).
-What is counted is what Python showed: under the default filter a warning is shown once per location, so a
-warning repeated in a loop counts 1; `warnings.simplefilter("always")` shows, and counts, each.
+A warning torch hides from the user (`torch._logging.hide_warnings`, a `warnings.showwarning` wrapper that shows
+only what its filter passes: torch._dynamo reading a tensor's `.grad` while tracing) is not noted
+(`torch_private.warning_hidden`). What is counted is what Python showed: under the default filter a warning is shown
+once per location, so a warning repeated in a loop counts 1; `warnings.simplefilter("always")` shows, and counts,
+each.
 Where `warnings._showwarnmsg` is missing (another Python), `warnings.showwarning` (public) is wrapped instead.
 """
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import threading
 import warnings
+
+from . import torch_private as tp
 
 
 def _category_name(category) -> str:
@@ -55,7 +60,8 @@ class WarningLog:
         if self._name == "_showwarnmsg":
 
             def wrapper(msg):
-                self._note(msg.category, msg.message, msg.filename, msg.lineno)
+                if not tp.warning_hidden(msg):  # torch hides some of its own warnings from the user
+                    self._note(msg.category, msg.message, msg.filename, msg.lineno)
                 return previous(msg)
 
         else:

@@ -491,3 +491,30 @@ def grad_scaler_found_inf(scaler, optimizer) -> float | None:
 # and its own parameters in (private attributes; name -> Module / Parameter or None), read in C by one attrgetter
 # call (gradstore.recording.modules.Structure reads them for every module at every step)
 module_registries = operator.attrgetter("_modules", "_parameters")
+
+
+def warning_hidden(msg) -> bool:
+    """Whether `warnings.showwarning` will not show the warning `msg` (a `warnings.WarningMessage`) because
+    `torch._logging.hide_warnings` (private) wraps it: its `_showwarning` closure over `filter_fn` and `prior` shows
+    a warning only where `filter_fn(message, category, filename, lineno, file, line)` is true (torch._dynamo reads
+    a tensor's `.grad` under it, hiding the non-leaf warning). Followed down the chain of such wrappers; False at
+    anything else (the warning is shown, or whether it is cannot be told) and where the closure differs."""
+    import warnings
+
+    show = warnings.showwarning
+    for _ in range(16):
+        code = getattr(show, "__code__", None)
+        if code is None or getattr(show, "__name__", "") != "_showwarning" or show.__closure__ is None:
+            return False
+        cells = dict(zip(code.co_freevars, show.__closure__))
+        if "filter_fn" not in cells or "prior" not in cells:
+            return False
+        try:
+            if not cells["filter_fn"].cell_contents(
+                msg.message, msg.category, msg.filename, msg.lineno, msg.file, msg.line
+            ):
+                return True
+            show = cells["prior"].cell_contents
+        except Exception:
+            return False
+    return False
