@@ -377,7 +377,8 @@ def demo(db, run_name, steps, seed, nan_step, top):
 def runs(db):
     """List the runs in database DB (a SQLite file or SQLAlchemy URL): status, steps, last step, times, versions.
 
-    Status `interrupted`: the process writing the run died with its scope open (no heartbeat within its lease)."""
+    Status `interrupted`: the process writing the run died with its scope open: at once where it ran on this host
+    (its pid is gone), else once its last heartbeat is older than its lease."""
     with _store(db) as store:
         df = store.runs()
     if df.empty:

@@ -1,7 +1,7 @@
 -- title: Runs
 -- description: Every recorded run with its status, world size, versions, number of recorded steps (all ranks) and its last step; a run whose writer died with its scope open (killed, out of memory, machine lost) shows status interrupted.
 -- param run: run name; empty (NULL) for every run
--- param now: the current time in seconds since the epoch (gradstore binds it); a run is interrupted when no claim on one of its ranks stands at that time (heartbeat_at + lease < now) while its status says running or one of its claims lapsed; empty (NULL) shows the stored status (running, even for a dead writer). (README: how to bind it in sqlite3)
+-- param now: the current time in seconds since the epoch (gradstore binds it; Datasette's canned query q_runs reads it left empty as the current time); a run is interrupted when no claim on one of its ranks stands at that time (heartbeat_at + lease < now) while its status says running or one of its claims lapsed; empty (NULL, as in the sqlite3 shell unbound) shows the stored status (running, even for a dead writer). This SQL sees leases, not pids: a writer killed on this host reads as running here until its lease runs out (60 s after its last heartbeat, by default), where store.runs() and gradstore runs say interrupted at once. (README: how to bind it in sqlite3)
 SELECT r.name AS run,
        CASE WHEN CASE WHEN CAST(:now AS TEXT) = '' THEN NULL ELSE CAST(:now AS DOUBLE PRECISION) END IS NOT NULL
                  AND NOT EXISTS (SELECT 1 FROM claims c WHERE c.run_id = r.id

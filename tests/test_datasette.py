@@ -4,9 +4,11 @@ does; no canned query hides a table or view; the table pages show role, status, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ import torch
 from _procs import free_port, run_distributed
 
 import gradstore
-from gradstore.store import queries
+from gradstore.store import queries, writer
 from gradstore.view import browse
 
 pytest.importorskip("datasette")
@@ -56,6 +58,13 @@ def served(tmp_path_factory):
                 model.zero_grad(set_to_none=True)
                 rec.step()
     assert run_distributed(_rank_run, db) == [0, 1]
+    with _serving(db) as base:
+        yield base, browse.database_name(db), db
+
+
+@contextlib.contextmanager
+def _serving(db: str):
+    """`gradstore datasette DB` on a free port of 127.0.0.1 for the block; gives its base URL."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "gradstore", "datasette", db, "--port", str(port)],
@@ -74,7 +83,7 @@ def served(tmp_path_factory):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(f"Datasette did not start: {proc.stdout.read().decode()[-2000:]}") from None
                 time.sleep(0.3)
-        yield base, browse.database_name(db), db
+        yield base
     finally:
         proc.terminate()
         try:
@@ -175,3 +184,40 @@ def test_table_pages_show_codes_as_names(served):
     # the JSON keeps the codes, which the lookup tables name
     rows = _get(f"{base}/{name}/tensors.json?_size=1&_shape=array&role=1")
     assert rows[0]["role"] == 1
+
+
+def test_q_runs_reads_an_empty_now_as_the_current_time(tmp_path):
+    """A run whose claim's heartbeat is older than its lease (its writer died: here, on another host, whose pid
+    no reader can check) reads as interrupted in the canned query q_runs with `now` left empty or left out, as
+    in `gradstore runs`; a run whose heartbeat is fresh reads as running; a `now` given is the time used."""
+    db = str(tmp_path / "lease.db")
+    for run in ("dead", "live"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+        with gradstore.record(run, db=db, model=model) as rec:
+            model(torch.randn(4, 3)).pow(2).mean().backward()
+            rec.step()
+    writer.close_writer(db)
+    now = time.time()
+    with sqlite3.connect(db) as con:  # what a writer on another host leaves: status running, its claim
+        for run, lease in (("dead", 60.0), ("live", 3600.0)):  # heartbeats 120 s ago
+            (run_id,) = con.execute("SELECT id FROM runs WHERE name = ?", (run,)).fetchone()
+            con.execute("UPDATE runs SET status = 'running', finished_at = NULL WHERE id = ?", (run_id,))
+            con.execute(
+                "INSERT INTO claims (run_id, rank, pid, host, started_at, heartbeat_at, lease) "
+                "VALUES (?, 0, 1, 'another-host', ?, ?, ?)",
+                (run_id, now - 300, now - 120, lease),
+            )
+    with gradstore.open(db) as store:
+        runs = store.runs()
+    helper = dict(zip(runs["run"], runs["status"]))
+    assert helper == {"dead": "interrupted", "live": "running"}
+    with _serving(db) as base:
+        name = browse.database_name(db)
+        for query in ("run=&now=", "", "run=dead&now="):
+            got = _get(f"{base}/{name}/{browse.PREFIX}runs.json?_shape=array&" + query)
+            assert {r["run"]: r["status"] for r in got} == {
+                r: helper[r] for r in helper if "run=dead" not in query or r == "dead"
+            }, query
+        past = _get(f"{base}/{name}/{browse.PREFIX}runs.json?_shape=array&now={now - 600}")
+        assert {r["run"]: r["status"] for r in past} == {"dead": "running", "live": "running"}

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import ArgumentError, GradstoreError, UnknownRun, ValuesNotRecorded
-from . import queries
+from . import claims, queries
 from . import schema as s
 from . import values as stored_values
 from .database import damaged, explain, open_existing, open_sqlite_reader
@@ -93,8 +93,35 @@ class Store:
         """Runs (or the one named `run`): run, status (running / finished / error, or interrupted: its writer
         died with its scope open, see queries/runs.sql), world_size, created_at, finished_at (s since epoch),
         versions, host, steps, last_step (the highest step number written, any rank), last_step_at (when it
-        ended), heartbeat_at (the latest heartbeat of a process writing it; NULL once every scope ended)."""
-        return self.query("runs", run=run)
+        ended), heartbeat_at (the latest heartbeat of a process writing it; NULL once every scope ended).
+
+        A run reads as interrupted once none of its claims stands (`claims.stands`). queries/runs.sql (and
+        `query("runs")`) can check only the leases: a dead writer's lease runs out up to 60 s after its last
+        heartbeat, by default. This helper also checks the pid of each claim held on this host: a writer killed
+        here reads as interrupted at once. A claim held on another host stands until its lease runs out."""
+        now = time.time()
+        frame = self.query("runs", run=run, now=now)
+        live = frame.index[frame["status"] != "interrupted"]
+        if len(live) == 0:
+            return frame
+        c = s.claims.c
+        with self.engine.connect() as conn:
+            held = conn.execute(
+                select(s.runs.c.name, c.pid, c.host, c.heartbeat_at, c.lease).select_from(
+                    s.claims.join(s.runs, s.runs.c.id == c.run_id)
+                )
+            ).fetchall()
+        by_run: dict[str, list] = {}
+        for row in held:
+            by_run.setdefault(row.name, []).append(row)
+        host = claims.this_host()
+        for i in live:
+            held_by = by_run.get(frame.at[i, "run"])
+            # runs.sql: interrupted when no claim stands while the run says running or holds claims; with none
+            # held the SQL's answer stands (it already read a running run without claims as interrupted)
+            if held_by and not any(claims.stands(h, now, host) for h in held_by):
+                frame.at[i, "status"] = "interrupted"
+        return frame
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Steps: run, rank, step, status (ok / error / nonfinite, or unmeasured: level 'shape', which measures no

@@ -4,13 +4,19 @@ Datasette (the `gradstore[datasette]` extra) serves a SQLite file as web pages a
 gives it the queries/ files as canned queries: named `q_<file>` (so that none hides the table or view of the
 same name: `q_tensors` beside the `tensors` view), with the title, the description and the parameters of each
 file's header. Datasette passes a form field left empty as '', which every query file reads as "all", as it
-reads NULL. `serve(db)` runs Datasette with that metadata and the plugin gradstore.view.datasette_labels, which
-shows role, status, dtype and kind codes as names in the table pages.
+reads NULL. The one parameter that is a time, `now` (queries/runs.sql: the time at which it tells a live run
+from an interrupted one), reads an empty field as the current time instead: the canned query falls back to
+Datasette's magic parameter `_now_epoch` (the current time in whole seconds since the epoch, which Datasette
+fills in for canned queries, with no form field), as the Python helper binds the current time, so q_runs says
+interrupted once a dead writer's lease has run out, as `gradstore runs` does (which also sees at once, by its
+pid, a writer that died on this host). `serve(db)` runs Datasette with that metadata and the plugin
+gradstore.view.datasette_labels, which shows role, status, dtype and kind codes as names in the table pages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 from ..errors import GradstoreError
@@ -18,6 +24,21 @@ from ..store import queries
 from .extras import require
 
 PREFIX = "q_"  # canned query names: q_steps, q_tensors, ... (tables and views never start with it)
+
+# `:now` in a canned query: the value given, or the current time where it is left empty (Datasette's magic
+# parameter _now_epoch, filled in for canned queries only). The query files read a number parameter as
+# CAST(:now AS DOUBLE PRECISION), which reads this text or integer alike.
+NOW = "COALESCE(NULLIF(CAST(:now AS TEXT), ''), :_now_epoch)"
+_NOW_RE = re.compile(r"(?<![:\w]):now\b")
+
+
+def canned_sql(q: queries.Query) -> str:
+    """The SQL of query `q` as its canned query runs it: the file's text, with `:now` (where the file has that
+    parameter) read as the current time when left empty (NOW), since Datasette sends an empty field as ''."""
+    sql = q.sql.strip().rstrip(";")
+    if "now" not in q.params:
+        return sql
+    return "\n".join(line if line.lstrip().startswith("--") else _NOW_RE.sub(NOW, line) for line in sql.splitlines())
 
 
 def database_name(db: str | Path) -> str:
@@ -37,7 +58,7 @@ def canned_queries(tables: set[str] = frozenset()) -> dict[str, dict]:
             raise GradstoreError(f"canned query {name!r} would hide the table or view of that name")
         params = "; ".join(f"{p}: {note}" for p, note in q.params.items())
         out[name] = {
-            "sql": q.sql.strip().rstrip(";"),
+            "sql": canned_sql(q),
             "title": q.title,
             "description": q.description + (f" Parameters (leave one empty for all): {params}." if params else ""),
             "params": list(q.params),

@@ -168,7 +168,7 @@ class _Page:
 
 
 def _run_section(page: _Page, store, run: str, db: str) -> pd.DataFrame:
-    r = store.query("runs", run=run).iloc[0]
+    r = store.runs(run=run).iloc[0]  # interrupted at once where its writer died on this host
     steps = store.steps(run=run)
     page.add(f"<h1>Run {_e(run)}</h1>")
     page.add(

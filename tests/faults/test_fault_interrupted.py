@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import gradstore
 from gradstore.cli import main
-from gradstore.store import database, writer
+from gradstore.store import claims, database, writer
 
 
 def _record_then_hang(db, steps, written):
@@ -65,6 +65,47 @@ def test_a_killed_run_reads_as_interrupted_with_its_last_step(tmp_path, monkeypa
     assert con.execute(sql, {"run": None, "now": None}).fetchone()[1] == "running"
     assert con.execute(sql, {"run": None, "now": time.time()}).fetchone()[1] == "interrupted"
     con.close()
+
+
+def _record_then_wait(db, written):
+    m = model()
+    with gradstore.record("here", db=db, model=m) as rec:
+        m(batch(0)).pow(2).mean().backward()
+        rec.step()
+        rec.flush()
+        written.set()
+        time.sleep(120)  # killed here, its scope open
+
+
+def test_runs_says_interrupted_at_once_when_the_claims_pid_on_this_host_is_dead(tmp_path, monkeypatch):
+    """A writer SIGKILLed on this host: `gradstore runs`, `gradstore show` and store.runs() say interrupted at
+    once (its pid is gone), long before its lease (60 s with the default heartbeat) runs out; runs.sql, which sees
+    leases only, still says running. The same dead claim held on another host stands until its lease runs out."""
+    monkeypatch.delenv("GRADSTORE_HEARTBEAT_S", raising=False)  # the default lease: 60 s
+    db = str(tmp_path / "pid.db")
+    written = mp.get_context("fork").Event()
+    child = fork(_record_then_wait, db, written)
+    try:
+        assert written.wait(60)
+        with gradstore.open(db) as store:
+            assert store.runs().iloc[0]["status"] == "running"  # alive: its pid and its lease
+    finally:
+        assert kill9(child)  # reaped: the pid is gone
+    out = CliRunner().invoke(main, ["runs", db]).output
+    line = next(x for x in out.splitlines() if x.split()[:1] == ["here"])
+    assert line.split()[1] == "interrupted" and line.split()[3] == "0", out  # run, status, steps, last_step
+    shown = CliRunner().invoke(main, ["show", db, "here"]).output
+    assert "interrupted (last step 0" in shown, shown
+    with gradstore.open(db) as store:
+        assert store.runs(run="here").iloc[0]["status"] == "interrupted"
+        sql = store.query("runs").iloc[0]  # the lease alone: the claim stands for a minute yet
+        assert sql["status"] == "running" and time.time() - sql["heartbeat_at"] < 30
+    with sqlite3.connect(db) as con:
+        (host, pid) = con.execute("SELECT host, pid FROM claims").fetchone()
+        assert (host, pid) == (claims.this_host(), child.pid)
+        con.execute("UPDATE claims SET host = 'another-host'")  # a pid there cannot be checked from here
+    with gradstore.open(db) as store:
+        assert store.runs().iloc[0]["status"] == "running"
 
 
 def test_a_scope_that_ends_releases_its_claim_and_the_run_is_finished(db, monkeypatch):
