@@ -205,7 +205,8 @@ class StepBatch:
     # (node key, seq, role code, slot, *ROW_COLUMNS), seq from the step's counter shared with backward calls
     forward_nodes: list[NodeInfo] = field(default_factory=list)
     activations: list[tuple] = field(default_factory=list)
-    # record(values=...): bytes of elements stored in the step, and matching gradients the budget left out
+    # record(values=...): bytes of elements stored in the step, and matching gradients of at most max_numel
+    # elements not stored (past the budget, not measured, or a failed copy)
     values_bytes: int | None = None
     values_left_out: int | None = None
 

@@ -211,9 +211,11 @@ class record:
         values: store the elements of the selected nodes' gradients (globs as for slices; grad_outputs,
             grad_inputs and param_grad rows) of at most `max_numel` elements, as little-endian bytes, so that
             `Store.diff` / `first_divergence` compare them and `Store.tensor` gives them back. Off by default.
-        max_numel: the largest gradient (elements) whose elements values= stores (default 4096).
+        max_numel: the largest gradient (elements; a sparse gradient's dense elements: values= stores it as the
+            dense tensor it represents) whose elements values= stores (default 4096).
         values_budget: bytes of elements values= stores per step at most (default 8 MiB: 8388608);
-            matching gradients past it are counted in steps.values_left_out.
+            matching gradients past it (and those that could not be read or copied) are counted in
+            steps.values_left_out.
         forward: also record the forward: the statistics of every module call's output tensors (role
             'activation', nodes 'module/forward#k'), and each pass's roots (role 'loss': its loss, measured
             as the pass starts; `Store.losses`). Off by default; not at stats='params'.
@@ -641,6 +643,9 @@ class record:
         values, value_faults = self._values.take() if state is not None else (self._values.clear(), [])
         for text in value_faults:  # unsampled steps' values are not kept
             state.fault_text(text)
+        if state is not None and state.values is not None:
+            for text in state.values.faults:  # record(values=...): copies that failed (counted as left out)
+                state.fault_text(text)
         forward_nodes, activations = [], []
         if state is not None and self._forward is not None:
             try:

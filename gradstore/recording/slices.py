@@ -23,8 +23,20 @@ indices. Where it runs:
 - a float64 gradient, anywhere: its squares can overflow (|x| past 1.3e154) or vanish (|x| below 1e-154), so
   each slice's largest magnitude comes first (`abs().amax`, NaN-propagating: all-zero and non-finite slices are
   read off it exactly), then the norm of the slice scaled by a power of two near it (three passes).
+A sparse gradient (COO, CSR, CSC, BSR, BSC: `nn.Embedding(sparse=True)` gives an uncoalesced COO one) is
+summarised as the dense tensor it represents, and never changed:
+- COO (float16, bfloat16, float32), slices along a sparse dimension (an embedding's rows): a coalesced copy
+  (`Tensor.coalesce()`: a new tensor whose duplicates are summed in the tensor's dtype, as `to_dense()` sums
+  them), each stored entry's float64 sum of squares, added into its slice with `index_add_` (implicit zeros add
+  nothing): the slices' sums of squares, then as above, with no dense tensor made;
+- COO, slices along a dense dimension of a hybrid tensor (an embedding gradient's columns): the coalesced copy's
+  values summarised along that dimension (the implicit zeros add nothing to a slice's norm, and a slice is all
+  zero exactly when its stored values are);
+- anything else (a float64 COO tensor, along a sparse dimension; the compressed layouts): `to_dense()`, a dense
+  copy of the one gradient being summarised, then as a dense tensor.
 Relies on: torch.linalg.vector_norm (dim, dtype), torch.amax, torch.nanmedian, torch.topk, torch.frexp,
-torch.ldexp, and the kernel's gs_slices_f32.
+torch.ldexp, the kernel's gs_slices_f32, and for sparse tensors Tensor.coalesce, Tensor.to_dense, index_add_ and
+the private Tensor._values / _indices (gradstore.recording.torch_private).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import numpy as np
 import torch
 
 from . import kernel as fused
+from . import torch_private as tp
 
 FIRST = 8  # indices of all-zero and of non-finite slices kept, the first ones
 VEC_LEN = 6 + 2 * FIRST  # slices, zero, nonfinite, norm min, median, max; FIRST + FIRST indices
@@ -52,12 +65,17 @@ def summarise(t: torch.Tensor, dim: int) -> torch.Tensor | tuple | str:
     """The slice statistics of `t` along `dim`, computed on t's device with no host synchronisation.
 
     Args:
-        t: a plain dense real tensor (a gradient; detached here), any device.
+        t: a plain real tensor (a gradient; detached here, never changed), any device: dense (strided) or sparse
+            (COO, CSR, CSC, BSR, BSC: summarised as the dense tensor it represents, an uncoalesced tensor's
+            duplicates summed first).
         dim: the dimension (negative counts from the end).
     Returns:
         a float64 tensor of shape (VEC_LEN,) on t's device (turn it into a row with `row` once it is on the
         host); a tuple (the same values) where nothing needs computing (a dimension of size 0); or a str,
-        the reason the tensor has no slice statistics (0-d, dimension out of range, not a floating dtype).
+        the reason the tensor has no slice statistics (0-d, dimension out of range, not a floating dtype,
+        another layout).
+    Raises:
+        whatever torch raises on a tensor it cannot read (the caller stores it as the reason).
     """
     x = t.detach()
     if x.ndim == 0:
@@ -70,6 +88,8 @@ def summarise(t: torch.Tensor, dim: int) -> torch.Tensor | tuple | str:
     k = x.shape[d]
     if k == 0:
         return (0.0, 0.0, 0.0, math.nan, math.nan, math.nan) + (0.0,) * (2 * FIRST)
+    if x.layout is not torch.strided:
+        return _sparse(x, d)
     others = tuple(i for i in range(x.ndim) if i != d)
     if x.dtype in _WIDE and x.device.type == "cpu" and type(x) in (torch.Tensor, torch.nn.Parameter):
         k_ = fused.load()
@@ -95,18 +115,50 @@ def summarise(t: torch.Tensor, dim: int) -> torch.Tensor | tuple | str:
             norms = torch.linalg.vector_norm(x / scale.reshape(shape), dim=others) * scale
         else:
             norms = big
+    return _from_norms(norms, bad, zero, k)
+
+
+def _from_norms(norms: torch.Tensor, bad: torch.Tensor, zero: torch.Tensor, k: int) -> torch.Tensor:
+    """The VEC_LEN values of `summarise`, on the norms' device, from the k slices' float64 L2 norms and their
+    non-finite (`bad`) and all-zero masks."""
     norms = torch.where(bad, math.nan, norms)
     nmin = torch.where(bad, math.inf, norms).amin()
     nmax = torch.where(bad, -math.inf, norms).amax()
     nmed = torch.nanmedian(norms)
     m = min(FIRST, k)
-    at = torch.arange(k, device=x.device, dtype=torch.float64)
+    at = torch.arange(k, device=norms.device, dtype=torch.float64)
     first = torch.where(torch.stack([zero, bad]), at, float(k)).topk(m, dim=1, largest=False, sorted=True).values
     if m < FIRST:
         first = torch.nn.functional.pad(first, (0, FIRST - m), value=float(k))
     counts = torch.stack([zero.sum(), bad.sum()]).to(torch.float64)
     head = torch.stack([norms.new_tensor(float(k)), counts[0], counts[1], nmin, nmed, nmax])
     return torch.cat([head, first.reshape(-1)])
+
+
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _sparse(x: torch.Tensor, d: int) -> torch.Tensor | tuple | str:
+    """`summarise` of a sparse tensor along dimension d (0 <= d < ndim, of size k > 0): the statistics of the
+    dense tensor it represents (see the module docstring for how). `x` is never changed."""
+    if x.layout not in _SPARSE:
+        return f"layout {x.layout}: slice statistics are computed for dense (strided) and sparse tensors only"
+    if x.layout is not torch.sparse_coo or (x.dtype not in _WIDE and d < x.sparse_dim()):
+        return summarise(x.to_dense(), d)  # a dense copy of this one gradient
+    if not x.is_coalesced():
+        x = x.coalesce()  # a new tensor, duplicates summed: x as given stays uncoalesced
+    values = tp.sparse_values(x)  # (nnz, *dense dims)
+    if d >= x.sparse_dim():
+        return summarise(values, 1 + d - x.sparse_dim())
+    k = x.shape[d]
+    per_entry = values.to(torch.float64).square()  # exact: a wide dtype's square neither overflows nor vanishes
+    if per_entry.ndim > 1:
+        per_entry = per_entry.sum(dim=tuple(range(1, per_entry.ndim)))
+    sumsq = torch.zeros(k, dtype=torch.float64, device=values.device)
+    sumsq.index_add_(0, tp.sparse_indices(x)[d], per_entry)
+    if sumsq.device.type == "cpu":
+        return _on_host(sumsq.numpy())
+    return _from_norms(torch.sqrt(sumsq), ~torch.isfinite(sumsq), sumsq == 0, k)
 
 
 def _kernel_sumsq(k_, x: torch.Tensor, d: int) -> np.ndarray:

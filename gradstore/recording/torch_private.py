@@ -470,6 +470,14 @@ def sparse_values(t: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"not a sparse layout: {t.layout}")
 
 
+def sparse_indices(t: torch.Tensor) -> torch.Tensor:
+    """The indices of a sparse COO tensor's stored entries, without copying or coalescing it:
+    `Tensor._indices()` (private; `indices()` refuses an uncoalesced tensor). Shape (sparse_dim, nnz)."""
+    if t.layout is not torch.sparse_coo:
+        raise TypeError(f"not a sparse COO tensor: {t.layout}")
+    return t._indices()
+
+
 def grad_scaler_found_inf(scaler, optimizer) -> float | None:
     """After `scaler.step(optimizer)` (and before `scaler.update()`): the number of devices on which the
     unscaled gradients of `optimizer` held an Inf or NaN (`GradScaler.step` then skipped `optimizer.step()`),

@@ -7,6 +7,7 @@ whose columns are documented in that file's header and in README.md.
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from . import values as stored_values
 from .database import damaged, explain, open_existing, open_sqlite_reader
 from .writer import flush_pending
 
+# how a record(values=...) copy that failed is named among a step's recorder faults (steps.error); as
+# gradstore.recording.values.FAULT
+_VALUES_FAULT = "values=: "
 _NONFINITE_ROLES = ("grad_output", "grad_input", "param_grad", "activation", "loss")  # first_nonfinite(role=)
 
 
@@ -611,10 +615,11 @@ class Store:
             slot: position in grad_outputs / grad_inputs (0 for param_grad rows).
             step: the step; None: the last step that stored it. rank: the rank; None: the lowest that stored it.
             occurrence: 0 for the first row of that key, role and slot in the step, 1, 2, ... for micro-batches.
-        Returns: torch.Tensor (decoded from little-endian bytes: gradstore.store.values.decode).
+        Returns: torch.Tensor (decoded from little-endian bytes: gradstore.store.values.decode); a sparse
+            gradient's is the dense (strided) tensor it represents, as it was stored.
         Raises: UnknownRun; ValuesNotRecorded when no such stored gradient exists (the message says which are
-            stored for that key, and how many the step's byte budget left out); ArgumentError (a ValueError) for a
-            bad role.
+            stored for that key, and why this one is not, as `_why_no_values` reads it); ArgumentError (a
+            ValueError) for a bad role.
         """
         if param is not None:
             key = key or f"param:{param}"
@@ -636,19 +641,68 @@ class Store:
                 f"{r.role}[{r.slot}] step {r.step} rank {r.rank} occurrence {r.occurrence}"
                 for r in frame.head(10).itertuples()
             )
-            steps = self.steps(run, rank=rank, step=step)
-            left = int(steps["values_left_out"].fillna(0).sum()) if len(steps) else 0
             raise ValuesNotRecorded(
                 f"run {run!r} has no stored elements for {key} {role or ''}[{slot}] occurrence {occurrence}"
                 + (f" at step {step}" if step is not None else "")
                 + (f"; stored for that key: {have}" if have else "; none are stored for that key")
-                + (f"; the byte budget left out {left} matching gradients in those steps" if left else "")
-                + " (record(values=...) stores the gradients of the nodes it selects with at most max_numel elements)"
+                + "; "
+                + self._why_no_values(run, key, role, slot, step, rank, occurrence)
             )
         if step is None:
             sel = sel[sel["step"] == sel["step"].max()]
         row = sel.sort_values("rank").iloc[0]
         return stored_values.decode(bytes(row["data"]), row["dtype"], row["shape"])
+
+    def _why_no_values(
+        self, run: str, key: str, role: str | None, slot: int, step: int | None, rank: int | None, occurrence: int
+    ) -> str:
+        """Why a gradient's elements were not stored, from what the run recorded of it (queries/history.sql: its
+        row's status, numel and layout) and of its step (steps.values_bytes, values_left_out and the values=
+        recorder faults in steps.error). The run's values= globs and max_numel are not stored: where those are
+        the only explanations left, it names both."""
+        rows = self.query("history", run=run, key=key, role=role, rank=rank)
+        rows = rows[(rows["slot"] == slot) & (rows["occurrence"] == occurrence)]
+        if step is not None:
+            rows = rows[rows["step"] == step]
+        final = rows[rows["final"] == 1]
+        rows = rows[rows["final"] != 1]
+        if rows.empty:
+            if not final.empty:
+                return (
+                    "only the step's final param_grad row (the .grad the optimizer read) was recorded, and "
+                    "record(values=...) stores the passes' rows, not the final ones"
+                )
+            return "no such gradient was recorded (that key, role, slot and occurrence has no row)"
+        r = rows[rows["step"] == rows["step"].max()].sort_values("rank").iloc[0]
+        at = f"its gradient at step {int(r['step'])} rank {int(r['rank'])}"
+        if r["status"] == "none":
+            return f"{at} was None"
+        if r["status"] == "skipped":
+            return f"{at} could not be measured (status skipped: store.tensors gives the reason), nor its elements read"
+        layout = r["layout"] if isinstance(r["layout"], str) else "dense"
+        dense = ", as the dense tensor it represents" if layout != "dense" else ""
+        what = f"{at} has {int(r['numel'])} elements ({layout}{dense})"
+        st = self.steps(run, rank=int(r["rank"]), step=int(r["step"]))
+        if st.empty or pd.isna(st["values_bytes"].iloc[0]):
+            return f"{what}, and that step was recorded without record(values=...)"
+        left, stored = int(st["values_left_out"].fillna(0).iloc[0]), int(st["values_bytes"].iloc[0])
+        error = st["error"].iloc[0] if isinstance(st["error"].iloc[0], str) else ""
+        faults = re.findall(re.escape(_VALUES_FAULT) + r"[^;\n]*", error)
+        if left and faults:
+            return (
+                f"{what}; that step left out {left} matching gradients of at most max_numel elements, whose "
+                f"elements could not be copied ({'; '.join(faults)}) or were past the byte budget (values_budget=; "
+                f"the step stored {stored} bytes)"
+            )
+        if left:
+            return (
+                f"{what}; that step's byte budget (record(values_budget=...)) left out {left} matching gradients of "
+                f"at most max_numel elements (the step stored {stored} bytes)"
+            )
+        return (
+            f"{what}; that step left out no matching gradient of at most max_numel elements, so its node was not "
+            "selected by the run's values= globs or it has more elements than the run's max_numel (default 4096)"
+        )
 
     # ---- inside tensors, the forward, saved tensors ---------------------------------------------------------------
     def slices(

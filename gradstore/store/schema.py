@@ -103,7 +103,8 @@ steps = Table(
     # backward passes torch.compile ran while tracing (AOTAutograd on fake / functional tensors): not recorded
     Column("tracing_passes", Integer, nullable=False, server_default=text("0")),
     # record(values=...) (revision 0008_inside; NULL without it): bytes of gradient elements stored in the step,
-    # and matching gradients whose elements the step's byte budget left out
+    # and matching gradients of at most max_numel elements whose elements were not stored (past the byte budget,
+    # not measured, or a failed copy; earlier versions counted only the budget's)
     Column("values_bytes", BigInteger),
     Column("values_left_out", Integer),
     UniqueConstraint("run_id", "rank", "step"),
