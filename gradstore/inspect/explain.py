@@ -421,7 +421,8 @@ class RecordedExplanation:
         if self.region is not None:
             inside = ", ".join(self.region.split(",")) if self.region else "no submodule"
             out.append(
-                f"a torch.compile region: one node for the compiled forward of {where}; modules inside: {inside}"
+                f"a torch.compile region: one node for the compiled forward of {where}; its submodules (which of "
+                f"them ran is not known): {inside}"
             )
         if len(self.edges_in) == 0 and len(self.edges_out) == 0:  # not "no edges": none were recorded
             out.append(
