@@ -580,3 +580,51 @@ def test_ddp_values_compare_ranks_element_by_element(tmp_path):
     assert out[0]["final"] == out[1]["final"]
     # the forward of the DDP-wrapped model has the plain model's keys (the wrapper's own call is not recorded)
     assert set(store.activations("vals").key) == {"fc1/forward#0", "fc2/forward#0", "forward#0"}
+
+
+# ---- a NaN on one rank: the all-reduce carries it into every rank's .grad, after that rank's node made it --------
+def _nan_on_rank_1(rank, db):
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+    torch.manual_seed(100 + rank)
+    first_node = []  # per step: did a node hook on this rank see NaN/Inf (plain hooks on every node)
+
+    def watch(fn, seen, done):
+        if fn is None or fn in done:
+            return
+        done.add(fn)
+        fn.register_hook(lambda gi, go: seen.append(any(g is not None and not g.isfinite().all() for g in gi + go)))
+        for nxt, _ in fn.next_functions:
+            watch(nxt, seen, done)
+
+    with gradstore.record("nan1", db=db, model=ddp) as rec:
+        for step in range(3):
+            x = torch.randn(6, 4)
+            if rank == 1 and step == 1:
+                x[0, 0] = float("nan")
+            loss = ddp(x).pow(2).sum()
+            seen = []
+            watch(loss.grad_fn, seen, set())
+            loss.backward()
+            first_node.append(any(seen))
+            ddp.zero_grad(set_to_none=True)
+            rec.step()
+    return {"node_nonfinite": first_node}
+
+
+def test_a_nan_one_rank_made_is_its_first_though_the_all_reduce_reaches_rank_0s_grad_first(tmp_path):
+    """Rank 0's .grad held the NaN rank 1's backward made (DDP's all-reduce); the report named rank 0's .grad as
+    the first non-finite gradient and rank 0's later node call, never rank 1's."""
+    from gradstore.view import story
+
+    db = str(tmp_path / "grads.db")
+    r0, r1 = run_distributed(_nan_on_rank_1, db)
+    assert r0["node_nonfinite"] == [False, False, False]  # plain hooks: rank 0's nodes saw only finite gradients
+    assert r1["node_nonfinite"] == [False, True, False]
+    with gradstore.open(db) as store:
+        assert story.param_first(store, "nan1") is None  # a node call (rank 1's) came first in step 1
+        start = story.first_nonfinite(store, "nan1")
+        assert (start.rank, start.step, start.also_ranks) == (1, 1, [])
+        pf0 = story.param_first(store, "nan1", rank=0)  # on rank 0 alone its .grad is its first
+        assert (pf0.rank, pf0.step) == (0, 1)

@@ -230,6 +230,17 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str) -> None:
         )
 
 
+def _also(ranks: list[int], what: str) -> str:
+    """The sentence naming the other ranks whose first non-finite gradient (a `what`) is in the same step."""
+    if not ranks:
+        return ""
+    names = ", ".join(str(r) for r in ranks)
+    return (
+        f"<br>In the same step a {_e(what)} on rank{'s' if len(ranks) > 1 else ''} {names} held NaN or Inf too "
+        "(which came first across ranks is not recorded)."
+    )
+
+
 def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int | None:
     """The section on the run's first non-finite gradient; returns the rank it is on (None: none recorded)."""
     page.section("nonfinite", "First non-finite gradient")
@@ -251,7 +262,8 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
         page.add(
             f'<div class="callout"><p>Parameter <code>{_e(pf.param)}</code> (module '
             f"<code>{_e(pf.module or '(top level)')}</code>): its .grad held {counts} {seen}, rank {pf.rank}, "
-            f"step {pf.step}, before any recorded node call held NaN or Inf.{why}</p></div>"
+            f"step {pf.step}, before any recorded node call held NaN or Inf.{why}{_also(pf.also_ranks, '.grad')}"
+            "</p></div>"
         )
         if start is not None:
             page.add(f"<h3>The first node call that held NaN or Inf (later: step {start.step})</h3>")
@@ -318,7 +330,8 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
     page.add(
         f'<div class="callout"><p><b>{_e(start.name)}</b> <code>{_e(start.key)}</code><br>module '
         f"<code>{_e(start.module or '(top level)')}</code> &middot; created at {frame}<br>rank {start.rank}, "
-        f"step {start.step}, pass {start.pass_}, seq {start.seq} (execution order in the step)</p>"
+        f"step {start.step}, pass {start.pass_}, seq {start.seq} (execution order in the step)"
+        f"{_also(start.also_ranks, 'node call')}</p>"
         f"<p>{slots}.</p><p>{origin}</p></div>"
     )
     if start.path:

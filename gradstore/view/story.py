@@ -63,6 +63,7 @@ class NonfiniteStart:
     edges: list[PathEdge] = field(default_factory=list)
     reached_nodes: int = 0
     params: list[str] = field(default_factory=list)
+    also_ranks: list[int] = field(default_factory=list)  # other ranks whose node calls held NaN / Inf in that step
 
 
 @dataclass
@@ -87,22 +88,30 @@ class ParamFirst:
     posinf: int
     neginf: int
     after_pass: bool | None
+    also_ranks: list[int] = field(default_factory=list)  # other ranks whose first was a .grad in that step
 
 
 def param_first(store, run: str, rank: int | None = None) -> ParamFirst | None:
-    """The run's first non-finite gradient (on `rank`, or the lowest rank that has one) when it is a parameter's
-    `.grad` that no recorded node call preceded with NaN or Inf (a step before the first such call, or no call
-    recorded at all: stats='params'), else None.
+    """The run's first non-finite gradient (on `rank`; without one, across ranks) when it is a parameter's `.grad`
+    that no recorded node call preceded with NaN or Inf (a step before the first such call, or no call recorded at
+    all: stats='params'), else None.
+
+    Across ranks the first is in the earliest step any rank saw one; in that step a node call on any rank comes
+    before every `.grad` (DDP's all-reduce, after the node calls, carries one rank's NaN into every rank's `.grad`),
+    so a `.grad` is the first only where no rank's node call held NaN or Inf in that step; the lowest such rank is
+    named and the others are `also_ranks`.
 
     Args: store (gradstore.Store), run (str), rank (int | None). Returns a ParamFirst (counts are elements) or None.
     Reads Store.first_nonfinite and Store.param_grads(which='all'); no PyTorch call. Raises UnknownRun."""
     f = store.first_nonfinite(run=run, rank=rank)
     if f.empty:
         return None
+    f = f[f["step"] == f["step"].min()]
+    if (f["role"] != "param_grad").any():
+        return None
+    also = sorted(int(x) for x in f["rank"].unique())
     f = f[f["rank"] == f["rank"].min()]
     r = f.iloc[0]
-    if r["role"] != "param_grad":
-        return None
     rank, step = int(r["rank"]), int(r["step"])
     param = str(r["key"]).removeprefix("param:")
     rows = store.param_grads(run=run, step=step, rank=rank, param=param, which="all")
@@ -123,6 +132,7 @@ def param_first(store, run: str, rank: int | None = None) -> ParamFirst | None:
         posinf=_count(r["posinf"]),
         neginf=_count(r["neginf"]),
         after_pass=after,
+        also_ranks=[x for x in also if x != rank],
     )
 
 
@@ -131,10 +141,11 @@ def _count(v) -> int:
 
 
 def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart | None:
-    """The first node call of `run` whose grad_outputs or grad_inputs held NaN or Inf (on `rank`, or the lowest
-    rank that has one) and its path, or None when no recorded node call saw one (a parameter's `.grad` may still
-    have: `Store.first_nonfinite` reports that row where no call came first, as at stats='params', which records no
-    calls). Raises UnknownRun.
+    """The first node call of `run` whose grad_outputs or grad_inputs held NaN or Inf (on `rank`; without one, in
+    the earliest step any rank's node call held one, on the lowest such rank, the others in `also_ranks`: execution
+    order across ranks is not recorded) and its path, or None when no recorded node call saw one (a parameter's
+    `.grad` may still have: `Store.first_nonfinite` reports that row where no call came first, as at stats='params',
+    which records no calls). Raises UnknownRun.
 
     The path follows the recorded edges from the first non-finite call: an edge carried a non-finite gradient
     when its source's grad_inputs[src_slot] (or, where that was not recorded, its destination's
@@ -147,7 +158,9 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
     if not found:
         return None
     rows = pd.concat(found, ignore_index=True)
-    rank = int(rows["rank"].min())
+    rows = rows[rows["step"].astype(int) == int(rows["step"].astype(int).min())]
+    also = sorted(int(x) for x in rows["rank"].unique())
+    rank = also[0]
     rows = rows[rows["rank"] == rank]
     first = min(zip(rows["step"].astype(int), rows["seq"].astype(int)))
     rows = rows[(rows["step"].astype(int) == first[0]) & (rows["seq"].astype(int) == first[1])]
@@ -251,6 +264,7 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
         edges=found,
         reached_nodes=len(seen) - 1,
         params=bad_params,
+        also_ranks=[x for x in also if x != rank],
     )
 
 
