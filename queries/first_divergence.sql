@@ -1,5 +1,5 @@
 -- title: First divergence between two runs, steps or ranks
--- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; the step's final param_grad rows, taken when it ended, after all its passes; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only that the other side could hold; a one-sided row the other side could not hold, as a step it did not record, is not compared; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there.
+-- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; the step's final param_grad rows, taken when it ended, after all its passes; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only that the other side could hold; a one-sided row the other side could not hold, as a step it did not record, is not compared; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row.
 -- param run_a: side a's run name; empty (NULL): run_b's (both empty: each run against itself)
 -- param run_b: side b's run name; empty (NULL): run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; empty (NULL): step_b's (both empty: every step, paired by step number)
@@ -128,6 +128,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
            pr.occurrence,
            CASE WHEN ta.id IS NULL THEN 'b' WHEN tb.id IS NULL THEN 'a' ELSE 'both' END AS side,
            CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN CASE WHEN pr.why IS NULL THEN 'missing' ELSE 'not compared' END
+                WHEN (xa.id IS NOT NULL AND xb.id IS NOT NULL AND (COALESCE(xa.global_offset <> xb.global_offset, FALSE) OR COALESCE(xa.shard <> xb.shard, FALSE) OR (xa.partials > 1 AND COALESCE(xa.partial <> xb.partial, TRUE))))
+                     THEN CASE WHEN COALESCE(ta.dtype <> tb.dtype, FALSE) THEN 'dtype' ELSE 'not compared' END
             WHEN ta.status = 2 OR tb.status = 2 OR (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
                   AND (ta.checksum IS NULL OR tb.checksum IS NULL))
                  THEN COALESCE(NULLIF(RTRIM(CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
@@ -184,6 +186,13 @@ WITH prm AS (  -- a NULL side takes the other side's value
            ta.checksum AS checksum_a,
            tb.checksum AS checksum_b,
            CASE WHEN ta.id IS NULL THEN COALESCE(pr.why, 'only in side b') WHEN tb.id IS NULL THEN COALESCE(pr.why, 'only in side a')
+            WHEN (xa.id IS NOT NULL AND xb.id IS NOT NULL AND (COALESCE(xa.global_offset <> xb.global_offset, FALSE) OR COALESCE(xa.shard <> xb.shard, FALSE) OR (xa.partials > 1 AND COALESCE(xa.partial <> xb.partial, TRUE))))
+                 THEN 'not compared: different ' || CASE WHEN xa.partials > 1 AND COALESCE(xa.partial <> xb.partial, TRUE) AND COALESCE(xa.global_offset = xb.global_offset, TRUE) THEN 'Partial terms' ELSE 'shards' END
+                      || ' of one DTensor (' || COALESCE(xa.placements, '?') || ' at offset ' || COALESCE(xa.global_offset, '?')
+                      || CASE WHEN xa.partials > 1 THEN ', Partial term ' || CAST(xa.partial AS TEXT) ELSE '' END || ' vs '
+                      || COALESCE(xb.placements, '?') || ' at offset ' || COALESCE(xb.global_offset, '?')
+                      || CASE WHEN xb.partials > 1 THEN ', Partial term ' || CAST(xb.partial AS TEXT) ELSE '' END
+                      || '): their values differ by design'
             WHEN ta.status = 2 THEN 'skipped on side a: ' || COALESCE(ta.reason, 'no reason recorded')
             WHEN tb.status = 2 THEN 'skipped on side b: ' || COALESCE(tb.reason, 'no reason recorded')
             WHEN (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
@@ -221,6 +230,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
     LEFT JOIN dtypes db ON db.id = tb.dtype
     LEFT JOIN tensor_values va ON va.id = ta.id
     LEFT JOIN tensor_values vb ON vb.id = tb.id
+    LEFT JOIN dtensors xa ON xa.id = ta.id  -- the layouts: which piece of a DTensor each side holds
+    LEFT JOIN dtensors xb ON xb.id = tb.id
     JOIN roles ro ON ro.id = COALESCE(ta.role, tb.role)
     CROSS JOIN prm
 ), diverged AS (  -- the rows that differ, numbered by call in execution order

@@ -24,6 +24,14 @@ from ..records import DTYPES
 VALUE_COLUMNS = ("values_compared", "values_max_abs", "values_rel", "values_cosine")
 
 
+# the start of a diff row's reason where the two sides hold different pieces of one DTensor (queries/diff.sql):
+# different shards, or different Partial terms; their values differ by design and are not compared
+DTENSOR_PIECES = (
+    "not compared: different shards of one DTensor",
+    "not compared: different Partial terms of one DTensor",
+)
+
+
 def decode(data: bytes, dtype: str | int, shape: str):
     """The stored elements as a torch.Tensor (CPU) of their dtype and shape.
 
@@ -138,6 +146,7 @@ def add_columns(frame, stored_a: dict, stored_b: dict, rtol: float = 0.0, atol: 
         return out
     rows = {c: [] for c in (*VALUE_COLUMNS, "values_differ")}
     differs = list(frame["differs"]) if "differs" in frame else []
+    reasons = list(frame["reason"]) if "reason" in frame else [None] * len(frame)
     for i, (ida, idb, side) in enumerate(zip(frame["id_a"], frame["id_b"], frame["side"])):
         ida, idb = _none(ida), _none(idb)
         sa = stored_a.get(int(ida)) if ida is not None else None
@@ -145,6 +154,9 @@ def add_columns(frame, stored_a: dict, stored_b: dict, rtol: float = 0.0, atol: 
         if side != "both":
             result, flag = dict.fromkeys(VALUE_COLUMNS), None
             result["values_compared"] = "no: a row of one side only"
+        elif str(reasons[i] or "").startswith(DTENSOR_PIECES):  # different shards: different elements by design
+            result, flag = dict.fromkeys(VALUE_COLUMNS), None
+            result["values_compared"] = "no: different pieces of one DTensor"
         else:
             a = decode(sa[2], sa[0], sa[1]) if sa is not None else None
             b = decode(sb[2], sb[0], sb[1]) if sb is not None else None
