@@ -1,9 +1,9 @@
 -- title: Parameter gradients that differ across ranks, or could not be compared
--- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank that recorded the step has no param_grad row for the parameter (side says which rank has one). result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side: nothing is claimed about its values), equal or sharded (layouts agree; values not compared, by design). Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
+-- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank of the run (0 .. world_size - 1, and any rank that wrote a step) has no param_grad row for the parameter: it recorded the step without one, or recorded no such step (reason: rank R recorded no step S, and whether it wrote other steps of the run to this database), not compared (side says which rank has one). rule none: .grad is None on both ranks: no values to compare and no placement to read (replicated or sharded is not known from these rows): not compared. result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side, a rank that recorded no such step, or .grad None on both: nothing is claimed about its values), equal or sharded (layouts agree; values not compared, by design). Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
 -- param run: run name; empty (NULL) for every run
 -- param step: step number; empty (NULL) for every step
 -- param all: 1 to list every comparison (the equal and sharded ones too); empty (NULL): only those that differ or were not compared
-WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass's first ('backward'); the final row ('final')
+WITH RECURSIVE latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass's first ('backward'); the final row ('final')
     SELECT t.id AS tid, t.step_id AS sid, st.run_id, st.step, st.rank, t.node_id,
            CASE WHEN t.pass_id IS NULL THEN 'final' ELSE 'backward' END AS stage,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.pass_id IS NULL ORDER BY p.pass DESC) AS latest
@@ -32,15 +32,30 @@ WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass'
     SELECT run_id, step, stage, node_id, MIN(rank) AS rank FROM g GROUP BY run_id, step, stage, node_id
 ), holders AS (  -- per region (shard and Partial term) and stage: the lowest rank that holds it
     SELECT run_id, step, stage, node_id, shard, term, MIN(rank) AS rank FROM g GROUP BY run_id, step, stage, node_id, shard, term
-), recorded AS (  -- the ranks that recorded each step
-    SELECT st.run_id, st.step, st.rank
-    FROM steps st JOIN runs r ON r.id = st.run_id
-    WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
-      AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
+), world (run_id, rank) AS (  -- the ranks of each run: 0 .. world_size - 1
+    SELECT r.id, 0 FROM runs r
+    WHERE NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), '')
+    UNION ALL
+    SELECT w.run_id, w.rank + 1 FROM world w JOIN runs r ON r.id = w.run_id WHERE w.rank + 1 < r.world_size
+), run_ranks AS (  -- every rank of each run: its world, and any rank that wrote a step
+    SELECT run_id, rank FROM world
+    UNION
+    SELECT st.run_id, st.rank FROM steps st WHERE st.run_id IN (SELECT run_id FROM world)
+), recorded AS (  -- per step some rank recorded: every rank of the run, whether it recorded that step (has_step)
+    -- and whether it recorded any step of the run in this database (has_any)
+    SELECT s.run_id, s.step, k.rank,
+           CASE WHEN EXISTS (SELECT 1 FROM steps x WHERE x.run_id = s.run_id AND x.step = s.step AND x.rank = k.rank)
+                THEN 1 ELSE 0 END AS has_step,
+           CASE WHEN EXISTS (SELECT 1 FROM steps x WHERE x.run_id = s.run_id AND x.rank = k.rank) THEN 1 ELSE 0 END AS has_any
+    FROM (SELECT DISTINCT st.run_id, st.step
+          FROM steps st JOIN runs r ON r.id = st.run_id
+          WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
+            AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))) s
+    JOIN run_ranks k ON k.run_id = s.run_id
 ), pairs AS (
     -- a copy of a region, against the region's lowest holder: must agree
     SELECT b.run_id, b.step, b.stage, b.node_id, h.rank AS rank_a, b.rank AS rank_b, 'replicated' AS rule,
-           a.sid AS a_sid, a.tid AS a_tid, b.sid AS b_sid, b.tid AS b_tid
+           a.sid AS a_sid, a.tid AS a_tid, b.sid AS b_sid, b.tid AS b_tid, 1 AS has_step, 1 AS has_any
     FROM g b
     JOIN holders h ON h.run_id = b.run_id AND h.step = b.step AND h.stage = b.stage AND h.node_id = b.node_id
                   AND h.shard = b.shard AND h.term = b.term AND h.rank < b.rank
@@ -49,7 +64,7 @@ WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass'
     -- another region's lowest holder, against the parameter's lowest rank: different values by design
     SELECT b.run_id, b.step, b.stage, b.node_id, lo.rank, b.rank,
            CASE WHEN a.shard <> b.shard OR a.shard < 0 OR b.shard < 0 THEN 'sharded' ELSE 'partial' END,
-           a.sid, a.tid, b.sid, b.tid
+           a.sid, a.tid, b.sid, b.tid, 1, 1
     FROM g b
     JOIN holders h ON h.run_id = b.run_id AND h.step = b.step AND h.stage = b.stage AND h.node_id = b.node_id
                   AND h.shard = b.shard AND h.term = b.term AND h.rank = b.rank
@@ -57,13 +72,14 @@ WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass'
                   AND lo.rank < b.rank
     JOIN g a ON a.run_id = b.run_id AND a.step = b.step AND a.stage = b.stage AND a.node_id = b.node_id AND a.rank = lo.rank
     UNION ALL
-    -- a rank that recorded the step without a row for the parameter
+    -- a rank of the run without a row for the parameter: it recorded the step (has_step = 1) or did not
     SELECT lo.run_id, lo.step, lo.stage, lo.node_id,
            CASE WHEN rc.rank < lo.rank THEN rc.rank ELSE lo.rank END,
            CASE WHEN rc.rank < lo.rank THEN lo.rank ELSE rc.rank END,
            'missing',
            CASE WHEN rc.rank < lo.rank THEN NULL ELSE a.sid END, CASE WHEN rc.rank < lo.rank THEN NULL ELSE a.tid END,
-           CASE WHEN rc.rank < lo.rank THEN a.sid ELSE NULL END, CASE WHEN rc.rank < lo.rank THEN a.tid ELSE NULL END
+           CASE WHEN rc.rank < lo.rank THEN a.sid ELSE NULL END, CASE WHEN rc.rank < lo.rank THEN a.tid ELSE NULL END,
+           rc.has_step, rc.has_any
     FROM lowest lo
     JOIN recorded rc ON rc.run_id = lo.run_id AND rc.step = lo.step
     JOIN g a ON a.run_id = lo.run_id AND a.step = lo.step AND a.stage = lo.stage AND a.node_id = lo.node_id
@@ -106,10 +122,11 @@ WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass'
            || CASE WHEN COALESCE(std_a <> std_b, std_a IS NOT NULL OR std_b IS NOT NULL) THEN 'std,' ELSE '' END
            || CASE WHEN COALESCE(zeros_a <> zeros_b, zeros_a IS NOT NULL OR zeros_b IS NOT NULL) THEN 'zeros,' ELSE '' END
            AS value_diff,
-           CASE WHEN ida IS NULL OR idb IS NULL THEN 'missing'
+           CASE WHEN (ida IS NULL OR idb IS NULL) AND has_step = 0 THEN 'absent'
+                WHEN ida IS NULL OR idb IS NULL THEN 'missing'
                 WHEN sa = 2 OR sb = 2 THEN 'skipped'
                 WHEN rule <> 'replicated' THEN 'layout'
-                WHEN sa = 1 AND sb = 1 THEN 'status'
+                WHEN sa = 1 AND sb = 1 THEN 'none'
                 WHEN sa <> sb THEN 'status'
                 WHEN checksum_a IS NOT NULL AND checksum_b IS NOT NULL THEN 'checksum'
                 WHEN norm_a IS NOT NULL AND norm_b IS NOT NULL THEN 'statistics'
@@ -118,9 +135,11 @@ WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass'
 ), judged AS (
     SELECT fields.*,
            CASE how WHEN 'missing' THEN 'missing'
+                    WHEN 'absent' THEN ''
                     WHEN 'skipped' THEN ''
                     WHEN 'layout' THEN RTRIM(layout_diff, ',')
                     WHEN 'status' THEN RTRIM(layout_diff, ',')
+                    WHEN 'none' THEN ''
                     WHEN 'checksum' THEN
                          CASE WHEN checksum_a = checksum_b THEN RTRIM(layout_diff, ',')
                               ELSE RTRIM('checksum,' || layout_diff || value_diff, ',') END
@@ -130,7 +149,7 @@ WITH latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass'
     FROM fields
 ), verdicts AS (
     SELECT judged.*,
-           CASE WHEN how = 'missing' OR how = 'skipped' THEN 'not compared'
+           CASE WHEN how IN ('missing', 'absent', 'skipped', 'none') THEN 'not compared'
                 WHEN differs <> '' THEN 'differs'
                 WHEN how = 'unmeasured' THEN 'not compared'
                 WHEN how = 'layout' THEN 'sharded'
@@ -144,13 +163,22 @@ SELECT r.name AS run,
        n.module,
        v.rank_a,
        v.rank_b,
-       v.rule,
+       CASE WHEN v.how = 'none' THEN 'none' ELSE v.rule END AS rule,
        v.result,
        CASE WHEN v.ida IS NULL THEN 'b' WHEN v.idb IS NULL THEN 'a' ELSE 'both' END AS side,
        CASE v.how WHEN 'checksum' THEN 'checksum' WHEN 'statistics' THEN 'statistics' WHEN 'status' THEN 'status'
+                  WHEN 'none' THEN 'status'
                   WHEN 'layout' THEN 'layout' END AS compared,
        v.differs,
-       CASE WHEN v.how = 'missing' AND v.stage = 'final' THEN 'no final row on rank '
+       CASE WHEN v.how = 'absent' THEN 'rank '
+                 || CAST(CASE WHEN v.ida IS NULL THEN v.rank_a ELSE v.rank_b END AS TEXT) || ' recorded no step '
+                 || CAST(v.step AS TEXT)
+                 || CASE WHEN v.has_any = 1
+                         THEN ' (it wrote other steps of this run to this database: a rank writes no step in which it '
+                              || 'ran no backward pass, nor one that every= or steps= leave out)'
+                         ELSE ' (no step of that rank is in this database: record every rank into it, or join the '
+                              || 'ranks'' files with gradstore merge)' END
+            WHEN v.how = 'missing' AND v.stage = 'final' THEN 'no final row on rank '
                  || CAST(CASE WHEN v.ida IS NULL THEN v.rank_a ELSE v.rank_b END AS TEXT)
                  || ', which recorded the step (its .grad was not read as the optimizer saw it there: no top-level '
                  || 'backward pass, clip_grad_norm_, GradScaler.unscale_ or zero_grad read it in the step on that rank, '
@@ -162,8 +190,9 @@ SELECT r.name AS run,
             WHEN v.how = 'skipped' THEN 'skipped on rank '
                  || CAST(CASE WHEN v.sa = 2 THEN v.rank_a ELSE v.rank_b END AS TEXT) || ': '
                  || COALESCE(CASE WHEN v.sa = 2 THEN v.reason_a ELSE v.reason_b END, 'no reason recorded')
+            WHEN v.how = 'none' THEN '.grad is None on both ranks: no values to compare, and no placement to read '
+                 || '(whether the parameter is replicated or sharded is not known from these rows)'
             WHEN v.result = 'not compared' THEN 'recorded without statistics (stats=''shape''): only status, dtype and shape compared'
-            WHEN v.how = 'status' AND v.result = 'equal' THEN '.grad is None on both ranks'
             WHEN v.how = 'layout' AND v.result = 'sharded' AND v.rule = 'sharded'
                  THEN 'different shards (offsets ' || COALESCE(v.offset_a, '?') || ' and ' || COALESCE(v.offset_b, '?')
                       || '): values differ by design and are not compared; status, dtype, placements, mesh and global shape agree'

@@ -758,9 +758,11 @@ class Store:
         a DTensor's copies along Replicate mesh dimensions: the values must agree; by checksum where both ranks
         have one, compared = 'checksum', else by every statistic, compared = 'statistics'), 'sharded' /
         'partial' (different shards or Partial terms of a DTensor: the values differ by design; only the layout
-        is compared, compared = 'layout'), 'missing' (a rank has no row). `result` is 'differs', 'not compared'
-        (a missing or skipped row, or one without statistics, on either side: `reason` says which; nothing is
-        claimed about its values), 'equal' or 'sharded'.
+        is compared, compared = 'layout'), 'missing' (a rank of the run has no row: it recorded the step without
+        one, or recorded no such step, `reason` 'rank 1 recorded no step 1 ...'), 'none' (.grad None on both ranks:
+        no values, and no placement to read). `result` is 'differs', 'not compared' (a missing or skipped row, a
+        rank that recorded no such step, a .grad None on both ranks, or a row without statistics: `reason` says
+        which; nothing is claimed about its values), 'equal' or 'sharded'.
 
         Args:
             run: the run; step: one step (None: every step); all: also the comparisons that agree ('equal',
