@@ -40,6 +40,7 @@ from .store import queries as named_queries
 from .store import schema as s
 from .store.database import DEFAULT_DB
 from .store.reader import Store
+from .store.values import DTENSOR_PIECES
 from .version import __version__
 
 # ---- errors: one line, non-zero exit ---------------------------------------------------------------------
@@ -1185,7 +1186,10 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
     both = table[table["side"] == "both"]
     unmeasured = table["differs"] == "not compared"
     n_diff = int(((both["differs"] != "") & (both["differs"] != "not compared")).sum())
-    n_unmeasured = int(unmeasured.sum())
+    # rows whose layouts say the two sides hold different pieces (shards, Partial terms) of one DTensor
+    pieces = unmeasured & table["reason"].fillna("").str.startswith(DTENSOR_PIECES)
+    n_pieces = int(pieces.sum())
+    n_unmeasured = int(unmeasured.sum()) - n_pieces
     missing = table["differs"] == "missing"
     only_a, only_b = int((missing & (table["side"] == "a")).sum()), int((missing & (table["side"] == "b")).sum())
     # a gradient whose values were measured on both sides (a None slot matched on both is no gradient compared)
@@ -1194,12 +1198,26 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         f"Compared {label_a} with {label_b}: {len(table):,} gradients aligned by node key, role, slot and "
         f"occurrence; {n_diff:,} differ bitwise, {only_a:,} only in {label_a}, {only_b:,} only in {label_b}, "
         f"{n_unmeasured:,} not compared (not measured on a side: skipped, recorded without statistics, or a step, "
-        "level or filter of one side that records no such row)."
+        "level or filter of one side that records no such row)"
+        + (
+            f"; {n_pieces:,} not compared because the sides hold different shards or Partial terms of one DTensor "
+            "(their values differ by design)"
+            if n_pieces
+            else ""
+        )
+        + "."
     )
+    if n_pieces:
+        click.echo(
+            "  Plain tensors carry no placement and are compared as they are: under tensor parallelism, a local "
+            "gradient between DTensor ops (e.g. a column-parallel layer's activation after to_local()) holds each "
+            "rank's own piece, so a difference there may be by design."
+        )
     levels = _levels(store_levels)
     if levels:
         click.echo(levels)
     tolerance = f"rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
+    unmeasured = unmeasured & ~pieces
     if first.empty and valued.empty:  # no gradient measured on both sides: no verdict at all
         click.echo(
             f"nothing compared: no gradient was measured on both {label_a} and {label_b}, so no agreement or "
@@ -1209,9 +1227,11 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             click.echo(f"  e.g. {_not_compared_example(table[unmeasured])}")
         return
     if first.empty:
-        scope = "every compared gradient" if n_unmeasured or summaries else "every gradient"
+        scope = "every compared gradient" if n_unmeasured or n_pieces or summaries else "every gradient"
         elements = bool(table["values_a"].notna().any() and table["values_b"].notna().any())
         notes = [f"{n_unmeasured:,} not compared"] if n_unmeasured else []
+        if n_pieces:
+            notes.append(f"{n_pieces:,} different shards or Partial terms of one DTensor, not compared")
         if not elements:
             notes.append("the elements were not compared: record(values=...) stores small gradients' elements")
         click.echo(
@@ -1309,6 +1329,8 @@ _RULE_WORDS = {
     "sharded": "sharded (different shards: layout compared; values differ by design)",
     "partial": "partial (different Partial terms: layout compared; values differ by design)",
     "missing": "missing on some rank",
+    "none": ".grad None on both ranks (no values, and no placement to read: replicated or sharded not known; nothing "
+    "compared)",
 }
 
 # rank_divergence's stage, after a parameter's name
@@ -1319,6 +1341,74 @@ def _names(names: list[str], verbose: bool, limit: int = 8) -> str:
     if verbose or len(names) <= limit:
         return ", ".join(names)
     return ", ".join(names[:limit]) + f", and {len(names) - limit} more (--verbose lists them)"
+
+
+def _absent_words(absent: list[int], steps: pd.DataFrame, step: int, world: int) -> str:
+    """Why ranks `absent` have no step `step` in this database, and what to do: merge their files only where the
+    database holds no step at all of that rank."""
+    wrote = {int(r) for r in steps["rank"]}
+    parts = []
+    elsewhere = [r for r in absent if r in wrote]
+    nowhere = [r for r in absent if r not in wrote]
+    if elsewhere:
+        parts.append(
+            f"rank{'s' if len(elsewhere) > 1 else ''} {', '.join(map(str, elsewhere))} recorded no step {step} but "
+            "wrote other steps of this run to this database: a rank writes no step in which it ran no backward pass, "
+            "nor one that every= or steps= leave out"
+        )
+    if nowhere:
+        parts.append(
+            f"rank{'s' if len(nowhere) > 1 else ''} {', '.join(map(str, nowhere))} of world size {world} wrote no "
+            "step of this run to this database; merge their databases with `gradstore merge`"
+        )
+    return "; ".join(parts)
+
+
+def _consistent_words(rules: dict, bitwise: bool) -> str:
+    """'1 replicated, values bitwise equal; 3 sharded, layouts equal (their values not compared across ranks)':
+    what `gradstore ranks` compared, with counts, where its parameters agree under more than one rule."""
+    replicated = sum("replicated" in r.split("+") for r in rules.values())
+    sharded = sum(bool({"sharded", "partial"} & set(r.split("+"))) for r in rules.values())
+    parts = []
+    if replicated:
+        parts.append(f"{replicated} replicated, values {'bitwise equal' if bitwise else 'with equal statistics'}")
+    if sharded:
+        parts.append(
+            f"{sharded} sharded, layouts equal (their shards' values not compared across ranks"
+            + (
+                ": copies of one shard compared by value"
+                if replicated and any("replicated" in r and "sharded" in r for r in rules.values())
+                else ""
+            )
+            + ")"
+        )
+    return "; ".join(parts) or "no values compared"
+
+
+def _nonfinite_words(rows: pd.DataFrame) -> str:
+    """'; but non-finite: 4 of 4 parameters hold NaN or Inf (96 NaN on rank 0)' for the compared rows that agree
+    while holding NaN or Inf, '' when none does."""
+    if rows.empty:
+        return ""
+    counts = {f: pd.to_numeric(rows[f"{f}_a"], errors="coerce").fillna(0) for f in ("nan", "posinf", "neginf")}
+    bad = (counts["nan"] + counts["posinf"] + counts["neginf"]) > 0
+    if not bad.any():
+        return ""
+    mine = rows[bad]
+    first = mine.iloc[0]
+    lowest = mine[mine["rank_a"] == first["rank_a"]]
+    lowest = lowest[lowest["stage"] == first["stage"]].drop_duplicates("param")
+    totals = [
+        f"{int(pd.to_numeric(lowest[f'{f}_a'], errors='coerce').fillna(0).sum()):,} {w}"
+        for f, w in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"))
+        if pd.to_numeric(lowest[f"{f}_a"], errors="coerce").fillna(0).sum() > 0
+    ]
+    n_all = rows["param"].nunique()
+    stage = {"backward": "after the backward pass", "final": "as the optimizer saw it"}.get(first["stage"], "")
+    return (
+        f"; but not healthy: {mine['param'].nunique()} of the {n_all} parameter gradients compared hold NaN or Inf "
+        f"({', '.join(totals)} on rank {int(first['rank_a'])}{', ' + stage if stage else ''})"
+    )
 
 
 @main.command(short_help="Do the ranks' parameter gradients agree at a step?")
@@ -1333,8 +1423,9 @@ def ranks(db, run, step, verbose):
     GradScaler.unscale_ or clipping), by the rule its layout calls for. Replicated gradients (plain tensors,
     DTensor copies along Replicate mesh dimensions) must agree: bitwise where the record holds checksums, else
     statistic by statistic. Sharded ones (different DTensor shards or Partial terms) differ by design: only their layout
-    is compared. A row missing, skipped or recorded without statistics on either rank is not compared, and
-    counted as such. Needs every rank in DB (see `gradstore merge`).
+    is compared. A row missing, skipped or recorded without statistics on either rank, a .grad None on both, or
+    a rank that recorded no such step is not compared, and counted as such. Needs every rank in DB (see
+    `gradstore merge`).
     """
     with _store(db) as store:
         world = int(store.query("runs", run=run)["world_size"].iloc[0])  # UnknownRun first
@@ -1346,15 +1437,9 @@ def ranks(db, run, step, verbose):
             step = int(steps["step"].max())
         store._check_step(run, step, None)
         ranks_at = sorted(int(r) for r in steps[steps["step"] == step]["rank"])
-        absent = [r for r in range(world) if r not in ranks_at]
-        note = (
-            (
-                f" (rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} of world size {world} "
-                f"did not record step {step}; merge their databases with `gradstore merge`)"
-            )
-            if absent
-            else ""
-        )
+        every_rank = sorted(set(range(world)) | {int(r) for r in steps["rank"]})
+        absent = [r for r in every_rank if r not in ranks_at]
+        note = f" ({_absent_words(absent, steps, step, world)})" if absent else ""
         if len(ranks_at) < 2:
             click.echo(f"only rank {ranks_at[0]} recorded step {step} of run {run!r}: nothing to compare{note}")
             return
@@ -1363,6 +1448,12 @@ def ranks(db, run, step, verbose):
         if not params:  # a flight-recorder summary step: compared by each rank's final norm
             params = list(dict.fromkeys(table.loc[table["rule"] == "summary", "param"]))
         earlier = None
+        unseen = {}  # without --step: the other steps some rank of the run did not record, {step: [ranks]}
+        if step_given is None:
+            for st, at in steps.groupby("step"):
+                missing_here = [r for r in every_rank if r not in set(int(x) for x in at["rank"])]
+                if missing_here and int(st) != step:
+                    unseen[int(st)] = missing_here
         if step_given is None:  # the last step only: say where the ranks first differed, if earlier
             every = store.rank_divergence(run)
             bad = every[every["result"] == "differs"]
@@ -1371,10 +1462,15 @@ def ranks(db, run, step, verbose):
     by_param = {p: table[table["param"] == p] for p in params}
     verdict, rules = {}, {}
     for p, rows in by_param.items():
-        results = set(rows["result"])
+        placed = rows[rows["rule"] != "none"]  # .grad None on both ranks: no value and no placement to judge by
+        results = set(placed["result"])
         # no comparison at all is no agreement either
         verdict[p] = next((v for v in ("differs", "not compared", "equal", "sharded") if v in results), "not compared")
-        rules[p] = "+".join(sorted(set(rows["rule"]) - {"missing"})) or "missing"
+        rules[p] = "+".join(sorted(set(placed["rule"]) - {"missing"})) or (
+            "none" if len(placed) < len(rows) else "missing"
+        )
+    # the parameters and stages whose .grad was None on both ranks: nothing compared there
+    grad_none = table[table["rule"] == "none"]
     if not params:
         click.echo(
             f"nothing compared at step {step}: no rank recorded a parameter gradient in it (ranks {rank_list}){note}"
@@ -1385,6 +1481,19 @@ def ranks(db, run, step, verbose):
     fine = [p for p in params if verdict[p] in ("equal", "sharded")]
     bitwise = not (table[table["result"] == "equal"]["compared"] == "statistics").any()
     n = len(params)
+    # equal is not healthy: values that agree bitwise may all be NaN or Inf
+    bad_note = _nonfinite_words(table[table["result"].isin(["equal", "sharded"])])
+    none_note = (
+        f"; not compared: {grad_none['param'].nunique()} parameter"
+        f"{'s' if grad_none['param'].nunique() != 1 else ''}' .grad "
+        + " and ".join(
+            {"backward": "after the backward pass", "final": "as the optimizer saw it (the final rows)"}[s]
+            for s in dict.fromkeys(grad_none["stage"])
+        )
+        + " was None on both ranks: no values, and no placement to read"
+        if len(grad_none) and not differ
+        else ""
+    )
     if differ:
         head = f"ranks differ at step {step}: {len(differ)} of {n} parameter gradients differ (ranks {rank_list}){note}"
     elif unchecked:
@@ -1392,25 +1501,38 @@ def ranks(db, run, step, verbose):
             f"no difference at step {step} among the {len(fine)} of {n} parameter gradients compared; "
             f"{len(unchecked)} not compared (ranks {rank_list}){note}"
         )
+        head += bad_note
     elif set(rules.values()) == {"replicated"}:
         kind = "bitwise equal" if bitwise else "have equal statistics"
         extra = "" if bitwise else "; no checksums recorded, so not a bitwise comparison"
         head = f"ranks agree at step {step}: all {n} parameter gradients {kind} (ranks {rank_list}{extra}){note}"
+        head += bad_note + none_note
     else:
         head = (
-            f"ranks agree at step {step}: all {n} parameter gradients consistent (ranks {rank_list}): replicated "
-            f"values {'bitwise equal' if bitwise else 'with equal statistics'}, sharded layouts equal{note}"
+            f"ranks agree at step {step}: all {n} parameter gradients consistent (ranks {rank_list}): "
+            f"{_consistent_words(rules, bitwise)}{note}"
         )
+        head += bad_note + none_note
     click.echo(head)
     if earlier is not None:
         click.echo(
             f"  the ranks differed earlier, first at step {earlier}: gradstore ranks {db} {run} --step {earlier} "
             "(without --step, only the last recorded step is checked)"
         )
+    if unseen:
+        click.echo(
+            f"  not compared: step{'s' if len(unseen) > 1 else ''} {_step_ranges(set(unseen))}, which not every rank "
+            "recorded ("
+            + "; ".join(_absent_words(r, steps, st, world) for st, r in list(unseen.items())[:3])
+            + ("; ..." if len(unseen) > 3 else "")
+            + f"): gradstore ranks {db} {run} --step N"
+        )
     if differ or unchecked:
         click.echo(f"  not compared: {len(unchecked)}")
-    for rule in ("replicated", "summary", "sharded", "partial", "missing"):
+    for rule in ("replicated", "summary", "sharded", "partial", "missing", "none"):
         members = [p for p in params if rule in rules[p].split("+")]
+        if rule == "none":  # a stage whose .grad was None on both ranks, whatever the other stage's rule
+            members = [p for p in params if p in set(grad_none["param"])]
         if members:
             click.echo(f"  {_RULE_WORDS[rule]}: {len(members)}: {_names(members, verbose)}")
     # one line per parameter and pair of ranks: its first stage that differs (or was not compared); a later stage

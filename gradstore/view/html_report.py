@@ -486,19 +486,37 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
             page.add('<p class="note">One rank recorded: nothing to compare across ranks.</p>')
         return
     agree = story.rank_agreement(store, run)
+    alone = agree[agree["ranks"] < 2]  # steps some rank of the run did not record: nothing of theirs compared
+    agree = agree[agree["ranks"] > 1]
     if agree.empty:
         page.add('<p class="note">No step was recorded by two ranks: ranks not compared.</p>')
+        _alone_note(page, alone)
         return
     differing = agree[agree["differing"] > 0]
     unchecked = agree[(agree["differing"] == 0) & (agree["not_compared"] > 0)]
     empty = agree[agree["params"] == 0]
     if differing.empty and unchecked.empty and empty.empty:
         how = "bitwise (checksums)" if (agree["compared"] == "checksum").all() else "by their statistics"
-        page.add(
-            f'<p class="calm">At all {len(agree):,} steps recorded by several ranks, every parameter\'s .grad '
-            f"agrees across ranks ({how}): after the backward pass, and as the optimizer saw it where the step has "
-            "final rows.</p>"
-        )
+        replicated, sharded = _span(agree["replicated"]), _span(agree["sharded"])
+        if (agree["sharded"] == 0).all():
+            text = (
+                f"At all {len(agree):,} steps recorded by several ranks, every parameter's .grad agrees across ranks "
+                f"({how}): after the backward pass, and as the optimizer saw it where the step has final rows."
+            )
+        else:
+            text = (
+                f"At all {len(agree):,} steps recorded by several ranks, no compared .grad differs across ranks. "
+                + (
+                    f"{replicated} replicated parameter{'s' if replicated != '1' else ''} (the same values on every "
+                    f"rank) agree{'s' if replicated == '1' else ''} {how}. "
+                    if replicated != "0"
+                    else "No parameter is replicated: no .grad values were compared across ranks. "
+                )
+                + f"{sharded} sharded parameter{'s' if sharded != '1' else ''} (each rank holds a different shard or "
+                "Partial term of a DTensor) were compared by layout only: placements, mesh and global shape agree; "
+                "their values are not compared across ranks, so a rank whose shard went wrong does not show here."
+            )
+        page.add(f'<p class="calm">{_e(text)}</p>')
     if not differing.empty:
         first = differing.iloc[0]
         stages = str(first["stages"]).split(",")
@@ -533,7 +551,29 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
             "nothing is claimed about those. "
             "<code>gradstore ranks DB RUN --step N</code> says why.</p>"
         )
-    page.add(_table(agree.head(200), {"step", "ranks", "params", "differing", "not_compared"}))
+    _alone_note(page, alone)
+    page.add(_table(agree.head(200), {"step", "ranks", "params", "replicated", "sharded", "differing", "not_compared"}))
+
+
+def _span(values) -> str:
+    """'3' where every step has the same count, else '2-3'."""
+    lo, hi = int(values.min()), int(values.max())
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _alone_note(page: _Page, alone: pd.DataFrame) -> None:
+    """The steps that some rank of the run did not record: not compared, named with the ranks."""
+    if alone.empty:
+        return
+    named = "; ".join(
+        f"step {int(r.step)} (rank {r.missing} recorded no such step)" for r in alone.head(10).itertuples()
+    )
+    more = f"; and {len(alone) - 10:,} more" if len(alone) > 10 else ""
+    page.add(
+        f'<p class="callout">Not compared: {len(alone):,} step{"s" if len(alone) != 1 else ""} recorded by one rank '
+        f"only: {_e(named)}{more}. Nothing is claimed about the ranks there. "
+        "<code>gradstore ranks DB RUN --step N</code> says why.</p>"
+    )
 
 
 def _values_section(page: _Page, store, run: str) -> None:

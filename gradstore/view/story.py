@@ -312,26 +312,44 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
 
 
 def rank_agreement(store, run: str) -> pd.DataFrame:
-    """Per step recorded by more than one rank: step, ranks (how many), params (parameters with a .grad row on the
-    lowest rank; of a flight-recorder summary step, with a final norm), differing (parameters whose .grad differs from
-    the lowest rank's on some rank, after the backward pass or as the optimizer saw it: `Store.rank_divergence`), stages
-    (where they differ: 'backward', 'final' or 'backward,final', 'summary' by the final norms of a flight-recorder
-    summary step; '' when none does), not_compared (parameters not compared on some rank and differing nowhere),
-    compared ('checksum' where every row had checksums, 'norm' for a summary step, else 'statistics'), first (the first
-    differing parameter, else the first not compared, or None). Empty when no step has two ranks. Raises UnknownRun."""
-    columns = ["step", "ranks", "params", "differing", "stages", "not_compared", "compared", "first"]
+    """Per step of a run with more than one rank (those its world size names, or that wrote steps): step, ranks (how
+    many recorded it), missing (the ranks of the run that recorded no such step, comma-separated, '' for none: nothing
+    of theirs is compared there), params (parameters with a .grad row on the lowest rank; of a flight-recorder summary
+    step, with a final norm), replicated (parameters compared by value: plain tensors or a DTensor's copies of one
+    region), sharded (parameters compared by layout only: different shards or Partial terms, whose values differ by
+    design and are not compared across ranks), differing (parameters whose .grad differs from the lowest rank's on
+    some rank, after the backward pass or as the optimizer saw it: `Store.rank_divergence`), stages (where they
+    differ: 'backward', 'final' or 'backward,final', 'summary' by the final norms of a flight-recorder summary step;
+    '' when none does), not_compared (parameters not compared on some rank and differing nowhere), compared
+    ('checksum' where every row had checksums, 'norm' for a summary step, else 'statistics'), first (the first
+    differing parameter, else the first not compared, or None). Empty when the run has one rank. Raises UnknownRun."""
+    columns = [
+        "step",
+        "ranks",
+        "missing",
+        "params",
+        "replicated",
+        "sharded",
+        "differing",
+        "stages",
+        "not_compared",
+        "compared",
+        "first",
+    ]
     steps = store.steps(run=run)
-    multi = steps.groupby("step")["rank"].nunique()
-    multi = multi[multi > 1]
-    if multi.empty:
+    world = int(store.query("runs", run=run)["world_size"].iloc[0])
+    every_rank = sorted(set(range(world)) | {int(r) for r in steps["rank"]})
+    if len(every_rank) < 2 or steps.empty:
         return pd.DataFrame(columns=columns)
-    bad = store.rank_divergence(run)
+    counts = steps.groupby("step")["rank"].nunique()
+    held = {int(st): {int(r) for r in at["rank"]} for st, at in steps.groupby("step")}
+    table = store.rank_divergence(run, all=True)
     hist = store.history(run, role="param_grad")
     rows = []
-    for step, n in multi.items():
+    for step, n in counts.items():
         at = hist[hist["step"] == step]
         lowest = at[at["rank"] == at["rank"].min()] if len(at) else at
-        here = bad[bad["step"] == step]
+        here = table[table["step"] == step]
         diff = here[here["result"] == "differs"]
         differing = list(dict.fromkeys(diff["param"]))
         unchecked = [q for q in dict.fromkeys(here[here["result"] == "not compared"]["param"]) if q not in differing]
@@ -340,11 +358,17 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         params = int(lowest["param"].nunique()) if len(lowest) else 0
         if summary:
             params = int(here["param"].nunique())
+        by_value = here[(here["rule"] == "replicated") & here["compared"].isin(["checksum", "statistics"])]
+        replicated = set(by_value["param"])
+        layout = set(here.loc[here["rule"].isin(["sharded", "partial"]), "param"])
         rows.append(
             {
                 "step": int(step),
                 "ranks": int(n),
+                "missing": ",".join(str(r) for r in every_rank if r not in held[int(step)]),
                 "params": params,
+                "replicated": len(replicated - layout),
+                "sharded": len(layout),
                 "differing": len(differing),
                 "stages": "summary"
                 if summary and len(diff)
