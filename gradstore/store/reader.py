@@ -265,7 +265,7 @@ class Store:
         global_shape, global_offset (NULL for a plain tensor), shared_with. A tied weight is one row under its
         first name; `param=` any of its names finds it, and shared_with lists its other names (comma-separated;
         '' for an untied parameter). scope='global': the whole gradient combined from every rank's shard, as
-        `global_grads` (`rank` must be None then; the rows of the step's last backward pass).
+        `global_grads` (`rank` must be None then; `which` picks the moment there too).
 
         which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN), or,
             for a step without that row (recorded before schema revision 0009_loop), as the step's last
@@ -277,18 +277,29 @@ class Store:
         if scope == "global":
             if rank is not None:
                 raise ArgumentError("param_grads(scope='global') combines every rank: leave rank=None")
-            return self.global_grads(run, step=step, param=param)
+            return self.global_grads(run, step=step, param=param, which=which)
         if scope != "rank":
             raise ArgumentError(f"param_grads(scope=...) is 'rank' or 'global', got {scope!r}")
         return self.query("param_grads", run=run, step=step, rank=rank, param=param, which=which)
 
-    def global_grads(self, run: str | None = None, step: int | None = None, param: str | None = None) -> pd.DataFrame:
+    def global_grads(
+        self, run: str | None = None, step: int | None = None, param: str | None = None, which: str = "final"
+    ) -> pd.DataFrame:
         """Each parameter's whole gradient per step, combined from every rank's param_grad row (what
         `p.grad.full_tensor()` holds under FSDP2 or tensor parallelism; the one copy of a DDP gradient), as
         queries/global_grads.sql. No collective: the combination happens in the store, from the statistics
         the ranks recorded of their local shards.
 
-        Columns: run, step, param, module, rule (sharded / replicated / partial: how the rows combine), status
+        which: the moment of the step whose rows are combined, as in `param_grads`: 'final' (default): the
+            step's final rows, each `.grad` as the optimizer read it (after a division by the number of
+            micro-batches, `GradScaler.unscale_`, clipping, any change a rank made to its shard), so `norm` is
+            `p.grad.full_tensor().norm()` at that moment; for a step without final rows (recorded before schema
+            revision 0009_loop), the pass rows; 'pass': as the step's last top-level backward pass returned
+            them; 'all': both, one row per parameter and moment. Column `final` says which rows were combined
+            (1 final, 0 pass). A rank without a final row in a step whose other ranks have one leaves the
+            parameter incomplete under 'final' (not_derivable names the rank).
+
+        Columns: run, step, final, param, module, rule (sharded / replicated / partial: how the rows combine), status
         (ok / none / incomplete), placements, mesh_shape, global_shape, ranks (ranks with a row), shards (rows
         counted: one per region of the tensor and Partial term), numel, norm, min, max, mean, std, nan, posinf,
         neginf, zeros (of the whole gradient, over its finite elements; NULL where not derivable from the
@@ -299,30 +310,40 @@ class Store:
         Partial(max)) min and max NULL: an elementwise sum's statistics depend on how the terms line up.
         Copies of one region held by several ranks (Replicate, a plain DDP gradient) must be equal: where their
         statistics differ, the parameter is incomplete (each rank holds its own gradient; rank_divergence).
-        Raises UnknownRun.
+        Raises UnknownRun; QueryParameterError for another `which`.
         """
-        return self.query("global_grads", run=run, step=step, param=param)
+        return self.query("global_grads", run=run, step=step, param=param, which=which)
 
-    def global_norm(self, run: str | None = None, step: int | None = None) -> pd.DataFrame:
-        """The total gradient norm of every step (the norm `torch.nn.utils.clip_grad_norm_` returns on the
-        sharded model), from the ranks' shards: one row per run and step with run, step, total_norm (NULL
-        when some parameter's norm is not derivable, and when some gradient holds NaN or Inf: clip_grad_norm_
-        then returns nan or inf, not the finite elements' norm), params (parameters with a gradient),
-        not_derivable (how many of them have no derivable norm: `global_grads` says why), nonfinite (how many
-        hold NaN or Inf). Runs queries/global_grads.sql.
-        Raises UnknownRun."""
-        g = self.query("global_grads", run=run, step=step)
-        cols = ["run", "step", "total_norm", "params", "not_derivable", "nonfinite"]
+    def global_norm(self, run: str | None = None, step: int | None = None, which: str = "final") -> pd.DataFrame:
+        """The total gradient norm of every step over all parameters, from the ranks' shards (queries/
+        global_grads.sql): one row per run and step (and moment, with which='all') with run, step, final,
+        total_norm, params (parameters with a gradient), not_derivable (how many of them have no derivable
+        norm: `global_grads` says why), nonfinite (how many hold NaN or Inf).
+
+        which: 'final' (default): the norm of the gradients the optimizer read (the step's final rows; final =
+            1), or of the pass rows for a step recorded without final rows (final = 0); 'pass': of the
+            gradients as the step's last backward pass returned them (before a division, unscaling or
+            clipping); 'all': both. `torch.nn.utils.clip_grad_norm_` returns the norm of the gradients it is
+            given, before it clips them: where they were not changed between the pass and the call, that is
+            which='pass'; where they were changed before it (a division by the micro-batch count) and it did
+            not clip (its total was at most max_norm), it is which='final'; where it clipped, the final norm is
+            about max_norm and its return is the step value `clip_grad_norm` (`values(run)`).
+        total_norm is NULL when some parameter's norm is not derivable, and when some gradient holds NaN or Inf
+        (clip_grad_norm_ then returns nan or inf, not the finite elements' norm).
+        Raises UnknownRun; QueryParameterError for another `which`."""
+        g = self.query("global_grads", run=run, step=step, which=which)
+        cols = ["run", "step", "final", "total_norm", "params", "not_derivable", "nonfinite"]
         if g.empty:
             return pd.DataFrame(columns=cols)
+        keys = ["run", "step", "final"]
         has = g[g["status"] != "none"]
         counts = has[["nan", "posinf", "neginf"]].apply(pd.to_numeric).fillna(0).sum(axis=1)
         out = (
-            g.groupby(["run", "step"], sort=False)
+            g.groupby(keys, sort=False)
             .agg(total_norm=("total_norm", "first"))
-            .join(has.groupby(["run", "step"], sort=False).agg(params=("param", "size")))
-            .join(has[has["norm"].isna()].groupby(["run", "step"], sort=False).agg(not_derivable=("param", "size")))
-            .join(has[counts > 0].groupby(["run", "step"], sort=False).agg(nonfinite=("param", "size")))
+            .join(has.groupby(keys, sort=False).agg(params=("param", "size")))
+            .join(has[has["norm"].isna()].groupby(keys, sort=False).agg(not_derivable=("param", "size")))
+            .join(has[counts > 0].groupby(keys, sort=False).agg(nonfinite=("param", "size")))
             .reset_index()
         )
         for c in ("params", "not_derivable", "nonfinite"):
@@ -412,7 +433,10 @@ class Store:
 
         Columns: run, rank, step, call (0, 1, ... in order of entry), module, ordinal (the module's 0th, 1st, ...
         call in the step), first_seq (the seq of the first call of one of its nodes), in_norm, out_norm, ratio
-        (out_norm / in_norm; NULL where a boundary tensor was not measured, held NaN/Inf, or nothing flowed in),
+        (out_norm / in_norm; NULL where a boundary tensor was not measured, held NaN/Inf, or nothing flowed in,
+        and under tensor parallelism where the call's gradients on this rank include DTensor pieces: then in_norm
+        and out_norm are of this rank's pieces or of whole tensors and their quotient is not the gain), no_ratio
+        (why ratio is NULL: 'not compared: ...' for the tensor-parallel case; NULL where it has a value),
         in_tensors, out_tensors, in_unmeasured, out_unmeasured, nonfinite, nodes, ran, during_pass, recomputes
         (at stats='params', which walks no graph, the norms, the ratio and the counts are NULL: not known).
         What is summed, as sqrt(sum of squared norms) over the step's passes (L2 norms over finite elements):
@@ -492,8 +516,10 @@ class Store:
 
         Columns: run, rank, step, pass, seq, key, name, module, param, role, slot, occurrence (0 for the first
         row of that key, role and slot in the step; micro-batches count up), status, dtype, shape, numel, norm,
-        min, max, mean, std, nan, posinf, neginf, zeros, checksum, final (1 for the param_grad row taken when
-        the step ended, last in its step). With no filter: every gradient of the run.
+        min, max, mean, std, nan, posinf, neginf, zeros, checksum, layout, nnz, coalesced, final (1 for the
+        param_grad row taken when the step ended, last in its step), placements, global_shape (a DTensor
+        gradient: its row is this rank's piece, not the whole gradient; NULL for a plain tensor). With no
+        filter: every gradient of the run.
         Raises UnknownRun; ArgumentError (a ValueError) for a role other than grad_output, grad_input, param_grad.
         """
         _check_role(role)
