@@ -38,6 +38,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .errors import GradstoreError
 from .store import queries as named_queries
 from .store import schema as s
+from .store import shards
 from .store.database import DEFAULT_DB
 from .store.reader import Store
 from .store.values import DTENSOR_PIECES
@@ -726,6 +727,14 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
 
     gains = store.module_gains(run=run, rank=rank, step=step)
     measured = gains.dropna(subset=["ratio"])
+    local_calls = int(gains["no_ratio"].fillna("").str.startswith("not compared").sum()) if len(gains) else 0
+    if measured.empty and local_calls:
+        click.echo(
+            f"\nModule gains: {local_calls:,} of {len(gains):,} module calls not compared: tensor parallelism, "
+            "their gradients on a rank include DTensor shards, so one rank's out_norm / in_norm is not the call's "
+            f"gain; the others have no ratio. Why, per call: gradstore query {db} module_gains -p run={run} "
+            f"-p step={step} (no_ratio)"
+        )
     if not measured.empty:
         spread = measured.assign(
             away=measured["ratio"].map(lambda r: abs(math.log(r)) if r > 0 else math.inf)
@@ -734,10 +743,16 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         left = len(measured) - len(top)
         unmeasured = len(gains) - len(measured)
         notes = [f"{left:,} closer to 1 not shown: --limit N"] if left else []
-        if unmeasured:
+        local = local_calls
+        if unmeasured - local:
             notes.append(
-                f"{unmeasured:,} with no ratio: no gradient flowed out (inputs that need none) or in, or a side was "
-                "not measured"
+                f"{unmeasured - local:,} with no ratio: no gradient flowed out (inputs that need none) or in, or a "
+                "side was not measured"
+            )
+        if local:
+            notes.append(
+                f"{local:,} not compared: tensor parallelism, the call's gradients on a rank include DTensor shards, "
+                "so one rank's out_norm / in_norm is not the call's gain (module_gains' no_ratio)"
             )
         click.echo(
             f"\nModule gains, the {len(top):,} furthest from 1 of {len(measured):,} module calls"
@@ -873,12 +888,38 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     unmeasured = len(grads) - len(finite) - int(bad.sum())
     if unmeasured:
         others.append(f"{unmeasured:,} with no .grad or not measured (status none / skipped, or stats='shape')")
+    pieces = grads["placements"].map(shards.is_piece) if "placements" in grads else pd.Series(False, grads.index)
+    columns = ["rank", "param", "status", "shape", "norm", "min", "max", "nan", "posinf", "neginf"]
+    heading = "Largest finite parameter .grad norms (as the step left them for the optimizer; see param_grads)"
+    if pieces.any():
+        # a DTensor .grad: each row is this rank's shard; the parameter's norm is combined from every rank's rows
+        whole = store.global_grads(run=run, step=step, which="final")
+        whole = whole.assign(
+            param_norm=whole["norm"].where(whole["status"] == "ok"),
+            param_rows=whole["final"].map(lambda f: "final" if f == 1 else "pass"),
+        )
+        top = finite.merge(whole[["param", "param_norm", "param_rows"]], on="param", how="left")
+        top = top.assign(
+            norm_of=[
+                shards.piece_label(pl, gs) or "the whole .grad"
+                for pl, gs in zip(top["placements"], top["global_shape"])
+            ],
+            _by=top["param_norm"].fillna(top["norm"]),
+        )
+        top = top.sort_values(["_by", "norm"], ascending=False).head(limit)
+        columns = [*columns[:5], "norm_of", "param_norm", *columns[5:]]
+        heading = (
+            "Largest finite parameter .grad norms (as the step left them for the optimizer; see param_grads), by the "
+            "parameter's norm. A DTensor .grad's row is this rank's shard: its norm (norm_of says which piece) is "
+            "not the parameter's; param_norm is the whole parameter's, what p.grad.full_tensor().norm() returns, "
+            "combined exactly from every rank's shards (sqrt of the sum of the shards' squared norms, a replicated "
+            f"copy once: gradstore query {db} global_grads -p run={run} -p step={step} -p which=final; '-' where "
+            "not every rank's row is in this database or the copies differ)"
+        )
     click.echo(
-        f"\nLargest finite parameter .grad norms (as the step left them for the optimizer; see param_grads): the "
-        f"{len(top):,} largest "
-        f"of {len(grads):,}" + (f"; {', '.join(others)}" if others else "") + ":"
+        f"\n{heading}: the {len(top):,} largest of {len(grads):,}" + (f"; {', '.join(others)}" if others else "") + ":"
     )
-    click.echo(_table(top[["rank", "param", "status", "shape", "norm", "min", "max", "nan", "posinf", "neginf"]]))
+    click.echo(_table(top[columns]))
 
     bad = _first_nonfinite_line(store, run, step=step)
     if bad:

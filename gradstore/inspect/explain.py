@@ -30,6 +30,7 @@ from ..recording import torch_private as tp
 from ..recording.graph import Keyed, describe, node_kind, node_name, walk
 from ..recording.saved import FREED_MESSAGE, is_custom, saved_bytes, saved_tensors, saved_values
 from ..recording.stats import ROW_COLUMNS, measure, to_rows
+from ..store import shards
 from ..store.reader import Store
 from .context import owner_fn, param_names
 from .replay import output_metadata, replayable
@@ -468,6 +469,11 @@ class RecordedExplanation:
                         sparse += f" nnz={int(t['nnz'])}"
                     if t.get("coalesced") == t.get("coalesced") and t.get("coalesced") is not None:
                         sparse += " coalesced" if t["coalesced"] else " uncoalesced"
+                piece = shards.piece_label(t.get("placements"), t.get("global_shape"))
+                if piece is not None:  # the statistics are of this rank's piece, not of the whole gradient
+                    sparse += f" [{piece}: the statistics are this piece's]"
+                elif isinstance(t.get("placements"), str):
+                    sparse += f" [DTensor {t['placements']}: this rank holds the whole tensor]"
                 out.append(f"    {t['role']}[{t['slot']}]  ({t['shape']}) {t['dtype']}{sparse}  {_stats_text(stats)}")
         return out
 

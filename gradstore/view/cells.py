@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ArgumentError, GradstoreError
+from ..store import shards
 
 STATS = ("norm", "absmax", "min", "max", "mean")
 BY = ("module", "param", "node")
@@ -258,7 +259,12 @@ def series(
 
     Returns a frame with run, rank, step, value (NaN: not measured in that step, or no row), nan, posinf,
     neginf (exact counts over the step's rows), measured (rows), label ('RUN rank R', or 'RUN' for one rank),
-    one row per recorded step of each run and rank, in step order. Several rows of one step (calls of a
+    part, one row per recorded step of each run and rank, in step order. part is 'piece' where the rank's rows
+    are DTensor pieces (a shard or a Partial term: its value is of this rank's piece, not of the whole
+    gradient, and its label says which piece) and 'whole' otherwise; for a DTensor parameter (param=, role
+    param_grad, every rank) each run has a series more, rank <NA> (the rank column is then nullable Int64),
+    part 'whole': the whole parameter's gradient combined exactly from every rank's shards
+    (`Store.global_grads(which='pass')`; NaN where not derivable). Several rows of one step (calls of a
     module's nodes, micro-batches) combine exactly (norm: sqrt of the summed squares); for param_grad rows
     the step's last pass counts (the .grad after accumulation), and nan / posinf / neginf are the larger of its
     counts and those of the step's final row (the .grad the optimizer read), so a `.grad` that went non-finite
@@ -313,7 +319,54 @@ def series(
         else:
             frame = frame.assign(value=np.nan, nan=np.nan, posinf=np.nan, neginf=np.nan, measured=np.nan)
         several = len(ranks) > 1
-        frame = frame.assign(run=run, label=[f"{run} rank {r}" if several else run for r in frame["rank"]])
+        piece = {}  # rank -> how its rows relate to the whole gradient, where they are DTensor pieces
+        if "placements" in rows:
+            for r, f in rows.groupby("rank"):
+                labels = {shards.piece_label(p, g) for p, g in zip(f["placements"], f["global_shape"])} - {None}
+                if labels:
+                    piece[int(r)] = labels.pop() if len(labels) == 1 else "this rank's pieces (DTensor shards)"
+        frame = frame.assign(
+            run=run,
+            label=[
+                (f"{run} rank {r}" if several or r in piece else run) + (f": {piece[r]}" if r in piece else "")
+                for r in frame["rank"]
+            ],
+            part=["piece" if r in piece else "whole" for r in frame["rank"]],
+        )
         out.append(frame)
-    cols = ["run", "rank", "step", "value", "nan", "posinf", "neginf", "measured", "label"]
+        if piece and param is not None and role == "param_grad" and rank is None:
+            out.append(_whole_param(store, run, param, stat, frame["step"].unique()))
+    cols = ["run", "rank", "step", "value", "nan", "posinf", "neginf", "measured", "label", "part"]
     return pd.concat(out, ignore_index=True)[cols]
+
+
+def _whole_param(store, run: str, param: str, stat: str, steps) -> pd.DataFrame:
+    """The series of a DTensor parameter's whole gradient, as the history's param_grad rows (the step's last
+    backward pass), combined exactly from every rank's shards by `Store.global_grads(which='pass')` (NaN where
+    not derivable: a rank's shard missing, copies that differ, a Partial gradient's norm). rank is <NA>, part
+    'whole'."""
+    g = store.global_grads(run, param=param, which="pass")
+    g = g[g["final"] == 0]
+    ok = g["status"] == "ok"
+    mn, mx = (pd.to_numeric(g[c], errors="coerce").astype("float64") for c in ("min", "max"))
+    if stat == "absmax":
+        v = np.maximum(mn.abs(), mx.abs())
+    else:
+        v = pd.to_numeric(g[stat], errors="coerce").astype("float64")
+    frame = pd.DataFrame(
+        {
+            "step": g["step"].astype(int),
+            "value": v.where(ok),
+            "nan": pd.to_numeric(g["nan"], errors="coerce").astype("float64"),
+            "posinf": pd.to_numeric(g["posinf"], errors="coerce").astype("float64"),
+            "neginf": pd.to_numeric(g["neginf"], errors="coerce").astype("float64"),
+            "measured": ok.astype("float64"),
+        }
+    )
+    frame = pd.DataFrame({"step": sorted(int(s) for s in steps)}).merge(frame, how="left")
+    return frame.assign(
+        run=run,
+        rank=pd.array([pd.NA] * len(frame), dtype="Int64"),
+        label=f"{run} whole parameter (every rank's shards combined, as full_tensor())",
+        part="whole",
+    )

@@ -434,6 +434,18 @@ def _params_section(page: _Page, store, run: str) -> None:
         + ": parameters with non-finite steps first, "
         "then by the ratio of their largest to smallest finite norm over the recorded steps.</p>"
     )
+    sharded = top["norm_of"] != ""
+    if sharded.any():
+        page.add(
+            '<p class="note">A DTensor .grad (FSDP2, tensor parallelism) is recorded as each rank\'s shard. Where '
+            "norm_of says <i>the whole parameter</i>, the norms are the whole parameter's, what "
+            "<code>p.grad.full_tensor().norm()</code> returns, combined exactly from every rank's shards "
+            "(<code>Store.global_grads</code>); where it names a rank's shard, not every step's shards combine "
+            "(a rank's rows are missing, or its copies differ) and the norms are that shard's, not the "
+            "parameter's.</p>"
+        )
+    else:
+        top = top.drop(columns="norm_of")
     page.add(_table(top, {"steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"}))
     if top["steps"].max() < 2:
         page.add('<p class="note">One measured step per parameter: no change to draw.</p>')
@@ -447,12 +459,19 @@ def _params_section(page: _Page, store, run: str) -> None:
     drawn = marked = False  # a finite positive norm on the log scale; a step marked non-finite
     for name in names:
         s = cells.series(store, run, param=name)
-        s = s[s["rank"] == s["rank"].min()]
+        whole = s[s["rank"].isna()]  # a DTensor parameter: its whole gradient, combined from every rank's shards
+        label = name
+        if len(whole) and whole["value"].notna().any():
+            s, label = whole, f"{name} (whole parameter)"
+        else:
+            s = s[s["rank"] == s["rank"].min()]
+            if (s["part"] == "piece").any():
+                label = f"{name} (rank {int(s['rank'].iloc[0])}'s shard, not the parameter)"
         steps += [int(v) for v in s["step"]]
         bad = (s["nan"].fillna(0) + s["posinf"].fillna(0) + s["neginf"].fillna(0)) > 0
         y = s["value"].where(~bad & (s["value"] > 0))
         drawn = drawn or bool(y.notna().any())
-        (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=name)
+        (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=label)
         if bad.any():
             mark_nonfinite_steps(ax, s["step"][bad], line.get_color(), size=60)
             marked = True

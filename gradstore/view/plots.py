@@ -368,6 +368,11 @@ def history(
         rank: None (every rank recorded: a line each when there are several), a rank, or a list of ranks.
         ax: a matplotlib Axes to draw into (default: a new Figure).
 
+    Under FSDP2 or tensor parallelism a rank's rows of a DTensor gradient are its local piece (a shard or a
+    Partial term): its line's legend names the piece and its global shape, and the title says the lines are
+    not the whole gradient; for a parameter (every rank drawn) a line more, 'whole parameter', is its whole
+    gradient combined exactly from every rank's shards (`Store.global_grads(which='pass')`).
+
     Returns the matplotlib Figure. A step whose gradients held NaN or Inf is an X in a shaded row along the top
     edge, above every value drawn, in its line's colour (its value over the finite elements is not drawn); on a
     log axis a value of exactly 0 is a triangle on the bottom edge; a step with nothing measured is a gap in the
@@ -419,7 +424,17 @@ def history(
         f"{_UNITS[stat]} of {'.grad after the backward pass' if role_eff == 'param_grad' else role_eff + 's'}"
     )
     what = f"parameter {param}" if param is not None else (f"module {module}" if module is not None else key)
-    ax.set_title(f"{_UNITS[stat]} of {what}", fontsize=10, loc="left")
+    title = f"{_UNITS[stat]} of {what}"
+    if (data["part"] == "piece").any():  # DTensor rows: a rank's line is its piece, not the whole gradient
+        title += (
+            "\nranks' lines: each rank's local shard (DTensor piece, named in the legend), not the whole gradient"
+            + (
+                "; 'whole parameter': every rank's shards combined"
+                if (data["rank"].isna() & (data["part"] == "whole")).any()
+                else ""
+            )
+        )
+    ax.set_title(title, fontsize=10 if "\n" not in title else 9, loc="left")
     ax.grid(True, which="major", alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if any_bad:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from ..store import shards
+
 
 @dataclass
 class PathEdge:
@@ -273,21 +275,54 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     `param_grads(which='pass')` rows; `which='final'`: as the optimizer saw it) moved most over the recorded
     steps of `rank` (default the lowest): param, module, steps (with a finite norm), first, last, smallest,
     largest (finite norms), ratio (largest / smallest positive finite norm; NaN with fewer than two), nonfinite
-    (steps whose .grad held NaN or Inf). Non-finite parameters first, then by ratio, largest first; `top` rows.
+    (steps whose .grad held NaN or Inf), norm_of ('' for a plain .grad; for a DTensor .grad, whose rows are
+    each rank's shard, 'the whole parameter ...' where every step's shards combine (`Store.global_grads`,
+    same `which`): the norms are then the whole parameter's; else 'rank R: this rank's shard, ...': the norms
+    are that rank's shard's). Non-finite parameters first, then by ratio, largest first; `top` rows.
     Raises UnknownRun."""
     # 'pass' by default, as the plot beside the report's table draws them (gradstore.view.cells.series): clipping and
     # unscaling after the pass would hide how far the gradient itself moved
     pg = store.param_grads(run=run, rank=rank, which=which)
     if pg.empty:
         return pd.DataFrame(
-            columns=["param", "module", "steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"]
+            columns=[
+                "param",
+                "module",
+                "steps",
+                "first",
+                "last",
+                "smallest",
+                "largest",
+                "ratio",
+                "nonfinite",
+                "norm_of",
+            ]
         )
     if rank is None:
         pg = pg[pg["rank"] == pg["rank"].min()]
     pg = pg.assign(
         bad=(pg["nan"].fillna(0) + pg["posinf"].fillna(0) + pg["neginf"].fillna(0)) > 0,
         norm=pd.to_numeric(pg["norm"], errors="coerce").astype("float64"),
+        norm_of="",
     )
+    pieces = pg["placements"].map(shards.is_piece)
+    if pieces.any():  # DTensor shards: the whole parameter's norms where every rank's shards combine, else say so
+        whole = store.global_grads(run=run, which=which).set_index(["step", "param"])
+        for param in pg.loc[pieces, "param"].unique():
+            at = pg["param"] == param
+            keys = list(zip(pg.loc[at, "step"], pg.loc[at, "param"]))
+            got = whole.reindex(keys)
+            if len(got) and (got["status"] == "ok").all():
+                pg.loc[at, "norm"] = pd.to_numeric(got["norm"], errors="coerce").astype("float64").to_numpy()
+                pg.loc[at, "bad"] = (
+                    got[["nan", "posinf", "neginf"]].apply(pd.to_numeric).fillna(0).sum(axis=1) > 0
+                ).to_numpy()
+                pg.loc[at, "norm_of"] = "the whole parameter (every rank's shards combined)"
+            else:
+                first = pg[at].iloc[0]
+                pg.loc[at, "norm_of"] = f"rank {int(first['rank'])}: " + (
+                    shards.piece_label(first["placements"], first["global_shape"]) or ""
+                )
     rows = []
     for (param, module), f in pg.groupby(["param", "module"], sort=False, dropna=False):
         f = f.sort_values("step")
@@ -304,6 +339,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "largest": good["norm"].max() if len(good) else np.nan,
                 "ratio": pos.max() / pos.min() if len(pos) >= 2 else np.nan,
                 "nonfinite": int(f["bad"].sum()),
+                "norm_of": f["norm_of"].iloc[0],
             }
         )
     out = pd.DataFrame(rows)
