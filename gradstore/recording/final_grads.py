@@ -348,27 +348,16 @@ class FinalGrads:
         if self.results is None and self.passes:
             self.take(why)
 
-    def at_optimizer_step(self, why: str, optimizer=None) -> None:
+    def at_optimizer_step(self, why: str) -> None:
         """The optimizer is about to step with the `.grad`s as they are now: the snapshot is taken (`take`) if the
         step holds none since its last backward pass, and again where the one it holds may no longer be what the
         optimizer reads: taken by `zero_grad` (which then cleared the `.grad`s), or taken before any optimizer
         step (clipping, `GradScaler.unscale_`, `rec.final_grads()`) where an operator ran or a `.grad` changed
         since it was measured (`_unchanged`, where it can tell). A snapshot an optimizer step took stands for the
         step's later optimizer steps (another optimizer reads other parameters, after the first one's
-        `zero_grad` may have cleared its own). Nothing before a backward pass.
-
-        optimizer: the `torch.optim.Optimizer` stepping (None: not known). Its parameters' rows of the snapshot
-        are what the step's final rows hold for them even where a later backward pass of the step changes their
-        `.grad` again (two optimizers, each stepping after its own loss's backward: `_lock_stepped`), unless an
-        optimizer steps them again later in the step."""
+        `zero_grad` may have cleared its own). Nothing before a backward pass."""
         if not self.passes:
             return
-        try:
-            self._at_optimizer_step(why)
-        finally:
-            self._note_stepped(optimizer)
-
-    def _at_optimizer_step(self, why: str) -> None:
         if self.results is None or self.taken_by == "zero_grad":
             self.take(why)
             return
@@ -466,9 +455,15 @@ class FinalGrads:
         keys = [n.key for n in nodes]
         return nodes, [(n.key, None, role, 0) + row for n, row in zip(nodes, rows)], nonfinite, (keys, norms, counts)
 
-    def _note_stepped(self, optimizer) -> None:
-        """Note the parameters `optimizer` steps on the snapshot held now; rows an earlier optimizer step read for
-        them no longer stand (this step reads them later)."""
+    def after_optimizer_step(self, optimizer) -> None:
+        """`optimizer` (a `torch.optim.Optimizer`) has stepped, reading the `.grad`s of the snapshot held now (its
+        step's pre-hook took or kept it; after a closure that ran a backward pass, its post-hook took it): those
+        rows of its parameters are what the step's final rows hold for them even where a later backward pass of
+        the step changes their `.grad` again (two optimizers, each stepping after its own loss's backward:
+        `_lock_stepped`), unless an optimizer steps them again later in the step; rows an earlier optimizer step
+        read for them no longer stand. Nothing before a backward pass, or without a snapshot."""
+        if not self.passes or self.results is None:
+            return
         try:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         except Exception:  # not a torch.optim.Optimizer, or not known

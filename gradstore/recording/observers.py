@@ -181,14 +181,14 @@ def _optimizer_pre_hook(optimizer, args, kwargs):
     try:
         _last[id(optimizer)] = optimizer.register_step_pre_hook(_last_pre_hook)
     except Exception:
-        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step", optimizer)
+        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step")
     return None
 
 
 def _last_pre_hook(optimizer, args, kwargs):
     t = _here()
     if t is not None:
-        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step", optimizer)
+        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step")
     return None
 
 
@@ -199,6 +199,7 @@ def _optimizer_post_hook(optimizer, args, kwargs):
     t = _here()
     if t is not None:
         _guarded("optimizer step post-hook", t.final.take_if_missing, "optimizer step (after its closure)")
+        _guarded("optimizer step post-hook", t.final.after_optimizer_step, optimizer)
 
 
 _WRAPS = (
