@@ -404,8 +404,13 @@ def runs(db):
     click.echo(_table(out))
 
 
-def _status_why(row) -> str:
-    """One line of README's param_status table for a row of Store.param_status (its status and the facts)."""
+def _status_why(row, skipped: dict | None = None, raised: str | None = None) -> str:
+    """One line of README's param_status table for a row of Store.param_status (its status and the facts).
+
+    skipped: parameter name -> the reason its gradient rows were stored as skipped in the step (a parameter with
+    status 'received' whose gradient could not be measured: meta device, complex dtype, ...); raised: what a
+    top-level backward pass of the step raised ('backward pass 0 raised RuntimeError: ... in BadBackward#0'),
+    None when none did."""
     status, reached = row.status, row.reached
     if status == "unreachable":
         calls = getattr(row, "calls", None)
@@ -414,6 +419,8 @@ def _status_why(row) -> str:
                 "its AccumulateGrad ran with no gradient: the backward of the op that uses it returned None for it "
                 "(an undefined grad_output)"
             )
+        if reached == 1 and raised:
+            return f"a pass reached its AccumulateGrad and did not run it: {raised}, before the engine got to it"
         if reached == 1:
             return "a pass reached its AccumulateGrad and did not run it: torch.autograd.grad or backward(inputs=...)"
         if reached is None or reached != reached:  # NULL: no graph was walked (stats='params')
@@ -422,6 +429,8 @@ def _status_why(row) -> str:
                 "walks no graph: detached, a branch the loss does not use, or backward(inputs=...))"
             )
         return "its module ran, but no pass's roots reach it (detached, or a branch the loss does not use)"
+    if status == "received" and skipped and row.param in skipped:
+        return f"received a gradient that could not be measured: {skipped[row.param]}"
     return {
         "frozen": "requires_grad=False",
         "zero": "received gradients, all exactly 0",
@@ -443,6 +452,33 @@ def _not_used_why(row) -> str:
         )
         return why + ("; no pass reached its AccumulateGrad" if reached == 0 else "")
     return "its module's forward did not run in the step"
+
+
+def _reasons(rows: pd.DataFrame, limit: int = 3) -> str:
+    """'reason (n rows); ...' from Store.not_measured rows, the most frequent reasons first."""
+    if rows.empty:
+        return ""
+    counts = rows.assign(reason=rows["reason"].fillna("no reason recorded")).groupby("reason")["tensors"].sum()
+    counts = counts.sort_values(ascending=False, kind="stable")
+    parts = [f"{reason} ({int(n):,})" for reason, n in counts.head(limit).items()]
+    if len(counts) > limit:
+        parts.append(f"{len(counts) - limit:,} more reasons")
+    return "; ".join(parts)
+
+
+def _raised_text(passes: pd.DataFrame) -> str | None:
+    """What the top-level passes that raised raised: 'backward pass 0 raised RuntimeError: ... in BadBackward#0'
+    (rows of Store.passes; the node is the call left open, where one was); None when none raised."""
+    if "error" not in passes.columns:
+        return None
+    bad = passes[passes["error"].notna() & passes["parent_pass"].isna()]
+    if bad.empty:
+        return None
+    parts = []
+    for p in bad.to_dict("records"):
+        where = f" in {p['raised_at']}" if isinstance(p["raised_at"], str) else ""
+        parts.append(f"backward pass {p['pass']} raised {_short(p['error'], 120)}{where}")
+    return "; ".join(parts)
 
 
 def _limited(df: pd.DataFrame, limit: int) -> tuple[pd.DataFrame, str]:
@@ -543,6 +579,9 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
             "error": table["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:80]),
         }
     )
+    skipped = steps["not_measured"].fillna(0).astype(int)
+    if skipped.any():  # gradient rows that could not be measured: no statistics, no NaN/Inf check
+        out.insert(4, "not_measured", skipped.values)
     counts = steps["status"].value_counts()
     click.echo("\nSteps (" + ", ".join(f"{n} {status}" for status, n in counts.items()) + "); times in seconds:")
     # the steps that raised or held NaN / Inf first (up to the limit), then the first and last steps around them
@@ -554,6 +593,21 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     click.echo(_table_keeping(out, keep, _steps_gap))
     if len(keep) < len(out):
         click.echo("  (every row: --limit N, or gradstore query DB steps -p run=RUN)")
+    if skipped.any():
+        partly = int(((skipped > 0) & (steps["status"] != "unmeasured")).sum())
+        click.echo(
+            "Gradients not measured (stored as skipped: no statistics, not checked for NaN/Inf): "
+            f"{int(skipped.sum()):,} rows in {int((skipped > 0).sum()):,} of {len(steps):,} step records"
+            + (f" ({partly:,} of them measured the rest: their status speaks of those only)" if partly else "")
+            + f"; why: {_reasons(store.not_measured(run=run, rank=rank))}"
+        )
+    raised = _raised_text(passes)
+    if raised:
+        bad_steps = passes[passes["error"].notna() & passes["parent_pass"].isna()]
+        click.echo(
+            f"Backward passes that raised: {len(bad_steps):,}, in step(s) {_step_ranges(bad_steps['step'])} "
+            f"(status error; the first: {_raised_text(bad_steps.head(1))})"
+        )
     traced = int(steps["tracing_passes"].sum())
     if traced:
         click.echo(f"torch.compile's tracing ran {traced} backward pass(es) in these steps: not recorded")
@@ -571,6 +625,8 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
         click.echo("\n" + bad)
         nonfinite = steps[steps["status"] == "nonfinite"]
         detail = int(nonfinite["step"].iloc[0]) if len(nonfinite) else detail
+    elif (steps["status"] == "error").any():  # the first step that raised, or whose backward pass raised
+        detail = int(steps.loc[steps["status"] == "error", "step"].iloc[0])
     click.echo(f"\nOne step in detail: gradstore show {db} {run} --step {detail}")
 
 
@@ -581,7 +637,13 @@ def _nonfinite_mask(df: pd.DataFrame) -> pd.Series:
     return (df["nan"].fillna(0) + df["posinf"].fillna(0) + df["neginf"].fillna(0)).astype("int64") > 0
 
 
-def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int, levels: set | None = None) -> None:
+def _show_nonfinite(
+    tensors: pd.DataFrame,
+    grads: pd.DataFrame,
+    limit: int,
+    levels: set | None = None,
+    skipped: pd.DataFrame | None = None,
+) -> None:
     """The step's non-finite parameter .grad and node gradients, before any list sorted by norm (a norm is over
     the finite elements: an all-NaN gradient has norm 0 and would sort last). `grads`: param_grads(which='all'),
     the .grad after the step's last backward pass and as the optimizer saw it: a parameter counts when either
@@ -592,19 +654,26 @@ def _show_nonfinite(tensors: pd.DataFrame, grads: pd.DataFrame, limit: int, leve
     bad_nodes = node_rows[_nonfinite_mask(node_rows)]
     if bad_params.empty and bad_nodes.empty:
         measured = int(tensors["nan"].notna().sum()) if not tensors.empty else 0
+        # why the rows that hold no count hold none: a skipped row's stored reason, a None slot, the shape level
+        why = []
+        if skipped is not None and not skipped.empty:
+            why.append(f"{int(skipped['tensors'].sum()):,} skipped: {_reasons(skipped)}")
+        nones = int((tensors["status"] == "none").sum()) if not tensors.empty else 0
+        if nones:
+            why.append(f"{nones:,} None slot{'s' if nones > 1 else ''} (no gradient)")
+        if levels and "shape" in levels:
+            why.append("stats='shape' measures no value")
+        why_text = "; ".join(why) if why else "None slots, skipped, or shape level"
         if measured == 0 and len(tensors):  # nothing counted: no "none" about what was not measured
             click.echo(
                 f"\nNon-finite gradients: not measured (none of the {len(tensors):,} gradient rows holds NaN/Inf "
-                "counts: stats='shape' measures no value, or every row is a None slot or skipped)"
+                f"counts: {why_text})"
             )
             return
         click.echo(
-            f"\nNon-finite gradients: none (exact NaN/Inf counts of {measured:,} of {len(tensors):,} gradient rows"
-            + (
-                ""
-                if measured == len(tensors)
-                else "; the others were not measured: None slots, skipped, or shape level"
-            )
+            f"\nNon-finite gradients: none in the {measured:,} measured of {len(tensors):,} gradient rows (exact "
+            "NaN/Inf counts"
+            + ("" if measured == len(tensors) else f"; {len(tensors) - measured:,} not measured: {why_text}")
             + (
                 "; the nodes' gradients were not measured: stats='params' reads the parameters' .grad only"
                 if levels and "params" in levels
@@ -670,6 +739,20 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     )
     click.echo("\nStep:")
     click.echo(_table(out))
+    passes = store.passes(run=run, rank=rank, step=step)
+    raised = _raised_text(passes)
+    if raised:
+        click.echo(
+            f"\nA backward pass raised: {raised} (the engine stopped the pass there: the nodes after it did not "
+            "run, and the parameters they lead to got no gradient from it)"
+        )
+    skipped = store.not_measured(run=run, rank=rank, step=step)
+    if not skipped.empty:
+        click.echo(
+            f"\nGradients not measured (stored as skipped: no statistics, not checked for NaN/Inf): "
+            f"{int(skipped['tensors'].sum()):,} rows:"
+        )
+        click.echo(_table(skipped[["rank", "role", "tensors", "params", "reason"]]))
     held = steps[steps["level"] == "summary"]
     if len(held):  # a flight-recorder summary: no passes, calls or gradient rows were kept
         ranks_held = ", ".join(str(int(r)) for r in held["rank"])
@@ -715,7 +798,12 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             "status says why (README: param_status; ok says nothing of NaN/Inf, listed below)"
         )
         shown_odd, more = _limited(odd, limit)
-        shown_odd = shown_odd.assign(why=[_status_why(r) for r in shown_odd.itertuples()])
+        reasons = {}
+        if not skipped.empty and (skipped["role"] == "param_grad").any():
+            rows = store.tensors(run=run, rank=rank, step=step)
+            rows = rows[(rows["role"] == "param_grad") & (rows["status"] == "skipped")]
+            reasons = dict(zip(rows["param"], rows["reason"].fillna("no reason recorded")))
+        shown_odd = shown_odd.assign(why=[_status_why(r, reasons, raised) for r in shown_odd.itertuples()])
         click.echo(
             _table(
                 shown_odd[["rank", "param", "status", "why", "module_ran", "reached", "calls", "has_grad"]],
@@ -809,31 +897,17 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         if more:
             click.echo(more)
 
-    passes = store.passes(run=run, rank=rank, step=step)
     click.echo("\nBackward passes (duration in seconds):")
-    click.echo(
-        _table(
-            passes[
-                [
-                    "rank",
-                    "pass",
-                    "kind",
-                    "parent_pass",
-                    "create_graph",
-                    "retain_graph",
-                    "roots",
-                    "nodes",
-                    "calls",
-                    "duration",
-                ]
-            ]
-        )
-    )
+    shown_cols = ["rank", "pass", "kind", "parent_pass", "create_graph", "retain_graph", "roots", "nodes", "calls"]
+    shown_cols.append("duration")
+    if raised or passes["error"].notna().any():
+        shown_cols += ["raised_at", "error"]
+    click.echo(_table(passes[shown_cols]))
 
     tensors = store.tensors(run=run, rank=rank, step=step)
     grads = store.param_grads(run=run, rank=rank, step=step)
     levels = set(store.steps(run=run, rank=rank, step=step)["level"])
-    _show_nonfinite(tensors, store.param_grads(run=run, rank=rank, step=step, which="all"), limit, levels)
+    _show_nonfinite(tensors, store.param_grads(run=run, rank=rank, step=step, which="all"), limit, levels, skipped)
 
     calls = store.calls(run=run, rank=rank, step=step)
     slow = calls.sort_values("duration", ascending=False).head(limit)

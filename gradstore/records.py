@@ -165,6 +165,7 @@ class PassRecord:
     born: dict[int, tuple[int | None, int | None]] | None = None  # walked index -> (step, pass) of an earlier
     # step's node (step None: an earlier step that was not recorded, or before the scope)
     grads_changed: list[str] | None = None  # stats='params': parameters whose .grad this pass changed
+    error: str | None = None  # the exception the engine raised in this pass ('Type: message'), None: it returned
     # record(slices=/values=/saved=True/forward=True), each a sequence (plain list or LazyRows) whose first item
     # is the index of the row of `tensors` it belongs to:
     #   slices: (row, dim, slices, zero, nonfinite, norm_min, norm_median, norm_max, zero_first, nonfinite_first,

@@ -67,6 +67,9 @@ class StepState:
         self.device_threads = False
         self.warnings: dict[tuple, int] = {}  # (category, message, location) -> times shown in the step
         self.values = None  # record(values=...): the step's gradstore.recording.values.ValueTaker
+        # the top-level passes that raised: (pass number, 'Type: message', id of the exception); the exception
+        # itself is not kept (its traceback holds the frames, and with them the graph's tensors)
+        self.raised: list[tuple[int, str, int]] = []
 
     def next_seq(self) -> int:
         if self.native_step is not None:
@@ -87,6 +90,12 @@ class StepState:
         if stack is None:
             stack = self.open_calls.stack = []
         return stack
+
+    def pass_raised(self, record: PassRecord, exc: BaseException) -> None:
+        """Note that the engine raised `exc` in the pass of `record` (a nested pass's exception reaches the pass
+        around it, which notes it too: only top-level passes are noted for the step)."""
+        if record.parent_pass is None:
+            self.raised.append((record.number, record.error, id(exc)))
 
     def fault(self, where: str, exc: BaseException) -> None:
         self.fault_text(f"{where}: {type(exc).__name__}: {exc}")

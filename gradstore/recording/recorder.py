@@ -671,9 +671,18 @@ class record:
             except Exception as e:  # a recorder fault: the step's other rows are still written
                 state.fault("final parameter gradients", e)
         status, error = "ok", None
+        # top-level backward passes that raised, whose exception did not end the step (the training code caught
+        # it and went on): the step is an error all the same, and says which pass raised what
+        chain = _exception_ids(exc)
+        caught = [f"backward pass {n} raised {text}" for n, text, ident in state.raised if ident not in chain]
         if exc is not None:
             status = "error"
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            if caught:
+                error += "\n" + "; ".join(caught) + " (caught by the training code)"
+        elif caught:
+            status = "error"
+            error = "; ".join(caught) + " (caught by the training code, which went on)"
         elif (
             final_nonfinite
             or any(r.nonfinite for r in state.records)
@@ -712,7 +721,7 @@ class record:
         grad_norm = total_norm(final_norms[1])
         if self._flight is not None:
             batch.param_norms = list(zip(*final_norms))
-            batches, dump = self._flight.end_step(batch, exc is not None, amp_skipped(values), grad_norm)
+            batches, dump = self._flight.end_step(batch, status == "error", amp_skipped(values), grad_norm)
             written = "dumped" if dump is not None else "summary"
         else:
             batches = [batch]
@@ -815,6 +824,7 @@ class record:
             except Exception as exc:
                 state.fault("start of pass", exc)
         ok = False
+        raised = None
         try:
             if self._frames is not None:  # the hooks' own reductions are not user ops: no frame walk for them
                 with self._frames.paused():
@@ -823,9 +833,15 @@ class record:
                 result = original(outputs, *args, **kwargs)
             ok = True
             return result
+        except BaseException as exc:  # noted for the pass and the step; re-raised unchanged
+            raised = exc
+            raise
         finally:
             try:
                 if p is not None:
+                    if raised is not None:
+                        p.record.error = _exception_text(raised)
+                        state.pass_raised(p.record, raised)
                     rec = p.finish(ok)
                     measured = p.params_measured  # with an operator watcher to take over or remove
                     if ok and self._final is not None and rec.kind == "backward" and rec.parent_pass is None:
@@ -959,6 +975,20 @@ class record:
             self._writer.flush()
         else:
             flush_pending(self.db)
+
+
+def _exception_text(exc: BaseException) -> str:
+    """'Type: message' of an exception, as a step's error text gives it."""
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def _exception_ids(exc: BaseException | None) -> set[int]:
+    """The ids of `exc` and of the exceptions it was raised from or while handling (its cause and context)."""
+    ids: set[int] = set()
+    while exc is not None and id(exc) not in ids:
+        ids.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return ids
 
 
 def _after_fork_in_child() -> None:

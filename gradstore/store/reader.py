@@ -128,8 +128,10 @@ class Store:
         return frame
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
-        """Steps: run, rank, step, status (ok / error / nonfinite, or unmeasured: level 'shape', which measures no
-        value, where nothing raised; a step recorded before gradstore said so reads unmeasured too), passes,
+        """Steps: run, rank, step, status (ok / error / nonfinite, or unmeasured: nothing raised and no gradient
+        value was measured: level 'shape', or every gradient row skipped, as on the meta device; a step recorded
+        before gradstore said so reads unmeasured too), not_measured (gradient rows skipped: `not_measured()` gives
+        their reasons), passes,
         tracing_passes (torch.compile's tracing calls of autograd, not recorded), level (the stats level; 'summary' for
         a flight-recorder step written without its detail), dropped (rows), waited (s), values_bytes and values_left_out
         (record(values=...)), started_at, ended_at, duration (s), error; then one column per step value the steps logged
@@ -177,8 +179,16 @@ class Store:
 
     def passes(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Backward passes: run, rank, step, pass, kind (backward/grad), parent_pass, parent_seq, create_graph,
-        retain_graph, roots, inputs, nodes, calls, started_at, duration, setup, finish (s)."""
+        retain_graph, roots, inputs, nodes, calls, started_at, duration, setup, finish (s), error (the exception
+        the pass raised, 'Type: message', also where the training code caught it; NULL where it returned) and
+        raised_at (the key of the node whose call started and did not end in a pass that raised)."""
         return self.query("passes", run=run, rank=rank, step=step)
+
+    def not_measured(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
+        """The gradients a step could not measure (rows with status skipped), grouped by reason: run, rank, step,
+        role, reason, tensors (rows), params (distinct parameters among the param_grad rows). Empty where every
+        gradient was measured; a stats='shape' step skips none (it measures none: its status is unmeasured)."""
+        return self.query("not_measured", run=run, rank=rank, step=step)
 
     def nodes(self, run: str | None = None, module: str | None = None) -> pd.DataFrame:
         """Nodes: run, key, name, kind, module, param, frame, region (a compiled region's modules), first_step.

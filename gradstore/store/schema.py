@@ -94,7 +94,7 @@ steps = Table(
     Column("step", Integer, nullable=False),
     Column("started_at", Float, nullable=False),
     Column("ended_at", Float),
-    Column("status", String(16), nullable=False),  # ok / error / nonfinite
+    Column("status", String(16), nullable=False),  # ok / error / nonfinite / unmeasured
     Column("error", Text),
     Column("passes", Integer, nullable=False),
     Column("level", String(16), nullable=False),  # stats level: full / health / params / shape
@@ -131,6 +131,9 @@ passes = Table(
     # the lowest and highest id of the pass's calls (NULL: no calls); see call_data below
     Column("first_call", Integer),
     Column("last_call", Integer),
+    # the exception the pass raised, `Type: message` (revision 0010_pass_errors); NULL: it returned (or was stored
+    # before that revision, when a raise was not recorded)
+    Column("error", Text),
     UniqueConstraint("step_id", "pass"),
 )
 
@@ -268,6 +271,9 @@ Index("ix_tensor_data_nonfinite", tensor_data.c.step_id, sqlite_where=text(NONFI
 # record(forward=True)'s loss rows (role 5), one per root of a pass: a loss curve reads only them (0008_inside)
 LOSS = "role = 5"
 Index("ix_tensor_data_loss", tensor_data.c.step_id, sqlite_where=text(LOSS), postgresql_where=text(LOSS))
+# the rows that could not be measured (status 2, skipped): the steps query counts them per step (0010_pass_errors)
+SKIPPED = "status = 2"
+Index("ix_tensor_data_skipped", tensor_data.c.step_id, sqlite_where=text(SKIPPED), postgresql_where=text(SKIPPED))
 
 tensor_notes = Table(
     "tensor_notes",

@@ -240,6 +240,7 @@ class Writer:
                     "finish",
                     "first_call",
                     "last_call",
+                    "error",
                 ),
             )
             + returning
@@ -812,6 +813,7 @@ class Writer:
                             p.finish,
                             min(ids) if ids else None,
                             max(ids) if ids else None,
+                            p.error,
                         ),
                     )
                 )
