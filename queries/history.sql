@@ -1,5 +1,5 @@
 -- title: History of a node, module or parameter over steps
--- description: The gradient statistics of one node (key), one module and its submodules (module), or one parameter (param: its AccumulateGrad node's grad_outputs and its param_grad rows) in every recorded step and rank, in order of step, rank, pass and seq (param_grad rows after their pass's calls; final = 1 marks the param_grad row taken when the step ended, as the optimizer saw the gradient, last in its step). occurrence counts earlier rows of the same key, role and slot in the same step (0 for the first call; micro-batches and retained-graph passes give 1, 2, ...). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; checksum is set for param_grad rows when recorded (NULL = unknown); layout, nnz and coalesced describe a sparse gradient (NULL when dense). A DTensor gradient's row is this rank's local piece (its statistics are the piece's, not the whole gradient's): placements and global_shape give its layout (NULL for a plain tensor); global_grads combines a parameter's pieces.
+-- description: The gradient statistics of one node (key), one module and its submodules (module), or one parameter (param: its AccumulateGrad node's grad_outputs and its param_grad rows) in every recorded step and rank, in order of step, rank, pass and seq (param_grad rows after their pass's calls; final = 1 marks the param_grad row taken when the step ended, as the optimizer saw the gradient, last in its step). occurrence counts earlier rows of the same key, role and slot in the same step (0 for the first call; micro-batches and retained-graph passes give 1, 2, ...). norm, min, max, mean, std are over finite elements; nan, posinf, neginf, zeros are exact counts; checksum is set for param_grad rows when recorded (NULL = unknown); layout, nnz and coalesced describe a sparse gradient (NULL when dense). A DTensor gradient's row is this rank's local piece (its statistics are the piece's, not the whole gradient's): placements and global_shape give its layout (NULL for a plain tensor); global_grads combines a parameter's pieces. reason says why a skipped row (status skipped) was not measured.
 -- param run: run name; empty (NULL) for every run
 -- param key: node key (e.g. fc/AddmmBackward0#0 or param:fc.weight); empty (NULL) for all
 -- param module: qualified module name; the module and its submodules; empty (NULL) for all
@@ -12,7 +12,7 @@ SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, 
                           ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
        su.name AS status, d.name AS dtype, t.shape, t.numel,
        t.norm, t.min, t.max, t.mean, t.std, t.nan, t.posinf, t.neginf, t.zeros, t.checksum,
-       t.layout, t.nnz, t.coalesced, t.final, dt.placements, dt.global_shape
+       t.layout, t.nnz, t.coalesced, t.final, t.reason, dt.placements, dt.global_shape
 FROM tensors t
 JOIN steps st ON st.id = t.step_id
 JOIN runs r ON r.id = st.run_id

@@ -258,9 +258,10 @@ def series(
     what `gradstore.view.history` draws; see there for the arguments.
 
     Returns a frame with run, rank, step, value (NaN: not measured in that step, or no row), nan, posinf,
-    neginf (exact counts over the step's rows), measured (rows), label ('RUN rank R', or 'RUN' for one rank),
-    part, one row per recorded step of each run and rank, in step order. part is 'piece' where the rank's rows
-    are DTensor pieces (a shard or a Partial term: its value is of this rank's piece, not of the whole
+    neginf (exact counts over the step's rows; NaN where no row was measured), measured (rows), reason (why the
+    step's skipped rows were not measured, '; '-joined; None where none was skipped), label ('RUN rank R', or 'RUN'
+    for one rank), part, one row per recorded step of each run and rank, in step order. part is 'piece' where the
+    rank's rows are DTensor pieces (a shard or a Partial term: its value is of this rank's piece, not of the whole
     gradient, and its label says which piece) and 'whole' otherwise; for a DTensor parameter (param=, role
     param_grad, every rank) each run has a series more, rank <NA> (the rank column is then nullable Int64),
     part 'whole': the whole parameter's gradient combined exactly from every rank's shards
@@ -318,6 +319,20 @@ def series(
             frame = frame.merge(parts[["rank", "step", "value", "nan", "posinf", "neginf", "measured"]], how="left")
         else:
             frame = frame.assign(value=np.nan, nan=np.nan, posinf=np.nan, neginf=np.nan, measured=np.nan)
+        # a step with no measured row counted nothing: its NaN / Inf counts are not known (not 0)
+        blank = frame["measured"].fillna(0) == 0
+        frame.loc[blank, ["nan", "posinf", "neginf"]] = np.nan
+        skipped = rows[rows["status"] == "skipped"] if not rows.empty else rows
+        reasons = (
+            skipped.assign(reason=skipped["reason"].fillna("no reason recorded"))
+            .groupby(["rank", "step"])["reason"]
+            .agg(lambda r: "; ".join(sorted(set(r))))
+            if not skipped.empty
+            else pd.Series(dtype=object)
+        )
+        frame = frame.assign(
+            reason=[reasons.get((int(r), int(s_)), None) for r, s_ in zip(frame["rank"], frame["step"])]
+        )
         several = len(ranks) > 1
         piece = {}  # rank -> how its rows relate to the whole gradient, where they are DTensor pieces
         if "placements" in rows:
@@ -336,7 +351,7 @@ def series(
         out.append(frame)
         if piece and param is not None and role == "param_grad" and rank is None:
             out.append(_whole_param(store, run, param, stat, frame["step"].unique()))
-    cols = ["run", "rank", "step", "value", "nan", "posinf", "neginf", "measured", "label", "part"]
+    cols = ["run", "rank", "step", "value", "nan", "posinf", "neginf", "measured", "reason", "label", "part"]
     return pd.concat(out, ignore_index=True)[cols]
 
 
@@ -367,6 +382,7 @@ def _whole_param(store, run: str, param: str, stat: str, steps) -> pd.DataFrame:
     return frame.assign(
         run=run,
         rank=pd.array([pd.NA] * len(frame), dtype="Int64"),
+        reason=None,
         label=f"{run} whole parameter (every rank's shards combined, as full_tensor())",
         part="whole",
     )

@@ -179,7 +179,17 @@ def _run_section(page: _Page, store, run: str, db: str) -> pd.DataFrame:
     return steps
 
 
-def _steps_section(page: _Page, steps: pd.DataFrame, run: str) -> None:
+def _not_measured_why(store, run: str) -> str:
+    """The stored reasons of `run`'s skipped gradient rows, with counts, most frequent first."""
+    skipped = store.not_measured(run=run)
+    if skipped.empty:
+        return ""
+    counts = skipped.assign(reason=skipped["reason"].fillna("no reason recorded")).groupby("reason")["tensors"].sum()
+    counts = counts.sort_values(ascending=False, kind="stable")
+    return "; ".join(f"{reason}: {int(n):,} rows" for reason, n in counts.items())
+
+
+def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> None:
     page.section("steps", "Steps")
     if steps.empty:
         page.add('<p class="note">No steps recorded yet.</p>')
@@ -197,19 +207,35 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str) -> None:
     )
     page.add(_png(_status_strip(steps), f"status of each step of {run}"))
     unmeasured = int((steps["status"] == "unmeasured").sum())
+    skipped = steps["not_measured"].fillna(0).astype(int) if "not_measured" in steps else steps["step"] * 0
+    why = _not_measured_why(store, run) if skipped.any() and store is not None else ""
     if unmeasured:
+        shape = int(((steps["status"] == "unmeasured") & (steps["level"] == "shape")).sum())
+        causes = []
+        if shape:
+            causes.append(f"{shape:,} recorded at stats='shape', which measures no value")
+        if unmeasured > shape:
+            causes.append(f"{unmeasured - shape:,} with every gradient skipped ({_e(why)})")
         page.add(
-            f'<p class="note">{unmeasured:,} step record{"s" if unmeasured > 1 else ""} unmeasured: recorded at '
-            "stats='shape', which measures no value; nothing raised there, but whether a gradient held NaN or Inf "
-            "is not known.</p>"
+            f'<p class="note">{unmeasured:,} step record{"s" if unmeasured > 1 else ""} unmeasured: no gradient '
+            f"value was measured ({'; '.join(causes)}); nothing raised there, but whether a gradient held NaN or "
+            "Inf is not known.</p>"
+        )
+    partly = (skipped > 0) & (steps["status"] != "unmeasured")
+    if partly.any():
+        page.add(
+            f'<p class="note">{int(partly.sum()):,} step record{"s" if partly.sum() > 1 else ""} measured only some '
+            f"gradients: {int(skipped[partly].sum()):,} gradient rows not measured ({_e(why)}); their status "
+            "speaks of the measured gradients only.</p>"
         )
     bad = steps[~steps["status"].isin(["ok", "unmeasured"])]
     if bad.empty:
         if unmeasured < len(steps):
+            tail = f" ({int(partly.sum()):,} of them with gradients not measured, above)" if partly.any() else ""
             page.add(
-                '<p class="calm">Every recorded step has status ok.</p>'
+                f'<p class="calm">Every recorded step has status ok{tail}.</p>'
                 if not unmeasured
-                else '<p class="calm">Every other recorded step has status ok.</p>'
+                else f'<p class="calm">Every other recorded step has status ok{tail}.</p>'
             )
         return
     shown = bad.head(50)
@@ -293,9 +319,22 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
         elif steps.empty:
             page.add('<p class="note">No steps recorded.</p>')
         else:
-            page.add(
-                '<p class="calm">No recorded gradient held NaN or Inf (exact counts, in every measured gradient).</p>'
-            )
+            measured, not_measured, why = story.measured_rows(store, run)
+            if not measured:
+                page.add(
+                    f'<p class="note">No gradient value was measured ({not_measured:,} gradient rows not measured: '
+                    f"{_e(why or 'no row recorded')}): whether a gradient held NaN or Inf is not known.</p>"
+                )
+            elif not_measured:
+                page.add(
+                    '<p class="calm">No recorded gradient held NaN or Inf (exact counts, in the '
+                    f"{measured:,} measured gradient rows); {not_measured:,} not measured ({_e(why)}).</p>"
+                )
+            else:
+                page.add(
+                    '<p class="calm">No recorded gradient held NaN or Inf (exact counts, in every measured gradient).'
+                    "</p>"
+                )
         for c in caveats:
             page.add(f'<p class="note">{_e(c)}.</p>')
         return None
@@ -446,7 +485,15 @@ def _params_section(page: _Page, store, run: str) -> None:
         )
     else:
         top = top.drop(columns="norm_of")
-    page.add(_table(top, {"steps", "first", "last", "smallest", "largest", "ratio", "nonfinite"}))
+    page.add(_table(top, {"steps", "first", "last", "smallest", "largest", "ratio", "nonfinite", "not_measured"}))
+    if top["steps"].max() == 0:
+        why = _not_measured_why(store, run)
+        page.add(
+            '<p class="note">No parameter .grad was measured in any step'
+            + (f" ({_e(why)})" if why else " (recorded at stats='shape', which measures no value)")
+            + ": no norm to draw, and NaN / Inf not checked (nonfinite: -).</p>"
+        )
+        return
     if top["steps"].max() < 2:
         page.add('<p class="note">One measured step per parameter: no change to draw.</p>')
         return
@@ -667,7 +714,7 @@ def report_html(store, run: str, progress: Callable[[str], None] | None = None) 
     tick("run")
     steps = _run_section(page, store, run, str(store.db))
     tick("steps")
-    _steps_section(page, steps, run)
+    _steps_section(page, steps, run, store)
     tick("first non-finite gradient")
     rank = _nonfinite_section(page, store, run, steps)
     tick("heatmap")

@@ -376,7 +376,8 @@ def history(
     Returns the matplotlib Figure. A step whose gradients held NaN or Inf is an X in a shaded row along the top
     edge, above every value drawn, in its line's colour (its value over the finite elements is not drawn); on a
     log axis a value of exactly 0 is a triangle on the bottom edge; a step with nothing measured is a gap in the
-    line.
+    line; a run (or rank) with nothing measured in any step gets no line and no legend entry, but a note on the
+    axes: 'RUN: not measured (the reason stored on its skipped rows)'.
     Raises UnknownRun, ArgumentError (a ValueError), GradstoreError (no such rank), MissingDependency (no matplotlib).
     """
     ticker = require("matplotlib.ticker", "gradstore.view.history")
@@ -386,8 +387,13 @@ def history(
     log = stat in ("norm", "absmax")
     edge = ax.get_xaxis_transform()  # x in data, y in axes fractions
     any_bad = any_zero = False
+    unmeasured = []  # (label, why) of the lines with no value measured in any step: nothing drawn for them
     for label, f in data.groupby("label", sort=False):
         bad = (f["nan"].fillna(0) + f["posinf"].fillna(0) + f["neginf"].fillna(0)) > 0
+        if f["value"].isna().all() and not bad.any():
+            why = sorted({r for r in f["reason"].dropna()})
+            unmeasured.append((label, "; ".join(why) if why else "no value recorded in any step"))
+            continue
         y = f["value"].where(~bad)
         zero = (y == 0) if log else y.isna() & False
         (line,) = ax.plot(f["step"], y.where(~zero) if log else y, marker="o", markersize=3, linewidth=1.4, label=label)
@@ -436,6 +442,20 @@ def history(
         )
     ax.set_title(title, fontsize=10 if "\n" not in title else 9, loc="left")
     ax.grid(True, which="major", alpha=0.3)
+    if unmeasured:  # said on the axes: an empty axis alone would read as a value near 0
+        if data["value"].isna().all():
+            ax.set_yticks([])
+        ax.text(
+            0.5,
+            0.5,
+            "\n".join(f"{label}: not measured ({why})" for label, why in unmeasured),
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="#555555",
+            wrap=True,
+        )
     handles, labels = ax.get_legend_handles_labels()
     if any_bad:
         handles.append(
@@ -449,5 +469,6 @@ def history(
             )
         )
         labels.append("exactly 0 (off the log axis)")
-    ax.legend(handles, labels, fontsize=8, loc="best")
+    if handles:
+        ax.legend(handles, labels, fontsize=8, loc="best")
     return fig

@@ -270,16 +270,43 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
     )
 
 
+def measured_rows(store, run: str) -> tuple[int, int, str]:
+    """(gradient rows measured, rows not measured, why) over `run`'s steps: grad_output, grad_input and
+    param_grad rows; measured = status ok with NaN/Inf counts (stats='shape' counts none); not measured = skipped
+    rows (why: their stored reasons with counts, most frequent first) and rows of stats='shape' steps."""
+    from sqlalchemy import text
+
+    sql = text(
+        "SELECT SUM(CASE WHEN t.status = 0 AND t.nan IS NOT NULL THEN 1 ELSE 0 END), "
+        "SUM(CASE WHEN t.status = 2 OR (t.status = 0 AND t.nan IS NULL) THEN 1 ELSE 0 END) "
+        "FROM tensor_data t JOIN steps st ON st.id = t.step_id JOIN runs r ON r.id = st.run_id "
+        "WHERE r.name = :run AND t.role IN (0, 1, 2)"
+    )
+    skipped = store.not_measured(run=run)  # first: it checks the run and refreshes the reader
+    with store.engine.connect() as conn:
+        measured, unmeasured = conn.execute(sql, {"run": run}).one()
+    parts = []
+    if not skipped.empty:
+        counts = skipped.assign(reason=skipped["reason"].fillna("no reason recorded")).groupby("reason")["tensors"]
+        for reason, n in counts.sum().sort_values(ascending=False, kind="stable").items():
+            parts.append(f"{reason} ({int(n):,})")
+    shape = int(unmeasured or 0) - (int(skipped["tensors"].sum()) if not skipped.empty else 0)
+    if shape > 0:
+        parts.append(f"stats='shape' measures no value ({shape:,})")
+    return int(measured or 0), int(unmeasured or 0), "; ".join(parts)
+
+
 def changed_most(store, run: str, rank: int | None = None, top: int = 10, which: str = "pass") -> pd.DataFrame:
     """The parameters whose .grad norm (after each step's last backward pass, before any clipping or unscaling: the
     `param_grads(which='pass')` rows; `which='final'`: as the optimizer saw it) moved most over the recorded
     steps of `rank` (default the lowest): param, module, steps (with a finite norm), first, last, smallest,
     largest (finite norms), ratio (largest / smallest positive finite norm; NaN with fewer than two), nonfinite
-    (steps whose .grad held NaN or Inf), norm_of ('' for a plain .grad; for a DTensor .grad, whose rows are
-    each rank's shard, 'the whole parameter ...' where every step's shards combine (`Store.global_grads`,
-    same `which`): the norms are then the whole parameter's; else 'rank R: this rank's shard, ...': the norms
-    are that rank's shard's). Non-finite parameters first, then by ratio, largest first; `top` rows.
-    Raises UnknownRun."""
+    (steps whose .grad held NaN or Inf; NaN where no step's .grad was measured, so none was checked),
+    not_measured (steps whose .grad row could not be measured: skipped, or stats='shape'), norm_of ('' for a plain
+    .grad; for a DTensor .grad, whose rows are each rank's shard, 'the whole parameter ...' where every step's
+    shards combine (`Store.global_grads`, same `which`): the norms are then the whole parameter's; else 'rank R:
+    this rank's shard, ...': the norms are that rank's shard's). Non-finite parameters first, then by ratio,
+    largest first; `top` rows. Raises UnknownRun."""
     # 'pass' by default, as the plot beside the report's table draws them (gradstore.view.cells.series): clipping and
     # unscaling after the pass would hide how far the gradient itself moved
     pg = store.param_grads(run=run, rank=rank, which=which)
@@ -295,6 +322,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "largest",
                 "ratio",
                 "nonfinite",
+                "not_measured",
                 "norm_of",
             ]
         )
@@ -327,6 +355,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     for (param, module), f in pg.groupby(["param", "module"], sort=False, dropna=False):
         f = f.sort_values("step")
         good = f[~f["bad"] & f["norm"].notna() & (f["status"] == "ok")]
+        counted = f["nan"].notna() & (f["status"] == "ok")  # rows whose NaN / Inf were counted
         pos = good["norm"][good["norm"] > 0]
         rows.append(
             {
@@ -338,7 +367,8 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "smallest": good["norm"].min() if len(good) else np.nan,
                 "largest": good["norm"].max() if len(good) else np.nan,
                 "ratio": pos.max() / pos.min() if len(pos) >= 2 else np.nan,
-                "nonfinite": int(f["bad"].sum()),
+                "nonfinite": int(f["bad"].sum()) if counted.any() else np.nan,
+                "not_measured": int(((f["status"] == "skipped") | ((f["status"] == "ok") & f["nan"].isna())).sum()),
                 "norm_of": f["norm_of"].iloc[0],
             }
         )
