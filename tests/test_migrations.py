@@ -823,6 +823,7 @@ def test_upgrade_0003_to_0009_loop_keeps_every_row_and_adds_the_loop_tables(tmp_
     assert [tuple(map(repr, r[:-1])) for r in after] == [tuple(map(repr, r)) for r in before]
     assert {r[-1] for r in after} == {0} and empty == [0, 0, 0] and view == schema.TENSORS_VIEW
     assert [tuple(map(repr, r)) for r in _calls(path)] == [tuple(map(repr, r)) for r in calls]
+    _migrate(path, database.head_revision())  # readers open the newest revision only (later ones add to 0009)
     store = gradstore.open(path)
     assert list(store.steps("asset-run-0003")[["step", "status", "passes"]].itertuples(index=False, name=None)) == [
         (s[1], s[2], s[3]) for s in steps
@@ -883,3 +884,28 @@ def test_0009_loop_down_and_up_on_postgresql(pg_url):
         net(torch.randn(4, 3)).sum().backward()
         gradstore.log(again=1.0)
     assert gradstore.open(pg_url).values("pg-loop")["again"].dropna().tolist() == [1.0]
+
+
+# ---- revision 0010_pass_errors: passes.error and the partial index of skipped tensor rows -----------------------
+def test_upgrade_0009_to_0010_adds_pass_errors_and_down_again(tmp_path):
+    """The committed revision-0003 file, at 0009_loop, then 0010_pass_errors: every pass row keeps its values and
+    reads error NULL (not known to have raised), the skipped-row index exists; down to 0009_loop drops both."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-loop.db", path)
+    _migrate(path, "0009_loop")
+    with sqlite3.connect(path) as conn:
+        before = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
+    _migrate(path, "0010_pass_errors")
+    with sqlite3.connect(path) as conn:
+        after = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
+        index = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'ix_tensor_data_skipped'").fetchone()
+    assert len(before) == len(after) > 0
+    assert columns[-1] == "error" and [r[:-1] for r in after] == before and {r[-1] for r in after} == {None}
+    assert index is not None and "status = 2" in index[0]
+    assert set(gradstore.open(path).passes("asset-run-0003")["error"].isna()) == {True}
+    _migrate(path, "0009_loop", down=True)
+    with sqlite3.connect(path) as conn:
+        assert "error" not in [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
+        assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ix_tensor_data_skipped'").fetchone() is None
+        assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before
