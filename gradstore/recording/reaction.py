@@ -112,10 +112,13 @@ class LastStep:
 
     Attributes:
         step (int), rank (int): its number and rank.
-        status (str): 'ok' (nothing raised and every measured gradient was finite), 'error', 'nonfinite' (some
-            gradient, of a node or a parameter, held NaN or Inf) or 'unmeasured' (stats='shape', which measures no
-            value: nothing raised, finiteness unknown).
-        error (str | None): the exception's text (and recorder faults).
+        status (str): 'ok' (nothing raised and every measured gradient was finite), 'error' (the step raised, or
+            a backward pass in it raised and the training code caught it), 'nonfinite' (some gradient, of a node or
+            a parameter, held NaN or Inf) or 'unmeasured' (stats='shape', which measures no value: nothing raised,
+            finiteness unknown). A step whose gradient rows were all skipped (meta device) is 'ok' here, as the
+            rows are built after the step: `Store.steps` reads it as 'unmeasured'.
+        error (str | None): the exception's text (and recorder faults); for a pass that raised and was caught,
+            'backward pass N raised Type: message (caught by the training code, which went on)'.
         passes (int): backward passes in the step.
         values (dict[str, float]): its step values.
         written (str): 'full' (its rows go to the database, at its stats level: handed to the writer, which writes
