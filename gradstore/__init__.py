@@ -31,6 +31,7 @@ from .errors import (
     UnknownRun,
     ValuesNotRecorded,
     VerifyUsageError,
+    WriteFailedWarning,
 )
 from .version import __version__
 
@@ -70,6 +71,7 @@ __all__ = [
     "ArgumentError",
     "RecordUsageError",
     "RecordUsageWarning",
+    "WriteFailedWarning",
     "NonFiniteGradient",
     "__version__",
     "explain",

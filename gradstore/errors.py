@@ -75,6 +75,12 @@ class RecordUsageWarning(UserWarning):
     """`record` will work but name or hook less than it was asked to (a filter that matches nothing, no model)."""
 
 
+class WriteFailedWarning(RuntimeWarning):
+    """The writer could not write steps to the database (a full disk, an I/O error, a lock): warned when the fault
+    starts (naming the database, the cause and the fix), then at most once a minute while it lasts, and once when
+    writing works again. Training goes on; the steps given up on are recorded as status 'unwritten'."""
+
+
 class NonFiniteGradient(GradstoreError):
     """A recorded step's gradients held NaN or Inf, with `record(on_nonfinite="raise")`: raised after the step
     is written. `row` is its first non-finite gradient (a dict with the columns of `Store.first_nonfinite`: key,

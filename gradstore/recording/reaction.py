@@ -121,10 +121,16 @@ class LastStep:
             'backward pass N raised Type: message (caught by the training code, which went on)'.
         passes (int): backward passes in the step.
         values (dict[str, float]): its step values.
-        written (str): 'full' (its rows go to the database, at its stats level: handed to the writer, which writes
-            them after the step; a write that fails is a RuntimeWarning naming the database and the fix, and
-            the writer's `errors`), 'summary' (flight recorder: only the summary so far; the detail is in the ring)
-            or 'dumped' (flight recorder: written in full by a dump).
+        written (str): what was handed to the writer, not what reached the disk: 'full' (its rows, at its stats
+            level: the writer writes them after the step), 'summary' (flight recorder: only the summary so far;
+            the detail is in the ring) or 'dumped' (flight recorder: its detail, by a dump). Whether the write
+            worked: `write_result`.
+        write_result (str): 'pending' (the writer has not finished with the step yet: `rec.flush()` waits for
+            it), 'written', or 'not written' (the writer gave up on it: a full disk, an I/O error; a
+            `gradstore.WriteFailedWarning` named the database, the cause and the fix, and the step is recorded
+            with status 'unwritten' once a later write works). Read when asked; never waits.
+        write_error (str | None): with 'not written', the error (e.g. 'sqlite3.OperationalError: database or disk
+            is full'); else None.
         dump (str | None): the trigger that made this step dump the ring ('nonfinite', 'spike', 'error',
             'manual'), else None.
         grad_norm (float | None): the total norm (sqrt of the sum of squares) of the final parameter gradients'
@@ -134,7 +140,20 @@ class LastStep:
     gradstore.recording.reaction.first_nonfinite), or None; it is found when first read.
     """
 
-    def __init__(self, batch: StepBatch, run: str, written: str, dump: str | None, grad_norm: float | None):
+    def __init__(
+        self,
+        batch: StepBatch,
+        run: str,
+        written: str,
+        dump: str | None,
+        grad_norm: float | None,
+        writer=None,
+    ):
+        """`writer`: the gradstore.store.writer.Writer the step was handed to (None: `write_result` is 'pending'),
+        right after its `submit`."""
+        self._writer = writer
+        self._ordinal = writer.submitted if writer is not None else None  # the step is the writer's n-th
+        self._key = (batch.run_id, batch.rank, batch.step)
         self.step = batch.step
         self.rank = batch.rank
         self.status = batch.status
@@ -148,6 +167,20 @@ class LastStep:
         # the step's rows are kept only where `first_nonfinite` will look for one (they are freed with the batch)
         self._batch = batch if self.status == "nonfinite" else None
         self._run, self._first = run, None
+
+    @property
+    def write_error(self) -> str | None:
+        w = self._writer
+        return None if w is None else w.lost.get(self._key)
+
+    @property
+    def write_result(self) -> str:
+        w = self._writer
+        if w is None:
+            return "pending"
+        if self._key in w.lost:
+            return "not written"
+        return "written" if w.taken >= self._ordinal else "pending"
 
     @property
     def first_nonfinite(self) -> dict | None:

@@ -728,7 +728,7 @@ class record:
         maybe_offload(self._writer, self.options.writer)  # before the step: with 'process' the first goes there too
         for b in batches:
             self._writer.submit(b, on_full=self.options.on_full, max_rows=self.options.queue_rows)
-        self.last_step = LastStep(batch, self.run, written, dump, grad_norm)
+        self.last_step = LastStep(batch, self.run, written, dump, grad_norm, writer=self._writer)
         if status == "nonfinite" and self._reaction is not None and not amp_skipped(values):
             self._writer.flush()  # the step is in the database before the loop hears of it
             try:

@@ -85,6 +85,10 @@ runs = Table(
     Column("meta", JSON),
 )
 
+# steps.status of a step the writer could not write (a full disk, an I/O error): recorded, once a later write
+# works, as a steps row with nothing else (no passes, calls, tensors or values); its error says why
+UNWRITTEN = "unwritten"
+
 steps = Table(
     "steps",
     metadata,
@@ -94,7 +98,7 @@ steps = Table(
     Column("step", Integer, nullable=False),
     Column("started_at", Float, nullable=False),
     Column("ended_at", Float),
-    Column("status", String(16), nullable=False),  # ok / error / nonfinite / unmeasured
+    Column("status", String(16), nullable=False),  # ok / error / nonfinite / unmeasured / unwritten
     Column("error", Text),
     Column("passes", Integer, nullable=False),
     Column("level", String(16), nullable=False),  # stats level: full / health / params / shape

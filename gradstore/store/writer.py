@@ -33,6 +33,7 @@ import atexit
 import math
 import operator
 import os
+import re
 import threading
 import time
 import warnings
@@ -44,11 +45,11 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from ..errors import GradstoreError
+from ..errors import GradstoreError, WriteFailedWarning
 from ..records import KIND, ROLE, StepBatch
 from . import claims, step_values
 from . import schema as s
-from .database import damaged, ensure_schema, explain, is_url, make_engine, transient
+from .database import ensure_schema, explain, is_url, make_engine, transient
 from .inserts import Insert
 
 # tensor_data's columns in the order the writer builds its rows
@@ -143,6 +144,78 @@ def _warn(message: str, category=RuntimeWarning) -> None:
         pass
 
 
+FAULT_SUMMARY_S = 60.0  # while a write fault lasts: at most one warning this often ("N more steps not written")
+UNWRITTEN = s.UNWRITTEN  # steps.status of a step the writer gave up on (recorded once a later write works)
+_LOST_KEPT = 100_000  # the steps given up on that `Writer.lost` remembers (for rec.last_step.write_error)
+
+
+def short_error(exc) -> str:
+    """The first line of a driver error's text, without SQLAlchemy's statement and its link to the docs:
+    '(sqlite3.OperationalError) database or disk is full'."""
+    orig = getattr(exc, "orig", None)
+    if orig is not None:  # SQLAlchemy's wrapper: the driver's error, named by its module
+        exc = f"{type(orig).__module__}.{type(orig).__name__}: {orig}"
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    text = re.sub(r"^(?:\w+: )?\(([\w.]+)\) ", r"\1: ", text)  # 'OperationalError: (sqlite3.X) ...' -> 'sqlite3.X: ...'
+    text = re.sub(r"\s*\(Background on this error at: [^)]*\)", "", text)
+    text = text.split("\n[SQL:", 1)[0].strip()
+    return text.splitlines()[0].strip() if text else "unknown error"
+
+
+def fault_cause(db, exc) -> tuple[str, str]:
+    """(the cause in plain words, the fix) of a failed write to `db`; `exc` the exception or its text."""
+    text = (exc if isinstance(exc, str) else f"{exc} {getattr(exc, 'orig', '')}").lower()
+    if "disk is full" in text or "sqlite_full" in text or "no space left" in text:
+        return (
+            f"the disk holding {db} is full",
+            "free space on that disk (writing resumes by itself), or record into a file on another disk "
+            "(record(db=...)); what is already in the file is kept",
+        )
+    if "database is locked" in text or "database is busy" in text or "database table is locked" in text:
+        return (
+            f"{db} is locked by another connection (longer than the busy timeout)",
+            "end the other process's long transaction (or a reader holding a write lock), or record into a file "
+            "of this run's own",
+        )
+    if "readonly" in text or "read-only" in text:
+        return (f"{db} became read-only to this process", "make it writable again, or record into a writable file")
+    if "malformed" in text or "corrupt" in text or "not a database" in text:
+        return (
+            f"{db} is damaged",
+            f"`sqlite3 {db} 'PRAGMA integrity_check'` says where; record into a new file",
+        )
+    if "i/o error" in text or "ioerr" in text:
+        return (
+            f"an I/O error on the disk holding {db}",
+            "check that disk (a full or failing disk, a network file system that went away), or record into a "
+            "file on another disk",
+        )
+    if is_url(db) and ("connect" in text or "server" in text or "terminat" in text):
+        return (f"the database server of {db} could not be reached", "check the server and the network")
+    return (f"the database {db} refused the write", "see the error; gradstore.open(db) reads what was written")
+
+
+class _Fault:
+    """A write fault that lasts: its cause, the steps given up on since it started, and its warnings."""
+
+    def __init__(self, cause: str, fix: str, error: str, first: int | None):
+        self.cause, self.fix, self.error, self.first = cause, fix, error, first
+        self.count = 0  # steps given up on since the fault started
+        self.unwarned = 0  # of those, the ones no warning counted yet
+        self.next_summary = time.monotonic() + FAULT_SUMMARY_S
+
+
+def _step_ranges(steps) -> str:
+    """'6-29, 31' from step numbers."""
+    nums, parts = sorted(set(steps)), []
+    for n in nums:
+        if parts and parts[-1][1] == n - 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
+
+
 def _insert_ignore(engine: Engine, table, index_elements):
     """INSERT that skips rows conflicting on `index_elements` (SQLite and PostgreSQL)."""
     if engine.dialect.name == "postgresql":
@@ -170,8 +243,14 @@ class Writer:
         self.file_id = _file_id(db)  # (device, inode) of a SQLite file when opened: `writer_for` tells a new file
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
+        # (run_id, rank, step) -> the short error, for every step given up on (the latest _LOST_KEPT)
+        self.lost: dict[tuple[int, int, int], str] = {}
+        self._unwritten: dict[tuple[int, int, int], tuple] = {}  # given up on, not yet recorded as such
+        self._pending_status: dict[int, tuple[str, float]] = {}  # run_id -> a run status whose write failed
+        self._fault: _Fault | None = None  # the write fault going on, if one is
         self.rows_written = 0
         self.submitted = 0  # steps handed to submit by this process
+        self.taken = 0  # of those, the steps the writer thread is done with (written, or given up on)
         self._sink = None  # where steps go instead of this thread's connection (see `offload`); writer thread's
         self._sink_next: tuple | None = None  # (sink or None,) given to `offload`, not yet taken up
         self.offload_lost: str | None = None  # why the last sink went away, if one did
@@ -310,6 +389,7 @@ class Writer:
         self._io = threading.Lock()
         self._claims = {}  # the parent's claims stay the parent's (their pid is not this process's)
         self._lost = set()
+        self._unwritten, self._pending_status, self._fault = {}, {}, None  # the parent's to record
         self._unchecked = False
         self._cond = threading.Condition()
         change, self._sink_next = self._sink_next, None
@@ -317,7 +397,7 @@ class Writer:
         for held in (sink, change[0] if change else None):
             if held is not None:
                 held.abandon()
-        self.submitted = 0
+        self.submitted = self.taken = 0
         self.offload_lost = None  # the parent's child writer is not this process's
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{self.db}", daemon=True)
 
@@ -464,6 +544,7 @@ class Writer:
             key = (run_id, rank)
             self._claims[key] = self._claims.get(key, 0) + 1
             self._lost.discard(key)
+            self._pending_status.pop(run_id, None)  # the run is open again: a failed end-of-scope status is stale
             self._next_beat = time.monotonic() + claims.heartbeat_interval()
             self._running()
             self._cond.notify_all()
@@ -511,6 +592,7 @@ class Writer:
             self._cond.notify_all()
         if self._thread.ident is not None:
             self._thread.join(timeout=60)
+        self.settle()
         self._close_sink()
         self.engine.dispose()
 
@@ -557,6 +639,7 @@ class Writer:
                     except Exception:
                         pass
             self._io.acquire()  # a fork waits for it (see _before_fork): SQLite's mutexes are not fork-safe
+            ok = False  # the item was written (a step, a run status, a release)
             try:
                 if item is None or sent is True:
                     pass  # time for a heartbeat or a checkpoint (below); or the sink wrote the step
@@ -570,16 +653,15 @@ class Writer:
                 else:
                     self._retrying(self.write, item)
                     self._unchecked = not self._pg
+                ok = item is not None
             except Exception as exc:
-                detail = exc.detail if isinstance(exc, OffloadFailed) else f"{type(exc).__name__}: {exc}"
-                cause = RuntimeError(detail) if isinstance(exc, OffloadFailed) else exc  # the child's is text
-                if damaged(cause):  # the file is damaged: say so, and the fix
-                    detail = str(explain(self.db, cause, writing=True))
-                msg = f"step {getattr(item, 'step', '?')}: {detail}"
-                self.errors.append(msg)
-                _warn(f"gradstore: could not write to {self.db}: {msg}")
+                self._failed(item, exc)
             finally:
                 try:
+                    if ok:
+                        self._written(item)
+                    if ok and (self._unwritten or self._pending_status or self._fault is not None):
+                        self._resumed(item)  # a write works again: the steps given up on are recorded as such
                     self._periodic()
                 finally:
                     self._io.release()
@@ -587,7 +669,169 @@ class Writer:
                     self._busy = False
                     if item is not None and not isinstance(item, tuple):
                         self._pending_rows -= item.rows()
+                        self.taken += 1
                     self._cond.notify_all()
+
+    # ---- write faults: the steps given up on ----------------------------------------------------------------
+    def _failed(self, item, exc: BaseException) -> None:
+        """On the writer thread: `item` could not be written (after the retries). Counted in `errors`; a step is
+        remembered (recorded as status 'unwritten' once a write works again); warned about once when the fault
+        starts, then at most every FAULT_SUMMARY_S seconds."""
+        detail = exc.detail if isinstance(exc, OffloadFailed) else exc  # the sink's is text
+        error = short_error(detail)
+        step = getattr(item, "step", None)
+        self.errors.append(f"step {'?' if step is None else step}: {error}")
+        if isinstance(item, StepBatch):
+            key = (item.run_id, item.rank, item.step)
+            self._unwritten[key] = (item, error)
+            self.lost[key] = error
+            if len(self.lost) > _LOST_KEPT:
+                self.lost.pop(next(iter(self.lost)))
+            if item.run_status is not None:
+                self._pending_status[item.run_id] = (item.run_status, item.ended_at)
+        elif isinstance(item, tuple) and item[0] == "run_status":
+            self._pending_status[item[1]] = (item[2], item[3])
+        cause, fix = fault_cause(self.db, detail)
+        low = error.lower()
+        if "malformed" in low or "not a database" in low or "corrupt" in low:  # a damaged file: explain's fix
+            fix = str(explain(self.db, RuntimeError(error), writing=True))
+        what = f"step {step}" if step is not None else ("a run's status" if item[0] == "run_status" else "a claim")
+        fault = self._fault
+        if fault is None or fault.cause != cause:
+            self._fault = fault = _Fault(cause, fix, error, step)
+            fault.count = int(step is not None)
+            _warn(
+                f"gradstore: could not write {what} to {self.db}: {cause} ({error}). Fix: {fix}. Training goes on; "
+                "steps that cannot be written are recorded as not written (steps.status 'unwritten') once a write "
+                f"works again; until then this is warned at most every {FAULT_SUMMARY_S:g} s",
+                WriteFailedWarning,
+            )
+            return
+        fault.count += int(step is not None)
+        fault.unwarned += int(step is not None)
+        if fault.unwarned and time.monotonic() >= fault.next_summary:
+            fault.next_summary = time.monotonic() + FAULT_SUMMARY_S
+            n, fault.unwarned = fault.unwarned, 0
+            _warn(
+                f"gradstore: {n} more step{'s' if n != 1 else ''} not written to {self.db} ({cause}; "
+                f"{fault.count} since step {fault.first}; last: {error}). Fix: {fix}",
+                WriteFailedWarning,
+            )
+
+    def _resumed(self, item) -> None:
+        """On the writer thread, after `item` was written while steps given up on wait to be recorded (or a fault
+        was going on): record them, and say that writing works again. Never raises."""
+        fault, self._fault = self._fault, None
+        waiting = sorted(self._unwritten)
+        if not self._record_unwritten():  # the database still refuses them: tried again after the next write
+            self._fault = fault
+            return
+        if fault is None and not waiting:
+            return
+        n = len(waiting)
+        what = (
+            f"{n} step{'s' if n != 1 else ''} ({_step_ranges(k[2] for k in waiting)}) could not be written and "
+            f"{'are' if n != 1 else 'is'} recorded as not written (steps.status '{UNWRITTEN}')"
+            if waiting
+            else "no step was lost"
+        )
+        at = getattr(item, "step", None)
+        _warn(
+            f"gradstore: writing to {self.db} works again{f' (step {at})' if at is not None else ''}"
+            f"{f' after {fault.cause}' if fault is not None else ''}: {what}",
+            WriteFailedWarning,
+        )
+
+    def _written(self, item) -> None:
+        """A run status written (alone or with the scope's last step) replaces one whose write had failed."""
+        if isinstance(item, tuple) and item[0] == "run_status":
+            self._pending_status.pop(item[1], None)
+        elif getattr(item, "run_status", None) is not None:
+            self._pending_status.pop(item.run_id, None)
+
+    def _record_unwritten(self) -> bool:
+        """Write a steps row of status 'unwritten' for each step given up on (and a run status whose write
+        failed), in one transaction; True when done (or nothing was waiting). Never raises."""
+        if not self._unwritten and not self._pending_status:
+            return True
+        rows, statuses = dict(self._unwritten), dict(self._pending_status)
+        try:
+            self._retrying(self._write_unwritten, (rows, statuses))
+        except Exception:
+            return False
+        for key in rows:
+            self._unwritten.pop(key, None)
+        for run_id in statuses:
+            self._pending_status.pop(run_id, None)
+        return True
+
+    def _write_unwritten(self, item) -> None:
+        rows, statuses = item
+        mark = "%s" if self._pg else "?"
+        with self.engine.begin() as conn:
+            cur = conn.connection.cursor()
+            try:
+                for (run_id, rank, step), (b, error) in sorted(rows.items(), key=lambda kv: kv[0]):
+                    note = f"not written to the database: {error}; the step's status was {b.status}"
+                    if b.error:
+                        note += f"; its error: {b.error}"
+                    cur.execute(
+                        f"SELECT id FROM steps WHERE run_id = {mark} AND rank = {mark} AND step = {mark}",
+                        (run_id, rank, step),
+                    )
+                    there = cur.fetchone()
+                    if there is not None:  # a flight-recorder summary whose detail was not written: it says so
+                        cur.execute(
+                            f"UPDATE steps SET error = CASE WHEN error IS NULL THEN {mark} ELSE error || {mark} END "
+                            f"WHERE id = {mark}",
+                            (f"detail {note}", f"; detail {note}", there[0]),
+                        )
+                        continue
+                    cur.execute(
+                        self._step_insert,
+                        (
+                            run_id,
+                            rank,
+                            step,
+                            b.started_at,
+                            b.ended_at,
+                            UNWRITTEN,
+                            note,
+                            len(b.passes) if b.pass_count is None else b.pass_count,
+                            b.level,
+                            b.dropped,
+                            b.waited,
+                            b.tracing_passes,
+                            None,
+                            None,
+                        ),
+                    )
+                    if self._pg:
+                        cur.fetchone()
+                for run_id, (status, at) in statuses.items():
+                    cur.execute(self._run_status_update, (status, at, run_id))
+            finally:
+                cur.close()
+
+    def settle(self) -> bool:
+        """Record the steps given up on as not written, if some wait and the writer thread is idle (end of the
+        process, `close`); warns when that fails too. True when none waits. Never raises."""
+        if not self._unwritten and not self._pending_status:
+            return True
+        with self._io:
+            waiting = sorted(self._unwritten)
+            if self._record_unwritten():
+                return True
+        if waiting:
+            steps = _step_ranges(k[2] for k in waiting)
+            _warn(
+                f"gradstore: {len(waiting)} step{'s' if len(waiting) != 1 else ''} ({steps}) "
+                f"could not be written to {self.db}, and recording them as not written failed too "
+                f"({self._fault.cause if self._fault else 'the database still refuses writes'}): the database "
+                "does not show them, its steps jump over them",
+                WriteFailedWarning,
+            )
+        return False
 
     def _send(self, item: StepBatch, token=None):
         """Hand a step to the sink (`token`: what the sink's `prepare` made of it, or None): True when it is
@@ -1228,6 +1472,7 @@ def _flush_all() -> None:
             if w.pid == os.getpid():
                 w.release_all()  # the decorator's claims are held until the process ends
                 w.flush()
+                w.settle()  # steps given up on, still to be recorded as not written: a last try
                 w._close_sink()  # its process closes its connection: the WAL folds back into the .db file
                 w.engine.dispose()
         except Exception:
