@@ -16,6 +16,16 @@ import traceback
 from datetime import timedelta
 
 
+def needs_gloo():
+    """A pytest mark skipping a module or test where torch.distributed has no gloo backend."""
+    import pytest
+    import torch.distributed as dist
+
+    return pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

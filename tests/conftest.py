@@ -180,3 +180,14 @@ def pg_url(request):
         pytest.skip(f"{PG_URL_ENV} is not set (.ci/run starts a server)")
     with pg_schema(request.getfixturevalue("pg_session_database")) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def imports_before_fork():
+    """torch._dynamo (which DDP imports: seconds) and the C++ hooks, loaded once in the parent: every forked rank
+    inherits them."""
+    import torch._dynamo  # noqa: F401
+
+    from gradstore.recording import native
+
+    native.load(wait=True)

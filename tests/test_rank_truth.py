@@ -18,30 +18,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _procs import run_distributed
+from _procs import needs_gloo, run_distributed
 from click.testing import CliRunner
 
 import gradstore
 from gradstore.cli import main
-from gradstore.recording import native
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
-)
+pytestmark = [needs_gloo(), pytest.mark.usefixtures("imports_before_fork")]
 
 if dist.is_available():  # imported once here: the forked ranks inherit them
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _imports_before_fork():
-    """DDP imports torch._dynamo and the C++ hooks load once: here, so that every forked rank inherits them."""
-    import torch._dynamo  # noqa: F401
-
-    native.load(wait=True)
 
 
 def _invoke(*args):

@@ -31,30 +31,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from _procs import run_distributed
+from _procs import needs_gloo, run_distributed
 from click.testing import CliRunner
 
 import gradstore
 from gradstore.cli import main
 from gradstore.recording import native
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available"
-)
+pytestmark = [needs_gloo(), pytest.mark.usefixtures("imports_before_fork")]
 
 if dist.is_available():  # imported once here: the forked ranks inherit them
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _imports_before_fork():
-    """DDP imports torch._dynamo (2+ s) and the C++ hooks load once: here, so that every forked rank inherits them."""
-    import torch._dynamo  # noqa: F401
-
-    native.load(wait=True)
 
 
 STATS = ("numel", "norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
