@@ -152,8 +152,9 @@ def _after_scaler_step(t: Observed, scaler, optimizer, scale: float | None) -> N
     found = tp.grad_scaler_found_inf(scaler, optimizer) if scaler.is_enabled() else 0.0
     if found is not None:
         t.values.add("grad_scaler.skipped", 1.0 if found else 0.0)
-        if found:
+        if found:  # the optimizer's moment all the same: these .grads, not an earlier step's, were its to read
             t.final.take_if_missing("GradScaler.step (skipped the optimizer step)")
+            t.final.after_optimizer_step(optimizer)
 
 
 def _zero_grad(original):
