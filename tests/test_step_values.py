@@ -391,3 +391,19 @@ def test_two_optimizers_each_after_its_own_backward_keep_what_each_one_read(db):
     assert math.sqrt(sum(final.loc[n, "norm"] ** 2 for n in ["a.weight", "a.bias"])) == pytest.approx(0.05, rel=1e-5)
     for name, g in zip(["b.weight", "b.bias"], seen["b"]):
         assert final.loc[name, "norm"] == pytest.approx(_norm(g), rel=1e-6)
+
+
+def test_a_second_iteration_whose_grad_scaler_step_is_skipped_is_what_the_final_rows_hold(db):
+    """Two iterations in one recorded step: the first steps the optimizer, the second's GradScaler.step skips it
+    (Inf). The final rows are the second iteration's non-finite gradients, not the first's that an optimizer step
+    read before the second backward pass."""
+    batches = _batches(2)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with gradstore.record("amp2", db=db, model=net):
+        _, skipped, _ = _amp_loop(net, opt, scaler, batches, poison_at=1)
+    assert skipped == [False, True]  # the test's own view: the second iteration left the parameters alone
+    final = gradstore.open(db).param_grads("amp2", step=0)
+    assert len(final) == 4
+    assert (final["nan"].fillna(0) + final["posinf"].fillna(0) + final["neginf"].fillna(0) > 0).all()
