@@ -41,6 +41,7 @@ from .store import schema as s
 from .store import shards
 from .store.database import DEFAULT_DB
 from .store.reader import Store
+from .store.schema import UNWRITTEN
 from .store.values import DTENSOR_PIECES
 from .version import __version__
 
@@ -167,7 +168,12 @@ def _counts(store: Store, run: str, step: int | None = None, rank: int | None = 
 
     counts = {}
     with store.engine.connect() as conn:
-        counts["steps"] = conn.execute(step_filter(select(func.count()).select_from(s.steps, s.runs))).scalar()
+        per_status = select(s.steps.c.status == UNWRITTEN, func.count()).select_from(s.steps, s.runs)
+        by_written = dict(conn.execute(step_filter(per_status).group_by(s.steps.c.status == UNWRITTEN)).all())
+        counts["steps"] = int(by_written.get(False, 0) or by_written.get(0, 0))
+        unwritten = int(by_written.get(True, 0) or by_written.get(1, 0))
+        if unwritten:
+            counts["unwritten"] = unwritten
         counts["passes"] = conn.execute(
             step_filter(
                 select(func.count()).select_from(s.passes.join(s.steps, s.passes.c.step_id == s.steps.c.id), s.runs)
@@ -202,13 +208,15 @@ def _counts(store: Store, run: str, step: int | None = None, rank: int | None = 
 def _counts_lines(counts: dict[str, int]) -> str:
     what = {
         "steps": "recorded steps (all ranks)",
+        "unwritten": "steps the writer could not write (status unwritten: only their steps row is stored)",
         "passes": "backward passes (loss.backward() / torch.autograd.grad calls)",
         "nodes": "distinct autograd nodes (grad_fn and AccumulateGrad), stored once per run",
         "edges": "graph edges (next_functions)",
         "calls": "node executions",
         "tensors": "gradient statistics rows (grad_outputs, grad_inputs, parameter .grad)",
     }
-    return "\n".join(f"  {name:<8}{n:>9,}  {what[name]}" for name, n in counts.items())
+    width = max(8, *(len(name) + 1 for name in counts))
+    return "\n".join(f"  {name:<{width}}{n:>9,}  {what[name]}" for name, n in counts.items())
 
 
 def _slowest_nodes(calls: pd.DataFrame, top: int) -> pd.DataFrame:
@@ -257,9 +265,17 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         bad = bad[bad["step"] == step]
     if bad.empty:
         return None
-    lines = []
+    every = store.steps(run=run)
+    lost = every[every["status"] == UNWRITTEN]
+    lines, notes = [], []
     for (rank, _, _), rows in bad.groupby(["rank", "phase", "seq"], sort=False, dropna=False):
         r = rows.iloc[0]
+        before_lost = lost[(lost["rank"] == rank) & (lost["step"] < r["step"])]["step"]
+        if len(before_lost):  # the record cannot say that nothing went non-finite there
+            notes.append(
+                f"(rank {rank}: steps {_step_ranges(before_lost)} before it were not written: a non-finite gradient "
+                "there is not in the record)"
+            )
         if r["role"] == "param_grad":  # no node call held one first: a parameter's .grad (stats='params')
             where = "the step's final rows" if pd.isna(r["pass"]) else f"pass {r['pass']}"
             level = store.steps(run=run, step=int(r["step"]), rank=int(rank))["level"]
@@ -281,7 +297,7 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
             f"First non-finite gradient (rank {rank}): step {r['step']}, pass {r['pass']}, seq {r['seq']}: "
             f"{r['key']} in {_module_label(r['module'])} ({slots})"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + notes)
 
 
 # ---- the commands ------------------------------------------------------------------------------------------
@@ -383,13 +399,14 @@ def runs(db):
     (its pid is gone), else once its last heartbeat is older than its lease."""
     with _store(db) as store:
         df = store.runs()
+        lost = {run: _unwritten_line(store, run) for run, n in zip(df["run"], df["unwritten"]) if n}
     if df.empty:
         click.echo(f"no runs in {db}")
         return
     out = pd.DataFrame(
         {
             "run": df["run"],
-            "status": df["status"],
+            "status": [_status_with_unwritten(st, n) for st, n in zip(df["status"], df["unwritten"])],
             "steps": df["steps"],
             "last_step": df["last_step"].map(lambda v: "-" if pd.isna(v) else str(int(v))),
             "last_step_at": df["last_step_at"].map(_when),
@@ -402,6 +419,40 @@ def runs(db):
         }
     )
     click.echo(_table(out))
+    for run, line in lost.items():
+        click.echo(f"run {run!r}: {line}")
+
+
+def _status_with_unwritten(status: str, unwritten) -> str:
+    """A run's status, with the count of steps the writer could not write when there are some."""
+    n = 0 if unwritten is None or pd.isna(unwritten) else int(unwritten)
+    return f"{status}, {n:,} step{'s' if n != 1 else ''} not written" if n else status
+
+
+def _unwritten_why(error) -> str:
+    """The writer's error from an unwritten step's error text ('not written to the database: E; the step's ...')."""
+    text = "" if error is None or pd.isna(error) else str(error)
+    head = "not written to the database: "
+    if text.startswith(head):
+        text = text[len(head) :].split("; the step's status was", 1)[0]
+    return _short(text, 160)
+
+
+def _unwritten_line(store: Store, run: str, rank: int | None = None) -> str | None:
+    """'N steps not written (steps 6-29): <the writer's error>' for the steps of `run` the writer could not
+    write (status unwritten), None when there are none."""
+    steps = store.steps(run=run, rank=rank)
+    lost = steps[steps["status"] == UNWRITTEN]
+    if lost.empty:
+        return None
+    ranks = sorted(int(r) for r in lost["rank"].unique())
+    on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if steps["rank"].nunique() > 1 else ""
+    why = "; ".join(dict.fromkeys(_unwritten_why(e) for e in lost["error"]))
+    return (
+        f"{len(lost):,} step{'s' if len(lost) != 1 else ''} not written (steps {_step_ranges(lost['step'])}{on}): "
+        f"the writer could not write them ({why}); nothing of them is in the database but their steps rows, "
+        "status unwritten"
+    )
 
 
 def _status_why(row, skipped: dict | None = None, raised: str | None = None) -> str:
@@ -539,6 +590,9 @@ def _step_ranges(steps) -> str:
 
 def _steps_gap(hidden: pd.DataFrame) -> str:
     statuses = ", ".join(f"{n:,} {s}" for s, n in hidden["status"].value_counts().items())
+    lost = hidden[hidden["status"] == UNWRITTEN]
+    if len(lost) and len(lost) < len(hidden):  # named apart: a range must not read as steps all written
+        statuses += f"; not written: steps {_step_ranges(lost['step'])}"
     return f"steps {_step_ranges(hidden['step'])} ({statuses})"
 
 
@@ -548,6 +602,7 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     if status == "interrupted":
         last = "no step written" if pd.isna(r["last_step"]) else f"last step {int(r['last_step'])}"
         status = f"interrupted ({last}, ended {_when(r['last_step_at'])}; its writer died with its scope open)"
+    status = _status_with_unwritten(status, r["unwritten"])
     click.echo(
         f"Run {run!r} in {db}: {status}, world size {r['world_size']}, created {_when(r['created_at'])}, "
         f"finished {_when(r['finished_at'])}; torch {r['torch_version']}, gradstore {r['gradstore_version']}, "
@@ -581,12 +636,25 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     )
     skipped = steps["not_measured"].fillna(0).astype(int)
     if skipped.any():  # gradient rows that could not be measured: no statistics, no NaN/Inf check
-        out.insert(4, "not_measured", skipped.values)
+        # '-' for a step not written: its rows are not stored, so how many were measured is not known
+        shown = ["-" if st == UNWRITTEN else int(n) for st, n in zip(steps["status"], skipped)]
+        out.insert(4, "not_measured", shown)
     counts = steps["status"].value_counts()
     click.echo("\nSteps (" + ", ".join(f"{n} {status}" for status, n in counts.items()) + "); times in seconds:")
-    # the steps that raised or held NaN / Inf first (up to the limit), then the first and last steps around them
+    lost = _unwritten_line(store, run, rank=rank)
+    if lost:
+        click.echo(f"  {lost}")
+    # the steps that raised or held NaN / Inf first (up to the limit), then the first and last steps around them;
+    # the first and last of each run of unwritten steps (the lines between them say which were left out)
     positions = list(range(len(out)))
-    keep = [i for i in positions if out["status"].iloc[i] not in ("ok", "unmeasured")][:limit]
+    keep = [i for i in positions if out["status"].iloc[i] not in ("ok", "unmeasured", UNWRITTEN)][:limit]
+    unwritten = out["status"].to_numpy() == UNWRITTEN
+    edges = [
+        i
+        for i in positions
+        if unwritten[i] and (i == 0 or not unwritten[i - 1] or i == len(out) - 1 or not unwritten[i + 1])
+    ]
+    keep += edges[: max(limit - len(keep), 0)]
     rest = [i for i in positions if i not in set(keep)]
     room = max(limit - len(keep), 0)
     keep += rest[: (room + 1) // 2] + (rest[-(room // 2) :] if room // 2 else [])
@@ -597,7 +665,8 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
         partly = int(((skipped > 0) & (steps["status"] != "unmeasured")).sum())
         click.echo(
             "Gradients not measured (stored as skipped: no statistics, not checked for NaN/Inf): "
-            f"{int(skipped.sum()):,} rows in {int((skipped > 0).sum()):,} of {len(steps):,} step records"
+            f"{int(skipped.sum()):,} rows in {int((skipped > 0).sum()):,} of "
+            f"{int((steps['status'] != UNWRITTEN).sum()):,} step records written"
             + (f" ({partly:,} of them measured the rest: their status speaks of those only)" if partly else "")
             + f"; why: {_reasons(store.not_measured(run=run, rank=rank))}"
         )
@@ -620,7 +689,8 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
         first = distinct.iloc[0]
         click.echo(f"  step {first['step']}: {first['category']}: {_short(first['message'])} ({first['location']})")
     bad = _first_nonfinite_line(store, run)
-    detail = int(steps["step"].iloc[-1])
+    written = steps[steps["status"] != UNWRITTEN]
+    detail = int((written if len(written) else steps)["step"].iloc[-1])
     if bad:
         click.echo("\n" + bad)
         nonfinite = steps[steps["status"] == "nonfinite"]
@@ -739,6 +809,17 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     )
     click.echo("\nStep:")
     click.echo(_table(out))
+    lost = steps[steps["status"] == UNWRITTEN]
+    if len(lost):
+        ranks_lost = ", ".join(str(int(r)) for r in lost["rank"])
+        click.echo(
+            f"\nNot written on rank(s) {ranks_lost}: the writer could not write this step "
+            f"({_unwritten_why(lost['error'].iloc[0])}); its passes, calls, gradients and step values are not in the "
+            "record (the passes column counts the passes it ran), and nothing is claimed about them."
+        )
+        if len(lost) == len(steps):
+            return
+        steps = steps[steps["status"] != UNWRITTEN]
     passes = store.passes(run=run, rank=rank, step=step)
     raised = _raised_text(passes)
     if raised:

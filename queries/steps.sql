@@ -1,5 +1,5 @@
 -- title: Steps
--- description: One row per recorded step and rank: timing (seconds), status (ok: nothing raised and every measured gradient finite / error: the step raised, or a backward pass in it raised and the training code caught it (error says which pass and what) / nonfinite / unmeasured: nothing raised and no gradient value was measured: stats level shape, or every gradient row skipped, as on the meta device or for a complex parameter, so finiteness is not known), not_measured (the step's gradient rows, grad_output, grad_input and param_grad, that could not be measured: status skipped, the reason on each row; queries/not_measured.sql groups them by reason; 0 at stats level shape, which measures none and skips none), error text, number of backward passes, the backward passes torch.compile ran while tracing (not recorded), the stats level, rows dropped (on_full='drop') and seconds waited for the writer (on_full='wait'); with record(values=...), values_bytes (bytes of gradient elements stored) and values_left_out (matching gradients whose elements the step's byte budget left out), NULL without it.
+-- description: One row per recorded step and rank: timing (seconds), status (ok: nothing raised and every measured gradient finite / error: the step raised, or a backward pass in it raised and the training code caught it (error says which pass and what) / nonfinite / unmeasured: nothing raised and no gradient value was measured: stats level shape, or every gradient row skipped, as on the meta device or for a complex parameter, so finiteness is not known / unwritten: the writer could not write the step (a full disk, an I/O error): nothing of it is in the database but this row, whose error says why and what the step's status was), not_measured (the step's gradient rows, grad_output, grad_input and param_grad, that could not be measured: status skipped, the reason on each row; queries/not_measured.sql groups them by reason; 0 at stats level shape, which measures none and skips none; NULL for an unwritten step, whose rows are not stored), error text, number of backward passes, the backward passes torch.compile ran while tracing (not recorded), the stats level, rows dropped (on_full='drop') and seconds waited for the writer (on_full='wait'); with record(values=...), values_bytes (bytes of gradient elements stored) and values_left_out (matching gradients whose elements the step's byte budget left out), NULL without it.
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
@@ -11,7 +11,9 @@ SELECT r.name AS run, st.rank, st.step,
                  AND NOT EXISTS (SELECT 1 FROM tensor_data t WHERE t.step_id = st.id AND t.status = 0 AND t.role IN (0, 1, 2))
             THEN 'unmeasured'
             ELSE st.status END AS status,
-       (SELECT COUNT(*) FROM tensor_data t WHERE t.step_id = st.id AND t.status = 2 AND t.role IN (0, 1, 2)) AS not_measured,
+       CASE WHEN st.status <> 'unwritten'  -- an unwritten step's rows are not stored: nothing is known of them
+            THEN (SELECT COUNT(*) FROM tensor_data t WHERE t.step_id = st.id AND t.status = 2 AND t.role IN (0, 1, 2))
+       END AS not_measured,
        st.passes, st.tracing_passes, st.level, st.dropped, st.waited,
        st.values_bytes, st.values_left_out,
        st.started_at, st.ended_at, st.ended_at - st.started_at AS duration, st.error

@@ -130,8 +130,9 @@ class Store:
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Steps: run, rank, step, status (ok / error / nonfinite, or unmeasured: nothing raised and no gradient
         value was measured: level 'shape', or every gradient row skipped, as on the meta device; a step recorded
-        before gradstore said so reads unmeasured too), not_measured (gradient rows skipped: `not_measured()` gives
-        their reasons), passes,
+        before gradstore said so reads unmeasured too; or unwritten: the writer could not write the step, a full
+        disk or an I/O error, and only this row is stored, its error saying why), not_measured (gradient rows
+        skipped: `not_measured()` gives their reasons; NULL for an unwritten step), passes,
         tracing_passes (torch.compile's tracing calls of autograd, not recorded), level (the stats level; 'summary' for
         a flight-recorder step written without its detail), dropped (rows), waited (s), values_bytes and values_left_out
         (record(values=...)), started_at, ended_at, duration (s), error; then one column per step value the steps logged
@@ -795,10 +796,11 @@ class Store:
         have one, compared = 'checksum', else by every statistic, compared = 'statistics'), 'sharded' /
         'partial' (different shards or Partial terms of a DTensor: the values differ by design; only the layout
         is compared, compared = 'layout'), 'missing' (a rank of the run has no row: it recorded the step without
-        one, or recorded no such step, `reason` 'rank 1 recorded no step 1 ...'), 'none' (.grad None on both ranks:
-        no values, and no placement to read). `result` is 'differs', 'not compared' (a missing or skipped row, a
-        rank that recorded no such step, a .grad None on both ranks, or a row without statistics: `reason` says
-        which; nothing is claimed about its values), 'equal' or 'sharded'.
+        one, or recorded no such step, `reason` 'rank 1 recorded no step 1 ...', or could not write it, `reason`
+        'step 1 was not written on rank 1 ...'), 'none' (.grad None on both ranks: no values, and no placement to
+        read). `result` is 'differs', 'not compared' (a missing or skipped row, a rank that recorded no such step or
+        could not write it, a .grad None on both ranks, or a row without statistics: `reason` says which; nothing is
+        claimed about its values), 'equal' or 'sharded'.
 
         Args:
             run: the run; step: one step (None: every step); all: also the comparisons that agree ('equal',
@@ -818,9 +820,46 @@ class Store:
             self._check_step(run, step, None)
         frame = self.query("rank_divergence", run=run, step=step, all=1 if all else None)
         summaries = self._summary_rank_rows(run, step)
-        if summaries.empty:
+        if not summaries.empty:
+            frame = pd.concat([frame, summaries.reindex(columns=frame.columns)], ignore_index=True)
+        lost = self._unwritten_rank_rows(run, step, frame)
+        if lost.empty:
             return frame
-        return pd.concat([frame, summaries.reindex(columns=frame.columns)], ignore_index=True)
+        return pd.concat([frame, lost.reindex(columns=frame.columns)], ignore_index=True)
+
+    def _unwritten_rank_rows(self, run: str, step: int | None, frame: pd.DataFrame) -> pd.DataFrame:
+        """One 'not compared' row (param None) per step that a rank could not write (status unwritten) while
+        another rank has it, where no row above names that step and rank already: never read as agreement."""
+        steps = self.steps(run=run, step=step)
+        lost = steps[steps["status"] == s.UNWRITTEN]
+        out = []
+        for st, rank in zip(lost["step"], lost["rank"]):
+            others = steps[(steps["step"] == st) & (steps["rank"] != rank)]
+            if others.empty:
+                continue
+            named = frame[(frame["step"] == st) & ((frame["rank_a"] == rank) | (frame["rank_b"] == rank))]
+            if len(named):
+                continue
+            a, b = sorted((int(rank), int(others["rank"].min())))
+            out.append(
+                {
+                    "run": run,
+                    "step": int(st),
+                    "stage": None,
+                    "param": None,
+                    "module": None,
+                    "rank_a": a,
+                    "rank_b": b,
+                    "rule": "missing",
+                    "result": "not compared",
+                    "side": "a" if b == rank else "b",
+                    "compared": None,
+                    "differs": "missing",
+                    "reason": f"step {int(st)} was not written on rank {int(rank)} (the writer could not write it: "
+                    "steps.error says why): nothing is claimed about its values",
+                }
+            )
+        return pd.DataFrame(out)
 
     def _summary_rank_rows(self, run: str, step: int | None) -> pd.DataFrame:
         """rank_divergence rows for the flight-recorder summary steps of `run` (at `step`): each rank's final norm

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import GradstoreError
+from ..store.schema import UNWRITTEN
 from ..version import __version__
 from . import cells, story
 from .backward_graph import graph
@@ -118,18 +119,41 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
+_STRIP_SPAN = 5000  # the strip has a column for every step number up to this many; beyond, one per gap
+
+
+def _strip_columns(recorded: list[int]) -> list[int | None]:
+    """The strip's columns: every step number from the first recorded to the last (a step with no row, or one
+    the writer could not write, is a "not recorded" cell), or, over _STRIP_SPAN of them, the recorded steps with
+    one blank column (None) wherever numbers are skipped: two cells side by side are always adjacent steps."""
+    if not recorded:
+        return []
+    lo, hi = recorded[0], recorded[-1]
+    if hi - lo + 1 <= max(_STRIP_SPAN, len(recorded)):
+        return list(range(lo, hi + 1))
+    out: list[int | None] = []
+    for s in recorded:
+        if out and s != out[-1] + 1:
+            out.append(None)
+        out.append(s)
+    return out
+
+
 def _status_strip(steps: pd.DataFrame):
-    """A rank x step strip, one cell per recorded step coloured by its status."""
+    """A rank x step strip, one cell per step number coloured by its status; steps with no row or not written
+    (status unwritten) are cells of the "not recorded" colour, so that a gap in the steps shows as one."""
     colors = require("matplotlib.colors", "gradstore report")
     mpatches = require("matplotlib.patches", "gradstore report")
     ranks = sorted(steps["rank"].unique())
-    nums = sorted(steps["step"].unique())
+    written = steps[steps["status"] != UNWRITTEN]
+    columns = _strip_columns(sorted(int(s) for s in steps["step"].unique()))
+    nums = ["..." if c is None else c for c in columns]
     codes = {s: i for i, s in enumerate(_STATUS_COLOURS)}
     grid = np.full((len(ranks), len(nums)), np.nan)
     ri = {r: i for i, r in enumerate(ranks)}
-    ci = {s: j for j, s in enumerate(nums)}
-    for r, s, st in zip(steps["rank"], steps["step"], steps["status"]):
-        grid[ri[r], ci[s]] = codes.get(st, codes["error"])
+    ci = {s: j for j, s in enumerate(columns) if s is not None}
+    for r, s, st in zip(written["rank"], written["step"], written["status"]):
+        grid[ri[r], ci[int(s)]] = codes.get(st, codes["error"])
     fig, ax = new_axes(None, (11.0, 0.9 + 0.32 * len(ranks)))
     cmap = colors.ListedColormap(list(_STATUS_COLOURS.values())).with_extremes(bad="#e9e9e9")
     ax.pcolormesh(
@@ -148,7 +172,7 @@ def _status_strip(steps: pd.DataFrame):
     ax.set_xticklabels([str(s) for s in nums[::every]], fontsize=8)
     ax.set_xlabel("step", fontsize=9)
     handles = [mpatches.Patch(facecolor=c, label=s) for s, c in _STATUS_COLOURS.items()]
-    handles.append(mpatches.Patch(facecolor="#e9e9e9", label="not recorded"))
+    handles.append(mpatches.Patch(facecolor="#e9e9e9", label="not recorded (or not written)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return fig
 
@@ -170,9 +194,13 @@ class _Page:
 def _run_section(page: _Page, store, run: str, db: str) -> pd.DataFrame:
     r = store.runs(run=run).iloc[0]  # interrupted at once where its writer died on this host
     steps = store.steps(run=run)
+    status = r["status"]
+    lost = int(r["unwritten"]) if "unwritten" in r and not pd.isna(r["unwritten"]) else 0
+    if lost:  # a run that finished with steps the writer could not write does not read as a clean one
+        status = f"{status}, {lost:,} step{'s' if lost != 1 else ''} not written"
     page.add(f"<h1>Run {_e(run)}</h1>")
     page.add(
-        f'<p class="meta">{_e(db)} &middot; status {_e(r["status"])} &middot; world size {_e(r["world_size"])} '
+        f'<p class="meta">{_e(db)} &middot; status {_e(status)} &middot; world size {_e(r["world_size"])} '
         f"&middot; created {_when(r['created_at'])}, finished {_when(r['finished_at'])} &middot; torch "
         f"{_e(r['torch_version'])}, gradstore {_e(r['gradstore_version'])} &middot; host {_e(r['host'])}</p>"
     )
@@ -206,6 +234,21 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> No
         f"(steps {_e(_ranges(nums))}): {words}. Recorded at stats level {levels}.</p>"
     )
     page.add(_png(_status_strip(steps), f"status of each step of {run}"))
+    lost = steps[steps["status"] == UNWRITTEN]
+    if len(lost):
+        head = "not written to the database: "
+        why = "; ".join(
+            dict.fromkeys(str(e).removeprefix(head).split("; the step's status was", 1)[0] for e in lost["error"])
+        )
+        page.add(
+            f'<p class="bad">{len(lost):,} step record{"s" if len(lost) > 1 else ""} not written (steps '
+            f"{_e(_ranges(sorted(int(v) for v in lost['step'].unique())))}): the writer could not write them "
+            f"({_e(why)}). Nothing of them is in the record but their steps rows: their gradients and values are "
+            "not in it, nothing below is claimed about them, and the plots leave them out as gaps.</p>"
+        )
+    steps = steps[steps["status"] != UNWRITTEN]  # below: the steps written
+    if steps.empty:
+        return
     unmeasured = int((steps["status"] == "unmeasured").sum())
     skipped = steps["not_measured"].fillna(0).astype(int) if "not_measured" in steps else steps["step"] * 0
     why = _not_measured_why(store, run) if skipped.any() and store is not None else ""
@@ -232,10 +275,11 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> No
     if bad.empty:
         if unmeasured < len(steps):
             tail = f" ({int(partly.sum()):,} of them with gradients not measured, above)" if partly.any() else ""
+            which = "written" if len(lost) else "recorded"  # the steps not written were not checked
             page.add(
-                f'<p class="calm">Every recorded step has status ok{tail}.</p>'
+                f'<p class="calm">Every {which} step has status ok{tail}.</p>'
                 if not unmeasured
-                else f'<p class="calm">Every other recorded step has status ok{tail}.</p>'
+                else f'<p class="calm">Every other {which} step has status ok{tail}.</p>'
             )
         return
     shown = bad.head(50)
@@ -653,6 +697,12 @@ def _values_section(page: _Page, store, run: str) -> None:
     if vals is None or len(vals) == 0:
         page.add('<p class="note">No step values recorded in this run.</p>')
         return
+    # a step the writer could not write has no values: a row of NaN, so that its line has a gap there
+    every = store.steps(run=run)
+    lost = every.loc[every["status"] == UNWRITTEN, ["step", "rank"]]
+    if len(lost) and "rank" in vals:
+        vals = pd.concat([vals, lost.astype(vals[["step", "rank"]].dtypes.to_dict())], ignore_index=True)
+        vals = vals.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
     keys = {"run", "rank", "step"}
     names = [c for c in vals.columns if c not in keys and pd.api.types.is_numeric_dtype(vals[c])]
     if not names:
@@ -692,6 +742,14 @@ def _values_section(page: _Page, store, run: str) -> None:
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
     page.add(_png(fig, "step values over steps"))
+    if len(lost):
+        page.add(
+            f'<p class="note">Steps {_e(_ranges(sorted(int(v) for v in lost["step"].unique())))} were not written: '
+            "their values are not in the record (gaps in the lines).</p>"
+        )
+    vals = vals.merge(lost.assign(_lost=1), how="left", on=["step", "rank"]) if len(lost) else vals
+    if "_lost" in vals:
+        vals = vals[vals["_lost"] != 1].drop(columns="_lost")
     shown = vals.tail(10).astype({name: object for name in names})
     for i, row in shown.iterrows():
         for name in names:
