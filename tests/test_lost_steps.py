@@ -250,3 +250,23 @@ def test_steps_refused_by_the_database_file_are_recorded_from_either_writer(tmp_
     assert all(math.isclose(values[s], losses[s], rel_tol=1e-6) for s in values)  # the written ones are intact
     assert [r for _, r, _ in seen] == ["written", "written", "not written", "not written", "written", "written"]
     assert len([w for w in caught if issubclass(w.category, _WRITE_FAILED)]) == 2
+
+
+def test_ranks_say_a_step_one_rank_could_not_write_is_not_compared(tmp_path, monkeypatch):
+    """Two ranks of one run (RANK / WORLD_SIZE, recorded one after the other); rank 1 could not write step 2:
+    the comparison of step 2 is 'not compared' and names the lost step, never agreement."""
+    db = str(tmp_path / "ranks.db")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, lost in ((0, set()), (1, {2})):
+        monkeypatch.setenv("RANK", str(rank))
+        with monkeypatch.context() as m:
+            _full_disk_on(m, lost)
+            _train(db, lost, steps=4, run="ranks")
+    with gradstore.open(db) as store:
+        table = store.rank_divergence("ranks", step=2)
+        every = store.rank_divergence("ranks", all=True)
+    assert len(table) and (table["result"] == "not compared").all()
+    assert table["reason"].str.contains("step 2 was not written on rank 1").all()
+    assert set(every.loc[every["result"] == "not compared", "step"]) == {2}
+    out = CliRunner().invoke(main, ["ranks", db, "ranks", "--step", "2"], catch_exceptions=False).output
+    assert "not written on rank 1" in out
