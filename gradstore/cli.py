@@ -627,7 +627,8 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
             "rank": table["rank"],
             "status": table["status"],
             "passes": table["passes"],
-            "calls": table["calls"].fillna(0).astype(int),
+            # '-' for a step not written: its calls are not stored (0 would say no node ran)
+            "calls": ["-" if st == UNWRITTEN else int(n) for st, n in zip(table["status"], table["calls"].fillna(0))],
             "step_s": table["duration"].round(4),
             "backward_s": table["backward_s"].round(4),
             "warnings": table["warnings"].fillna(0).astype(int),

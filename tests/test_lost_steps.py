@@ -270,3 +270,51 @@ def test_ranks_say_a_step_one_rank_could_not_write_is_not_compared(tmp_path, mon
     assert set(every.loc[every["result"] == "not compared", "step"]) == {2}
     out = CliRunner().invoke(main, ["ranks", db, "ranks", "--step", "2"], catch_exceptions=False).output
     assert "not written on rank 1" in out
+
+
+class _Cplx(nn.Module):
+    """A complex parameter after a real layer: its gradient rows are skipped (complex dtype), the real ones are
+    measured."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.p = nn.Parameter(torch.tensor([1 + 2j, 3 - 1j, 0.5j], dtype=torch.cfloat))
+
+    def forward(self, x):
+        return (self.lin(x) * self.p).abs().sum()
+
+
+def test_an_unwritten_step_is_neither_measured_nor_unmeasured_beside_skipped_rows(tmp_path, monkeypatch):
+    """Steps that measured only some gradients (a complex parameter) and steps the writer could not write, in one
+    run: the lost steps read unwritten with not_measured unknown (NULL, '-' in show), never 0 or unmeasured; the
+    counts of rows not measured speak of the written steps only."""
+    db = str(tmp_path / "mixed.db")
+    lost = {2, 3}
+    _full_disk_on(monkeypatch, lost)
+    torch.manual_seed(0)
+    model = _Cplx()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with gradstore.record("mixed", db=db, model=model) as rec:
+            for _ in range(6):
+                model(torch.randn(2, 4)).backward()
+                model.zero_grad()
+                rec.step()
+                rec.flush()
+    monkeypatch.undo()
+    with gradstore.open(db) as store:
+        steps = store.steps("mixed").set_index("step")
+    assert steps.loc[sorted(lost), "status"].tolist() == ["unwritten"] * len(lost)
+    assert steps.loc[sorted(lost), "not_measured"].isna().all()  # its rows are not stored: not known, not 0
+    written = steps.drop(index=sorted(lost))
+    assert (written["status"] == "ok").all() and (written["not_measured"] > 0).all()
+    out = CliRunner().invoke(main, ["show", db, "mixed", "--limit", "10"], catch_exceptions=False).output
+    rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["2", "0"], ["3", "0"])]
+    assert len(rows) == 2 and all(r[2:6] == ["unwritten", "1", "-", "-"] for r in rows), out  # not_measured, calls
+    assert f"in {len(written)} of {len(written)} step records written" in out
+    from gradstore.view.html_report import report_html
+
+    with gradstore.open(db) as store:
+        page = report_html(store, "mixed")
+    assert f"Every written step has status ok ({len(written)} of them with gradients not measured" in page
