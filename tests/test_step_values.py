@@ -407,3 +407,53 @@ def test_a_second_iteration_whose_grad_scaler_step_is_skipped_is_what_the_final_
     final = gradstore.open(db).param_grads("amp2", step=0)
     assert len(final) == 4
     assert (final["nan"].fillna(0) + final["posinf"].fillna(0) + final["neginf"].fillna(0) > 0).all()
+
+
+def test_a_step_whose_backward_raised_keeps_the_gradients_the_optimizer_then_read(db):
+    """A custom backward raises in step 1, the loop catches it and steps the optimizer on the .grads the pass wrote
+    before it stopped: the final rows are those (they were missing: no pass had 'finished')."""
+
+    class Bad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            raise ValueError("bad backward")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x, bad):
+            h = self.a(x)
+            return self.b(Bad.apply(h) if bad else h).sum() + self.b(torch.ones(2, 3)).sum()
+
+    def loop(net, opt, rec=None):
+        seen = []
+        for step, x in enumerate(_batches(3)):
+            try:
+                net(x[:2], bad=step == 1).backward()
+            except ValueError:
+                pass
+            seen.append({n: None if p.grad is None else _norm(p.grad) for n, p in net.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            if rec is not None:
+                rec.step()
+        return seen
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with gradstore.record("raised", db=db, model=net) as rec:
+        seen = loop(net, opt, rec)
+    assert seen[1]["a.weight"] is None and seen[1]["b.weight"] is not None  # plain facts of the raising step
+    final = gradstore.open(db).param_grads("raised", step=1).set_index("param")
+    for name, norm in seen[1].items():
+        if norm is None:
+            assert final.loc[name, "status"] == "none"
+        else:
+            assert final.loc[name, "norm"] == pytest.approx(norm, rel=1e-6)

@@ -844,11 +844,15 @@ class record:
                         state.pass_raised(p.record, raised)
                     rec = p.finish(ok)
                     measured = p.params_measured  # with an operator watcher to take over or remove
-                    if ok and self._final is not None and rec.kind == "backward" and rec.parent_pass is None:
+                    top = self._final is not None and rec.kind == "backward" and rec.parent_pass is None
+                    if ok and top:
                         # .grad changed: a snapshot taken before it no longer stands
                         self._final.after_pass(*(measured or ()))
-                    elif measured is not None:
-                        watch_stop(measured[2])
+                    else:
+                        if measured is not None:
+                            watch_stop(measured[2])
+                        if top:  # a pass that raised may have written .grads before it stopped: measured later
+                            self._final.after_pass()
                     if self._forward is not None and not state.active:  # a top-level pass: the next forward's keys
                         self._forward.backward_done()
             finally:
