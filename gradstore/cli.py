@@ -925,7 +925,8 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
                 "so one rank's out_norm / in_norm is not the call's gain (module_gains' no_ratio)"
             )
         click.echo(
-            f"\nModule gains, the {len(top):,} furthest from 1 of {len(measured):,} module calls"
+            f"\nModule gains, the {len(top):,} furthest from 1 of the {len(measured):,} module calls with a ratio "
+            f"({len(gains):,} calls in all)"
             + (f" ({'; '.join(notes)})" if notes else "")
             + ":\n  ratio = out_norm / in_norm of the gradient crossing the call (its own parameters' gradients not "
             "included); ordinal = the module's how-manieth call in the step;\n"

@@ -207,14 +207,18 @@ def _run_section(page: _Page, store, run: str, db: str) -> pd.DataFrame:
     return steps
 
 
-def _not_measured_why(store, run: str) -> str:
-    """The stored reasons of `run`'s skipped gradient rows, with counts, most frequent first."""
+def _not_measured_why(store, run: str, role: str | None = None) -> str:
+    """The stored reasons of `run`'s skipped gradient rows (of `role` only, e.g. 'param_grad'; None: every role),
+    with counts, most frequent first."""
     skipped = store.not_measured(run=run)
+    if role is not None:
+        skipped = skipped[skipped["role"] == role]
     if skipped.empty:
         return ""
     counts = skipped.assign(reason=skipped["reason"].fillna("no reason recorded")).groupby("reason")["tensors"].sum()
     counts = counts.sort_values(ascending=False, kind="stable")
-    return "; ".join(f"{reason}: {int(n):,} rows" for reason, n in counts.items())
+    what = "rows" if role is None else f"{role} rows"
+    return "; ".join(f"{reason}: {int(n):,} {what}" for reason, n in counts.items())
 
 
 def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> None:
@@ -531,7 +535,7 @@ def _params_section(page: _Page, store, run: str) -> None:
         top = top.drop(columns="norm_of")
     page.add(_table(top, {"steps", "first", "last", "smallest", "largest", "ratio", "nonfinite", "not_measured"}))
     if top["steps"].max() == 0:
-        why = _not_measured_why(store, run)
+        why = _not_measured_why(store, run, role="param_grad")
         page.add(
             '<p class="note">No parameter .grad was measured in any step'
             + (f" ({_e(why)})" if why else " (recorded at stats='shape', which measures no value)")
