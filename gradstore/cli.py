@@ -613,6 +613,13 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     if steps.empty:
         click.echo("\nNo steps recorded yet.")
         return
+    summaries = steps[steps["level"] == "summary"]
+    if len(summaries):  # their passes, calls and gradient rows are not kept: the counts above leave them out
+        click.echo(
+            f"  ({len(summaries):,} of the {len(steps):,} step records are flight-recorder summaries, with "
+            f"{int(summaries['passes'].fillna(0).sum()):,} backward passes: only the parameters' final norms are "
+            "kept of them, so the passes, calls and tensors above are of the other steps)"
+        )
     passes = store.passes(run=run, rank=rank)
     per_step = passes.groupby(["rank", "step"]).agg(calls=("calls", "sum"), backward_s=("duration", "sum"))
     table = steps.join(per_step, on=["rank", "step"])
@@ -628,7 +635,11 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
             "status": table["status"],
             "passes": table["passes"],
             # '-' for a step not written: its calls are not stored (0 would say no node ran)
-            "calls": ["-" if st == UNWRITTEN else int(n) for st, n in zip(table["status"], table["calls"].fillna(0))],
+            # and for a flight-recorder summary step, which keeps no call
+            "calls": [
+                "-" if st == UNWRITTEN or lv == "summary" else int(n)
+                for st, lv, n in zip(table["status"], table["level"], table["calls"].fillna(0))
+            ],
             "step_s": table["duration"].round(4),
             "backward_s": table["backward_s"].round(4),
             "warnings": table["warnings"].fillna(0).astype(int),
@@ -723,6 +734,18 @@ def _show_nonfinite(
     grads = grads.drop_duplicates(["rank", "param"])
     node_rows = tensors[tensors["role"].isin(["grad_output", "grad_input"])]
     bad_nodes = node_rows[_nonfinite_mask(node_rows)]
+    if bad_params.empty and bad_nodes.empty and tensors.empty:  # nothing to say "none" about
+        summary = levels is not None and "summary" in levels
+        click.echo(
+            "\nNon-finite gradients: no gradient rows in this step"
+            + (
+                " (a flight-recorder summary step keeps each parameter's final norm and NaN/Inf count only: the "
+                "step's status and the parameters' norms above say whether one held NaN/Inf)"
+                if summary
+                else ""
+            )
+        )
+        return
     if bad_params.empty and bad_nodes.empty:
         measured = int(tensors["nan"].notna().sum()) if not tensors.empty else 0
         # why the rows that hold no count hold none: a skipped row's stored reason, a None slot, the shape level

@@ -323,3 +323,24 @@ def test_a_step_that_cannot_be_packed_stays_held_as_it_is(db, monkeypatch):
     for name in ("tensors", "calls", "passes", "param_status"):
         pd.testing.assert_frame_equal(got[name], want[name], check_dtype=False, obj=name)
     assert rec.last_step.written == "dumped" and refused == [0, 1, 2, 3, 4]  # every summary step tried
+
+
+def test_show_counts_summary_steps_apart_and_says_nothing_of_their_unkept_rows(db):
+    """`gradstore show` counted only the dumped steps' passes and calls, listed a summary step's calls as 0 and said
+    "Non-finite gradients: none in the 0 measured of 0 gradient rows" of a non-finite summary step."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    inputs = _inputs(10, nan_at={6, 7, 8, 9})
+    _train(db, "flight", inputs, keep=3)
+    steps = gradstore.open(db).steps("flight").set_index("step")
+    summary = steps[steps["level"] == "summary"]
+    out = CliRunner().invoke(main, ["show", db, "flight"]).output
+    assert f"({len(summary)} of the 10 step records are flight-recorder summaries, with {len(summary)} backward" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:7].strip().isdigit()}
+    assert rows["0"][4] == "-" and rows["5"][4] != "-"  # step 0 a summary, step 5 dumped with its calls
+    assert steps.loc[8, "status"] == "nonfinite" and steps.loc[8, "level"] == "summary"
+    out = CliRunner().invoke(main, ["show", db, "flight", "--step", "8"]).output
+    assert "Non-finite gradients: no gradient rows in this step (a flight-recorder summary step" in out
+    assert "none in the 0 measured" not in out
