@@ -168,10 +168,11 @@ def _counts(store: Store, run: str, step: int | None = None, rank: int | None = 
 
     counts = {}
     with store.engine.connect() as conn:
-        per_status = select(s.steps.c.status == UNWRITTEN, func.count()).select_from(s.steps, s.runs)
-        by_written = dict(conn.execute(step_filter(per_status).group_by(s.steps.c.status == UNWRITTEN)).all())
-        counts["steps"] = int(by_written.get(False, 0) or by_written.get(0, 0))
-        unwritten = int(by_written.get(True, 0) or by_written.get(1, 0))
+        # grouped by the status itself: PostgreSQL refuses a GROUP BY of an expression with a bound parameter
+        per_status = select(s.steps.c.status, func.count()).select_from(s.steps, s.runs)
+        by_status = dict(conn.execute(step_filter(per_status).group_by(s.steps.c.status)).all())
+        unwritten = int(by_status.get(UNWRITTEN, 0))
+        counts["steps"] = int(sum(by_status.values())) - unwritten
         if unwritten:
             counts["unwritten"] = unwritten
         counts["passes"] = conn.execute(

@@ -880,6 +880,7 @@ def test_0009_loop_down_and_up_on_postgresql(pg_url):
     with engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM step_values")).scalar() == 0
     engine.dispose()
+    database.upgrade(pg_url)  # the newest revision, which the recorder and the readers need
     with gradstore.record("pg-loop", db=pg_url, model=net):
         net(torch.randn(4, 3)).sum().backward()
         gradstore.log(again=1.0)
