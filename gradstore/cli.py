@@ -286,6 +286,13 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
                 if (level == "params").any()
                 else "no recorded node call before it held one"
             )
+            others = bad[(bad["rank"] != rank) & (bad["step"] == r["step"]) & (bad["role"] != "param_grad")]
+            if len(others):  # a collective (DDP's all-reduce) carries another rank's gradients into this .grad
+                ranks = ", ".join(str(int(x)) for x in sorted(others["rank"].unique()))
+                before += (
+                    f"; in that step a node call on rank {ranks} held NaN/Inf, and a collective such as DDP's "
+                    "all-reduce carries it into every rank's .grad: this parameter is one of those it reached"
+                )
             lines.append(
                 f"First non-finite gradient (rank {rank}): step {r['step']}, {where}: the .grad of {r['key']} "
                 f"({r['nan']} nan, {r['posinf']} +inf, {r['neginf']} -inf of {r['numel']}; {before})"

@@ -628,3 +628,10 @@ def test_a_nan_one_rank_made_is_its_first_though_the_all_reduce_reaches_rank_0s_
         assert (start.rank, start.step, start.also_ranks) == (1, 1, [])
         pf0 = story.param_first(store, "nan1", rank=0)  # on rank 0 alone its .grad is its first
         assert (pf0.rank, pf0.step) == (0, 1)
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    out = CliRunner().invoke(main, ["show", db, "nan1"]).output
+    line = next(x for x in out.splitlines() if x.startswith("First non-finite gradient (rank 0)"))
+    assert "a node call on rank 1 held NaN/Inf" in line  # where rank 0's .grad got it from
