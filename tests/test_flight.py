@@ -344,3 +344,22 @@ def test_show_counts_summary_steps_apart_and_says_nothing_of_their_unkept_rows(d
     out = CliRunner().invoke(main, ["show", db, "flight", "--step", "8"]).output
     assert "Non-finite gradients: no gradient rows in this step (a flight-recorder summary step" in out
     assert "none in the 0 measured" not in out
+
+
+def test_changed_most_reads_the_summary_steps_norms(db):
+    """The report's 'changed most' table read only the dumped steps' rows: 3 steps of 10, 1 non-finite of 4."""
+    from gradstore.view import story
+
+    inputs = _inputs(10, nan_at={6, 7, 8, 9})
+    _train(db, "flight", inputs, keep=3)
+    _train(db, "plain", inputs)
+    store = gradstore.open(db)
+    got = story.changed_most(store, "flight").set_index("param")
+    plain = store.param_grads("plain")  # every step's .grad, recorded without keep= (no clipping: pass = final)
+    for param, rows in plain.groupby("param"):
+        bad = (rows["nan"] + rows["posinf"] + rows["neginf"]) > 0
+        finite = rows[~bad]["norm"]
+        assert got.loc[param, "steps"] == len(finite) == 6
+        assert got.loc[param, "nonfinite"] == int(bad.sum()) == 4
+        assert got.loc[param, "largest"] == pytest.approx(finite.max(), rel=1e-12)
+        assert got.loc[param, "summaries"] == 7

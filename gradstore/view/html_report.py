@@ -519,8 +519,18 @@ def _params_section(page: _Page, store, run: str) -> None:
         f"<p>Each parameter's .grad {when}"
         + (f", on rank {ranks[0]} (of ranks {', '.join(map(str, ranks))})" if len(ranks) > 1 else "")
         + ": parameters with non-finite steps first, "
-        "then by the ratio of their largest to smallest finite norm over the recorded steps.</p>"
+        "then by the ratio of their largest to smallest finite norm over the recorded steps."
+        + (
+            f" For the run's {int(top['summaries'].max()):,} flight-recorder summary steps, which keep each "
+            "parameter's final norm and NaN/Inf count only, that final norm (as the optimizer read it) stands in "
+            "(column summaries)."
+            if top["summaries"].any()
+            else ""
+        )
+        + "</p>"
     )
+    if not top["summaries"].any():
+        top = top.drop(columns="summaries")
     sharded = top["norm_of"] != ""
     if sharded.any():
         page.add(

@@ -306,10 +306,13 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     .grad; for a DTensor .grad, whose rows are each rank's shard, 'the whole parameter ...' where every step's
     shards combine (`Store.global_grads`, same `which`): the norms are then the whole parameter's; else 'rank R:
     this rank's shard, ...': the norms are that rank's shard's). Non-finite parameters first, then by ratio,
-    largest first; `top` rows. Raises UnknownRun."""
+    largest first; `top` rows. A flight-recorder run's summary steps keep each parameter's final norm and NaN/Inf
+    count only (`Store.param_norms`): those stand in for their steps' rows (`summaries` counts them). Raises
+    UnknownRun."""
     # 'pass' by default, as the plot beside the report's table draws them (gradstore.view.cells.series): clipping and
     # unscaling after the pass would hide how far the gradient itself moved
     pg = store.param_grads(run=run, rank=rank, which=which)
+    pg = _with_summaries(store, run, rank, pg)
     if pg.empty:
         return pd.DataFrame(
             columns=[
@@ -324,6 +327,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "nonfinite",
                 "not_measured",
                 "norm_of",
+                "summaries",
             ]
         )
     if rank is None:
@@ -370,11 +374,40 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "nonfinite": int(f["bad"].sum()) if counted.any() else np.nan,
                 "not_measured": int(((f["status"] == "skipped") | ((f["status"] == "ok") & f["nan"].isna())).sum()),
                 "norm_of": f["norm_of"].iloc[0],
+                "summaries": int(f["summary"].sum()),
             }
         )
     out = pd.DataFrame(rows)
     out = out.sort_values(["nonfinite", "ratio"], ascending=[False, False], na_position="last", kind="stable")
     return out.head(top).reset_index(drop=True)
+
+
+def _with_summaries(store, run: str, rank: int | None, pg: pd.DataFrame) -> pd.DataFrame:
+    """`pg` (Store.param_grads rows) with a row per parameter of each flight-recorder summary step (which has no
+    param_grads rows): its final norm and NaN + Inf count (`Store.param_norms`), status 'ok', column summary True
+    (False for `pg`'s own rows)."""
+    pn = store.param_norms(run=run, rank=rank)
+    pn = pn[pn["level"] == "summary"] if not pn.empty else pn
+    pg = pg.assign(summary=False)
+    if pn.empty:
+        return pg
+    extra = pd.DataFrame(
+        {
+            "rank": pn["rank"].to_numpy(),
+            "step": pn["step"].to_numpy(),
+            "param": pn["param"].to_numpy(),
+            "module": pn["module"].to_numpy(),
+            "status": "ok",
+            "norm": pd.to_numeric(pn["norm"], errors="coerce").to_numpy(),
+            "nan": pd.to_numeric(pn["nonfinite"], errors="coerce").to_numpy(),
+            "posinf": 0,
+            "neginf": 0,
+            "placements": None,
+            "global_shape": None,
+            "summary": True,
+        }
+    )
+    return pd.concat([pg, extra], ignore_index=True) if not pg.empty else extra
 
 
 def rank_agreement(store, run: str) -> pd.DataFrame:
