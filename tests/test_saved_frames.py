@@ -107,3 +107,31 @@ def test_frames_off_by_default_and_never_change_gradients(db):
     assert store.nodes("fFalse").frame.isna().all()
     framed = store.nodes("fTrue")
     assert framed[framed.kind != "accumulate_grad"].frame.notna().all()
+
+
+def test_a_saved_tensor_a_pack_hook_holds_is_skipped_with_the_reason_not_none(db):
+    """Under a non-reentrant torch.utils.checkpoint every saved tensor is held by its pack hook (unpacking re-runs
+    the forward): the rows said status 'none', which means the slot held None; they are 'skipped' now, saying why."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    inner, outer = nn.Linear(4, 4), nn.Linear(4, 1)
+    x = torch.randn(3, 4)
+    loss = outer(checkpoint(inner, x, use_reentrant=False)).sum()
+    node = loss.grad_fn.next_functions[0][0]  # outer's AddmmBackward0: saved plainly
+    inner_node = node.next_functions[1][0]
+    while inner_node.name() != "AddmmBackward0":
+        inner_node = inner_node.next_functions[0][0]
+    # plain facts: what each AddmmBackward0 holds (mat2 only where its input needs a gradient: not x)
+    held = sum(getattr(inner_node, f"_saved_{n}") is not None for n in ("mat1", "mat2"))
+    assert held == 1 and node._saved_mat1 is not None
+    with gradstore.record("ck", db=db, model=nn.ModuleDict({"inner": inner, "outer": outer}), saved=True):
+        loss = outer(checkpoint(inner, x, use_reentrant=False)).sum()
+        loss.backward()
+    rows = gradstore.open(db).tensors("ck", role="saved")
+    mine = rows[rows["key"].str.startswith("inner/AddmmBackward0")]
+    theirs = rows[rows["key"].str.startswith("outer/AddmmBackward0")]
+    skipped = mine[mine["status"] == "skipped"]
+    assert len(skipped) == held and set(mine["status"]) == {"skipped", "none"}  # the other slot holds None
+    assert skipped["reason"].str.contains("saved_tensors_hooks pack hook").all()
+    assert len(theirs) and "ok" in set(theirs["status"])

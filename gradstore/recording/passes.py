@@ -173,6 +173,12 @@ def grads_changed(params: list[tuple[str, object]], before, after) -> list[str]:
 
 _task_id = tp.current_graph_task_id
 _ROLE_OUT, _ROLE_IN, _ROLE_PARAM, _ROLE_SAVED = "grad_output", "grad_input", "param_grad", "saved"
+# a saved tensor a `saved_tensors_hooks` pack hook holds (torch.utils.checkpoint without reentrance: its unpack
+# re-runs the forward): unpacking it would run that hook, so it is not read
+PACKED_REASON = (
+    "held by a saved_tensors_hooks pack hook (torch.utils.checkpoint without reentrance recomputes it when "
+    "unpacked): not unpacked, not measured"
+)
 _ROLE_LOSS = "loss"
 
 
@@ -416,7 +422,10 @@ class PassRecorder:
             if self._node_of is not None:  # record(saved=True): what the node keeps for its backward, alive here
                 node = self._node_of[i]
                 saved = saved_tensors(node)
-                for slot, ((_name, t), check) in enumerate(zip(saved, saved_versions(node, saved))):
+                for slot, ((name, t), check) in enumerate(zip(saved, saved_versions(node, saved))):
+                    if t is None and name in saved.packed:  # not the None a slot holds: not unpacked, not read
+                        measured.append((call, _ROLE_SAVED, slot, Measured("skipped", reason=PACKED_REASON)))
+                        continue
                     measured.append((call, _ROLE_SAVED, slot, measure_one(t)))
                     if t is not None:  # its version counter now and when it was saved
                         self.inside.version((call[1], _ROLE_SAVED, slot), check)
