@@ -363,3 +363,16 @@ def test_changed_most_reads_the_summary_steps_norms(db):
         assert got.loc[param, "nonfinite"] == int(bad.sum()) == 4
         assert got.loc[param, "largest"] == pytest.approx(finite.max(), rel=1e-12)
         assert got.loc[param, "summaries"] == 7
+
+
+def test_a_step_that_raised_in_a_run_of_spikes_does_not_start_a_new_one(db):
+    """Spikes at steps 12-15 with step 13 raising: one dump, at 12. The raising step has no total and reset the
+    run, so step 14 dumped again."""
+    inputs = _inputs(17, spike_at={12, 13, 14, 15})
+    _, outcomes, _ = _train(db, "spikes", inputs, fail_at=13, keep=2, dump_on="spike", spike_factor=50)
+    totals = [o.grad_norm for o in outcomes]
+    median = pd.Series(totals[:12]).median()
+    assert all(totals[s] > 50 * median for s in (12, 14, 15))  # the test's own check: a run of spikes
+    assert outcomes[13].status == "error"
+    dumps = gradstore.open(db).dumps("spikes")
+    assert list(zip(dumps["step"], dumps["reason"])) == [(12, "spike")]

@@ -8,7 +8,8 @@ non-finite count in `param_norms`); the full detail of the steps in the ring is 
   GradScaler skipped the optimizer step (AMP's own overflow handling) does not trigger;
 - 'spike': the total norm of the final parameter gradients (over finite elements) is more than `spike_factor`
   times the median of the previous (up to) SPIKE_WINDOW steps' totals, once at least SPIKE_MIN are known, and
-  the step before was no spike;
+  the last step judged before it (status ok, with a total) was no spike: a step between that raised or went
+  non-finite does not end a run of spikes;
 - 'error': the step raised;
 - `rec.dump()`: the ring is written at once, and the current step in full when it ends.
 
@@ -119,7 +120,8 @@ class FlightRecorder:
     def _trigger(self, batch: StepBatch, failed: bool, skipped_by_amp: bool, total: float | None) -> str | None:
         nonfinite = batch.status == "nonfinite" and not skipped_by_amp
         spike = False
-        if total is not None and not nonfinite and batch.status == "ok":
+        judged = total is not None and not nonfinite and batch.status == "ok"
+        if judged:
             if len(self.totals) >= SPIKE_MIN:
                 median = statistics.median(self.totals)
                 spike = median > 0 and total > self.spike_factor * median
@@ -131,7 +133,9 @@ class FlightRecorder:
             reason = "nonfinite"
         elif spike and not self.was_spike and "spike" in self.dump_on:
             reason = "spike"
-        self.was_nonfinite, self.was_spike = nonfinite, spike
+        self.was_nonfinite = nonfinite
+        if judged:  # a step with no total (it raised, went non-finite) neither ends nor starts a run of spikes
+            self.was_spike = spike
         return reason
 
     def end_step(
