@@ -376,3 +376,18 @@ def test_a_step_that_raised_in_a_run_of_spikes_does_not_start_a_new_one(db):
     assert outcomes[13].status == "error"
     dumps = gradstore.open(db).dumps("spikes")
     assert list(zip(dumps["step"], dumps["reason"])) == [(12, "spike")]
+
+
+def test_a_summary_step_that_measured_nothing_is_unmeasured(db):
+    """A meta-device model (no data to measure) in flight-recorder mode: its summary steps read 'ok' (a full step
+    of the same model reads 'unmeasured')."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to("meta")
+    x = torch.randn(6, 3, device="meta")
+    with gradstore.record("meta", db=db, model=net, keep=3) as rec:
+        for _ in range(4):
+            net(x).pow(2).mean().backward()
+            assert all(p.grad is not None and p.grad.is_meta for p in net.parameters())  # a gradient, no data
+            rec.step()
+    steps = gradstore.open(db).steps("meta")
+    assert set(steps["level"]) == {"summary"} and set(steps["status"]) == {"unmeasured"}
+    assert rec.last_step.status == "unmeasured"

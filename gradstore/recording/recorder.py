@@ -24,7 +24,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from ..errors import NonFiniteGradient, RecordUsageError, RecordUsageWarning
-from ..records import StepBatch
+from ..records import STATUS, StepBatch
 from ..store import claims
 from ..store import schema as s
 from ..store.database import DEFAULT_DB, explain
@@ -721,6 +721,9 @@ class record:
         grad_norm = total_norm(final_norms[1])
         if self._flight is not None:
             batch.param_norms = list(zip(*final_norms))
+            if batch.status == "ok" and _nothing_measured(batch, final_norms[1]):
+                # its summary keeps no row a reader could tell it from (as steps.sql does for a full step)
+                batch.status = "unmeasured"
             batches, dump = self._flight.end_step(batch, status == "error", amp_skipped(values), grad_norm)
             written = "dumped" if dump is not None else "summary"
         else:
@@ -1009,6 +1012,20 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _nothing_measured(batch: StepBatch, norms: list) -> bool:
+    """True when no gradient of the step was measured: parameters there are, none with a final norm, and no node
+    row of its passes measured (every one skipped or None: a meta-device model). Only where every final norm is
+    missing (rare) are the passes' rows read."""
+    if not norms or any(n is not None for n in norms):
+        return False
+    ok = STATUS["ok"]
+    for rec in batch.passes:
+        for row in rec.tensors:
+            if row[4] == ok or row[4] == "ok":
+                return False
+    return True
 
 
 def _dropped_of(batch_ref):
