@@ -1576,7 +1576,15 @@ def _absent_words(absent: list[int], steps: pd.DataFrame, step: int, world: int)
     """Why ranks `absent` have no step `step` in this database, and what to do: merge their files only where the
     database holds no step at all of that rank."""
     wrote = {int(r) for r in steps["rank"]}
+    lost = {int(r) for r in steps.loc[(steps["status"] == UNWRITTEN) & (steps["step"] == step), "rank"]}
     parts = []
+    if lost & set(absent):
+        named = sorted(lost & set(absent))
+        parts.append(
+            f"step {step} was not written on rank{'s' if len(named) > 1 else ''} {', '.join(map(str, named))}: the "
+            "writer could not write it, its error is in the steps row"
+        )
+        absent = [r for r in absent if r not in lost]
     elsewhere = [r for r in absent if r in wrote]
     nowhere = [r for r in absent if r not in wrote]
     if elsewhere:
@@ -1679,7 +1687,7 @@ def ranks(db, run, step, verbose):
         earlier = None
         unseen = {}  # without --step: the other steps some rank of the run did not record, {step: [ranks]}
         if step_given is None:
-            for st, at in steps.groupby("step"):
+            for st, at in steps[steps["status"] != UNWRITTEN].groupby("step"):  # a step not written: not there
                 missing_here = [r for r in every_rank if r not in set(int(x) for x in at["rank"])]
                 if missing_here and int(st) != step:
                     unseen[int(st)] = missing_here

@@ -270,6 +270,9 @@ def test_ranks_say_a_step_one_rank_could_not_write_is_not_compared(tmp_path, mon
     assert set(every.loc[every["result"] == "not compared", "step"]) == {2}
     out = CliRunner().invoke(main, ["ranks", db, "ranks", "--step", "2"], catch_exceptions=False).output
     assert "not written on rank 1" in out
+    # without --step (the last step, 3, is compared): step 2 is named as not compared, not counted as recorded
+    out = CliRunner().invoke(main, ["ranks", db, "ranks"], catch_exceptions=False).output
+    assert "not compared: step 2, which not every rank recorded (step 2 was not written on rank 1" in out
 
 
 class _Cplx(nn.Module):
