@@ -1854,7 +1854,9 @@ def merge(out, inputs, skip_existing):
         runs = ", ".join([f"{n!r} (new)" for n in r.runs_created] + [repr(n) for n in r.runs_matched]) or "none"
         ranks_txt = f" of rank{'s' if len(r.ranks) > 1 else ''} {', '.join(map(str, r.ranks))}" if r.ranks else ""
         line = (
-            f"{r.source}: run {runs}: {r.steps:,} steps{ranks_txt}, {r.passes:,} passes, {r.calls:,} calls, "
+            f"{r.source}: run {runs}: {r.steps:,} steps{ranks_txt}"
+            + (f" ({r.unwritten:,} of them not written: status unwritten)" if r.unwritten else "")
+            + f", {r.passes:,} passes, {r.calls:,} calls, "
             f"{r.tensors:,} tensors; {r.nodes:,} new nodes, {r.edges:,} new edges"
         )
         if r.skipped:

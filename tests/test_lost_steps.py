@@ -321,3 +321,17 @@ def test_an_unwritten_step_is_neither_measured_nor_unmeasured_beside_skipped_row
     with gradstore.open(db) as store:
         page = report_html(store, "mixed")
     assert f"Every written step has status ok ({len(written)} of them with gradients not measured" in page
+
+
+def test_merge_counts_the_steps_not_written_apart(tmp_path, monkeypatch):
+    """`gradstore merge` said '8 steps' of a file two of whose steps were never written: it names them now, and
+    the merged database keeps them unwritten."""
+    src, out = str(tmp_path / "src.db"), str(tmp_path / "out.db")
+    lost = {2, 5}
+    _full_disk_on(monkeypatch, lost)
+    _train(src, lost, steps=8)
+    monkeypatch.undo()
+    text = CliRunner().invoke(main, ["merge", out, src], catch_exceptions=False).output
+    assert "8 steps of rank 0 (2 of them not written: status unwritten)" in text
+    steps = gradstore.open(out).steps("lost")
+    assert sorted(steps.loc[steps["status"] == "unwritten", "step"]) == sorted(lost)

@@ -52,7 +52,8 @@ class MergeReport:
 
     source: the input (path or URL); runs_created / runs_matched: run names; steps, passes, calls, tensors:
     rows copied; nodes, edges: rows added (the others matched rows already there); skipped: (run, rank,
-    step) left out because OUT had them (skip_existing=True).
+    step) left out because OUT had them (skip_existing=True); unwritten: of the steps, those the writer could not
+    write (only their steps row exists, status unwritten).
     """
 
     source: str
@@ -67,6 +68,7 @@ class MergeReport:
     values: int = 0  # step_values rows copied
     skipped: list[tuple[str, int, int]] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
+    unwritten: int = 0  # of `steps`, the rows of steps the writer could not write (status unwritten)
 
 
 def _identity(db) -> str:
@@ -238,6 +240,7 @@ def _merge_steps(src, dst, run_map, names, db, out, skip_existing, report) -> di
         )
     new_ids = _insert_returning_ids(dst, s.steps, rows)
     report.steps = len(new_ids)
+    report.unwritten = sum(r["status"] == s.UNWRITTEN for r in rows)
     report.ranks = sorted({r["rank"] for r in rows})
     return dict(zip(src_ids, new_ids))
 
