@@ -296,7 +296,7 @@ class FinalGrads:
         # last top-level pass, or None for the snapshot in `results`; the watcher's count from just before that
         # measurement; the .grads' grad_states and grad_impls then), else None
         self._basis: tuple | None = None
-        # the parameters (by id) of the optimizers that stepped on the snapshot held now (`at_optimizer_step`), and
+        # the parameters (by id) of the optimizers that stepped on the snapshot held now (`after_optimizer_step`), and
         # the rows an optimizer step read for parameters whose `.grad` a later backward pass of the step changed
         # again: key -> (NodeInfo, row, norm, NaN + Inf count), what the step's final rows hold for them (`rows`)
         self._stepped: set[int] = set()
