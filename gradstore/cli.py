@@ -43,6 +43,7 @@ from .store.database import DEFAULT_DB
 from .store.reader import Store
 from .store.schema import UNWRITTEN
 from .store.values import DTENSOR_PIECES
+from .store.writer import step_ranges as _step_ranges
 from .version import __version__
 
 # ---- errors: one line, non-zero exit ---------------------------------------------------------------------
@@ -580,20 +581,6 @@ def _shown(db: str) -> str:
         return make_url(str(db)).render_as_string(hide_password=True)
     except Exception:  # not a URL SQLAlchemy reads: print nothing of it but its scheme
         return str(db).split("://", 1)[0] + "://..."
-
-
-def _step_ranges(steps) -> str:
-    """'0-3, 5, 7-9' from step numbers."""
-    nums = sorted({int(s) for s in steps})
-    parts, start, prev = [], None, None
-    for n in nums + [None]:
-        if start is not None and (n is None or n != prev + 1):
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = None
-        if n is not None and start is None:
-            start = n
-        prev = n
-    return ", ".join(parts)
 
 
 def _steps_gap(hidden: pd.DataFrame) -> str:

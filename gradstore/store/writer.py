@@ -205,8 +205,8 @@ class _Fault:
         self.next_summary = time.monotonic() + FAULT_SUMMARY_S
 
 
-def _step_ranges(steps) -> str:
-    """'6-29, 31' from step numbers."""
+def step_ranges(steps) -> str:
+    """'0-3, 5, 7-9' from step numbers (ints, any order, repeats allowed): the steps a message names."""
     nums, parts = sorted(set(steps)), []
     for n in nums:
         if parts and parts[-1][1] == n - 1:
@@ -730,7 +730,7 @@ class Writer:
             return
         n = len(waiting)
         what = (
-            f"{n} step{'s' if n != 1 else ''} ({_step_ranges(k[2] for k in waiting)}) could not be written and "
+            f"{n} step{'s' if n != 1 else ''} ({step_ranges(k[2] for k in waiting)}) could not be written and "
             f"{'are' if n != 1 else 'is'} recorded as not written (steps.status '{UNWRITTEN}')"
             if waiting
             else "no step was lost"
@@ -823,7 +823,7 @@ class Writer:
             if self._record_unwritten():
                 return True
         if waiting:
-            steps = _step_ranges(k[2] for k in waiting)
+            steps = step_ranges(k[2] for k in waiting)
             _warn(
                 f"gradstore: {len(waiting)} step{'s' if len(waiting) != 1 else ''} ({steps}) "
                 f"could not be written to {self.db}, and recording them as not written failed too "

@@ -23,6 +23,7 @@ import pandas as pd
 
 from ..errors import GradstoreError
 from ..store.schema import UNWRITTEN
+from ..store.writer import step_ranges as _ranges
 from ..version import __version__
 from . import cells, story
 from .backward_graph import graph
@@ -101,22 +102,6 @@ def _when(ts) -> str:
     if ts is None or pd.isna(ts):
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
-
-
-def _ranges(steps: list[int]) -> str:
-    """'0-3, 5, 7-9' from sorted step numbers."""
-    out, start, prev = [], None, None
-    for s in steps:
-        if start is None:
-            start = prev = s
-        elif s == prev + 1:
-            prev = s
-        else:
-            out.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = s
-    if start is not None:
-        out.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ", ".join(out)
 
 
 _STRIP_SPAN = 5000  # the strip has a column for every step number up to this many; beyond, one per gap
