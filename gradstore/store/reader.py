@@ -186,9 +186,15 @@ class Store:
         return self.query("passes", run=run, rank=rank, step=step)
 
     def not_measured(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
-        """The gradients a step could not measure (rows with status skipped), grouped by reason: run, rank, step,
-        role, reason, tensors (rows), params (distinct parameters among the param_grad rows). Empty where every
-        gradient was measured; a stats='shape' step skips none (it measures none: its status is unmeasured)."""
+        """The gradients a step could not measure (rows with status skipped), grouped by reason, as
+        queries/not_measured.sql.
+
+        Args: run (str | None: every run), rank (int | None), step (int | None).
+        Returns: DataFrame with run, rank, step, role ('grad_output', 'grad_input', 'param_grad', ...), reason (the
+            text stored when the row was skipped: a meta tensor, a complex dtype, a recorder fault), tensors (rows,
+            int), params (distinct parameters among the param_grad rows, int). Empty where every gradient was
+            measured; a stats='shape' step skips none (it measures none: its status is unmeasured).
+        Raises: UnknownRun."""
         return self.query("not_measured", run=run, rank=rank, step=step)
 
     def nodes(self, run: str | None = None, module: str | None = None) -> pd.DataFrame:

@@ -206,7 +206,8 @@ class _Fault:
 
 
 def step_ranges(steps) -> str:
-    """'0-3, 5, 7-9' from step numbers (ints, any order, repeats allowed): the steps a message names."""
+    """The step numbers `steps` (an iterable of ints, any order, repeats allowed) as ranges for a message:
+    '0-3, 5, 7-9' (str; '' for none). No error of its own; no PyTorch."""
     nums, parts = sorted(set(steps)), []
     for n in nums:
         if parts and parts[-1][1] == n - 1:
