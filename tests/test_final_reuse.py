@@ -455,3 +455,126 @@ def test_two_optimizers_each_cleared_after_its_step_keep_what_each_read(db):
             row = rows[(rows.step == k) & (rows.param == name)].iloc[0]
             assert row["status"] == "ok", (k, name)
             assert row["norm"] == pytest.approx(float(g.double().norm()), rel=1e-6), (k, name)
+
+
+def _read_by_optimizers(build, loop, steps=2):
+    """What every optimizer read, per step: a plain run of `loop(net, opts, x, k)` whose optimizers copy their
+    parameters' `.grad`s in a step pre-hook of their own (name -> clone, or None)."""
+    seen: list = []
+    net, opts = build()
+    names = {id(p): n for n, p in net.named_parameters()}
+    for opt in opts:
+        opt.register_step_pre_hook(
+            lambda o, a, kw: seen[-1].update(
+                {names[id(p)]: None if p.grad is None else p.grad.clone() for g in o.param_groups for p in g["params"]}
+            )
+        )
+    for k in range(steps):
+        seen.append({})
+        loop(net, opts, torch.randn(5, 4, generator=torch.Generator().manual_seed(k)), k)
+    return seen
+
+
+def _check_final_rows(db, run, want):
+    store = gradstore.open(db)
+    rows = store.param_grads(run, which="final")
+    norms = store.global_norm(run)
+    for k, grads in enumerate(want):
+        assert grads, k
+        for name, g in grads.items():
+            row = rows[(rows.step == k) & (rows.param == name)]
+            assert len(row) == 1, (k, name, rows)
+            row = row.iloc[0]
+            assert row["status"] == "ok", (k, name)
+            assert row["norm"] == pytest.approx(float(g.double().norm()), rel=1e-6), (k, name)
+        total = float(torch.stack([g.double().norm() for g in grads.values()]).norm())
+        got = norms[norms.step == k].iloc[0]
+        assert got["params"] == len(grads) and got["total_norm"] == pytest.approx(total, rel=1e-6), (k, got)
+
+
+def _small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def test_an_optimizer_stepping_inside_the_backward_pass_keeps_what_it_read(db):
+    """The optimizer in backward (a post-accumulate-grad hook steps a per-parameter optimizer, then clears the
+    `.grad`): the final rows are what each optimizer read during the pass, not the cleared `.grad`s at the step's
+    end. Expected: a plain run's copies taken in each optimizer's own pre-hook."""
+
+    def build():
+        net = _small()
+        opts = {p: torch.optim.SGD([p], lr=0.1) for p in net.parameters()}
+
+        def fused(p):
+            opts[p].step()
+            opts[p].zero_grad(set_to_none=True)
+
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(fused)
+        return net, list(opts.values())
+
+    def loop(net, opts, x, k):
+        net(x).pow(2).sum().backward()
+
+    want = _read_by_optimizers(build, loop)
+    net, opts = build()
+    with gradstore.record("fused", db=db, model=net, stats="params") as rec:
+        for k in range(2):
+            loop(net, opts, torch.randn(5, 4, generator=torch.Generator().manual_seed(k)), k)
+            rec.step()
+            total = rec.last_step.grad_norm
+            expected = float(torch.stack([g.double().norm() for g in want[k].values()]).norm())
+            assert total == pytest.approx(expected, rel=1e-6), k
+    _check_final_rows(db, "fused", want)
+
+
+def test_grads_assigned_from_autograd_grad_are_the_final_rows(db):
+    """`torch.autograd.grad` (no `.grad` written by the pass), its results assigned to `.grad`, then the optimizer
+    steps: the final rows are those `.grad`s, taken at the optimizer's step."""
+
+    def build():
+        net = _small()
+        return net, [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+    def loop(net, opts, x, k):
+        params = list(net.parameters())
+        for p, g in zip(params, torch.autograd.grad(net(x).pow(2).sum(), params)):
+            p.grad = g * 0.5
+        opts[0].step()
+        opts[0].zero_grad()
+
+    want = _read_by_optimizers(build, loop)
+    net, opts = build()
+    with gradstore.record("assigned", db=db, model=net, stats="params") as rec:
+        for k in range(2):
+            loop(net, opts, torch.randn(5, 4, generator=torch.Generator().manual_seed(k)), k)
+            rec.step()
+    _check_final_rows(db, "assigned", want)
+
+
+def test_a_layer_frozen_between_micro_batches_keeps_its_final_row(db):
+    """A layer frozen (`requires_grad_(False)`) after the first of two micro-batches keeps that micro-batch's
+    `.grad`, which the optimizer steps with: its final row is that `.grad`."""
+
+    def build():
+        net = _small()
+        return net, [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+    def loop(net, opts, x, k):
+        net[0].requires_grad_(True)
+        for mb in range(2):
+            if mb == 1:
+                net[0].requires_grad_(False)
+            (net(x[mb::2]).pow(2).sum() / 2).backward()
+        opts[0].step()
+        opts[0].zero_grad()
+
+    want = _read_by_optimizers(build, loop)
+    assert all(g is not None for step in want for g in step.values())
+    net, opts = build()
+    with gradstore.record("frozen", db=db, model=net, stats="params") as rec:
+        for k in range(2):
+            loop(net, opts, torch.randn(5, 4, generator=torch.Generator().manual_seed(k)), k)
+            rec.step()
+    _check_final_rows(db, "frozen", want)

@@ -51,8 +51,8 @@ def measure_params(
     """Measure every recorded parameter's `.grad` now, at the options' parameter level.
 
     Args:
-        params: [(qualified name, Parameter)] of the recorded models; those without requires_grad, or left out
-            by the modules= / params= filters, are skipped.
+        params: [(qualified name, Parameter)] of the recorded models; those with neither requires_grad nor a
+            `.grad`, or left out by the modules= / params= filters, are skipped.
         options: the recording's Options (param_level; checksum: taken when torch.distributed runs with more
             than one rank or checksum=True, never at level 'shape').
         sharded_of: id(unsharded FSDP2 parameter) -> its sharded parameter (`gradstore.recording.modules.
@@ -83,7 +83,8 @@ def _checksum_due(options: Options) -> bool:
 
 def _selected(params: list[tuple[str, object]], options: Options, sharded_of: dict | None) -> tuple[list, list, list]:
     """(NodeInfos, `.grad`s, parameters) of the parameters `measure_params` measures, in order: those that require
-    grad now, of the ones the filters keep. For a ParamList (and no FSDP2 sharded parameter to put in place) the
+    grad now or hold a `.grad` (one frozen after a micro-batch keeps it, and an optimizer steps it), of the ones the
+    filters keep. For a ParamList (and no FSDP2 sharded parameter to put in place) the
     filters' choice is made once (`ParamList.picked`) and each call reads only `requires_grad` and `.grad`."""
     filters = (options.modules, options.params, options.aliases_key)
     if not sharded_of and isinstance(params, ParamList):
@@ -94,6 +95,7 @@ def _selected(params: list[tuple[str, object]], options: Options, sharded_of: di
             flags, grads = got
             if all(flags):
                 return list(infos), grads, list(chosen)
+            flags = [f or g is not None for f, g in zip(flags, grads)]
             return list(compress(infos, flags)), list(compress(grads, flags)), list(compress(chosen, flags))
         try:
             flags = list(map(_REQUIRES_GRAD, chosen))
@@ -102,13 +104,14 @@ def _selected(params: list[tuple[str, object]], options: Options, sharded_of: di
         else:
             if all(flags):
                 return list(infos), list(map(_GRAD, chosen)), list(chosen)
+            flags = [f or p.grad is not None for f, p in zip(flags, chosen)]
             kept = list(compress(chosen, flags))
             return list(compress(infos, flags)), list(map(_GRAD, kept)), kept
     nodes, grads, measured = [], [], []
     for name, p in params:
         if sharded_of:
             p = sharded_of.get(id(p), p)
-        if not getattr(p, "requires_grad", False):
+        if not getattr(p, "requires_grad", False) and getattr(p, "grad", None) is None:
             continue
         info = _node_of(options, name)
         if info is None:
@@ -301,6 +304,7 @@ class FinalGrads:
         # again: key -> (NodeInfo, row, norm, NaN + Inf count), what the step's final rows hold for them (`rows`)
         self._stepped: set[int] = set()
         self._locked: dict[str, tuple] = {}
+        self._running = 0  # backward passes running now (an optimizer may step inside one: `_read_by`)
 
     def take(self, why: str) -> None:
         """Take the snapshot now, replacing an earlier one of the step. `why` names the moment.
@@ -344,19 +348,37 @@ class FinalGrads:
                 self._basis = (None, count, *states)
 
     def take_if_missing(self, why: str) -> None:
-        """Measure now unless the step already holds a snapshot taken after its last backward pass."""
-        if self.results is None and self.passes:
+        """Measure now unless the step already holds a snapshot taken after its last backward pass (nothing while
+        a backward pass runs: the `.grad`s are half written)."""
+        if self.results is None and self.passes and not self._running:
             self.take(why)
 
-    def at_optimizer_step(self, why: str) -> None:
+    def pass_started(self) -> None:
+        """A backward pass starts: the operator watcher stops (`close`) and, until `pass_ended`, an
+        optimizer step reads its own parameters' `.grad`s as the pass left them so far (`at_optimizer_step`)."""
+        self.close()
+        self._running += 1
+
+    def pass_ended(self) -> None:
+        """The pass `pass_started` announced returned or raised (before `after_pass`)."""
+        self._running = max(0, self._running - 1)
+
+    def at_optimizer_step(self, why: str, optimizer=None) -> None:
         """The optimizer is about to step with the `.grad`s as they are now: the snapshot is taken (`take`) if the
         step holds none since its last backward pass, and again where the one it holds may no longer be what the
         optimizer reads: taken by `zero_grad` (which then cleared the `.grad`s), or taken before any optimizer
         step (clipping, `GradScaler.unscale_`, `rec.final_grads()`) where an operator ran or a `.grad` changed
         since it was measured (`_unchanged`, where it can tell). A snapshot an optimizer step took stands for the
         step's later optimizer steps (another optimizer reads other parameters, after the first one's
-        `zero_grad` may have cleared its own). Nothing before a backward pass."""
-        if not self.passes:
+        `zero_grad` may have cleared its own). Before any backward pass of the step, only where a recorded parameter
+        holds a `.grad` (`torch.autograd.grad`'s results assigned to `.grad`). `optimizer` (the torch.optim.Optimizer
+        about to step, or None) stepping while a backward pass runs (a post-accumulate-grad hook: the optimizer in
+        backward) reads its parameters alone, now (`_read_by`)."""
+        if self._running:
+            if optimizer is not None:
+                self._read_by(optimizer)
+            return
+        if not self.passes and not self._any_grad():
             return
         if self.results is None or self.taken_by == "zero_grad":
             self.take(why)
@@ -444,16 +466,7 @@ class FinalGrads:
         results, nodes = self.results, self.nodes
         if isinstance(results, PackedParams):
             return nodes, results.rows, results.nonfinite, (results.keys, results.norms, results.counts)
-        rows = to_rows(results)
-        nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
-        role = ROLE["param_grad"]
-        norms, counts = [], []
-        for row in rows:
-            nan = row[_NAN_AT]
-            norms.append(row[_NORM_AT])
-            counts.append(None if nan is None else nan + (row[_NAN_AT + 1] or 0) + (row[_NAN_AT + 2] or 0))
-        keys = [n.key for n in nodes]
-        return nodes, [(n.key, None, role, 0) + row for n, row in zip(nodes, rows)], nonfinite, (keys, norms, counts)
+        return _listed(nodes, results)
 
     def after_optimizer_step(self, optimizer) -> None:
         """`optimizer` (a `torch.optim.Optimizer`) has stepped, reading the `.grad`s of the snapshot held now (its
@@ -461,8 +474,9 @@ class FinalGrads:
         rows of its parameters are what the step's final rows hold for them even where a later backward pass of
         the step changes their `.grad` again (two optimizers, each stepping after its own loss's backward:
         `_lock_stepped`), unless an optimizer steps them again later in the step; rows an earlier optimizer step
-        read for them no longer stand. Nothing before a backward pass, or without a snapshot."""
-        if not self.passes or self.results is None:
+        read for them no longer stand. Nothing without a snapshot, or while a backward pass runs (`_read_by` kept
+        what it read)."""
+        if self._running or self.results is None:
             return
         try:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -472,6 +486,24 @@ class FinalGrads:
         if self._locked:
             for key in self._keys_of(ids):
                 self._locked.pop(key, None)
+
+    def _any_grad(self) -> bool:
+        """Whether a recorded parameter holds a `.grad` now."""
+        return any(getattr(p, "grad", None) is not None for _, p in self.params)
+
+    def _read_by(self, optimizer) -> None:
+        """`optimizer` steps while a backward pass runs: measure its parameters' `.grad`s now and keep those rows as
+        the step's final rows of these parameters (`rows`), unless an optimizer steps them again later in the step
+        (`after_optimizer_step`). The pass's end voids no such row: the optimizer read it."""
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        mine = [(name, p) for name, p in self.params if id(p) in ids]
+        if not mine:
+            return
+        sharded_of = {id(u): sh for sh, u in self._aliases()} if self._aliases is not None else None
+        nodes, results, _ = measure_params(mine, self.options, sharded_of)
+        nodes, rows, _, (_, norms, counts) = _listed(nodes, results)
+        for node, row, norm, count in zip(nodes, rows, norms, counts):
+            self._locked[node.key] = (node, row, norm, count)
 
     def _lock_stepped(self) -> None:
         """A backward pass is about to change the `.grad`s the snapshot holds: keep its rows of the parameters an
@@ -488,6 +520,20 @@ class FinalGrads:
     def _keys_of(self, ids: set[int]) -> set[str]:
         """The parameter node keys ('param:<name>', every name of a tied one) of the parameters with these ids."""
         return {f"param:{name}" for name, p in self.params if id(p) in ids}
+
+
+def _listed(nodes: list[NodeInfo], results: list) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:
+    """`FinalGrads.rows`' 4-tuple for `measure_params`' (nodes, results), the rows built here as a list."""
+    rows = to_rows(results)
+    nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+    role = ROLE["param_grad"]
+    norms, counts = [], []
+    for row in rows:
+        nan = row[_NAN_AT]
+        norms.append(row[_NORM_AT])
+        counts.append(None if nan is None else nan + (row[_NAN_AT + 1] or 0) + (row[_NAN_AT + 2] or 0))
+    keys = [n.key for n in nodes]
+    return nodes, [(n.key, None, role, 0) + row for n, row in zip(nodes, rows)], nonfinite, (keys, norms, counts)
 
 
 def _with_locked(got: tuple, locked: dict[str, tuple]) -> tuple:

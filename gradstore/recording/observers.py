@@ -182,14 +182,14 @@ def _optimizer_pre_hook(optimizer, args, kwargs):
     try:
         _last[id(optimizer)] = optimizer.register_step_pre_hook(_last_pre_hook)
     except Exception:
-        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step")
+        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step", optimizer)
     return None
 
 
 def _last_pre_hook(optimizer, args, kwargs):
     t = _here()
     if t is not None:
-        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step")
+        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step", optimizer)
     return None
 
 

@@ -805,9 +805,10 @@ class record:
         outer = state is not None and not state.active and self._tracker is not None
         if outer:  # a module forward entered while this pass runs is a recomputation (activation checkpointing)
             self._tracker.context = state.open_call
+        started = state is not None and self._final is not None
+        if started:  # a pass changes .grad: no operator watch while the engine runs
+            self._final.pass_started()
         if state is not None:
-            if self._final is not None:  # a pass changes .grad: no operator watch while the engine runs
-                self._final.close()
             try:
                 p = PassRecorder(
                     state,
@@ -840,6 +841,8 @@ class record:
             raised = exc
             raise
         finally:
+            if started:
+                self._final.pass_ended()
             try:
                 if p is not None:
                     if raised is not None:
