@@ -258,3 +258,45 @@ def test_a_lasting_failure_is_reported_not_retried_forever(db, monkeypatch):
             model(torch.randn(4, FEATURES)).pow(2).mean().backward()
     w = writer.writer_for(db)
     assert w.retries == 2 and len(w.errors) == 1 and "database is locked" in w.errors[0]
+
+
+def test_a_second_thread_opening_a_scope_gets_a_usage_error_and_leaves_no_run(db, monkeypatch):
+    """Two threads enter `record()` at the same moment (the first one's run creation held up, so both check before
+    either holds the scope): one trains recorded, the other gets RecordUsageError at once, and the database holds
+    no run of the one that never started. Expected: the threads' own outcome lists, and the runs table."""
+    import threading
+    import time
+
+    opened = recorder.record._open_run
+    entered = threading.Barrier(2)
+
+    def slow_open_run(self):
+        time.sleep(0.3)  # both threads are past the check before the first scope is marked open
+        return opened(self)
+
+    monkeypatch.setattr(recorder.record, "_open_run", slow_open_run)
+    outcome: dict = {}
+
+    def train(k: int) -> None:
+        model = _model()
+        entered.wait()
+        try:
+            with gradstore.record(f"thread{k}", db=db, model=model) as rec:
+                for _ in range(2):
+                    model(torch.randn(3, FEATURES)).sum().backward()
+                    rec.step()
+            outcome[k] = "recorded"
+        except gradstore.GradstoreError as exc:
+            outcome[k] = type(exc).__name__
+        except Exception as exc:  # the defect: a raw error of the engine entry's
+            outcome[k] = f"raw {type(exc).__name__}"
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcome.values()) == ["RecordUsageError", "recorded"], outcome
+    winner = next(k for k, v in outcome.items() if v == "recorded")
+    runs = gradstore.open(db).runs()
+    assert list(runs["run"]) == [f"thread{winner}"], runs

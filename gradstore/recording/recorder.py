@@ -63,6 +63,7 @@ from .step_warnings import WarningLog
 from .values import ValueTaker
 
 _open_scope = None  # the record object whose scope is open in this process (scopes do not nest)
+_scope_lock = threading.Lock()  # held while a scope checks for and takes `_open_scope`
 # nan, posinf, neginf in an activation row (node key, seq, role, slot, *stats.ROW_COLUMNS)
 _ACTIVATION_NONFINITE = tuple(4 + i for i in NONFINITE_COLUMNS)
 _REQUIRES_GRAD, _SECOND = attrgetter("requires_grad"), itemgetter(1)
@@ -430,16 +431,27 @@ class record:
         if self._in_scope:
             raise RecordUsageError(f"record({self.run!r}) is already recording; scopes do not nest")
         global _open_scope
-        if _open_scope is not None:
+        with _scope_lock:  # checked and taken at once: two threads entering together cannot both pass
+            held = _open_scope
+            if held is None:
+                _open_scope = self
+        if held is not None:
+            where = "" if getattr(held, "_thread", None) in (None, threading.get_ident()) else " on another thread"
             raise RecordUsageError(
-                f"gradstore.record({_open_scope.run!r}) is already recording in this process; "
-                "scopes do not nest: end it first, or record both in one scope"
+                f"gradstore.record({held.run!r}) is already recording in this process{where}; scopes do not nest "
+                "and one process records one thread's training: end it first, record both in one scope, or "
+                "train each model in a process of its own"
             )
-        if self.run_id is None or self._claimed_by != os.getpid():
-            self._open_run()  # first scope, a `with` scope again, or a forked child: claim the rank (again)
+        try:
+            if self.run_id is None or self._claimed_by != os.getpid():
+                self._open_run()  # first scope, a `with` scope again, or a forked child: claim the rank (again)
+        except BaseException:
+            with _scope_lock:
+                if _open_scope is self:
+                    _open_scope = None
+            raise
         self._in_scope = True
         self._scope_pid = os.getpid()
-        _open_scope = self
         try:
             self._open_scope(self.models or models)
         except BaseException:  # nothing of a scope that failed to open stays installed, nor the scope itself
@@ -1004,7 +1016,8 @@ def _exception_ids(exc: BaseException | None) -> set[int]:
 def _after_fork_in_child() -> None:
     """A process forked while a scope was open (a DataLoader worker, multiprocessing, os.fork): the scope is
     the parent's, so this process's copy of it is dropped; the child may open a scope of its own."""
-    global _open_scope
+    global _open_scope, _scope_lock
+    _scope_lock = threading.Lock()  # another thread of the parent may have held it at the fork
     scope, _open_scope = _open_scope, None
     if scope is not None:
         try:
