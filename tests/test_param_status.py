@@ -566,3 +566,36 @@ def test_show_does_not_say_a_module_inside_a_compiled_region_did_not_run(db):
     assert st.loc["side.weight", "module_ran"] is None or st.loc["side.weight", "module_ran"] != 1
     out = CliRunner().invoke(main, ["show", db, "side", "--step", "0"]).output
     assert "whether it ran is not known" in out and "forward did not run" not in out
+
+
+@pytest.mark.parametrize("stats", ["full", "params"])
+def test_a_pass_of_another_thread_is_not_called_stale(db, stats):
+    """The scope entered on the main thread, the backward passes run on a worker thread (joined inside the step): the
+    passes are not recorded, yet the parameters' `.grad`s (None before the step) are the worker's gradients. The
+    step's final rows are those `.grad`s, and a parameter whose `.grad` the worker changed is 'ok' ('zero' where its
+    gradient is all zeros), not 'stale'. Expected: the `.grad`s after the step, read by hand."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 2), "zeroed": nn.Linear(3, 2)})
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+
+    def train():
+        for x in xs:
+            (model["used"](x).sum() + 0 * model["zeroed"](x).sum()).backward()
+
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.warns(RuntimeWarning, match="was not recorded"):
+        with gradstore.record("worker", db=db, model=model, stats=stats):
+            worker = threading.Thread(target=train)
+            worker.start()
+            worker.join()
+    truth = grads_of(model)
+    store = gradstore.open(db)
+    status = store.param_status("worker").set_index("param")["status"].to_dict()
+    want = {n: "zero" if bool((g == 0).all()) else "ok" for n, g in truth.items()}
+    assert want == {"used.weight": "ok", "used.bias": "ok", "zeroed.weight": "zero", "zeroed.bias": "zero"}
+    assert status == want
+    final = store.param_grads("worker", which="final").set_index("param")
+    for name, g in truth.items():
+        assert final.loc[name, "norm"] == pytest.approx(float(g.double().norm()), rel=1e-6, abs=1e-12), name

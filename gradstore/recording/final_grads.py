@@ -294,6 +294,7 @@ class FinalGrads:
         self.results: list | None = None  # None: no valid snapshot
         self.taken_by: str | None = None
         self.passes = 0  # top-level backward passes finished in the step
+        self.unfollowed = 0  # backward passes of another thread (not recorded) finished in the step
         self.reused = 0  # snapshots that are the last pass's measurement (`take`)
         # what the .grads were when last measured, while an operator watcher runs for it: (PackedParams of the
         # last top-level pass, or None for the snapshot in `results`; the watcher's count from just before that
@@ -350,7 +351,7 @@ class FinalGrads:
     def take_if_missing(self, why: str) -> None:
         """Measure now unless the step already holds a snapshot taken after its last backward pass (nothing while
         a backward pass runs: the `.grad`s are half written)."""
-        if self.results is None and self.passes and not self._running:
+        if self.results is None and (self.passes or self.unfollowed) and not self._running:
             self.take(why)
 
     def pass_started(self) -> None:

@@ -21,11 +21,12 @@ Definitions (README "Why and where" says the same):
 
 Parameter status, in this order: 'frozen' (requires_grad is False at the end of the step); 'ok', 'zero' or
 'received' when its AccumulateGrad ran in some pass of the step, or a top-level backward pass changed its .grad
-otherwise (stats='params', which hooks no node; DDP's reducer writing a parameter this rank did not use; calls is 0
-then and the final .grad is judged): 'zero' when every gradient it received was finite and all zeros (at
-stats='health' from min = max = 0), 'received' where no value was measured (stats='shape'; stats='params' in a pass
-that raised, whose .grad is not measured), else 'ok'; 'stale' when it received nothing but holds a .grad from before
-(an earlier gradient, or zeros from zero_grad(set_to_none=False)); 'not used' when its module's forward did not run
+otherwise (stats='params', which hooks no node; DDP's reducer writing a parameter this rank did not use; a backward
+pass of another thread, which the recording does not follow; calls is 0 then and the final .grad is judged): 'zero'
+when every gradient it received was finite and all zeros (at stats='health' from min = max = 0), 'received' where no
+value was measured (stats='shape'; stats='params' in a pass that raised, whose .grad is not measured), else 'ok';
+'stale' when it received nothing but holds a .grad from before (an earlier gradient, or zeros from
+zero_grad(set_to_none=False)); 'not used' when its module's forward did not run
 (any module of a tied parameter's names); 'unreachable' otherwise (its module ran, or is not known, and no pass ran
 its AccumulateGrad: not reachable from the roots, or reached and not run: `backward(inputs=...)`,
 `torch.autograd.grad`; or every call of it had no gradient, calls > 0: the backward of the op using it returned None
@@ -105,6 +106,8 @@ class StepFacts:
     level: str
     dropped: object = None  # callable: True when the writer dropped the step's calls and tensors
     tracing: int = 0  # backward passes torch.compile ran while tracing in the step (it compiled something then)
+    unfollowed: frozenset = frozenset()  # first names whose .grad another thread's (unrecorded) backward changed
+    final_norms: dict | None = None  # with `unfollowed`: param key -> (norm, NaN + Inf count) of its final row
 
 
 @dataclass
@@ -184,6 +187,14 @@ def _norm_of(row) -> float | None:
 
 def _nonfinite(row) -> int:
     return (row[_NAN] or 0) + (row[_PINF] or 0) + (row[_NINF] or 0)
+
+
+def _zero_of_final(final_norms: dict | None, key: str) -> bool | None:
+    """`_zero` of a parameter's final row, from its (norm, NaN + Inf count) in `final_norms` (None: not known)."""
+    norm, count = (final_norms or {}).get(key, (None, None))
+    if norm is None or count is None:
+        return None
+    return False if count else norm == 0
 
 
 def _zero(row) -> bool | None:
@@ -507,6 +518,7 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
                 defined.add(row[_KEY])
         if p.rec.grads_changed:
             changed.update(p.rec.grads_changed)
+    changed.update(f.unfollowed)
     nodes, param_names, param_status = out.nodes, out.param_names, out.param_status
     for name, frozen, (key, info, rows, modules) in facts:
         nodes.append(info)
@@ -522,7 +534,7 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         else:  # no AccumulateGrad call (or none hooked: stats='params'): a backward that changed .grad gave it one
             got = name in changed
             row = final.get(key)
-            zeros = [_zero(row)] if row is not None else [None]
+            zeros = [_zero(row)] if row is not None else [_zero_of_final(f.final_norms, key)]
         if frozen:
             status = "frozen"
         elif got:  # each of `zeros` is True, False or None (`_zero`)

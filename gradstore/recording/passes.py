@@ -59,6 +59,8 @@ class StepState:
         self.records: list[PassRecord] = []
         self.open_calls = threading.local()
         self.faults: list[str] = []
+        # first names of the parameters whose .grad a backward pass of another thread changed (not recorded)
+        self.unfollowed_changed: set[str] = set()
         self.tracing_passes = 0  # engine calls of torch.compile's tracing, not recorded (torch_private.compile_tracing)
         self.lineage = lineage  # gradstore.recording.lineage.Lineage of the scope, or None
         self.has_grad: dict[str, bool] | None = None  # parameter -> .grad not None when the last backward returned

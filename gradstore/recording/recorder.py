@@ -54,7 +54,7 @@ from .modules import (
 from .offload import maybe_offload
 from .options import Options
 from .param_list import ParamList
-from .passes import PassRecorder, StepState
+from .passes import PassRecorder, StepState, grad_states, grads_changed
 from .reaction import LastStep, Reaction, amp_skipped, first_nonfinite
 from .rows import LazyRows
 from .stats import NONFINITE_COLUMNS
@@ -727,7 +727,7 @@ class record:
         )
         if state.values is not None:
             batch.values_bytes, batch.values_left_out = state.values.bytes, state.values.left_out
-        self._add_findings(batch, state, records)
+        self._add_findings(batch, state, records, final_norms)
         state.release()
         written, dump = "full", None
         grad_norm = total_norm(final_norms[1])
@@ -754,8 +754,9 @@ class record:
                     self._writer.set_run_status(self.run_id, "error", time.time())
                 raise
 
-    def _add_findings(self, batch: StepBatch, state: StepState, records: list) -> None:
-        """Hand what the step noted to its findings (built on the writer thread: gradstore.recording.findings)."""
+    def _add_findings(self, batch: StepBatch, state: StepState, records: list, final_norms: tuple) -> None:
+        """Hand what the step noted to its findings (built on the writer thread: gradstore.recording.findings);
+        final_norms: `FinalGrads.rows`' (keys, norms, NaN + Inf counts) of the step's final rows."""
         if state.has_grad is None:  # no top-level backward pass returned: what .grad holds now
             state.note_grads(self._recorded)
         forward = self._tracker.take() if tp.has_sequence_nr() else None
@@ -777,6 +778,8 @@ class record:
             level=self.options.stats,
             dropped=_dropped_of(weakref.ref(batch)),
             tracing=state.tracing_passes,
+            unfollowed=frozenset(state.unfollowed_changed),
+            final_norms={k: (n, c) for k, n, c in zip(*final_norms)} if state.unfollowed_changed else None,
         )
         findings = Findings(facts)
         batch.nodes = LazyRows.deferred(lambda: findings.result().nodes, findings)
@@ -813,7 +816,7 @@ class record:
                 "recording follows the thread that entered it; record other threads' models in "
                 "their own process (one run, one rank each), or join the threads first"
             )
-            state = None
+            return self._run_unfollowed(state, original, outputs, args, kwargs)
         outer = state is not None and not state.active and self._tracker is not None
         if outer:  # a module forward entered while this pass runs is a recomputation (activation checkpointing)
             self._tracker.context = state.open_call
@@ -876,6 +879,29 @@ class record:
             finally:
                 if outer and self._tracker is not None:
                     self._tracker.context = None
+
+    def _run_unfollowed(self, state: StepState, original, outputs, args, kwargs):
+        """A backward pass the recording does not follow (another thread's): the engine runs it untouched; the step
+        notes which parameters' `.grad` it changed (their status is judged on the final `.grad`, as at
+        stats='params', not 'stale' or 'unreachable') and has its final rows taken at its end."""
+        before = None
+        try:
+            before = grad_states(self._params, state.native)
+        except Exception as exc:
+            state.fault("a backward pass of another thread", exc)
+        try:
+            return original(outputs, *args, **kwargs)
+        finally:
+            try:
+                if before is not None:
+                    after = grad_states(self._params, state.native)
+                    state.unfollowed_changed.update(grads_changed(self._params, before, after))
+                else:
+                    state.unfollowed_changed.update(name for name, _ in self._params)
+                if self._final is not None and self._state is state:
+                    self._final.unfollowed += 1
+            except Exception as exc:
+                state.fault("a backward pass of another thread", exc)
 
     # ---- public API ----------------------------------------------------------------------------------------
     def step(self) -> int:
