@@ -112,9 +112,12 @@ def _rnn(db=None, every=1, steps=3):
         # plain data only, per step t and earlier step s: the names of s's nodes that step t's pass reached
         back = [{s: Counter(plain_name(n) for n in reached[t] & created[s]) for s in range(t)} for t in range(len(xs))]
         assert all(reached[t] & created[s] <= ran[t] for t in range(len(xs)) for s in range(t))  # and ran
-        # the AccumulateGrad nodes step t reached that an earlier step created (the same objects)
+        # the AccumulateGrad nodes step t reached that an earlier step created (the same objects), except those
+        # step t's own nodes point to (its forward used the parameter: not listed)
+        used = [{m for n in created[t] for m, _ in n.next_functions if m is not None} for t in range(len(xs))]
         old_accs = [
-            Counter(plain_name(n) for n in reached[t] if any(n in accs[s] for s in range(t))) for t in range(len(xs))
+            Counter(plain_name(n) for n in reached[t] - used[t] if any(n in accs[s] for s in range(t)))
+            for t in range(len(xs))
         ]
         return grads, back, [len(r) for r in ran], old_accs
     return grads, None, None, None
@@ -124,8 +127,9 @@ def test_a_pass_that_reaches_back_into_earlier_steps_keeps_their_keys_and_module
     plain, back, calls, old_accs = _rnn()
     one_step = Counter(list(MODULE_OF))  # each of the cell's four nodes once
     assert back[1] == {0: one_step} and back[2] == {0: one_step, 1: one_step}
-    # step 0's: lin.weight's, lin.bias's and the first hidden state's (a leaf that requires grad)
-    assert old_accs == [Counter(), Counter({"AccumulateGrad": 3}), Counter({"AccumulateGrad": 3})]
+    # step 0's first hidden state's (a leaf that requires grad); lin.weight's and lin.bias's are step 0's too, but
+    # every step's own forward uses them
+    assert old_accs == [Counter(), Counter({"AccumulateGrad": 1}), Counter({"AccumulateGrad": 1})]
     recorded, _, _, _ = _rnn(db)
     for n in plain:
         assert torch.equal(plain[n], recorded[n]), n
@@ -367,3 +371,53 @@ def test_never_ran_finds_the_nodes_of_a_nested_output_tuple(db, python_hooks, mo
         never = store.never_ran("rnn")
     assert sorted(never.loc[never["module"] == "lstm", "why"]) == ["not reachable", "not reachable"]  # h_n, c_n
     assert list(never.loc[never["module"] == "gru", "why"]) == ["not reachable"]  # h_n
+
+
+def test_a_loss_backwarded_a_step_later_is_born_in_the_step_that_made_it(db):
+    """Each step backwards its main loss, then the previous step's auxiliary loss (a graph retained across the
+    step boundary). Step t's second pass runs nodes step t-1 created, some of which step t-1 never walked (the aux
+    loss's own Pow and Mean): all are born in step t-1. The parameters step t's own forward uses are not listed.
+    Expected: plain walks of `next_functions` (which node objects each step created), by name."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h).pow(2).mean(), h.pow(2).mean()
+
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+
+    def run(model, rec=None):
+        created, old = [], []
+        pending = None
+        for t, x in enumerate(xs):
+            main, aux = model(x)
+            mine = graph_nodes_of([main.grad_fn, aux.grad_fn]) - set().union(*created) if rec is None else set()
+            created.append({n for n in mine if "AccumulateGrad" not in n.name()})
+            main.backward(retain_graph=True)
+            if pending is not None:
+                if rec is None:  # the nodes of step t-1 this pass runs
+                    old.append(Counter(plain_name(n) for n in graph_nodes_of([pending.grad_fn]) & created[t - 1]))
+                pending.backward()
+            pending = aux
+            if rec is not None:
+                rec.step()
+        return old, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    old, plain = run(M())
+    assert old[0] == Counter({"MeanBackward0": 1, "PowBackward0": 1, "AddmmBackward0": 1, "TBackward0": 1})
+    model = M()
+    with gradstore.record("later", db=db, model=model) as rec:
+        _, model_grads = run(model, rec)
+    for n in plain:
+        assert torch.equal(plain[n], model_grads[n]), n
+    births = gradstore.open(db).node_births("later")
+    for t in (1, 2):
+        mine = births[births.step == t]
+        assert not mine.key.str.startswith("param:").any(), mine
+        assert Counter(mine.name) == old[t - 1], (t, mine)
+        assert (mine.born_step == t - 1).all() and (mine["pass"] == 1).all(), (t, mine)

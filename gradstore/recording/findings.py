@@ -853,6 +853,15 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
         ctx_pass = calls[k][2][0] if recomputed else None
         out.step_nodes.append((info.key, None, step, ctx_pass, k if k >= 0 else None, 0, int(recomputed)))
 
+    if acc_earlier:  # an AccumulateGrad this step's own nodes point to: its forward used the parameter
+        for p in passes:
+            if p.rec.seqs is None or not p.rec.walk_edges:
+                continue
+            seqs_p, infos_p = p.seqs, p.infos
+            for j, _slot, i, _dslot in p.rec.walk_edges:
+                if seqs_p[j] >= first_seq and infos_p[i].kind == "accumulate_grad":
+                    acc_earlier.discard(infos_p[i].key)
+
     # step_nodes of the walked nodes that are not plain (born in this step's forward, and ran)
     for entry in seen.values():
         info, first_pass, ran, seq, born, k = entry

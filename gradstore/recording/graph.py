@@ -396,8 +396,8 @@ def describe(
                 base = (info.module, info.name)
                 taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
                 continue
-            if not device_threads:
-                born[i] = (None, None)  # in a step that was not recorded, or before the scope: keyed as found
+            if not device_threads:  # keyed as found: by a recorded step that never walked it, or none recorded
+                born[i] = lineage.born_of(seq) or (None, None)
         groups.setdefault((owner(seq), name), []).append((seq, i, i))
     if scope is None:
         scope = {}

@@ -7,6 +7,8 @@ once (AccumulateGrad nodes, which all share one number, are keyed by their param
 What it keeps of a step is what that step's passes handed to the writer anyway (the walk's sequence numbers and
 NodeInfos), for the last `keep` recorded steps; a node that an earlier step carried forward (reached again
 there) is kept with that step. The lookup table is built only in a step that meets a node of an earlier step.
+A node a remembered step created but never walked (a loss that step computed and backwarded later) is known by its
+number alone: the step whose numbers hold it created it (`born_of`); it is keyed as found.
 
 Relies on: `Node._sequence_nr()` being unique per thread and increasing in creation order (private; see
 gradstore.recording.torch_private); nodes created on another thread (autograd's device threads) are not told apart.
@@ -35,12 +37,24 @@ class Lineage:
         self.first_seq = first_seq
         self._table = None
 
-    def push(self, step: int, records: list) -> None:
-        """A recorded step ended: remember what its passes (PassRecords) walked and keyed."""
+    def push(self, step: int, records: list, end_seq: int = -1) -> None:
+        """A recorded step ended: remember what its passes (PassRecords) walked and keyed, and the sequence numbers
+        it handed out (`first_seq` up to `end_seq`, the counter's next number now; -1: not known)."""
         passes = [(r.seqs, r.nodes, r.born, r.number, r.seq_range) for r in records if r.seqs]
-        if passes:
-            self._steps.append((step, passes))
+        span = (self.first_seq, end_seq) if 0 <= self.first_seq <= end_seq else None
+        if passes or span is not None:
+            self._steps.append((step, passes, span))
         self._table = None
+
+    def born_of(self, seq: int) -> tuple | None:
+        """(step, pass) that created the node numbered `seq`, by the remembered steps' number spans (the pass None
+        for a node made by that step's forward), for a node no remembered walk keyed; None where no remembered step
+        handed out that number (an unrecorded step, or before the scope)."""
+        for step, passes, span in reversed(self._steps):
+            if span is not None and span[0] <= seq < span[1]:
+                ranges = sorted((r[1] - r[0], r[0], r[1], n) for _, _, _, n, r in passes if r is not None)
+                return step, next((n for _, lo, hi, n in ranges if lo <= seq < hi), None)
+        return None
 
     def lookup(self, seq: int) -> tuple | None:
         """(NodeInfo, born step, born pass) of the node with sequence number `seq` from the remembered steps, or
@@ -52,7 +66,7 @@ class Lineage:
 
     def _build(self) -> dict:
         table: dict = {}
-        for step, passes in self._steps:  # oldest first: a later step's entry (the same node) wins
+        for step, passes, _ in self._steps:  # oldest first: a later step's entry (the same node) wins
             ranges = [(r[1] - r[0], r[0], r[1], number) for _, _, _, number, r in passes if r is not None]
             ranges.sort()  # innermost (shortest) range first
             for seqs, infos, born, _, _ in passes:

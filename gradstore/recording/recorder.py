@@ -787,7 +787,7 @@ class record:
         batch.param_status = LazyRows.deferred(lambda: findings.result().param_status, findings)
         batch.module_calls = LazyRows.deferred(lambda: findings.result().module_calls, findings)
         batch.step_nodes = LazyRows.deferred(lambda: findings.result().step_nodes, findings)
-        self._lineage.push(self._step_number, records)
+        self._lineage.push(self._step_number, records, tp.next_sequence_nr())
 
     def _frozen_facts(self) -> list[tuple[str, bool]]:
         """[(first name, frozen: not requires_grad)] of the recorded parameters, for the step's findings: the list
