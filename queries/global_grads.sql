@@ -73,6 +73,7 @@ WITH latest AS (  -- each rank's param_grad rows: its final row (final = 1) and 
            SUM(CASE WHEN copy = 1 AND status = 0 AND measured = 0 THEN 1 ELSE 0 END) AS unmeasured,
            SUM(CASE WHEN copy = 1 THEN numel ELSE 0 END) AS covered,
            SUM(CASE WHEN copy = 1 THEN norm * norm END) AS sumsq,
+           MAX(CASE WHEN copy = 1 THEN norm END) AS one_norm,  -- the norm where one copy holds it all (shards = 1)
            MIN(CASE WHEN copy = 1 THEN min END) AS lo,
            MAX(CASE WHEN copy = 1 THEN max END) AS hi,
            SUM(CASE WHEN copy = 1 THEN nfinite END) AS nfinite,
@@ -149,7 +150,8 @@ WITH latest AS (  -- each rank's param_grad rows: its final row (final = 1) and 
     SELECT c.run_id, c.step, c.final, c.node_id, c.rule, c.placements, c.mesh_shape, c.global_shape, c.ranks, c.shards,
            CASE WHEN c.gap LIKE 'none:%' THEN 'none' WHEN c.gap IS NOT NULL THEN 'incomplete' ELSE 'ok' END AS status,
            CASE WHEN c.dtensor_rows > 0 THEN c.global_numel ELSE c.copy_numel END AS numel,
-           CASE WHEN c.gap IS NULL AND c.rule <> 'partial' THEN SQRT(c.sumsq) END AS norm,
+           CASE WHEN c.gap IS NULL AND c.rule <> 'partial'
+                THEN CASE WHEN c.shards = 1 THEN c.one_norm ELSE SQRT(c.sumsq) END END AS norm,
            CASE WHEN c.gap IS NULL AND (c.rule <> 'partial' OR (c.reduce = 'min' AND c.nan + c.posinf + c.neginf = 0))
                 THEN c.lo END AS min,
            CASE WHEN c.gap IS NULL AND (c.rule <> 'partial' OR (c.reduce = 'max' AND c.nan + c.posinf + c.neginf = 0))

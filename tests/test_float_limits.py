@@ -123,3 +123,22 @@ def test_recorded_rows_hold_the_true_norms(db, monkeypatch, stats_level, hooks):
         assert grad["norm"] == pytest.approx(want["norm"], rel=1e-14 if dtype == torch.float64 else 5e-7)
         assert (rows.nan.sum(), rows.posinf.sum(), rows.neginf.sum()) == (0, 0, 0)
         assert rows.norm.map(math.isfinite).all()
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-170], ids=["squares-overflow", "squares-underflow"])
+def test_the_total_gradient_norm_keeps_its_true_value(db, scale):
+    """`rec.last_step.grad_norm` and `store.global_norm` over float64 parameters whose norms' squares overflow or
+    underflow: the true total norm (exactly scaled here), not Inf or 0.0."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 2).double(), "b": torch.nn.Linear(2, 1, bias=False).double()})
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with gradstore.record("total", db=db, model=model) as rec:
+        ((model["b"](model["a"](x))).sum() * scale).backward()
+        rec.step()
+        live = rec.last_step.grad_norm
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    want = true_stats(flat)["norm"]
+    assert math.isfinite(want) and want > 0
+    assert live == pytest.approx(want, rel=1e-12)
+    got = gradstore.open(db).global_norm("total")
+    assert got.total_norm.iloc[0] == pytest.approx(want, rel=1e-12)

@@ -365,6 +365,12 @@ class Store:
         )
         for c in ("params", "not_derivable", "nonfinite"):
             out[c] = out[c].fillna(0).astype(int)
+        # the SQL adds squares in float64 (a total past about 1.3e154 reads Inf, one under 1.5e-154 reads 0):
+        # math.hypot of the same norms, which scales, where the total is derivable
+        hypot = has.groupby(keys, sort=False)["norm"].agg(lambda v: math.hypot(*map(float, v.dropna())))
+        at = out.set_index(keys).index
+        derived = out["total_norm"].notna().to_numpy()
+        out.loc[derived, "total_norm"] = hypot.reindex(at).to_numpy()[derived]
         return out[cols]
 
     def param_status(
