@@ -396,3 +396,30 @@ def test_a_warning_torch_hides_is_told_from_one_it_shows():
             assert tp.warning_hidden(message("a second filter's"))
             assert tp.warning_hidden(message(hidden))
     assert not tp.warning_hidden(message(hidden))
+
+
+def test_the_engine_calls_a_watched_custom_backward_with_the_materialized_grad_outputs():
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2, x.argmax(-1)
+
+        @staticmethod
+        def backward(ctx, ga, gi):
+            got.append((ga, gi))
+            return ga * 2
+
+    got, watched = [], []
+    x = torch.randn(3, 4, requires_grad=True)
+    a, i = Pair.apply(x)
+    undo = tp.watch_backward_args(a.grad_fn, watched.append)
+    a.sum().backward(retain_graph=True)
+    assert len(watched) == 1 and len(got) == 1
+    assert all(torch.equal(w, g) for w, g in zip(watched[0], got[0]))
+    assert watched[0][1].dtype == i.dtype and watched[0][1].shape == i.shape  # zeros like the int64 output
+    undo()
+    assert "apply" not in vars(a.grad_fn)
+    a.sum().backward()
+    assert len(watched) == 1 and len(got) == 2
+    assert tp.materialize_non_diff_grads(a.grad_fn) is True
+    assert [tuple(m.shape) for m in tp.input_metadata(a.grad_fn)] == [(3, 4), ()]  # the int64 output reads as ()

@@ -28,12 +28,28 @@ from .context import track_modules
 @dataclass
 class CapturedCall:
     """One `Function.apply` call: the Function class, its arguments (tensors detached, cloned by default),
-    and which arguments were tensors (one bool per forward argument, in order)."""
+    which arguments were tensors (one bool per forward argument, in order), and its outputs: one entry per
+    forward output (= per grad_output slot), None for a non-tensor output, else (shape, dtype, device,
+    requires_grad) (requires_grad False: not differentiable); None when they could not be read."""
 
     cls: type
     args: tuple
     kwargs: dict
     tensor_args: list[bool]
+    outputs: list | None = None
+
+
+def _outputs_of(output) -> list | None:
+    """CapturedCall.outputs for what `Function.apply` returned (a tensor or a tuple)."""
+    try:
+        return [
+            (tuple(int(s) for s in o.shape), o.dtype, o.device, bool(o.requires_grad))
+            if isinstance(o, torch.Tensor)
+            else None
+            for o in (output if isinstance(output, tuple) else (output,))
+        ]
+    except Exception:  # nested tensors, symbolic sizes
+        return None
 
 
 def flatten_tensors(out) -> list:
@@ -113,6 +129,7 @@ class Capture:
             tuple(keep(a) for a in args),
             {k: keep(v) for k, v in kwargs.items()},
             [isinstance(a, torch.Tensor) for a in args],
+            _outputs_of(output),
         )
         try:
             self._refs[id(node)] = weakref.ref(node, lambda _r, i=id(node): self._forget(i))  # noqa: B008 - bound now

@@ -33,7 +33,7 @@ from ..recording.stats import ROW_COLUMNS, measure, to_rows
 from ..store import shards
 from ..store.reader import Store
 from .context import owner_fn, param_names
-from .replay import output_metadata, replayable
+from .replay import captured_outputs, looks_undefined, output_metadata, replayable
 
 STAT_COLUMNS = ("norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
 
@@ -42,12 +42,14 @@ STAT_COLUMNS = ("norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", 
 @dataclass
 class GradOutputSlot:
     """One entry of the node's grad_outputs (what its prehook receives): the gradient w.r.t. forward output
-    `slot`, of this shape (tuple of ints), dtype and device."""
+    `slot`, of this shape (tuple of ints), dtype and device; note: what else is true of that slot (a custom
+    Function's non-differentiable or non-tensor output, whose prehook entry is always None), or None."""
 
     slot: int
     shape: tuple | None
     dtype: str | None
     device: str | None
+    note: str | None = None
 
 
 @dataclass
@@ -179,7 +181,16 @@ class Explanation:
             )
             out.append(f"prehook(grad_outputs) receives {n} tensor{'s' if n != 1 else ''}: {what}")
             for s in self.grad_outputs:
-                out.append(f"  grad_outputs[{s.slot}]  {_shape(s.shape)} {s.dtype} {s.device}")
+                note = f"  [{s.note}]" if s.note else ""
+                if s.shape is None and s.dtype is None:
+                    out.append(f"  grad_outputs[{s.slot}]  None{note}")
+                else:
+                    out.append(f"  grad_outputs[{s.slot}]  {_shape(s.shape)} {s.dtype} {s.device}{note}")
+            if self.kind == "custom_function":
+                out.append(
+                    "  an output that got no gradient: None in the prehook; backward gets zeros of the output's "
+                    "shape and dtype, or None if the forward called ctx.set_materialize_grads(False)"
+                )
         n = len(self.grad_inputs)
         if self.kind == "accumulate_grad":
             out.append("hook(grad_inputs, grad_outputs) receives grad_inputs == (): a leaf has no inputs")
@@ -237,8 +248,8 @@ class Explanation:
             parts.append("<p>prehook(grad_outputs): one per forward output</p>")
             parts.append(
                 _table_html(
-                    ["slot", "shape", "dtype", "device"],
-                    [[s.slot, _shape(s.shape), s.dtype, s.device] for s in self.grad_outputs],
+                    ["slot", "shape", "dtype", "device", "note"],
+                    [[s.slot, _shape(s.shape), s.dtype, s.device, s.note] for s in self.grad_outputs],
                 )
             )
         parts.append("<p>hook(grad_inputs, grad_outputs): grad_inputs one per next_functions entry</p>")
@@ -329,14 +340,7 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
     name = node_name(grad_fn)
     kind = node_kind(grad_fn, name)
     meta = output_metadata(grad_fn)
-    grad_outputs = (
-        None
-        if meta is None
-        else [
-            GradOutputSlot(i, m["shape"], _dtype(m["dtype"]), None if m["device"] is None else str(m["device"]))
-            for i, m in enumerate(meta)
-        ]
-    )
+    grad_outputs = None if meta is None else _grad_output_slots(grad_fn, meta)
     grad_inputs = [
         GradInputSlot(
             i,
@@ -559,6 +563,41 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
     finally:
         if store is not db:
             store.close()
+
+
+NOT_DIFFERENTIABLE = (
+    "not differentiable: its prehook always gets None; backward gets zeros of this shape and dtype (None if "
+    "ctx.set_materialize_grads(False))"
+)
+NOT_DIFFERENTIABLE_NONE = "not differentiable: its prehook and backward always get None"
+MAYBE_NOT_DIFFERENTIABLE = (
+    "or a non-differentiable or non-tensor output, which PyTorch shows as () float32 cpu: its prehook then "
+    "always gets None, and backward zeros of the output's real shape and dtype (None for a non-tensor); a forward "
+    "run inside gradstore.verify.capture() tells which"
+)
+
+
+def _grad_output_slots(grad_fn, meta: list[dict]) -> list[GradOutputSlot]:
+    """One GradOutputSlot per forward output; for a custom Function, what a live capture saw of its outputs
+    replaces the metadata of a non-differentiable or non-tensor output (default-constructed: () float32 cpu)."""
+    custom = is_custom(grad_fn)
+    outs = captured_outputs(grad_fn, meta) if custom else None
+    slots = []
+    for i, m in enumerate(meta):
+        shape, dtype, device, note = m["shape"], m["dtype"], m["device"], None
+        if outs is not None:
+            o = outs[i]
+            if o is None:
+                shape = dtype = device = None
+                note = "a non-tensor output: its prehook and backward get None"
+            else:
+                shape, dtype, device = o[0], o[1], o[2]
+                if not o[3]:
+                    note = NOT_DIFFERENTIABLE if tp.materialize_non_diff_grads(grad_fn) else NOT_DIFFERENTIABLE_NONE
+        elif custom and looks_undefined(m):
+            note = MAYBE_NOT_DIFFERENTIABLE
+        slots.append(GradOutputSlot(i, shape, _dtype(dtype), None if device is None else str(device), note))
+    return slots
 
 
 def explain(

@@ -17,12 +17,20 @@ What PyTorch does (torch 2.13, measured; tests/test_replay_verify.py checks each
 - A custom Function whose backward starts a backward pass of its own (the reentrant
   `torch.utils.checkpoint.CheckpointFunction`) would accumulate into `.grad` again: replay blocks any backward
   pass started during a replay and reports it.
+- A slot whose output got no gradient reaches the prehook as None. A built-in node's formula gets it as an
+  undefined tensor (replay passes None). A custom Function's backward gets None when its forward called
+  `ctx.set_materialize_grads(False)`, else zeros of the *output's* shape and dtype (`PyNode::to_py_args`); for a
+  non-differentiable output (`ctx.mark_non_differentiable`, an integer dtype) that is not what
+  `Node._input_metadata` shows (() float32 cpu), and a non-tensor output gets None. The flag cannot be read back,
+  so `replay` takes it as `materialize_grads=`, and replay_check reads what the engine passed in the real pass.
 - Before post hooks see grad_inputs, the engine's `validate_outputs` sums a broadcast gradient to the next
   node's input shape and casts it to that input's dtype and device; replay does the same, so a replay's
   grad_inputs compare with what a hook saw.
 
-Private PyTorch APIs (fallbacks in parentheses): `Node._input_metadata` (shape, dtype, device of each forward
-output; without it None grad_outputs are passed as they are and grad_inputs are not validated),
+Private PyTorch APIs (fallbacks in parentheses), all through gradstore.recording.torch_private:
+`Node._input_metadata` (shape, dtype, device of each forward output; without it grad_inputs are not validated),
+`ctx._materialize_non_diff_grads` (True), the engine calling a custom node's `apply` looked up on the object
+(replay_check: without it, a None slot of a custom node is not compared),
 `torch.autograd.graph._engine_run_backward` / `torch.autograd._engine_run_backward` (the nested-backward
 guard; without them no guard), `BackwardCFunction.needs_input_grad` (public ctx attribute).
 """
@@ -36,6 +44,7 @@ import pandas as pd
 import torch
 
 from ..errors import ReplayError, SavedTensorsFreed
+from ..recording import torch_private as tp
 from ..recording.graph import Keyed, describe, node_kind, node_name, walk
 from ..recording.saved import is_custom, saved_tensors
 from .capture import captured
@@ -69,10 +78,10 @@ DONATED_ADVICE = (
 def output_metadata(node) -> list[dict] | None:
     """One dict per forward output of `node` (= per grad_output its prehook receives): shape (tuple of ints),
     dtype (torch.dtype), device (torch.device). None when this PyTorch has no `Node._input_metadata`.
-    Relies on: `Node._input_metadata` (private)."""
-    try:
-        metas = node._input_metadata
-    except Exception:
+    Relies on: `Node._input_metadata` (private; a custom Function's non-differentiable or non-tensor output reads
+    as () float32 cpu, see `looks_undefined`)."""
+    metas = tp.input_metadata(node)
+    if metas is None:
         return None
     out = []
     for m in metas:
@@ -189,21 +198,68 @@ def _validate(node, grads: tuple) -> tuple:
     return tuple(out)
 
 
-def _materialize(node, grad_outputs: tuple) -> tuple:
-    """A custom Function sees zeros where an output got no gradient (the engine materializes them unless
-    ctx.set_materialize_grads(False)); built-in nodes take None as an undefined tensor."""
-    if not is_custom(node) or all(g is not None for g in grad_outputs):
-        return grad_outputs
-    meta = output_metadata(node)
-    if meta is None:
-        return grad_outputs
-    return tuple(
-        torch.zeros(m["shape"], dtype=m["dtype"], device=m["device"]) if g is None and m["shape"] is not None else g
-        for g, m in zip(grad_outputs, meta)
-    )
+_CPU = torch.device("cpu")
 
 
-def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: list[bool] | None = None) -> tuple:
+def looks_undefined(m: dict) -> bool:
+    """Whether one entry of `output_metadata` reads as default-constructed metadata (() float32 cpu): what a custom
+    Function's non-differentiable or non-tensor output shows, whatever it really is (a real 0-d float32 cpu
+    output reads the same)."""
+    return m["shape"] == () and m["dtype"] == torch.float32 and m["device"] == _CPU
+
+
+def captured_outputs(node, meta: list | None) -> list | None:
+    """The forward outputs of a custom Function's node as a live `gradstore.verify.capture()` saw them (one per
+    grad_output slot: None for a non-tensor, else (shape, dtype, device, requires_grad)), or None."""
+    call = captured(node)
+    outs = call.outputs if call is not None else None
+    return outs if outs is not None and meta is not None and len(outs) == len(meta) else None
+
+
+def _materialize(node, name: str, grad_outputs: tuple, meta, materialize_grads: bool | None) -> tuple:
+    """What the engine hands a custom Function's backward where its prehook saw None (PyNode::to_py_args): None
+    when the forward called ctx.set_materialize_grads(False), else zeros of the forward output's shape, dtype and
+    device (None for a non-tensor output, and for a non-differentiable one when ctx._materialize_non_diff_grads
+    is off). Built-in nodes take None as an undefined tensor, as the engine passes it."""
+    if not is_custom(node) or materialize_grads is False or all(g is not None for g in grad_outputs):
+        return grad_outputs
+    missing = [i for i, g in enumerate(grad_outputs) if g is None]
+    if materialize_grads is None:
+        raise ReplayError(
+            f"grad_outputs {missing} of {name} are None: the engine passes a custom Function's backward None "
+            "there when its forward called ctx.set_materialize_grads(False), else zeros of the output's shape and "
+            "dtype, and PyTorch does not let that flag be read back; pass replay(..., materialize_grads=False) or "
+            "True (replay_check reads what the engine passed in the real pass)"
+        )
+    outs = captured_outputs(node, meta)
+    non_diff_zeros = tp.materialize_non_diff_grads(node)
+    filled = list(grad_outputs)
+    for i in missing:
+        if outs is not None:
+            o = outs[i]
+            if o is not None and (o[3] or non_diff_zeros):
+                filled[i] = torch.zeros(o[0], dtype=o[1], device=o[2])
+        elif meta is not None and meta[i]["shape"] is not None and not looks_undefined(meta[i]):
+            m = meta[i]
+            filled[i] = torch.zeros(m["shape"], dtype=m["dtype"], device=m["device"])
+        else:
+            raise ReplayError(
+                f"grad_output {i} of {name} is None, and the shape and dtype of forward output {i} are not known: "
+                "PyTorch shows a non-differentiable or non-tensor output of a custom Function as () float32 cpu, "
+                "and the engine hands backward zeros of the real output's shape and dtype (None for a "
+                "non-tensor); run the forward inside gradstore.verify.capture(), or pass that gradient yourself"
+            )
+    return tuple(filled)
+
+
+def replay(
+    grad_fn,
+    grad_outputs,
+    *,
+    create_graph: bool = False,
+    tensor_args: list[bool] | None = None,
+    materialize_grads: bool | None = None,
+) -> tuple:
     """Re-run one node's backward on `grad_outputs` and return its grad_inputs.
 
     Args:
@@ -213,6 +269,11 @@ def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: li
         create_graph: record the backward's own graph (for higher-order gradients); default off (no_grad).
         tensor_args: for a custom Function, which forward arguments were tensors (only needed when its
             forward mixes non-tensor and non-differentiable tensor arguments; gradstore.verify.capture knows).
+        materialize_grads: for a custom Function given a None grad_output: whether its forward left
+            `ctx.set_materialize_grads` on (True: backward gets zeros of the output's shape and dtype, as the
+            engine passes them; the shape and dtype of a non-differentiable output need the forward run inside
+            gradstore.verify.capture()) or turned it off (False: backward gets None). PyTorch does not let the
+            flag be read back. Ignored for built-in nodes (they get None as the engine's undefined tensor).
     Returns:
         tuple of grad_inputs, one per `grad_fn.next_functions` slot (None where that input needs no gradient
         or the backward returned None), validated as the engine does (summed to shape, cast to dtype).
@@ -221,7 +282,9 @@ def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: li
             retain_graph=True).
         ReplayError: AccumulateGrad (no backward to replay: it would add into .grad); a torch.compile region's
             node (its backward frees its saved tensors); a backward that starts a nested backward pass (reentrant
-            checkpoint); a wrong number of grad_outputs, or one whose shape is not its forward output's.
+            checkpoint); a wrong number of grad_outputs, or one whose shape is not its forward output's; a None
+            grad_output of a custom Function without materialize_grads=, or with True where the output's shape and
+            dtype are unknown.
         Whatever the node's backward raises for bad inputs (RuntimeError).
     Side effects: none (no hook runs, no .grad changes).
     """
@@ -240,16 +303,19 @@ def replay(grad_fn, grad_outputs, *, create_graph: bool = False, tensor_args: li
             f"{name} has {len(meta)} forward output(s), so replay takes {len(meta)} grad_outputs "
             f"(None for an unused output); got {len(grad_outputs)}"
         )
+    custom = is_custom(grad_fn)
     for i, (g, m) in enumerate(zip(grad_outputs, meta or ())):
+        if custom and looks_undefined(m):
+            continue  # maybe a non-differentiable output: its real shape is not in the metadata
         if isinstance(g, torch.Tensor) and m["shape"] is not None and tuple(g.shape) != m["shape"]:
             raise ReplayError(
                 f"grad_output {i} of {name} has shape {tuple(g.shape)}, but forward output {i} has shape "
                 f"{m['shape']}: pass a gradient of the output's shape (what the node's prehook receives)"
             )
-    grad_outputs = _materialize(grad_fn, grad_outputs)
+    grad_outputs = _materialize(grad_fn, name, grad_outputs, meta, materialize_grads)
     try:
         with torch.set_grad_enabled(create_graph), no_nested_backward():
-            if is_custom(grad_fn):
+            if custom:
                 raw = _as_tuple(grad_fn.apply(*grad_outputs))
                 grads = _custom_grad_inputs(grad_fn, raw, tensor_args)
             else:
@@ -294,6 +360,21 @@ def compare(
     equal = torch.equal(a, b)
     diff = float((a.double() - b.double()).abs().max()) if not a.dtype == torch.bool else float(not equal)
     return equal, equal, diff
+
+
+def _tensor_text(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor"
+
+
+def difference(slot: int, seen, again, result: tuple) -> str | None:
+    """Why grad_inputs[slot] of the pass (`seen`) and of the replay (`again`) are not bitwise equal, in words
+    (None when they are); `result` is `compare(seen, again)`."""
+    if result[0]:
+        return None
+    where = f"grad_inputs[{slot}]"
+    if seen is None or again is None or seen.shape != again.shape or seen.dtype != again.dtype:
+        return f"{where}: {_tensor_text(seen)} in the pass, {_tensor_text(again)} in the replay"
+    return f"{where}: values differ (max abs difference {result[2]:.6g})"
 
 
 def _roots(loss_or_roots) -> list[torch.Tensor]:
@@ -365,15 +446,20 @@ def _restore_set(nodes, leaves, model) -> list:
     return out
 
 
-def _run_pass(nodes, hooks, roots, grad_outputs, leaves, via, model) -> None:
-    """replay_check's one backward pass over the live graph, with a capturing prehook and hook on every node (removed
-    afterwards); via 'backward' restores the `.grad`s it touched. Raises what the pass raises."""
-    handles = []
+def _run_pass(nodes, hooks, roots, grad_outputs, leaves, via, model, watch=None) -> None:
+    """replay_check's one backward pass over the live graph, with a capturing prehook and hook on every node, and
+    `watch(i)` (a sink for what the engine passes a custom Function's backward) on every custom node, all removed
+    afterwards; via 'backward' restores the `.grad`s it touched. Raises what the pass raises."""
+    handles, undos = [], []
     try:
         for i, node in enumerate(nodes):
             pre, post = hooks(i)
             handles.append(node.register_prehook(pre))
             handles.append(node.register_hook(post))
+            if watch is not None and is_custom(node):
+                undo = tp.watch_backward_args(node, watch(i))
+                if undo is not None:
+                    undos.append(undo)
         used = [(r, g) for r, g in zip(roots, grad_outputs) if r.grad_fn is not None or r.requires_grad]
         if via == "grad":
             torch.autograd.grad(
@@ -396,6 +482,8 @@ def _run_pass(nodes, hooks, roots, grad_outputs, leaves, via, model) -> None:
     finally:
         for h in handles:
             h.remove()
+        for undo in undos:
+            undo()
 
 
 def replay_check(
@@ -429,7 +517,12 @@ def replay_check(
         DataFrame, one row per node in walk order: key, name, kind, module, ran (the node ran in the pass),
         replayable (bool), reason (why not; None when replayed), grad_inputs (number of slots),
         max_abs_diff (float, max over slots; NaN when not replayed), slot_max_abs_diff (tuple, per slot; None
-        for a slot that is None in both), equal (bitwise, all slots; <NA> when not replayed), close.
+        for a slot that is None in both, inf for None in one only), equal (bitwise, all slots; <NA> when not
+        replayed), close, difference (the slots that are not bitwise equal and how, e.g. 'grad_inputs[1]: None
+        in the pass, a (3, 4) float32 tensor in the replay'; None when equal or not replayed).
+        Each node is replayed on what the pass gave it: its prehook's grad_outputs, and for a custom Function
+        the arguments the engine passed its backward (zeros where the prehook saw None, unless
+        ctx.set_materialize_grads(False)).
     Raises:
         ReplayError: no tensor with a grad_fn; a bad argument; a graph holding a torch.compile region compiled with
             donated buffers (torch._functorch.config.donated_buffer), which refuses retain_graph=True.
@@ -445,6 +538,13 @@ def replay_check(
     infos = describe(w, owner_fn(owner), param_names(model), Keyed())
     captured_out: dict[int, tuple] = {}
     captured_in: dict[int, tuple] = {}
+    backward_args: dict[int, tuple] = {}  # custom nodes: what the engine passed backward (after materializing)
+
+    def watch(i):
+        def sink(args):
+            backward_args.setdefault(i, tuple(_clone(g) for g in args))
+
+        return sink
 
     def hooks(i):
         def pre(gos):
@@ -465,7 +565,7 @@ def replay_check(
     if via not in ("grad", "backward"):
         raise ReplayError(f"replay_check(via=...) is 'grad' or 'backward', got {via!r}")
     try:
-        _run_pass(w.nodes, hooks, roots, grad_outputs, leaves, via, model)
+        _run_pass(w.nodes, hooks, roots, grad_outputs, leaves, via, model, watch)
     except RuntimeError as exc:
         if "donated buffer" in str(exc):
             raise ReplayError(f"replay_check cannot run the pass: {DONATED_ADVICE} ({exc})") from None
@@ -489,12 +589,16 @@ def replay_check(
             "slot_max_abs_diff": None,
             "equal": pd.NA,
             "close": pd.NA,
+            "difference": None,
         }
         if ok and not ran:
             row["reason"] = REASON_NOT_RUN
         elif ok:
+            gos, materialize = captured_out[i], None
+            if i in backward_args and len(backward_args[i]) == len(gos):
+                gos, materialize = backward_args[i], False  # exactly what backward got: nothing left to fill
             try:
-                again = replay(node, tuple(_clone(g) for g in captured_out[i]))
+                again = replay(node, tuple(_clone(g) for g in gos), materialize_grads=materialize)
             except ReplayError as exc:
                 row["reason"] = str(exc)
             except Exception as exc:  # a custom backward that cannot run twice
@@ -511,6 +615,12 @@ def replay_check(
                     max_abs_diff=max(finite) if finite else 0.0,
                     equal=all(r[0] for r in results),
                     close=all(r[1] for r in results),
+                    difference="; ".join(
+                        d
+                        for k, (a, b, r) in enumerate(zip(seen, again, results))
+                        if (d := difference(k, a, b, r)) is not None
+                    )
+                    or None,
                 )
         rows.append(row)
     df = pd.DataFrame(
@@ -528,6 +638,7 @@ def replay_check(
             "slot_max_abs_diff",
             "equal",
             "close",
+            "difference",
         ],
     )
     df["reason"] = df["reason"].astype(object).where(df["reason"].notna(), None)

@@ -526,3 +526,63 @@ def warning_hidden(msg) -> bool:
         except Exception:
             return False
     return False
+
+
+def input_metadata(node):
+    """`node._input_metadata` (private): one `_InputMetadata` (shape, dtype, device) per forward output of `node`,
+    i.e. per grad_output its prehook receives; None where this PyTorch lacks it. A custom Function's output that
+    is not differentiable (`ctx.mark_non_differentiable`, an integer dtype, a non-tensor) has default-constructed
+    metadata that reads as shape (), float32, cpu, whatever the output really is."""
+    try:
+        return node._input_metadata
+    except Exception:
+        return None
+
+
+def materialize_non_diff_grads(node) -> bool:
+    """`ctx._materialize_non_diff_grads` (private) of a custom Function's node: whether the engine hands its
+    backward zeros for a non-differentiable output when `ctx.materialize_grads` is on (True where missing,
+    PyTorch's default). `ctx.materialize_grads` itself cannot be read back (PyTorch exposes a setter only)."""
+    try:
+        return bool(node._materialize_non_diff_grads)
+    except Exception:
+        return True
+
+
+def watch_backward_args(node, sink):
+    """Have the engine report what it passes to a custom Function's backward: the grad_outputs after its
+    materialization (zeros of the output's shape and dtype where the prehook saw None, unless
+    `ctx.set_materialize_grads(False)`). Sets an instance attribute `apply` (or `apply_boxed`, for a Function with
+    `boxed_grads_call`) that calls `sink(args)` with a tuple of one entry per forward output, then the class's own
+    method with the arguments unchanged; the engine (`PyNode::apply`, private behaviour) looks the method up on
+    the object. Returns a callable that removes it, or None where the node takes no attribute (nothing changed)."""
+    name = "apply_boxed" if getattr(getattr(node, "_forward_cls", None), "boxed_grads_call", False) else "apply"
+    try:
+        attrs = vars(node)
+    except TypeError:
+        return None
+    had, previous = name in attrs, attrs.get(name)
+    inner = getattr(node, name)
+
+    def watched(*args):
+        try:
+            sink(tuple(args[0]) if name == "apply_boxed" and len(args) == 1 else tuple(args))
+        except Exception:
+            pass
+        return inner(*args)
+
+    try:
+        setattr(node, name, watched)
+    except (AttributeError, TypeError):
+        return None
+
+    def undo():
+        if had:
+            setattr(node, name, previous)
+        else:
+            try:
+                delattr(node, name)
+            except AttributeError:
+                pass
+
+    return undo
