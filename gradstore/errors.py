@@ -84,7 +84,8 @@ class WriteFailedWarning(RuntimeWarning):
 class NonFiniteGradient(GradstoreError):
     """A recorded step's gradients held NaN or Inf, with `record(on_nonfinite="raise")`: raised after the step
     is written. `row` is its first non-finite gradient (a dict with the columns of `Store.first_nonfinite`: key,
-    name, module, frame, role, slot, counts, ...; None at stats='shape'); `run`, `rank`, `step` say where."""
+    name, module, frame, role, slot, counts, ...; and `amp_reason`: why a GradScaler's skip of the step was no
+    overflow of its loss scale, else None; None at stats='shape'); `run`, `rank`, `step` say where."""
 
     def __init__(self, message: str, row: dict | None = None, run: str | None = None, rank=None, step=None):
         super().__init__(message)

@@ -146,15 +146,18 @@ def test_a_nonfinite_parameter_gradient_after_the_pass_is_named_too(db):
 def test_finite_steps_never_wait_for_the_writer_and_an_amp_skip_does_not_react(db, monkeypatch):
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    # a scale of 2**100 (about 1.3e30) and a finite loss 1e10 times larger in step 1: its scaled gradients, and
+    # only those, overflow float32; an overflow of the loss scale, which the scaler handles (the loss was finite)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
     flushes = []
     original = writer.Writer.flush
     got = []
     with gradstore.record("cost", db=db, model=net, on_nonfinite=got.append) as rec:
         monkeypatch.setattr(writer.Writer, "flush", lambda self: (flushes.append(rec.current_step), original(self)))
         for i in range(3):
-            loss = net(_x(False)).pow(2).mean()
-            scaler.scale(loss * (float("inf") if i == 1 else 1.0)).backward()
+            loss = net(_x(False)).pow(2).mean() * (1e10 if i == 1 else 1.0)
+            assert torch.isfinite(loss)
+            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()

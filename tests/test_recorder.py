@@ -28,6 +28,7 @@ from gradstore.recording import passes as gs_passes
 ORIGINAL_ENGINE_ENTRY = torch.autograd.graph._engine_run_backward
 ORIGINAL_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
 ORIGINAL_SCALER_STEP = torch.amp.GradScaler.step
+ORIGINAL_SCALER_SCALE = torch.amp.GradScaler.scale
 
 
 # ---- independent helpers (plain PyTorch) ---------------------------------------------------------------------
@@ -637,6 +638,7 @@ def _assert_clean_after(db, run, loss, m, hooks_before, monkeypatch):
     assert intercept.active() is None
     assert torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP_GRAD_NORM  # gradstore's observers are gone too
     assert torch.amp.GradScaler.step is ORIGINAL_SCALER_STEP
+    assert torch.amp.GradScaler.scale is ORIGINAL_SCALER_SCALE
     assert not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
     assert _live(gs_passes.PassRecorder) == 0  # a hook left on a living node would keep its recorder alive
     before = {k: len(v) for k, v in read(db, run).items()}

@@ -5,7 +5,9 @@ non-finite count in `param_norms`); the full detail of the steps in the ring is 
 
 - 'nonfinite': the step's status is nonfinite (a node's or a parameter's gradient held NaN or Inf), and the
   step before it was not (a run that stays non-finite dumps once, at its first such step); a step in which a
-  GradScaler skipped the optimizer step (AMP's own overflow handling) does not trigger;
+  GradScaler skipped the optimizer step for what can be an overflow of its loss scale (AMP's own handling)
+  does not trigger, one whose skip cannot be one (gradstore.recording.reaction.not_an_overflow: a NaN/Inf
+  loss or forward, a scale of 1 or less) does;
 - 'spike': the total norm of the final parameter gradients (over finite elements) is more than `spike_factor`
   times the median of the previous (up to) SPIKE_WINDOW steps' totals, once at least SPIKE_MIN are known, and
   the last step judged before it (status ok, with a total) was no spike: a step between that raised or went
@@ -117,8 +119,8 @@ class FlightRecorder:
         self.full_next = False  # rec.dump(): the current step is written in full when it ends
         self.pending_row: tuple[str, int, int] | None = None
 
-    def _trigger(self, batch: StepBatch, failed: bool, skipped_by_amp: bool, total: float | None) -> str | None:
-        nonfinite = batch.status == "nonfinite" and not skipped_by_amp
+    def _trigger(self, batch: StepBatch, failed: bool, amp_overflow: bool, total: float | None) -> str | None:
+        nonfinite = batch.status == "nonfinite" and not amp_overflow
         spike = False
         judged = total is not None and not nonfinite and batch.status == "ok"
         if judged:
@@ -139,11 +141,12 @@ class FlightRecorder:
         return reason
 
     def end_step(
-        self, batch: StepBatch, failed: bool, skipped_by_amp: bool, total: float | None
+        self, batch: StepBatch, failed: bool, amp_overflow: bool, total: float | None
     ) -> tuple[list[StepBatch], str | None]:
         """The batches to write for the step that ended (its summary, or a dump), and the trigger that fired
-        (or 'manual', or None). `batch` is the step in full, with its param_norms and values."""
-        reason = self._trigger(batch, failed, skipped_by_amp, total)
+        (or 'manual', or None). `batch` is the step in full, with its param_norms and values; `amp_overflow`:
+        a GradScaler skipped the optimizer step for what can be an overflow of its loss scale."""
+        reason = self._trigger(batch, failed, amp_overflow, total)
         if reason is None and not self.full_next:
             held = Held(batch)
             self.ring.append(held)

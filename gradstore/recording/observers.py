@@ -15,6 +15,11 @@ through otherwise (and on any thread but the recording's):
   was multiplied by; 1.0 for a disabled scaler) and `grad_scaler.skipped` (1.0 when the scaler found Inf/NaN and
   did not call `optimizer.step()`, else 0.0; read from the scaler's private state through
   gradstore.recording.torch_private, left out where it cannot be read);
+- `torch.amp.GradScaler.scale` (an enabled scaler's): the loss it is given, before it is scaled (a tensor, or
+  those in lists and tuples), held until the step ends (`Observed.losses`: a detached alias of a loss of at most
+  `KEPT_NUMEL` elements, else two flags computed on its device without a wait); read only where the scaler then
+  skipped the optimizer step (`loss_nonfinite`), to tell a loss-scale overflow from a loss that was already
+  NaN or Inf (gradstore.recording.reaction.not_an_overflow);
 - torch.optim's global step hooks (`torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`,
   public): the final gradients just before an optimizer steps, after every pre-hook of its own and every global
   one (the global pre-hook adds one to the optimizer, last, for the step: `Optimizer.register_step_pre_hook`),
@@ -47,16 +52,21 @@ _handles: list = []
 _last: dict = {}  # id(optimizer) -> the handle of its `_last_pre_hook` while its step runs
 
 
+KEPT_NUMEL = 64  # a loss given to GradScaler.scale of at most this many elements is held as it is (an alias)
+_LOSS_DEPTH = 4  # nesting of lists and tuples searched for the tensors given to GradScaler.scale
+
+
 class Observed:
     """What the wrappers report into: the recording thread's id, the step's values (a
-    gradstore.recording.step_values.StepValues), its FinalGrads, and `fault(where, exc)`, which notes a recorder
-    fault on the step."""
+    gradstore.recording.step_values.StepValues), its FinalGrads, `fault(where, exc)`, which notes a recorder
+    fault on the step, and `losses`: what GradScaler.scale was given in the step (see `loss_nonfinite`)."""
 
     def __init__(self, thread: int, values, final, fault):
         self.thread = thread
         self.values = values
         self.final = final
         self.fault = fault
+        self.losses: list[tuple[bool, torch.Tensor]] = []  # (flags, tensor): see _note_losses
 
 
 def _here() -> Observed | None:
@@ -126,6 +136,51 @@ def _unscale(original):
         return result
 
     return unscale_
+
+
+def _loss_tensors(outputs, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors in what GradScaler.scale was given: a tensor, or those in lists and tuples (another iterable,
+    a generator, is not read: the scaler consumes it)."""
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if depth >= _LOSS_DEPTH or not isinstance(outputs, (list, tuple)):
+        return []
+    return [t for o in outputs for t in _loss_tensors(o, depth + 1)]
+
+
+def _note_losses(t: Observed, scaler, outputs) -> None:
+    if not scaler.is_enabled():  # a disabled scaler neither scales nor skips
+        return
+    for x in _loss_tensors(outputs):
+        x = x.detach()
+        if x.numel() <= KEPT_NUMEL:
+            t.losses.append((False, x))
+        else:  # a large loss is not held: [holds NaN, holds Inf], computed now without a wait
+            t.losses.append((True, torch.stack((x.isnan().any(), x.isinf().any()))))
+
+
+def loss_nonfinite(losses: list[tuple[bool, torch.Tensor]]) -> str | None:
+    """Whether the losses GradScaler.scale was given (`Observed.losses`) held NaN or Inf: 'NaN', 'Inf',
+    'NaN and Inf', or None (all finite, or none given). Waits for the device (`Tensor.item()`): called only
+    for a step in which the scaler skipped the optimizer step."""
+    nan = inf = False
+    for flags, x in losses:
+        if flags:
+            nan, inf = nan or bool(x[0].item()), inf or bool(x[1].item())
+        else:
+            nan, inf = nan or bool(x.isnan().any().item()), inf or bool(x.isinf().any().item())
+    return " and ".join(name for name, there in (("NaN", nan), ("Inf", inf)) if there) or None
+
+
+def _scaler_scale(original):
+    @functools.wraps(original)
+    def scale(self, outputs, *args, **kwargs):
+        t = _here()
+        if t is not None:  # before the call: a list or tuple is read, never consumed
+            _guarded("GradScaler.scale", _note_losses, t, self, outputs)
+        return original(self, outputs, *args, **kwargs)
+
+    return scale
 
 
 def _scaler_step(original):
@@ -209,6 +264,7 @@ _WRAPS = (
     (torch.nn.utils, "clip_grad_value_", _clip_value),
     (torch.nn.utils.clip_grad, "clip_grad_value_", _clip_value),
     (torch.nn.utils, "clip_grads_with_norm_", _clip_with_norm),
+    (grad_scaler.GradScaler, "scale", _scaler_scale),
     (grad_scaler.GradScaler, "unscale_", _unscale),
     (grad_scaler.GradScaler, "step", _scaler_step),
     (torch.optim.Optimizer, "zero_grad", _zero_grad),

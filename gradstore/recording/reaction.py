@@ -3,8 +3,12 @@
 After a step whose status is nonfinite is written (the recorder waits for the writer first, so nothing is
 lost), on_nonfinite='warn' warns once per recording with the first non-finite gradient, 'raise' raises
 `gradstore.NonFiniteGradient` carrying it, and a callable is called with it (a dict with the columns of
-`Store.first_nonfinite`). A step in which a `torch.amp.GradScaler` skipped the optimizer step (its loss scale
-overflowed, which AMP handles by itself) keeps its status, nonfinite, but does not trigger a reaction.
+`Store.first_nonfinite`, and `amp_reason`).
+
+A step in which a `torch.amp.GradScaler` skipped the optimizer step keeps its status, nonfinite, but does not
+trigger a reaction (nor the flight recorder's 'nonfinite' dump) when the Inf/NaN can be an overflow of the
+loss-scaled gradients, which the scaler handles by itself (it halves the scale and goes on). `not_an_overflow`
+says when it cannot, and why; such a step reacts and dumps like any other non-finite step.
 """
 
 from __future__ import annotations
@@ -106,6 +110,46 @@ def amp_skipped(values: dict[str, float]) -> bool:
     )
 
 
+def _scale_of(values: dict[str, float], skipped_key: str) -> float | None:
+    """The grad_scaler.scale logged with the grad_scaler.skipped value `skipped_key` (the same '#k')."""
+    return values.get("grad_scaler.scale" + skipped_key[len("grad_scaler.skipped") :])
+
+
+def not_an_overflow(values: dict[str, float], loss: str | None, forward: bool) -> str | None:
+    """Why a step in which a GradScaler skipped the optimizer step (`amp_skipped`) cannot be the scaler's own
+    handling of a loss-scale overflow; None when it can be one (or no scaler skipped). The rules, in order:
+
+    - `loss` ('NaN', 'Inf' or 'NaN and Inf': what the losses given to `GradScaler.scale` held, before the
+      scale was applied; gradstore.recording.observers.loss_nonfinite): the forward, not the scale, made it;
+    - `forward` (record(forward=True): a module's output held NaN or Inf): the forward is not loss-scaled;
+    - the scale the skipped step's loss was multiplied by (step value grad_scaler.scale) was 1 or less: the
+      gradients were not scaled up, so their Inf/NaN is no overflow of the scale. A scaler that skips step after
+      step halves its scale each time: from the default 65536, the 17th skip in a row is reported; a warm-up
+      that settles on a scale above 1 never is, however large its init_scale.
+    """
+    if not amp_skipped(values):
+        return None
+    if loss is not None:
+        return (
+            f"the loss given to GradScaler.scale held {loss} before it was scaled: the forward made it (the data, "
+            "the weights or the loss function), not an overflow of the loss scale"
+        )
+    if forward:
+        return "a module's output in the forward held NaN or Inf: the forward is not loss-scaled, so no overflow of it"
+    scales = [
+        _scale_of(values, k)
+        for k, v in values.items()
+        if v == 1.0 and (k == "grad_scaler.skipped" or k.startswith("grad_scaler.skipped#"))
+    ]
+    low = [s for s in scales if s is not None and s <= 1.0]
+    if low:
+        return (
+            f"the GradScaler's scale was {low[0]:g}: the gradients were not scaled up, so their Inf/NaN is no "
+            "overflow of the loss scale (a scaler that skips step after step halves its scale each time)"
+        )
+    return None
+
+
 class LastStep:
     """What the loop can read about the step that ended last (`rec.last_step`; with the decorator,
     `train_step.recorder.last_step`).
@@ -136,6 +180,9 @@ class LastStep:
         grad_norm (float | None): the total norm (sqrt of the sum of squares) of the final parameter gradients'
             norms over their finite elements; None at stats='shape'.
         amp_skipped (bool): a GradScaler skipped the optimizer step (its inf check found Inf/NaN).
+        amp_reason (str | None): with amp_skipped, why the skip cannot be the scaler's own handling of a
+            loss-scale overflow (`not_an_overflow`): such a nonfinite step reacts (on_nonfinite) and dumps like
+            any other. None when it can be one (then a nonfinite step does neither), or when no scaler skipped.
     The property `first_nonfinite` gives the first non-finite gradient's row (a dict, see
     gradstore.recording.reaction.first_nonfinite), or None; it is found when first read.
     """
@@ -148,9 +195,10 @@ class LastStep:
         dump: str | None,
         grad_norm: float | None,
         writer=None,
+        amp_reason: str | None = None,
     ):
         """`writer`: the gradstore.store.writer.Writer the step was handed to (None: `write_result` is 'pending'),
-        right after its `submit`."""
+        right after its `submit`; `amp_reason`: `not_an_overflow`'s answer for the step."""
         self._writer = writer
         self._ordinal = writer.submitted if writer is not None else None  # the step is the writer's n-th
         self._key = (batch.run_id, batch.rank, batch.step)
@@ -164,6 +212,7 @@ class LastStep:
         self.dump = dump
         self.grad_norm = grad_norm
         self.amp_skipped = amp_skipped(batch.values)
+        self.amp_reason = amp_reason
         # the step's rows are kept only where `first_nonfinite` will look for one (they are freed with the batch)
         self._batch = batch if self.status == "nonfinite" else None
         self._run, self._first = run, None
@@ -215,12 +264,17 @@ class Reaction:
         self.how = how
         self.warned = False
 
-    def __call__(self, row: dict | None, db, step: int, run: str, rank: int) -> None:
-        """React to a written nonfinite step; may raise NonFiniteGradient (or what the callable raises)."""
+    def __call__(self, row: dict | None, db, step: int, run: str, rank: int, amp_reason: str | None = None) -> None:
+        """React to a written nonfinite step; may raise NonFiniteGradient (or what the callable raises). The row
+        given to the callable (and carried by NonFiniteGradient) also has `amp_reason` (`not_an_overflow`)."""
+        if row is not None:
+            row = {**row, "amp_reason": amp_reason}
         if callable(self.how):
-            self.how(row if row is not None else {"run": run, "rank": rank, "step": step})
+            self.how(row if row is not None else {"run": run, "rank": rank, "step": step, "amp_reason": amp_reason})
             return
         text = describe(row, db)
+        if amp_reason is not None:
+            text += f"; a GradScaler skipped the step, but not for an overflow of its loss scale: {amp_reason}"
         if self.how == "raise":
             raise NonFiniteGradient(f"gradstore: {text}", row=row, run=run, rank=rank, step=step)
         if not self.warned:

@@ -55,7 +55,7 @@ from .offload import maybe_offload
 from .options import Options
 from .param_list import ParamList
 from .passes import PassRecorder, StepState, grad_states, grads_changed
-from .reaction import LastStep, Reaction, amp_skipped, first_nonfinite
+from .reaction import LastStep, Reaction, amp_skipped, first_nonfinite, not_an_overflow
 from .rows import LazyRows
 from .stats import NONFINITE_COLUMNS
 from .step_values import StepValues
@@ -223,8 +223,10 @@ class record:
         on_nonfinite: what to do after a step whose status is nonfinite is written: 'warn' (once per
             recording, naming the first non-finite node, module, step and frame), 'raise'
             (`gradstore.NonFiniteGradient`, carrying them), or a function called with that row (a dict with
-            the columns of `Store.first_nonfinite`); None (default): nothing. A step in which a GradScaler
-            skipped the optimizer step does not trigger it. Costs nothing on finite steps.
+            the columns of `Store.first_nonfinite`, and `amp_reason`); None (default): nothing. A step in which
+            a GradScaler skipped the optimizer step for what can be an overflow of its loss scale does not
+            trigger it; one whose skip cannot be one (a NaN/Inf loss or forward, a scale of 1 or less:
+            gradstore.recording.reaction.not_an_overflow) does. Costs nothing on finite steps.
         keep: the flight recorder: hold the full detail of the last `keep` steps in memory, write only a
             summary of each step (status, step values, each parameter's final gradient norm), and write the
             detail of the held steps when a trigger of `dump_on` fires or `rec.dump()` is called
@@ -360,6 +362,7 @@ class record:
         self._claimed_by: int | None = None  # the pid that holds the claim on (run, rank), None when released
         self._values = StepValues()
         self._final: FinalGrads | None = None
+        self._observed: observers.Observed | None = None  # what the step's GradScaler / clipping wrappers report into
         self._flight: FlightRecorder | None = None
         self._reaction = Reaction(self.options.on_nonfinite) if self.options.on_nonfinite is not None else None
         self._raised: BaseException | None = None  # the NonFiniteGradient this recording raised last
@@ -636,10 +639,12 @@ class record:
             intercept.activate(self)
             fsdp = self._fsdp
             self._final = FinalGrads(self._params, self.options, (lambda: fsdp_aliases(fsdp)) if fsdp else None)
-            observers.activate(observers.Observed(self._thread, self._values, self._final, self._state.fault))
+            self._observed = observers.Observed(self._thread, self._values, self._final, self._state.fault)
+            observers.activate(self._observed)
         else:  # an unsampled step runs with no gradstore hook at all
             self._state = None
             self._final = None
+            self._observed = None
             if self._frames is not None:
                 self._frames.remove()
             if self._forward is not None:
@@ -652,6 +657,7 @@ class record:
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
         state, self._state = self._state, None
         final, self._final = self._final, None
+        observed, self._observed = self._observed, None
         values, value_faults = self._values.take() if state is not None else (self._values.clear(), [])
         for text in value_faults:  # unsampled steps' values are not kept
             state.fault_text(text)
@@ -703,6 +709,15 @@ class record:
             status = "nonfinite"
         elif self.options.stats == "shape":
             status = "unmeasured"  # nothing raised; no value was measured, so finiteness is unknown
+        skipped, amp_reason = amp_skipped(values), None
+        if skipped and status != "error":  # the rare case: only here are the losses read (a device wait)
+            try:
+                loss = observers.loss_nonfinite(observed.losses) if observed is not None else None
+                forward = any(row[i] for row in activations for i in _ACTIVATION_NONFINITE)
+                amp_reason = not_an_overflow(values, loss, forward)
+            except Exception as e:
+                state.fault("GradScaler skip (was it an overflow?)", e)
+        overflow = skipped and amp_reason is None  # the scaler's own handling of an overflow: no reaction, no dump
         if state.faults:
             error = "\n".join(filter(None, [error, "recorder faults: " + "; ".join(state.faults[:20])]))
         records = sorted(state.records, key=lambda r: r.number)
@@ -736,18 +751,18 @@ class record:
             if batch.status == "ok" and _nothing_measured(batch, final_norms[1]):
                 # its summary keeps no row a reader could tell it from (as steps.sql does for a full step)
                 batch.status = "unmeasured"
-            batches, dump = self._flight.end_step(batch, status == "error", amp_skipped(values), grad_norm)
+            batches, dump = self._flight.end_step(batch, status == "error", overflow, grad_norm)
             written = "dumped" if dump is not None else "summary"
         else:
             batches = [batch]
         maybe_offload(self._writer, self.options.writer)  # before the step: with 'process' the first goes there too
         for b in batches:
             self._writer.submit(b, on_full=self.options.on_full, max_rows=self.options.queue_rows)
-        self.last_step = LastStep(batch, self.run, written, dump, grad_norm, writer=self._writer)
-        if status == "nonfinite" and self._reaction is not None and not amp_skipped(values):
+        self.last_step = LastStep(batch, self.run, written, dump, grad_norm, writer=self._writer, amp_reason=amp_reason)
+        if status == "nonfinite" and self._reaction is not None and not overflow:
             self._writer.flush()  # the step is in the database before the loop hears of it
             try:
-                self._reaction(first_nonfinite(batch, self.run), self.db, batch.step, self.run, self.rank)
+                self._reaction(first_nonfinite(batch, self.run), self.db, batch.step, self.run, self.rank, amp_reason)
             except NonFiniteGradient as e:
                 self._raised = e
                 if run_status is not None:
