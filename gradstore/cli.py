@@ -267,8 +267,11 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         bad = bad[bad["step"] == step]
     if bad.empty:
         return None
+    from .view.story import amp_skipped_steps  # pandas only, as the CLI
+
     every = store.steps(run=run)
     lost = every[every["status"] == UNWRITTEN]
+    skipped = amp_skipped_steps(store, run)
     lines, notes = [], []
     for (rank, _, _), rows in bad.groupby(["rank", "phase", "seq"], sort=False, dropna=False):
         r = rows.iloc[0]
@@ -278,6 +281,23 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
                 f"(rank {rank}: steps {_step_ranges(before_lost)} before it were not written: a non-finite gradient "
                 "there is not in the record)"
             )
+        scaler = (
+            "; in this step a torch.amp.GradScaler skipped the optimizer step (grad_scaler.skipped = 1): the "
+            "parameters were not updated from these gradients"
+            if (int(rank), int(r["step"])) in skipped
+            else ""
+        )
+        if r["role"] in ("loss", "activation"):  # record(forward=True): a value of the forward, not a gradient
+            what = (
+                f"the loss, root of backward pass {r['pass']} ({r['key']} in {_module_label(r['module'])})"
+                if r["role"] == "loss"
+                else f"the output of module {_module_label(r['module'])} ({r['key']}, output {r['slot']})"
+            )
+            lines.append(
+                f"First non-finite value (rank {rank}): step {r['step']}, in the forward: {what}: {r['nan']} nan, "
+                f"{r['posinf']} +inf, {r['neginf']} -inf of {r['numel']} (a forward value, before any gradient){scaler}"
+            )
+            continue
         if r["role"] == "param_grad":  # no node call held one first: a parameter's .grad (stats='params')
             where = "the step's final rows" if pd.isna(r["pass"]) else f"pass {r['pass']}"
             level = store.steps(run=run, step=int(r["step"]), rank=int(rank))["level"]
@@ -296,7 +316,7 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
                 )
             lines.append(
                 f"First non-finite gradient (rank {rank}): step {r['step']}, {where}: the .grad of {r['key']} "
-                f"({r['nan']} nan, {r['posinf']} +inf, {r['neginf']} -inf of {r['numel']}; {before})"
+                f"({r['nan']} nan, {r['posinf']} +inf, {r['neginf']} -inf of {r['numel']}; {before}){scaler}"
             )
             continue
         slots = "; ".join(
@@ -304,7 +324,7 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         )
         lines.append(
             f"First non-finite gradient (rank {rank}): step {r['step']}, pass {r['pass']}, seq {r['seq']}: "
-            f"{r['key']} in {_module_label(r['module'])} ({slots})"
+            f"{r['key']} in {_module_label(r['module'])} ({slots}){scaler}"
         )
     return "\n".join(lines + notes)
 

@@ -33,7 +33,8 @@ def _nonfinite(row) -> bool:
 def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
     """The step's first non-finite gradient, as a row of `Store.first_nonfinite` (run, rank, step, pass, seq,
     key, name, module, frame, role, slot, numel, nan, posinf, neginf, norm, min, max): the first node call in
-    execution order (grad_outputs before grad_inputs, by slot), else the first parameter gradient of a pass,
+    execution order (grad_outputs before grad_inputs, by slot), or, with record(forward=True), a loss or a module
+    output (role activation, pass None) that came before it, else the first parameter gradient of a pass,
     else of the step's final rows (pass and seq None). None when the step recorded no non-finite value (or
     only statuses, as at stats='shape')."""
     best, best_key, where = None, None, None
@@ -71,6 +72,11 @@ def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
             )
             if best_key is None or key < best_key:
                 best, best_key, where = row, key, p.number
+    for row in batch.activations:  # record(forward=True): a module's output, before a call of the same seq
+        if row[1] is not None and _nonfinite(row) and (best_key is None or (0, row[1], 10, row[3]) < best_key):
+            best, best_key, where = row, (0, row[1], 10, row[3]), None
+    for info in batch.forward_nodes:
+        infos.setdefault(info.key, info)
     if best is None:
         for info in batch.final_nodes:
             infos.setdefault(info.key, info)
@@ -243,17 +249,26 @@ class LastStep:
 
 
 def describe(row: dict | None, db) -> str:
-    """One sentence naming the first non-finite gradient of a step and where it is written."""
+    """One sentence naming the first non-finite value of a step and where it is written: a gradient (a node's
+    grad_outputs[slot] / grad_inputs[slot], a parameter's param_grad), or, with record(forward=True), the loss
+    (a backward pass's root) or a module's output, which are forward values, not gradients."""
     if row is None:
         return "a non-finite gradient was recorded (no statistics name the tensor at this stats level)"
-    slot = "param_grad" if row["role"] == "param_grad" else f"{row['role']}s[{row['slot']}]"
     counts = ", ".join(f"{row[k]} {k}" for k in ("nan", "posinf", "neginf") if row[k])
     where = f"module {row['module']!r}" if row["module"] else "top level (the model itself, or no module)"
     frame = f", created at {row['frame']}" if row["frame"] else ""
+    role = row["role"]
+    if role == "loss":
+        what = f"first non-finite value: the loss (the root of backward pass {row['pass']}, {row['key']})"
+    elif role == "activation":
+        what = f"first non-finite value: a module's output in the forward ({row['key']}, output {row['slot']})"
+    elif role == "param_grad":
+        what = f"first non-finite gradient at {row['key']} param_grad"
+    else:  # grad_output / grad_input, as PyTorch's hooks name them: grad_outputs[i], grad_inputs[i]
+        what = f"first non-finite gradient at {row['key']} {role}s[{row['slot']}]"
     return (
-        f"step {row['step']} of run {row['run']!r} (rank {row['rank']}): first non-finite gradient at "
-        f"{row['key']} {slot} ({counts}; {where}{frame}); written to {db}: "
-        f"gradstore.open({str(db)!r}).first_nonfinite({row['run']!r})"
+        f"step {row['step']} of run {row['run']!r} (rank {row['rank']}): {what} ({counts}; {where}{frame}); "
+        f"written to {db}: gradstore.open({str(db)!r}).first_nonfinite({row['run']!r})"
     )
 
 
@@ -264,9 +279,12 @@ class Reaction:
         self.how = how
         self.warned = False
 
-    def __call__(self, row: dict | None, db, step: int, run: str, rank: int, amp_reason: str | None = None) -> None:
+    def __call__(
+        self, row: dict | None, db, step: int, run: str, rank: int, amp_reason: str | None = None, stacklevel: int = 2
+    ) -> None:
         """React to a written nonfinite step; may raise NonFiniteGradient (or what the callable raises). The row
-        given to the callable (and carried by NonFiniteGradient) also has `amp_reason` (`not_an_overflow`)."""
+        given to the callable (and carried by NonFiniteGradient) also has `amp_reason` (`not_an_overflow`).
+        `stacklevel`: the warning's, counted from this call (2: its caller; the recorder passes the user's frame)."""
         if row is not None:
             row = {**row, "amp_reason": amp_reason}
         if callable(self.how):
@@ -279,4 +297,4 @@ class Reaction:
             raise NonFiniteGradient(f"gradstore: {text}", row=row, run=run, rank=rank, step=step)
         if not self.warned:
             self.warned = True
-            warnings.warn(f"gradstore: {text} (warned once per recording)", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"gradstore: {text} (warned once per recording)", RuntimeWarning, stacklevel=stacklevel)

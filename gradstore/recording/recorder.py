@@ -146,9 +146,10 @@ class _Box:
 
 
 def _user_stacklevel() -> int:
-    """The `stacklevel` for a warning raised by `Recorder._warn_once` that names the user's line: the first frame
-    outside gradstore (and outside the standard library's contextlib and functools, which a `with` statement and
-    a decorated function go through), counted from `_warn_once`'s frame (1: `_warn_once` itself, 2: its caller)."""
+    """The `stacklevel` for a warning raised by `Recorder._warn_once` (or by the function that calls this) that
+    names the user's line: the first frame outside gradstore (and outside the standard library's contextlib and
+    functools, which a `with` statement and a decorated function go through), counted from `_warn_once`'s frame
+    (1: `_warn_once` itself, 2: its caller)."""
     frame, level = sys._getframe(2), 2  # the caller of _warn_once
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
@@ -762,7 +763,15 @@ class record:
         if status == "nonfinite" and self._reaction is not None and not overflow:
             self._writer.flush()  # the step is in the database before the loop hears of it
             try:
-                self._reaction(first_nonfinite(batch, self.run), self.db, batch.step, self.run, self.rank, amp_reason)
+                self._reaction(
+                    first_nonfinite(batch, self.run),
+                    self.db,
+                    batch.step,
+                    self.run,
+                    self.rank,
+                    amp_reason,
+                    stacklevel=_user_stacklevel() + 1,  # the user's line (rec.step(), the with, the call)
+                )
             except NonFiniteGradient as e:
                 self._raised = e
                 if run_status is not None:

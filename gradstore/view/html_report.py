@@ -281,7 +281,23 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> No
             "error": shown["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:300]),
         }
     )
+    skipped_steps = story.amp_skipped_steps(store, run) if store is not None else set()
+    if skipped_steps:  # said beside the status: a nonfinite step whose optimizer step a GradScaler skipped
+        out.insert(
+            3,
+            "optimizer step",
+            [
+                "skipped by GradScaler" if (int(rk), int(st)) in skipped_steps else ""
+                for rk, st in zip(shown["rank"], shown["step"])
+            ],
+        )
     page.add("<h3>Steps that raised or held NaN / Inf</h3>" + _table(out, {"step", "rank", "passes"}))
+    if skipped_steps:
+        page.add(
+            '<p class="note">optimizer step "skipped by GradScaler": a torch.amp.GradScaler skipped the optimizer '
+            "step there (step value grad_scaler.skipped = 1; its inf check found NaN or Inf): the parameters were "
+            "not updated from that step's gradients.</p>"
+        )
     if len(bad) > len(shown):
         page.add(
             f'<p class="note">{len(bad) - len(shown):,} more such steps, not listed: steps '
@@ -298,6 +314,151 @@ def _also(ranks: list[int], what: str) -> str:
         f"<br>In the same step a {_e(what)} on rank{'s' if len(ranks) > 1 else ''} {names} held NaN or Inf too "
         "(which came first across ranks is not recorded)."
     )
+
+
+def _counts(nan, posinf, neginf) -> str:
+    """'4 NaN, 1 +Inf' from exact counts (NULL: 0)."""
+    c = [(story._count(nan), "NaN"), (story._count(posinf), "+Inf"), (story._count(neginf), "-Inf")]
+    return ", ".join(f"{n:,} {w}" for n, w in c if n) or "no NaN or Inf"
+
+
+def _bad(row) -> bool:
+    return bool(story._count(row.nan) + story._count(row.posinf) + story._count(row.neginf))
+
+
+SKIPPED_STEP = (
+    "In this step a torch.amp.GradScaler skipped the optimizer step (step value grad_scaler.skipped = 1): the "
+    "parameters were not updated from these gradients."
+)
+
+
+def _origin(start: story.NonfiniteStart) -> str:
+    """The paragraph saying where the first non-finite call's NaN/Inf came from, built from the rows the record
+    holds: a grad_output not measured is never taken for finite, a cast that narrowed a finite gradient past the
+    narrower dtype's largest value is named, saved values are spoken of only as measured (or as not recorded),
+    and the loss only as measured."""
+    if start.outputs == "not measured":
+        up = ", ".join(f"<code>{_e(u)}</code>" for u in start.upstream[:4])
+        text = (
+            "Its grad_inputs held them, and its grad_outputs were <b>not measured</b> "
+            f"({_e(start.outputs_why)}): whether they already held NaN or Inf when it ran, coming from upstream"
+            + (f" ({up}, whose grad_inputs flow there)" if up else "")
+            + ", or its own backward made them, is not known. The origin may be upstream of this node."
+        )
+        return text + (" " + SKIPPED_STEP if start.amp_skipped else "")
+    if not start.made_here:
+        text = {
+            "between": f"They were already in its grad_outputs when it ran, while <code>{_e(start.arrived_from)}"
+            "</code>, whose grad_inputs flow there, gave a finite gradient: it changed on the way, in a tensor hook "
+            "or a node hook that returned a new gradient.",
+            "root": "They were already in its grad_outputs when it ran, and no recorded edge leads into it: they came "
+            "with the gradient handed to backward() (the pass's root).",
+        }.get(
+            start.arrived,
+            "They were already in its grad_outputs when it ran, from a node whose grad_inputs the record does not "
+            "hold or did not measure.",
+        )
+        return text + (" " + SKIPPED_STEP if start.amp_skipped else "")
+    parts = [
+        "Its grad_outputs were measured finite and its grad_inputs were not: <b>its backward made them</b>, from "
+        "finite incoming gradients."
+    ]
+    forward_bad = False
+    n = start.narrowing
+    inf_only = bool(start.slots["nan"].fillna(0).sum() == 0)
+    if n is not None:
+        parts.append(
+            f"Its grad_inputs are {_e(n.to_dtype)}, narrower than its {_e(n.from_dtype)} grad_outputs, whose finite "
+            f"values reach {n.largest:.4g} in magnitude, past {_e(n.to_dtype)}'s largest finite value {n.limit:.6g} "
+            f"(torch.finfo): <b>converting them to {_e(n.to_dtype)} overflowed</b> to +-Inf (under torch.autocast "
+            "with a GradScaler: a loss scale too large for these gradients)."
+        )
+    elif start.saved is None:
+        parts.append(
+            "The tensors it saved in the forward, if it saved any, were not recorded (record(saved=True) measures "
+            "them): they may already have held NaN or Inf, or the derivative itself is not finite at them (sqrt or "
+            "log at 0, a division by 0)."
+        )
+    elif start.saved.empty:
+        parts.append(
+            "It saved no tensor for its backward (record(saved=True) measured this pass's saved tensors): no saved "
+            "value was NaN or Inf; its backward formula made them from the incoming gradients alone (a result past "
+            "its dtype's range, or a hook on the node that returned new grad_inputs)."
+        )
+    else:
+        rows = list(start.saved.itertuples(index=False))
+        bad = [x for x in rows if x.status == "ok" and _bad(x)]
+        unmeasured = [x for x in rows if x.status == "skipped" or (x.status == "ok" and pd.isna(x.nan))]
+        if bad:
+            forward_bad = True
+            parts.append(
+                "It used a forward value that was already non-finite: "
+                + "; ".join(
+                    f"saved[{int(x.slot)}] ({_e(x.dtype)} {_e(x.shape or 'scalar')}) held "
+                    f"{_counts(x.nan, x.posinf, x.neginf)} of {int(x.numel):,} elements"
+                    for x in bad
+                )
+                + "."
+            )
+        elif unmeasured:
+            parts.append(
+                "Its measured saved tensors were finite; "
+                + "; ".join(
+                    f"saved[{int(x.slot)}] was not measured ({_e(x.reason or 'no value measured')})" for x in unmeasured
+                )
+                + ": it may have held NaN or Inf, or the derivative itself is not finite at these values."
+            )
+        else:
+            parts.append(
+                "The tensors it saved were measured finite: the derivative itself is not finite at those values "
+                "(sqrt or log at 0, a division by 0)"
+                + (", or its result went past its dtype's largest finite value" if inf_only else "")
+                + "."
+            )
+    if start.activation is not None:
+        a = start.activation
+        forward_bad = True
+        parts.append(
+            f"In the forward, module output <code>{_e(a['key'])}</code> (module "
+            f"<code>{_e(a['module'] or '(top level)')}</code>) held {_counts(a['nan'], a['posinf'], a['neginf'])} "
+            "first (record(forward=True))."
+        )
+    if start.losses is not None:
+        losses = list(start.losses.itertuples(index=False))
+        lbad = [x for x in losses if x.status == "ok" and _bad(x)]
+        lfinite = all(x.status == "ok" and not pd.isna(x.nan) and not _bad(x) for x in losses)
+        if lbad:
+            parts.append(
+                "The loss was non-finite too ("
+                + "; ".join(f"<code>{_e(x.key)}</code>: {_counts(x.nan, x.posinf, x.neginf)}" for x in lbad)
+                + "): the forward went non-finite before this backward pass began."
+            )
+        elif lfinite:
+            values = "; ".join(
+                f"<code>{_e(x.key)}</code>" + ("" if pd.isna(x.value) else f" = {float(x.value):.6g}") for x in losses
+            )
+            parts.append(
+                f"The loss was measured finite ({values})"
+                + (
+                    ": the non-finite forward values did not reach it. They were dropped on the way (the branch "
+                    "torch.where did not select, a mask, a multiplication by 0), while the backward still combines "
+                    "them with the incoming gradient: 0 times NaN or Inf is NaN."
+                    if forward_bad
+                    else "."
+                )
+            )
+        else:
+            parts.append("The loss was not measured (its row was skipped).")
+    advice = []
+    if start.saved is None and n is None:  # the saved values are the question left open: name what measures them
+        advice.append("record(saved=True) measures each node's saved tensors")
+        if start.losses is None and not start.activations_recorded:
+            advice.append("record(forward=True) measures the loss and each module's output")
+    if advice:
+        parts.append("To tell these apart: " + "; ".join(advice) + ".")
+    if start.amp_skipped:
+        parts.append(SKIPPED_STEP)
+    return " ".join(parts)
 
 
 def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int | None:
@@ -322,7 +483,8 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
             f'<div class="callout"><p>Parameter <code>{_e(pf.param)}</code> (module '
             f"<code>{_e(pf.module or '(top level)')}</code>): its .grad held {counts} {seen}, rank {pf.rank}, "
             f"step {pf.step}, before any recorded node call held NaN or Inf.{why}{_also(pf.also_ranks, '.grad')}"
-            "</p></div>"
+            + (" " + SKIPPED_STEP if (pf.rank, pf.step) in story.amp_skipped_steps(store, run) else "")
+            + "</p></div>"
         )
         if start is not None:
             page.add(f"<h3>The first node call that held NaN or Inf (later: step {start.step})</h3>")
@@ -381,24 +543,7 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
         if start.frame
         else '<span class="note">not recorded (record(frames=True) keeps it)</span>'
     )
-    origin = (
-        "Its grad_outputs were finite and its grad_inputs were not: <b>its backward made them</b>, from finite "
-        "incoming gradients and the values it saved in the forward. Those values may already have been NaN or Inf "
-        "(a forward that went non-finite: the loss then is too), or the derivative itself is not finite there "
-        "(sqrt or log at 0, a division by 0); record(forward=True) or record(saved=True) tells the two apart."
-        if start.made_here
-        else {
-            "between": f"They were already in its grad_outputs when it ran, while <code>{_e(start.arrived_from)}"
-            "</code>, whose grad_inputs flow there, gave a finite gradient: it changed on the way, in a tensor hook "
-            "or a node hook that returned a new gradient.",
-            "root": "They were already in its grad_outputs when it ran, and no recorded edge leads into it: they came "
-            "with the gradient handed to backward() (the pass's root).",
-        }.get(
-            start.arrived,
-            "They were already in its grad_outputs when it ran, from a node whose grad_inputs the record does not "
-            "hold.",
-        )
-    )
+    origin = _origin(start)
     page.add(
         f'<div class="callout"><p><b>{_e(start.name)}</b> <code>{_e(start.key)}</code><br>module '
         f"<code>{_e(start.module or '(top level)')}</code> &middot; created at {frame}<br>rank {start.rank}, "
@@ -421,7 +566,13 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
             )
         page.add(
             "<h3>The path that carried it</h3><p>Following the graph's edges (next_functions) from that node, the "
-            "shortest chain of non-finite gradients to the first parameter it reached:</p>"
+            "shortest chain of non-finite gradients "
+            + (
+                "to the first parameter it reached:"
+                if start.reached_param
+                else "to the farthest node it reached (no recorded edge carried it to a parameter's AccumulateGrad):"
+            )
+            + "</p>"
             f'<ol class="path">{"".join(hops)}</ol>'
         )
     page.add(

@@ -85,7 +85,13 @@ def _first_nonfinite_cell(store, run: str, g) -> tuple | None:
         label = cells.truncate(label, g.depth)
     if label not in g.labels:
         return None
-    how = "its backward made it" if start.made_here else "it arrived in its grad_outputs"
+    how = (
+        "its backward made it"
+        if start.made_here
+        else "its grad_outputs were not measured"
+        if start.outputs == "not measured"
+        else "it arrived in its grad_outputs"
+    )
     return (
         g.labels.index(label),
         g.steps.index(start.step),

@@ -32,20 +32,47 @@ class PathEdge:
 
 
 @dataclass
+class Narrowing:
+    """A node whose grad_inputs have a narrower floating dtype than its finite grad_outputs, which held values past
+    the narrower dtype's largest finite value (torch.finfo(to_dtype).max): converting them gives +-Inf."""
+
+    from_dtype: str
+    to_dtype: str
+    largest: float  # the largest finite |value| in the grad_outputs (from their min and max)
+    limit: float  # torch.finfo(to_dtype).max
+
+
+@dataclass
 class NonfiniteStart:
     """The first call (execution order) whose gradients held NaN or Inf, on one rank, and where they went.
 
     run, rank, step, pass_ (the backward pass within the step), seq; key, name, module, frame (the user-code line with
     record(frames=True), else None) of the node; slots: its non-finite slots (role, slot, numel, nan, posinf, neginf);
-    made_here: True when its grad_outputs were finite and a grad_input was not (its own backward made them), False when
-    they arrived in its grad_outputs; arrived: how they arrived there when not made here ('between': every edge into
-    that slot carried a finite gradient from its source's grad_inputs, so it changed on the way, in a tensor hook or a
-    node hook that returned a new gradient; 'root': no recorded edge leads into the node, so it is a root of the pass
-    and they came with the gradient handed to backward; 'unrecorded': the edges into that slot come from nodes whose
-    grad_inputs the record does not hold), None when made here; arrived_from: the source node of the 'between' edge;
-    path: the shortest chain of non-finite edges from it to the first parameter it reached (or to the farthest node
-    reached when it reached none); edges: every non-finite edge reachable from it in that pass; reached_nodes: nodes
-    those edges reach; params: parameters whose .grad held NaN or Inf after that step.
+    outputs: what the call's grad_outputs were: 'finite' (every one measured, NaN/Inf counted, none found; a None
+    slot has no value to hold one), 'nonfinite', or 'not measured' (some were not measured, none of those measured
+    held NaN/Inf: a skipped row, stats='shape', or no row); outputs_why: with 'not measured', which slots and why
+    (the rows' reasons); made_here: True only when its grad_outputs were measured finite and a grad_input was not
+    (its own backward made them); never True when they were not measured; arrived: how they arrived there when they
+    were non-finite in its grad_outputs ('between': every edge into that slot carried a measured, finite gradient
+    from its source's grad_inputs, so it changed on the way, in a tensor hook or a node hook that returned a new
+    gradient; 'root': no recorded edge leads into the node, so it is a root of the pass and they came with the
+    gradient handed to backward; 'unrecorded': the edges into that slot come from nodes whose grad_inputs the
+    record does not hold or did not measure), else None; arrived_from: the source node of the 'between' edge;
+    upstream: the nodes whose grad_inputs flow into its grad_outputs (recorded edges); path: the shortest chain of
+    non-finite edges from it to the first parameter it reached (or to the farthest node reached when it reached
+    none); reached_param: whether the path ends at a parameter; edges: every non-finite edge reachable from it in
+    that pass; reached_nodes: nodes those edges reach; params: parameters whose .grad held NaN or Inf after that
+    step.
+
+    The facts the explanation of a call that made them rests on (None: not recorded): narrowing (a Narrowing: its
+    grad_inputs' dtype holds less than its grad_outputs', and the largest finite incoming magnitude is past it);
+    saved (the node's saved rows in that call, role saved: slot, status, reason, dtype, shape, numel, nan, posinf,
+    neginf; an empty frame: the node saved no tensor; None: saved tensors were not recorded in that pass,
+    record(saved=True) records them); losses (the pass's root rows, role loss: key, value, status, nan, posinf,
+    neginf; None: not recorded, record(forward=True) records them); activation (the step's first module output
+    holding NaN/Inf, as a row of Store.activations; None: none did or none recorded); activations_recorded
+    (record(forward=True) recorded module outputs in that step); amp_skipped: a GradScaler skipped the optimizer
+    step in that step (step value grad_scaler.skipped = 1).
     """
 
     run: str
@@ -61,6 +88,16 @@ class NonfiniteStart:
     made_here: bool
     arrived: str | None = None
     arrived_from: str | None = None
+    outputs: str = "finite"
+    outputs_why: str | None = None
+    upstream: list[str] = field(default_factory=list)
+    narrowing: Narrowing | None = None
+    saved: pd.DataFrame | None = None
+    losses: pd.DataFrame | None = None
+    activation: dict | None = None
+    activations_recorded: bool = False
+    amp_skipped: bool = False
+    reached_param: bool = False
     path: list[PathEdge] = field(default_factory=list)
     edges: list[PathEdge] = field(default_factory=list)
     reached_nodes: int = 0
@@ -170,40 +207,85 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
     rows = rows.assign(_order=order).sort_values(["_order", "slot"]).drop(columns="_order")
     r = rows.iloc[0]
     step, pass_ = int(r["step"]), int(r["pass"])
+    seq = int(r["seq"])
     tensors = store.tensors(run=run, step=step, rank=rank)
-    tensors = tensors[(tensors["pass"] == pass_) | tensors["pass"].isna()]
-    grads = tensors[tensors["role"].isin(["grad_output", "grad_input"])].copy()
+    in_pass = tensors[(tensors["pass"] == pass_) | tensors["pass"].isna()]
+    grads = in_pass[in_pass["role"].isin(["grad_output", "grad_input"])].copy()
+    measured = _measured(grads)
     for c in ("nan", "posinf", "neginf"):
         grads[c] = grads[c].fillna(0).astype("int64")
-    counts = grads.groupby(["key", "role", "slot"])[["nan", "posinf", "neginf"]].sum()
+    ok = grads[measured]  # a row not measured counts nothing: it is never taken for a finite gradient
+    counts = ok.groupby(["key", "role", "slot"])[["nan", "posinf", "neginf"]].sum()
     lookup = {idx: tuple(int(x) for x in v) for idx, v in zip(counts.index, counts.to_numpy())}
+    unmeasured = {(k, ro, int(sl)) for k, ro, sl in grads.loc[~measured, ["key", "role", "slot"]].itertuples(False)}
 
     key = r["key"]
-    own = grads[grads["key"] == key]
-    bad_out = (own["role"] == "grad_output") & ((own["nan"] + own["posinf"] + own["neginf"]) > 0)
-    bad_in = (own["role"] == "grad_input") & ((own["nan"] + own["posinf"] + own["neginf"]) > 0)
-    made_here = bool(bad_in.any()) and not bool(bad_out.any())
+    call = grads["key"].eq(key) & grads["seq"].eq(seq)
+    own, own_measured = grads[call], measured[call]
+    bad = (own["nan"] + own["posinf"] + own["neginf"]) > 0
+    outs = own["role"] == "grad_output"
+    bad_out = outs & bad & own_measured
+    bad_in = (own["role"] == "grad_input") & bad & own_measured
+    missing = outs & ~own_measured & (own["status"] != "none")  # a None slot holds no gradient: nothing to measure
+    if bad_out.any():
+        outputs, outputs_why = "nonfinite", None
+    elif missing.any() or not outs.any():
+        outputs = "not measured"
+        outputs_why = (
+            "; ".join(
+                f"grad_outputs[{int(o.slot)}]"
+                + (f" ({o.dtype})" if isinstance(o.dtype, str) else "")
+                + ": "
+                + (o.reason if isinstance(o.reason, str) else "stats='shape' measures no value")
+                for o in own[missing].itertuples(index=False)
+            )
+            if missing.any()
+            else "no grad_output row was recorded for this call"
+        )
+    else:
+        outputs, outputs_why = "finite", None
+    made_here = outputs == "finite" and bool(bad_in.any())
 
     nodes = store.nodes(run=run).set_index("key")
     ran = set(grads["key"])
     edges = store.edges(run=run)
+    upstream = list(dict.fromkeys(edges.loc[edges["dst"] == key, "src"]))
     arrived, arrived_from = None, None
-    if not made_here:
+    if outputs == "nonfinite":
         bad_slots = set(own.loc[bad_out, "slot"].astype(int))
         into = edges[(edges["dst"] == key) & edges["dst_slot"].isin(bad_slots)]
-        given = [(e.src, lookup.get((e.src, "grad_input", int(e.src_slot)))) for e in into.itertuples(index=False)]
+        given = [
+            (
+                e.src,
+                None
+                if (e.src, "grad_input", int(e.src_slot)) in unmeasured
+                else lookup.get((e.src, "grad_input", int(e.src_slot))),
+            )
+            for e in into.itertuples(index=False)
+        ]
         if given and all(c is not None and sum(c) == 0 for _, c in given):  # every source gave a finite gradient
             arrived, arrived_from = "between", given[0][0]
         elif edges[edges["dst"] == key].empty:
             arrived = "root"
         else:
             arrived = "unrecorded"
+    narrowing = _narrowing(own[outs & own_measured], own[bad_in]) if made_here else None
+    saved = None
+    saved_rows = in_pass[in_pass["role"].eq("saved") & in_pass["pass"].eq(pass_).fillna(False)]
+    if len(saved_rows):  # record(saved=True) measured this pass's saved tensors: a node with no row saved none
+        saved = saved_rows[saved_rows["key"].eq(key) & saved_rows["seq"].eq(seq)][
+            ["slot", "status", "reason", "dtype", "shape", "numel", "nan", "posinf", "neginf"]
+        ].reset_index(drop=True)
+    losses = store.losses(run=run, step=step, rank=rank)
+    losses = losses[losses["pass"] == pass_]
+    acts = store.activations(run=run, step=step, rank=rank)
+    bad_acts = acts[(acts["nan"].fillna(0) + acts["posinf"].fillna(0) + acts["neginf"].fillna(0)) > 0]
     edges = edges[edges["src"].isin(ran)]
     by_src: dict[str, list] = {}
     for e in edges.itertuples(index=False):
         by_src.setdefault(e.src, []).append(e)
 
-    def carried(e) -> tuple[int, int, int] | None:
+    def carried(e) -> tuple[int, int, int] | None:  # from measured rows only (an unmeasured one: the other end)
         c = lookup.get((e.src, "grad_input", int(e.src_slot)))
         if c is None:
             c = lookup.get((e.dst, "grad_output", int(e.dst_slot)))
@@ -235,9 +317,8 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
                 parent[e.dst] = edge
                 order.append(e.dst)
                 queue.append(e.dst)
-    target = next(
-        (k for k in order[1:] if isinstance(nodes["param"].get(k), str)), order[-1] if len(order) > 1 else None
-    )
+    to_param = next((k for k in order[1:] if isinstance(nodes["param"].get(k), str)), None)
+    target = to_param if to_param is not None else (order[-1] if len(order) > 1 else None)
     path: list[PathEdge] = []
     while target is not None and target in parent:
         edge = parent[target]
@@ -253,7 +334,7 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
         rank=rank,
         step=step,
         pass_=pass_,
-        seq=int(r["seq"]),
+        seq=seq,
         key=key,
         name=str(r["name"]),
         module=str(r["module"] or ""),
@@ -262,12 +343,70 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
         made_here=made_here,
         arrived=arrived,
         arrived_from=arrived_from,
+        outputs=outputs,
+        outputs_why=outputs_why,
+        upstream=upstream,
+        narrowing=narrowing,
+        saved=saved,
+        losses=losses[["key", "value", "status", "nan", "posinf", "neginf"]].reset_index(drop=True)
+        if len(losses)
+        else None,
+        activation=bad_acts.iloc[0].to_dict() if len(bad_acts) else None,
+        activations_recorded=bool(len(acts)),
+        amp_skipped=(rank, step) in amp_skipped_steps(store, run),
+        reached_param=to_param is not None,
         path=path,
         edges=found,
         reached_nodes=len(seen) - 1,
         params=bad_params,
         also_ranks=[x for x in also if x != rank],
     )
+
+
+def _measured(rows: pd.DataFrame) -> pd.Series:
+    """True for rows whose values were measured: status ok with NaN/Inf counts (a skipped row, a stats='shape'
+    row and a None slot's row measured nothing)."""
+    return rows["status"].eq("ok") & rows["nan"].notna()
+
+
+def _finfo_max(dtype) -> float | None:
+    """torch.finfo(dtype).max for a floating dtype's name ('float16'), else None (an integer, complex or unknown
+    name). torch is imported here, in this rare case only."""
+    if not isinstance(dtype, str):
+        return None
+    import torch
+
+    t = getattr(torch, dtype, None)
+    if not isinstance(t, torch.dtype) or not t.is_floating_point:
+        return None
+    return float(torch.finfo(t).max)
+
+
+def _narrowing(outs: pd.DataFrame, bad_ins: pd.DataFrame) -> Narrowing | None:
+    """A Narrowing where a grad_input holding +-Inf has a floating dtype whose largest finite value
+    (torch.finfo(dtype).max) is below both the measured, finite grad_outputs' dtype's and their largest magnitude
+    (from their min and max); else None."""
+    inf_ins = bad_ins[(bad_ins["posinf"] + bad_ins["neginf"]) > 0]
+    if outs.empty or inf_ins.empty:
+        return None
+    largest = float(np.nanmax(np.abs(outs[["min", "max"]].to_numpy(dtype="float64"))))
+    wide = max(outs["dtype"], key=lambda d: _finfo_max(d) or 0.0)
+    wide_max = _finfo_max(wide)
+    for d in inf_ins["dtype"]:
+        limit = _finfo_max(d)
+        if limit is not None and wide_max is not None and limit < wide_max and largest > limit:
+            return Narrowing(from_dtype=wide, to_dtype=d, largest=largest, limit=limit)
+    return None
+
+
+def amp_skipped_steps(store, run: str, rank: int | None = None) -> set[tuple[int, int]]:
+    """(rank, step) of the steps of `run` in which a torch.amp.GradScaler skipped the optimizer step (step value
+    grad_scaler.skipped, or grad_scaler.skipped#k for a second scaler, equal to 1: its inf check found NaN/Inf in
+    the unscaled gradients, so the parameters were not updated from them). Reads the step values
+    (queries/values.sql). Raises UnknownRun."""
+    v = store.query("values", run=run, rank=rank)
+    v = v[(v["name"].eq("grad_scaler.skipped") | v["name"].str.startswith("grad_scaler.skipped#")) & v["value"].eq(1)]
+    return {(int(a), int(b)) for a, b in zip(v["rank"], v["step"])}
 
 
 def measured_rows(store, run: str) -> tuple[int, int, str]:
