@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from ..records import ROLE, NodeInfo
@@ -306,6 +307,10 @@ class FinalGrads:
         self._stepped: set[int] = set()
         self._locked: dict[str, tuple] = {}
         self._running = 0  # backward passes running now (an optimizer may step inside one: `_read_by`)
+        # the parameters (by id) an optimizer stepped in this step, and the grad_states of every parameter after
+        # the last such step (hooks.cpp bytes; None: not read): `carried`, at the next step
+        self.read_ids: set[int] = set()
+        self.read_states: bytes | None = None
 
     def take(self, why: str) -> None:
         """Take the snapshot now, replacing an earlier one of the step. `why` names the moment.
@@ -476,12 +481,18 @@ class FinalGrads:
         the step changes their `.grad` again (two optimizers, each stepping after its own loss's backward:
         `_lock_stepped`), unless an optimizer steps them again later in the step; rows an earlier optimizer step
         read for them no longer stand. Nothing without a snapshot, or while a backward pass runs (`_read_by` kept
-        what it read)."""
-        if self._running or self.results is None:
+        what it read). Either way the optimizer's parameters and their `.grad`s' states now go to `read_ids` and
+        `read_states` (what tells, at the next step, a `.grad` nobody cleared since: `carried`)."""
+        if self._running:
             return
         try:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         except Exception:  # not a torch.optim.Optimizer, or not known
+            return
+        self.read_ids |= ids
+        states = self._states()
+        self.read_states = states[0] if states is not None else None
+        if self.results is None:
             return
         self._stepped |= ids
         if self._locked:
@@ -521,6 +532,24 @@ class FinalGrads:
     def _keys_of(self, ids: set[int]) -> set[str]:
         """The parameter node keys ('param:<name>', every name of a tied one) of the parameters with these ids."""
         return {f"param:{name}" for name, p in self.params if id(p) in ids}
+
+
+def carried(params: list[tuple[str, object]], read: tuple | None, now) -> list[str]:
+    """The names of the parameters whose `.grad` is, now, the very tensor an optimizer stepped with in an earlier
+    step, unchanged since (the same data pointer and version counter: no `zero_grad`, no new `.grad`): a backward
+    pass now adds this step's gradient to it.
+
+    Args: params: [(qualified name, Parameter)] (the same list, in the same order, as when `read` was taken);
+        read: (the ids of the parameters the optimizers stepped, `FinalGrads.read_states` bytes) of that step, or
+        None; now: `passes.grad_states(params, ...)` taken now (bytes; anything else: nothing is told).
+    Returns: names, in order; empty where nothing can be told."""
+    if read is None or type(now) is not bytes or type(read[1]) is not bytes or len(now) != len(read[1]):
+        return []
+    ids, before = read
+    a = np.frombuffer(before, dtype=np.int64).reshape(-1, 2)
+    b = np.frombuffer(now, dtype=np.int64).reshape(-1, 2)
+    same = ((a == b).all(axis=1) & (b[:, 1] >= 0)).tolist()  # a .grad with a version: not None, not opaque
+    return [name for (name, p), s in zip(params, same) if s and id(p) in ids]
 
 
 def _listed(nodes: list[NodeInfo], results: list) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:

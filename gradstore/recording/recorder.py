@@ -32,7 +32,7 @@ from ..store.writer import flush_pending, writer_for
 from ..version import __version__
 from . import intercept, kernel, native, observers
 from . import torch_private as tp
-from .final_grads import FinalGrads, total_norm, watch_stop
+from .final_grads import FinalGrads, carried, total_norm, watch_stop
 from .findings import Findings, StepFacts
 from .flight import FlightRecorder
 from .forward import ForwardRecorder
@@ -112,6 +112,7 @@ def _versions() -> tuple[str, str]:
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # gradstore/
 _CONTEXTLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)  # torch/: Tensor.backward and the engine entry
 
 
 @dataclass(frozen=True)
@@ -148,12 +149,16 @@ class _Box:
 def _user_stacklevel() -> int:
     """The `stacklevel` for a warning raised by `Recorder._warn_once` (or by the function that calls this) that
     names the user's line: the first frame outside gradstore (and outside the standard library's contextlib and
-    functools, which a `with` statement and a decorated function go through), counted from `_warn_once`'s frame
-    (1: `_warn_once` itself, 2: its caller)."""
+    functools, which a `with` statement and a decorated function go through, and torch, whose `Tensor.backward`
+    calls a backward pass's wrapper), counted from `_warn_once`'s frame (1: `_warn_once` itself, 2: its caller)."""
     frame, level = sys._getframe(2), 2  # the caller of _warn_once
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
-        if not (name.startswith(_PACKAGE_DIR + os.sep) or os.path.dirname(name) == _CONTEXTLIB):
+        if not (
+            name.startswith(_PACKAGE_DIR + os.sep)
+            or name.startswith(_TORCH_DIR + os.sep)
+            or os.path.dirname(name) == _CONTEXTLIB
+        ):
             return level
         frame, level = frame.f_back, level + 1
     return 2
@@ -354,6 +359,9 @@ class record:
         self._lineage = Lineage()
         self._warning_log: WarningLog | None = None
         self._warned: set[str] = set()  # RecordUsageWarnings given (each once per record object)
+        # (ids of the parameters the last step's optimizers stepped, their .grads' states after it): what the next
+        # step's first backward pass compares its .grads with (final_grads.carried); None: nothing to compare
+        self._carry: tuple | None = None
         self._named_nothing = False  # the scope has no model to name modules and parameters by
         self._checked: set = set()  # (filter, models) already checked against the names
         self._step_started = 0.0
@@ -543,6 +551,22 @@ class record:
         known = self._known_box.value
         return known is None or known.structure.call_slot_reached()
 
+    def _warn_carried(self, names: list[str]) -> None:
+        """Warn (once per record object) that these parameters' `.grad`s were not cleared after the last step's
+        optimizer step: this step's first backward pass adds to them (`final_grads.carried`)."""
+        if not names or "carried" in self._warned:
+            return
+        self._warned.add("carried")
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        warnings.warn(
+            f"gradstore: step {self._step_number}'s backward pass adds to the .grad of {len(names)} parameter(s) "
+            f"({shown}) that an optimizer stepped with in the step before, not cleared since (no zero_grad() between "
+            "optimizer.step() and this backward?): gradients accumulate across optimizer steps; "
+            "param_grads(which='final') holds the sums (warned once per recording)",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
             self._warned.add(what)
@@ -658,6 +682,7 @@ class record:
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
         state, self._state = self._state, None
         final, self._final = self._final, None
+        self._carry = (frozenset(final.read_ids), final.read_states) if final is not None and final.read_ids else None
         observed, self._observed = self._observed, None
         values, value_faults = self._values.take() if state is not None else (self._values.clear(), [])
         for text in value_faults:  # unsampled steps' values are not kept
@@ -866,6 +891,12 @@ class record:
                 )
             except Exception as exc:
                 state.fault("start of pass", exc)
+            if p is not None and self._carry is not None and kind == "backward" and p.record.parent_pass is None:
+                carry, self._carry = self._carry, None
+                try:
+                    self._warn_carried(carried(self._params, carry, p.grads_before))
+                except Exception as exc:
+                    state.fault("start of pass", exc)
         ok = False
         raised = None
         try:
