@@ -318,12 +318,12 @@ def _also(ranks: list[int], what: str) -> str:
 
 def _counts(nan, posinf, neginf) -> str:
     """'4 NaN, 1 +Inf' from exact counts (NULL: 0)."""
-    c = [(story._count(nan), "NaN"), (story._count(posinf), "+Inf"), (story._count(neginf), "-Inf")]
+    c = [(story.count_of(nan), "NaN"), (story.count_of(posinf), "+Inf"), (story.count_of(neginf), "-Inf")]
     return ", ".join(f"{n:,} {w}" for n, w in c if n) or "no NaN or Inf"
 
 
 def _bad(row) -> bool:
-    return bool(story._count(row.nan) + story._count(row.posinf) + story._count(row.neginf))
+    return bool(story.count_of(row.nan) + story.count_of(row.posinf) + story.count_of(row.neginf))
 
 
 SKIPPED_STEP = (

@@ -158,7 +158,7 @@ def param_first(store, run: str, rank: int | None = None) -> ParamFirst | None:
     after = None
     if len(passes):
         last = passes.sort_values("pass").iloc[-1]
-        after = _count(last["nan"]) + _count(last["posinf"]) + _count(last["neginf"]) == 0
+        after = count_of(last["nan"]) + count_of(last["posinf"]) + count_of(last["neginf"]) == 0
     pass_ = r["pass"]
     return ParamFirst(
         run=run,
@@ -167,15 +167,16 @@ def param_first(store, run: str, rank: int | None = None) -> ParamFirst | None:
         param=param,
         module=str(r["module"] or ""),
         pass_=None if pass_ is None or pd.isna(pass_) else int(pass_),
-        nan=_count(r["nan"]),
-        posinf=_count(r["posinf"]),
-        neginf=_count(r["neginf"]),
+        nan=count_of(r["nan"]),
+        posinf=count_of(r["posinf"]),
+        neginf=count_of(r["neginf"]),
         after_pass=after,
         also_ranks=[x for x in also if x != rank],
     )
 
 
-def _count(v) -> int:
+def count_of(v) -> int:
+    """A stored NaN / Inf count as an int: 0 for NULL (None, pd.NA, NaN). Only for rows known to be measured."""
     return 0 if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else int(v)
 
 
