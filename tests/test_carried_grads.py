@@ -1,6 +1,7 @@
-"""A `.grad` nobody cleared between an optimizer step and the next step's backward pass (a missing `zero_grad()`):
-the backward adds this step's gradient to what the optimizer already stepped with. gradstore warns once, naming
-the parameters, and the warning is kept with the step (`store.warnings`).
+"""Gradients the optimizer never gets right. A `.grad` nobody cleared between an optimizer step and the next step's
+backward pass (a missing `zero_grad()`): the backward adds this step's gradient to what the optimizer already
+stepped with. A parameter with a `.grad` that no stepping optimizer holds: its gradient is never applied. gradstore
+warns once for each, naming the parameters, and the warning is kept with the step (`store.warnings`).
 
 Expected: plain PyTorch, the same loop run unrecorded: a parameter is carried over when its `.grad` just before the
 next step's first backward is the very tensor the optimizer stepped with (`is`), at the same version counter
@@ -113,3 +114,43 @@ def test_micro_batches_recorded_as_steps_are_not_named(db):
                     opt.zero_grad()
                 rec.step()
     assert not [w for w in caught if "not cleared since" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "how", ["replaced after the optimizer", "left out of the optimizer", "all held", "no optimizer"]
+)
+def test_parameters_no_stepping_optimizer_holds_are_named(db, how):
+    """A parameter with a `.grad` that no optimizer stepping in the step holds (its gradient is never applied):
+    gradstore warns once, naming exactly those. Expected: the ids in the optimizers' param_groups, by hand."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    params = list(model[0].parameters()) if how == "left out of the optimizer" else list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1) if how != "no optimizer" else None
+    if how == "replaced after the optimizer":
+        model[2] = nn.Linear(4, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradstore.record("held", db=db, model=model) as rec:
+            for k in range(2):
+                model(torch.randn(5, 3, generator=torch.Generator().manual_seed(k))).sum().backward()
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad()
+                rec.step()
+    held = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else None
+    want = (
+        sorted(n for n, p in model.named_parameters() if id(p) not in held and p.grad is not None)
+        if held is not None
+        else []
+    )
+    assert want == {
+        "replaced after the optimizer": ["2.bias", "2.weight"],
+        "left out of the optimizer": ["2.bias", "2.weight"],
+    }.get(how, [])
+    said = [str(w.message) for w in caught if "held by no optimizer" in str(w.message)]
+    if not want:
+        assert said == []
+        return
+    assert len(said) == 1 and f"{len(want)} parameter(s)" in said[0], said
+    for name, _ in model.named_parameters():
+        assert (name in said[0]) == (name in want), name

@@ -34,7 +34,7 @@ from ..records import ROLE, NodeInfo
 from . import native
 from . import torch_private as tp
 from .options import Options
-from .param_list import ParamList
+from .param_list import ParamList, ids_of
 from .rows import PackedRows
 from .stats import NONFINITE_COLUMNS, ROW_COLUMNS, Row, measure, measure_many, to_rows
 
@@ -498,6 +498,23 @@ class FinalGrads:
         if self._locked:
             for key in self._keys_of(ids):
                 self._locked.pop(key, None)
+
+    def unheld(self) -> list[str]:
+        """The names of the recorded parameters that require grad and hold a `.grad` though no optimizer that stepped
+        in this step holds them (a parameter never given to the optimizer, or replaced after it was built: its
+        `.grad` is never applied); empty where no optimizer stepped, or with FSDP2 (whose optimizer holds the
+        sharded parameters)."""
+        if not self.read_ids or self._aliases is not None:
+            return []
+        ids = ids_of(self.params)
+        left = ids.keys() - self.read_ids
+        if not left:
+            return []
+        return [
+            ids[id(p)]
+            for _, p in self.params
+            if id(p) in left and getattr(p, "requires_grad", False) and getattr(p, "grad", None) is not None
+        ]
 
     def _any_grad(self) -> bool:
         """Whether a recorded parameter holds a `.grad` now."""

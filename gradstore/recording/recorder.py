@@ -551,6 +551,22 @@ class record:
         known = self._known_box.value
         return known is None or known.structure.call_slot_reached()
 
+    def _warn_unheld(self, names: list[str]) -> None:
+        """Warn (once per record object) that these parameters got a `.grad` in a step whose optimizers hold none of
+        them (`FinalGrads.unheld`)."""
+        if not names or "unheld" in self._warned:
+            return
+        self._warned.add("unheld")
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        warnings.warn(
+            f"gradstore: in step {self._step_number}, {len(names)} parameter(s) with a .grad ({shown}) are held by no "
+            "optimizer that stepped: torch.optim never applies their gradient (not passed to the optimizer, or "
+            "replaced after it was built: model.to(dtype) with set_overwrite_module_params_on_conversion, a new "
+            "layer); their final rows are the .grad as the step left it (warned once per recording)",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
     def _warn_carried(self, names: list[str]) -> None:
         """Warn (once per record object) that these parameters' `.grad`s were not cleared after the last step's
         optimizer step: this step's first backward pass adds to them (`final_grads.carried`)."""
@@ -683,6 +699,11 @@ class record:
         state, self._state = self._state, None
         final, self._final = self._final, None
         self._carry = (frozenset(final.read_ids), final.read_states) if final is not None and final.read_ids else None
+        if final is not None and final.read_ids and state is not None:
+            try:
+                self._warn_unheld(final.unheld())
+            except Exception as exc_unheld:
+                state.fault("end of step", exc_unheld)
         observed, self._observed = self._observed, None
         values, value_faults = self._values.take() if state is not None else (self._values.clear(), [])
         for text in value_faults:  # unsampled steps' values are not kept
