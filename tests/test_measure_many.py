@@ -170,7 +170,8 @@ def test_pack_params_gives_the_rows_measure_params_gives(level):
     grads = (torch.randn(4, 3), None, torch.randn(4, 3).half(), torch.full((4, 3), math.inf))
     for (_, p), g in zip(params, grads):
         p.grad = g
-    params[3][1].requires_grad_(False)  # not measured by either
+    params[3][1].requires_grad_(False)  # frozen and without a .grad: not measured by either
+    params[3][1].grad = None
     opts = Options(stats=level)
     packed = final_grads.pack_params(params, opts)
     nodes, results, _ = final_grads.measure_params(params, opts)

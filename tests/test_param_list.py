@@ -20,8 +20,9 @@ def _pairs():
 
 
 def _selected_by_hand(pairs, keep):
-    """(keys, grads, parameters) of the pairs that `keep(name)` keeps and that require grad, in order."""
-    chosen = [(n, p) for n, p in pairs if keep(n) and p.requires_grad]
+    """(keys, grads, parameters) of the pairs that `keep(name)` keeps and that require grad or hold a `.grad` (one
+    frozen after a micro-batch keeps it, and an optimizer steps it), in order."""
+    chosen = [(n, p) for n, p in pairs if keep(n) and (p.requires_grad or p.grad is not None)]
     return [f"param:{n}" for n, _ in chosen], [p.grad for _, p in chosen], [p for _, p in chosen]
 
 
@@ -47,9 +48,11 @@ def test_selection_follows_requires_grad_and_grad_between_calls():
                 pairs[2][1].grad = torch.ones_like(pairs[2][1])
                 pairs[0][1].grad = torch.full_like(pairs[0][1], 2.0)
             if change == 2:
-                pairs[2][1].requires_grad_(False)  # frozen between two calls: no longer measured
+                pairs[2][1].requires_grad_(False)  # frozen between two calls, holding a .grad: still measured
+                pairs[1][1].requires_grad_(False)  # frozen without a .grad: no longer measured
             if change == 3:
                 pairs[2][1].requires_grad_(True)
+                pairs[1][1].requires_grad_(True)
                 pairs[3][1].grad = torch.zeros_like(pairs[3][1])
             nodes, grads, measured = final_grads._selected(pl, opts, None)
             keys, want_grads, want_params = _selected_by_hand(pairs, keep)
