@@ -490,8 +490,12 @@ class FinalGrads:
         except Exception:  # not a torch.optim.Optimizer, or not known
             return
         self.read_ids |= ids
-        states = self._states()
-        self.read_states = states[0] if states is not None else None
+        module = native.available(self.options.param_level)
+        try:
+            states = module.grad_states(self.params if type(self.params) is list else list(self.params))
+        except Exception:  # no C++ hooks, or a parameter they cannot read: nothing to tell by
+            states = None
+        self.read_states = states if type(states) is bytes else None
         if self.results is None:
             return
         self._stepped |= ids
