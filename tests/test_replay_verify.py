@@ -342,3 +342,46 @@ def test_a_compiled_region_is_never_replayed_and_the_real_pass_is_untouched():
     with pytest.raises(ReplayError, match="donated_buffer = False"):
         gradstore.replay_check(compiled(x).pow(2).sum())
     assert all(torch.equal(p.grad, b) for p, b in zip(net.parameters(), before))
+
+
+class _Sin32(torch.autograd.Function):
+    """sin computed in float32 inside (a float32-only kernel), whatever the input's dtype; `factor` scales the
+    backward (1: correct)."""
+
+    factor = 1.0
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sin(x.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.cos(x) * _Sin32.factor
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_verify_says_when_finite_differences_are_noise(factor, monkeypatch):
+    """A forward that computes in float32 inside: float64 finite differences at eps=1e-6 are rounding noise. The
+    row says so and gives the error against eps=1e-3: small for the correct backward, large for the wrong one.
+    Expected: plain float64 differences at both steps, and cos(x) by hand."""
+    monkeypatch.setattr(_Sin32, "factor", factor)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    with gradstore.verify.capture():
+        loss = _Sin32.apply(x).sum()
+    row = gradstore.verify(loss).iloc[0]
+    xd = x.detach().double()
+    u = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def fd(step):
+        f = lambda z: torch.sin(z.float()).double().sum()  # noqa: E731
+        return float((f(xd + step * u) - f(xd - step * u)) / (2 * step))
+
+    assert abs(fd(1e-6) - fd(1e-3)) > 1e-4 * abs(fd(1e-3))  # the two steps disagree: the premise
+    assert (float((torch.cos(xd) * u).sum() * factor) - fd(1e-3)) != 0
+    assert not row["ok"] and row["reason"] is not None and "not reliable at eps=1e-06" in row["reason"]
+    assert "eps=0.001" in row["reason"]
+    said = float(row["reason"].split("relative error against eps=0.001 is ")[1].split(":")[0])
+    want = abs(float((torch.cos(xd) * u).sum() * factor) - fd(1e-3)) / abs(fd(1e-3))  # one projection, by hand
+    assert (said < 1e-3 and want < 1e-3) if factor == 1.0 else (said > 0.3 and want > 0.3)

@@ -30,6 +30,7 @@ node among a call's outputs is taken) and `BackwardCFunction._forward_cls` (priv
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pandas as pd
@@ -137,32 +138,63 @@ def _check_node(
         x = args64[i]
         u = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(x.device)
         analytic = float((g.detach() * u).sum()) if g is not None else 0.0
+        numerical_at = functools.partial(_central_difference, call, args64, i, u, picked, vs, seed, devices)
+
         try:
-            with torch.no_grad():
-                plus = list(args64)
-                plus[i] = x + eps * u
-                minus = list(args64)
-                minus[i] = x - eps * u
-                fp = flatten_tensors(_run_forward(call, plus, seed, devices))
-                fm = flatten_tensors(_run_forward(call, minus, seed, devices))
-                numerical = sum(
-                    float(((fp[k].double() - fm[k].double()) / (2 * eps) * v).sum()) for k, v in zip(picked, vs)
-                )
+            numerical = numerical_at(eps)
         except Exception as exc:
             row["reason"] = f"the float64 forward raised {type(exc).__name__}: {exc}"[:300]
             continue
         err = abs(analytic - numerical)
         scale = max(abs(analytic), abs(numerical))
+        agrees = bool(err <= atol + rtol * abs(numerical)) and math.isfinite(analytic)
         row.update(
             analytic=analytic,
             numerical=numerical,
             abs_error=err,
             rel_error=err / scale if scale > 0 else 0.0,
-            ok=bool(err <= atol + rtol * abs(numerical)) and math.isfinite(analytic),
+            ok=agrees,
         )
         if g is None:
             row["reason"] = "backward returned None for an input that needs a gradient (taken as zeros)"
+        elif not agrees and math.isfinite(analytic):
+            row["reason"] = _coarser(numerical_at, analytic, numerical, eps, rtol, atol)
     return rows
+
+
+def _central_difference(call, args64: list, i: int, u, picked: list, vs: list, seed: int, devices, step) -> float:
+    """sum over the picked outputs k of <(f_k(x + step u) - f_k(x - step u)) / (2 step), vs[k]>, with forward argument
+    `i` moved along `u` (the float64 forward, re-run with the same RNG seed)."""
+    with torch.no_grad():
+        plus = list(args64)
+        plus[i] = args64[i] + step * u
+        minus = list(args64)
+        minus[i] = args64[i] - step * u
+        fp = flatten_tensors(_run_forward(call, plus, seed, devices))
+        fm = flatten_tensors(_run_forward(call, minus, seed, devices))
+        return sum(float(((fp[k].double() - fm[k].double()) / (2 * step) * v).sum()) for k, v in zip(picked, vs))
+
+
+def _coarser(numerical_at, analytic: float, numerical: float, eps: float, rtol: float, atol: float) -> str | None:
+    """Why a slot whose backward disagrees with the finite differences at `eps` may still be right, or None: where
+    the forward is not smooth in float64 at that step (it computes in float32 or lower inside, or rounds), the
+    differences at `eps` and at 1000 * `eps` disagree with each other; the note gives the backward's error against
+    the coarser ones. `ok` stays what `eps` gave (the caller may pass a larger eps=)."""
+    coarse = 1000 * eps
+    try:
+        other = numerical_at(coarse)
+    except Exception:
+        return None
+    if not math.isfinite(other) or abs(other - numerical) <= atol + rtol * abs(other):
+        return None  # the two steps agree: the differences are sound, and the backward disagrees with them
+    err = abs(analytic - other)
+    rel = err / max(abs(analytic), abs(other)) if max(abs(analytic), abs(other)) > 0 else 0.0
+    return (
+        f"finite differences are not reliable at eps={eps:g}: at eps={coarse:g} they give {other:.6g} against "
+        f"{numerical:.6g} (the forward is not smooth in float64 at that step: it computes in lower precision "
+        f"inside, or rounds); the backward's relative error against eps={coarse:g} is {rel:.2g}: try "
+        f"verify(..., eps={coarse:g})"
+    )
 
 
 def verify(
