@@ -551,36 +551,41 @@ class record:
         known = self._known_box.value
         return known is None or known.structure.call_slot_reached()
 
-    def _warn_unheld(self, names: list[str]) -> None:
-        """Warn (once per record object) that these parameters got a `.grad` in a step whose optimizers hold none of
-        them (`FinalGrads.unheld`)."""
-        if not names or "unheld" in self._warned:
+    def _warn_params(self, what: str, names: list[str], message) -> None:
+        """A RuntimeWarning about the training code (once per record object and `what`), naming parameters:
+        `message(count, shown)` gives its text from their number and the first six names."""
+        if not names or what in self._warned:
             return
-        self._warned.add("unheld")
+        self._warned.add(what)
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        warnings.warn(
-            f"gradstore: in step {self._step_number}, {len(names)} parameter(s) with a .grad ({shown}) are held by no "
-            "optimizer that stepped: torch.optim never applies their gradient (not passed to the optimizer, or "
-            "replaced after it was built: model.to(dtype) with set_overwrite_module_params_on_conversion, a new "
-            "layer); their final rows are the .grad as the step left it (warned once per recording)",
-            RuntimeWarning,
-            stacklevel=_user_stacklevel(),
+        warnings.warn(message(len(names), shown), RuntimeWarning, stacklevel=_user_stacklevel())
+
+    def _warn_unheld(self, names: list[str]) -> None:
+        """Warn that these parameters got a `.grad` in a step whose optimizers hold none of them
+        (`FinalGrads.unheld`)."""
+        self._warn_params(
+            "unheld",
+            names,
+            lambda n, shown: (
+                f"gradstore: in step {self._step_number}, {n} parameter(s) with a .grad ({shown}) are held by no "
+                "optimizer that stepped: torch.optim never applies their gradient (not passed to the optimizer, or "
+                "replaced after it was built: model.to(dtype) with set_overwrite_module_params_on_conversion, a new "
+                "layer); their final rows are the .grad as the step left it (warned once per recording)"
+            ),
         )
 
     def _warn_carried(self, names: list[str]) -> None:
-        """Warn (once per record object) that these parameters' `.grad`s were not cleared after the last step's
-        optimizer step: this step's first backward pass adds to them (`final_grads.carried`)."""
-        if not names or "carried" in self._warned:
-            return
-        self._warned.add("carried")
-        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        warnings.warn(
-            f"gradstore: step {self._step_number}'s backward pass adds to the .grad of {len(names)} parameter(s) "
-            f"({shown}) that an optimizer stepped with in the step before, not cleared since (no zero_grad() between "
-            "optimizer.step() and this backward?): gradients accumulate across optimizer steps; "
-            "param_grads(which='final') holds the sums (warned once per recording)",
-            RuntimeWarning,
-            stacklevel=_user_stacklevel(),
+        """Warn that these parameters' `.grad`s were not cleared after the last step's optimizer step: this step's
+        first backward pass adds to them (`final_grads.carried`)."""
+        self._warn_params(
+            "carried",
+            names,
+            lambda n, shown: (
+                f"gradstore: step {self._step_number}'s backward pass adds to the .grad of {n} parameter(s) ({shown}) "
+                "that an optimizer stepped with in the step before, not cleared since (no zero_grad() between "
+                "optimizer.step() and this backward?): gradients accumulate across optimizer steps; "
+                "param_grads(which='final') holds the sums (warned once per recording)"
+            ),
         )
 
     def _warn_once(self, what: str, message: str) -> None:
