@@ -745,7 +745,8 @@ def _show_nonfinite(
     the finite elements: an all-NaN gradient has norm 0 and would sort last). `grads`: param_grads(which='all'),
     the .grad after the step's last backward pass and as the optimizer saw it: a parameter counts when either
     held NaN or Inf (a loop that sets .grad to None before the step ends leaves only the first)."""
-    bad_params = grads[_nonfinite_mask(grads)].drop_duplicates(["rank", "param"])
+    bad_rows = grads[_nonfinite_mask(grads)]
+    bad_params = bad_rows.drop_duplicates(["rank", "param"])
     grads = grads.drop_duplicates(["rank", "param"])
     node_rows = tensors[tensors["role"].isin(["grad_output", "grad_input"])]
     bad_nodes = node_rows[_nonfinite_mask(node_rows)]
@@ -796,11 +797,16 @@ def _show_nonfinite(
         f"{len(bad_params):,} of {len(grads):,}" + (":" if len(bad_params) else "")
     )
     if len(bad_params):
-        cols = ["rank", "param", "shape", "numel", "nan", "posinf", "neginf", "norm"]
+        # both moments where their counts differ (GradScaler.unscale_ or clipping between them), else one row
+        shown = bad_rows.drop_duplicates(["rank", "param", "nan", "posinf", "neginf", "norm"]).copy()
+        shown["moment"] = [
+            "as the optimizer read it" if f == 1 else "after the last pass" for f in shown["final"].fillna(0)
+        ]
+        cols = ["rank", "param", "moment", "shape", "numel", "nan", "posinf", "neginf", "norm"]
         click.echo(
             _table_keeping(
-                bad_params[cols],
-                list(range(min(limit, len(bad_params)))),
+                shown[cols],
+                list(range(min(limit, len(shown)))),
                 lambda h: ", ".join(h["param"].head(5)) + (", ..." if len(h) > 5 else ""),
             )
         )

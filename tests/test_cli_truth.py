@@ -5,6 +5,7 @@ checksums are exact integers, long commands draw progress on a terminal and noth
 
 from __future__ import annotations
 
+import math
 import os
 import pty
 import re
@@ -173,3 +174,29 @@ def test_merge_and_upgrade_draw_progress_on_a_terminal_only(wide, tmp_path):
     numbers = {r.split("_")[0] for r in pending_revisions("0001")}
     shown = set(re.findall(r"applied schema revision (\d{4})", term))
     assert "upgrading" in term and shown and shown <= numbers, term
+
+
+def test_show_gives_both_moments_of_a_grad_changed_between_the_pass_and_the_optimizer(tmp_path):
+    """A `.grad` that held 1 NaN when the backward pass returned and 2 when the optimizer read it (the loop wrote
+    another NaN in between): `show --step` lists both rows, each named by its moment. Expected: the counts of the
+    `.grad` copies taken by hand at those two moments."""
+    db = str(tmp_path / "m.db")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    model.weight.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(math.nan)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradstore.record("moments", db=db, model=model):
+        model(torch.randn(4, 3)).sum().backward()
+        after_pass = int(model.weight.grad.isnan().sum())
+        with torch.no_grad():
+            model.weight.grad[1, 1] = math.nan
+        read = int(model.weight.grad.isnan().sum())
+        opt.step()
+    assert (after_pass, read) == (1, 2)
+    out = invoke("show", db, "moments", "--step", 0).output
+    table = out.split("Non-finite parameter .grad")[1].split("Non-finite node gradients")[0]
+    rows = [line.split() for line in table.splitlines() if line.strip().startswith("0 ")]
+    assert [(r[1], r[-4]) for r in rows] == [("weight", str(after_pass)), ("weight", str(read))] or [
+        (r[1], r[-4]) for r in rows
+    ] == [("weight", str(read)), ("weight", str(after_pass))], table
+    assert "after the last pass" in table and "as the optimizer read it" in table, table
