@@ -668,6 +668,11 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
         out.insert(4, "not_measured", shown)
     counts = steps["status"].value_counts()
     click.echo("\nSteps (" + ", ".join(f"{n} {status}" for status, n in counts.items()) + "); times in seconds:")
+    from .view.story import left_out  # pandas only, as the CLI
+
+    left = left_out(store, run, rank=rank)
+    if left:  # a status speaks of what was measured only
+        click.echo(f"  {left.sentence()} A step's status speaks of the rest only.")
     lost = _unwritten_line(store, run, rank=rank)
     if lost:
         click.echo(f"  {lost}")
@@ -740,11 +745,13 @@ def _show_nonfinite(
     limit: int,
     levels: set | None = None,
     skipped: pd.DataFrame | None = None,
+    left=None,
 ) -> None:
     """The step's non-finite parameter .grad and node gradients, before any list sorted by norm (a norm is over
     the finite elements: an all-NaN gradient has norm 0 and would sort last). `grads`: param_grads(which='all'),
     the .grad after the step's last backward pass and as the optimizer saw it: a parameter counts when either
-    held NaN or Inf (a loop that sets .grad to None before the step ends leaves only the first)."""
+    held NaN or Inf (a loop that sets .grad to None before the step ends leaves only the first). `left`
+    (story.LeftOut): what the step reached and did not measure, said with any "none"."""
     bad_rows = grads[_nonfinite_mask(grads)]
     bad_params = bad_rows.drop_duplicates(["rank", "param"])
     grads = grads.drop_duplicates(["rank", "param"])
@@ -790,6 +797,7 @@ def _show_nonfinite(
                 else ""
             )
             + ")"
+            + (f"; not measured, so not checked: {left.words()} (above)" if left else "")
         )
         return
     click.echo(
@@ -913,6 +921,11 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             )
         )
 
+    from .view.story import left_out  # pandas only, as the CLI
+
+    unhooked = left_out(store, run, step=step, rank=rank)
+    if unhooked:  # the step's status and every "none" below speak of what was measured only
+        click.echo(f"\n{unhooked.sentence()}")
     status = store.param_status(run=run, rank=rank, step=step)
     if not status.empty:
         odd = status[status["status"] != "ok"]
@@ -920,8 +933,9 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         per = " (a row per name and rank)" if status["rank"].nunique() > 1 else ""
         click.echo(
             f"\nParameters whose status is not ok: without a gradient, with an all-zero one, or with one not measured "
-            f"({len(odd)} of {len(status)} names{per}; {ok} ok): "
-            "status says why (README: param_status; ok says nothing of NaN/Inf, listed below)"
+            f"({len(odd)} of {len(status)} names{per}; {ok} ok"
+            + (f"; {len(unhooked.params):,} more not recorded, above" if unhooked.params else "")
+            + "): status says why (README: param_status; ok says nothing of NaN/Inf, listed below)"
         )
         shown_odd, more = _limited(odd, limit)
         reasons = {}
@@ -959,10 +973,11 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         notes = [f"{left:,} closer to 1 not shown: --limit N"] if left else []
         local = local_calls
         if unmeasured - local:
-            notes.append(
-                f"{unmeasured - local:,} with no ratio: no gradient flowed out (inputs that need none) or in, or a "
-                "side was not measured"
-            )
+            # why, from module_gains' no_ratio (NaN/Inf in a boundary tensor, a side not measured, ...), most first
+            why = gains["no_ratio"].dropna()
+            why = why[~why.str.startswith("not compared")].value_counts()
+            reasons = "; ".join(f"{int(n):,} {reason}" for reason, n in why.items())
+            notes.append(f"{unmeasured - local:,} with no ratio: {reasons}")
         if local:
             notes.append(
                 f"{local:,} not compared: tensor parallelism, the call's gradients on a rank include DTensor shards, "
@@ -1034,7 +1049,9 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     tensors = store.tensors(run=run, rank=rank, step=step)
     grads = store.param_grads(run=run, rank=rank, step=step)
     levels = set(store.steps(run=run, rank=rank, step=step)["level"])
-    _show_nonfinite(tensors, store.param_grads(run=run, rank=rank, step=step, which="all"), limit, levels, skipped)
+    _show_nonfinite(
+        tensors, store.param_grads(run=run, rank=rank, step=step, which="all"), limit, levels, skipped, left=unhooked
+    )
 
     calls = store.calls(run=run, rank=rank, step=step)
     slow = calls.sort_values("duration", ascending=False).head(limit)
@@ -1704,10 +1721,18 @@ def ranks(db, run, step, verbose):
                 missing_here = [r for r in every_rank if r not in set(int(x) for x in at["rank"])]
                 if missing_here and int(st) != step:
                     unseen[int(st)] = missing_here
+        sick_steps: list[int] = []
         if step_given is None:  # the last step only: say where the ranks first differed, if earlier
             every = store.rank_divergence(run)
             bad = every[every["result"] == "differs"]
             earlier = int(bad["step"].min()) if len(bad) and int(bad["step"].min()) < step else None
+            # and where a .grad held NaN/Inf on some rank: agreeing there is no health
+            grads_all = store.param_grads(run=run, which="all")
+            sick = grads_all[_nonfinite_mask(grads_all)] if len(grads_all) else grads_all
+            sick_steps = sorted({int(v) for v in sick["step"]} - {step}) if len(sick) else []
+        from .view.story import left_out  # pandas only, as the CLI
+
+        unhooked = left_out(store, run)
     rank_list = ", ".join(map(str, ranks_at))
     by_param = {p: table[table["param"] == p] for p in params}
     verdict, rules = {}, {}
@@ -1768,6 +1793,17 @@ def ranks(db, run, step, verbose):
         click.echo(
             f"  the ranks differed earlier, first at step {earlier}: gradstore ranks {db} {run} --step {earlier} "
             "(without --step, only the last recorded step is checked)"
+        )
+    if sick_steps:
+        click.echo(
+            f"  not healthy elsewhere: a parameter .grad held NaN or Inf at step{'s' if len(sick_steps) > 1 else ''} "
+            f"{_step_ranges(sick_steps)} (whether or not the ranks agree there): gradstore ranks {db} {run} --step "
+            f"{sick_steps[0]}"
+        )
+    if unhooked.params:
+        click.echo(
+            f"  not compared: {len(unhooked.params)} of the {unhooked.params_total} parameters in the record's graph "
+            f"were not recorded (a modules= / params= filter): {_names(unhooked.params, verbose)}"
         )
     if unseen:
         click.echo(

@@ -198,10 +198,11 @@ def test_history_series_of_two_runs_match_plain_pytorch(recorded):
     assert labelled and max(to_axes.transform((0, y))[1] for y in labelled) < 1 - plots.NONFINITE_BAND  # no number
     marks = [c for c in ax.collections if len(c.get_offsets()) and c.get_offsets()[0][1] > 1 - plots.NONFINITE_BAND]
     expected = [[t for t in range(4) if not torch.isfinite(seen[t]["a.weight"]).all()] for seen in (a, b)]
-    # plain PyTorch's NaN steps; two lines marked at one step sit apart (within 0.5 of it), not on top of each other
-    assert [[round(x) for x in c.get_offsets()[:, 0]] for c in marks] == [e for e in expected if e]
-    xs = [x for c in marks for x in c.get_offsets()[:, 0]]
-    assert len(set(xs)) == len(xs) and all(abs(x - round(x)) < 0.5 for x in xs)
+    # plain PyTorch's NaN steps; two lines marked at one step sit exactly on it, apart in height (not on top of each
+    # other, and never beside the step, where they would read as another step)
+    assert [[float(x) for x in c.get_offsets()[:, 0]] for c in marks] == [e for e in expected if e]
+    points = [tuple(p) for c in marks for p in c.get_offsets()]
+    assert len(set(points)) == len(points) and all(float(x).is_integer() for x, _ in points)
     with pytest.raises(gradstore.ArgumentError, match="exactly one"):
         history(store, "run-a", param="a.weight", module="a")
     with pytest.raises(gradstore.UnknownRun):

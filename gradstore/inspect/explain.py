@@ -395,7 +395,8 @@ class RecordedExplanation:
     """What a gradstore database knows about one node of a run.
 
     Attributes: run, key, name, kind, module, param, first_step, region (a compiled region's modules, comma-separated,
-    or None); edges_in / edges_out: DataFrames (src, src_slot,
+    or None), frame (the user-code line that created it, 'file:line in function', with record(frames=True); None:
+    not recorded); edges_in / edges_out: DataFrames (src, src_slot,
     dst, dst_slot): who sends gradients into this node's grad_outputs and where its grad_inputs go; step and
     rank: the step shown; calls: DataFrame of its calls in that step (pass, seq, start, duration in s);
     tensors: DataFrame of its gradient statistics in that step (pass, seq, role grad_output / grad_input /
@@ -416,12 +417,17 @@ class RecordedExplanation:
     calls: object
     tensors: object
     region: str | None = None
+    frame: str | None = None
 
     def lines(self) -> list[str]:
         where = f"module {self.module!r}" if self.module else "top level (the model itself, or no module)"
         out = [
             f"{self.key} in run {self.run!r}: {self.name} ({self.kind}), {where}, first seen at step "
-            f"{self.first_step}" + (f", parameter {self.param}" if self.param else "")
+            f"{self.first_step}" + (f", parameter {self.param}" if self.param else ""),
+            f"created at {self.frame}"
+            if self.frame
+            else "created at: not recorded"
+            + ("" if self.param else " (record(frames=True) keeps the user-code line that made the node)"),
         ]
         if self.region is not None:
             inside = ", ".join(self.region.split(",")) if self.region else "no submodule"
@@ -491,6 +497,8 @@ class RecordedExplanation:
             f"<p><b>{html.escape(self.key)}</b>: {html.escape(self.name)} ({html.escape(self.kind)}), module "
             f"<code>{html.escape(self.module or '-')}</code>, step {self.step}</p>"
         )
+        if self.frame:
+            head += f"<p>created at <code>{html.escape(self.frame)}</code></p>"
         if self.region is not None:
             head += f"<p>torch.compile region; modules inside: <code>{html.escape(self.region or '-')}</code></p>"
         return (
@@ -544,6 +552,7 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             tensors = tensors[(tensors["key"] == key) & tensors["seq"].notna()].reset_index(drop=True)
         param = n["param"] if isinstance(n["param"], str) else None
         region = n["region"] if isinstance(n.get("region"), str) else None
+        frame = n["frame"] if isinstance(n.get("frame"), str) and n["frame"] else None
         return RecordedExplanation(
             run=run,
             key=key,
@@ -559,6 +568,7 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             calls=calls[["pass", "seq", "start", "duration"]] if not calls.empty else calls,
             tensors=tensors,
             region=region,
+            frame=frame,
         )
     finally:
         if store is not db:

@@ -46,6 +46,7 @@ h3 { font-size: 15px; margin: 18px 0 6px; }
 .bad { color: #c40030; font-weight: 600; } .good { color: #1f7a36; font-weight: 600; } .note { color: #5a6478; }
 .callout { border-left: 5px solid #c40030; background: #fff3f5; padding: 10px 14px; margin: 10px 0; }
 .calm { border-left: 5px solid #4c9a5e; background: #f2faf3; padding: 10px 14px; margin: 10px 0; }
+.partial { border-left: 5px solid #c98a00; background: #fff8e8; padding: 10px 14px; margin: 10px 0; }
 table { border-collapse: collapse; font-size: 12.5px; margin: 8px 0; }
 th, td { border: 1px solid #dde2ea; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f1f4f9; } td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -206,7 +207,9 @@ def _not_measured_why(store, run: str, role: str | None = None) -> str:
     return "; ".join(f"{reason}: {int(n):,} {what}" for reason, n in counts.items())
 
 
-def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> None:
+def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=None) -> None:
+    """The steps and their statuses; `left` (story.LeftOut): what the record reached and did not measure (a
+    status says nothing of it)."""
     page.section("steps", "Steps")
     if steps.empty:
         page.add('<p class="note">No steps recorded yet.</p>')
@@ -214,7 +217,8 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> No
     ranks = sorted(steps["rank"].unique())
     counts = steps["status"].value_counts()
     words = ", ".join(
-        f'<span class="{_STATUS_CLASS.get(s, "bad")}">{int(n):,} {_e(s)}</span>' for s, n in counts.items()
+        f'<span class="{"note" if left and s == "ok" else _STATUS_CLASS.get(s, "bad")}">{int(n):,} {_e(s)}</span>'
+        for s, n in counts.items()
     )
     nums = sorted(int(s) for s in steps["step"].unique())
     levels = ", ".join(f"{_e(lv)} ({int(n):,})" for lv, n in steps["level"].value_counts().items())
@@ -223,6 +227,8 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> No
         f"(steps {_e(_ranges(nums))}): {words}. Recorded at stats level {levels}.</p>"
     )
     page.add(_png(_status_strip(steps), f"status of each step of {run}"))
+    if left:  # a status speaks of what was measured: say first what was not
+        page.add(f'<p class="partial">{_e(left.sentence())} A step status speaks of the rest only.</p>')
     lost = steps[steps["status"] == UNWRITTEN]
     if len(lost):
         head = "not written to the database: "
@@ -265,10 +271,13 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None) -> No
         if unmeasured < len(steps):
             tail = f" ({int(partly.sum()):,} of them with gradients not measured, above)" if partly.any() else ""
             which = "written" if len(lost) else "recorded"  # the steps not written were not checked
+            if left:  # not all clear: part of the graph was never measured (above)
+                tail += "; that speaks of the measured gradients only, not of the parameters and nodes above"
+            box = "partial" if left else "calm"
             page.add(
-                f'<p class="calm">Every {which} step has status ok{tail}.</p>'
+                f'<p class="{box}">Every {which} step has status ok{_e(tail)}.</p>'
                 if not unmeasured
-                else f'<p class="calm">Every other {which} step has status ok{tail}.</p>'
+                else f'<p class="{box}">Every other {which} step has status ok{_e(tail)}.</p>'
             )
         return
     shown = bad.head(50)
@@ -322,6 +331,11 @@ def _counts(nan, posinf, neginf) -> str:
     return ", ".join(f"{n:,} {w}" for n, w in c if n) or "no NaN or Inf"
 
 
+def _word(v: float) -> str:
+    """'NaN', '+Inf' or '-Inf' for a non-finite float, else the number."""
+    return "NaN" if v != v else ("+Inf" if v == float("inf") else ("-Inf" if v == float("-inf") else f"{v:.6g}"))
+
+
 def _bad(row) -> bool:
     return bool(story.count_of(row.nan) + story.count_of(row.posinf) + story.count_of(row.neginf))
 
@@ -359,10 +373,23 @@ def _origin(start: story.NonfiniteStart) -> str:
             "hold or did not measure.",
         )
         return text + (" " + SKIPPED_STEP if start.amp_skipped else "")
-    parts = [
-        "Its grad_outputs were measured finite and its grad_inputs were not: <b>its backward made them</b>, from "
-        "finite incoming gradients."
-    ]
+    if start.forward_nonfinite:  # the forward held NaN/Inf first: the backward only carried a forward value on
+        parts = [
+            "Its grad_outputs were measured finite and its grad_inputs were not, but <b>the forward was already "
+            "non-finite</b> (below): its backward combined the finite incoming gradients with a non-finite forward "
+            "value it used (bad input data or an earlier layer), not a derivative that fails at finite values."
+        ]
+    else:
+        parts = [
+            "Its grad_outputs were measured finite and its grad_inputs were not: <b>its backward made them</b>, from "
+            "finite incoming gradients."
+        ]
+    if start.logged_losses:
+        parts.append(
+            "The loss logged in this step was non-finite ("
+            + "; ".join(f"<code>{_e(nm)}</code> = {_e(_word(v))}" for nm, v in start.logged_losses)
+            + ", a step value): the forward went non-finite before this backward pass began."
+        )
     forward_bad = False
     n = start.narrowing
     inf_only = bool(start.slots["nan"].fillna(0).sum() == 0)
@@ -372,6 +399,11 @@ def _origin(start: story.NonfiniteStart) -> str:
             f"values reach {n.largest:.4g} in magnitude, past {_e(n.to_dtype)}'s largest finite value {n.limit:.6g} "
             f"(torch.finfo): <b>converting them to {_e(n.to_dtype)} overflowed</b> to +-Inf (under torch.autocast "
             "with a GradScaler: a loss scale too large for these gradients)."
+        )
+    elif start.saved is None and start.forward_nonfinite:
+        parts.append(
+            "The tensors it saved in the forward were not recorded (record(saved=True) measures them): with the "
+            "forward non-finite, they likely held NaN or Inf."
         )
     elif start.saved is None:
         parts.append(
@@ -450,19 +482,22 @@ def _origin(start: story.NonfiniteStart) -> str:
         else:
             parts.append("The loss was not measured (its row was skipped).")
     advice = []
-    if start.saved is None and n is None:  # the saved values are the question left open: name what measures them
+    if start.saved is None and n is None and not start.forward_nonfinite:  # the question left open: what measures it
         advice.append("record(saved=True) measures each node's saved tensors")
         if start.losses is None and not start.activations_recorded:
             advice.append("record(forward=True) measures the loss and each module's output")
     if advice:
         parts.append("To tell these apart: " + "; ".join(advice) + ".")
+    elif start.forward_nonfinite and start.activation is None and not start.activations_recorded:
+        parts.append("record(forward=True) names the first module output that held NaN or Inf.")
     if start.amp_skipped:
         parts.append(SKIPPED_STEP)
     return " ".join(parts)
 
 
-def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int | None:
-    """The section on the run's first non-finite gradient; returns the rank it is on (None: none recorded)."""
+def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None) -> int | None:
+    """The section on the run's first non-finite gradient; returns the rank it is on (None: none recorded).
+    `left` (story.LeftOut): what was not measured, said with any claim that no gradient held NaN/Inf."""
     page.section("nonfinite", "First non-finite gradient")
     start = story.first_nonfinite(store, run)
     pf = story.param_first(store, run)
@@ -498,6 +533,8 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
             f"{len(params_only):,} step records at stats='params' hold parameter .grad only: their nodes "
             "were not checked"
         )
+    if left and start is not None:  # where no sentence below says that nothing held NaN/Inf
+        caveats.append(f"Not checked for NaN/Inf: {left.words()}, not measured (see Steps)")
     if start is None and pf is not None:
         for c in caveats:
             page.add(f'<p class="note">{_e(c)}.</p>')
@@ -522,8 +559,16 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
                 )
             elif not_measured:
                 page.add(
-                    '<p class="calm">No recorded gradient held NaN or Inf (exact counts, in the '
-                    f"{measured:,} measured gradient rows); {not_measured:,} not measured ({_e(why)}).</p>"
+                    f'<p class="{"partial" if left else "calm"}">No recorded gradient held NaN or Inf (exact counts, '
+                    f"in the {measured:,} measured gradient rows); {not_measured:,} not measured ({_e(why)})"
+                    + (f"; and {_e(left.words())}, not measured: not checked" if left else "")
+                    + ".</p>"
+                )
+            elif left:
+                page.add(
+                    '<p class="partial">No measured gradient held NaN or Inf (exact counts, in the '
+                    f"{measured:,} measured gradient rows), but {_e(left.words())} were not measured: whether they "
+                    "held NaN or Inf is not known.</p>"
                 )
             else:
                 page.add(
@@ -603,7 +648,7 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame) -> int
     return pf.rank if pf is not None else start.rank
 
 
-def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame, rank: int | None = None) -> None:
+def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame, rank: int | None = None, left=None) -> None:
     """The heatmap by module of `rank`: the rank of the first non-finite gradient where there is one (the lowest
     rank may hold none), else the lowest."""
     page.section("heatmap", "Gradient norms by module and step")
@@ -625,11 +670,24 @@ def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame, rank: in
         "the first non-finite node call's module and step, where that call holds the run's first non-finite "
         f"gradient (a parameter's .grad that came first is named in the legend, not outlined).{which}</p>"
     )
+    if left:
+        page.add(
+            '<p class="partial">Rows: the modules with a measured node only; the nodes and parameters not measured '
+            "(see Steps) have no row or an empty one.</p>"
+        )
     page.add(_png(fig, f"heatmap of gradient norms by module for {run}"))
 
 
-def _params_section(page: _Page, store, run: str) -> None:
+def _params_section(page: _Page, store, run: str, left=None) -> None:
     page.section("params", "Parameters whose gradients changed most")
+    if left is not None and left.params:
+        page.add(
+            f'<p class="partial">{len(left.params):,} of the {left.params_total:,} parameters in the record\'s graph '
+            "were not recorded (a modules= / params= filter): "
+            + ", ".join(f"<code>{_e(p)}</code>" for p in left.params[:20])
+            + (f" and {len(left.params) - 20:,} more" if len(left.params) > 20 else "")
+            + ". They have no row below; their .grad was not measured.</p>"
+        )
     top, when = story.changed_most(store, run, top=10), "after the step's last backward pass"
     if top.empty:  # no top-level backward pass recorded a .grad: the final rows, where there are
         top, when = (
@@ -731,7 +789,7 @@ def _params_section(page: _Page, store, run: str) -> None:
     page.add(_png(fig, "gradient norm history of the parameters that changed most"))
 
 
-def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
+def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None) -> None:
     page.section("ranks", "Ranks")
     world = int(store.query("runs", run=run)["world_size"].iloc[0])
     ranks = sorted(steps["rank"].unique()) if len(steps) else []
@@ -756,12 +814,14 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
     unchecked = agree[(agree["differing"] == 0) & (agree["not_compared"] > 0)]
     empty = agree[agree["params"] == 0]
     if differing.empty and unchecked.empty and empty.empty:
-        how = "bitwise (checksums)" if (agree["compared"] == "checksum").all() else "by their statistics"
+        how = "bitwise, by checksums" if (agree["compared"] == "checksum").all() else "by their statistics"
         replicated, sharded = _span(agree["replicated"]), _span(agree["sharded"])
         if (agree["sharded"] == 0).all():
             text = (
-                f"At all {len(agree):,} steps recorded by several ranks, every parameter's .grad agrees across ranks "
-                f"({how}): after the backward pass, and as the optimizer saw it where the step has final rows."
+                f"At all {len(agree):,} steps recorded by several ranks, every "
+                + ("recorded " if left else "")
+                + f"parameter's .grad agrees across ranks ({how}): after the backward pass, and as the optimizer saw "
+                "it where the step has final rows."
             )
         else:
             text = (
@@ -776,7 +836,17 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame) -> None:
                 "Partial term of a DTensor) were compared by layout only: placements, mesh and global shape agree; "
                 "their values are not compared across ranks, so a rank whose shard went wrong does not show here."
             )
-        page.add(f'<p class="calm">{_e(text)}</p>')
+        sick = agree[agree["nonfinite"] > 0]  # agreement is not health: equal values may all be NaN
+        if len(sick):
+            text += (
+                f" Agreeing is not healthy: at {len(sick):,} of these steps (step{'s' if len(sick) > 1 else ''} "
+                f"{_ranges(sorted(int(v) for v in sick['step']))}) the ranks agree on .grad that hold NaN or Inf "
+                f"({int(sick['nonfinite'].max()):,} parameter{'s' if int(sick['nonfinite'].max()) > 1 else ''} at "
+                "most; column nonfinite)."
+            )
+        if left:
+            text += f" Not compared: {left.words()}, not measured."
+        page.add(f'<p class="{"callout" if len(sick) else "partial" if left else "calm"}">{_e(text)}</p>')
     if not differing.empty:
         first = differing.iloc[0]
         stages = str(first["stages"]).split(",")
@@ -860,21 +930,35 @@ def _values_section(page: _Page, store, run: str) -> None:
         return
     # the wide frame has NaN both where a step logged NaN and where it logged nothing: the long one tells them apart
     logged = {(int(r.step), int(r.rank), r.name) for r in store.query("values", run=run).itertuples()}
+    ticker = require("matplotlib.ticker", "gradstore report")
     cols = min(3, len(names))
     rows = int(np.ceil(len(names) / cols))
+    several = "rank" in vals and vals["rank"].nunique() > 1  # a line per rank: the legend says which is which
     fig = figure_class()(figsize=(4.0 * cols, 2.6 * rows), layout="constrained")
+    bad_rows = pd.Series(False, index=vals.index)  # the rows that logged NaN or +/-Inf: always in the table
     for i, name in enumerate(names):
         ax = fig.add_subplot(rows, cols, i + 1)
         groups = vals.groupby("rank") if "rank" in vals else [(None, vals)]
         bad_steps: set[int] = set()
-        for rank, f in groups:
+        for k, (rank, f) in enumerate(groups):
             y = pd.to_numeric(f[name], errors="coerce")
-            ax.plot(f["step"], y, marker="o", markersize=2, label=None if rank is None else f"rank {rank}")
+            # ranks often log equal values (DDP's averaged loss, one lr): a later rank's line is dashed and its
+            # markers hollow, so that the line under it still shows
+            style = {"linestyle": (0, (4, 3)), "markerfacecolor": "none"} if k else {}
+            ax.plot(
+                f["step"],
+                y,
+                marker="o",
+                markersize=2 if not k else 4,
+                label=f"rank {rank}" if several else None,
+                **style,
+            )
             # a logged NaN or +/-Inf draws no point: marked on the top edge instead of left out silently
             for st, v in zip(f["step"], y):
                 r = 0 if rank is None else int(rank)
                 if (v != v and (int(st), r, name) in logged) or v in (np.inf, -np.inf):
                     bad_steps.add(int(st))
+                    bad_rows[(vals["step"] == st) & ((vals["rank"] == rank) if "rank" in vals else True)] = True
         if bad_steps:
             xs = sorted(bad_steps)
             ax.plot(
@@ -887,9 +971,11 @@ def _values_section(page: _Page, store, run: str) -> None:
                 markersize=6,
                 label="NaN / Inf logged",
             )
-            ax.legend(fontsize=6, loc="lower left", frameon=False)
+        if several or bad_steps:  # beside the axes: inside, it would sit on the lines
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
         ax.set_title(str(name) + (" (NaN / Inf: x on the top edge)" if bad_steps else ""), fontsize=9, loc="left")
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # steps are whole numbers
         ax.tick_params(labelsize=7)
     page.add(_png(fig, "step values over steps"))
     if len(lost):
@@ -900,12 +986,21 @@ def _values_section(page: _Page, store, run: str) -> None:
     vals = vals.merge(lost.assign(_lost=1), how="left", on=["step", "rank"]) if len(lost) else vals
     if "_lost" in vals:
         vals = vals[vals["_lost"] != 1].drop(columns="_lost")
-    shown = vals.tail(10).astype({name: object for name in names})
+    last = vals.index[-10:]
+    keep = vals.index.isin(last) | bad_rows.reindex(vals.index, fill_value=False).to_numpy()
+    shown = vals[keep].astype({name: object for name in names})
     for i, row in shown.iterrows():
         for name in names:
             v = row[name]
             if isinstance(v, float) and np.isnan(v) and (int(row["step"]), int(row.get("rank", 0)), name) in logged:
                 shown.at[i, name] = "NaN"
+    if len(shown) < len(vals):
+        early = int((~vals.index.isin(last) & keep).sum())
+        page.add(
+            f'<p class="note">The last {len(last):,} of {len(vals):,} rows (step, rank)'
+            + (f", and before them the {early:,} that logged NaN or Inf" if early else "")
+            + f"; every row: <code>gradstore query DB values -p run={_e(run)}</code>.</p>"
+        )
     page.add(_table(shown, set(names) | {"step", "rank"}))
     page.add('<p class="note">NaN: the step logged NaN; -: the step did not log that value.</p>')
 
@@ -922,16 +1017,17 @@ def report_html(store, run: str, progress: Callable[[str], None] | None = None) 
     tick("run")
     steps = _run_section(page, store, run, str(store.db))
     tick("steps")
-    _steps_section(page, steps, run, store)
+    left = story.left_out(store, run)  # what a modules= / params= filter left unmeasured: said with every claim
+    _steps_section(page, steps, run, store, left=left)
     tick("first non-finite gradient")
-    rank = _nonfinite_section(page, store, run, steps)
+    rank = _nonfinite_section(page, store, run, steps, left=left)
     tick("heatmap")
     if len(steps):
-        _heatmap_section(page, store, run, steps, rank=rank)
+        _heatmap_section(page, store, run, steps, rank=rank, left=left)
     tick("parameters")
-    _params_section(page, store, run)
+    _params_section(page, store, run, left=left)
     tick("ranks")
-    _ranks_section(page, store, run, steps)
+    _ranks_section(page, store, run, steps, left=left)
     tick("step values")
     _values_section(page, store, run)
     nav = "".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in page.nav)

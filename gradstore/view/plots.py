@@ -86,7 +86,9 @@ def _first_nonfinite_cell(store, run: str, g) -> tuple | None:
     if label not in g.labels:
         return None
     how = (
-        "its backward made it"
+        "the forward was non-finite first"
+        if start.made_here and start.forward_nonfinite
+        else "its backward made it"
         if start.made_here
         else "its grad_outputs were not measured"
         if start.outputs == "not measured"
@@ -225,9 +227,11 @@ def heatmap(
     if g.notes:
         title += "\n" + textwrap.fill("; ".join(g.notes), width=max(40, int(ax.figure.get_figwidth() * 9)))
     ax.set_title(title, fontsize=10, loc="left")
-    bar = ax.figure.colorbar(mesh, ax=ax, extend="min" if log and zeros.any() else "neither", shrink=0.9)
-    bar.set_label(f"{_UNITS[stat]} ({'log' if log else 'symmetric log'} scale)", fontsize=8)
-    bar.ax.tick_params(labelsize=7)
+    if drawn.any():  # a colour bar maps values: with none measured (stats='shape') it would map nothing
+        bar = ax.figure.colorbar(mesh, ax=ax, extend="min" if log and zeros.any() else "neither", shrink=0.9)
+        bar.set_label(f"{_UNITS[stat]} ({'log' if log else 'symmetric log'} scale)", fontsize=8)
+        _colorbar_ticks(bar, scale, log)
+        bar.ax.tick_params(labelsize=7)
     handles = [
         mpatches.Patch(facecolor=NONFINITE_COLOUR, label="NaN / Inf in a gradient (exact counts)"),
         mpatches.Patch(
@@ -260,6 +264,35 @@ def heatmap(
     return fig
 
 
+def _colorbar_ticks(bar, scale, log: bool, gap: float = 0.09) -> None:
+    """Ticks of a heatmap's colour bar that do not overlap: candidates (log: 1, 2 and 5 times the powers of ten;
+    symmetric log: 0 and +-powers of ten) are kept in order of rank (decades and 0 first), each at least `gap` of
+    the bar's length from every one kept; no minor ticks; plain numbers where the range spans under two decades."""
+    ticker = require("matplotlib.ticker", "gradstore.view.heatmap")
+    lo, hi = float(scale.vmin), float(scale.vmax)
+    if log:
+        found = ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)).tick_values(lo, hi)
+        rank = [0 if abs(math.log10(t) - round(math.log10(t))) < 1e-9 else 1 for t in found]
+    else:
+        found = ticker.SymmetricalLogLocator(linthresh=float(scale.linthresh), base=10).tick_values(lo, hi)
+        found = [*found, lo, hi]
+        rank = [0 if t == 0 else (2 if t in (lo, hi) else 1) for t in found]
+    cands = sorted(((r, t) for r, t in zip(rank, found) if lo <= t <= hi), key=lambda x: (x[0], -abs(x[1])))
+    kept: list[float] = []
+    where: list[float] = []
+    for _, t in cands:
+        at = float(scale(t))
+        if all(abs(at - w) >= gap for w in where):
+            kept.append(t)
+            where.append(at)
+    if len(kept) < 2:  # within one candidate's reach: the ends
+        kept = [lo, hi]
+    bar.set_ticks(sorted(kept))
+    bar.ax.yaxis.set_minor_locator(ticker.NullLocator())
+    if not log or hi / lo < 100:
+        bar.ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.2g}"))
+
+
 FIRST_EDGE = "#111111"  # the outline of the first non-finite node call's cell in a heatmap
 NONFINITE_BAND = 0.12  # the top fraction of a history plot's height kept for the NaN / Inf markers
 _BAND_GID = "gradstore-nonfinite-band"
@@ -281,12 +314,13 @@ def mark_nonfinite_steps(ax, steps, colour, size: float = 70) -> None:
         ax.add_patch(band)
         ax.text(0.004, 1 - NONFINITE_BAND / 2, "NaN / Inf", transform=ax.transAxes, va="center", ha="left",
                 fontsize=7, color="#c40030", zorder=1)  # fmt: skip
-    # the k-th line marked on these axes sits a little to the side, so that lines marked at one step stay apart
+    # the k-th line marked on these axes sits a little higher or lower in the row, never beside its step, so that
+    # lines marked at one step stay apart
     k = sum(1 for c in ax.collections if c.get_gid() == _BAND_GID)
-    dx = (0.0, 0.2, -0.2, 0.4, -0.4)[k % 5]
+    dy = (0.0, 0.3, -0.3, 0.15, -0.15)[k % 5] * NONFINITE_BAND
     marks = ax.scatter(
-        [float(v) + dx for v in steps],
-        np.full(len(steps), 1 - NONFINITE_BAND / 2),
+        [float(v) for v in steps],
+        np.full(len(steps), 1 - NONFINITE_BAND / 2 + dy),
         transform=ax.get_xaxis_transform(),  # x in data, y in axes fractions
         marker="X",
         s=size,
@@ -423,10 +457,14 @@ def history(
     positive = data["value"][data["value"] > 0]
     if log and len(positive):
         ax.set_yscale("log")
-        if positive.max() / positive.min() < 100:  # within two decades: plain numbers read better than 10^x
+        span = positive.max() / positive.min()
+        if span < 100:  # within two decades: plain numbers read better than 10^x, and a label every few steps of
+            # the mantissa (the decades alone may leave the values' range with one label, or none)
+            subs = (1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0) if span < 10 else (1.0, 2.0, 3.0, 5.0)
             plain = ticker.FuncFormatter(lambda v, _: f"{v:.3g}")
+            ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
             ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(plain)
+            ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     if any_bad:
         clear_nonfinite_band(ax)

@@ -72,7 +72,9 @@ class NonfiniteStart:
     neginf; None: not recorded, record(forward=True) records them); activation (the step's first module output
     holding NaN/Inf, as a row of Store.activations; None: none did or none recorded); activations_recorded
     (record(forward=True) recorded module outputs in that step); amp_skipped: a GradScaler skipped the optimizer
-    step in that step (step value grad_scaler.skipped = 1).
+    step in that step (step value grad_scaler.skipped = 1); logged_losses: (name, value) of the step values of that
+    step and rank whose name contains 'loss' (rec.log, the trainer callbacks) and that were NaN or +-Inf: the
+    forward went non-finite before the pass (`forward_nonfinite`).
     """
 
     run: str
@@ -103,6 +105,22 @@ class NonfiniteStart:
     reached_nodes: int = 0
     params: list[str] = field(default_factory=list)
     also_ranks: list[int] = field(default_factory=list)  # other ranks whose node calls held NaN / Inf in that step
+    logged_losses: list[tuple[str, float]] = field(default_factory=list)  # step values named *loss* that were NaN/Inf
+
+    @property
+    def forward_nonfinite(self) -> bool:
+        """True where the record shows the forward already held NaN/Inf before this call's pass: a loss logged
+        non-finite in that step (rec.log), a loss root row (record(forward=True)) or a module output holding NaN/Inf,
+        or a saved tensor of the node measured non-finite. Its backward then made the NaN/Inf from a non-finite
+        forward value, not from a bad derivative at finite values."""
+        if self.logged_losses or self.activation is not None:
+            return True
+        for rows in (self.losses, self.saved):
+            if rows is not None and len(rows):
+                bad = rows["nan"].fillna(0) + rows["posinf"].fillna(0) + rows["neginf"].fillna(0)
+                if ((rows["status"] == "ok") & (bad > 0)).any():
+                    return True
+        return False
 
 
 @dataclass
@@ -279,6 +297,13 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
         ].reset_index(drop=True)
     losses = store.losses(run=run, step=step, rank=rank)
     losses = losses[losses["pass"] == pass_]
+    logged = store.query("values", run=run, rank=rank, step=step)
+    logged = logged[logged["name"].str.contains("loss", case=False, regex=False)]
+    logged_losses = [
+        (str(nm), float("nan") if pd.isna(v) else float(v))
+        for nm, v in zip(logged["name"], logged["value"])
+        if pd.isna(v) or not np.isfinite(float(v))  # NULL is a logged NaN (queries/values.sql)
+    ]
     acts = store.activations(run=run, step=step, rank=rank)
     bad_acts = acts[(acts["nan"].fillna(0) + acts["posinf"].fillna(0) + acts["neginf"].fillna(0)) > 0]
     edges = edges[edges["src"].isin(ran)]
@@ -361,7 +386,13 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
         reached_nodes=len(seen) - 1,
         params=bad_params,
         also_ranks=[x for x in also if x != rank],
+        logged_losses=logged_losses,
     )
+
+
+def _nonfinite_rows(rows: pd.DataFrame) -> pd.Series:
+    """True for rows whose exact NaN / +Inf / -Inf counts are not all zero (NULL: 0)."""
+    return (rows["nan"].fillna(0) + rows["posinf"].fillna(0) + rows["neginf"].fillna(0)) > 0
 
 
 def _measured(rows: pd.DataFrame) -> pd.Series:
@@ -434,6 +465,84 @@ def measured_rows(store, run: str) -> tuple[int, int, str]:
     if shape > 0:
         parts.append(f"stats='shape' measures no value ({shape:,})")
     return int(measured or 0), int(unmeasured or 0), "; ".join(parts)
+
+
+@dataclass
+class LeftOut:
+    """What a record holds no measurement of although the backward graph reached it: the mark of a recording's
+    `modules=` / `params=` filter, which hooks no node and reads no .grad outside it. The filter's globs are not
+    stored; this is what the rows show.
+
+    params: the parameters (first names) whose AccumulateGrad some pass reached and that are not recorded (no
+    param_names row: no .grad row, no param_status row, not checked for NaN/Inf), in node order; params_total: the
+    parameters the record knows (nodes with a param: reached by a pass, or recorded); nodes: the most nodes one
+    backward pass (of the steps asked about) reached without a recorded call (not hooked: outside the filter; or
+    reached and not run: a pass that raised, inputs= that prune the graph); nodes_total: the nodes that pass reached.
+    Empty (false) where everything reached was measured.
+    """
+
+    params: list[str]
+    params_total: int
+    nodes: int
+    nodes_total: int
+
+    def __bool__(self) -> bool:
+        return bool(self.params or self.nodes)
+
+    def words(self, limit: int = 6) -> str:
+        """'4 of the 6 parameters in the record's graph (embed.weight, ...) and up to 19 of the 23 nodes a backward
+        pass reached' ('' when nothing was left out)."""
+        parts = []
+        if self.params:
+            more = len(self.params) - limit
+            names = ", ".join(self.params[:limit]) + (f" and {more} more" if more > 0 else "")
+            parts.append(
+                f"{len(self.params):,} of the {self.params_total:,} parameters in the record's graph ({names}: "
+                "no .grad recorded)"
+            )
+        if self.nodes:
+            parts.append(
+                f"{'up to ' if self.params else ''}{self.nodes:,} of the {self.nodes_total:,} nodes a backward pass "
+                "reached (no call recorded)"
+            )
+        return " and ".join(parts)
+
+    def sentence(self) -> str:
+        """The whole caveat, '' when nothing was left out: what was not measured, why, and that nothing is claimed
+        about it."""
+        if not self:
+            return ""
+        return (
+            f"Not measured: {self.words()}. A modules= / params= filter of record() hooks only the nodes and "
+            "parameters it selects (the record keeps what it reached, not the filter's globs); a node reached and "
+            "not run (a pass that raised, inputs=) has no call either. Nothing here is claimed about them: they may "
+            "have held NaN or Inf."
+        )
+
+
+def left_out(store, run: str, step: int | None = None, rank: int | None = None) -> LeftOut:
+    """What `run` (at `step` and `rank`, None: every one) reached in its backward passes without measuring it
+    (LeftOut): parameters not recorded (from the nodes and param_names tables: their AccumulateGrad was keyed, no
+    name of theirs recorded; for the whole run) and nodes reached without a call (from Store.passes: a pass's
+    nodes less its calls; not counted at stats='params', which walks no graph). Raises UnknownRun."""
+    from sqlalchemy import text
+
+    passes = store.passes(run=run, rank=rank, step=step)  # first: it checks the run and refreshes the reader
+    sql = text(
+        "SELECT n.param, EXISTS (SELECT 1 FROM param_names pn WHERE pn.node_id = n.id) FROM nodes n "
+        "JOIN runs r ON r.id = n.run_id WHERE r.name = :run AND n.param IS NOT NULL ORDER BY n.id"
+    )
+    with store.engine.connect() as conn:
+        known_params = conn.execute(sql, {"run": run}).all()
+    params = [str(p) for p, recorded in known_params if not recorded]
+    nodes = total_nodes = 0
+    known = passes.dropna(subset=["nodes", "calls"])
+    if len(known):
+        gap = (known["nodes"].astype("int64") - known["calls"].astype("int64")).clip(lower=0)
+        if gap.max() > 0:
+            at = int(gap.to_numpy().argmax())
+            nodes, total_nodes = int(gap.iloc[at]), int(known["nodes"].iloc[at])
+    return LeftOut(params=params, params_total=len(known_params), nodes=nodes, nodes_total=total_nodes)
 
 
 def changed_most(store, run: str, rank: int | None = None, top: int = 10, which: str = "pass") -> pd.DataFrame:
@@ -561,7 +670,9 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
     differ: 'backward', 'final' or 'backward,final', 'summary' by the final norms of a flight-recorder summary step;
     '' when none does), not_compared (parameters not compared on some rank and differing nowhere), compared
     ('checksum' where every row had checksums, 'norm' for a summary step, else 'statistics'), first (the first
-    differing parameter, else the first not compared, or None). Empty when the run has one rank. Raises UnknownRun."""
+    differing parameter, else the first not compared, or None), nonfinite (parameters whose .grad held NaN or Inf on
+    some rank in the step, from the exact counts of its rows: agreement is not health, values that agree bitwise
+    may all be NaN). Empty when the run has one rank. Raises UnknownRun."""
     columns = [
         "step",
         "ranks",
@@ -574,6 +685,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         "not_compared",
         "compared",
         "first",
+        "nonfinite",
     ]
     steps = store.steps(run=run)
     world = int(store.query("runs", run=run)["world_size"].iloc[0])
@@ -615,6 +727,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
                 "not_compared": len(unchecked),
                 "compared": "norm" if summary else ("checksum" if checks else "statistics"),
                 "first": differing[0] if differing else (unchecked[0] if unchecked else None),
+                "nonfinite": int(at.loc[_nonfinite_rows(at), "param"].nunique()) if len(at) else 0,
             }
         )
     return pd.DataFrame(rows, columns=columns)
