@@ -1301,9 +1301,14 @@ def _num_pair(a, b) -> tuple[str, str]:
 
 
 def _slot_label(role: str, slot) -> str:
-    """'grad_outputs[0]' / 'grad_inputs[1]' (PyTorch's names for a node's hook arguments) / '.grad'."""
+    """'grad_outputs[0]' / 'grad_inputs[1]' (PyTorch's names for a node's hook arguments) / '.grad'; with
+    record(forward=True), 'outputs[0]' (a module call's output) / 'roots[0] (the loss)' (a pass's root)."""
     if role == "param_grad":
         return ".grad"
+    if role == "activation":
+        return f"outputs[{int(slot)}]"
+    if role == "loss":
+        return f"roots[{int(slot)}] (the loss)"
     return f"{role}s[{int(slot)}]"
 
 
@@ -1376,7 +1381,11 @@ def _where(row, carried: set[str], several_ranks: bool) -> str:
     if "rank" not in carried and several_ranks:
         parts.append(f"rank {int(row[f'rank_{side}'])}")
     p = row[f"pass_{side}"]
-    if not _missing(p):
+    if row["role"] == "activation":  # record(forward=True): a module call of the forward, in no pass
+        parts.append(f"module {_module_label(row['module'])} ({row['name']})")
+    elif row["role"] == "loss":  # a pass's root, measured as the pass started
+        parts.append(f"measured as pass {int(p)} started" if not _missing(p) else "measured as its pass started")
+    elif not _missing(p):
         parts.append(f"pass {int(p)}")
     elif row["role"] == "param_grad":  # the step's final row: .grad as the optimizer read it
         parts.append("the step's final .grad, as the optimizer read it")
@@ -1407,7 +1416,9 @@ def _where(row, carried: set[str], several_ranks: bool) -> str:
 )
 def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
     """Compare run RUN_A with run RUN_B of database DB node by node (key, role, slot and occurrence) and print,
-    in backward execution order, the first node whose gradients differ.
+    in execution order, the first node whose gradients differ. Where both sides recorded the forward
+    (record(forward=True)), the module outputs and losses are compared too, and a difference there comes first
+    (it is earlier in time); where only one side did, the forward is said to be not compared.
 
     RUN_B left out is RUN_A. Two steps of one run: `gradstore diff DB RUN --step-a 3 --step-b 4`; two ranks:
     `gradstore diff DB RUN --rank-a 0 --rank-b 1 --step-a 3`. Every aligned row: `gradstore query DB diff
@@ -1442,6 +1453,9 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             return False
 
         first = first[~first.apply(unseen, axis=1)]
+    forward = table["phase"] == "forward"  # record(forward=True)'s rows: module outputs and losses
+    fwd, table = table[forward], table[~forward]
+    fwd_line, fwd_compared, fwd_missing = _forward_words(fwd, label_a, label_b)
     both = table[table["side"] == "both"]
     unmeasured = table["differs"] == "not compared"
     n_diff = int(((both["differs"] != "") & (both["differs"] != "not compared")).sum())
@@ -1466,6 +1480,8 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         )
         + "."
     )
+    if fwd_line:
+        click.echo(fwd_line)
     if n_pieces:
         click.echo(
             "  Plain tensors carry no placement and are compared as they are: under tensor parallelism, a local "
@@ -1477,7 +1493,7 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         click.echo(levels)
     tolerance = f"rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
     unmeasured = unmeasured & ~pieces
-    if first.empty and valued.empty:  # no gradient measured on both sides: no verdict at all
+    if first.empty and valued.empty and not fwd_compared:  # nothing measured on both sides: no verdict at all
         click.echo(
             f"nothing compared: no gradient was measured on both {label_a} and {label_b}, so no agreement or "
             "divergence can be told" + (f"; {summaries}" if summaries else "")
@@ -1493,6 +1509,10 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             notes.append(f"{n_pieces:,} different shards or Partial terms of one DTensor, not compared")
         if not elements:
             notes.append("the elements were not compared: record(values=...) stores small gradients' elements")
+        if fwd_missing:
+            notes.append(fwd_missing)
+        if fwd_compared:
+            scope += " and every compared forward row (module outputs and losses)"
         click.echo(
             f"no divergence: {label_b} agrees with {label_a} on the statistics"
             + (" and stored elements" if elements else "")
@@ -1510,7 +1530,9 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
     for _, rows in first.groupby([first["rank_a"].fillna(-1), first["rank_b"].fillna(-1)], sort=True):
         r = rows.iloc[0]
         click.echo(
-            f"{label_b} differs from {label_a}{tolerance} first at {r['key']} "
+            f"{label_b} differs from {label_a}{tolerance} first "
+            + ("in the forward, " if r["phase"] == "forward" else "")
+            + f"at {r['key']} "
             f"{_slot_label(r['role'], r['slot'])} ({_where(r, carried, several)}): "
             f"{_difference_words(r, label_a, label_b)}"
         )
@@ -1520,6 +1542,40 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             )
     if summaries:  # an earlier step kept only its summary: the sides may have parted there, unseen
         click.echo(summaries)
+
+
+def _forward_words(rows: pd.DataFrame, label_a: str, label_b: str) -> tuple[str, int, str]:
+    """For `diff`: (a line on the forward's rows (record(forward=True): module outputs and losses), '' where neither
+    side recorded any; how many were compared (measured on both sides); a note, '' or 'the forward was not compared
+    ...', where a side recorded no forward in a step the other side recorded one in)."""
+    if rows.empty:
+        return "", 0, ""
+    both = rows[rows["side"] == "both"]
+    compared = both[(both["differs"] != "not compared") & (both["status_a"] == "ok") & (both["status_b"] == "ok")]
+    n_diff = int(((both["differs"] != "") & (both["differs"] != "not compared")).sum())
+    missing = rows["differs"] == "missing"
+    only_a, only_b = int((missing & (rows["side"] == "a")).sum()), int((missing & (rows["side"] == "b")).sum())
+    unrecorded = (rows["differs"] == "not compared") & rows["reason"].fillna("").str.contains("recorded no forward")
+    n_unmeasured = int((rows["differs"] == "not compared").sum()) - int(unrecorded.sum())
+    note = ""
+    if unrecorded.any():  # one side recorded the forward of a step, the other side did not: no claim about it
+        holders = [
+            label_a if side == "a" else label_b for side in ("a", "b") if (unrecorded & (rows["side"] == side)).any()
+        ]
+        silent = [label_b if h == label_a else label_a for h in holders]
+        note = (
+            f"the forward was not compared: {' and '.join(silent)} recorded no forward (record(forward=True)) where "
+            f"{' and '.join(holders)} did ({int(unrecorded.sum()):,} module outputs and losses of one side only)"
+        )
+    if both.empty and not (only_a or only_b or n_unmeasured):
+        return f"Forward: {note}.", 0, note
+    line = (
+        f"Forward (record(forward=True)): {len(both):,} module outputs and losses aligned; {n_diff:,} differ bitwise, "
+        f"{only_a:,} only in {label_a}, {only_b:,} only in {label_b}, {n_unmeasured:,} not compared"
+        + (f"; {note}" if note else "")
+        + "."
+    )
+    return line, len(compared), note
 
 
 def _side_levels(store, run, step, other_step, rank, other_rank) -> set[str]:

@@ -1,5 +1,5 @@
 -- title: Diff of two runs, steps or ranks, node by node
--- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do; a one-sided row is missing (the other side could hold it and does not: its graph differs) or not compared where the other side could not hold it: it recorded no such step (every=, steps=, a shorter run), could not write it (steps status unwritten: a full disk, an I/O error), kept a flight-recorder summary of it, hooks no node (stats='params'), or its run's graph held the node while none of its compared steps recorded a gradient of it (modules= / params= filters); where a side is at stats='health', mean, std and zeros are not compared; not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq; param_grad rows after their pass's calls, the step's final param_grad rows, taken when it ended, after all its passes and as their last occurrence); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row.
+-- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) and, with record(forward=True), the forward's rows (activation: a module call's outputs; loss: a pass's root; phase forward, gradients phase backward) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do; a one-sided row is missing (the other side could hold it and does not: its graph differs) or not compared where the other side could not hold it: it recorded no such step (every=, steps=, a shorter run), could not write it (steps status unwritten: a full disk, an I/O error), kept a flight-recorder summary of it, recorded no forward in that step (a forward row, where the other side recorded no activation or loss row: the forward was not compared), hooks no node (stats='params'), or its run's graph held the node while none of its compared steps recorded a gradient of it (modules= / params= filters); where a side is at stats='health', mean, std and zeros are not compared; not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq, the step's counter shared by the forward's module calls and losses and the backward calls, so a forward row comes at its place in time; param_grad rows after their pass's calls, the step's final param_grad rows, taken when it ended, after all its passes and as their last occurrence); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row.
 -- param run_a: side a's run name; empty (NULL): run_b's (both empty: each run against itself)
 -- param run_b: side b's run name; empty (NULL): run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; empty (NULL): step_b's (both empty: every step, paired by step number)
@@ -13,35 +13,45 @@ WITH prm AS (  -- a NULL side takes the other side's value
            COALESCE(CAST(NULLIF(CAST(:step_b AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:step_a AS TEXT), '') AS INTEGER)) AS step_b,
            COALESCE(CAST(NULLIF(CAST(:rank_a AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:rank_b AS TEXT), '') AS INTEGER)) AS rank_a,
            COALESCE(CAST(NULLIF(CAST(:rank_b AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:rank_a AS TEXT), '') AS INTEGER)) AS rank_b
-), a AS (  -- side a's gradients, with their position in execution order
+), a AS (  -- side a's gradients and forward rows, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
-           c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
+                              ORDER BY t.final, p.pass, COALESCE(c.seq, f.seq), t.id) - 1 AS occurrence,
+           -- seq: the step's counter (a call's; a forward row's from forward_seqs); NULL for a param_grad row
+           -- (its pass's last seq comes from ends)
+           COALESCE(c.seq, f.seq) AS seq, t.pass_id AS pid,
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
     JOIN nodes n ON n.id = t.node_id
     LEFT JOIN passes p ON p.id = t.pass_id
     LEFT JOIN calls c ON c.id = t.call_id
-    WHERE t.role IN (0, 1, 2)  -- gradients: grad_output, grad_input, param_grad (not saved tensors)
+    LEFT JOIN forward_seqs f ON f.id = t.id  -- record(forward=True): an activation or loss row's place in the step
+    -- gradients (grad_output, grad_input, param_grad; not saved tensors) and, with record(forward=True), the
+    -- forward's rows (activation: a module call's outputs; loss: a pass's root), which come first in time
+    WHERE t.role IN (0, 1, 2, 4, 5)
       AND t.step_id IN (  -- the side's steps first: an index lookup, not a table scan
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id CROSS JOIN prm
           WHERE (prm.run_a IS NULL OR r2.name = prm.run_a)
             AND (prm.step_a IS NULL OR st2.step = prm.step_a)
             AND (prm.rank_a IS NULL OR st2.rank = prm.rank_a))
-), b AS (  -- side b's gradients, with their position in execution order
+), b AS (  -- side b's gradients and forward rows, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
-           c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
+                              ORDER BY t.final, p.pass, COALESCE(c.seq, f.seq), t.id) - 1 AS occurrence,
+           -- seq: the step's counter (a call's; a forward row's from forward_seqs); NULL for a param_grad row
+           -- (its pass's last seq comes from ends)
+           COALESCE(c.seq, f.seq) AS seq, t.pass_id AS pid,
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
     JOIN nodes n ON n.id = t.node_id
     LEFT JOIN passes p ON p.id = t.pass_id
     LEFT JOIN calls c ON c.id = t.call_id
-    WHERE t.role IN (0, 1, 2)  -- gradients: grad_output, grad_input, param_grad (not saved tensors)
+    LEFT JOIN forward_seqs f ON f.id = t.id  -- record(forward=True): an activation or loss row's place in the step
+    -- gradients (grad_output, grad_input, param_grad; not saved tensors) and, with record(forward=True), the
+    -- forward's rows (activation: a module call's outputs; loss: a pass's root), which come first in time
+    WHERE t.role IN (0, 1, 2, 4, 5)
       AND t.step_id IN (  -- the side's steps first: an index lookup, not a table scan
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id CROSS JOIN prm
           WHERE (prm.run_b IS NULL OR r2.name = prm.run_b)
@@ -54,27 +64,36 @@ WITH prm AS (  -- a NULL side takes the other side's value
     JOIN calls c ON c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id
     WHERE p.id IN (SELECT pid FROM a WHERE seq IS NULL UNION SELECT pid FROM b WHERE seq IS NULL)
     GROUP BY p.id
-), akeys AS (  -- the node keys each side recorded a gradient of (p = 1: a param_grad row, 0: a node's)
-    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 ELSE 0 END AS p FROM a
+), akeys AS (  -- the node keys each side recorded a row of (p = 1: a param_grad row, 2: a forward row, 0: a node's gradient)
+    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 WHEN role IN (4, 5) THEN 2 ELSE 0 END AS p FROM a
 ), bkeys AS (
-    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 ELSE 0 END AS p FROM b
+    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 WHEN role IN (4, 5) THEN 2 ELSE 0 END AS p FROM b
+), afwd AS (  -- side a's steps that recorded the forward (activation or loss rows: record(forward=True))
+    SELECT DISTINCT sid FROM a WHERE role IN (4, 5)
+), bfwd AS (
+    SELECT DISTINCT sid FROM b WHERE role IN (4, 5)
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable); why: for a row of one side
     -- only, why the other side cannot hold it (NULL: it could, so the row is missing there): the other side did not
-    -- record that step, kept a flight-recorder summary of it, hooks no node (stats='params'), or its run's graph held
-    -- the node while none of its compared steps recorded a gradient of it (modules= / params= filters)
+    -- record that step, kept a flight-recorder summary of it, recorded no forward in that step (a forward row),
+    -- hooks no node (stats='params'), or its run's graph held the node while none of its compared steps recorded a
+    -- row of it (modules= / params= filters)
     SELECT a.sid AS a_sid, a.nid AS a_nid, a.tid AS a_tid, b.sid AS b_sid, b.nid AS b_nid, b.tid AS b_tid, a.occurrence,
            COALESCE(a.seq, ea.seq, CASE WHEN a.pid IS NULL THEN 2147483647 ELSE -1 END) AS a_ord,
            CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END) END AS b_ord,
            CASE WHEN b.tid IS NULL THEN CASE WHEN ob.id IS NULL THEN 'not compared: side b recorded no step ' || a.step || ' of rank ' || a.rank
                 WHEN ob.status = 'unwritten' THEN 'not compared: side b''s step ' || ob.step || ' was not written (the writer could not write it: steps.error says why)'
                 WHEN ob.level = 'summary' THEN 'not compared: side b kept only a flight-recorder summary of step ' || ob.step
+                WHEN a.role IN (4, 5) AND ob.id NOT IN (SELECT sid FROM bfwd)
+                     THEN 'not compared: side b recorded no forward in step ' || ob.step || ' (no activation or loss '
+                          || 'rows: record(forward=True) was off, or stats=''params''), so the forward was not compared'
                 WHEN a.role IN (0, 1) AND ob.level = 'params'
                      THEN 'not compared: side b was recorded at stats=''params'', which hooks no node'
                 WHEN ob.run_id <> a.run_id
-                     AND NOT EXISTS (SELECT 1 FROM bkeys k WHERE k.key = a.key AND k.p = CASE WHEN a.role = 2 THEN 1 ELSE 0 END)
+                     AND NOT EXISTS (SELECT 1 FROM bkeys k WHERE k.key = a.key AND k.p = CASE WHEN a.role = 2 THEN 1 WHEN a.role IN (4, 5) THEN 2 ELSE 0 END)
                      AND EXISTS (SELECT 1 FROM nodes n2 WHERE n2.run_id = ob.run_id AND n2.key = a.key)
                      THEN 'not compared: side b''s graph held this node, but none of its compared steps recorded a '
-                          || 'gradient of it (no hook on it there: record(modules=...) or params= filters)' END END AS why
+                          || CASE WHEN a.role IN (4, 5) THEN 'forward row' ELSE 'gradient' END
+                          || ' of it (no hook on it there: record(modules=...) or params= filters)' END END AS why
     FROM a CROSS JOIN prm
     LEFT JOIN b ON b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
         AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
@@ -89,13 +108,17 @@ WITH prm AS (  -- a NULL side takes the other side's value
            CASE WHEN oa.id IS NULL THEN 'not compared: side a recorded no step ' || b.step || ' of rank ' || b.rank
                 WHEN oa.status = 'unwritten' THEN 'not compared: side a''s step ' || oa.step || ' was not written (the writer could not write it: steps.error says why)'
                 WHEN oa.level = 'summary' THEN 'not compared: side a kept only a flight-recorder summary of step ' || oa.step
+                WHEN b.role IN (4, 5) AND oa.id NOT IN (SELECT sid FROM afwd)
+                     THEN 'not compared: side a recorded no forward in step ' || oa.step || ' (no activation or loss '
+                          || 'rows: record(forward=True) was off, or stats=''params''), so the forward was not compared'
                 WHEN b.role IN (0, 1) AND oa.level = 'params'
                      THEN 'not compared: side a was recorded at stats=''params'', which hooks no node'
                 WHEN oa.run_id <> b.run_id
-                     AND NOT EXISTS (SELECT 1 FROM akeys k WHERE k.key = b.key AND k.p = CASE WHEN b.role = 2 THEN 1 ELSE 0 END)
+                     AND NOT EXISTS (SELECT 1 FROM akeys k WHERE k.key = b.key AND k.p = CASE WHEN b.role = 2 THEN 1 WHEN b.role IN (4, 5) THEN 2 ELSE 0 END)
                      AND EXISTS (SELECT 1 FROM nodes n2 WHERE n2.run_id = oa.run_id AND n2.key = b.key)
                      THEN 'not compared: side a''s graph held this node, but none of its compared steps recorded a '
-                          || 'gradient of it (no hook on it there: record(modules=...) or params= filters)' END
+                          || CASE WHEN b.role IN (4, 5) THEN 'forward row' ELSE 'gradient' END
+                          || ' of it (no hook on it there: record(modules=...) or params= filters)' END
     FROM b CROSS JOIN prm
     LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
     LEFT JOIN steps oa ON oa.run_id = COALESCE((SELECT r.id FROM runs r WHERE r.name = prm.run_a), b.run_id)
@@ -113,8 +136,8 @@ SELECT ra.name AS run_a,
        sb.step AS step_b,
        pa.pass AS pass_a,
        pb.pass AS pass_b,
-       ca.seq AS seq_a,
-       cb.seq AS seq_b,
+       COALESCE(ca.seq, fa.seq) AS seq_a,
+       COALESCE(cb.seq, fb.seq) AS seq_b,
        COALESCE(na.key, nb.key) AS key,
        COALESCE(na.name, nb.name) AS name,
        COALESCE(na.module, nb.module) AS module,
@@ -201,7 +224,8 @@ SELECT ra.name AS run_a,
        ta.id AS id_a,
        tb.id AS id_b,
        LENGTH(va.data) AS values_a,
-       LENGTH(vb.data) AS values_b
+       LENGTH(vb.data) AS values_b,
+       CASE WHEN COALESCE(ta.role, tb.role) IN (4, 5) THEN 'forward' ELSE 'backward' END AS phase
 FROM pairs pr
 LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.node_id = pr.a_nid AND ta.id = pr.a_tid
 LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.node_id = pr.b_nid AND tb.id = pr.b_tid
@@ -215,6 +239,8 @@ LEFT JOIN passes pa ON pa.id = ta.pass_id
 LEFT JOIN passes pb ON pb.id = tb.pass_id
 LEFT JOIN calls ca ON ca.id = ta.call_id
 LEFT JOIN calls cb ON cb.id = tb.call_id
+LEFT JOIN forward_seqs fa ON fa.id = ta.id
+LEFT JOIN forward_seqs fb ON fb.id = tb.id
 LEFT JOIN statuses sua ON sua.id = ta.status
 LEFT JOIN statuses sub ON sub.id = tb.status
 LEFT JOIN dtypes da ON da.id = ta.dtype

@@ -1,5 +1,5 @@
 -- title: First divergence between two runs, steps or ranks
--- description: In backward execution order (side a's seq; param_grad rows after their pass's calls; the step's final param_grad rows, taken when it ended, after all its passes; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance: one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only that the other side could hold; a one-sided row the other side could not hold, as a step it did not record or could not write (status unwritten), is not compared; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row.
+-- description: In execution order (side a's seq: the step's counter, shared by the backward calls and, with record(forward=True), the forward's module calls and losses, so a forward row comes at its place in time, before the backward it feeds; param_grad rows after their pass's calls; the step's final param_grad rows, taken when it ended, after all its passes; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance, or, where both sides recorded the forward of the step, the first module call (role activation, key module/forward#k) or pass root (role loss) whose forward tensors differ, when it comes earlier (phase forward; phase backward for a gradient): one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only that the other side could hold; a one-sided row the other side could not hold, as a step it did not record or could not write (status unwritten), or a forward row of a step whose forward the other side did not record, is not compared; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row.
 -- param run_a: side a's run name; empty (NULL): run_b's (both empty: each run against itself)
 -- param run_b: side b's run name; empty (NULL): run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; empty (NULL): step_b's (both empty: every step, paired by step number)
@@ -19,35 +19,45 @@ WITH prm AS (  -- a NULL side takes the other side's value
            COALESCE(CASE WHEN CAST(:atol AS TEXT) = '' THEN NULL ELSE CAST(:atol AS DOUBLE PRECISION) END, 0.0) AS atol,
            CASE WHEN COALESCE(CASE WHEN CAST(:rtol AS TEXT) = '' THEN NULL ELSE CAST(:rtol AS DOUBLE PRECISION) END, 0.0) = 0.0
                  AND COALESCE(CASE WHEN CAST(:atol AS TEXT) = '' THEN NULL ELSE CAST(:atol AS DOUBLE PRECISION) END, 0.0) = 0.0 THEN 1 ELSE 0 END AS exact
-), a AS (  -- side a's gradients, with their position in execution order
+), a AS (  -- side a's gradients and forward rows, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
-           c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
+                              ORDER BY t.final, p.pass, COALESCE(c.seq, f.seq), t.id) - 1 AS occurrence,
+           -- seq: the step's counter (a call's; a forward row's from forward_seqs); NULL for a param_grad row
+           -- (its pass's last seq comes from ends)
+           COALESCE(c.seq, f.seq) AS seq, t.pass_id AS pid,
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
     JOIN nodes n ON n.id = t.node_id
     LEFT JOIN passes p ON p.id = t.pass_id
     LEFT JOIN calls c ON c.id = t.call_id
-    WHERE t.role IN (0, 1, 2)  -- gradients: grad_output, grad_input, param_grad (not saved tensors)
+    LEFT JOIN forward_seqs f ON f.id = t.id  -- record(forward=True): an activation or loss row's place in the step
+    -- gradients (grad_output, grad_input, param_grad; not saved tensors) and, with record(forward=True), the
+    -- forward's rows (activation: a module call's outputs; loss: a pass's root), which come first in time
+    WHERE t.role IN (0, 1, 2, 4, 5)
       AND t.step_id IN (  -- the side's steps first: an index lookup, not a table scan
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id CROSS JOIN prm
           WHERE (prm.run_a IS NULL OR r2.name = prm.run_a)
             AND (prm.step_a IS NULL OR st2.step = prm.step_a)
             AND (prm.rank_a IS NULL OR st2.rank = prm.rank_a))
-), b AS (  -- side b's gradients, with their position in execution order
+), b AS (  -- side b's gradients and forward rows, with their position in execution order
     SELECT t.id AS tid, t.step_id AS sid, t.node_id AS nid, st.run_id, st.rank, st.step, n.key, t.role, t.slot,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.role, t.slot
-                              ORDER BY t.final, p.pass, c.seq, t.id) - 1 AS occurrence,
-           c.seq, t.pass_id AS pid,  -- seq: NULL for a param_grad row (its pass's last seq comes from ends)
+                              ORDER BY t.final, p.pass, COALESCE(c.seq, f.seq), t.id) - 1 AS occurrence,
+           -- seq: the step's counter (a call's; a forward row's from forward_seqs); NULL for a param_grad row
+           -- (its pass's last seq comes from ends)
+           COALESCE(c.seq, f.seq) AS seq, t.pass_id AS pid,
            COALESCE(p.pass, -1) AS pass
     FROM tensors t
     JOIN steps st ON st.id = t.step_id
     JOIN nodes n ON n.id = t.node_id
     LEFT JOIN passes p ON p.id = t.pass_id
     LEFT JOIN calls c ON c.id = t.call_id
-    WHERE t.role IN (0, 1, 2)  -- gradients: grad_output, grad_input, param_grad (not saved tensors)
+    LEFT JOIN forward_seqs f ON f.id = t.id  -- record(forward=True): an activation or loss row's place in the step
+    -- gradients (grad_output, grad_input, param_grad; not saved tensors) and, with record(forward=True), the
+    -- forward's rows (activation: a module call's outputs; loss: a pass's root), which come first in time
+    WHERE t.role IN (0, 1, 2, 4, 5)
       AND t.step_id IN (  -- the side's steps first: an index lookup, not a table scan
           SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id CROSS JOIN prm
           WHERE (prm.run_b IS NULL OR r2.name = prm.run_b)
@@ -60,27 +70,36 @@ WITH prm AS (  -- a NULL side takes the other side's value
     JOIN calls c ON c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id
     WHERE p.id IN (SELECT pid FROM a WHERE seq IS NULL UNION SELECT pid FROM b WHERE seq IS NULL)
     GROUP BY p.id
-), akeys AS (  -- the node keys each side recorded a gradient of (p = 1: a param_grad row, 0: a node's)
-    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 ELSE 0 END AS p FROM a
+), akeys AS (  -- the node keys each side recorded a row of (p = 1: a param_grad row, 2: a forward row, 0: a node's gradient)
+    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 WHEN role IN (4, 5) THEN 2 ELSE 0 END AS p FROM a
 ), bkeys AS (
-    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 ELSE 0 END AS p FROM b
+    SELECT DISTINCT key, CASE WHEN role = 2 THEN 1 WHEN role IN (4, 5) THEN 2 ELSE 0 END AS p FROM b
+), afwd AS (  -- side a's steps that recorded the forward (activation or loss rows: record(forward=True))
+    SELECT DISTINCT sid FROM a WHERE role IN (4, 5)
+), bfwd AS (
+    SELECT DISTINCT sid FROM b WHERE role IN (4, 5)
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable); why: for a row of one side
     -- only, why the other side cannot hold it (NULL: it could, so the row is missing there): the other side did not
-    -- record that step, kept a flight-recorder summary of it, hooks no node (stats='params'), or its run's graph held
-    -- the node while none of its compared steps recorded a gradient of it (modules= / params= filters)
+    -- record that step, kept a flight-recorder summary of it, recorded no forward in that step (a forward row),
+    -- hooks no node (stats='params'), or its run's graph held the node while none of its compared steps recorded a
+    -- row of it (modules= / params= filters)
     SELECT a.sid AS a_sid, a.nid AS a_nid, a.tid AS a_tid, b.sid AS b_sid, b.nid AS b_nid, b.tid AS b_tid, a.occurrence,
            COALESCE(a.seq, ea.seq, CASE WHEN a.pid IS NULL THEN 2147483647 ELSE -1 END) AS a_ord,
            CASE WHEN b.tid IS NOT NULL THEN COALESCE(b.seq, eb.seq, CASE WHEN b.pid IS NULL THEN 2147483647 ELSE -1 END) END AS b_ord,
            CASE WHEN b.tid IS NULL THEN CASE WHEN ob.id IS NULL THEN 'not compared: side b recorded no step ' || a.step || ' of rank ' || a.rank
                 WHEN ob.status = 'unwritten' THEN 'not compared: side b''s step ' || ob.step || ' was not written (the writer could not write it: steps.error says why)'
                 WHEN ob.level = 'summary' THEN 'not compared: side b kept only a flight-recorder summary of step ' || ob.step
+                WHEN a.role IN (4, 5) AND ob.id NOT IN (SELECT sid FROM bfwd)
+                     THEN 'not compared: side b recorded no forward in step ' || ob.step || ' (no activation or loss '
+                          || 'rows: record(forward=True) was off, or stats=''params''), so the forward was not compared'
                 WHEN a.role IN (0, 1) AND ob.level = 'params'
                      THEN 'not compared: side b was recorded at stats=''params'', which hooks no node'
                 WHEN ob.run_id <> a.run_id
-                     AND NOT EXISTS (SELECT 1 FROM bkeys k WHERE k.key = a.key AND k.p = CASE WHEN a.role = 2 THEN 1 ELSE 0 END)
+                     AND NOT EXISTS (SELECT 1 FROM bkeys k WHERE k.key = a.key AND k.p = CASE WHEN a.role = 2 THEN 1 WHEN a.role IN (4, 5) THEN 2 ELSE 0 END)
                      AND EXISTS (SELECT 1 FROM nodes n2 WHERE n2.run_id = ob.run_id AND n2.key = a.key)
                      THEN 'not compared: side b''s graph held this node, but none of its compared steps recorded a '
-                          || 'gradient of it (no hook on it there: record(modules=...) or params= filters)' END END AS why
+                          || CASE WHEN a.role IN (4, 5) THEN 'forward row' ELSE 'gradient' END
+                          || ' of it (no hook on it there: record(modules=...) or params= filters)' END END AS why
     FROM a CROSS JOIN prm
     LEFT JOIN b ON b.key = a.key AND b.role = a.role AND b.slot = a.slot AND b.occurrence = a.occurrence
         AND (prm.run_a IS NOT NULL OR b.run_id = a.run_id)
@@ -95,13 +114,17 @@ WITH prm AS (  -- a NULL side takes the other side's value
            CASE WHEN oa.id IS NULL THEN 'not compared: side a recorded no step ' || b.step || ' of rank ' || b.rank
                 WHEN oa.status = 'unwritten' THEN 'not compared: side a''s step ' || oa.step || ' was not written (the writer could not write it: steps.error says why)'
                 WHEN oa.level = 'summary' THEN 'not compared: side a kept only a flight-recorder summary of step ' || oa.step
+                WHEN b.role IN (4, 5) AND oa.id NOT IN (SELECT sid FROM afwd)
+                     THEN 'not compared: side a recorded no forward in step ' || oa.step || ' (no activation or loss '
+                          || 'rows: record(forward=True) was off, or stats=''params''), so the forward was not compared'
                 WHEN b.role IN (0, 1) AND oa.level = 'params'
                      THEN 'not compared: side a was recorded at stats=''params'', which hooks no node'
                 WHEN oa.run_id <> b.run_id
-                     AND NOT EXISTS (SELECT 1 FROM akeys k WHERE k.key = b.key AND k.p = CASE WHEN b.role = 2 THEN 1 ELSE 0 END)
+                     AND NOT EXISTS (SELECT 1 FROM akeys k WHERE k.key = b.key AND k.p = CASE WHEN b.role = 2 THEN 1 WHEN b.role IN (4, 5) THEN 2 ELSE 0 END)
                      AND EXISTS (SELECT 1 FROM nodes n2 WHERE n2.run_id = oa.run_id AND n2.key = b.key)
                      THEN 'not compared: side a''s graph held this node, but none of its compared steps recorded a '
-                          || 'gradient of it (no hook on it there: record(modules=...) or params= filters)' END
+                          || CASE WHEN b.role IN (4, 5) THEN 'forward row' ELSE 'gradient' END
+                          || ' of it (no hook on it there: record(modules=...) or params= filters)' END
     FROM b CROSS JOIN prm
     LEFT JOIN ends eb ON eb.pid = b.pid AND b.seq IS NULL
     LEFT JOIN steps oa ON oa.run_id = COALESCE((SELECT r.id FROM runs r WHERE r.name = prm.run_a), b.run_id)
@@ -119,8 +142,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
            sb.step AS step_b,
            pa.pass AS pass_a,
            pb.pass AS pass_b,
-           ca.seq AS seq_a,
-           cb.seq AS seq_b,
+           COALESCE(ca.seq, fa.seq) AS seq_a,
+           COALESCE(cb.seq, fb.seq) AS seq_b,
            COALESCE(na.key, nb.key) AS key,
            COALESCE(na.name, nb.name) AS name,
            COALESCE(na.module, nb.module) AS module,
@@ -208,6 +231,7 @@ WITH prm AS (  -- a NULL side takes the other side's value
            tb.id AS id_b,
            LENGTH(va.data) AS values_a,
            LENGTH(vb.data) AS values_b,
+           CASE WHEN COALESCE(ta.role, tb.role) IN (4, 5) THEN 'forward' ELSE 'backward' END AS phase,
            CASE WHEN prm.run_a IS NULL THEN COALESCE(sa.run_id, sb.run_id) ELSE 0 END AS o_run,
            CASE WHEN prm.rank_a IS NULL THEN COALESCE(sa.rank, sb.rank) ELSE 0 END AS o_rank,
            CASE WHEN prm.step_a IS NULL THEN COALESCE(sa.step, sb.step) ELSE 0 END AS o_step, CASE WHEN ta.id IS NULL THEN 1 ELSE 0 END AS o_b_only,
@@ -226,6 +250,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
     LEFT JOIN passes pb ON pb.id = tb.pass_id
     LEFT JOIN calls ca ON ca.id = ta.call_id
     LEFT JOIN calls cb ON cb.id = tb.call_id
+    LEFT JOIN forward_seqs fa ON fa.id = ta.id
+    LEFT JOIN forward_seqs fb ON fb.id = tb.id
     LEFT JOIN statuses sua ON sua.id = ta.status
     LEFT JOIN statuses sub ON sub.id = tb.status
     LEFT JOIN dtypes da ON da.id = ta.dtype
@@ -251,7 +277,7 @@ SELECT run_a, run_b, rank_a, rank_b, step_a, step_b, pass_a, pass_b, seq_a, seq_
        mean_a, mean_b, mean_abs, mean_rel,
        std_a, std_b, std_abs, std_rel,
        nan_a, nan_b, posinf_a, posinf_b, neginf_a, neginf_b, zeros_a, zeros_b, checksum_a, checksum_b, reason,
-       id_a, id_b, values_a, values_b
+       id_a, id_b, values_a, values_b, phase
 FROM diverged
 WHERE nth = 1
 ORDER BY o_run, o_rank, o_role, slot;

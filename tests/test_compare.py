@@ -730,3 +730,158 @@ def test_ranks_compare_flight_recorder_summaries_by_their_final_norms(tmp_path, 
         (0, pytest.approx(truth[(0, 1)], rel=1e-5)),
         (1, pytest.approx(truth[(1, 1)], rel=1e-5)),
     ]
+
+
+# ---- the forward (record(forward=True)): a difference there comes first in time ----------------------------------
+def dropout_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 1))
+
+
+def dropout_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(2)]
+
+
+def record_dropout(db, run, seed: int, forward: bool = True, hook=None):
+    """Two SGD steps of dropout_model() on dropout_data(), the global RNG seeded with `seed` (the dropout masks)
+    after the model is built; `hook(model)` installs a change for the whole run."""
+    model = dropout_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if hook is not None:
+        hook(model)
+    torch.manual_seed(seed)
+    with gradstore.record(run, db=db, model=model, forward=forward) as rec:
+        for x, y in dropout_data():
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+
+
+def plain_outputs(seed: int, hook=None) -> list[list[tuple[str, torch.Tensor]]]:
+    """Plain PyTorch, no gradstore: per step, every module call's output in the order the calls ended (forward
+    hooks on every module, the model itself included, named by qualified name), and the loss last."""
+    model = dropout_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if hook is not None:
+        hook(model)
+    steps, seen = [], []
+    for name, module in model.named_modules():
+        module.register_forward_hook(lambda _m, _i, out, name=name: seen.append((name, out.detach().clone())))
+    torch.manual_seed(seed)
+    for x, y in dropout_data():
+        seen.clear()
+        loss = nn.functional.mse_loss(model(x), y)
+        steps.append([*seen, ("loss", loss.detach().clone())])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return steps
+
+
+def test_first_divergence_names_the_first_differing_module_output_of_the_forward(tmp_path):
+    db = str(tmp_path / "drop.db")
+    record_dropout(db, "a", seed=1)
+    record_dropout(db, "b", seed=2)
+    plain_a, plain_b = plain_outputs(1)[0], plain_outputs(2)[0]
+    # plain PyTorch: the first module output (step 0, in the order the calls ended) that differs between the seeds
+    at = next(i for i, ((_, x), (_, y)) in enumerate(zip(plain_a, plain_b)) if not torch.equal(x, y))
+    name, out_a = plain_a[at]
+    out_b = plain_b[at][1]
+    assert name == "3" and all(torch.equal(x, y) for (_, x), (_, y) in zip(plain_a[:at], plain_b[:at]))
+    with gradstore.open(db) as store:
+        first = store.first_divergence("a", "b")
+        table = store.diff("a", "b", step_a=0)
+    assert len(first) == 1, first
+    r = first.iloc[0]
+    assert (r.key, r.role, r.slot, r.phase, r["name"], r.module) == (
+        "3/forward#0",
+        "activation",
+        0,
+        "forward",
+        "Dropout",
+        "3",
+    )
+    assert (r.step_a, r.step_b, r.side) == (0, 0, "both")
+    assert r.norm_a == pytest.approx(norm64(out_a), rel=1e-5)
+    assert r.norm_b == pytest.approx(norm64(out_b), rel=1e-5)
+    assert r.differs.split(",")[0] == "norm"
+    # diff holds the forward's rows: every module call's output and the loss, in forward order, before the backward
+    forward = table[table["phase"] == "forward"]
+    plain_names = [f"{n}/forward#0" if n else "forward#0" for n, _ in plain_a[:-1]]
+    assert list(forward.loc[forward["role"] == "activation", "key"]) == plain_names
+    assert list(forward["role"]).count("loss") == 1
+    assert forward["seq_a"].max() < table.loc[table["phase"] == "backward", "seq_a"].min()
+    for (n, x), (_, y), row in zip(plain_a, plain_b, forward.itertuples()):
+        assert (row.differs == "") == torch.equal(x, y), n
+        assert row.norm_a == pytest.approx(norm64(x), rel=1e-5) and row.norm_b == pytest.approx(norm64(y), rel=1e-5)
+    out = invoke("diff", db, "a", "b").output
+    assert (
+        f"run 'b' differs from run 'a' first in the forward, at 3/forward#0 outputs[0] (step 0, module 3 (Dropout)): "
+        f"norm {norm64(out_a):.5g} vs {norm64(out_b):.5g}"
+    ) in out, out
+    steps = len(dropout_data())
+    assert f"Forward (record(forward=True)): {steps * len(plain_a):,} module outputs and losses aligned" in out
+
+
+def test_forward_that_agrees_leaves_the_first_divergence_in_the_backward(tmp_path):
+    db = str(tmp_path / "scaled.db")
+    scale = lambda model: output_hook(model[2], lambda g: g * 1.5)  # noqa: E731  (the gradient only)
+    record_dropout(db, "a", seed=1)
+    record_dropout(db, "b", seed=1, hook=scale)
+    plain_a, plain_b = plain_outputs(1)[0], plain_outputs(1, hook=scale)[0]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(plain_a, plain_b))  # the forward agrees bitwise
+    # plain autograd: the gradient flowing into module 2's output (the hook scales it on side b)
+    model = dropout_model()
+    torch.manual_seed(1)
+    x, y = dropout_data()[0]
+    h2 = model[:3](x)
+    grad2 = torch.autograd.grad(nn.functional.mse_loss(model[3:](h2), y), h2)[0]
+    with gradstore.open(db) as store:
+        first = store.first_divergence("a", "b")
+        table = store.diff("a", "b", step_a=0)
+    assert set(first.key) == {"2/AddmmBackward0#0"} and set(first.phase) == {"backward"}
+    r = first[first["role"] == "grad_output"].iloc[0]
+    assert r.norm_a == pytest.approx(norm64(grad2), rel=1e-5)
+    assert r.norm_b == pytest.approx(1.5 * norm64(grad2), rel=1e-5)
+    forward = table[table["phase"] == "forward"]
+    assert len(forward) == len(plain_a) and set(forward["side"]) == {"both"} and set(forward["differs"]) == {""}
+    out = invoke("diff", db, "a", "b").output
+    assert "first at 2/AddmmBackward0#0 grad_outputs[0] (step 0, pass 0)" in out
+    # step 1's forward differs (step 0's scaled gradient moved the weights): plain PyTorch says how many differ
+    every_a, every_b = plain_outputs(1), plain_outputs(1, hook=scale)
+    n_diff = sum(not torch.equal(x, y) for sa, sb in zip(every_a, every_b) for (_, x), (_, y) in zip(sa, sb))
+    assert n_diff == len(every_a[1])  # module 0 moved, so every output of step 1
+    assert f"{len(dropout_data()) * len(plain_a):,} module outputs and losses aligned; {n_diff} differ bitwise" in out
+
+
+def test_forward_recorded_on_one_side_only_is_not_compared(tmp_path):
+    db = str(tmp_path / "one.db")
+    record_dropout(db, "a", seed=1)
+    record_dropout(db, "b", seed=2, forward=False)  # a different dropout mask, and no forward recorded
+    plain_a = plain_outputs(1)[0]
+    with gradstore.open(db) as store:
+        first = store.first_divergence("a", "b")
+        table = store.diff("a", "b", step_a=0)
+        reverse = store.diff("b", "a", step_a=0)
+    # the forward's rows of side a are there, each not compared (and no divergence), with the reason
+    forward = table[table["phase"] == "forward"]
+    assert len(forward) == len(plain_a) and set(forward["side"]) == {"a"}
+    assert set(forward["differs"]) == {"not compared"}
+    assert forward["reason"].str.startswith("not compared: side b recorded no forward in step 0").all()
+    assert (
+        reverse.loc[reverse["phase"] == "forward", "reason"]
+        .str.startswith("not compared: side a recorded no forward")
+        .all()
+    )
+    # so the first divergence is the first differing gradient (the loss's backward), not a forward row
+    assert set(first.phase) == {"backward"} and set(first.key) == {"MseLossBackward0#0"}
+    out = invoke("diff", db, "a", "b").output
+    assert "the forward was not compared: run 'b' recorded no forward (record(forward=True)) where run 'a' did" in out
+    assert "first at MseLossBackward0#0" in out and "first in the forward" not in out
+    same = str(tmp_path / "same.db")
+    record_dropout(same, "a", seed=1)
+    record_dropout(same, "b", seed=1, forward=False)
+    out = invoke("diff", same, "a", "b").output
+    assert "no divergence" in out and "the forward was not compared" in out and "forward row" not in out

@@ -560,7 +560,11 @@ class Store:
         """Two runs, two steps or two ranks side by side, aligned by node key, role, slot and occurrence, as
         queries/diff.sql. A side left None takes the other side's value (`diff("r", step_a=3, step_b=4)`: two
         steps of one run; `diff("r", rank_a=0, rank_b=1)`: two ranks); with neither step given every step is
-        paired with the step of the same number (likewise ranks).
+        paired with the step of the same number (likewise ranks). The rows are the gradients (phase 'backward') and,
+        with record(forward=True), the forward's rows (phase 'forward': role activation, a module call's outputs
+        under key module/forward#k; role loss, a pass's root), all in execution order (seq: the step's counter,
+        shared by forward and backward). A forward row of a step whose forward the other side did not record is
+        'not compared' (reason: 'not compared: side b recorded no forward in step N ...'), never equal.
 
         Columns: run_a, run_b, rank_a, rank_b, step_a, step_b, pass_a, pass_b, seq_a, seq_b, key, name, module,
         param, role, slot, occurrence, side (both / a / b: the row exists in one side only), differs (the fields
@@ -572,7 +576,8 @@ class Store:
         checksum: _a, _b; id_a, id_b (the tensor ids), values_a, values_b (bytes of stored elements, NULL
         without record(values=...)); and, compared here in Python from the elements both sides stored
         (gradstore.store.values): values_compared ('yes', or 'no: ' and why), values_max_abs (max |a - b|),
-        values_rel (values_max_abs / the largest |element| of either side), values_cosine.
+        values_rel (values_max_abs / the largest |element| of either side), values_cosine; phase ('forward' for an
+        activation or loss row, 'backward' for a gradient; the SQL's last column, before the values_* ones).
         A flight-recorder summary step (`steps()` level 'summary') kept no gradient rows: it has no row here, and the
         other side's rows of that step are one-sided and 'not compared', not a divergence (`gradstore diff` says so).
         Raises UnknownRun; GradstoreError for a step or rank that side's run did not record.
@@ -593,13 +598,16 @@ class Store:
         rtol: float = 0.0,
         atol: float = 0.0,
     ) -> pd.DataFrame:
-        """In backward execution order (side a's seq), the first node call whose gradients differ between the
-        sides beyond `rtol`/`atol` (|a - b| > atol + rtol * max(|a|, |b|) for norm, min, max, mean, std; counts,
-        status, dtype and shape exactly); by default any difference (bitwise on the stored statistics, and on
-        the checksums where both sides have one). As queries/first_divergence.sql: one row per differing role
-        and slot of that call, columns as `diff`. Empty when the sides agree, and when nothing was compared (no
-        gradient measured on both sides: a flight-recorder summary step has none; `diff` counts them). Sides as
-        in `diff`.
+        """In execution order (side a's seq), the first node call whose gradients differ between the sides beyond
+        `rtol`/`atol` (|a - b| > atol + rtol * max(|a|, |b|) for norm, min, max, mean, std; counts, status, dtype
+        and shape exactly); by default any difference (bitwise on the stored statistics, and on the checksums
+        where both sides have one). Where both sides recorded the forward of a step (record(forward=True):
+        activation and loss rows on both sides), a module call or loss whose forward tensors differ comes first
+        when it is earlier in time (before the backward it feeds): its rows have phase 'forward' (role
+        activation or loss); where only one side recorded it, the forward is not compared (no row here; `diff`
+        says why). As queries/first_divergence.sql: one row per differing role and slot of that call, columns
+        as `diff`. Empty when the sides agree, and when nothing was compared (no gradient measured on both
+        sides: a flight-recorder summary step has none; `diff` counts them). Sides as in `diff`.
         Raises UnknownRun; GradstoreError for a step or rank not recorded; ArgumentError (a ValueError) for a
         negative or non-finite tolerance.
         """
