@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter
 
-import numpy as np
 import torch
 
 from ..records import ROLE, NodeInfo
 from . import native
 from . import torch_private as tp
 from .options import Options
-from .param_list import ParamList, ids_of
+from .param_list import ParamList
 from .rows import PackedRows
 from .stats import NONFINITE_COLUMNS, ROW_COLUMNS, Row, measure, measure_many, to_rows
 
@@ -308,7 +307,7 @@ class FinalGrads:
         self._locked: dict[str, tuple] = {}
         self._running = 0  # backward passes running now (an optimizer may step inside one: `_read_by`)
         # the parameters (by id) an optimizer stepped in this step, and the grad_states of every parameter after
-        # the last such step (hooks.cpp bytes; None: not read): `carried`, at the next step
+        # the last such step (hooks.cpp bytes; None: not read): gradstore.recording.optimizer_reads
         self.read_ids: set[int] = set()
         self.read_states: bytes | None = None
 
@@ -481,15 +480,15 @@ class FinalGrads:
         the step changes their `.grad` again (two optimizers, each stepping after its own loss's backward:
         `_lock_stepped`), unless an optimizer steps them again later in the step; rows an earlier optimizer step
         read for them no longer stand. Nothing without a snapshot, or while a backward pass runs (`_read_by` kept
-        what it read). Either way the optimizer's parameters and their `.grad`s' states now go to `read_ids` and
-        `read_states` (what tells, at the next step, a `.grad` nobody cleared since: `carried`)."""
-        if self._running:
-            return
+        what it read). Either way the optimizer's parameters go to `read_ids` and, outside a pass, the `.grad`s'
+        states now to `read_states` (gradstore.recording.optimizer_reads, at the step's end)."""
         try:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         except Exception:  # not a torch.optim.Optimizer, or not known
             return
         self.read_ids |= ids
+        if self._running:  # inside the pass (the optimizer in backward): the .grads are half written
+            return
         module = native.available(self.options.param_level)
         try:
             states = module.grad_states(self.params if type(self.params) is list else list(self.params))
@@ -502,23 +501,6 @@ class FinalGrads:
         if self._locked:
             for key in self._keys_of(ids):
                 self._locked.pop(key, None)
-
-    def unheld(self) -> list[str]:
-        """The names of the recorded parameters that require grad and hold a `.grad` though no optimizer that stepped
-        in this step holds them (a parameter never given to the optimizer, or replaced after it was built: its
-        `.grad` is never applied); empty where no optimizer stepped, or with FSDP2 (whose optimizer holds the
-        sharded parameters)."""
-        if not self.read_ids or self._aliases is not None:
-            return []
-        ids = ids_of(self.params)
-        left = ids.keys() - self.read_ids
-        if not left:
-            return []
-        return [
-            ids[id(p)]
-            for _, p in self.params
-            if id(p) in left and getattr(p, "requires_grad", False) and getattr(p, "grad", None) is not None
-        ]
 
     def _any_grad(self) -> bool:
         """Whether a recorded parameter holds a `.grad` now."""
@@ -553,24 +535,6 @@ class FinalGrads:
     def _keys_of(self, ids: set[int]) -> set[str]:
         """The parameter node keys ('param:<name>', every name of a tied one) of the parameters with these ids."""
         return {f"param:{name}" for name, p in self.params if id(p) in ids}
-
-
-def carried(params: list[tuple[str, object]], read: tuple | None, now) -> list[str]:
-    """The names of the parameters whose `.grad` is, now, the very tensor an optimizer stepped with in an earlier
-    step, unchanged since (the same data pointer and version counter: no `zero_grad`, no new `.grad`): a backward
-    pass now adds this step's gradient to it.
-
-    Args: params: [(qualified name, Parameter)] (the same list, in the same order, as when `read` was taken);
-        read: (the ids of the parameters the optimizers stepped, `FinalGrads.read_states` bytes) of that step, or
-        None; now: `passes.grad_states(params, ...)` taken now (bytes; anything else: nothing is told).
-    Returns: names, in order; empty where nothing can be told."""
-    if read is None or type(now) is not bytes or type(read[1]) is not bytes or len(now) != len(read[1]):
-        return []
-    ids, before = read
-    a = np.frombuffer(before, dtype=np.int64).reshape(-1, 2)
-    b = np.frombuffer(now, dtype=np.int64).reshape(-1, 2)
-    same = ((a == b).all(axis=1) & (b[:, 1] >= 0)).tolist()  # a .grad with a version: not None, not opaque
-    return [name for (name, p), s in zip(params, same) if s and id(p) in ids]
 
 
 def _listed(nodes: list[NodeInfo], results: list) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:

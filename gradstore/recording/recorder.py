@@ -32,7 +32,7 @@ from ..store.writer import flush_pending, writer_for
 from ..version import __version__
 from . import intercept, kernel, native, observers
 from . import torch_private as tp
-from .final_grads import FinalGrads, carried, total_norm, watch_stop
+from .final_grads import FinalGrads, total_norm, watch_stop
 from .findings import Findings, StepFacts
 from .flight import FlightRecorder
 from .forward import ForwardRecorder
@@ -52,6 +52,7 @@ from .modules import (
     unwrap,
 )
 from .offload import maybe_offload
+from .optimizer_reads import UNHELD_STEPS, OptimizerReads
 from .options import Options
 from .param_list import ParamList
 from .passes import PassRecorder, StepState, grad_states, grads_changed
@@ -359,9 +360,7 @@ class record:
         self._lineage = Lineage()
         self._warning_log: WarningLog | None = None
         self._warned: set[str] = set()  # RecordUsageWarnings given (each once per record object)
-        # (ids of the parameters the last step's optimizers stepped, their .grads' states after it): what the next
-        # step's first backward pass compares its .grads with (final_grads.carried); None: nothing to compare
-        self._carry: tuple | None = None
+        self._reads = OptimizerReads()  # what the optimizers read, across steps (a .grad not cleared, not held)
         self._named_nothing = False  # the scope has no model to name modules and parameters by
         self._checked: set = set()  # (filter, models) already checked against the names
         self._step_started = 0.0
@@ -485,6 +484,7 @@ class record:
         )
         self._frames = FrameTracker() if self.options.frames else None
         self._lineage.clear()
+        self._reads = OptimizerReads()
         self._warning_log = WarningLog(self._step_warnings, self._thread, self._in_pass)
         if self.options.forward:
             wrappers = frozenset(id(m) for _, m in models if unwrap(m) is not m)
@@ -561,30 +561,31 @@ class record:
         warnings.warn(message(len(names), shown), RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _warn_unheld(self, names: list[str]) -> None:
-        """Warn that these parameters got a `.grad` in a step whose optimizers hold none of them
-        (`FinalGrads.unheld`)."""
+        """Warn that these parameters held a `.grad` at the end of several steps in a row and no optimizer seen
+        stepping holds them (gradstore.recording.optimizer_reads)."""
         self._warn_params(
             "unheld",
             names,
             lambda n, shown: (
-                f"gradstore: in step {self._step_number}, {n} parameter(s) with a .grad ({shown}) are held by no "
-                "optimizer that stepped: torch.optim never applies their gradient (not passed to the optimizer, or "
+                f"gradstore: {n} parameter(s) ({shown}) held a .grad at the end of steps "
+                f"{self._step_number - UNHELD_STEPS + 1}-{self._step_number}, and no optimizer that stepped in this "
+                "recording holds them: torch.optim does not apply their gradient (not passed to the optimizer, or "
                 "replaced after it was built: model.to(dtype) with set_overwrite_module_params_on_conversion, a new "
-                "layer); their final rows are the .grad as the step left it (warned once per recording)"
+                "layer) (warned once per recording)"
             ),
         )
 
     def _warn_carried(self, names: list[str]) -> None:
-        """Warn that these parameters' `.grad`s were not cleared after the last step's optimizer step: this step's
-        first backward pass adds to them (`final_grads.carried`)."""
+        """Warn that these parameters' `.grad`s were not cleared after the last step's optimizer step: a backward
+        pass of this step added to them (gradstore.recording.optimizer_reads)."""
         self._warn_params(
             "carried",
             names,
             lambda n, shown: (
-                f"gradstore: step {self._step_number}'s backward pass adds to the .grad of {n} parameter(s) ({shown}) "
-                "that an optimizer stepped with in the step before, not cleared since (no zero_grad() between "
-                "optimizer.step() and this backward?): gradients accumulate across optimizer steps; "
-                "param_grads(which='final') holds the sums (warned once per recording)"
+                f"gradstore: a backward pass of step {self._step_number} added to the .grad of {n} parameter(s) "
+                f"({shown}) that an optimizer stepped with in the step before, not cleared since (no zero_grad() "
+                "between that optimizer.step() and this backward?): their gradients accumulate across optimizer "
+                "steps (warned once per recording)"
             ),
         )
 
@@ -703,10 +704,11 @@ class record:
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
         state, self._state = self._state, None
         final, self._final = self._final, None
-        self._carry = (frozenset(final.read_ids), final.read_states) if final is not None and final.read_ids else None
-        if final is not None and final.read_ids and state is not None:
+        if final is not None and state is not None:
             try:
-                self._warn_unheld(final.unheld())
+                self._warn_unheld(
+                    self._reads.step_ended(self._params, final.read_ids, final.read_states, judge=not self._fsdp)
+                )
             except Exception as exc_unheld:
                 state.fault("end of step", exc_unheld)
         observed, self._observed = self._observed, None
@@ -917,10 +919,10 @@ class record:
                 )
             except Exception as exc:
                 state.fault("start of pass", exc)
-            if p is not None and self._carry is not None and kind == "backward" and p.record.parent_pass is None:
-                carry, self._carry = self._carry, None
+            watched = p is not None and kind == "backward" and p.record.parent_pass is None
+            if watched and not self._reads.carried_off:
                 try:
-                    self._warn_carried(carried(self._params, carry, p.grads_before))
+                    self._reads.pass_started(self._params, p.grads_before)
                 except Exception as exc:
                     state.fault("start of pass", exc)
         ok = False
@@ -947,6 +949,8 @@ class record:
                     rec = p.finish(ok)
                     measured = p.params_measured  # with an operator watcher to take over or remove
                     top = self._final is not None and rec.kind == "backward" and rec.parent_pass is None
+                    if ok and top and not self._reads.carried_off:
+                        self._warn_carried(self._reads.pass_ended(self._params, rec.grads_changed))
                     if ok and top:
                         # .grad changed: a snapshot taken before it no longer stands
                         self._final.after_pass(*(measured or ()))
