@@ -1,6 +1,7 @@
 """The private PyTorch APIs gradstore leans on (gradstore/recording/torch_private.py). If one of these fails after a
 PyTorch upgrade, module attribution, nested-pass separation or interception needs its fallback checked."""
 
+import math
 import pytest
 import torch
 import torch.autograd.graph
@@ -423,3 +424,10 @@ def test_the_engine_calls_a_watched_custom_backward_with_the_materialized_grad_o
     assert len(watched) == 1 and len(got) == 2
     assert tp.materialize_non_diff_grads(a.grad_fn) is True
     assert [tuple(m.shape) for m in tp.input_metadata(a.grad_fn)] == [(3, 4), ()]  # the int64 output reads as ()
+
+
+def test_foreach_norm_is_torchs_and_gives_each_tensors_norm():
+    assert callable(getattr(torch, "_foreach_norm", None)), "torch._foreach_norm is gone: optimizer_reads falls back"
+    ts = [torch.tensor([3.0, 4.0]), torch.zeros(5), torch.tensor([float("nan"), 1.0])]
+    got = [float(n) for n in tp.foreach_norm(ts)]
+    assert got[:2] == [5.0, 0.0] and math.isnan(got[2])

@@ -4,8 +4,8 @@
   `zero_grad()`): the gradient accumulates across optimizer steps. Told per parameter by three facts: its `.grad`
   at the start of a top-level backward pass is the tensor the optimizer stepped with, at the same data pointer and
   version counter (hooks.cpp `grad_states`; `zero_grad(set_to_none=False)` moves the counter, `set_to_none=True`
-  makes it None); it is not all zeros then (`p.grad.data.zero_()` moves no counter: `torch._foreach_norm` of those
-  `.grad`s, CPU tensors only, tells); and that pass changed it (`PassRecord.grads_changed`). A pass that does not
+  makes it None); it is not all zeros then (`p.grad.data.zero_()` moves no counter: the norms of those `.grad`s,
+  CPU tensors only, tell); and that pass changed it (`PassRecord.grads_changed`). A pass that does not
   reach the parameter (a GAN's discriminator pass, the generator's `.grad` left for its own `zero_grad`) is no
   such addition.
 - A parameter with a `.grad`, at the end of several recorded steps in a row with an optimizer step, that no
@@ -21,8 +21,8 @@ Relies on `id()` of the parameters in the optimizers' `param_groups` (public).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
+from . import torch_private as tp
 from .param_list import ids_of, names_of
 
 UNHELD_STEPS = 5  # recorded steps in a row, each with an optimizer step, before a never-held parameter is named
@@ -106,7 +106,7 @@ class OptimizerReads:
         out = np.zeros_like(same)
         if not grads:
             return out
-        norms = torch._foreach_norm(grads) if len(grads) > 1 else [grads[0].norm()]
+        norms = tp.foreach_norm(grads)
         nonzero = [bool(n != 0) for n in norms]  # NaN != 0: a carried NaN is carried
         for i, nz in zip(at, nonzero):
             out[i] = nz

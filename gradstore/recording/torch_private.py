@@ -586,3 +586,15 @@ def watch_backward_args(node, sink):
                 pass
 
     return undo
+
+
+def foreach_norm(tensors: list) -> list:
+    """The L2 norm of each tensor of `tensors` (a list of 0-d tensors, one kernel launch per device and dtype):
+    `torch._foreach_norm` (private; the per-tensor `torch.linalg.vector_norm` where it is missing or refuses)."""
+    fn = getattr(torch, "_foreach_norm", None)
+    if fn is not None:
+        try:
+            return list(fn(tensors))
+        except Exception:
+            pass
+    return [torch.linalg.vector_norm(t) for t in tensors]
