@@ -2,6 +2,7 @@
 PyTorch upgrade, module attribution, nested-pass separation or interception needs its fallback checked."""
 
 import math
+
 import pytest
 import torch
 import torch.autograd.graph
