@@ -1324,7 +1324,8 @@ def _plain(v, field: str) -> str:
 
 def _difference_words(row, label_a: str, label_b: str) -> str:
     """What differs in one row of diff / first_divergence / rank_divergence, in words: the first differing
-    field with both values ('norm 1.2345 vs 1.2346 (rel 8.1e-05)'), then the names of the others."""
+    field with both values, each named by its side ('norm 1.2345 in rank 0 vs 1.2346 in rank 1 (rel 8.1e-05)'),
+    then the names of the others."""
     fields = [f for f in str(row["differs"]).split(",") if f]
     if "missing" in fields:
         return f"only in {label_a if row['side'] == 'a' else label_b}"
@@ -1344,9 +1345,9 @@ def _difference_words(row, label_a: str, label_b: str) -> str:
     if first in _STATS:
         sa, sb = _num_pair(a, b)
         rel = row[f"{first}_rel"]
-        text = f"{first} {sa} vs {sb}" + ("" if _missing(rel) else f" (rel {rel:.2g})")
+        text = f"{first} {sa} in {label_a} vs {sb} in {label_b}" + ("" if _missing(rel) else f" (rel {rel:.2g})")
     else:
-        text = f"{first} {_plain(a, first)} vs {_plain(b, first)}"
+        text = f"{first} {_plain(a, first)} in {label_a} vs {_plain(b, first)} in {label_b}"
     if first == "checksum" and not rest:
         text += " (every statistic equal)"
     if rest:

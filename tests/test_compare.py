@@ -424,12 +424,12 @@ def test_cli_diff_prints_the_first_divergence_in_words(recorded):
     assert result.exit_code == 0, result.output
     assert (
         f"run 'scaled' differs from run 'base' first at 2/AddmmBackward0#0 grad_outputs[0] (step 0, pass 0): "
-        f"norm {a:.5g} vs {b:.5g} (rel 0.33)"
+        f"norm {a:.5g} in run 'base' vs {b:.5g} in run 'scaled' (rel 0.33)"
     ) in result.output
     assert "  also grad_inputs[2]: norm" in result.output
     result = invoke("diff", recorded, "base", "nan")
     assert "first at 1/TanhBackward0#0 grad_outputs[0] (step 0, pass 0)" in result.output
-    assert "nan 0 vs 1" in result.output
+    assert "nan 0 in run 'base' vs 1 in run 'nan'" in result.output
     result = invoke("diff", recorded, "base", "same")
     assert result.exit_code == 0 and "no divergence" in result.output
     result = invoke("diff", recorded, "base", "scaled", "--rtol", "0.5")
@@ -447,7 +447,7 @@ def test_cli_diff_two_ranks(recorded):
     a, b = norm64(grads["0.bias"]), norm64(grads["0.bias"] * 1.25)
     assert (
         f"rank 1 differs from rank 0 first at param:0.bias grad_outputs[0] (step 0, pass 0): "
-        f"norm {a:.5g} vs {b:.5g} (rel 0.2)"
+        f"norm {a:.5g} in rank 0 vs {b:.5g} in rank 1 (rel 0.2)"
     ) in result.output
 
 
@@ -458,7 +458,10 @@ def test_cli_ranks(recorded):
     assert f"ranks differ at step 1: 1 of {n_params} parameter gradients differ (ranks 0, 1)" in result.output
     _, grads = twin(1)
     a, b = norm64(grads["0.bias"]), norm64(grads["0.bias"] * 1.25)
-    said = f"  0.bias (after the backward pass): rank 1 differs from rank 0: norm {a:.5g} vs {b:.5g} (rel 0.2)"
+    said = (
+        f"  0.bias (after the backward pass): rank 1 differs from rank 0: norm {a:.5g} in rank 0 vs {b:.5g} in rank 1 "
+        "(rel 0.2)"
+    )
     assert said in result.output
     assert "0.bias (as the optimizer saw it" not in result.output  # one line per parameter: its first stage
     assert "0.bias (as the optimizer saw it" in invoke("ranks", recorded, "job", "--step", 1, "--verbose").output
@@ -819,7 +822,7 @@ def test_first_divergence_names_the_first_differing_module_output_of_the_forward
     out = invoke("diff", db, "a", "b").output
     assert (
         f"run 'b' differs from run 'a' first in the forward, at 3/forward#0 outputs[0] (step 0, module 3 (Dropout)): "
-        f"norm {norm64(out_a):.5g} vs {norm64(out_b):.5g}"
+        f"norm {norm64(out_a):.5g} in run 'a' vs {norm64(out_b):.5g} in run 'b'"
     ) in out, out
     steps = len(dropout_data())
     assert f"Forward (record(forward=True)): {steps * len(plain_a):,} module outputs and losses aligned" in out
