@@ -127,6 +127,24 @@ def test_unfiltered_record_has_nothing_left_out(tmp_path):
         assert not story.left_out(store, "all")
 
 
+def test_a_pass_that_raised_is_named_first_for_its_nodes_without_calls(tmp_path):
+    """No filter; a node post-hook returns the wrong number of grad_inputs, so the pass raises and the engine runs
+    no node after it: `show --step` names the raise as the reason its other nodes have no call, not a filter.
+    Expected: the nodes a plain walk of next_functions reaches, and the RuntimeError PyTorch raises."""
+    db = str(tmp_path / "r.db")
+    a = torch.ones(3, requires_grad=True)
+    b = torch.ones(3, requires_grad=True)
+    with gradstore.record("raised", db=db):
+        y = (a + b).sum()
+        y.grad_fn.next_functions[0][0].register_hook(lambda gi, go: (gi[0],))  # AddBackward0 has two inputs
+        with pytest.raises(RuntimeError, match="hook"):
+            y.backward()
+    out = _invoke("show", db, "raised", "--step", 0)
+    note = next(line for line in out.splitlines() if line.startswith("Not measured"))
+    assert "backward pass raised before the engine ran them" in note, note
+    assert note.index("raised") < note.index("filter"), note
+
+
 def test_nan_loss_puts_the_origin_in_the_forward(tmp_path):
     db = str(tmp_path / "n.db")
     torch.manual_seed(0)

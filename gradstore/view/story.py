@@ -477,14 +477,16 @@ class LeftOut:
     param_names row: no .grad row, no param_status row, not checked for NaN/Inf), in node order; params_total: the
     parameters the record knows (nodes with a param: reached by a pass, or recorded); nodes: the most nodes one
     backward pass (of the steps asked about) reached without a recorded call (not hooked: outside the filter; or
-    reached and not run: a pass that raised, inputs= that prune the graph); nodes_total: the nodes that pass reached.
-    Empty (false) where everything reached was measured.
+    reached and not run: a pass that raised, inputs= that prune the graph); nodes_total: the nodes that pass reached;
+    raised: whether that pass raised (passes.error: then the likely reason, named first). Empty (false) where
+    everything reached was measured.
     """
 
     params: list[str]
     params_total: int
     nodes: int
     nodes_total: int
+    raised: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.params or self.nodes)
@@ -512,12 +514,18 @@ class LeftOut:
         about it."""
         if not self:
             return ""
-        return (
-            f"Not measured: {self.words()}. A modules= / params= filter of record() hooks only the nodes and "
-            "parameters it selects (the record keeps what it reached, not the filter's globs); a node reached and "
-            "not run (a pass that raised, inputs=) has no call either. Nothing here is claimed about them: they may "
-            "have held NaN or Inf."
-        )
+        if self.raised and not self.params:  # a pass that raised: the engine never ran the rest of its graph
+            why = (
+                "That backward pass raised before the engine ran them (passes.error), so they have no call; a "
+                "modules= / params= filter of record(), or inputs=, would also leave reached nodes without one."
+            )
+        else:
+            why = (
+                "A modules= / params= filter of record() hooks only the nodes and parameters it selects (the record "
+                "keeps what it reached, not the filter's globs); a node reached and not run (a pass that raised, "
+                "inputs=) has no call either."
+            )
+        return f"Not measured: {self.words()}. {why} Nothing here is claimed about them: they may have held NaN or Inf."
 
 
 def left_out(store, run: str, step: int | None = None, rank: int | None = None) -> LeftOut:
@@ -536,13 +544,16 @@ def left_out(store, run: str, step: int | None = None, rank: int | None = None) 
         known_params = conn.execute(sql, {"run": run}).all()
     params = [str(p) for p, recorded in known_params if not recorded]
     nodes = total_nodes = 0
+    raised = False
     known = passes.dropna(subset=["nodes", "calls"])
     if len(known):
         gap = (known["nodes"].astype("int64") - known["calls"].astype("int64")).clip(lower=0)
         if gap.max() > 0:
             at = int(gap.to_numpy().argmax())
             nodes, total_nodes = int(gap.iloc[at]), int(known["nodes"].iloc[at])
-    return LeftOut(params=params, params_total=len(known_params), nodes=nodes, nodes_total=total_nodes)
+            error = known["error"].iloc[at] if "error" in known.columns else None
+            raised = error is not None and not pd.isna(error)
+    return LeftOut(params=params, params_total=len(known_params), nodes=nodes, nodes_total=total_nodes, raised=raised)
 
 
 def changed_most(store, run: str, rank: int | None = None, top: int = 10, which: str = "pass") -> pd.DataFrame:
