@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 from click.testing import CliRunner
 
 import gradstore
@@ -342,3 +343,21 @@ def test_frame_tracker_names_the_user_line_of_each_node():
             p = x.cos()
         q = x.tan()
     assert tracker.owner_frame(p.grad_fn._sequence_nr()) is None and tracker.owner_frame(q.grad_fn._sequence_nr())
+
+
+def test_explaining_a_parameter_without_a_call_gives_its_status_per_step(tmp_path):
+    """A frozen layer (requires_grad=False: PyTorch makes no AccumulateGrad for it, so no call) and one whose module
+    never runs: explaining their keys says why per step, from param_status, and claims no node was seen. Expected:
+    the flags and module calls of the loop, by hand."""
+    db = str(tmp_path / "p.db")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 3), "frozen": nn.Linear(3, 1), "idle": nn.Linear(3, 1)})
+    model["frozen"].requires_grad_(False)
+    with gradstore.record("why", db=db, model=model) as rec:
+        for _ in range(2):
+            model["frozen"](torch.tanh(model["used"](torch.randn(4, 3)))).sum().backward()
+            rec.step()
+    text = "\n".join(gradstore.explain(db, "why", "param:frozen.weight").lines())
+    assert "frozen: step(s) 0, 1" in text and "first seen" not in text, text
+    text = "\n".join(gradstore.explain(db, "why", "param:idle.bias").lines())
+    assert "not used: step(s) 0, 1" in text, text

@@ -418,12 +418,18 @@ class RecordedExplanation:
     tensors: object
     region: str | None = None
     frame: str | None = None
+    statuses: object = None  # a parameter's key without a call: DataFrame (step, rank, status) of param_status
 
     def lines(self) -> list[str]:
         where = f"module {self.module!r}" if self.module else "top level (the model itself, or no module)"
+        seen = (
+            f"parameter {self.param}'s key, named from step {self.first_step} (an AccumulateGrad exists only while "
+            "the parameter requires grad and a graph uses it)"
+            if self.param
+            else f"first seen at step {self.first_step}"
+        )
         out = [
-            f"{self.key} in run {self.run!r}: {self.name} ({self.kind}), {where}, first seen at step "
-            f"{self.first_step}" + (f", parameter {self.param}" if self.param else ""),
+            f"{self.key} in run {self.run!r}: {self.name} ({self.kind}), {where}, {seen}",
             f"created at {self.frame}"
             if self.frame
             else "created at: not recorded"
@@ -456,6 +462,12 @@ class RecordedExplanation:
                     else ""
                 )
             )
+            if self.statuses is not None and len(self.statuses):
+                out.append(f"why, per step (store.param_status({self.run!r}, param={self.param!r})):")
+                for status, rows in self.statuses.groupby("status", sort=False):
+                    steps = sorted(set(int(s) for s in rows["step"]))
+                    shown = ", ".join(map(str, steps[:8])) + (" ..." if len(steps) > 8 else "")
+                    out.append(f"  {status}: step(s) {shown}")
             return out
         out.append(f"step {self.step}, rank {self.rank}: {len(self.calls)} call(s)")
         for c in self.calls.to_dict("records"):
@@ -551,6 +563,9 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             tensors = store.tensors(run=run, step=chosen_step, rank=chosen_rank, module=module or None)
             tensors = tensors[(tensors["key"] == key) & tensors["seq"].notna()].reset_index(drop=True)
         param = n["param"] if isinstance(n["param"], str) else None
+        statuses = None
+        if param is not None and calls.empty:  # no AccumulateGrad call: param_status says why, step by step
+            statuses = store.param_status(run=run, step=step, rank=rank, param=param)[["step", "rank", "status"]]
         region = n["region"] if isinstance(n.get("region"), str) else None
         frame = n["frame"] if isinstance(n.get("frame"), str) and n["frame"] else None
         return RecordedExplanation(
@@ -569,6 +584,7 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             tensors=tensors,
             region=region,
             frame=frame,
+            statuses=statuses,
         )
     finally:
         if store is not db:
