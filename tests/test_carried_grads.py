@@ -238,5 +238,7 @@ def test_parameters_no_stepping_optimizer_holds_are_named(db, how):
         return
     assert len(said) == 1 and "held a .grad at the end of steps 0-4" in said[0], said
     assert f"{len(want)} parameter(s)" in said[0]
+    kept = gradstore.open(db).warnings("held")
+    assert list(kept[kept.message.str.contains("holds them")]["step"]) == [4], kept
     for name, _ in model.named_parameters():
         assert (name in said[0]) == (name in want), name

@@ -702,15 +702,16 @@ class record:
             observers.deactivate()
 
     def _end_step(self, exc: BaseException | None, run_status: str | None = None) -> None:
-        state, self._state = self._state, None
-        final, self._final = self._final, None
-        if final is not None and state is not None:
+        if self._final is not None and self._state is not None:  # while the step is open: its warning is noted
+            final = self._final
             try:
                 self._warn_unheld(
                     self._reads.step_ended(self._params, final.read_ids, final.read_states, judge=not self._fsdp)
                 )
             except Exception as exc_unheld:
-                state.fault("end of step", exc_unheld)
+                self._state.fault("end of step", exc_unheld)
+        state, self._state = self._state, None
+        final, self._final = self._final, None
         observed, self._observed = self._observed, None
         values, value_faults = self._values.take() if state is not None else (self._values.clear(), [])
         for text in value_faults:  # unsampled steps' values are not kept
