@@ -29,6 +29,19 @@ def _same(a: list[tuple], b: list[tuple]) -> bool:
     )
 
 
+def _scaled_step(scaler, opt, m, loss) -> tuple[float, bool]:
+    """One GradScaler step on `loss`: (the scale the loss was multiplied by, whether the optimizer step was skipped,
+    told by the parameters not moving); the gradients are cleared after."""
+    scale = scaler.get_scale()
+    scaler.scale(loss).backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    skipped = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    opt.zero_grad()
+    return scale, skipped
+
+
 def _loop(m, dtype, init_scale, steps, rec=None, nan_from=8, big_at=4):
     """Steps of the autocast MLP `m` with `GradScaler("cpu", init_scale)`: at `big_at` the targets are 300 times larger
     (a finite loss whose scaled gradients overflow fp16), from `nan_from` one input element is NaN (bad data).
@@ -47,13 +60,7 @@ def _loop(m, dtype, init_scale, steps, rec=None, nan_from=8, big_at=4):
         with torch.autocast("cpu", dtype=dtype):
             diff = m(x).float() - y
         loss = diff.pow(2).mean()
-        scale = scaler.get_scale()
-        scaler.scale(loss).backward()
-        before = [p.detach().clone() for p in m.parameters()]
-        scaler.step(opt)
-        scaler.update()
-        skipped = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
-        opt.zero_grad()
+        scale, skipped = _scaled_step(scaler, opt, m, loss)
         out.append((loss.item(), scale, skipped, int(diff.isnan().sum())))
         if rec is not None:
             rec.step()
@@ -118,13 +125,7 @@ def _where_trap(m, init_scale, steps, rec=None):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             r = m(x).float()
         loss = torch.where(r.isfinite(), r, torch.zeros_like(r)).sum()
-        scale = scaler.get_scale()
-        scaler.scale(loss).backward()
-        before = [p.detach().clone() for p in m.parameters()]
-        scaler.step(opt)
-        scaler.update()
-        skipped = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
-        opt.zero_grad()
+        scale, skipped = _scaled_step(scaler, opt, m, loss)
         out.append((loss.item(), scale, skipped, not bool(r.isfinite().all())))
         if rec is not None:
             rec.step()

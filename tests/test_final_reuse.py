@@ -475,6 +475,19 @@ def _read_by_optimizers(build, loop, steps=2):
     return seen
 
 
+def _record(db, run, build, loop, steps=2) -> list:
+    """The loop of `build()`'s model recorded at stats='params' into `db` as run `run`, one step per call of
+    `loop`; returns each step's `rec.last_step.grad_norm`."""
+    net, opts = build()
+    norms = []
+    with gradstore.record(run, db=db, model=net, stats="params") as rec:
+        for k in range(steps):
+            loop(net, opts, torch.randn(5, 4, generator=torch.Generator().manual_seed(k)), k)
+            rec.step()
+            norms.append(rec.last_step.grad_norm)
+    return norms
+
+
 def _check_final_rows(db, run, want):
     store = gradstore.open(db)
     rows = store.param_grads(run, which="final")
@@ -518,14 +531,9 @@ def test_an_optimizer_stepping_inside_the_backward_pass_keeps_what_it_read(db):
         net(x).pow(2).sum().backward()
 
     want = _read_by_optimizers(build, loop)
-    net, opts = build()
-    with gradstore.record("fused", db=db, model=net, stats="params") as rec:
-        for k in range(2):
-            loop(net, opts, torch.randn(5, 4, generator=torch.Generator().manual_seed(k)), k)
-            rec.step()
-            total = rec.last_step.grad_norm
-            expected = float(torch.stack([g.double().norm() for g in want[k].values()]).norm())
-            assert total == pytest.approx(expected, rel=1e-6), k
+    for k, total in enumerate(_record(db, "fused", build, loop)):
+        expected = float(torch.stack([g.double().norm() for g in want[k].values()]).norm())
+        assert total == pytest.approx(expected, rel=1e-6), k
     _check_final_rows(db, "fused", want)
 
 
@@ -545,11 +553,7 @@ def test_grads_assigned_from_autograd_grad_are_the_final_rows(db):
         opts[0].zero_grad()
 
     want = _read_by_optimizers(build, loop)
-    net, opts = build()
-    with gradstore.record("assigned", db=db, model=net, stats="params") as rec:
-        for k in range(2):
-            loop(net, opts, torch.randn(5, 4, generator=torch.Generator().manual_seed(k)), k)
-            rec.step()
+    _record(db, "assigned", build, loop)
     _check_final_rows(db, "assigned", want)
 
 
@@ -572,9 +576,5 @@ def test_a_layer_frozen_between_micro_batches_keeps_its_final_row(db):
 
     want = _read_by_optimizers(build, loop)
     assert all(g is not None for step in want for g in step.values())
-    net, opts = build()
-    with gradstore.record("frozen", db=db, model=net, stats="params") as rec:
-        for k in range(2):
-            loop(net, opts, torch.randn(5, 4, generator=torch.Generator().manual_seed(k)), k)
-            rec.step()
+    _record(db, "frozen", build, loop)
     _check_final_rows(db, "frozen", want)

@@ -93,6 +93,17 @@ def plain_hooks(*nodes):
     return seen, handles
 
 
+def seen_by_hooks(node, root, calls: list) -> tuple:
+    """(grad_outputs, grad_inputs) the plain hooks on `node` saw in one `root.backward(retain_graph=True)`, the
+    Function's recorded `calls` cleared first."""
+    seen, handles = plain_hooks(node)
+    calls.clear()
+    root.backward(retain_graph=True)
+    for h in handles:
+        h.remove()
+    return tuple(seen[node])
+
+
 def same(a, b) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
@@ -135,12 +146,7 @@ def test_replay_check_feeds_each_custom_backward_what_the_engine_fed_it():
 
 def test_replay_takes_materialize_grads_and_matches_the_hooks():
     loss, two, _, _ = graph()
-    seen, handles = plain_hooks(two)
-    TwoOut.calls.clear()
-    loss.backward(retain_graph=True)
-    for h in handles:
-        h.remove()
-    grad_outputs, hook_inputs = seen[two]
+    grad_outputs, hook_inputs = seen_by_hooks(two, loss, TwoOut.calls)
     with pytest.raises(ReplayError, match="set_materialize_grads"):  # the flag cannot be read back: no guess
         gradstore.replay(two, grad_outputs)
     again = gradstore.replay(two, grad_outputs, materialize_grads=False)
@@ -150,12 +156,7 @@ def test_replay_takes_materialize_grads_and_matches_the_hooks():
     x = torch.randn(3, 4, requires_grad=True)
     a, _unused = Pair.apply(x)
     pair = a.grad_fn
-    seen, handles = plain_hooks(pair)
-    Pair.calls.clear()
-    a.sum().backward(retain_graph=True)
-    for h in handles:
-        h.remove()
-    grad_outputs, hook_inputs = seen[pair]
+    grad_outputs, hook_inputs = seen_by_hooks(pair, a.sum(), Pair.calls)
     assert grad_outputs[1] is None
     again = gradstore.replay(pair, grad_outputs, materialize_grads=True)
     assert all(same(a, b) for a, b in zip(again, hook_inputs))
@@ -171,12 +172,7 @@ def test_a_non_differentiable_output_is_replayed_with_its_real_shape_and_dtype()
     with gradstore.verify.capture():
         v, i = SortIdx.apply(x)
     node = v.grad_fn
-    seen, handles = plain_hooks(node)
-    SortIdx.calls.clear()
-    v.sum().backward(retain_graph=True)
-    for h in handles:
-        h.remove()
-    grad_outputs, hook_inputs = seen[node]
+    grad_outputs, hook_inputs = seen_by_hooks(node, v.sum(), SortIdx.calls)
     again = gradstore.replay(node, grad_outputs, materialize_grads=True)
     assert all(same(a, b) for a, b in zip(again, hook_inputs))
     assert SortIdx.calls[1] == SortIdx.calls[0] == [((3, 4), torch.float32), (tuple(i.shape), i.dtype)]
