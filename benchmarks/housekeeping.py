@@ -14,10 +14,10 @@ writer='auto', the child process writing), on benchmarks/steady.py's models, 1 t
 - **Handing a step to the writer's child** (gradstore.recording.offload): the writer thread's CPU time per step
   (`time.thread_time`) in `detached` (the rows that are not sent packed are built there) and in `pickle.dumps`,
   and the bytes sent. This runs in the training process, with the GIL for most of it.
-- **The child's work**: the writer's child process's CPU time per step (user + system, from Linux's
-  /proc/PID/stat; `-` elsewhere): building the rows and the findings, and SQLite's inserts. It runs on another
-  core, yet on a host whose cores share their execution units (hyperthreads, or virtual CPUs the host runs on
-  one core) it slows training all the same: `--contention` measures how much, on this host.
+- **The child's work**: the writer's child process's CPU time per step (its threads' time on a CPU, from
+  Linux's /proc/PID/task/*/schedstat; `-` elsewhere): building the rows and the findings, and SQLite's
+  inserts. It runs on another core, yet on a host whose cores share their execution units (hyperthreads, or
+  virtual CPUs the host runs on one core) it slows training all the same: `--contention` measures how much here.
 - **Contention** (`--contention`): the plain step (unrecorded) timed alone and with a process that keeps one core
   busy (`while True: pass`, started before and killed after each block), interleaved, medians: on a machine with
   a free core the ratio is about 1.0; on one whose cores share execution units, well above.
@@ -125,10 +125,16 @@ def _child_pid(slot: Slot) -> int | None:
 
 
 def _cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU seconds of process `pid` so far (Linux's /proc/PID/stat: utime, stime); None where there
-    is no such file."""
+    """CPU seconds process `pid`'s threads have run so far: the sum of Linux's /proc/PID/task/TID/schedstat
+    (nanoseconds on the CPU, of the threads alive now), else /proc/PID/stat's utime + stime (clock ticks, 10 ms
+    each: a few tiny steps may read 0); None where neither file is."""
     if pid is None:
         return None
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        return sum(int((t / "schedstat").read_text().split()[0]) for t in tasks) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
