@@ -7,6 +7,7 @@ holds after the reaction (`Store.first_nonfinite`), which shows that the step wa
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pandas as pd
@@ -266,3 +267,65 @@ def test_first_param_grad_is_the_one_whose_accumulate_grad_ran_first(db):
     with gradstore.open(db) as store:
         got = store.first_nonfinite("order", role="param_grad")
     assert list(got["key"]) == [f"param:{first_bad}"] and first_bad.startswith("1.")
+
+
+class _MaskedAttention(nn.Module):
+    """sqrt, then one attention with a causal mask. The attention node saves the mask as an additive -inf tensor
+    (a forward value, not a gradient); where x is exactly 0, sqrt's grad_input is infinite."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        h = x.sqrt()
+        mask = torch.triu(torch.ones(4, 4, dtype=torch.bool), 1)
+        return self.attn(h, h, h, attn_mask=mask, need_weights=False)[0].pow(2).mean()
+
+
+def _attention_x(zero: bool) -> torch.Tensor:
+    x = torch.rand(2, 4, 8, generator=torch.Generator().manual_seed(1)) + 0.5
+    if zero:
+        x[0, 3, 5] = 0.0
+    return x.requires_grad_()
+
+
+def test_a_saved_non_finite_tensor_is_no_non_finite_gradient(db):
+    """record(saved=True) with an intentional -inf attention mask: every gradient is finite (plain PyTorch),
+    so the step is ok: no warning, no NonFiniteGradient, no flight-recorder dump; the saved tensors' -inf is
+    still there as a fact about saved tensors (first_nonfinite_saved)."""
+    net = _MaskedAttention()
+    x = _attention_x(False)
+    grads = torch.autograd.grad(net(x), [x, *net.parameters()])  # plain PyTorch, unrecorded
+    assert all(bool(g.isfinite().all()) for g in grads)
+    for run, options in (("raise", {"on_nonfinite": "raise"}), ("flight", {"keep": 2, "on_nonfinite": "warn"})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # on_nonfinite='warn' would fail the test
+            with gradstore.record(run, db=db, model=net, saved=True, **options) as rec:
+                net(_attention_x(False)).backward()
+        assert rec.last_step.status == "ok" and rec.last_step.first_nonfinite is None
+        assert rec.last_step.dump is None
+        net.zero_grad()
+        store = gradstore.open(db)
+        assert list(store.steps(run)["status"]) == ["ok"]
+        assert store.first_nonfinite(run).empty
+    saved = store.first_nonfinite_saved("raise")
+    assert len(saved) and (saved["role"] == "saved").all() and (saved["neginf"] > 0).all()
+
+
+def test_a_saved_non_finite_tensor_does_not_stand_in_for_the_first_non_finite_gradient(db):
+    """The attention node (which saved the -inf mask) runs before sqrt's backward, whose grad_input is infinite
+    where x is 0: the first non-finite gradient named is sqrt's grad_input, with plain PyTorch's counts."""
+    net = _MaskedAttention()
+    x = _attention_x(True)
+    (gx,) = torch.autograd.grad(net(x), [x])  # plain PyTorch: sqrt's grad_input is the gradient of x
+    want = (int(gx.isnan().sum()), int((gx == math.inf).sum()), int((gx == -math.inf).sum()))
+    assert sum(want) > 0
+    with pytest.raises(gradstore.NonFiniteGradient) as info:
+        with gradstore.record("sqrt", db=db, model=net, saved=True, on_nonfinite="raise"):
+            net(_attention_x(True)).backward()
+    row = info.value.row
+    assert (row["name"], row["role"]) == ("SqrtBackward0", "grad_input")
+    assert (row["nan"], row["posinf"], row["neginf"]) == want
+    assert list(gradstore.open(db).steps("sqrt")["status"]) == ["nonfinite"]

@@ -614,11 +614,18 @@ class PassRecorder:
             # results left in tensors (a device, or a non-finite CPU tensor): the pass's one host copy now,
             # while the tensors are this pass's; the rows are then built from host values
             rows = to_rows([m for _, _, _, m in measured], extra)
-            rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+            if self._node_of is None:
+                rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
+            else:  # record(saved=True): a saved tensor is a forward value, not a gradient: it sets no status
+                grads = (row for (_, role, _, _), row in zip(measured, rows) if role is not _ROLE_SAVED)
+                rec.nonfinite = any(row[i] for row in grads for i in NONFINITE_COLUMNS)
             heads = [(c, role, slot, None) for c, role, slot, _ in measured]  # no device tensor kept
             rec.tensors = LazyRows(len(rows) + more, lambda: tensor_rows(heads, infos, param_keys, rows) + after())
         else:  # host values only: the rows are built where they are first read (the writer thread)
-            rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
+            if self._node_of is None:
+                rec.nonfinite = any_nonfinite([m for _, _, _, m in measured])
+            else:  # record(saved=True): a saved tensor is a forward value, not a gradient: it sets no status
+                rec.nonfinite = any_nonfinite([m for _, role, _, m in measured if role is not _ROLE_SAVED])
             rec.tensors = LazyRows(len(measured) + more, lambda: tensor_rows(measured, infos, param_keys) + after())
         if packed is not None:
             rec.nonfinite = rec.nonfinite or packed.nonfinite

@@ -22,8 +22,9 @@ from .stats import ROW_COLUMNS
 # positions in a tensor row: (key, seq, role, slot, *stats.ROW_COLUMNS)
 _ROW = {name: i + 4 for i, name in enumerate(ROW_COLUMNS)}
 _NAN, _POSINF, _NEGINF = _ROW["nan"], _ROW["posinf"], _ROW["neginf"]
-_ROLE_ORDER = {0: 0, 1: 1, 3: 2, 2: 3}  # grad_output, grad_input, saved, param_grad
+_ROLE_ORDER = {0: 0, 1: 1, 2: 3}  # grad_output, grad_input, param_grad
 _GRAD_INPUT = ROLES.index("grad_input")
+_SAVED = ROLES.index("saved")  # record(saved=True): a forward value the node saved, not a gradient
 
 
 def _nonfinite(row) -> bool:
@@ -33,7 +34,8 @@ def _nonfinite(row) -> bool:
 def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
     """The step's first non-finite gradient, as a row of `Store.first_nonfinite` (run, rank, step, pass, seq,
     key, name, module, frame, role, slot, numel, nan, posinf, neginf, norm, min, max): the first node call in
-    execution order (grad_outputs before grad_inputs, by slot), or, with record(forward=True), a loss or a module
+    execution order (grad_outputs before grad_inputs, by slot; a saved tensor, role saved, is not a gradient and
+    never counts), or, with record(forward=True), a loss or a module
     output (role activation, pass None) that came before it, else the first parameter gradient of a pass,
     else of the step's final rows (pass and seq None). None when the step recorded no non-finite value (or
     only statuses, as at stats='shape')."""
@@ -60,7 +62,7 @@ def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
         for c in p.calls:
             acc.setdefault(c[0], c[1])
         for row in p.tensors:
-            if not _nonfinite(row):
+            if not _nonfinite(row) or row[2] == _SAVED:  # saved tensors: Store.first_nonfinite_saved's
                 continue
             seq = row[1]
             if seq is not None and row[2] == _GRAD_INPUT:
@@ -164,7 +166,8 @@ class LastStep:
         step (int), rank (int): its number and rank.
         status (str): 'ok' (nothing raised and every measured gradient was finite), 'error' (the step raised, or
             a backward pass in it raised and the training code caught it), 'nonfinite' (some gradient, of a node or
-            a parameter, held NaN or Inf) or 'unmeasured' (stats='shape', which measures no value: nothing raised,
+            a parameter, held NaN or Inf; with record(forward=True) also a module output or loss; never a saved
+            tensor) or 'unmeasured' (stats='shape', which measures no value: nothing raised,
             finiteness unknown). A step whose gradient rows were all skipped (meta device) is 'ok' here, as the
             rows are built after the step: `Store.steps` reads it as 'unmeasured'.
         error (str | None): the exception's text (and recorder faults); for a pass that raised and was caught,

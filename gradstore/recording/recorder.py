@@ -205,7 +205,9 @@ class record:
             dropped; their count goes to steps.dropped).
         queue_rows: the bound on rows waiting for the writer (int).
         saved: also record the statistics of every saved tensor each node holds for its backward (role
-            'saved', slot = position in `gradstore.saved_tensors(node)`), measured in the node's prehook.
+            'saved', slot = position in `gradstore.saved_tensors(node)`), measured in the node's prehook. A
+            saved tensor is a forward value, not a gradient: its NaN/Inf (an additive -inf attention mask) never
+            makes a step nonfinite nor triggers on_nonfinite or a dump (`Store.first_nonfinite_saved` lists it).
         frames: note, for each forward op, the user-code frame that created its node ('file:line in
             function', in nodes.frame; a `torch.overrides.TorchFunctionMode`, about 4 µs per op).
         checksum: store a 64-bit checksum of each param_grad (tensors.checksum) for exact bitwise comparison
