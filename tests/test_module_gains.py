@@ -286,3 +286,165 @@ def test_gains_of_tiny_float64_gradients_are_not_zero(db):
     for name in ("0", "1", "2"):
         assert g.loc[name, "in_norm"] == pytest.approx(flows[(name, "in")], rel=1e-12, abs=0)
         assert g.loc[name, "out_norm"] == pytest.approx(flows[(name, "out")], rel=1e-12, abs=0)
+
+
+# ---- the gradient crossing a call is the norm of a sum: residual blocks, inputs and outputs used twice --------
+# Ground truth: torch.autograd.grad in plain PyTorch (unrecorded), of the loss w.r.t. a call's input and output
+# tensors, or a vector-Jacobian product through one call (torch.autograd.grad(output, input, grad_outputs)) where
+# the input is also used outside it.
+
+
+def _gx():
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+
+
+class _Res(nn.Module):
+    def __init__(self, cancel):
+        super().__init__()
+        self.branch = nn.Linear(4, 4, bias=False)
+        if cancel:  # the branch cancels the skip path: the block kills the gradient
+            with torch.no_grad():
+                self.branch.weight.copy_(-torch.eye(4))
+
+    def forward(self, x):
+        return x + self.branch(x)
+
+
+class _ResNet(nn.Module):
+    def __init__(self, cancel):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.res, self.out = nn.Linear(4, 4), _Res(cancel), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(self.res(self.inp(x))).sum()
+
+
+@pytest.mark.parametrize("cancel", [True, False])
+def test_a_residual_blocks_out_norm_is_the_norm_of_the_sum_of_its_paths(db, cancel):
+    """y = x + branch(x): the gradient w.r.t. the block's input is the sum of the skip path's and the branch's
+    pieces (0 when the branch is -I), not sqrt of the sum of their squares (a helper trial saw ratio 1.41 for a
+    block whose true gain is 0)."""
+    net, x = _ResNet(cancel), _gx()
+    h = net.inp(x)
+    b = net.res.branch(h)
+    y = h + b
+    loss = net.out(y).sum()
+    gy, gh, gb = torch.autograd.grad(loss, [y, h, b], retain_graph=True)
+    (g_branch_in,) = torch.autograd.grad(b, h, grad_outputs=gb)  # through the branch alone
+    if cancel:
+        assert float(gh.norm()) == 0.0 and float(gy.norm()) > 1
+    with gradstore.record(f"res{cancel}", db=db, model=net):
+        net(x).backward()
+    with gradstore.open(db) as store:
+        g = store.module_gains(f"res{cancel}").set_index("module")
+    assert g.loc["res", "in_norm"] == pytest.approx(float(gy.norm()), rel=1e-6)
+    assert g.loc["res", "out_norm"] == pytest.approx(float(gh.norm()), rel=1e-6, abs=1e-7)
+    assert g.loc["res", "ratio"] == pytest.approx(float(gh.norm() / gy.norm()), rel=1e-6, abs=1e-7)
+    assert g.loc["res.branch", "in_norm"] == pytest.approx(float(gb.norm()), rel=1e-6)
+    assert g.loc["res.branch", "out_norm"] == pytest.approx(float(g_branch_in.norm()), rel=1e-6)
+
+
+class _Twice(nn.Module):
+    """Uses its input in two ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, h):
+        return self.a(h) * self.b(h)
+
+
+class _Shared(nn.Module):
+    """h goes to blk (two uses inside), to one (one use) and past both (the skip): every call's input is also
+    used outside it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.blk, self.one, self.out = nn.Linear(4, 4), _Twice(), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.blk(h) + self.one(h) + h).sum()
+
+
+def test_an_input_also_used_outside_the_call_gives_the_one_piece_or_no_out_norm(db):
+    """one uses h once: its out_norm is that piece's norm (the gradient w.r.t. its input, through it alone).
+    blk uses h twice and h is used outside it too: the sum of blk's two pieces is not known from their norms,
+    so out_norm is NULL with the reason, not a number."""
+    net, x = _Shared(), _gx()
+    h = net.inp(x)
+    a, b, one = net.blk.a(h), net.blk.b(h), net.one(h)
+    blk = a * b
+    loss = net.out(blk + one + h).sum()
+    g_blk, g_one, g_a = torch.autograd.grad(loss, [blk, one, a], retain_graph=True)
+    (blk_in,) = torch.autograd.grad(blk, h, grad_outputs=g_blk, retain_graph=True)
+    (one_in,) = torch.autograd.grad(one, h, grad_outputs=g_one, retain_graph=True)
+    (a_in,) = torch.autograd.grad(a, h, grad_outputs=g_a)
+    with gradstore.record("shared", db=db, model=net):
+        net(x).backward()
+    with gradstore.open(db) as store:
+        g = store.module_gains("shared").set_index("module")
+    assert g.loc["one", "in_norm"] == pytest.approx(float(g_one.norm()), rel=1e-6)
+    assert g.loc["one", "out_norm"] == pytest.approx(float(one_in.norm()), rel=1e-6)
+    assert g.loc["blk.a", "out_norm"] == pytest.approx(float(a_in.norm()), rel=1e-6)
+    assert g.loc["blk", "in_norm"] == pytest.approx(float(g_blk.norm()), rel=1e-6)
+    assert float(blk_in.norm()) > 0  # there is a true value; the pieces' norms do not give it
+    assert math.isnan(g.loc["blk", "out_norm"]) and math.isnan(g.loc["blk", "ratio"])
+    assert g.loc["blk", "no_ratio"].startswith("not computed: an input of the call is also used outside it")
+
+
+class _TwoOut(nn.Module):
+    """Returns y and tanh(y): y is also used inside the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h):
+        y = self.lin(h)
+        return y, torch.tanh(y)
+
+
+class _TwoOutNet(nn.Module):
+    def __init__(self, uses):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.two, self.uses = nn.Linear(4, 4), _TwoOut(), uses
+        self.c1, self.c2 = torch.linspace(-1, 1, 4), torch.linspace(2, 0.5, 4)
+
+    def loss(self, y, z):
+        out = (y * self.c1).sum() + (z * self.c2).sum()
+        return out + (y * y).sum() if self.uses == 2 else out
+
+    def forward(self, x):
+        return self.loss(*self.two(self.inp(x)))
+
+
+@pytest.mark.parametrize("uses", [1, 2])
+def test_an_output_also_used_inside_the_call_counts_only_what_flows_in(db, uses):
+    """two returns y and tanh(y). The gradient w.r.t. its output y is what the ops outside send (the loss as a
+    function of y and z as independent tensors), not y's slot, which also holds tanh's piece from inside: with one
+    outside use it is that piece; with two, NULL with the reason. two.lin's output y is used by tanh and outside,
+    both outside two.lin: its in_norm is the whole gradient of y."""
+    net, x = _TwoOutNet(uses), _gx()
+    h = net.inp(x)
+    y, z = net.two(h)
+    gh, gy_total = torch.autograd.grad(net.loss(y, z), [h, y])
+    yl, zl = y.detach().requires_grad_(), z.detach().requires_grad_()
+    gy_out, gz_out = torch.autograd.grad(net.loss(yl, zl), [yl, zl])  # w.r.t. the outputs as independent tensors
+    with gradstore.record(f"two{uses}", db=db, model=net):
+        net(x).backward()
+    with gradstore.open(db) as store:
+        g = store.module_gains(f"two{uses}").set_index("module")
+    assert g.loc["two", "out_norm"] == pytest.approx(float(gh.norm()), rel=1e-6)
+    assert g.loc["two.lin", "in_norm"] == pytest.approx(float(gy_total.norm()), rel=1e-6)
+    if uses == 1:
+        want = float(torch.cat([gy_out.flatten(), gz_out.flatten()]).norm())
+        assert g.loc["two", "in_norm"] == pytest.approx(want, rel=1e-6)
+        assert g.loc["two", "ratio"] == pytest.approx(float(gh.norm()) / want, rel=1e-6)
+    else:
+        assert math.isnan(g.loc["two", "in_norm"]) and math.isnan(g.loc["two", "ratio"])
+        assert g.loc["two", "no_ratio"].startswith("not computed: an output of the call is also used inside it")

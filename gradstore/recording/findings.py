@@ -7,17 +7,18 @@ Definitions (README "Why and where" says the same):
 - A module call's nodes are the nodes created while it ran, by it or by a submodule: those whose `sequence_nr`
   falls after its entry and before its exit (gradstore.recording.modules.ForwardRecord). AccumulateGrad nodes
   (parameters, leaves) and nodes of earlier steps belong to no module call.
-- Gradient flowing in (w.r.t. its outputs): the grad_outputs of its nodes at every slot that some edge from a
-  node outside it feeds (`outside.next_functions[k] == (node, slot)`), and every grad_output slot of a pass's
-  root inside it (the gradient `backward()` seeds). Each slot counts once per pass, whole: a slot also fed from
-  inside the module counts with that part.
-- Gradient flowing out (w.r.t. its inputs): the grad_inputs its nodes send along edges to nodes outside it,
-  except to the AccumulateGrad of one of its own parameters (a parameter named under the module); one per edge
-  (an input used by two ops inside the module sends two pieces).
+- Gradient flowing in (w.r.t. its outputs) and out (w.r.t. its inputs, not to the AccumulateGrad of one of its own
+  parameters, named under the module): per tensor, the sum autograd makes at the slot of the node that made it
+  (`x.grad_fn`'s grad_outputs at `x.output_nr`) of the edges crossing the call's boundary that way: the pieces
+  sent from outside into a slot of its node (and a pass's seed at a root inside it), or sent by its nodes into a
+  slot of an outside node. That slot's recorded grad_output where every edge into it crosses that way, the one
+  piece where there is one (or at most one non-zero), else not computed: the norms of several pieces do not give
+  the norm of their sum (`_slot_value`).
 - in_norm, out_norm: sqrt(sum of squared norms) over those tensors and over the step's passes; a slot whose
   node was hooked and did not run passes no gradient (0); a slot without a measurement (no hooks on the node:
   modules=/params= filters; stats='shape', which measures no values; a skipped tensor) is counted in
-  in_unmeasured / out_unmeasured instead.
+  in_unmeasured / out_unmeasured instead; a gradient not computed is counted in in_tensors / out_tensors and
+  neither measured nor unmeasured, and makes the norm None.
 
 Parameter status, in this order: 'frozen' (requires_grad is False at the end of the step); 'ok', 'zero' or
 'received' when its AccumulateGrad ran in some pass of the step, or a top-level backward pass changed its .grad
@@ -70,6 +71,7 @@ _STATUS_OK, _STATUS_NONE = 0, 1
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _KEY_OF, _ROLE_OF = operator.itemgetter(_KEY), operator.itemgetter(_ROLE)
 _IS_PARAM, _IS_GO = partial(operator.eq, _PARAM), partial(operator.eq, _GO)
+_DST = operator.itemgetter(2, 3)  # an edge's destination (node, slot)
 
 
 def kind_of_name(name: str) -> str:
@@ -226,6 +228,93 @@ def _source(measured: dict, hooked, ran: dict, i: int, role: int, slot: int) -> 
 
 
 _ZERO, _UNMEASURED = -1, -2
+# what `_slot_value` says of a gradient crossing a module call's boundary
+_KNOWN, _NOT_MEASURED, _NOT_COMPUTED = 0, 1, 2
+
+
+def _plan_slot(tally, pi: int, whole: int, pieces: list, fan_in: int, seeded: tuple | None) -> None:
+    """Plan the gradients crossing module calls' boundaries at one slot of one node (of pass pi): the slot's
+    grad_output (source `whole`) is the engine's sum over its `fan_in` edges, of which `pieces` (source of the
+    sending node's grad_input, calls the edge enters, calls it leaves) cross some call's boundary; `seeded`: the
+    calls a pass's seed flows into when the node is a root (its seed is in the sum too), else None.
+
+    For each call an edge enters, the gradient w.r.t. the call's output is the sum of the pieces from outside it;
+    for each call an edge leaves, the gradient w.r.t. the call's input is the sum of the pieces from inside it.
+    One plan entry (pi, (whole, pieces or None, exact), calls, into) per distinct such sum: `exact` where that sum
+    is the whole slot (every edge into the slot, and the seed, crosses the same way), pieces None where the seed
+    is part of the sum (it is no piece)."""
+    if len(pieces) == 1 and seeded is None:  # the usual slot: one edge crossing, every call it crosses alike
+        src, into, out_of = pieces[0]
+        spec = (whole, (src,), fan_in == 1)
+        if into:
+            tally((pi, spec, into, True))
+        if out_of:
+            tally((pi, spec, out_of, False))
+        return
+    groups: dict[tuple, list] = {}
+    for direction in (1, 0):  # into, out of
+        calls: dict[int, list] = {}
+        for src, into, out_of in pieces:
+            for k in into if direction else out_of:
+                got = calls.get(k)
+                if got is None:
+                    calls[k] = [src]
+                else:
+                    got.append(src)
+        if direction and seeded:
+            for k in seeded:
+                calls.setdefault(k, [])
+        for k, srcs in calls.items():
+            if direction and seeded is not None and k in seeded:  # the seed flows in with the pieces
+                spec = (whole, None, len(srcs) == fan_in)
+            else:
+                spec = (whole, tuple(srcs), len(srcs) == fan_in and seeded is None)
+            got = groups.get((spec, direction))
+            if got is None:
+                groups[(spec, direction)] = [k]
+            else:
+                got.append(k)
+    for (spec, direction), calls_of in groups.items():
+        tally((pi, spec, tuple(calls_of), bool(direction)))
+
+
+def _value(row_of, src: int) -> tuple:
+    """(norm, non-finite elements) of a source: None for the norm where not measured."""
+    if src >= 0:
+        row = row_of[src]
+        return _norm_of(row), _nonfinite(row)
+    return (0.0 if src == _ZERO else None), 0
+
+
+def _slot_value(rows: list, spec: tuple) -> tuple:
+    """(norm, non-finite elements, _KNOWN / _NOT_MEASURED / _NOT_COMPUTED) of one planned crossing gradient
+    (`_plan_slot`'s spec: whole, pieces, exact) from a pass's tensor rows. The norm of a sum is known from the
+    whole slot where it is the sum (`exact`: the engine summed exactly those pieces; a slot whose hooked node did
+    not run summed nothing, so its pieces say more), from its one piece, or where at most one piece is non-zero;
+    never from the pieces' norms otherwise (|a + b| is not sqrt(|a|^2 + |b|^2): a residual branch that cancels its
+    skip path sends two pieces of norm 1.7 whose sum is 0)."""
+    whole, pieces, exact = spec
+    if exact and whole >= 0:
+        v, nf = _value(rows, whole)
+        if v is not None:
+            return v, nf, _KNOWN
+    if pieces is None:  # a root's slot, seed and pieces together: the whole slot or nothing
+        if exact and whole == _ZERO:
+            return 0.0, 0, _KNOWN
+        return None, 0, (_NOT_MEASURED if exact else _NOT_COMPUTED)
+    if len(pieces) == 1:
+        v, nf = _value(rows, pieces[0])
+        return v, nf, (_KNOWN if v is not None else _NOT_MEASURED)
+    values = [_value(rows, src) for src in pieces]
+    nf = sum(x[1] for x in values)
+    if any(v is None for v, _ in values):
+        return None, nf, _NOT_MEASURED
+    nonzero = [v for v, bad in values if v != 0 or bad]
+    if len(nonzero) <= 1:
+        return (nonzero[0] if nonzero else 0.0), nf, _KNOWN
+    if exact:  # the whole slot would give it: not measured there
+        return None, nf, _NOT_MEASURED
+    return None, nf, _NOT_COMPUTED
 
 
 # a sum of squared norms outside (_SQ_LOW, _SQ_HIGH) may have lost its norms to underflow (float64 gradients under
@@ -247,11 +336,11 @@ def _exact_norms(plan: list, rows: list, in_sq: list, out_sq: list, measured: tu
     if not odd:
         return {}
     norms: dict[tuple, list] = {key: [] for key in odd}
-    for pi, src, calls, into in plan:
-        if src < 0:
+    for pi, spec, calls, into in plan:
+        if not any((bool(into), k) in norms for k in calls):
             continue
-        v = _norm_of(rows[pi][src])
-        if v is None:
+        v, _nf, state = _slot_value(rows[pi], spec)
+        if state != _KNOWN:
             continue
         for k in calls:
             got = norms.get((bool(into), k))
@@ -340,37 +429,44 @@ def _modules(f: StepFacts, passes: list[_Pass], out: Result, reuse: bool) -> Non
 
 def _tallies(plan: list, passes: list[_Pass], n: int) -> list[tuple]:
     """(in_norm, in_count, in_unmeasured, out_norm, out_count, out_unmeasured, non-finite) per module call, from
-    the plan `_modules_and_nodes` made (pass, source, calls, into: one gradient slot crossing the boundaries of
-    `calls`, in or out) and the passes' tensor rows."""
+    the plan `_modules_and_nodes` made (pass, spec, calls, into: one gradient crossing the boundaries of `calls`,
+    in or out: `_plan_slot`) and the passes' tensor rows. A norm is None where no crossing gradient was measured,
+    and where one cannot be computed (`_slot_value`: several pieces of one gradient, whose norms do not give the
+    norm of their sum): then its count is above its unmeasured count (module_gains.sql reads that as 'not
+    computed')."""
     in_sq = [0.0] * n
     out_sq = [0.0] * n
     in_count = [0] * n
     out_count = [0] * n
     in_missing = [0] * n
     out_missing = [0] * n
+    uncomputed = [[0] * n, [0] * n]  # out, in
     bad = [0] * n
     rows = [p.tensors for p in passes]
-    for pi, src, calls, into in plan:
-        if src >= 0:
-            row = rows[pi][src]
-            v, nf = _norm_of(row), _nonfinite(row)
-        else:
-            v, nf = (0.0 if src == _ZERO else None), 0
+    for pi, spec, calls, into in plan:
+        v, nf, state = _slot_value(rows[pi], spec)
+        if state == _NOT_COMPUTED:  # counted, neither measured nor missing: the call's norm is None
+            lost, count = uncomputed[into], (in_count if into else out_count)
+            for k in calls:
+                lost[k] += 1
+                count[k] += 1
+                bad[k] += nf
+            continue
         if into:
             _tally(calls, v, nf, in_count, in_missing, in_sq, bad)
         else:
             _tally(calls, v, nf, out_count, out_missing, out_sq, bad)
     measured = (
-        [c - m for c, m in zip(in_count, in_missing)],
-        [c - m for c, m in zip(out_count, out_missing)],
+        [c - m - u for c, m, u in zip(in_count, in_missing, uncomputed[1])],
+        [c - m - u for c, m, u in zip(out_count, out_missing, uncomputed[0])],
     )
     exact = _exact_norms(plan, rows, in_sq, out_sq, measured)
     return [
         (
-            exact.get((True, k), in_sq[k] ** 0.5) if in_count[k] > in_missing[k] else None,
+            exact.get((True, k), in_sq[k] ** 0.5) if measured[0][k] > 0 and not uncomputed[1][k] else None,
             in_count[k],
             in_missing[k],
-            exact.get((False, k), out_sq[k] ** 0.5) if out_count[k] > out_missing[k] else None,
+            exact.get((False, k), out_sq[k] ** 0.5) if measured[1][k] > 0 and not uncomputed[0][k] else None,
             out_count[k],
             out_missing[k],
             bad[k],
@@ -700,34 +796,39 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
                 if infos_p[i].kind == "accumulate_grad" and 0 <= seqs_p[j] < first_seq:
                     acc_earlier.add(infos_p[i].key)
 
-        slots_in: dict[tuple[int, int], set] = {}  # (node, slot) -> the calls its gradient flows into
+        # (node, slot) -> the crossing edges into it: (the source's grad_input's source, the calls the edge enters,
+        # the calls it leaves); the slot's grad_output is the engine's sum over every edge into it
+        crossings: dict[tuple[int, int], list] = {}
         infos, ran_of = p.infos, p.ran
-        for j, slot, i, dslot in rec.walk_edges or ():
+        edges = rec.walk_edges or ()
+        for j, slot, i, dslot in edges:
             cj, ci = node_calls[j], node_calls[i]
             if cj == ci:
                 continue
             into, out_of = crossing.get((cj, ci)) or cross(cj, ci)
-            if into:
-                held = slots_in.get((i, dslot))
-                if held is None:
-                    slots_in[(i, dslot)] = set(into)
+            if out_of:
+                dst = infos[i]
+                if dst.kind == "accumulate_grad":  # not out of a module into one of its own parameters
+                    out_of = tuple(out_of[x] for x in not_own(cj, len(out_of), dst.key))
+            if into or out_of:
+                piece = (_source(measured, hooked, ran_of, j, _GI, slot), into, out_of)
+                got = crossings.get((i, dslot))
+                if got is None:
+                    crossings[(i, dslot)] = [piece]
                 else:
-                    held.update(into)
-            if not out_of:
-                continue
-            dst = infos[i]
-            if dst.kind == "accumulate_grad":  # not out of a module into one of its own parameters
-                out_of = [out_of[x] for x in not_own(cj, len(out_of), dst.key)]
-                if not out_of:
-                    continue
-            # the edge's one piece, whichever call it leaves
-            tally((pi, _source(measured, hooked, ran_of, j, _GI, slot), out_of, False))
+                    got.append(piece)
+        roots: dict[tuple[int, int], tuple] = {}  # a root's slot -> the calls its seed flows into
         for r in rec.root_nodes or ():
             root_slots = {s for (i, role, s) in measured if i == r and role == _GO} or {0}
             for s in root_slots:
-                slots_in.setdefault((r, s), set()).update(chains[node_calls[r]])
-        for (i, slot), held in slots_in.items():
-            tally((pi, _source(measured, hooked, ran_of, i, _GO, slot), tuple(held), True))
+                roots[(r, s)] = chains[node_calls[r]]
+        if crossings or roots:
+            fan_in = Counter(map(_DST, edges))
+            for (i, dslot), pieces in crossings.items():
+                whole = _source(measured, hooked, ran_of, i, _GO, dslot)
+                _plan_slot(tally, pi, whole, pieces, fan_in[(i, dslot)], roots.pop((i, dslot), None))
+            for (i, dslot), seeded in roots.items():  # a root no crossing edge feeds: its slot is the seed
+                _plan_slot(tally, pi, _source(measured, hooked, ran_of, i, _GO, dslot), [], fan_in[(i, dslot)], seeded)
         # the nodes by their innermost module call: what each call holds is the union over the calls inside it
         held_all: dict[int, list] = {}  # innermost call -> identities of its nodes
         held_ran: dict[int, list] = {}  # ... of those that ran

@@ -456,18 +456,24 @@ class Store:
 
         Columns: run, rank, step, call (0, 1, ... in order of entry), module, ordinal (the module's 0th, 1st, ...
         call in the step), first_seq (the seq of the first call of one of its nodes), in_norm, out_norm, ratio
-        (out_norm / in_norm; NULL where a boundary tensor was not measured, held NaN/Inf, or nothing flowed in,
-        and under tensor parallelism where the call's gradients on this rank include DTensor pieces: then in_norm
-        and out_norm are of this rank's pieces or of whole tensors and their quotient is not the gain), no_ratio
+        (out_norm / in_norm; NULL where a boundary gradient was not measured or not computed (below), held
+        NaN/Inf, or nothing flowed in, and under tensor parallelism where the call's gradients on this rank include
+        DTensor pieces: then in_norm and out_norm are of this rank's pieces or of whole tensors and their quotient
+        is not the gain), no_ratio
         (why ratio is NULL: 'not compared: ...' for the tensor-parallel case; NULL where it has a value),
         in_tensors, out_tensors, in_unmeasured, out_unmeasured, nonfinite, nodes, ran, during_pass, recomputes
         (at stats='params', which walks no graph, the norms, the ratio and the counts are NULL: not known).
-        What is summed, as sqrt(sum of squared norms) over the step's passes (L2 norms over finite elements):
-          in: the grad_outputs of the call's nodes (the nodes created while it, or a submodule, ran) at each slot
-              that an edge from a node outside the call feeds, each slot once per pass and whole, and the
-              gradient a pass seeds at a root inside the call (a loss computed in the module);
-          out: the grad_inputs the call's nodes send along edges to nodes outside the call, one per edge,
-              except to the AccumulateGrad of one of the module's own parameters (named under it).
+        in_norm and out_norm are each sqrt(sum of squared norms) over the call's output (in) or input (out)
+        tensors and the step's passes (L2 norms over finite elements) of the gradient w.r.t. that tensor: the sum
+        autograd makes at the slot of the node that made it (x.grad_fn's grad_outputs at x.output_nr) of the edges
+        crossing the call's boundary (the call's nodes: those created while it, or a submodule, ran):
+          in: the pieces sent from outside into a slot of one of its nodes (and a pass's seed at a root inside
+              it): that slot's grad_output where every edge into it comes from outside;
+          out: the pieces its nodes send into a slot of an outside node, except to the AccumulateGrad of one of
+              the module's own parameters (named under it): that slot's grad_output where every use of the
+              input is inside the call (a residual block x + f(x) sums both paths);
+          one piece alone is exact; several pieces meeting a use on the other side are not computed (the norms
+          of pieces do not give the norm of their sum): the norm is NULL and no_ratio starts 'not computed'.
         A boundary node that was hooked and did not run passes 0. Parameter gradients are in neither sum: a
         module whose weight gradient is unremarkable can still multiply the gradient it passes on, and
         grad_norms(by='module') (which sums every grad_output and grad_input of the nodes the module itself

@@ -483,9 +483,11 @@ module_calls = Table(
     Column("nodes", Integer, nullable=False),  # Nodes created inside it and its submodules (sequence numbers taken)
     Column("ran", Integer),  # of those, how many ran in some pass of the step; NULL: not known (stats='params')
     Column("first_seq", Integer),  # the seq of the first call of one of its nodes (backward order); NULL: none
-    Column("in_norm", Float),  # sqrt(sum of squares) of the gradients flowing in (w.r.t. its outputs)
-    Column("in_tensors", Integer, nullable=False),  # boundary grad_output slots summed into in_norm
-    Column("in_unmeasured", Integer, nullable=False),  # boundary slots without a measurement
+    # sqrt(sum of squares) of the gradients flowing in (w.r.t. its outputs); NULL: none measured, or one not
+    # computed (its pieces' norms do not give it: then in_tensors > in_unmeasured)
+    Column("in_norm", Float),
+    Column("in_tensors", Integer, nullable=False),  # the gradients (output tensors, per pass) counted
+    Column("in_unmeasured", Integer, nullable=False),  # those without a measurement
     Column("out_norm", Float),  # the same for the gradients flowing out (w.r.t. its inputs, not its parameters)
     Column("out_tensors", Integer, nullable=False),
     Column("out_unmeasured", Integer, nullable=False),
