@@ -67,6 +67,11 @@ class SavedTensorsFreed(ReplayError):
     """The node's saved tensors were freed by a backward pass without retain_graph=True."""
 
 
+class SavedTensorModified(ReplayError):
+    """A tensor the node saved for its backward was modified in place after it was saved (optimizer.step() on a
+    weight, an in-place op): its backward would raise. The message names the saved tensor and the fix."""
+
+
 class VerifyUsageError(GradstoreError):
     """gradstore.verify was called in a way it cannot work (no captured forward inputs, bad argument)."""
 

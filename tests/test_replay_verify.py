@@ -385,3 +385,61 @@ def test_verify_says_when_finite_differences_are_noise(factor, monkeypatch):
     said = float(row["reason"].split("relative error against eps=0.001 is ")[1].split(":")[0])
     want = abs(float((torch.cos(xd) * u).sum() * factor) - fd(1e-3)) / abs(fd(1e-3))  # one projection, by hand
     assert (said < 1e-3 and want < 1e-3) if factor == 1.0 else (said > 0.3 and want > 0.3)
+
+
+# ---- a saved tensor modified in place after it was saved ----------------------------------------------------
+def test_after_optimizer_step_explain_says_not_re_runnable_and_replay_names_the_saved_weight():
+    """optimizer.step() modifies the weight that AddmmBackward0 saved (as its transpose, _saved_mat2): plain
+    PyTorch's node call then raises 'modified by an inplace operation'. explain says not re-runnable (naming the
+    tensor), and replay / replay_check raise SavedTensorModified (a ReplayError) naming it and the fix."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(5, 4, requires_grad=True)
+    y = lin(x)
+    loss = (y * y).sum()
+    node = y.grad_fn
+    go = 2 * y.detach()  # d loss / d y: what the node's prehook receives
+    gb, gx = torch.autograd.grad(loss, [lin.bias, x], retain_graph=True)  # plain PyTorch, before the step
+    again = gradstore.replay(node, go)
+    assert torch.allclose(again[0], gb) and torch.allclose(again[1], gx)
+    assert replayable(node) == (True, None)
+    loss.backward(retain_graph=True)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        node(go)  # plain PyTorch: the node cannot run any more
+    ex = gradstore.explain(node, model=lin)
+    assert not ex.replayable and "_saved_mat2" in ex.reason
+    assert "re-runnable now: no" in str(ex) and "re-runnable now: yes" not in str(ex)
+    with pytest.raises(gradstore.SavedTensorModified, match=r"_saved_mat2.*before optimizer\.step\(\)") as info:
+        gradstore.replay(node, go)
+    assert isinstance(info.value, ReplayError)
+    with pytest.raises(gradstore.SavedTensorModified, match=r"AddmmBackward0.*_saved_mat2.*clone"):
+        gradstore.replay_check(loss, model=lin)
+
+
+class _SaveInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+def test_a_custom_functions_input_modified_in_place_is_named_too():
+    """The same for a custom Function's saved input, changed by an in-place op after the forward: plain PyTorch's
+    backward raises; replay raises SavedTensorModified naming saved_tensors[0]."""
+    x = torch.randn(3, requires_grad=True)
+    h = x * 1
+    y = _SaveInput.apply(h)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward(retain_graph=True)
+    ok, reason = replayable(y.grad_fn)
+    assert not ok and "saved_tensors[0]" in reason
+    with pytest.raises(gradstore.SavedTensorModified, match=r"saved_tensors\[0\]"):
+        gradstore.replay(y.grad_fn, torch.ones(3))

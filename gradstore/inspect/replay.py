@@ -43,10 +43,10 @@ import math
 import pandas as pd
 import torch
 
-from ..errors import ReplayError, SavedTensorsFreed
+from ..errors import ReplayError, SavedTensorModified, SavedTensorsFreed
 from ..recording import torch_private as tp
 from ..recording.graph import Keyed, describe, node_kind, node_name, walk
-from ..recording.saved import is_custom, saved_tensors
+from ..recording.saved import is_custom, saved_tensors, saved_versions
 from .capture import captured
 from .context import owner_fn, param_names
 from .guard import NESTED_NAMES, REASON_NESTED, NestedBackward, no_nested_backward
@@ -60,6 +60,11 @@ REASON_ACCUMULATE = (
     "AccumulateGrad has no backward to replay: calling it adds its grad_output into the leaf's .grad (a side effect)"
 )
 REASON_FREED = "its saved tensors were freed by a backward pass without retain_graph=True"
+REASON_MODIFIED = "a tensor it saved for its backward was modified in place after it was saved"
+MODIFIED_ADVICE = (
+    "replay before the in-place change (before optimizer.step(), before the in-place op), or have the forward "
+    "save a tensor that is not changed afterwards (.clone() it before the in-place op, or use the out-of-place op)"
+)
 REASON_NOT_RUN = "it did not run in the pass (no gradient reached it, or it was not needed)"
 REASON_COMPILED = (
     "a torch.compile region's node (CompiledFunctionBackward): AOTAutograd's backward frees the region's saved "
@@ -106,9 +111,32 @@ def replayable(node) -> tuple[bool, str | None]:
         return False, REASON_COMPILED
     if name in NESTED_NAMES:
         return False, REASON_NESTED
-    if saved_tensors(node).freed:
+    saved = saved_tensors(node)
+    if saved.freed:
         return False, REASON_FREED
+    modified = modified_saved(node, saved)
+    if modified:
+        return False, _modified_reason(modified)
     return True, None
+
+
+def modified_saved(node, saved=None) -> list[tuple[str, int, int]]:
+    """(name, version now, version when saved) of each tensor `node` saved for its backward that was modified in
+    place since (its backward would raise 'modified by an inplace operation'); [] when none was, or none can be
+    checked without side effects (see `gradstore.recording.saved.saved_versions`, which it relies on)."""
+    if saved is None:
+        saved = saved_tensors(node)
+    return [
+        (name, now, then)
+        for (name, _t), (now, then, _note) in zip(saved, saved_versions(node, saved))
+        if now is not None and then is not None and now != then
+    ]
+
+
+def _modified_reason(modified: list[tuple[str, int, int]]) -> str:
+    """REASON_MODIFIED naming the saved tensors, their versions and the fix."""
+    which = ", ".join(f"{name} (version {now}, saved at version {then})" for name, now, then in modified)
+    return f"{REASON_MODIFIED}: {which}; its backward would raise; {MODIFIED_ADVICE}"
 
 
 # ---- replay ---------------------------------------------------------------------------------------------------
@@ -280,6 +308,8 @@ def replay(
     Raises:
         SavedTensorsFreed: a backward pass already freed the node's saved tensors (the message says to use
             retain_graph=True).
+        SavedTensorModified: a tensor the node saved was modified in place after it was saved (optimizer.step()
+            on a weight): the message names it and says to replay before the change (or to clone).
         ReplayError: AccumulateGrad (no backward to replay: it would add into .grad); a torch.compile region's
             node (its backward frees its saved tensors); a backward that starts a nested backward pass (reentrant
             checkpoint); a wrong number of grad_outputs, or one whose shape is not its forward output's; a None
@@ -293,6 +323,8 @@ def replay(
     if not ok:
         if reason == REASON_FREED:
             raise SavedTensorsFreed(f"cannot replay {name}: {reason}; {RETAIN_ADVICE}")
+        if reason.startswith(REASON_MODIFIED):
+            raise SavedTensorModified(f"cannot replay {name}: {reason}")
         raise ReplayError(f"cannot replay {name}: {reason}")
     if isinstance(grad_outputs, torch.Tensor) or grad_outputs is None:
         grad_outputs = (grad_outputs,)
@@ -325,6 +357,8 @@ def replay(
     except RuntimeError as exc:
         if "Trying to backward through the graph a second time" in str(exc):
             raise SavedTensorsFreed(f"cannot replay {name}: {REASON_FREED}; {RETAIN_ADVICE}") from None
+        if "modified by an inplace operation" in str(exc):  # one the version check could not see beforehand
+            raise SavedTensorModified(f"cannot replay {name}: {REASON_MODIFIED} ({exc}); {MODIFIED_ADVICE}") from None
         raise
     return _validate(grad_fn, grads)
 
@@ -486,6 +520,21 @@ def _run_pass(nodes, hooks, roots, grad_outputs, leaves, via, model, watch=None)
             undo()
 
 
+def _refuse_modified(nodes, infos) -> None:
+    """replay_check's pass would raise torch's 'modified by an inplace operation' at the first node whose saved
+    tensor was modified in place: raise SavedTensorModified naming every such node and tensor first."""
+    found = [(infos[i].key, m) for i, node in enumerate(nodes) if (m := modified_saved(node))]
+    if found:
+        which = "; ".join(
+            f"{key}: " + ", ".join(f"{name} (version {now}, saved at version {then})" for name, now, then in m)
+            for key, m in found
+        )
+        raise SavedTensorModified(
+            f"replay_check cannot run the pass: {REASON_MODIFIED} ({which}), so the backward would raise; "
+            f"{MODIFIED_ADVICE}"
+        )
+
+
 def replay_check(
     loss_or_roots,
     grad_outputs=None,
@@ -526,6 +575,8 @@ def replay_check(
     Raises:
         ReplayError: no tensor with a grad_fn; a bad argument; a graph holding a torch.compile region compiled with
             donated buffers (torch._functorch.config.donated_buffer), which refuses retain_graph=True.
+        SavedTensorModified: a node's saved tensor was modified in place after it was saved (optimizer.step()
+            on a weight), so the pass would raise: the message names the nodes, the tensors and the fix.
     Cost: one backward pass, one replay per node, and a copy of every gradient (grad_outputs and grad_inputs)
     held until the comparison ends.
     """
@@ -564,6 +615,7 @@ def replay_check(
         via = "backward" if (not leaves or any(node_name(n) in NESTED_NAMES for n in w.nodes)) else "grad"
     if via not in ("grad", "backward"):
         raise ReplayError(f"replay_check(via=...) is 'grad' or 'backward', got {via!r}")
+    _refuse_modified(w.nodes, infos)
     try:
         _run_pass(w.nodes, hooks, roots, grad_outputs, leaves, via, model, watch)
     except RuntimeError as exc:
