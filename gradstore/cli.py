@@ -1247,7 +1247,8 @@ def explain(db, run, key, step, rank):
     and its grad_inputs go (edges), and its calls' grad_output / grad_input statistics at a step.
 
     KEY is a node key as `gradstore query DB nodes -p run=RUN` lists it, e.g. 'fc/AddmmBackward0#0' or
-    'param:fc.weight'.
+    'param:fc.weight' (any name of a tied parameter: the output says which names it is tied to). A --step the
+    run did not record is an error that lists the steps it recorded.
     """
     from .inspect.explain import explain_recorded
 

@@ -306,6 +306,67 @@ def test_explain_recorded_node_and_cli(db):
     assert bad.exit_code == 1 and bad.output.count("\n") == 1 and "no node 'nope#0'" in bad.output
 
 
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, i):
+        return self.head(self.emb(i)).logsumexp(-1).sum()
+
+
+def _tied_inputs():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 10, (5,), generator=g) for _ in range(3)]
+
+
+def test_explain_takes_every_name_of_a_tied_parameter_and_says_it_is_tied(db):
+    """head.weight is emb.weight: param:head.weight (the second name, which param_grads accepts) is explained as
+    the one parameter's node, said to be tied, with the gradient plain PyTorch gives the shared weight."""
+    model = _Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in _tied_inputs():  # plain PyTorch: the last step's gradient of the shared weight (both uses summed)
+        model(i).backward()
+        want = float(model.emb.weight.grad.double().norm())
+        opt.step()
+        opt.zero_grad()
+    model = _Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradstore.record("t", db=db, model=model) as rec:
+        for i in _tied_inputs():
+            model(i).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    for name, other in (("head.weight", "emb.weight"), ("emb.weight", "head.weight")):
+        e = gradstore.explain(db, "t", f"param:{name}")
+        assert e.key == "param:emb.weight" and e.step == 2
+        assert f"{name} is tied to {other}" in str(e)
+        (norm,) = e.tensors.loc[e.tensors["role"] == "grad_output", "norm"]
+        assert math.isclose(norm, want, rel_tol=1e-6)
+    out = CliRunner().invoke(main, ["explain", db, "t", "param:head.weight"])
+    assert out.exit_code == 0, out.output
+    assert "head.weight is tied to emb.weight" in out.output
+
+
+def test_explain_a_step_the_run_did_not_record_says_so_and_fails(db):
+    """The run recorded steps 0-2: --step 42 is no step of it (not 'no recorded call of this node')."""
+    model = _Tied()
+    with gradstore.record("t", db=db, model=model) as rec:
+        for i in _tied_inputs():
+            model(i).backward()
+            rec.step()
+    with pytest.raises(gradstore.ArgumentError, match=r"step 42 of run 't' was not recorded: it recorded steps 0-2"):
+        gradstore.explain(db, "t", "head/MmBackward0#0", step=42)
+    out = CliRunner().invoke(main, ["explain", db, "t", "head/MmBackward0#0", "--step", "42"])
+    assert out.exit_code != 0 and "step 42 of run 't' was not recorded: it recorded steps 0-2" in out.output
+    assert "no recorded call" not in out.output
+    ok = CliRunner().invoke(main, ["explain", db, "t", "head/MmBackward0#0", "--step", "1"])
+    assert ok.exit_code == 0 and "step 1, rank 0: 1 call(s)" in ok.output
+
+
 # ---- frames.py -----------------------------------------------------------------------------------------------------
 def test_frame_tracker_names_the_user_line_of_each_node():
     here = __file__.rstrip("c")

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UnknownNode
+from ..errors import ArgumentError, UnknownNode
 from ..recording import torch_private as tp
 from ..recording.graph import Keyed, describe, node_kind, node_name, walk
 from ..recording.saved import FREED_MESSAGE, is_custom, saved_bytes, saved_tensors, saved_values
 from ..recording.stats import ROW_COLUMNS, measure, to_rows
 from ..store import shards
 from ..store.reader import Store
+from ..store.writer import step_ranges
 from .context import owner_fn, param_names
 from .replay import captured_outputs, looks_undefined, output_metadata, replayable
 
@@ -400,7 +401,9 @@ class RecordedExplanation:
     dst, dst_slot): who sends gradients into this node's grad_outputs and where its grad_inputs go; step and
     rank: the step shown; calls: DataFrame of its calls in that step (pass, seq, start, duration in s);
     tensors: DataFrame of its gradient statistics in that step (pass, seq, role grad_output / grad_input /
-    saved, slot, status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros).
+    saved, slot, status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros); statuses: a
+    parameter's param_status rows where its node had no call; tied: a tied parameter's names, the one asked for
+    first ('head.weight, emb.weight'), else None.
     """
 
     run: str
@@ -419,6 +422,7 @@ class RecordedExplanation:
     region: str | None = None
     frame: str | None = None
     statuses: object = None  # a parameter's key without a call: DataFrame (step, rank, status) of param_status
+    tied: str | None = None  # a tied parameter: its names (the one asked for first), e.g. 'head.weight, emb.weight'
 
     def lines(self) -> list[str]:
         where = f"module {self.module!r}" if self.module else "top level (the model itself, or no module)"
@@ -435,6 +439,12 @@ class RecordedExplanation:
             else "created at: not recorded"
             + ("" if self.param else " (record(frames=True) keeps the user-code line that made the node)"),
         ]
+        if self.tied:
+            names = self.tied.split(", ")
+            out.append(
+                f"a tied parameter: {names[0]} is tied to {', '.join(names[1:])} (one tensor, one gradient, one "
+                f"AccumulateGrad node, keyed by its first name: {self.key})"
+            )
         if self.region is not None:
             inside = ", ".join(self.region.split(",")) if self.region else "no submodule"
             out.append(
@@ -530,22 +540,31 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
     """Explain node `key` of run `run` from a database (path, URL or an open gradstore Store).
 
     Args:
+        key: a node key; for a parameter's AccumulateGrad, 'param:NAME' with any of a tied parameter's names
+            (the node is keyed by its first name; the explanation says which names it is tied to).
         step: the step whose calls and gradients to show (default: the last step in which the node ran).
         rank: the rank (default: the lowest rank with a call of the node).
-    Raises: DatabaseNotFound, UnknownRun, UnknownNode (naming keys that are close).
+    Raises: DatabaseNotFound, UnknownRun, UnknownNode (naming keys that are close), ArgumentError (a `step` the
+        run did not record, on `rank` if given: the message lists the steps it did record).
     """
 
     store = db if isinstance(db, Store) else Store(db)
     try:
         nodes = store.nodes(run=run)
+        asked, names = key, _param_names(store, run, key[len("param:") :]) if key.startswith("param:") else None
+        if names is not None:  # any name of a tied parameter: its node is keyed by the first name
+            key = names[0]
         hit = nodes[nodes["key"] == key]
         if hit.empty:
+            key = asked
             close = [k for k in nodes["key"] if key.split("#")[0].split("/")[-1] in k][:10]
             hint = f"; similar keys: {', '.join(close)}" if close else f"; the run has {len(nodes)} node(s)"
             raise UnknownNode(
                 f"no node {key!r} in run {run!r}{hint} (list them: gradstore query DB nodes -p run={run})"
             )
         n = hit.iloc[0]
+        if step is not None:
+            _check_step(store, run, step, rank)
         edges = store.edges(run=run)
         cols = ["src", "src_slot", "dst", "dst_slot"]
         edges_in = edges[edges["dst"] == key][cols].reset_index(drop=True)
@@ -585,10 +604,41 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             region=region,
             frame=frame,
             statuses=statuses,
+            tied=", ".join([asked[len("param:") :], *names[1:]]) if names is not None and len(names) > 1 else None,
         )
     finally:
         if store is not db:
             store.close()
+
+
+def _param_names(store: Store, run: str, name: str) -> list[str] | None:
+    """[the node key 'param:FIRST', the parameter's other names...] for `name`, any name of a parameter of `run`
+    (store.param_names: a tied parameter has one row per name); None where no parameter has that name."""
+    from sqlalchemy import text
+
+    sql = text(
+        "SELECT n.key, pn.shared_with FROM param_names pn JOIN nodes n ON n.id = pn.node_id "
+        "JOIN runs r ON r.id = pn.run_id WHERE r.name = :run AND pn.name = :name"
+    )
+    with store.engine.connect() as conn:
+        row = conn.execute(sql, {"run": run, "name": name}).first()
+    if row is None:
+        return None
+    return [row[0], *[x for x in (row[1] or "").split(",") if x]]
+
+
+def _check_step(store: Store, run: str, step: int, rank: int | None) -> None:
+    """ArgumentError where `run` recorded no step `step` (on `rank`), naming the steps it did record."""
+    if not store.steps(run=run, step=step, rank=rank).empty:
+        return
+    every = store.steps(run=run, rank=rank)
+    where = f" on rank {rank}" if rank is not None else ""
+    recorded = (
+        f"it recorded steps {step_ranges(int(s) for s in every['step'])}{where}"
+        if len(every)
+        else f"it recorded no step{where}"
+    )
+    raise ArgumentError(f"step {step} of run {run!r} was not recorded{where}: {recorded} (--step N, step=N)")
 
 
 NOT_DIFFERENTIABLE = (
