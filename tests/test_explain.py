@@ -114,6 +114,40 @@ def test_explain_matmul_node_against_plain_hooks_and_getters():
     assert after.saved == [] and "freed by a backward pass" in str(after)
 
 
+def test_explain_of_a_tensor_that_requires_no_gradient_says_it_has_no_node():
+    for t in (torch.ones(3, dtype=torch.long), torch.randn(3)):
+        assert t.grad_fn is None and not t.requires_grad
+        with pytest.raises(RuntimeError):
+            torch.autograd.graph.get_gradient_edge(t)  # plain PyTorch: there is no edge, hence no node
+        with pytest.raises(TypeError, match="requires no gradient") as err:
+            gradstore.explain(t)
+        assert "get_gradient_edge" not in str(err.value) and "no node" in str(err.value)
+
+
+def test_explain_counts_the_nodes_own_python_hooks_and_leaves_them_working():
+    torch.manual_seed(0)
+    x = torch.randn(3, requires_grad=True)
+    twin = x.detach().clone().requires_grad_()
+
+    def build(leaf):
+        e = (leaf * 2).exp()
+        e.grad_fn.register_hook(lambda gi, go: (gi[0] * 10,))
+        e.grad_fn.register_prehook(lambda go: None)
+        e.grad_fn.register_prehook(lambda go: (go[0] * 3,))
+        return e
+
+    e = build(x)
+    expl = gradstore.explain(e.grad_fn)
+    assert expl.hooks == (2, 1)
+    text = str(expl)
+    assert "its own Python prehooks: 2" in text and "its own Python post hooks: 1" in text
+    plain = gradstore.explain(e.grad_fn.next_functions[0][0])  # MulBackward0: no hook of its own
+    assert plain.hooks == (0, 0) and "Python post hooks" not in str(plain) and "prehooks:" not in str(plain)
+    e.sum().backward()
+    build(twin).sum().backward()  # plain PyTorch, never explained
+    assert torch.equal(x.grad, twin.grad)
+
+
 def test_explain_scalar_state_of_mean_over_dim():
     x = torch.randn(2, 3, requires_grad=True)
     node = x.mean(dim=1, keepdim=True).grad_fn

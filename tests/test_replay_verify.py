@@ -239,6 +239,83 @@ def test_replay_check_with_reentrant_checkpoint_restores_grads():
     assert bool(df.loc["AddmmBackward0", "equal"])
 
 
+def test_replay_check_compares_with_the_backward_not_with_the_nodes_own_hooks():
+    """A node hook that replaces its grad_inputs, and a module's full backward hook, are told apart from the
+    node's backward: the replay equals what the backward computed (ExpBackward0(g) == g * exp(2x), exactly), and
+    hooks_changed / hooks_difference say what the hooks did. The hooks still run in order, with their effect."""
+
+    def hooks_on(e, seen):
+        e.grad_fn.register_hook(lambda gi, go: seen.append(gi[0].clone()) or (gi[0] * 10,))
+        e.grad_fn.register_hook(lambda gi, go: (gi[0] + 1,))  # sees the first hook's result
+
+    torch.manual_seed(0)
+    x = torch.randn(4, requires_grad=True)
+    twin = x.detach().clone().requires_grad_()  # plain PyTorch, no gradstore
+    e2 = (twin * 2).exp()
+    hooks_on(e2, [])
+    e2.sum().backward()
+    raw = torch.exp(2 * x.detach())  # what ExpBackward0 computes for a gradient of ones
+
+    seen = []
+    e = (x * 2).exp()
+    hooks_on(e, seen)
+    df = gradstore.replay_check(e.sum()).set_index("name")
+    assert len(seen) == 1 and torch.equal(seen[0], raw)  # the user's first hook still sees the backward's values
+    exp_row = df.loc["ExpBackward0"]
+    assert bool(exp_row["equal"]) and exp_row["max_abs_diff"] == 0.0 and exp_row["difference"] is None
+    assert bool(exp_row["hooks_changed"])
+    want = float(((raw * 10 + 1) - raw).double().abs().max())
+    assert exp_row["hooks_difference"] == f"grad_inputs[0]: values differ (max abs difference {want:.6g})"
+    for name in ("SumBackward0", "MulBackward0"):
+        assert bool(df.loc[name, "equal"]) and not bool(df.loc[name, "hooks_changed"])
+    assert pd.isna(df.loc["AccumulateGrad", "hooks_changed"])  # via='grad': it did not run
+    e.sum().backward()  # the hooks are the user's again, in their order
+    assert torch.equal(x.grad, twin.grad)
+
+    m = torch.nn.Linear(3, 2)
+    m.register_full_backward_hook(lambda mod, gi, go: tuple(None if t is None else t * 2 for t in gi))
+    inp = torch.randn(4, 3, requires_grad=True)
+    plain = torch.nn.Linear(3, 2)
+    plain.load_state_dict(m.state_dict())
+    (g_in,) = torch.autograd.grad(plain(inp).pow(2).sum(), inp)  # the input's gradient without the hook
+    df = gradstore.replay_check(m(inp).pow(2).sum(), model=m)
+    assert df["equal"].dropna().all() and (df.loc[df.replayable, "max_abs_diff"] == 0.0).all()
+    changed = df[df.hooks_changed.fillna(False)]
+    assert list(changed.name) == ["BackwardHookFunctionBackward"]
+    want = float(g_in.double().abs().max())  # 2g - g
+    assert changed.hooks_difference.iloc[0] == f"grad_inputs[0]: values differ (max abs difference {want:.6g})"
+
+
+def test_replay_check_says_the_hooks_were_not_measured_where_its_capture_cannot_go_first(monkeypatch):
+    from gradstore.recording import torch_private as tp
+
+    monkeypatch.setattr(tp, "register_hook_first", lambda node, fn: (node.register_hook(fn), False))
+    torch.manual_seed(0)
+    x = torch.randn(4, requires_grad=True)
+    e = (x * 2).exp()
+    e.grad_fn.register_hook(lambda gi, go: (gi[0] * 10,))
+    df = gradstore.replay_check(e.sum()).set_index("name")
+    row = df.loc["ExpBackward0"]
+    assert not bool(row["equal"]) and pd.isna(row["hooks_changed"]) and row["hooks_difference"] is None
+    assert "not measured whether this node's own Python post hooks" in row["difference"]
+    assert df["hooks_changed"].isna().all()  # nowhere measured, so nowhere said to be unchanged
+
+
+def test_replay_check_of_a_freed_graph_raises_saved_tensors_freed():
+    x = torch.randn(4, requires_grad=True)
+    e = x.exp()
+    loss = e.sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()  # plain PyTorch: the saved tensors are gone
+    before = x.grad.clone()
+    with pytest.raises(SavedTensorsFreed, match="retain_graph=True"):
+        gradstore.replay_check(loss)
+    with pytest.raises(SavedTensorsFreed, match="retain_graph=True"):
+        gradstore.replay_check(loss, via="backward")
+    assert torch.equal(x.grad, before)
+
+
 # ---- verify ---------------------------------------------------------------------------------------------------------
 def test_verify_flags_a_backward_that_ignores_its_gradient_with_its_module():
     torch.manual_seed(0)

@@ -432,3 +432,43 @@ def test_foreach_norm_is_torchs_and_gives_each_tensors_norm():
     ts = [torch.tensor([3.0, 4.0]), torch.zeros(5), torch.tensor([float("nan"), 1.0])]
     got = [float(n) for n in tp.foreach_norm(ts)]
     assert got[:2] == [5.0, 0.0] and math.isnan(got[2])
+
+
+def test_a_nodes_python_post_hooks_share_one_dict_that_a_hook_can_be_put_in_front_of():
+    """register_hook_first: the hook sees what the backward computed, the hooks registered before it keep their order
+    and their effect; python_hook_counts counts a node's own Python hooks, and the probe changes no result."""
+    cases = (  # a built-in node and a custom Function's node, the gradient their backward gives for ones, and what
+        # the graph below them does to it on the way to x
+        (lambda x: (x * 2).exp(), lambda x: torch.exp(2 * x), lambda g: g * 2),
+        (lambda x: _Twice.apply(x), lambda x: 2 * x, lambda g: g),
+    )
+    for make, backward_of_ones, below in cases:
+        x = torch.randn(3, requires_grad=True)
+        y = make(x)
+        node = y.grad_fn
+        assert tp.python_hook_counts(node) == (0, 0)
+        node.register_hook(lambda gi, go: (gi[0] * 10,))
+        node.register_hook(lambda gi, go: (gi[0] + 1,))
+        node.register_prehook(lambda go: None)
+        assert tp.python_hook_counts(node) == (1, 2)
+        seen: list = []
+        handle, first = tp.register_hook_first(node, lambda gi, go, seen=seen: seen.append(gi[0].clone()))
+        assert first
+        (g,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+        computed = backward_of_ones(x.detach())
+        assert torch.equal(seen[0], computed) and torch.equal(g, below(computed * 10 + 1))
+        handle.remove()
+        (again,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+        assert torch.equal(again, g) and len(seen) == 1 and tp.python_hook_counts(node) == (1, 2)
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * g * x

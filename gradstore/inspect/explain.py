@@ -137,6 +137,9 @@ class Explanation:
             it now, and why not.
         variable: for AccumulateGrad, (shape, dtype, has .grad) of the leaf; forward_args: for a custom
             Function, ctx.needs_input_grad (one per forward argument); metadata: keys of `node.metadata`.
+        hooks: (prehooks, post hooks) registered on the node itself from Python (`node.register_prehook`,
+            `node.register_hook`; a module's full backward hook is a post hook of its BackwardHookFunctionBackward
+            node), or None where PyTorch does not let them be counted; tensor hooks and C++ hooks are not counted.
     """
 
     name: str
@@ -156,6 +159,26 @@ class Explanation:
     variable: tuple | None = None
     forward_args: tuple | None = None
     metadata: list[str] = field(default_factory=list)
+    hooks: tuple[int, int] | None = None
+
+    def _hook_lines(self) -> list[str]:
+        """What the node's own Python hooks may do, where it has some."""
+        if self.hooks is None:
+            return []
+        pre, post = self.hooks
+        out = []
+        if pre:
+            out.append(
+                f"its own Python prehooks: {pre} (node.register_prehook): they run before its backward and may "
+                "replace the grad_outputs it gets"
+            )
+        if post:
+            out.append(
+                f"its own Python post hooks: {post} (node.register_hook, or a module's full backward hook): they run "
+                "after its backward and may replace the grad_inputs it hands on; gradstore.replay returns what the "
+                "backward computes, before them, and replay_check's hooks_changed says whether they changed it"
+            )
+        return out
 
     # ---- text ------------------------------------------------------------------------------------------------
     def _header(self) -> str:
@@ -226,6 +249,7 @@ class Explanation:
             out.append(f"  {name} = {value!r}")
         if self.metadata:
             out.append(f"node.metadata keys: {', '.join(self.metadata)}")
+        out.extend(self._hook_lines())
         if self.replayable:
             out.append(
                 "re-runnable now: yes. gradstore.replay(node, grad_outputs) returns grad_inputs "
@@ -278,6 +302,7 @@ class Explanation:
                 + [[n, repr(v), None, *[None] * len(STAT_COLUMNS), None] for n, v in self.values],
             )
         )
+        parts.extend(f"<p>{html.escape(line)}</p>" for line in self._hook_lines())
         parts.append(f"<p>re-runnable now: {'yes' if self.replayable else 'no: ' + html.escape(self.reason or '')}</p>")
         return "<div>" + "".join(parts) + "</div>"
 
@@ -325,10 +350,17 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
             grad_fn = grad_fn.grad_fn
         elif grad_fn.requires_grad:
             grad_fn = torch.autograd.graph.get_gradient_edge(grad_fn).node
+        else:
+            raise TypeError(
+                f"explain: this {str(grad_fn.dtype).removeprefix('torch.')} tensor requires no gradient "
+                "(requires_grad is False and it has no grad_fn), so no autograd node computes or accumulates one: "
+                "there is no node to explain. Explain a tensor computed with gradients enabled from tensors that "
+                "require grad (or a leaf made with requires_grad=True: floating-point or complex dtypes only)"
+            )
     if not isinstance(grad_fn, torch.autograd.graph.Node) and not hasattr(grad_fn, "next_functions"):
         raise TypeError(
-            f"explain takes an autograd Node (a tensor's .grad_fn), got {type(grad_fn).__name__}; "
-            "for a leaf tensor use torch.autograd.graph.get_gradient_edge(t).node"
+            f"explain takes an autograd Node (a tensor's .grad_fn) or a tensor that requires grad, got "
+            f"{type(grad_fn).__name__}"
         )
     roots = [root] if root is not None else [grad_fn]
     roots = [r.grad_fn if isinstance(r, torch.Tensor) else r for r in roots]
@@ -387,6 +419,7 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
         variable=variable,
         forward_args=forward_args,
         metadata=metadata,
+        hooks=tp.python_hook_counts(grad_fn),
     )
 
 
@@ -703,10 +736,11 @@ def explain(
         stats: compute statistics of each saved tensor (gradstore.recording.stats.measure, float64; one pass over each).
     Args (recorded form): db path / URL / Store, run name, node key, step (default: last step it ran), rank.
     Returns: `Explanation` / `RecordedExplanation`: `print()` it, or display it in a notebook.
-    Raises: TypeError for something that is not a Node (or a tensor that needs no gradient); DatabaseNotFound,
-        UnknownRun, UnknownNode.
-    Side effects: none. Saved tensors are read without unpack hooks; a built-in node's version check
-    (modified in place?) runs only where no unpack hook is set.
+    Raises: TypeError for something that is not a Node, or a tensor that requires no gradient (it has no node);
+        DatabaseNotFound, UnknownRun, UnknownNode.
+    Side effects: none on any gradient. Saved tensors are read without unpack hooks; a built-in node's version check
+    (modified in place?) runs only where no unpack hook is set. The node's Python hooks are counted by registering
+    and removing a no-op hook and prehook (a node that had none keeps an empty container of Python hooks).
     """
 
     if isinstance(grad_fn_or_db, (str, Path, Store)):

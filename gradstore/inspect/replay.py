@@ -26,13 +26,19 @@ What PyTorch does (torch 2.13, measured; tests/test_replay_verify.py checks each
 - Before post hooks see grad_inputs, the engine's `validate_outputs` sums a broadcast gradient to the next
   node's input shape and casts it to that input's dtype and device; replay does the same, so a replay's
   grad_inputs compare with what a hook saw.
+- A node's post hooks run in the order they were registered, each getting what the one before it returned (a hook
+  that returns a tuple replaces the grad_inputs; a module's full backward hook is such a hook of its
+  BackwardHookFunctionBackward node). replay_check puts its capture in front of them, so the replay is compared with
+  what the backward computed, and says separately whether the hooks changed it (`hooks_changed`).
 
 Private PyTorch APIs (fallbacks in parentheses), all through gradstore.recording.torch_private:
 `Node._input_metadata` (shape, dtype, device of each forward output; without it grad_inputs are not validated),
 `ctx._materialize_non_diff_grads` (True), the engine calling a custom node's `apply` looked up on the object
 (replay_check: without it, a None slot of a custom node is not compared),
 `torch.autograd.graph._engine_run_backward` / `torch.autograd._engine_run_backward` (the nested-backward
-guard; without them no guard), `BackwardCFunction.needs_input_grad` (public ctx attribute).
+guard; without them no guard), the one dict of a node's Python post hooks that a handle's `hooks_dict_ref` reaches
+(replay_check's capture in front of the node's hooks; without it the capture runs after them, and a difference
+says the hooks were not measured), `BackwardCFunction.needs_input_grad` (public ctx attribute).
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ MODIFIED_ADVICE = (
     "replay before the in-place change (before optimizer.step(), before the in-place op), or have the forward "
     "save a tensor that is not changed afterwards (.clone() it before the in-place op, or use the out-of-place op)"
 )
+FREED_TEXT = "Trying to backward through the graph a second time"  # what PyTorch raises (RuntimeError) then
 REASON_NOT_RUN = "it did not run in the pass (no gradient reached it, or it was not needed)"
 REASON_COMPILED = (
     "a torch.compile region's node (CompiledFunctionBackward): AOTAutograd's backward frees the region's saved "
@@ -355,7 +362,7 @@ def replay(
     except NestedBackward:
         raise ReplayError(f"cannot replay {name}: {REASON_NESTED}") from None
     except RuntimeError as exc:
-        if "Trying to backward through the graph a second time" in str(exc):
+        if FREED_TEXT in str(exc):
             raise SavedTensorsFreed(f"cannot replay {name}: {REASON_FREED}; {RETAIN_ADVICE}") from None
         if "modified by an inplace operation" in str(exc):  # one the version check could not see beforehand
             raise SavedTensorModified(f"cannot replay {name}: {REASON_MODIFIED} ({exc}); {MODIFIED_ADVICE}") from None
@@ -400,15 +407,35 @@ def _tensor_text(t: torch.Tensor | None) -> str:
     return "None" if t is None else f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor"
 
 
-def difference(slot: int, seen, again, result: tuple) -> str | None:
+def difference(
+    slot: int, seen, again, result: tuple, names: tuple[str, str] = ("in the pass", "in the replay")
+) -> str | None:
     """Why grad_inputs[slot] of the pass (`seen`) and of the replay (`again`) are not bitwise equal, in words
-    (None when they are); `result` is `compare(seen, again)`."""
+    (None when they are); `result` is `compare(seen, again)`; `names` say where each came from."""
     if result[0]:
         return None
     where = f"grad_inputs[{slot}]"
     if seen is None or again is None or seen.shape != again.shape or seen.dtype != again.dtype:
-        return f"{where}: {_tensor_text(seen)} in the pass, {_tensor_text(again)} in the replay"
+        return f"{where}: {_tensor_text(seen)} {names[0]}, {_tensor_text(again)} {names[1]}"
     return f"{where}: values differ (max abs difference {result[2]:.6g})"
+
+
+HOOKS_NAMES = ("computed by its backward", "handed on by its hooks")
+HOOKS_UNMEASURED = (
+    "; not measured whether this node's own Python post hooks (node.register_hook, a module's full backward hook) "
+    "replaced them in the pass: PyTorch did not let replay_check see its grad_inputs before them"
+)
+
+
+def _slots_differ(a: tuple, b: tuple, rtol: float, atol: float) -> str | None:
+    """How the grad_inputs `a` (as the backward computed them) and `b` (as the node's hooks handed them on) differ,
+    slot by slot, in words; None when bitwise equal."""
+    texts = [
+        d
+        for k, (x, y) in enumerate(itertools.zip_longest(a, b))
+        if (d := difference(k, x, y, compare(x, y, rtol, atol), HOOKS_NAMES)) is not None
+    ]
+    return "; ".join(texts) or None
 
 
 def _roots(loss_or_roots) -> list[torch.Tensor]:
@@ -481,14 +508,21 @@ def _restore_set(nodes, leaves, model) -> list:
 
 
 def _run_pass(nodes, hooks, roots, grad_outputs, leaves, via, model, watch=None) -> None:
-    """replay_check's one backward pass over the live graph, with a capturing prehook and hook on every node, and
-    `watch(i)` (a sink for what the engine passes a custom Function's backward) on every custom node, all removed
-    afterwards; via 'backward' restores the `.grad`s it touched. Raises what the pass raises."""
+    """replay_check's one backward pass over the live graph, with capturing hooks on every node (`hooks(i)` gives
+    (prehook, first, hook): `first` goes in front of the node's Python post hooks registered earlier, and is left off
+    where it cannot be put there (torch_private.register_hook_first); `hook` after them), and `watch(i)` (a sink for
+    what the engine passes a custom Function's backward) on every custom node, all removed afterwards; via 'backward'
+    restores the `.grad`s it touched. Raises what the pass raises."""
     handles, undos = [], []
     try:
         for i, node in enumerate(nodes):
-            pre, post = hooks(i)
+            pre, first, post = hooks(i)
             handles.append(node.register_prehook(pre))
+            handle, placed = tp.register_hook_first(node, first)
+            if placed:
+                handles.append(handle)
+            else:
+                handle.remove()
             handles.append(node.register_hook(post))
             if watch is not None and is_custom(node):
                 undo = tp.watch_backward_args(node, watch(i))
@@ -568,11 +602,20 @@ def replay_check(
         max_abs_diff (float, max over slots; NaN when not replayed), slot_max_abs_diff (tuple, per slot; None
         for a slot that is None in both, inf for None in one only), equal (bitwise, all slots; <NA> when not
         replayed), close, difference (the slots that are not bitwise equal and how, e.g. 'grad_inputs[1]: None
-        in the pass, a (3, 4) float32 tensor in the replay'; None when equal or not replayed).
-        Each node is replayed on what the pass gave it: its prehook's grad_outputs, and for a custom Function
-        the arguments the engine passed its backward (zeros where the prehook saw None, unless
-        ctx.set_materialize_grads(False)).
+        in the pass, a (3, 4) float32 tensor in the replay'; None when equal or not replayed),
+        hooks_changed (the node's own Python post hooks, registered before replay_check ran: `node.register_hook`,
+        a module's full backward hook; True when what they handed on is not bitwise equal to what its backward
+        computed, False when it is; <NA> when not measured: the node did not run, or PyTorch did not let
+        replay_check see its grad_inputs before them), hooks_difference (how, per slot; None otherwise).
+        Each node is replayed on what the pass gave it: its prehook's grad_outputs (after its tensor hooks and
+        prehooks), and for a custom Function the arguments the engine passed its backward (zeros where the prehook
+        saw None, unless ctx.set_materialize_grads(False)). The replay is compared with what its backward computed
+        in the pass, taken by a hook put in front of the node's own post hooks (torch_private.register_hook_first),
+        so a hook that replaces gradients is not taken for a difference of the backward; where it cannot be put
+        there, the comparison is with what the node handed on, and a difference says its hooks were not measured.
     Raises:
+        SavedTensorsFreed (a ReplayError): a backward pass without retain_graph=True already freed saved tensors of
+            the graph (the message says to use retain_graph=True).
         ReplayError: no tensor with a grad_fn; a bad argument; a graph holding a torch.compile region compiled with
             donated buffers (torch._functorch.config.donated_buffer), which refuses retain_graph=True.
         SavedTensorModified: a node's saved tensor was modified in place after it was saved (optimizer.step()
@@ -588,7 +631,10 @@ def replay_check(
     w = walk([r.grad_fn for r in roots if r.grad_fn is not None])
     infos = describe(w, owner_fn(owner), param_names(model), Keyed())
     captured_out: dict[int, tuple] = {}
-    captured_in: dict[int, tuple] = {}
+    captured_in: dict[int, tuple] = {}  # grad_inputs as the backward computed them (first post hook), else as handed on
+    first_in: set[int] = set()  # nodes whose captured_in the first post hook took
+    handed: dict[int, str | None] = {}  # how the node's own post hooks changed its grad_inputs (None: they did not)
+    ran_post: set[int] = set()
     backward_args: dict[int, tuple] = {}  # custom nodes: what the engine passed backward (after materializing)
 
     def watch(i):
@@ -601,10 +647,20 @@ def replay_check(
         def pre(gos):
             captured_out.setdefault(i, tuple(_clone(g) for g in gos))
 
-        def post(gis, _gos):
-            captured_in.setdefault(i, tuple(_clone(g) for g in gis))
+        def first(gis, _gos):
+            if i not in captured_in:
+                captured_in[i] = tuple(_clone(g) for g in gis)
+                first_in.add(i)
 
-        return pre, post
+        def post(gis, _gos):
+            if i in first_in:
+                if i not in handed:
+                    handed[i] = _slots_differ(captured_in[i], tuple(gis), rtol, atol)
+            else:
+                captured_in.setdefault(i, tuple(_clone(g) for g in gis))
+            ran_post.add(i)
+
+        return pre, first, post
 
     leaves = [
         n.variable
@@ -621,12 +677,18 @@ def replay_check(
     except RuntimeError as exc:
         if "donated buffer" in str(exc):
             raise ReplayError(f"replay_check cannot run the pass: {DONATED_ADVICE} ({exc})") from None
+        if FREED_TEXT in str(exc):
+            raise SavedTensorsFreed(
+                "replay_check cannot run its backward pass over the graph: saved tensors of the graph were freed by "
+                f"a backward pass without retain_graph=True; {RETAIN_ADVICE}"
+            ) from None
         raise
 
     rows = []
     for i, node in enumerate(w.nodes):
         info = infos[i]
-        ran = i in captured_out and i in captured_in
+        ran = i in captured_out and i in ran_post
+        measured = ran and i in first_in and i in handed
         ok, reason = replayable(node)
         row = {
             "key": info.key,
@@ -642,6 +704,8 @@ def replay_check(
             "equal": pd.NA,
             "close": pd.NA,
             "difference": None,
+            "hooks_changed": (handed[i] is not None) if measured else pd.NA,
+            "hooks_difference": handed[i] if measured else None,
         }
         if ok and not ran:
             row["reason"] = REASON_NOT_RUN
@@ -674,6 +738,8 @@ def replay_check(
                     )
                     or None,
                 )
+                if row["difference"] is not None and i not in first_in:
+                    row["difference"] += HOOKS_UNMEASURED
         rows.append(row)
     df = pd.DataFrame(
         rows,
@@ -691,9 +757,13 @@ def replay_check(
             "equal",
             "close",
             "difference",
+            "hooks_changed",
+            "hooks_difference",
         ],
     )
-    df["reason"] = df["reason"].astype(object).where(df["reason"].notna(), None)
+    for column in ("reason", "difference", "hooks_difference"):
+        df[column] = df[column].astype(object).where(df[column].notna(), None)
     df["equal"] = df["equal"].astype("boolean")
     df["close"] = df["close"].astype("boolean")
+    df["hooks_changed"] = df["hooks_changed"].astype("boolean")
     return df

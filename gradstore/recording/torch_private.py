@@ -588,6 +588,65 @@ def watch_backward_args(node, sink):
     return undo
 
 
+def _hook_dict(handle):
+    """The dict of hooks that a node's `register_hook` / `register_prehook` handle (RemovableHandle) is in, or None."""
+    ref = getattr(handle, "hooks_dict_ref", None)
+    d = ref() if callable(ref) else None
+    return d if isinstance(d, dict) and getattr(handle, "id", None) in d else None
+
+
+def register_hook_first(node, fn):
+    """`node.register_hook(fn)`, moved in front of the Python post hooks registered on `node` before it, so that
+    `fn(grad_inputs, grad_outputs)` sees the grad_inputs the node's backward computed (after the engine's
+    validate_outputs) before any of them replaced them (a hook returning new gradients, a module's full backward
+    hook, which is a post hook of its BackwardHookFunctionBackward node). The others keep their order, their
+    handles and their results; `fn` must return None.
+
+    Relies on (private behaviour): every Python post hook of one node lives in one dict, shared by all of them
+    (`registerFunctionHook` reuses the node's `PyFunctionPostHook`; `torch.autograd.function._register_hook` adds to
+    its dict), which the returned handle's `hooks_dict_ref()` reaches and the engine runs in the dict's order, each
+    hook getting what the one before it returned. Returns (handle, first): first is False where that dict cannot be
+    reached (`fn` then runs where `register_hook` put it: after the hooks registered before it)."""
+    handle = node.register_hook(fn)
+    d = _hook_dict(handle)
+    if d is None:
+        return handle, False
+    items = list(d.items())
+    if items[-1][0] != handle.id:
+        return handle, False
+    if len(items) > 1:
+        d.clear()
+        d[handle.id] = fn
+        d.update(items[:-1])
+    return handle, True
+
+
+def python_hook_counts(node) -> tuple[int, int] | None:
+    """(prehooks, post hooks): how many Python hooks are registered on `node` itself (`node.register_prehook`,
+    `node.register_hook`; a module's full backward hook is a post hook of a BackwardHookFunctionBackward node), or
+    None where they cannot be counted. Tensor hooks (`Tensor.register_hook`), C++ hooks and the recorder's C++ hooks
+    are not counted. Registers a no-op hook and prehook and removes them: a node that had none keeps an empty
+    container of Python hooks (it runs nothing). Relies on the shared dict of `register_hook_first` (private)."""
+    counts = []
+    for register in (node.register_prehook, node.register_hook):
+        try:
+            handle = register(_no_op)
+        except Exception:
+            return None
+        try:
+            d = _hook_dict(handle)
+            if d is None:
+                return None
+            counts.append(len(d) - 1)
+        finally:
+            handle.remove()
+    return counts[0], counts[1]
+
+
+def _no_op(*_):
+    return None
+
+
 def foreach_norm(tensors: list) -> list:
     """The L2 norm of each tensor of `tensors` (a list of 0-d tensors, one kernel launch per device and dtype):
     `torch._foreach_norm` (private; the per-tensor `torch.linalg.vector_norm` where it is missing or refuses)."""
