@@ -210,6 +210,169 @@ def test_micro_batches_give_the_same_keys_each_pass(db):
         assert list(last.norm) == pytest.approx(accumulated, rel=1e-6)
 
 
+def test_micro_batches_run_forward_first_then_backward_each_give_the_same_keys(db):
+    """Every micro-batch's forward before the first backward (as pipeline schedules run them): each pass's graph
+    was made before the earlier passes ended, and has the same structure: the same keys each pass."""
+    torch.manual_seed(2)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    expected = LOSS_KEYS | linear_keys("0") | {"1/TanhBackward0#0"} | linear_keys("2") | param_keys(m)
+    with gradstore.record("forward-first", db=db, model=m) as rec:
+        for _ in range(2):
+            losses = [loss_of(m(torch.randn(2, 4))) for _ in range(3)]
+            for loss in losses:
+                loss.backward()
+            m.zero_grad()
+            rec.step()
+    with gradstore.open(db) as store:
+        per_pass = keys_per_pass(store, "forward-first")
+        assert sorted(per_pass) == [(s, p) for s in range(2) for p in range(3)]
+        for keys in per_pass.values():
+            assert set(keys) == expected and len(keys) == len(expected)
+
+
+class Branchy(nn.Module):
+    """A micro-batch goes through `a` or `b` (data-dependent routing): micro-batches of one step differ in structure."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x, route):
+        h = self.stem(x)
+        return self.a(h) if route == "a" else self.b(h)
+
+
+def test_micro_batches_of_different_structure_keep_their_modules_keys(db):
+    """Each micro-batch's forward runs after the previous backward: a repetition, keyed afresh even where its
+    structure differs, so a module's nodes have the same key in every micro-batch and step."""
+    torch.manual_seed(3)
+    m = Branchy()
+    routes = ["a", "b", "a"]
+    with gradstore.record("routed", db=db, model=m) as rec:
+        for _ in range(2):
+            for route in routes:
+                loss_of(m(torch.randn(2, 4), route)).backward()
+            m.zero_grad()
+            rec.step()
+    stem = linear_keys("stem") | {"param:stem.weight", "param:stem.bias"}
+    want = {
+        "a": LOSS_KEYS | stem | linear_keys("a") | {"param:a.weight", "param:a.bias"},
+        "b": LOSS_KEYS | stem | linear_keys("b.0") | {"b.1/TanhBackward0#0", "param:b.0.weight", "param:b.0.bias"},
+    }
+    with gradstore.open(db) as store:
+        per_pass = keys_per_pass(store, "routed")
+        assert sorted(per_pass) == [(s, p) for s in range(2) for p in range(3)]
+        for (_, p), keys in per_pass.items():
+            assert set(keys) == want[routes[p]] and len(keys) == len(want[routes[p]])
+
+
+# ---- graphs of one step that are not repetitions: double backward, two losses of one forward --------------------
+def plain_graph(roots) -> tuple[list, list]:
+    """Every node reachable from `roots` through next_functions (each once), and every edge as
+    (src node, slot, dst node, input_nr), from plain PyTorch."""
+    nodes, edges, seen, stack = [], [], set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        nodes.append(n)
+        for slot, (nxt, input_nr) in enumerate(n.next_functions):
+            if nxt is not None:
+                edges.append((n, slot, nxt, input_nr))
+                stack.append(nxt)
+    return nodes, edges
+
+
+def assert_one_key_per_node(store, run, roots_per_step):
+    """The run's nodes and edges are the plain graph's: one key per distinct node of a step (the same keys every
+    step), each grad_inputs slot flowing to one place, the edges' names and slots those of PyTorch's graph."""
+    for roots in roots_per_step:
+        nodes, edges = plain_graph(roots)
+        short = lambda n: n.name().rsplit("::", 1)[-1]  # noqa: E731
+        got_nodes = store.nodes(run)
+        assert len(got_nodes) == len(nodes)
+        assert Counter(got_nodes.name) == Counter(short(n) for n in nodes)
+        got = store.edges(run)
+        assert len(got) == len(edges)
+        assert not got.duplicated(["src", "src_slot"]).any()  # a slot goes to one place
+        name = dict(zip(got_nodes.key, got_nodes.name))
+        assert Counter((name[r.src], r.src_slot, name[r.dst], r.dst_slot) for r in got.itertuples()) == Counter(
+            (short(a), slot, short(b), nr) for a, slot, b, nr in edges
+        )
+
+
+def test_double_backward_gives_each_node_of_the_step_its_own_key_the_same_every_step(db):
+    torch.manual_seed(0)
+    x = torch.randn(3, requires_grad=True)
+    roots = []
+    with gradstore.record("double", db=db) as rec:
+        for _ in range(3):
+            y = (x**3).sum()
+            (g,) = torch.autograd.grad(y, x, create_graph=True)  # makes a graph of its own (x.pow(2), muls)
+            z = (g * g).sum()
+            z.backward()
+            roots.append([y.grad_fn, z.grad_fn])
+            x.grad = None
+            rec.step()
+    with gradstore.open(db) as store:
+        assert_one_key_per_node(store, "double", roots)
+        per_pass = keys_per_pass(store, "double")
+        assert per_pass[(0, 0)] == per_pass[(1, 0)] == per_pass[(2, 0)]
+        assert per_pass[(0, 1)] == per_pass[(1, 1)] == per_pass[(2, 1)]
+        assert not set(per_pass[(0, 0)]) & set(per_pass[(0, 1)]) - {"AccumulateGrad#0"}
+
+
+def test_where_creation_order_cannot_be_trusted_only_the_same_structure_starts_over():
+    """After a create_graph pass on an accelerator (its nodes numbered by a device thread's counter), a later graph
+    is keyed afresh only where it has the structure of an earlier one; any other takes ordinals after theirs."""
+    from gradstore.recording import graph
+    from gradstore.recording import torch_private as tp
+
+    x = torch.randn(3, requires_grad=True)
+
+    def keys(loss, known):
+        return {i.key for i in graph.describe(graph.walk([loss.grad_fn]), lambda s: "", {}, known)}
+
+    known = graph.Keyed()
+    first = keys((x * 2).sum(), known)
+    assert first == {"SumBackward0#0", "MulBackward0#0", "AccumulateGrad#0"}
+    known.pass_ended(tp.next_sequence_nr(), trusted=False)
+    assert keys((x * 5).sum(), known) == first  # the same structure over the same leaf: a repetition
+    assert keys((x * 2).exp().sum(), known) == {
+        "SumBackward0#1",
+        "MulBackward0#1",
+        "ExpBackward0#0",
+        "AccumulateGrad#0",
+    }
+    trusted = graph.Keyed()
+    keys((x * 2).sum(), trusted)
+    trusted.pass_ended(tp.next_sequence_nr())
+    assert keys((x * 2).exp().sum(), trusted) == {
+        "SumBackward0#0",
+        "MulBackward0#0",
+        "ExpBackward0#0",
+        "AccumulateGrad#0",
+    }
+
+
+def test_two_losses_of_one_forward_backwarded_apart_get_keys_of_their_own(db):
+    torch.manual_seed(0)
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    roots = []
+    with gradstore.record("two-losses", db=db) as rec:
+        for _ in range(2):
+            la, lb = (a * 2).sum(), (b * 3).sum()  # one forward, two graphs that share no node
+            la.backward()
+            lb.backward()
+            roots.append([la.grad_fn, lb.grad_fn])
+            rec.step()
+    with gradstore.open(db) as store:
+        assert_one_key_per_node(store, "two-losses", roots)
+        per_pass = keys_per_pass(store, "two-losses")
+        assert per_pass[(0, 0)] == per_pass[(1, 0)] and per_pass[(0, 1)] == per_pass[(1, 1)]
+
+
 # ---- checkpointed regions ------------------------------------------------------------------------------------------
 class Ckpt(nn.Module):
     def __init__(self, use_reentrant):

@@ -191,13 +191,18 @@ class Keyed:
     counted towards its collections and were promoted with the step. Each walk's Nodes (`Walk.nodes`: a list of
     Node objects, or a lazy walk's `LazyNodes`) are held, so the keys stay theirs until `clear()`."""
 
-    __slots__ = ("_at", "_held", "_infos", "_scopes")
+    __slots__ = ("_at", "_held", "_infos", "_scopes", "_segment", "_starts", "_ended")
 
     def __init__(self):
         self._at: dict[int, int] = {}
         self._held: list = []  # what keeps the keyed Nodes alive: one entry per walk
         self._infos: list[NodeInfo] = []
         self._scopes: list[dict] = []
+        # the key scopes given to fresh graphs since the last one that started over (`fresh_base`)
+        self._segment: list[dict] = []
+        # per fresh graph that started over: [its nodes, seqs, edges (bytes or rows), its _structure or None]
+        self._starts: list[list] = []
+        self._ended = -1  # the sequence counter when the step's last pass ended (-1: none, or not to be trusted)
 
     def __contains__(self, ident: int) -> bool:
         return ident in self._at
@@ -238,12 +243,100 @@ class Keyed:
         """Replace the NodeInfo of a keyed node."""
         self._infos[self._at[ident]] = info
 
+    def pass_ended(self, next_seq: int, trusted: bool = True) -> None:
+        """A pass of the step ended, the sequence counter standing at `next_seq` (`tp.next_sequence_nr()`);
+        `trusted` False when nodes it created may carry numbers of another thread's counter (a pass with
+        create_graph on an accelerator, whose device threads count for themselves): from then on in this step
+        creation order does not tell a new forward (`fresh_base`)."""
+        if self._ended is None:
+            return
+        self._ended = max(self._ended, next_seq) if trusted and next_seq >= 0 else None
+
+    def fresh_base(self, w: Walk, seqs: list[int], low: int | None = None, exact=None) -> dict | None:
+        """The key scope a fresh graph of the step (no node but AccumulateGrad keyed earlier in it, no enclosing
+        pass) continues, or None where it starts over with a scope of its own: as the step's first graph; as a
+        new forward, every node it keys having been created after the step's earlier passes ended (a micro-batch:
+        `low`, the least sequence number among them; `exact()` gives it without the nodes keyed from earlier
+        steps, asked only where `low` is below); or as a graph with the same structure as one that started over
+        (micro-batches whose forwards all ran before their backward passes: the same names, creation order, edges
+        and leaves). Otherwise (double backward: a graph made by an earlier pass; a second loss of the same forward) it
+        continues the scope of the graphs since the last one that started over: ordinals after theirs, so that no
+        two of its nodes and theirs share a key, and the same code gives the same keys step after step."""
+        if not self._segment:
+            return None
+        ended = self._ended
+        if ended is not None and ended >= 0:
+            if low is None:
+                low = min(seqs, default=-1)
+            if low < ended and exact is not None:
+                low = exact()
+            if low >= ended:
+                return None
+        if self._same_structure(w, seqs):
+            return None
+        merged: dict = {}
+        for scope in self._segment:
+            for base, ordinal in scope.items():
+                if ordinal > merged.get(base, -1):
+                    merged[base] = ordinal
+        return merged
+
+    def _same_structure(self, w: Walk, seqs: list[int]) -> bool:
+        n, edges = len(w.nodes), _edges_of(w)
+        mine = None
+        for start in self._starts:
+            nodes, other_seqs, other_edges, known = start
+            if len(nodes) != n or _edge_count(other_edges) != _edge_count(edges):
+                continue
+            if mine is None:
+                mine = _structure(w.nodes, seqs, edges)
+            if known is None:
+                known = start[3] = _structure(nodes, other_seqs, other_edges)
+            if known == mine:
+                return True
+        return False
+
+    def note_fresh(self, scope: dict, w: Walk, seqs: list[int], started: bool) -> None:
+        """A fresh graph was keyed in `scope`: `started` True where it started over (`fresh_base` None)."""
+        if started:
+            self._segment = [scope]
+            self._starts.append([w.nodes, seqs, _edges_of(w), None])
+        else:
+            self._segment.append(scope)
+
     def clear(self) -> None:
         """Forget every node (the end of a step): the Nodes are let go."""
         self._at.clear()
         self._held.clear()
         self._infos.clear()
         self._scopes.clear()
+        self._segment = []
+        self._starts.clear()
+        self._ended = -1
+
+
+def _edges_of(w: Walk):
+    """A walk's edges as held: the C++ walk's bytes (four native int32 each), else the list of tuples."""
+    return w.edge_bytes if w.edge_bytes is not None else w.edges
+
+
+def _edge_count(edges) -> int:
+    return len(edges) // 16 if isinstance(edges, bytes) else len(edges)
+
+
+def _structure(nodes, seqs: list[int], edges) -> tuple:
+    """What keys a walked graph by, less where it is: per node in walk order its name and its sequence number
+    (`seqs`) counted from the graph's least (AccumulateGrad's and unknown numbers as they are), its edges
+    (`_edges_of`; tuples packed as the C++ walk's bytes), and the leaves its AccumulateGrad nodes accumulate into
+    (id() of each `variable`, alive while its node is held: two graphs of one structure over other leaves are not
+    repetitions). Reads every node's name: only for the rare graph that asks."""
+    if not isinstance(edges, bytes):
+        edges = b"".join(struct.pack("=4i", *e) for e in edges)
+    accumulate = tp.ACCUMULATE_GRAD_SEQUENCE_NR
+    low = min((s for s in seqs if 0 <= s < accumulate), default=0)
+    names = tuple(n.name() for n in nodes)
+    leaves = tuple(id(getattr(n, "variable", None)) for n, name in zip(nodes, names) if name.endswith(ACCUMULATE_GRAD))
+    return (names, tuple(s - low if 0 <= s < accumulate else s for s in seqs), edges, leaves)
 
 
 _MEMO: dict = {}  # signature of a fresh pass -> (its NodeInfos, its key scope as items)
@@ -331,22 +424,33 @@ def describe(
             no region is known.
     The ordinal of a node counts the nodes of the same name and module in forward order (`sequence_nr`,
     then walk order) within a key scope. A pass whose graph reuses nodes keyed earlier in this step (other
-    than AccumulateGrad nodes: double backward, a second pass over a retained graph) continues their scope,
-    and a nested pass continues its parent's; a fresh graph starts a new scope. So two different nodes of one
-    graph lineage never share a key, while micro-batches and steps of the same code give the same keys.
+    than AccumulateGrad nodes: a second pass over a retained graph) continues their scope, and a nested pass
+    continues its parent's. A fresh graph starts a new scope where it repeats an earlier graph of the step (a
+    micro-batch: made after the earlier passes ended, or of the same structure over the same leaves), and
+    otherwise continues the scope of the graphs since the last that started over (the graph double backward's
+    first pass made, a second loss of one forward: `Keyed.fresh_base`). So two different nodes of a step never
+    share a key unless one repeats the other, while micro-batches and steps of the same code give the same keys.
+    The decision costs a `min` over the sequence numbers of a later fresh graph, and reads its structure only
+    where that does not settle it.
     """
     memo_key = None
     seqs = None
+    decided = None  # (the scope a fresh graph continues, or None where it starts over), once decided
     first_seq = lineage.first_seq if lineage is not None else None
     if owner_key is not None and parent_scope is None and known.isdisjoint(w.index):
         memo_key, seqs = _signature(w, param_names, owner_key)
         if first_seq is not None and _earlier(seqs, first_seq):
             memo_key = None  # nodes of an earlier step: keyed from the lineage, not the memo
+        if memo_key is not None:  # every node new to the step: the memo keys a graph that starts over
+            decided = (known.fresh_base(w, seqs),)
+            if decided[0] is not None:
+                memo_key = None
         hit = _MEMO.get(memo_key) if memo_key is not None else None
         if hit is not None:
             cached, scope_items = hit
             scope = dict(scope_items)
             known.add_all(w.index, w.nodes, cached, scope)  # index: the nodes' keys in walk order
+            known.note_fresh(scope, w, seqs, True)
             w.scope = scope
             w.seqs = seqs
             return list(cached)
@@ -399,8 +503,16 @@ def describe(
             if not device_threads:  # keyed as found: by a recorded step that never walked it, or none recorded
                 born[i] = lineage.born_of(seq) or (None, None)
         groups.setdefault((owner(seq), name), []).append((seq, i, i))
-    if scope is None:
-        scope = {}
+    fresh = scope is None
+    if fresh:
+        if decided is None:
+
+            def exact() -> int:  # the least sequence number of the nodes this graph keys (-1: one is unknown)
+                keyed = (seqs[i] for ms in groups.values() for _, _, i in ms if kinds[i] != "accumulate_grad")
+                return min(keyed, default=tp.ACCUMULATE_GRAD_SEQUENCE_NR)
+
+            decided = (known.fresh_base(w, seqs, exact=exact),)
+        scope = {} if decided[0] is None else decided[0]
     for base, ordinal in taken.items():
         scope[base] = max(scope.get(base, -1), ordinal)
     for (module, name), members in groups.items():
@@ -414,6 +526,8 @@ def describe(
     known.hold(w.nodes)
     for i, ident in enumerate(idents):
         known.add(ident, infos[i], scope)
+    if fresh:
+        known.note_fresh(scope, w, seqs, decided[0] is None)
     w.scope = scope
     w.born = born or None
     if memo_key is not None:

@@ -509,6 +509,8 @@ class PassRecorder:
         rec = self.record
         t_end = time.perf_counter()
         rec.seq_range = (self.seq_start, tp.next_sequence_nr())
+        # nodes a create_graph pass on an accelerator made carry its device thread's numbers
+        self.step.known.pass_ended(rec.seq_range[1], not (rec.create_graph and self.step.device_threads))
         watch_from = None  # an operator watcher added here and not handed over (params_measured) goes at the end
         try:
             native = None
