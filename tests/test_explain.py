@@ -401,6 +401,23 @@ def test_explain_a_step_the_run_did_not_record_says_so_and_fails(db):
     assert ok.exit_code == 0 and "step 1, rank 0: 1 call(s)" in ok.output
 
 
+def test_explain_recorded_says_when_a_key_names_nodes_whose_slot_goes_to_different_places(db):
+    """Micro-batches routed through different modules repeat the loss's keys: PowBackward0#0's one grad_inputs slot
+    (one next node in PyTorch's graph) reached a/ in one pass and b.1/ in the other, and explain says so."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 1), "b": nn.Sequential(nn.Linear(4, 1), nn.Tanh())})
+    with gradstore.record("routed", db=db, model=model):
+        for route in ("a", "b"):
+            out = model[route](torch.randn(3, 4))
+            assert len(out.pow(2).grad_fn.next_functions) == 1  # plain PyTorch: one slot, one next node
+            out.pow(2).mean().backward()
+    e = gradstore.explain(db, "routed", "PowBackward0#0")
+    assert sorted(e.edges_out["dst"]) == ["a/AddmmBackward0#0", "b.1/TanhBackward0#0"]
+    assert "grad_inputs[0] go(es) to more than one node" in str(e)
+    single = gradstore.explain(db, "routed", "a/AddmmBackward0#0")
+    assert not single.edges_out["src_slot"].duplicated().any() and "more than one node" not in str(single)
+
+
 # ---- frames.py -----------------------------------------------------------------------------------------------------
 def test_frame_tracker_names_the_user_line_of_each_node():
     here = __file__.rstrip("c")

@@ -496,6 +496,14 @@ class RecordedExplanation:
             out.append(f"grad_inputs go to ({len(self.edges_out)} edge(s)):")
             for r in self.edges_out.itertuples():
                 out.append(f"  grad_inputs[{r.src_slot}] -> {r.dst} grad_outputs[{r.dst_slot}]")
+            many = sorted({int(s) for s in self.edges_out["src_slot"][self.edges_out["src_slot"].duplicated()]})
+            if many:  # one node's slot has one next node: this key names several nodes
+                slots = ", ".join(f"grad_inputs[{s}]" for s in many)
+                out.append(
+                    f"  {slots} go(es) to more than one node: this key names nodes of several passes or steps "
+                    "that repeat one another (micro-batches, steps of the same code), whose graphs differ there; "
+                    "the edges above are the union over the run (store.edges has each one's first_step)"
+                )
         if self.step is None:
             out.append(
                 "no recorded call of this node"
