@@ -130,6 +130,45 @@ def test_micro_batches_give_the_same_keys_and_steps_line_up(db):
     assert len(gradstore.open(db).losses("f").value.dropna()) == 4
 
 
+def test_what_a_module_call_returns_after_its_own_forward_hooks_is_measured(db):
+    """A module's own forward hooks run after the global ones and may replace its output (tensor parallelism's output
+    hooks do): the row is what the call returned to its caller. A hook registered while recording is in place from
+    the module's next call on; the call where it is found is a skipped row that says so."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    net[0].register_forward_hook(lambda _m, _a, out: out * 3.0)  # before the scope: replaces the output
+    returned = {}  # what each call of net[0] and net[2] returned, read by the caller (a plain wrapper)
+
+    def run(step):
+        h = net[0](x[step])
+        returned[(0, step)] = h.detach().clone()
+        out = net[2](net[1](h))
+        returned[(2, step)] = out.detach().clone()
+        out.sum().backward()
+
+    x = torch.randn(3, 3, 4)
+    with gradstore.record("hooked", db=db, model=net, forward=True) as rec:
+        run(0)
+        rec.step()
+        late = net[2].register_forward_hook(lambda _m, _a, out: out - 10.0)  # while recording
+        run(1)
+        rec.step()
+        run(2)
+        rec.step()
+    late.remove()
+    acts = gradstore.open(db).activations("hooked").set_index(["step", "key"])
+    for step in range(3):
+        row = acts.loc[(step, "0/forward#0")]
+        assert row["norm"] == pytest.approx(float(returned[(0, step)].double().norm()), rel=1e-6)
+    assert acts.loc[(0, "2/forward#0"), "norm"] == pytest.approx(float(returned[(2, 0)].double().norm()), rel=1e-6)
+    first = acts.loc[(1, "2/forward#0")]  # the call where the new hook was found: not measured, and said so
+    assert first["status"] == "skipped" and "forward hooks of its own" in first["reason"]
+    row = acts.loc[(2, "2/forward#0")]
+    assert row["max"] == pytest.approx(float(returned[(2, 2)].max()), rel=1e-6) and row["max"] < -5
+    assert row["norm"] == pytest.approx(float(returned[(2, 2)].double().norm()), rel=1e-6)
+    assert len(net[0]._forward_hooks) == 1 and not net[2]._forward_hooks  # gradstore's hooks are gone
+
+
 class Logs(nn.Module):
     def __init__(self):
         super().__init__()

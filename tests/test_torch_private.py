@@ -370,6 +370,46 @@ def test_a_module_with_hooks_of_its_own_is_seen_by_both_checks():
     assert tp.any_own_call_path([]) is False
 
 
+def test_own_forward_hooks_run_after_the_global_ones_in_order_and_the_last_sees_the_final_output():
+    """record(forward=True) relies on nn.Module._call_impl running the global forward hooks, then the module's own
+    (`_forward_hooks`, in registration order), each seeing the output the previous one returned; `runs_last` tells
+    whether a hook is the last of them."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    m = torch.nn.Linear(2, 2)
+    seen = []
+    first = m.register_forward_hook(lambda mod, args, out: out * 2.0)
+    handle = register_module_forward_hook(lambda mod, args, out: seen.append(("global", out.detach().clone())))
+    try:
+        last = m.register_forward_hook(lambda mod, args, out: seen.append(("last", out.detach().clone())))
+        x = torch.ones(1, 2)
+        returned = m(x)
+    finally:
+        handle.remove()
+    assert [w for w, _ in seen] == ["global", "last"]
+    assert torch.equal(seen[1][1], returned) and torch.equal(seen[0][1] * 2.0, returned)
+    assert list(tp.own_forward_hooks(m)) == [first.id, last.id]
+    assert tp.runs_last(m, last) and not tp.runs_last(m, first)
+    last.remove()
+    assert tp.runs_last(m, first)
+
+
+def test_async_collective_result_is_the_waited_value_of_a_functional_collective(tmp_path):
+    """RowwiseParallel's output hook returns a functional collective's AsyncCollectiveTensor: its result is read once
+    the collective is done; any other tensor gives None."""
+    assert tp.async_collective_result(torch.ones(2)) is None
+
+    def rank_fn(rank):
+        import torch.distributed._functional_collectives as fc
+
+        t = fc.all_reduce(torch.full((3,), float(rank + 1)), "sum", dist.group.WORLD)
+        plain = tp.async_collective_result(t)
+        return type(t).__name__, type(plain).__name__, plain.tolist()
+
+    (name, plain, values), _ = run_distributed(rank_fn)
+    assert name == "AsyncCollectiveTensor" and plain == "Tensor" and values == [3.0, 3.0, 3.0]
+
+
 def test_a_torch_function_mode_is_seen_while_active():
     from torch.overrides import TorchFunctionMode
 

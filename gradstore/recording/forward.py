@@ -14,11 +14,21 @@ across steps and runs of the same code, and micro-batches give the same keys aga
 tells them apart). Each call also takes a number from the step's counter of backward calls (`seq`), so forward
 and backward events of a step share one order. Only the recording thread's module calls count (as module
 attribution); under torch.compile's tracing the hook does nothing.
+
+What is measured is what the module call returns to its caller. torch runs the global hooks before a module's
+own forward hooks (`nn.Module._call_impl`), and those may replace the output: tensor parallelism's
+`ColwiseParallel` returns the plain local tensor of its Shard DTensor, `RowwiseParallel` the all-reduced sum of its
+Partial one. So for a module with forward hooks of its own the global hook only takes the call's key and number,
+and a forward hook of gradstore's, kept last among the module's own (`register_forward_hook`, torch appends it
+after the others), measures the output they leave: on the modules that hold hooks when the scope opens, and on one
+that gains hooks later from its next call on (the call where it is found is a 'skipped' row saying so). A module
+without hooks of its own pays one dict check more.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping
 
 from torch import Tensor
@@ -26,10 +36,18 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from ..records import ROLE, NodeInfo
 from .modules import compiling
-from .stats import Measurer, to_rows
+from .stats import Measured, Measurer, to_rows
+from .torch_private import own_forward_hooks as _own_hooks
+from .torch_private import runs_last
 
 _DEPTH = 4  # nesting of tuples, lists and dicts searched for output tensors
 _ROLE_ACTIVATION = ROLE["activation"]
+# a module that gained forward hooks of its own after the scope opened: the call where that is found was not seen
+_LATE_HOOKS = (
+    "not measured: the module has forward hooks of its own that run after gradstore's and may replace its output, "
+    "and gradstore's hook after them was not in place for this call (the hooks were registered after recording "
+    "began, or after gradstore's); what the call returns is measured from its next call on"
+)
 
 
 def output_tensors(output, depth: int = 0) -> list[Tensor]:
@@ -57,12 +75,14 @@ class ForwardRecorder:
         options: gradstore.recording.options.Options (level; the modules= filter applies).
         wrappers: ids of wrapper modules (DistributedDataParallel, DataParallel) whose calls are not recorded:
             their outputs are the wrapped model's, and keys stay those of the plain model.
+        modules: the modules of the recorded models; those holding forward hooks of their own get gradstore's
+            hook after them at `install()` (the module docstring).
     Use: `install()` / `remove()` around the scope; `begin(step)` when a recorded step starts (its StepState:
     the shared call counter, faults), `backward_done()` after each top-level backward pass, `take()` at the
     end of the step.
     """
 
-    def __init__(self, names: dict[int, str], options, wrappers: frozenset = frozenset()):
+    def __init__(self, names: dict[int, str], options, wrappers: frozenset = frozenset(), modules=()):
         self.names = names
         self.options = options
         self.wrappers = wrappers
@@ -70,6 +90,12 @@ class ForwardRecorder:
         self._thread = threading.get_ident()
         self._handle = None
         self.step = None
+        # the modules with forward hooks of their own (weakly), and gradstore's hook after them: id -> handle
+        self._hooked: dict[int, weakref.ref] = {}
+        for m in modules:
+            if _own_hooks(m) and id(m) not in wrappers:
+                self._hooked[id(m)] = weakref.ref(m)
+        self._tails: dict[int, object] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -77,17 +103,36 @@ class ForwardRecorder:
         self.calls: dict[str, int] = {}
         self.nodes: dict[str, NodeInfo] = {}
         self.rows: list[tuple] = []  # (key, seq, slot, Measured or shape_only result)
+        self._pending: dict[int, list] = {}  # id(module) -> [(key, seq)] of its calls the tail hook measures
 
     def install(self) -> None:
-        """Register the global module forward hook (once)."""
+        """Register the global module forward hook (once), and gradstore's forward hook after the own forward hooks
+        of each module known to hold some."""
         if self._handle is None:
             self._handle = register_module_forward_hook(self._post)
+        for key, ref in list(self._hooked.items()):
+            module = ref()
+            if module is None:
+                del self._hooked[key]
+            elif key not in self._tails:
+                self._attach(module)
 
     def remove(self) -> None:
-        """Remove the hook; safe to call twice."""
+        """Remove the hooks (the global one and those on modules); safe to call twice."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        tails, self._tails = self._tails, {}
+        for handle in tails.values():
+            handle.remove()
+
+    def _attach(self, module) -> None:
+        """Put gradstore's hook last among `module`'s forward hooks (again, where one was added after it)."""
+        old = self._tails.pop(id(module), None)
+        if old is not None:
+            old.remove()
+        self._hooked[id(module)] = weakref.ref(module)
+        self._tails[id(module)] = module.register_forward_hook(self._tail)
 
     def begin(self, step) -> None:
         """Start recording the forward of a step (`step`: its gradstore.recording.passes.StepState)."""
@@ -114,6 +159,31 @@ class ForwardRecorder:
             if key not in self.nodes:
                 self.nodes[key] = NodeInfo(key, type(module).__name__, "forward", name, None)
             seq = step.next_seq()
+            if _own_hooks(module):  # hooks of the module's own run after this one and may replace the output (rare)
+                tail = self._tails.get(id(module))
+                if tail is not None and runs_last(module, tail):  # gradstore's runs last: it measures
+                    self._pending.setdefault(id(module), []).append((key, seq))
+                    return
+                self._attach(module)  # from the next call on
+                self.rows.append((key, seq, 0, Measured("skipped", _LATE_HOOKS)))
+                return
+            measure = self.measurer
+            for slot, t in enumerate(output_tensors(output)):
+                self.rows.append((key, seq, slot, measure(t)))
+        except Exception as exc:  # a recorder fault never reaches the model
+            step.fault("forward hook", exc)
+
+    def _tail(self, module, _args, output) -> None:
+        """gradstore's forward hook after a module's own: measures what the call returns (its key and number were
+        taken by `_post`)."""
+        step = self.step
+        if step is None or threading.get_ident() != self._thread or compiling():
+            return
+        try:
+            waiting = self._pending.get(id(module))
+            if not waiting:
+                return
+            key, seq = waiting.pop()
             measure = self.measurer
             for slot, t in enumerate(output_tensors(output)):
                 self.rows.append((key, seq, slot, measure(t)))

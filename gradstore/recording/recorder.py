@@ -50,6 +50,7 @@ from .modules import (
     parameter_names,
     qualified_names,
     unwrap,
+    walk_modules,
 )
 from .offload import maybe_offload
 from .optimizer_reads import UNHELD_STEPS, OptimizerReads
@@ -490,7 +491,8 @@ class record:
         self._warning_log = WarningLog(self._step_warnings, self._thread, self._in_pass)
         if self.options.forward:
             wrappers = frozenset(id(m) for _, m in models if unwrap(m) is not m)
-            self._forward = ForwardRecorder(self._tracker.names, self.options, wrappers)
+            modules = (m for _, m in walk_modules(models))  # those with forward hooks of their own: hooked after them
+            self._forward = ForwardRecorder(self._tracker.names, self.options, wrappers, modules)
         if self.options.keep is not None and self._flight is None:
             self._flight = FlightRecorder(self.options.keep, self.options.dump_on, self.options.spike_factor)
         self._check_filters(models)

@@ -415,7 +415,9 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
 
     Args:
         t: any tensor (any shape, dtype, device, layout) or None. A DTensor is measured on its local shard (this
-            rank's elements: dtype, shape, numel and statistics are the shard's), with its `Sharding`.
+            rank's elements: dtype, shape, numel and statistics are the shard's), with its `Sharding`; a functional
+            collective's `AsyncCollectiveTensor` on the result it wraps, once the collective is done
+            (`torch_private.async_collective_result`: the wait any op on it would do).
         checksum: also take `checksum(t)` (left on the device until `to_rows`); a fault there leaves the
             statistics and stores no checksum.
     Returns:
@@ -443,6 +445,10 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
         dtensor_type = tp.dtensor_type()
         if dtensor_type is not None and isinstance(t, dtensor_type):
             return _measure_dtensor(t, level, checksum)
+        if type(t) not in _PLAIN_TENSOR_TYPES:  # a functional collective's result still in its wrapper: its value
+            inner = tp.async_collective_result(t)
+            if inner is not None:
+                return measure(inner, level, checksum)
         shape = _shape(t)
         m = Measured("ok", dtype=dtype_code(t.dtype), shape=shape, numel=t.numel())
         if t.layout is not torch.strided:

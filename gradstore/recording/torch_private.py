@@ -132,6 +132,24 @@ def dtensor_local(t):
     return local if local is not None else t.to_local()
 
 
+_COLLECTIVES_MODULE = "torch.distributed._functional_collectives"
+
+
+def async_collective_result(t):
+    """What a `torch.distributed._functional_collectives.AsyncCollectiveTensor` `t` stands for, as a plain tensor:
+    `t.trigger_wait()` (private class; waits for the collective, as any op on `t` would, once: the values are
+    unchanged and the wrapper's own later ops find it completed). None for any other tensor, and while that module is
+    not imported (no such wrapper can exist). A tensor-parallel layer's output hook may return one
+    (`RowwiseParallel`'s all-reduced output)."""
+    import sys
+
+    module = sys.modules.get(_COLLECTIVES_MODULE)
+    cls = getattr(module, "AsyncCollectiveTensor", None) if module is not None else None
+    if cls is None or not isinstance(t, cls):
+        return None
+    return t.trigger_wait()
+
+
 def local_offset(global_shape, mesh, placements) -> tuple[int, ...]:
     """The global index of the first element of this rank's shard, one int per tensor dimension:
     `torch.distributed.tensor._utils.compute_local_shape_and_global_offset(...)[1]` (private; host arithmetic on
@@ -430,6 +448,19 @@ def global_module_hook_dicts() -> tuple:
     backward hooks: private module attributes, what `register_module_forward_pre_hook` and its siblings add to), the
     dicts themselves, as a tuple; those missing are left out."""
     return tuple(d for d in (getattr(_MODULE, n, None) for n in _GLOBAL_HOOK_DICTS) if isinstance(d, dict))
+
+
+# a module's own forward hooks: `nn.Module._forward_hooks` (private; an ordered dict, handle id -> hook, run in order
+# after the global forward hooks by `nn.Module._call_impl`), read by attribute on the forward recorder's path (a C
+# getter: no Python frame per module call)
+own_forward_hooks = operator.attrgetter("_forward_hooks")
+
+
+def runs_last(module, handle) -> bool:
+    """True when the forward hook `handle` (a RemovableHandle from `module.register_forward_hook`) is the last of
+    `module`'s own forward hooks, so it sees the output the others leave (reads `_forward_hooks`, private)."""
+    hooks = module._forward_hooks
+    return bool(hooks) and next(reversed(hooks)) == handle.id
 
 
 def skip_top_frame(fn) -> bool:
