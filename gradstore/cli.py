@@ -1455,14 +1455,17 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             return False
 
         first = first[~first.apply(unseen, axis=1)]
+    unhealthy_piece = _nonfinite_piece_words(table, carried, len(ranks) > 1, label_a, label_b)
     forward = table["phase"] == "forward"  # record(forward=True)'s rows: module outputs and losses
     fwd, table = table[forward], table[~forward]
     fwd_line, fwd_compared, fwd_missing = _forward_words(fwd, label_a, label_b)
     both = table[table["side"] == "both"]
     unmeasured = table["differs"] == "not compared"
     n_diff = int(((both["differs"] != "") & (both["differs"] != "not compared")).sum())
-    # rows whose layouts say the two sides hold different pieces (shards, Partial terms) of one DTensor
+    # rows whose layouts say the two sides hold different pieces (shards, Partial terms) of one DTensor, or each
+    # rank's own local piece of one (a plain tensor between DTensor ops)
     pieces = unmeasured & table["reason"].fillna("").str.startswith(DTENSOR_PIECES)
+    local_pieces = bool(table["reason"].fillna("").str.startswith(DTENSOR_PIECES[-1]).any())
     n_pieces = int(pieces.sum())
     n_unmeasured = int(unmeasured.sum()) - n_pieces
     missing = table["differs"] == "missing"
@@ -1475,8 +1478,13 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         f"{n_unmeasured:,} not compared (not measured on a side: skipped, recorded without statistics, or a step, "
         "level or filter of one side that records no such row)"
         + (
-            f"; {n_pieces:,} not compared because the sides hold different shards or Partial terms of one DTensor "
-            "(their values differ by design)"
+            f"; {n_pieces:,} not compared because the sides hold different shards or Partial terms of one DTensor"
+            + (
+                ", or each rank's own local piece of one (a plain tensor between DTensor ops under tensor parallelism)"
+                if local_pieces
+                else ""
+            )
+            + " (their values differ by design)"
             if n_pieces
             else ""
         )
@@ -1484,12 +1492,6 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
     )
     if fwd_line:
         click.echo(fwd_line)
-    if n_pieces:
-        click.echo(
-            "  Plain tensors carry no placement and are compared as they are: under tensor parallelism, a local "
-            "gradient between DTensor ops (e.g. a column-parallel layer's activation after to_local()) holds each "
-            "rank's own piece, so a difference there may be by design."
-        )
     levels = _levels(store_levels)
     if levels:
         click.echo(levels)
@@ -1508,7 +1510,11 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         elements = bool(table["values_a"].notna().any() and table["values_b"].notna().any())
         notes = [f"{n_unmeasured:,} not compared"] if n_unmeasured else []
         if n_pieces:
-            notes.append(f"{n_pieces:,} different shards or Partial terms of one DTensor, not compared")
+            notes.append(
+                f"{n_pieces:,} different shards or Partial terms of one DTensor"
+                + (" or ranks' own local pieces" if local_pieces else "")
+                + ", not compared"
+            )
         if not elements:
             notes.append("the elements were not compared: record(values=...) stores small gradients' elements")
         if fwd_missing:
@@ -1524,6 +1530,8 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         )
         if n_unmeasured:
             click.echo(f"  e.g. {_not_compared_example(table[unmeasured])}")
+        if unhealthy_piece:
+            click.echo(unhealthy_piece)
         if summaries:
             click.echo(f"  {summaries}")
         return
@@ -1542,8 +1550,40 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             click.echo(
                 f"  also {_slot_label(other['role'], other['slot'])}: {_difference_words(other, label_a, label_b)}"
             )
+    if unhealthy_piece:
+        click.echo(unhealthy_piece)
     if summaries:  # an earlier step kept only its summary: the sides may have parted there, unseen
         click.echo(summaries)
+
+
+def _nonfinite_piece_words(table: pd.DataFrame, carried: set[str], several_ranks: bool, label_a: str, label_b: str):
+    """For `diff`: a line naming the first row (in execution order) not compared because the sides hold different
+    pieces of one DTensor whose NaN / Inf counts differ, '' where none does. Their values differ by design; where one
+    side's piece holds a NaN or Inf that the other's does not, something went wrong on one rank (its input, its
+    shard of the weights), which first_nonfinite per rank follows."""
+    if table.empty:
+        return ""
+    pieces = (table["differs"] == "not compared") & table["reason"].fillna("").str.startswith(DTENSOR_PIECES)
+    rows = table[pieces]
+    if rows.empty:
+        return ""
+    counts = [
+        (pd.to_numeric(rows[f"{f}_a"], errors="coerce"), pd.to_numeric(rows[f"{f}_b"], errors="coerce"))
+        for f in ("nan", "posinf", "neginf")
+    ]
+    apart = pd.Series(False, index=rows.index)
+    for a, b in counts:
+        apart |= a.notna() & b.notna() & (a != b)
+    if not apart.any():
+        return ""
+    r = rows[apart].iloc[0]
+    field = next(f for f in ("nan", "posinf", "neginf") if int(r[f"{f}_a"]) != int(r[f"{f}_b"]))
+    return (
+        f"  not compared, but not healthy: the pieces' non-finite counts differ, first at {r['key']} "
+        f"{_slot_label(r['role'], r['slot'])} ({_where(r, carried, several_ranks)}): {field} {int(r[f'{field}_a'])} "
+        f"in {label_a} vs {int(r[f'{field}_b'])} in {label_b} (where it entered: first_nonfinite per rank, "
+        "`gradstore query DB first_nonfinite -p run=RUN -p rank=R`)"
+    )
 
 
 def _forward_words(rows: pd.DataFrame, label_a: str, label_b: str) -> tuple[str, int, str]:
@@ -1559,6 +1599,9 @@ def _forward_words(rows: pd.DataFrame, label_a: str, label_b: str) -> tuple[str,
     only_a, only_b = int((missing & (rows["side"] == "a")).sum()), int((missing & (rows["side"] == "b")).sum())
     unrecorded = (rows["differs"] == "not compared") & rows["reason"].fillna("").str.contains("recorded no forward")
     n_unmeasured = int((rows["differs"] == "not compared").sum()) - int(unrecorded.sum())
+    # module outputs that are different pieces of one DTensor (a shard; each rank's own local piece)
+    unmeasured = rows["differs"] == "not compared"
+    n_pieces = int((unmeasured & rows["reason"].fillna("").str.startswith(DTENSOR_PIECES)).sum())
     note = ""
     if unrecorded.any():  # one side recorded the forward of a step, the other side did not: no claim about it
         holders = [
@@ -1574,6 +1617,12 @@ def _forward_words(rows: pd.DataFrame, label_a: str, label_b: str) -> tuple[str,
     line = (
         f"Forward (record(forward=True)): {len(both):,} module outputs and losses aligned; {n_diff:,} differ bitwise, "
         f"{only_a:,} only in {label_a}, {only_b:,} only in {label_b}, {n_unmeasured:,} not compared"
+        + (
+            f" ({n_pieces:,} of them different pieces of one DTensor: shards, or each rank's own local piece between "
+            "DTensor ops, whose values differ by design)"
+            if n_pieces
+            else ""
+        )
         + (f"; {note}" if note else "")
         + "."
     )
@@ -1711,28 +1760,69 @@ def _consistent_words(rules: dict, bitwise: bool) -> str:
 
 
 def _nonfinite_words(rows: pd.DataFrame) -> str:
-    """'; but non-finite: 4 of 4 parameters hold NaN or Inf (96 NaN on rank 0)' for the compared rows that agree
-    while holding NaN or Inf, '' when none does."""
+    """'; but not healthy: 4 of the 4 parameter gradients compared hold NaN or Inf (106 NaN in the ranks' rows
+    together: 53 on rank 0, 53 on rank 1; after the backward pass)' for the compared rows that agree while holding NaN
+    or Inf, '' when none does. Counted per rank (each rank's row of each parameter once: a shard, or a rank's copy),
+    at the first stage that holds some."""
     if rows.empty:
         return ""
     counts = {f: pd.to_numeric(rows[f"{f}_a"], errors="coerce").fillna(0) for f in ("nan", "posinf", "neginf")}
-    bad = (counts["nan"] + counts["posinf"] + counts["neginf"]) > 0
+    counts_b = {f: pd.to_numeric(rows[f"{f}_b"], errors="coerce").fillna(0) for f in ("nan", "posinf", "neginf")}
+    bad = (sum(counts.values()) + sum(counts_b.values())) > 0
     if not bad.any():
         return ""
     mine = rows[bad]
-    first = mine.iloc[0]
-    lowest = mine[mine["rank_a"] == first["rank_a"]]
-    lowest = lowest[lowest["stage"] == first["stage"]].drop_duplicates("param")
-    totals = [
-        f"{int(pd.to_numeric(lowest[f'{f}_a'], errors='coerce').fillna(0).sum()):,} {w}"
-        for f, w in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"))
-        if pd.to_numeric(lowest[f"{f}_a"], errors="coerce").fillna(0).sum() > 0
-    ]
+    stage_of = mine.iloc[0]["stage"]
+    at = rows[rows["stage"] == stage_of]
+    per_rank: dict[int, dict] = {}  # rank -> param -> (nan, +inf, -inf) of its row
+    for side in ("a", "b"):
+        for r in at.itertuples():
+            rank = int(getattr(r, f"rank_{side}"))
+            per_rank.setdefault(rank, {}).setdefault(
+                r.param, tuple(int(_count(getattr(r, f"{f}_{side}"))) for f in ("nan", "posinf", "neginf"))
+            )
+    parts = []
+    for i, word in enumerate(("NaN", "+Inf", "-Inf")):
+        by_rank = {rank: sum(v[i] for v in params.values()) for rank, params in sorted(per_rank.items())}
+        total = sum(by_rank.values())
+        if total:
+            ranks = ", ".join(f"{n:,} on rank {rank}" for rank, n in by_rank.items() if n)
+            parts.append(f"{total:,} {word} in the ranks' rows together: {ranks}")
     n_all = rows["param"].nunique()
-    stage = {"backward": "after the backward pass", "final": "as the optimizer saw it"}.get(first["stage"], "")
+    stage = {"backward": "after the backward pass", "final": "as the optimizer saw it"}.get(stage_of, "")
     return (
         f"; but not healthy: {mine['param'].nunique()} of the {n_all} parameter gradients compared hold NaN or Inf "
-        f"({', '.join(totals)} on rank {int(first['rank_a'])}{', ' + stage if stage else ''})"
+        f"({'; '.join(parts)}{'; ' + stage if stage else ''})"
+    )
+
+
+def _count(v) -> float:
+    """A stored count as a number, 0 where NULL."""
+    v = pd.to_numeric(v, errors="coerce")
+    return 0.0 if pd.isna(v) else float(v)
+
+
+_STAGE_SAW = {"backward": "after the backward pass", "final": "as the optimizer read it", None: ""}
+
+
+def _first_difference(rows: pd.DataFrame) -> str:
+    """'fc2.weight on rank 1 vs rank 0, as the optimizer read it' (', and 2 more parameters'): the first of
+    rank_divergence's 'differs' rows of one step, by what the optimizer read (stage final) where it differs, and
+    whether the same pair differed after the backward pass too."""
+    rows = rows.assign(_final=(rows["stage"] != "final").astype(int)).sort_values(
+        ["step", "_final", "rank_b", "rank_a"], kind="stable"
+    )
+    r = rows.iloc[0]
+    if r["rule"] == "summary":
+        stage = "by the final norms of a flight-recorder summary"
+    else:
+        same = rows[(rows["param"] == r["param"]) & (rows["rank_a"] == r["rank_a"]) & (rows["rank_b"] == r["rank_b"])]
+        stage = " and ".join(_STAGE_SAW[st] for st in ("final", "backward") if st in set(same["stage"]))
+    more = rows["param"].nunique() - 1
+    return (
+        f"{r['param']} on rank {int(r['rank_b'])} vs rank {int(r['rank_a'])}"
+        + (f", {stage}" if stage else "")
+        + (f", and {more} more parameter{'s' if more > 1 else ''}" if more else "")
     )
 
 
@@ -1748,7 +1838,9 @@ def ranks(db, run, step, verbose):
     GradScaler.unscale_ or clipping), by the rule its layout calls for. Replicated gradients (plain tensors,
     DTensor copies along Replicate mesh dimensions) must agree: bitwise where the record holds checksums, else
     statistic by statistic. Sharded ones (different DTensor shards or Partial terms) differ by design: only their layout
-    is compared. A row missing, skipped or recorded without statistics on either rank, a .grad None on both, or
+    is compared. Where the gradients are reduced after the backward pass (a hand-written all-reduce), each rank's
+    .grad after the pass is its own: the gradients the optimizer read decide, and the others are said to be local.
+    A row missing, skipped or recorded without statistics on either rank, a .grad None on both, or
     a rank that recorded no such step is not compared, and counted as such. Needs every rank in DB (see
     `gradstore merge`).
     """
@@ -1772,7 +1864,7 @@ def ranks(db, run, step, verbose):
         params = list(dict.fromkeys(store.param_grads(run=run, step=step)["param"]))
         if not params:  # a flight-recorder summary step: compared by each rank's final norm
             params = list(dict.fromkeys(table.loc[table["rule"] == "summary", "param"]))
-        earlier = None
+        earlier, earlier_what = None, ""
         unseen = {}  # without --step: the other steps some rank of the run did not record, {step: [ranks]}
         if step_given is None:
             for st, at in steps[steps["status"] != UNWRITTEN].groupby("step"):  # a step not written: not there
@@ -1784,6 +1876,7 @@ def ranks(db, run, step, verbose):
             every = store.rank_divergence(run)
             bad = every[every["result"] == "differs"]
             earlier = int(bad["step"].min()) if len(bad) and int(bad["step"].min()) < step else None
+            earlier_what = _first_difference(bad[bad["step"] == earlier]) if earlier is not None else ""
             # and where a .grad held NaN/Inf on some rank: agreeing there is no health
             grads_all = store.param_grads(run=run, which="all")
             sick = grads_all[_nonfinite_mask(grads_all)] if len(grads_all) else grads_all
@@ -1798,7 +1891,9 @@ def ranks(db, run, step, verbose):
         placed = rows[rows["rule"] != "none"]  # .grad None on both ranks: no value and no placement to judge by
         results = set(placed["result"])
         # no comparison at all is no agreement either
-        verdict[p] = next((v for v in ("differs", "not compared", "equal", "sharded") if v in results), "not compared")
+        verdict[p] = next(
+            (v for v in ("differs", "not compared", "equal", "sharded", "local") if v in results), "not compared"
+        )
         rules[p] = "+".join(sorted(set(placed["rule"]) - {"missing"})) or (
             "none" if len(placed) < len(rows) else "missing"
         )
@@ -1811,7 +1906,9 @@ def ranks(db, run, step, verbose):
         return
     differ = [p for p in params if verdict[p] == "differs"]
     unchecked = [p for p in params if verdict[p] == "not compared"]
-    fine = [p for p in params if verdict[p] in ("equal", "sharded")]
+    fine = [p for p in params if verdict[p] in ("equal", "sharded", "local")]
+    # gradients reduced after the pass (a hand-written all-reduce): after it each rank's own, different by design
+    local = list(dict.fromkeys(table.loc[table["result"] == "local", "param"]))
     bitwise = not (table[table["result"] == "equal"]["compared"] == "statistics").any()
     n = len(params)
     # equal is not healthy: values that agree bitwise may all be NaN or Inf
@@ -1829,6 +1926,7 @@ def ranks(db, run, step, verbose):
     )
     if differ:
         head = f"ranks differ at step {step}: {len(differ)} of {n} parameter gradients differ (ranks {rank_list}){note}"
+        head += f": {_first_difference(table[table['result'] == 'differs'])}"
     elif unchecked:
         head = (
             f"no difference at step {step} among the {len(fine)} of {n} parameter gradients compared; "
@@ -1837,6 +1935,7 @@ def ranks(db, run, step, verbose):
         head += bad_note
     elif set(rules.values()) == {"replicated"}:
         kind = "bitwise equal" if bitwise else "have equal statistics"
+        kind += " as the optimizer read them" if local else ""
         extra = "" if bitwise else "; no checksums recorded, so not a bitwise comparison"
         head = f"ranks agree at step {step}: all {n} parameter gradients {kind} (ranks {rank_list}{extra}){note}"
         head += bad_note + none_note
@@ -1847,10 +1946,18 @@ def ranks(db, run, step, verbose):
         )
         head += bad_note + none_note
     click.echo(head)
+    if local:
+        click.echo(
+            f"  after the backward pass the gradients of {len(local)} of {n} parameters differ across ranks: each "
+            "rank's own gradient, reduced after the pass (as by a hand-written all-reduce: in this step, rows that "
+            "differ after the pass agree as the optimizer read them); expected where the ranks see different data, "
+            "not a divergence: "
+            f"{_names(local, verbose)}"
+        )
     if earlier is not None:
         click.echo(
-            f"  the ranks differed earlier, first at step {earlier}: gradstore ranks {db} {run} --step {earlier} "
-            "(without --step, only the last recorded step is checked)"
+            f"  the ranks differed earlier, first at step {earlier} ({earlier_what}): gradstore ranks {db} {run} "
+            f"--step {earlier} (without --step, only the last recorded step is checked)"
         )
     if sick_steps:
         click.echo(
@@ -1926,6 +2033,15 @@ def ranks(db, run, step, verbose):
             "between the pass and the optimizer (GradScaler.unscale_ with a different scale, clipping, or code that "
             "changes .grad)."
         )
+    if local and len(replicated_differ):  # reduced after the pass: the difference came in between, not in the pass
+        parted = list(dict.fromkeys(replicated_differ["param"]))
+        click.echo(
+            f"The gradients of {_names(parted, verbose)} differ as the optimizer read them while, in this step, the "
+            "ranks' gradients were reduced after the backward pass: look at the code between backward() and the "
+            "optimizer (the all-reduce and what it writes back into .grad); a node-by-node diff compares each rank's "
+            "own gradients, which differ by design here."
+        )
+        return
     replicated_differ = replicated_differ[stage[replicated_differ.index] == "backward"]
     if not replicated_differ.empty:
         r = replicated_differ.iloc[0]

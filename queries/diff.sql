@@ -1,12 +1,12 @@
 -- title: Diff of two runs, steps or ranks, node by node
--- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) and, with record(forward=True), the forward's rows (activation: a module call's outputs; loss: a pass's root; phase forward, gradients phase backward) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do; a one-sided row is missing (the other side could hold it and does not: its graph differs) or not compared where the other side could not hold it: it recorded no such step (every=, steps=, a shorter run), could not write it (steps status unwritten: a full disk, an I/O error), kept a flight-recorder summary of it, recorded no forward in that step (a forward row, where the other side recorded no activation or loss row: the forward was not compared), hooks no node (stats='params'), or its run's graph held the node while none of its compared steps recorded a gradient of it (modules= / params= filters); where a side is at stats='health', mean, std and zeros are not compared; not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq, the step's counter shared by the forward's module calls and losses and the backward calls, so a forward row comes at its place in time; param_grad rows after their pass's calls, the step's final param_grad rows, taken when it ended, after all its passes and as their last occurrence); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row.
+-- description: The gradients (grad_output, grad_input and param_grad rows; saved tensors are left out) and, with record(forward=True), the forward's rows (activation: a module call's outputs; loss: a pass's root; phase forward, gradients phase backward) of two sides (a and b: two runs, two steps of one run, or two ranks) aligned by node key, role, slot and occurrence (the how-manieth row of that key, role and slot in its step: 0 for the first call; micro-batches give 1, 2, ...), statistics side by side (_a, _b), absolute (_abs) and relative (_rel: |a - b| / max(|a|, |b|), 0 when equal) differences of norm, min, max, mean and std. side is both, a (only in side a) or b (only in side b); differs lists the fields that differ bitwise, in this order: status, dtype, shape, nan, posinf, neginf, norm, min, max, mean, std, zeros, and checksum where both sides have one (a statistic NULL on both sides is not compared), '' when none do; a one-sided row is missing (the other side could hold it and does not: its graph differs) or not compared where the other side could not hold it: it recorded no such step (every=, steps=, a shorter run), could not write it (steps status unwritten: a full disk, an I/O error), kept a flight-recorder summary of it, recorded no forward in that step (a forward row, where the other side recorded no activation or loss row: the forward was not compared), hooks no node (stats='params'), or its run's graph held the node while none of its compared steps recorded a gradient of it (modules= / params= filters); where a side is at stats='health', mean, std and zeros are not compared; not compared where a side's values were not measured (a row skipped on either side, or recorded without statistics: only dtype and shape are compared, and a difference there is listed instead); reason says why for missing and not compared rows. Ordered by step, rank and side a's execution order (seq, the step's counter shared by the forward's module calls and losses and the backward calls, so a forward row comes at its place in time; param_grad rows after their pass's calls, the step's final param_grad rows, taken when it ended, after all its passes and as their last occurrence); rows only in b come last in b's order. id_a and id_b are the tensor rows' ids; values_a and values_b the bytes of elements stored with record(values=...), NULL where none were. This file compares statistics only (SQL cannot decode the elements portably): Store.diff compares the stored elements of both sides in Python and adds values_compared, values_max_abs, values_rel and values_cosine. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row. So is, between two different ranks, a plain row that holds each rank's own local piece of a DTensor (not compared; reason says so): under tensor parallelism, a gradient of a node joined by edges, through nodes with no DTensor gradient, to the plain side of a node that turns a Shard DTensor into its local tensor or back (to_local / from_local: the plain side's shape is not the global one), and, with record(forward=True), a module call's plain output whose gradient where it enters the module is such a piece or a Shard of the output's shape (the activation between a column- and a row-parallel layer).
 -- param run_a: side a's run name; empty (NULL): run_b's (both empty: each run against itself)
 -- param run_b: side b's run name; empty (NULL): run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; empty (NULL): step_b's (both empty: every step, paired by step number)
 -- param step_b: side b's step; empty (NULL): step_a's
 -- param rank_a: side a's rank; empty (NULL): rank_b's (both empty: every rank, paired by rank)
 -- param rank_b: side b's rank; empty (NULL): rank_a's
-WITH prm AS (  -- a NULL side takes the other side's value
+WITH RECURSIVE prm AS (  -- a NULL side takes the other side's value
     SELECT COALESCE(NULLIF(CAST(:run_a AS TEXT), ''), NULLIF(CAST(:run_b AS TEXT), '')) AS run_a,
            COALESCE(NULLIF(CAST(:run_b AS TEXT), ''), NULLIF(CAST(:run_a AS TEXT), '')) AS run_b,
            COALESCE(CAST(NULLIF(CAST(:step_a AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:step_b AS TEXT), '') AS INTEGER)) AS step_a,
@@ -72,6 +72,66 @@ WITH prm AS (  -- a NULL side takes the other side's value
     SELECT DISTINCT sid FROM a WHERE role IN (4, 5)
 ), bfwd AS (
     SELECT DISTINCT sid FROM b WHERE role IN (4, 5)
+), side_steps AS (  -- the steps of both sides
+    SELECT sid FROM a UNION SELECT sid FROM b
+), drows AS (  -- the sides' DTensor gradient rows (grad_output, grad_input): their layouts
+    SELECT td.id, td.step_id AS sid, td.node_id AS nid, td.role, td.slot, l.shape, sh.placements, sh.global_shape
+    FROM tensor_data td
+    JOIN tensor_shardings x ON x.id = td.id
+    JOIN shardings sh ON sh.id = x.sharding_id
+    LEFT JOIN layouts l ON l.id = td.layout_id
+    WHERE td.step_id IN (SELECT sid FROM side_steps) AND td.role IN (0, 1)
+), conv AS (  -- nodes that turn this rank's shard of a DTensor into a plain tensor or back (DTensor.to_local /
+    -- from_local under tensor parallelism): a Shard row on one side, a plain row of another shape than the global
+    -- one on the other (plain_role: the role of the plain side, this rank's local piece)
+    SELECT DISTINCT d.sid, d.nid, pl.role AS plain_role
+    FROM drows d
+    JOIN tensor_data pl ON pl.step_id = d.sid AND pl.node_id = d.nid AND pl.role IN (0, 1) AND pl.role <> d.role
+    JOIN layouts lp ON lp.id = pl.layout_id
+    WHERE d.placements LIKE '%Shard(%' AND lp.shape <> d.global_shape
+      AND NOT EXISTS (SELECT 1 FROM tensor_shardings px WHERE px.id = pl.id)
+), region (sid, nid) AS (  -- the nodes of plain gradients joined by edges to a converter's plain side, through
+    -- nodes that ran in the step with no DTensor gradient: each rank's local piece flows through them
+    SELECT c.sid, CASE WHEN c.plain_role = 1 THEN e.dst ELSE e.src END
+    FROM conv c
+    JOIN edges e ON (c.plain_role = 1 AND e.src = c.nid) OR (c.plain_role = 0 AND e.dst = c.nid)
+    WHERE EXISTS (SELECT 1 FROM tensor_data t WHERE t.step_id = c.sid AND t.role IN (0, 1)
+                    AND t.node_id = CASE WHEN c.plain_role = 1 THEN e.dst ELSE e.src END)
+      AND NOT EXISTS (SELECT 1 FROM drows d WHERE d.sid = c.sid AND d.nid = CASE WHEN c.plain_role = 1 THEN e.dst ELSE e.src END)
+    UNION
+    SELECT r.sid, CASE WHEN e.src = r.nid THEN e.dst ELSE e.src END
+    FROM region r
+    JOIN edges e ON e.src = r.nid OR e.dst = r.nid
+    WHERE EXISTS (SELECT 1 FROM tensor_data t WHERE t.step_id = r.sid AND t.role IN (0, 1)
+                    AND t.node_id = CASE WHEN e.src = r.nid THEN e.dst ELSE e.src END)
+      AND NOT EXISTS (SELECT 1 FROM drows d WHERE d.sid = r.sid AND d.nid = CASE WHEN e.src = r.nid THEN e.dst ELSE e.src END)
+), gpiece AS (  -- plain gradient rows that hold this rank's local piece: a converter's plain side, the region's rows
+    SELECT pl.id, pl.step_id AS sid, pl.node_id AS nid, pl.role, pl.slot, pl.layout_id
+    FROM conv c JOIN tensor_data pl ON pl.step_id = c.sid AND pl.node_id = c.nid AND pl.role = c.plain_role
+    UNION
+    SELECT t.id, t.step_id, t.node_id, t.role, t.slot, t.layout_id
+    FROM region r JOIN tensor_data t ON t.step_id = r.sid AND t.node_id = r.nid AND t.role IN (0, 1)
+), pieces AS (  -- every row that is this rank's local piece: those gradients, and (record(forward=True)) a module
+    -- call's plain output whose gradient, where it enters the module (a grad_output fed by an edge from a node outside
+    -- the module), has the output's shape and is such a piece or a DTensor shard (a Shard placement, not the whole)
+    SELECT id FROM gpiece
+    UNION
+    SELECT f.id
+    FROM (SELECT id, sid, nid, slot, layout_id FROM gpiece WHERE role = 0
+          UNION
+          SELECT d.id, d.sid, d.nid, d.slot, td.layout_id FROM drows d
+          JOIN tensor_data td ON td.step_id = d.sid AND td.node_id = d.nid AND td.id = d.id
+          WHERE d.role = 0 AND d.placements LIKE '%Shard(%' AND d.shape <> d.global_shape) g
+    JOIN nodes gn ON gn.id = g.nid
+    JOIN edges e ON e.dst = g.nid AND e.dst_slot = g.slot
+    JOIN nodes sn ON sn.id = e.src
+    JOIN nodes fn ON fn.run_id = gn.run_id AND fn.kind = 5 AND fn.module <> ''
+                 AND (gn.module = fn.module OR SUBSTR(gn.module, 1, LENGTH(fn.module) + 1) = fn.module || '.')
+                 AND NOT (sn.module = fn.module OR SUBSTR(sn.module, 1, LENGTH(fn.module) + 1) = fn.module || '.')
+    JOIN tensor_data f ON f.step_id = g.sid AND f.node_id = fn.id AND f.role = 4
+    JOIN layouts lf ON lf.id = f.layout_id
+    JOIN layouts lg ON lg.id = g.layout_id
+    WHERE lf.shape = lg.shape AND NOT EXISTS (SELECT 1 FROM tensor_shardings fx WHERE fx.id = f.id)
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable); why: for a row of one side
     -- only, why the other side cannot hold it (NULL: it could, so the row is missing there): the other side did not
     -- record that step, kept a flight-recorder summary of it, recorded no forward in that step (a forward row),
@@ -149,6 +209,8 @@ SELECT ra.name AS run_a,
        CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN CASE WHEN pr.why IS NULL THEN 'missing' ELSE 'not compared' END
             WHEN (xa.id IS NOT NULL AND xb.id IS NOT NULL AND (COALESCE(xa.global_offset <> xb.global_offset, FALSE) OR COALESCE(xa.shard <> xb.shard, FALSE) OR (xa.partials > 1 AND COALESCE(xa.partial <> xb.partial, TRUE))))
                  THEN CASE WHEN COALESCE(ta.dtype <> tb.dtype, FALSE) THEN 'dtype' ELSE 'not compared' END
+            WHEN (pca.id IS NOT NULL OR pcb.id IS NOT NULL) AND sa.rank <> sb.rank  -- two ranks' own local pieces
+                 THEN CASE WHEN COALESCE(ta.dtype <> tb.dtype, FALSE) THEN 'dtype' ELSE 'not compared' END
         WHEN ta.status = 2 OR tb.status = 2 OR (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
                   AND (ta.checksum IS NULL OR tb.checksum IS NULL))
              THEN COALESCE(NULLIF(RTRIM(CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
@@ -212,6 +274,11 @@ SELECT ra.name AS run_a,
                       || COALESCE(xb.placements, '?') || ' at offset ' || COALESCE(xb.global_offset, '?')
                       || CASE WHEN xb.partials > 1 THEN ', Partial term ' || CAST(xb.partial AS TEXT) ELSE '' END
                       || '): their values differ by design'
+            WHEN (pca.id IS NOT NULL OR pcb.id IS NOT NULL) AND sa.rank <> sb.rank
+                 THEN 'not compared: each rank''s own local piece of a DTensor (a plain tensor between DTensor ops under '
+                      || 'tensor parallelism, e.g. the activation between a column- and a row-parallel layer: rank '
+                      || CAST(sa.rank AS TEXT) || '''s piece vs rank ' || CAST(sb.rank AS TEXT)
+                      || '''s, found from the converters to_local / from_local next to it): their values differ by design'
             WHEN ta.status = 2 THEN 'skipped on side a: ' || COALESCE(ta.reason, 'no reason recorded')
             WHEN tb.status = 2 THEN 'skipped on side b: ' || COALESCE(tb.reason, 'no reason recorded')
             WHEN (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
@@ -249,6 +316,8 @@ LEFT JOIN tensor_values va ON va.id = ta.id
 LEFT JOIN tensor_values vb ON vb.id = tb.id
 LEFT JOIN dtensors xa ON xa.id = ta.id  -- the layouts: which piece of a DTensor each side holds
 LEFT JOIN dtensors xb ON xb.id = tb.id
+LEFT JOIN pieces pca ON pca.id = ta.id  -- this rank's local piece (a plain tensor between DTensor ops)
+LEFT JOIN pieces pcb ON pcb.id = tb.id
 JOIN roles ro ON ro.id = COALESCE(ta.role, tb.role)
 CROSS JOIN prm
 ORDER BY CASE WHEN prm.run_a IS NULL THEN COALESCE(sa.run_id, sb.run_id) END,

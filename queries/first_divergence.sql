@@ -1,5 +1,5 @@
 -- title: First divergence between two runs, steps or ranks
--- description: In execution order (side a's seq: the step's counter, shared by the backward calls and, with record(forward=True), the forward's module calls and losses, so a forward row comes at its place in time, before the backward it feeds; param_grad rows after their pass's calls; the step's final param_grad rows, taken when it ended, after all its passes; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance, or, where both sides recorded the forward of the step, the first module call (role activation, key module/forward#k) or pass root (role loss) whose forward tensors differ, when it comes earlier (phase forward; phase backward for a gradient): one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only that the other side could hold; a one-sided row the other side could not hold, as a step it did not record or could not write (status unwritten), or a forward row of a step whose forward the other side did not record, is not compared; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row.
+-- description: In execution order (side a's seq: the step's counter, shared by the backward calls and, with record(forward=True), the forward's module calls and losses, so a forward row comes at its place in time, before the backward it feeds; param_grad rows after their pass's calls; the step's final param_grad rows, taken when it ended, after all its passes; rows only in side b after all of a's), the first node call whose gradients differ between side a and side b beyond the tolerance, or, where both sides recorded the forward of the step, the first module call (role activation, key module/forward#k) or pass root (role loss) whose forward tensors differ, when it comes earlier (phase forward; phase backward for a gradient): one row per differing role and slot of that call, per run and rank pair (and over steps when no step is given, the earliest). A statistic x differs from y when |x - y| > atol + rtol * max(|x|, |y|) (norm, min, max, mean, std; default rtol = atol = 0: any difference) or one of them is NULL; status, dtype, shape and the nan/posinf/neginf counts must match exactly; with rtol = atol = 0 the zero counts and, where both sides have one, the checksums must match too. Columns as in the diff query (side, differs = the fields that differ, missing for a row of one side only that the other side could hold; a one-sided row the other side could not hold, as a step it did not record or could not write (status unwritten), or a forward row of a step whose forward the other side did not record, is not compared; reason; id_a, id_b, values_a, values_b). A row whose values were not measured on a side (skipped, or recorded without statistics: diff's differs = not compared) is no divergence and no agreement either: it is left out here, and diff counts it. Empty when no compared gradient differs. This file compares statistics only: where both sides stored elements (record(values=...)), Store.first_divergence also compares those in Python, so an earlier call whose elements differ while its statistics agree comes first there. A row whose two sides hold different pieces of one DTensor (their layouts: a Shard placement at different offsets, or different Partial terms) is not compared either (differs = not compared, or dtype where the dtypes differ; reason names both layouts): its values differ by design; Replicate copies are compared as any row. So is, between two different ranks, a plain row that holds each rank's own local piece of a DTensor (not compared; reason says so): under tensor parallelism, a gradient of a node joined by edges, through nodes with no DTensor gradient, to the plain side of a node that turns a Shard DTensor into its local tensor or back (to_local / from_local: the plain side's shape is not the global one), and, with record(forward=True), a module call's plain output whose gradient where it enters the module is such a piece or a Shard of the output's shape (the activation between a column- and a row-parallel layer).
 -- param run_a: side a's run name; empty (NULL): run_b's (both empty: each run against itself)
 -- param run_b: side b's run name; empty (NULL): run_a's (two steps or two ranks of one run)
 -- param step_a: side a's step; empty (NULL): step_b's (both empty: every step, paired by step number)
@@ -8,7 +8,7 @@
 -- param rank_b: side b's rank; empty (NULL): rank_a's
 -- param rtol: relative tolerance (>= 0); empty (NULL): 0
 -- param atol: absolute tolerance (>= 0); empty (NULL): 0
-WITH prm AS (  -- a NULL side takes the other side's value
+WITH RECURSIVE prm AS (  -- a NULL side takes the other side's value
     SELECT COALESCE(NULLIF(CAST(:run_a AS TEXT), ''), NULLIF(CAST(:run_b AS TEXT), '')) AS run_a,
            COALESCE(NULLIF(CAST(:run_b AS TEXT), ''), NULLIF(CAST(:run_a AS TEXT), '')) AS run_b,
            COALESCE(CAST(NULLIF(CAST(:step_a AS TEXT), '') AS INTEGER), CAST(NULLIF(CAST(:step_b AS TEXT), '') AS INTEGER)) AS step_a,
@@ -78,6 +78,66 @@ WITH prm AS (  -- a NULL side takes the other side's value
     SELECT DISTINCT sid FROM a WHERE role IN (4, 5)
 ), bfwd AS (
     SELECT DISTINCT sid FROM b WHERE role IN (4, 5)
+), side_steps AS (  -- the steps of both sides
+    SELECT sid FROM a UNION SELECT sid FROM b
+), drows AS (  -- the sides' DTensor gradient rows (grad_output, grad_input): their layouts
+    SELECT td.id, td.step_id AS sid, td.node_id AS nid, td.role, td.slot, l.shape, sh.placements, sh.global_shape
+    FROM tensor_data td
+    JOIN tensor_shardings x ON x.id = td.id
+    JOIN shardings sh ON sh.id = x.sharding_id
+    LEFT JOIN layouts l ON l.id = td.layout_id
+    WHERE td.step_id IN (SELECT sid FROM side_steps) AND td.role IN (0, 1)
+), conv AS (  -- nodes that turn this rank's shard of a DTensor into a plain tensor or back (DTensor.to_local /
+    -- from_local under tensor parallelism): a Shard row on one side, a plain row of another shape than the global
+    -- one on the other (plain_role: the role of the plain side, this rank's local piece)
+    SELECT DISTINCT d.sid, d.nid, pl.role AS plain_role
+    FROM drows d
+    JOIN tensor_data pl ON pl.step_id = d.sid AND pl.node_id = d.nid AND pl.role IN (0, 1) AND pl.role <> d.role
+    JOIN layouts lp ON lp.id = pl.layout_id
+    WHERE d.placements LIKE '%Shard(%' AND lp.shape <> d.global_shape
+      AND NOT EXISTS (SELECT 1 FROM tensor_shardings px WHERE px.id = pl.id)
+), region (sid, nid) AS (  -- the nodes of plain gradients joined by edges to a converter's plain side, through
+    -- nodes that ran in the step with no DTensor gradient: each rank's local piece flows through them
+    SELECT c.sid, CASE WHEN c.plain_role = 1 THEN e.dst ELSE e.src END
+    FROM conv c
+    JOIN edges e ON (c.plain_role = 1 AND e.src = c.nid) OR (c.plain_role = 0 AND e.dst = c.nid)
+    WHERE EXISTS (SELECT 1 FROM tensor_data t WHERE t.step_id = c.sid AND t.role IN (0, 1)
+                    AND t.node_id = CASE WHEN c.plain_role = 1 THEN e.dst ELSE e.src END)
+      AND NOT EXISTS (SELECT 1 FROM drows d WHERE d.sid = c.sid AND d.nid = CASE WHEN c.plain_role = 1 THEN e.dst ELSE e.src END)
+    UNION
+    SELECT r.sid, CASE WHEN e.src = r.nid THEN e.dst ELSE e.src END
+    FROM region r
+    JOIN edges e ON e.src = r.nid OR e.dst = r.nid
+    WHERE EXISTS (SELECT 1 FROM tensor_data t WHERE t.step_id = r.sid AND t.role IN (0, 1)
+                    AND t.node_id = CASE WHEN e.src = r.nid THEN e.dst ELSE e.src END)
+      AND NOT EXISTS (SELECT 1 FROM drows d WHERE d.sid = r.sid AND d.nid = CASE WHEN e.src = r.nid THEN e.dst ELSE e.src END)
+), gpiece AS (  -- plain gradient rows that hold this rank's local piece: a converter's plain side, the region's rows
+    SELECT pl.id, pl.step_id AS sid, pl.node_id AS nid, pl.role, pl.slot, pl.layout_id
+    FROM conv c JOIN tensor_data pl ON pl.step_id = c.sid AND pl.node_id = c.nid AND pl.role = c.plain_role
+    UNION
+    SELECT t.id, t.step_id, t.node_id, t.role, t.slot, t.layout_id
+    FROM region r JOIN tensor_data t ON t.step_id = r.sid AND t.node_id = r.nid AND t.role IN (0, 1)
+), pieces AS (  -- every row that is this rank's local piece: those gradients, and (record(forward=True)) a module
+    -- call's plain output whose gradient, where it enters the module (a grad_output fed by an edge from a node outside
+    -- the module), has the output's shape and is such a piece or a DTensor shard (a Shard placement, not the whole)
+    SELECT id FROM gpiece
+    UNION
+    SELECT f.id
+    FROM (SELECT id, sid, nid, slot, layout_id FROM gpiece WHERE role = 0
+          UNION
+          SELECT d.id, d.sid, d.nid, d.slot, td.layout_id FROM drows d
+          JOIN tensor_data td ON td.step_id = d.sid AND td.node_id = d.nid AND td.id = d.id
+          WHERE d.role = 0 AND d.placements LIKE '%Shard(%' AND d.shape <> d.global_shape) g
+    JOIN nodes gn ON gn.id = g.nid
+    JOIN edges e ON e.dst = g.nid AND e.dst_slot = g.slot
+    JOIN nodes sn ON sn.id = e.src
+    JOIN nodes fn ON fn.run_id = gn.run_id AND fn.kind = 5 AND fn.module <> ''
+                 AND (gn.module = fn.module OR SUBSTR(gn.module, 1, LENGTH(fn.module) + 1) = fn.module || '.')
+                 AND NOT (sn.module = fn.module OR SUBSTR(sn.module, 1, LENGTH(fn.module) + 1) = fn.module || '.')
+    JOIN tensor_data f ON f.step_id = g.sid AND f.node_id = fn.id AND f.role = 4
+    JOIN layouts lf ON lf.id = f.layout_id
+    JOIN layouts lg ON lg.id = g.layout_id
+    WHERE lf.shape = lg.shape AND NOT EXISTS (SELECT 1 FROM tensor_shardings fx WHERE fx.id = f.id)
 ), pairs AS (  -- a full outer join written as LEFT JOIN + the anti-join (portable); why: for a row of one side
     -- only, why the other side cannot hold it (NULL: it could, so the row is missing there): the other side did not
     -- record that step, kept a flight-recorder summary of it, recorded no forward in that step (a forward row),
@@ -155,6 +215,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
            CASE WHEN ta.id IS NULL OR tb.id IS NULL THEN CASE WHEN pr.why IS NULL THEN 'missing' ELSE 'not compared' END
                 WHEN (xa.id IS NOT NULL AND xb.id IS NOT NULL AND (COALESCE(xa.global_offset <> xb.global_offset, FALSE) OR COALESCE(xa.shard <> xb.shard, FALSE) OR (xa.partials > 1 AND COALESCE(xa.partial <> xb.partial, TRUE))))
                      THEN CASE WHEN COALESCE(ta.dtype <> tb.dtype, FALSE) THEN 'dtype' ELSE 'not compared' END
+            WHEN (pca.id IS NOT NULL OR pcb.id IS NOT NULL) AND sa.rank <> sb.rank  -- two ranks' own local pieces
+                 THEN CASE WHEN COALESCE(ta.dtype <> tb.dtype, FALSE) THEN 'dtype' ELSE 'not compared' END
             WHEN ta.status = 2 OR tb.status = 2 OR (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
                   AND (ta.checksum IS NULL OR tb.checksum IS NULL))
                  THEN COALESCE(NULLIF(RTRIM(CASE WHEN COALESCE(ta.dtype <> tb.dtype, ta.dtype IS NOT NULL OR tb.dtype IS NOT NULL) THEN 'dtype,' ELSE '' END
@@ -218,6 +280,11 @@ WITH prm AS (  -- a NULL side takes the other side's value
                       || COALESCE(xb.placements, '?') || ' at offset ' || COALESCE(xb.global_offset, '?')
                       || CASE WHEN xb.partials > 1 THEN ', Partial term ' || CAST(xb.partial AS TEXT) ELSE '' END
                       || '): their values differ by design'
+            WHEN (pca.id IS NOT NULL OR pcb.id IS NOT NULL) AND sa.rank <> sb.rank
+                 THEN 'not compared: each rank''s own local piece of a DTensor (a plain tensor between DTensor ops under '
+                      || 'tensor parallelism, e.g. the activation between a column- and a row-parallel layer: rank '
+                      || CAST(sa.rank AS TEXT) || '''s piece vs rank ' || CAST(sb.rank AS TEXT)
+                      || '''s, found from the converters to_local / from_local next to it): their values differ by design'
             WHEN ta.status = 2 THEN 'skipped on side a: ' || COALESCE(ta.reason, 'no reason recorded')
             WHEN tb.status = 2 THEN 'skipped on side b: ' || COALESCE(tb.reason, 'no reason recorded')
             WHEN (ta.status = 0 AND tb.status = 0 AND (ta.norm IS NULL OR tb.norm IS NULL)
@@ -260,6 +327,8 @@ WITH prm AS (  -- a NULL side takes the other side's value
     LEFT JOIN tensor_values vb ON vb.id = tb.id
     LEFT JOIN dtensors xa ON xa.id = ta.id  -- the layouts: which piece of a DTensor each side holds
     LEFT JOIN dtensors xb ON xb.id = tb.id
+LEFT JOIN pieces pca ON pca.id = ta.id  -- this rank's local piece (a plain tensor between DTensor ops)
+LEFT JOIN pieces pcb ON pcb.id = tb.id
     JOIN roles ro ON ro.id = COALESCE(ta.role, tb.role)
     CROSS JOIN prm
 ), diverged AS (  -- the rows that differ, numbered by call in execution order

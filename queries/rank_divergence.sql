@@ -1,5 +1,5 @@
 -- title: Parameter gradients that differ across ranks, or could not be compared
--- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank of the run (0 .. world_size - 1, and any rank that wrote a step) has no param_grad row for the parameter: it recorded the step without one, or recorded no such step (reason: rank R recorded no step S, and whether it wrote other steps of the run to this database), or could not write the step (status unwritten: reason says step S was not written on rank R), not compared (side says which rank has one). rule none: .grad is None on both ranks: no values to compare and no placement to read (replicated or sharded is not known from these rows): not compared. result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side, a rank that recorded no such step or could not write it, or .grad None on both: nothing is claimed about its values), equal or sharded (layouts agree; values not compared, by design). Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
+-- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank of the run (0 .. world_size - 1, and any rank that wrote a step) has no param_grad row for the parameter: it recorded the step without one, or recorded no such step (reason: rank R recorded no step S, and whether it wrote other steps of the run to this database), or could not write the step (status unwritten: reason says step S was not written on rank R), not compared (side says which rank has one). rule none: .grad is None on both ranks: no values to compare and no placement to read (replicated or sharded is not known from these rows): not compared. result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side, a rank that recorded no such step or could not write it, or .grad None on both: nothing is claimed about its values), equal, sharded (layouts agree; values not compared, by design) or local: a backward row of rule replicated that differs (differs lists the fields) where the gradients were reduced after the pass (a hand-written all-reduce between backward() and the optimizer): its pair of ranks' final rows compared by value and agree, or, in the same step, some other pair's final rows agree where their backward rows differ; each rank's .grad after the pass is then its own local gradient (different where the ranks see different data), and the final rows are the comparison that counts. Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
 -- param run: run name; empty (NULL) for every run
 -- param step: step number; empty (NULL) for every step
 -- param all: 1 to list every comparison (the equal and sharded ones too); empty (NULL): only those that differ or were not compared
@@ -148,14 +148,35 @@ WITH RECURSIVE latest_rows AS (  -- each rank's param_grad rows by stage: the la
                     ELSE RTRIM(layout_diff || CASE WHEN COALESCE(shape_a <> shape_b, FALSE) THEN 'shape,' ELSE '' END, ',')
            END AS differs
     FROM fields
+), finals AS (  -- per step, parameter and pair of ranks: its final rows (.grad as the optimizer read it) compared by
+    -- value (by checksum or statistics), and whether they agree
+    SELECT run_id, step, node_id, rank_a, rank_b, CASE WHEN differs = '' THEN 1 ELSE 0 END AS agree
+    FROM judged
+    WHERE stage = 'final' AND rule = 'replicated' AND how IN ('checksum', 'statistics')
+), reduced_after AS (  -- the steps whose gradients were made equal after the backward pass: some parameter's rows
+    -- after the pass differ on a pair of ranks whose final rows agree (a hand-written all-reduce between
+    -- backward() and the optimizer): there each rank's .grad after the pass is its own local gradient
+    SELECT DISTINCT j.run_id, j.step
+    FROM judged j
+    JOIN finals f ON f.run_id = j.run_id AND f.step = j.step AND f.node_id = j.node_id AND f.rank_a = j.rank_a
+                 AND f.rank_b = j.rank_b AND f.agree = 1
+    WHERE j.stage = 'backward' AND j.rule = 'replicated' AND j.how IN ('checksum', 'statistics') AND j.differs <> ''
 ), verdicts AS (
     SELECT judged.*,
            CASE WHEN how IN ('missing', 'absent', 'skipped', 'none') THEN 'not compared'
+                -- after the pass, a gradient reduced later (above): each rank's own, different by design where the
+                -- ranks see different data; its final rows are the comparison that counts
+                WHEN differs <> '' AND stage = 'backward' AND rule = 'replicated' AND how IN ('checksum', 'statistics')
+                     AND fin.agree IS NOT NULL AND ra.step IS NOT NULL THEN 'local'
                 WHEN differs <> '' THEN 'differs'
                 WHEN how = 'unmeasured' THEN 'not compared'
                 WHEN how = 'layout' THEN 'sharded'
-                ELSE 'equal' END AS result
+                ELSE 'equal' END AS result,
+           fin.agree AS final_agree
     FROM judged
+    LEFT JOIN finals fin ON fin.run_id = judged.run_id AND fin.step = judged.step AND fin.node_id = judged.node_id
+                        AND fin.rank_a = judged.rank_a AND fin.rank_b = judged.rank_b AND judged.stage = 'backward'
+    LEFT JOIN reduced_after ra ON ra.run_id = judged.run_id AND ra.step = judged.step
 )
 SELECT r.name AS run,
        v.step,
@@ -205,6 +226,14 @@ SELECT r.name AS run,
                       || '): values differ by design and are not compared; status, dtype, placements, mesh and global shape agree'
             WHEN v.how = 'layout' AND v.result = 'sharded'
                  THEN 'different Partial terms of the same region: values differ by design and are not compared; status, dtype, placements, mesh and global shape agree'
+            WHEN v.result = 'local' AND v.final_agree = 1
+                 THEN 'each rank''s own gradient after the backward pass, made equal before the optimizer read it (the '
+                      || 'final rows agree): a reduction after the pass, e.g. a hand-written all-reduce; expected where '
+                      || 'the ranks see different data, not a divergence'
+            WHEN v.result = 'local'
+                 THEN 'each rank''s own gradient after the backward pass (in this step the gradients were reduced after '
+                      || 'the pass: other parameters'' differ after it and agree as the optimizer read them); the final '
+                      || 'rows, as the optimizer read them, are the comparison that counts, and they differ'
        END AS reason,
        sua.name AS status_a,
        sub.name AS status_b,

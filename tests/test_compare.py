@@ -346,6 +346,25 @@ def test_bad_arguments(store):
         store.rank_divergence("job", step=9)
 
 
+def test_a_step_a_rank_did_not_record_names_each_ranks_steps(tmp_path, monkeypatch):
+    db = str(tmp_path / "short.db")
+    recorded_steps = {0: [0, 1, 2], 1: [0]}  # rank 1 stopped after its first step
+    for rank, steps in recorded_steps.items():
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        net = make_model()
+        with gradstore.record("short", db=db, model=net) as rec:
+            for x in inputs()[:1] * len(steps):
+                net(x).sum().backward()
+                rec.step()
+    with gradstore.open(db) as store:
+        with pytest.raises(gradstore.GradstoreError) as err:
+            store.diff("short", rank_a=0, rank_b=1, step_a=2)
+    assert str(err.value).endswith("it has steps 0-2 on rank 0; step 0 on rank 1"), str(err.value)
+    out = invoke("diff", db, "short", "--rank-a", 0, "--rank-b", 1, "--step-a", 2).output
+    assert "it has steps 0-2 on rank 0; step 0 on rank 1" in out, out
+
+
 # ---- ranks ---------------------------------------------------------------------------------------------------------
 def test_rank_divergence_names_exactly_the_changed_parameter(store):
     assert store.runs().set_index("run").loc["job", "world_size"] == 2

@@ -268,5 +268,9 @@ def test_gradients_equal_but_all_nan_are_named_non_finite(record):
     line = _invoke("ranks", db, "nan").output.splitlines()[0]
     assert line.startswith(f"ranks agree at step 0: all {len(nan)} parameter gradients bitwise equal"), line
     assert f"but not healthy: {len(nan)} of the {len(nan)} parameter gradients compared hold NaN or Inf" in line
-    assert f"({sum(nan.values()):,} NaN on rank 0, after the backward pass)" in line
+    per_rank = [sum(r["nan"].values()) for r in ranks]  # each rank's own .grad, counted there
+    assert (
+        f"({sum(per_rank):,} NaN in the ranks' rows together: {per_rank[0]:,} on rank 0, {per_rank[1]:,} on rank 1; "
+        "after the backward pass)" in line
+    ), line
     assert not math.isnan(sum(nan.values()))

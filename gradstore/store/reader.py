@@ -586,7 +586,12 @@ class Store:
         activation or loss row, 'backward' for a gradient; the SQL's last column, before the values_* ones).
         A flight-recorder summary step (`steps()` level 'summary') kept no gradient rows: it has no row here, and the
         other side's rows of that step are one-sided and 'not compared', not a divergence (`gradstore diff` says so).
-        Raises UnknownRun; GradstoreError for a step or rank that side's run did not record.
+        Between two ranks, a row whose layouts hold different pieces of one DTensor (shards, Partial terms), or a
+        plain row that holds each rank's own local piece of one under tensor parallelism (between DTensor.to_local
+        and from_local; with record(forward=True), a module's plain output there), is 'not compared' with the
+        reason: the values differ by design.
+        Raises UnknownRun; GradstoreError for a step or rank that side's run did not record (the message gives each
+        rank's recorded steps).
         """
         self._check_sides(run_a, run_b, step_a, step_b, rank_a, rank_b)
         sides = dict(run_a=run_a, run_b=run_b, step_a=step_a, step_b=step_b, rank_a=rank_a, rank_b=rank_b)
@@ -613,7 +618,8 @@ class Store:
         activation or loss); where only one side recorded it, the forward is not compared (no row here; `diff`
         says why). As queries/first_divergence.sql: one row per differing role and slot of that call, columns
         as `diff`. Empty when the sides agree, and when nothing was compared (no gradient measured on both
-        sides: a flight-recorder summary step has none; `diff` counts them). Sides as in `diff`.
+        sides: a flight-recorder summary step has none; `diff` counts them). Sides as in `diff`; rows `diff` marks
+        'not compared' (different pieces of one DTensor, each rank's own local piece) are never a divergence.
         Raises UnknownRun; GradstoreError for a step or rank not recorded; ArgumentError (a ValueError) for a
         negative or non-finite tolerance.
         """
@@ -826,7 +832,11 @@ class Store:
         'step 1 was not written on rank 1 ...'), 'none' (.grad None on both ranks: no values, and no placement to
         read). `result` is 'differs', 'not compared' (a missing or skipped row, a rank that recorded no such step or
         could not write it, a .grad None on both ranks, or a row without statistics: `reason` says which; nothing is
-        claimed about its values), 'equal' or 'sharded'.
+        claimed about its values), 'equal', 'sharded' or 'local': a 'backward' row that differs where the gradients
+        were reduced after the pass (a hand-written all-reduce before the optimizer), so each rank's .grad after the
+        pass is its own: its pair of ranks' 'final' rows agree, or in that step some other pair's do; the 'final'
+        rows are then the comparison that counts (DDP's reducer and FSDP2's reduce-scatter reduce inside the pass,
+        where the 'backward' rows agree).
 
         Args:
             run: the run; step: one step (None: every step); all: also the comparisons that agree ('equal',
@@ -960,9 +970,10 @@ class Store:
             )
             if have.empty:
                 known = "no steps yet"
-            else:
-                ranks = ", ".join(str(r) for r in sorted(have["rank"].unique()))
-                known = f"steps {have['step'].min()}-{have['step'].max()} on rank(s) {ranks}"
+            else:  # per rank: ranks of one run may have recorded different steps (a shorter rank, every=, steps=)
+                known = "; ".join(
+                    f"{_step_span(at['step'])} on rank {int(r)}" for r, at in have.groupby("rank", sort=True)
+                )
             raise GradstoreError(f"run {run!r} has no {what} in {self.db}; it has {known}")
 
     def _check_sides(self, run_a, run_b, step_a, step_b, rank_a, rank_b) -> None:
@@ -986,6 +997,17 @@ def _pivot(long: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     wide = long.pivot_table(index=keys, columns="name", values="value", aggfunc="last", dropna=False)
     wide.columns.name = None
     return wide.sort_index()
+
+
+def _step_span(steps) -> str:
+    """'step 0', 'steps 0-2', 'steps 0-2, 5, 7-9': a rank's recorded steps, runs of consecutive numbers joined."""
+    nums = sorted({int(v) for v in steps})
+    parts, start = [], nums[0]
+    for prev, cur in zip(nums, nums[1:] + [None]):
+        if cur is None or cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ("step " if len(nums) == 1 else "steps ") + ", ".join(parts)
 
 
 def _check_role(role: str | None) -> None:

@@ -25,10 +25,12 @@ VALUE_COLUMNS = ("values_compared", "values_max_abs", "values_rel", "values_cosi
 
 
 # the start of a diff row's reason where the two sides hold different pieces of one DTensor (queries/diff.sql):
-# different shards, or different Partial terms; their values differ by design and are not compared
+# different shards, different Partial terms, or two ranks' own local pieces held as plain tensors (tensor
+# parallelism's tensors between to_local and from_local); their values differ by design and are not compared
 DTENSOR_PIECES = (
     "not compared: different shards of one DTensor",
     "not compared: different Partial terms of one DTensor",
+    "not compared: each rank's own local piece of a DTensor",
 )
 
 

@@ -816,12 +816,20 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
     if differing.empty and unchecked.empty and empty.empty:
         how = "bitwise, by checksums" if (agree["compared"] == "checksum").all() else "by their statistics"
         replicated, sharded = _span(agree["replicated"]), _span(agree["sharded"])
+        local = agree[agree["local"] > 0]  # reduced after the pass: each rank's own .grad there
         if (agree["sharded"] == 0).all():
             text = (
                 f"At all {len(agree):,} steps recorded by several ranks, every "
                 + ("recorded " if left else "")
-                + f"parameter's .grad agrees across ranks ({how}): after the backward pass, and as the optimizer saw "
-                "it where the step has final rows."
+                + f"parameter's .grad agrees across ranks ({how}): "
+                + (
+                    "as the optimizer saw it; after the backward pass "
+                    + (f"at {len(local):,} of these steps " if len(local) < len(agree) else "")
+                    + "each rank held its own gradient, made equal after the pass (as by a hand-written all-reduce): "
+                    "expected where the ranks see different data, not a divergence."
+                    if len(local)
+                    else "after the backward pass, and as the optimizer saw it where the step has final rows."
+                )
             )
         else:
             text = (
@@ -854,6 +862,12 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
             where = (
                 " by their final norms (the step is a flight-recorder summary: its gradients were not kept, so where "
                 "they came apart, after the backward pass or before the optimizer, is not known)"
+            )
+        elif stages == ["final"] and int(first["local"]):
+            where = (
+                " as the optimizer saw them (the final rows); after the backward pass each rank held its own gradient "
+                "in that step (reduced after the pass, as by a hand-written all-reduce): they came apart between the "
+                "pass and the optimizer (the reduction, or what it writes back into .grad)"
             )
         elif stages == ["final"]:
             where = (

@@ -679,8 +679,11 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
     design and are not compared across ranks), differing (parameters whose .grad differs from the lowest rank's on
     some rank, after the backward pass or as the optimizer saw it: `Store.rank_divergence`), stages (where they
     differ: 'backward', 'final' or 'backward,final', 'summary' by the final norms of a flight-recorder summary step;
-    '' when none does), not_compared (parameters not compared on some rank and differing nowhere), compared
-    ('checksum' where every row had checksums, 'norm' for a summary step, else 'statistics'), first (the first
+    '' when none does), local (parameters whose .grad after the backward pass differs on some rank while the final
+    rows agree there, or in a step where others do: each rank's own gradient, reduced after the pass, as by a
+    hand-written all-reduce; rank_divergence's result 'local', not a divergence), not_compared (parameters not
+    compared on some rank and differing nowhere), compared ('checksum' where every row had checksums, 'norm' for a
+    summary step, else 'statistics'), first (the first
     differing parameter, else the first not compared, or None), nonfinite (parameters whose .grad held NaN or Inf on
     some rank in the step, from the exact counts of its rows: agreement is not health, values that agree bitwise
     may all be NaN). Empty when the run has one rank. Raises UnknownRun."""
@@ -693,6 +696,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         "sharded",
         "differing",
         "stages",
+        "local",
         "not_compared",
         "compared",
         "first",
@@ -735,6 +739,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
                 "stages": "summary"
                 if summary and len(diff)
                 else ",".join(st for st in ("backward", "final") if st in set(diff["stage"])),
+                "local": int(here.loc[here["result"] == "local", "param"].nunique()),
                 "not_compared": len(unchecked),
                 "compared": "norm" if summary else ("checksum" if checks else "statistics"),
                 "first": differing[0] if differing else (unchecked[0] if unchecked else None),
