@@ -7,6 +7,7 @@ queries, upgrade a database's schema.
     gradstore query DB NAME [-p k=v]     a named query of queries/ as a table (or --csv)
     gradstore queries                    the named queries, their titles and parameters
     gradstore explain DB RUN KEY         what the record knows about one node (edges, calls, gradients)
+    gradstore explain DB RUN --sequence-nr N --step S    the same, for the node with autograd sequence number N
     gradstore db upgrade DB              bring a database to the newest schema revision
     gradstore diff DB RUN_A RUN_B        where two runs (or two steps or ranks of one) first part
     gradstore ranks DB RUN [--step N]    do the ranks' parameter gradients agree at a step
@@ -1239,21 +1240,33 @@ def list_queries(verbose):
 @main.command(short_help="Explain one recorded node: its edges, calls and gradients at a step.")
 @click.argument("db")
 @click.argument("run")
-@click.argument("key")
+@click.argument("key", required=False)
 @click.option("--step", type=int, default=None, help="The step to show (default: the last step the node ran in).")
 @click.option("--rank", type=int, default=None, help="The rank to show (default: the lowest rank with a call).")
-def explain(db, run, key, step, rank):
+@click.option(
+    "--sequence-nr",
+    "sequence_nr",
+    type=int,
+    default=None,
+    help="Find the node by its autograd sequence number (grad_fn._sequence_nr(), torch.profiler's 'Sequence number') "
+    "in place of KEY: the node whose call at --step (and --rank) has it.",
+)
+def explain(db, run, key, step, rank, sequence_nr):
     """Explain node KEY of run RUN in database DB: its name, kind and module, where its grad_outputs come from
     and its grad_inputs go (edges), and its calls' grad_output / grad_input statistics at a step.
 
     KEY is a node key as `gradstore query DB nodes -p run=RUN` lists it, e.g. 'fc/AddmmBackward0#0' or
-    'param:fc.weight' (any name of a tied parameter: the output says which names it is tied to). A --step the
-    run did not record is an error that lists the steps it recorded.
+    'param:fc.weight' (any name of a tied parameter: the output says which names it is tied to). Or leave KEY out
+    and give --sequence-nr N --step S: the node numbered N in step S (a process numbers its nodes from its start, so
+    name the step; each rank counts on its own: --rank). A --step the run did not record is an error that lists
+    the steps it recorded.
     """
     from .inspect.explain import explain_recorded
 
+    if key is None and sequence_nr is None:
+        raise click.UsageError("explain needs KEY, or --sequence-nr N (with --step S)")
     with _store(db) as store:
-        click.echo(str(explain_recorded(store, run, key, step=step, rank=rank)))
+        click.echo(str(explain_recorded(store, run, key, step=step, rank=rank, sequence_nr=sequence_nr)))
 
 
 @main.group(cls=_Group, short_help="Manage a database's schema revision (upgrade).")

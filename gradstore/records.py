@@ -124,7 +124,8 @@ class Sharding:
 class PassRecord:
     """Everything recorded about one pass, as plain data for the writer.
 
-    calls: (node key, seq, start seconds since pass start, duration seconds or None);
+    calls: (node key, seq, start seconds since pass start, duration seconds or None, sequence_nr or None: the
+        node's `grad_fn._sequence_nr()` as the pass's walk read it, None for AccumulateGrad or where unknown);
     tensors: tuples (node key, seq, role code, slot, *stats.ROW_COLUMNS, sharding: a `Sharding` for a
         DTensor's local shard, else None); seq is None for param_grad rows, and for a row with no call but a
         place in the step's order (a loss row) the number from the step's counter;
@@ -148,7 +149,7 @@ class PassRecord:
     duration: float | None = None
     nodes: list[NodeInfo] = field(default_factory=list)
     edges: list[tuple[str, int, str, int]] = field(default_factory=list)
-    calls: list[tuple[str, int, float, float | None]] = field(default_factory=list)
+    calls: list[tuple[str, int, float, float | None, int | None]] = field(default_factory=list)
     tensors: list[dict] = field(default_factory=list)
     nonfinite: bool = False
     reachable: int = 0

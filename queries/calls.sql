@@ -1,11 +1,11 @@
 -- title: Calls
--- description: Every node execution, in execution order (seq counts across all passes of a step): start in seconds since its pass began, duration in seconds (both stored as whole nanoseconds).
+-- description: Every node execution, in execution order (seq counts across all passes of a step): start in seconds since its pass began, duration in seconds (both stored as whole nanoseconds), and sequence_nr, the node's autograd sequence number (grad_fn._sequence_nr(), torch.profiler's "Sequence number"; NULL for AccumulateGrad, which has none of its own, and for calls stored before schema revision 0011_sequence_nr).
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
 -- param module: qualified module name; the module and its submodules; empty (NULL) for all
 SELECT r.name AS run, st.rank, st.step, p.pass, c.seq, n.key, n.name, n.module, n.param,
-       c.start, c.duration
+       c.start, c.duration, c.sequence_nr
 FROM runs r
 JOIN steps st ON st.run_id = r.id
 JOIN passes p ON p.step_id = st.id

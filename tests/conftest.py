@@ -27,6 +27,7 @@ BACKEND_MODULES = {
     "test_flight.py",
     "test_step_values.py",
     "test_on_nonfinite.py",
+    "test_sequence_nr.py",
 }
 SQLITE_ONLY = {"test_memory_does_not_grow"}  # about the recorder's memory, not the database: once is enough
 BACKENDS = [

@@ -82,6 +82,7 @@ def test_readme_names_the_query_helpers():
         "activations",
         "losses",
         "saved",
+        "by_sequence_nr",
     ):
         assert f"store.{name}(" in README
         assert name in queries.available()

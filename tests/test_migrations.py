@@ -904,9 +904,50 @@ def test_upgrade_0009_to_0010_adds_pass_errors_and_down_again(tmp_path):
     assert len(before) == len(after) > 0
     assert columns[-1] == "error" and [r[:-1] for r in after] == before and {r[-1] for r in after} == {None}
     assert index is not None and "status = 2" in index[0]
+    database.upgrade(path)  # the newest revision, which readers need
     assert set(gradstore.open(path).passes("asset-run-0003")["error"].isna()) == {True}
     _migrate(path, "0009_loop", down=True)
     with sqlite3.connect(path) as conn:
         assert "error" not in [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
         assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'ix_tensor_data_skipped'").fetchone() is None
         assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before
+
+
+# ---- revision 0011_sequence_nr: each call's autograd sequence number ------------------------------------------
+def test_upgrade_0010_to_0011_adds_the_calls_sequence_nr_and_down_again(tmp_path):
+    """The committed revision-0003 file at 0010_pass_errors, then 0011_sequence_nr: every call keeps its values and
+    reads sequence_nr NULL (not known), the calls view gains the column; a step recorded afterwards stores each call's
+    number (a node's `grad_fn._sequence_nr()`, read here in plain PyTorch); down to 0010_pass_errors gives the 0003
+    view and columns back, with every call as before."""
+    import torch
+
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-loop.db", path)
+    _migrate(path, "0010_pass_errors")
+    with sqlite3.connect(path) as conn:
+        before = conn.execute("SELECT * FROM calls ORDER BY id").fetchall()
+        data_before = conn.execute("SELECT * FROM call_data ORDER BY id").fetchall()
+        view_before = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'calls'").fetchone()[0]
+    _migrate(path, "0011_sequence_nr")
+    with sqlite3.connect(path) as conn:
+        after = conn.execute("SELECT * FROM calls ORDER BY id").fetchall()
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(call_data)")]
+        view_columns = [r[1] for r in conn.execute("PRAGMA table_info(calls)")]
+    assert len(before) == len(after) > 0
+    assert [r[:-1] for r in after] == before and {r[-1] for r in after} == {None}
+    assert columns[-1] == view_columns[-1] == "sequence_nr"
+    assert tuple(view_columns) == schema.CALLS_VIEW_COLUMNS
+    database.upgrade(path)  # the newest revision, which the recorder needs
+    net = torch.nn.Linear(3, 1)
+    with gradstore.record("after-0011", db=str(path), model=net):
+        loss = net(torch.randn(2, 3)).sum()
+        number = loss.grad_fn._sequence_nr()  # SumBackward0's
+        loss.backward()
+    calls = gradstore.open(path).calls("after-0011")
+    assert calls.loc[calls.name == "SumBackward0", "sequence_nr"].tolist() == [number]
+    _migrate(path, "0010_pass_errors", down=True)
+    with sqlite3.connect(path) as conn:
+        assert "sequence_nr" not in [r[1] for r in conn.execute("PRAGMA table_info(call_data)")]
+        assert conn.execute("SELECT sql FROM sqlite_master WHERE name = 'calls'").fetchone()[0] == view_before
+        assert conn.execute("SELECT * FROM calls ORDER BY id").fetchall()[: len(before)] == before
+        assert conn.execute("SELECT * FROM call_data ORDER BY id").fetchall()[: len(data_before)] == data_before

@@ -139,8 +139,48 @@ def test_tensor_rows_keys_roles_and_values():
     norm = got[0][4 + 5]
     assert norm == pytest.approx(5.0)
     assert got[1][4 + 3 : 4 + 6] == ("2", 2, None)
-    assert grows.call_rows([call0, call1], infos) == [("m/AddBackward0#0", 7, 0.1, 0.2), ("param:w", 8, 0.3, None)]
+    assert grows.call_rows([call0, call1], infos) == [
+        ("m/AddBackward0#0", 7, 0.1, 0.2, None),  # no walk's numbers given: none known
+        ("param:w", 8, 0.3, None, None),
+    ]
+    # each call's sequence_nr is its node's in the walk; AccumulateGrad's 2**64-1 (and -1, unread) is none
+    for seqs, want in (([5, 2**64 - 1], (5, None)), ([-1, 2**63 - 1], (None, 2**63 - 1)), ([2**63, 0], (None, 0))):
+        got = grows.call_rows([call0, call1], infos, seqs)
+        assert [r[4] for r in got] == list(want) and [r[:4] for r in got] == [
+            ("m/AddBackward0#0", 7, 0.1, 0.2),
+            ("param:w", 8, 0.3, None),
+        ]
     assert grows.edge_rows([(0, 0, 1, 0)], infos) == [("m/AddBackward0#0", 0, "param:w", 0)]
+
+
+def test_packed_call_rows_carry_the_walks_sequence_nr_in_cpp_and_python():
+    """Packed call bytes (hooks.cpp's PackedCall) unpacked with the walk's numbers: by the C++ module and in Python,
+    the same rows, each with its node's number (None for 2**64-1, -1, a node past the list, or no list)."""
+    from gradstore.recording import native
+
+    blob = b"".join(
+        grows._CALL.pack(node, ended, seq, 0.5 * seq, 0.25) for node, ended, seq in ((1, 1, 0), (0, 0, 1), (2, 1, 2))
+    )
+    keys = ["k0", "k1", "k2"]
+    cases = {
+        None: [None, None, None],
+        (17, 2**64 - 1, -1): [None, 17, None],
+        (3, 4): [4, 3, None],
+    }
+    module = native.load(wait=True)
+    for seqs, numbers in cases.items():
+        seqs = None if seqs is None else list(seqs)
+        want = [
+            ("k1", 0, 0.0, 0.25, numbers[0]),
+            ("k0", 1, 0.5, None, numbers[1]),
+            ("k2", 2, 1.0, 0.25, numbers[2]),
+        ]
+        assert grows._unpack_calls(blob, keys, seqs) == want
+        if module is not None:
+            assert module.unpack_calls(blob, keys, seqs) == want
+    if module is not None:
+        with pytest.raises(TypeError, match="seqs"):
+            module.unpack_calls(blob, keys, (1, 2, 3))
 
 
 @pytest.mark.parametrize("level", ["shape", "full"])

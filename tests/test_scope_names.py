@@ -15,6 +15,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from _tables import SEQUENCE_NR
 
 import gradstore
 from gradstore.errors import RecordUsageWarning
@@ -29,7 +30,9 @@ _CLOCKS |= {"pid", "heartbeat_at", "lease", "host", "start_ns", "duration_ns"}
 
 
 def dump(db) -> dict[str, list[tuple]]:
-    """Every table of a gradstore database but the claims and Alembic's, without the clock columns, sorted."""
+    """Every table of a gradstore database but the claims and Alembic's, without the clock columns, sorted; autograd
+    sequence numbers counted from the database's lowest (a thread's counter runs on from one recording to the
+    next)."""
     conn = sqlite3.connect(db)
     try:
         tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
@@ -38,7 +41,9 @@ def dump(db) -> dict[str, list[tuple]]:
             if t in ("claims", "alembic_version"):
                 continue
             cols = [r[1] for r in conn.execute(f'PRAGMA table_info("{t}")') if r[1] not in _CLOCKS]
-            quoted = ", ".join(f'"{c}"' for c in cols)
+            quoted = ", ".join(
+                f'"{c}" - (SELECT MIN("{c}") FROM "{t}")' if (t, c) in SEQUENCE_NR else f'"{c}"' for c in cols
+            )
             rows = conn.execute(f'SELECT {quoted} FROM "{t}"').fetchall()
             out[t] = sorted(rows, key=repr)
         return out

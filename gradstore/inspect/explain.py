@@ -23,11 +23,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from ..errors import ArgumentError, UnknownNode
 from ..recording import torch_private as tp
 from ..recording.graph import Keyed, describe, node_kind, node_name, walk
+from ..recording.recorder import scope_keys
 from ..recording.saved import FREED_MESSAGE, is_custom, saved_bytes, saved_tensors, saved_values
 from ..recording.stats import ROW_COLUMNS, measure, to_rows
 from ..store import shards
@@ -343,6 +345,39 @@ def _saved_items(node, stats: bool) -> tuple[list[SavedItem], bool, int]:
     return items, saved.freed, saved_bytes(saved)
 
 
+class _StepKeys(Keyed):
+    """The keys a recording step's passes gave so far (`ScopeKeys.known`), read only, under a `Keyed` of its own:
+    `describe` keys a live graph as the step's next pass over it would, and writes only here. A key scope read from
+    the step is handed out as a copy (one per scope, so that `describe` still tells scopes apart), since `describe`
+    adds ordinals to the scope it continues."""
+
+    __slots__ = ("_base", "_copies")
+
+    def __init__(self, base: Keyed):
+        super().__init__()
+        self._base = base
+        self._copies: dict[int, dict] = {}
+
+    def __contains__(self, ident: int) -> bool:
+        return super().__contains__(ident) or ident in self._base
+
+    def get(self, ident: int) -> tuple | None:
+        hit = super().get(ident)
+        if hit is not None:
+            return hit
+        hit = self._base.get(ident)
+        if hit is None:
+            return None
+        info, scope = hit
+        copy = self._copies.get(id(scope))
+        if copy is None:
+            copy = self._copies[id(scope)] = dict(scope)
+        return info, copy
+
+    def isdisjoint(self, idents) -> bool:
+        return super().isdisjoint(idents) and self._base.isdisjoint(idents)
+
+
 def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = True) -> Explanation:
     """Explain a live autograd node (see `explain`)."""
     if isinstance(grad_fn, torch.Tensor):  # a tensor: its grad_fn, or a leaf's AccumulateGrad
@@ -364,12 +399,30 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
         )
     roots = [root] if root is not None else [grad_fn]
     roots = [r.grad_fn if isinstance(r, torch.Tensor) else r for r in roots]
-    w = walk(roots)
-    if id(grad_fn) not in w.index:
-        w = walk([grad_fn])
-    infos = describe(w, owner_fn(owner), param_names(model), Keyed())
-    info = infos[w.index[id(grad_fn)]]
-    key_of = {id(n): infos[i].key for i, n in enumerate(w.nodes)}
+    scope = scope_keys() if owner is None else None  # inside a recording scope: its keys, modules and names
+    if scope is None:
+        w = walk(roots)
+        if id(grad_fn) not in w.index:
+            w = walk([grad_fn])
+        infos = describe(w, owner_fn(owner), param_names(model), Keyed())
+    else:
+        # walked as the step's passes walk (the same node identities as its `known`), keyed with its tracker
+        w = walk(roots, 0, scope.walker, lazy=scope.walker is not None)
+        if w.ident(grad_fn) not in w.index:
+            w = walk([grad_fn], 0, scope.walker, lazy=scope.walker is not None)
+        known = _StepKeys(scope.known) if scope.known is not None else Keyed()
+        names = param_names(model) if model is not None else scope.param_names
+        infos = describe(
+            w,
+            scope.owner,
+            names,
+            known,
+            region=scope.region,
+            lineage=scope.lineage,
+            device_threads=scope.device_threads,
+        )
+    info = infos[w.index[w.ident(grad_fn)]]
+    key_of = {ident: infos[i].key for ident, i in w.index.items()}
     name = node_name(grad_fn)
     kind = node_kind(grad_fn, name)
     meta = output_metadata(grad_fn)
@@ -378,7 +431,7 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
         GradInputSlot(
             i,
             node_name(nxt) if nxt is not None else None,
-            key_of.get(id(nxt)) if nxt is not None else None,
+            key_of.get(w.ident(nxt)) if nxt is not None else None,
             input_nr,
             nxt is not None,
         )
@@ -432,7 +485,9 @@ class RecordedExplanation:
     or None), frame (the user-code line that created it, 'file:line in function', with record(frames=True); None:
     not recorded); edges_in / edges_out: DataFrames (src, src_slot,
     dst, dst_slot): who sends gradients into this node's grad_outputs and where its grad_inputs go; step and
-    rank: the step shown; calls: DataFrame of its calls in that step (pass, seq, start, duration in s);
+    rank: the step shown; calls: DataFrame of its calls in that step (pass, seq, start, duration in s, sequence_nr:
+    the node's autograd sequence number in that step, NULL for AccumulateGrad and for calls stored before schema
+    revision 0011_sequence_nr);
     tensors: DataFrame of its gradient statistics in that step (pass, seq, role grad_output / grad_input /
     saved, slot, status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros); statuses: a
     parameter's param_status rows where its node had no call; tied: a tied parameter's names, the one asked for
@@ -524,7 +579,9 @@ class RecordedExplanation:
         for c in self.calls.to_dict("records"):
             dur = c["duration"]
             dur = "-" if dur is None or dur != dur else f"{dur * 1e6:.1f} us"
-            out.append(f"  pass {c['pass']} seq {c['seq']}  duration {dur}")
+            number = c.get("sequence_nr")
+            number = "" if number is None or number is pd.NA or number != number else f"  sequence_nr {number}"
+            out.append(f"  pass {c['pass']} seq {c['seq']}{number}  duration {dur}")
             rows = self.tensors[(self.tensors["seq"] == c["seq"]) & (self.tensors["pass"] == c["pass"])]
             for t in rows.to_dict("records"):
                 if t["status"] != "ok":
@@ -577,20 +634,68 @@ class RecordedExplanation:
         )
 
 
-def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int | None = None) -> RecordedExplanation:
+def _key_of_sequence_nr(store: Store, run: str, sequence_nr: int, step: int | None, rank: int | None) -> tuple:
+    """(key, step, rank) of the call with autograd sequence number `sequence_nr` (Store.by_sequence_nr): the first
+    such call (lowest step, then rank) where every match is one node. Raises UnknownNode where none matches, or
+    where the matches are different nodes (other steps or ranks: a process's counter restarts), naming them."""
+    hits = store.by_sequence_nr(run, sequence_nr, step=step, rank=rank)
+    where = "".join(f" {name} {value}" for name, value in (("at step", step), ("on rank", rank)) if value is not None)
+    if hits.empty:
+        raise UnknownNode(
+            f"no call of a node with sequence_nr {sequence_nr} in run {run!r}{where}. Only calls carry the number: "
+            "a node that did not run (or that modules=/params= left unhooked) has none, nor does a call stored "
+            "before schema revision 0011_sequence_nr, nor an AccumulateGrad (find it as param:NAME); numbers count "
+            "per thread from the process start, so the node is in the step whose forward created it (list a step's: "
+            f"gradstore query DB calls -p run={run} -p step=N)"
+        )
+    found = hits.drop_duplicates(["key", "step", "rank"])
+    if found["key"].nunique() > 1:
+        listed = ", ".join(f"{r.key} (step {r.step}, rank {r.rank})" for r in found.head(8).itertuples())
+        raise UnknownNode(
+            f"sequence_nr {sequence_nr} is {found['key'].nunique()} different nodes in run {run!r}{where}: {listed}"
+            " (each process numbers its nodes from its start: name the step and the rank)"
+        )
+    first = found.iloc[0]
+    return first["key"], int(first["step"]), int(first["rank"])
+
+
+def explain_recorded(
+    db,
+    run: str,
+    key: str | None = None,
+    step: int | None = None,
+    rank: int | None = None,
+    *,
+    sequence_nr: int | None = None,
+) -> RecordedExplanation:
     """Explain node `key` of run `run` from a database (path, URL or an open gradstore Store).
 
     Args:
-        key: a node key; for a parameter's AccumulateGrad, 'param:NAME' with any of a tied parameter's names
-            (the node is keyed by its first name; the explanation says which names it is tied to).
-        step: the step whose calls and gradients to show (default: the last step in which the node ran).
+        key: the node's key ('fc/AddmmBackward0#0'); for a parameter's AccumulateGrad, 'param:NAME' with any of a
+            tied parameter's names (the node is keyed by its first name; the explanation says which names it is
+            tied to); or leave it out and give `sequence_nr`.
+        step: the step whose calls and gradients to show (default: the last step in which the node ran; with
+            `sequence_nr`, the step whose call has that number).
         rank: the rank (default: the lowest rank with a call of the node).
-    Raises: DatabaseNotFound, UnknownRun, UnknownNode (naming keys that are close), ArgumentError (a `step` the
-        run did not record, on `rank` if given: the message lists the steps it did record).
+        sequence_nr: the node's autograd sequence number (`grad_fn._sequence_nr()`, torch.profiler's "Sequence
+            number"): the node is the one whose call in `step` (and `rank`) has it (Store.by_sequence_nr); where
+            several steps or ranks match, the first (lowest step, then rank), if they are all one node.
+    Raises: DatabaseNotFound, UnknownRun, UnknownNode (naming keys that are close; for `sequence_nr`, no call with it,
+        or several nodes with it, or a `key` that is not its node); ArgumentError (a `step` the run did not record,
+        on `rank` if given: the message lists the steps it did record); TypeError with neither key nor sequence_nr.
     """
 
+    if key is None and sequence_nr is None:
+        raise TypeError("explain_recorded(db, run, key): a node key, or sequence_nr=")
     store = db if isinstance(db, Store) else Store(db)
     try:
+        if sequence_nr is not None:
+            found, step, rank = _key_of_sequence_nr(store, run, sequence_nr, step, rank)
+            if key is not None and key != found:
+                raise UnknownNode(
+                    f"sequence_nr {sequence_nr} is node {found!r} at step {step}, rank {rank}, not {key!r}"
+                )
+            key = found
         nodes = store.nodes(run=run)
         asked, names = key, _param_names(store, run, key[len("param:") :]) if key.startswith("param:") else None
         if names is not None:  # any name of a tied parameter: its node is keyed by the first name
@@ -640,7 +745,7 @@ def explain_recorded(db, run: str, key: str, step: int | None = None, rank: int 
             rank=chosen_rank,
             edges_in=edges_in,
             edges_out=edges_out,
-            calls=calls[["pass", "seq", "start", "duration"]] if not calls.empty else calls,
+            calls=calls[["pass", "seq", "start", "duration", "sequence_nr"]] if not calls.empty else calls,
             tensors=tensors,
             region=region,
             frame=frame,
@@ -728,21 +833,27 @@ def explain(
     step: int | None = None,
     rank: int | None = None,
     stats: bool = True,
+    sequence_nr: int | None = None,
 ):
     """Explain an autograd node: what its prehook and hook receive, what it saved, whether it can be re-run.
 
     Two forms:
         gradstore.explain(loss.grad_fn)                          a live node -> Explanation
         gradstore.explain("grads.db", "run-name", "fc/AddmmBackward0#0", step=3)
+        gradstore.explain("grads.db", "run-name", sequence_nr=317, step=3)
                                                                  a recorded node -> RecordedExplanation
     Args (live form):
         grad_fn_or_db: a `torch.autograd.graph.Node`, or a tensor (its grad_fn; a leaf's AccumulateGrad).
         model: nn.Module (or list/dict) naming parameters ('param:fc.weight' keys, `param`).
         owner: callable sequence_nr -> module name, or an object with `.owner` (the tracker of
-            `gradstore.track_modules(model)`, a `gradstore.verify.capture(model)`): names `module`.
+            `gradstore.track_modules(model)`, a `gradstore.verify.capture(model)`): names `module`. Left out inside
+            a `gradstore.record` scope (on the thread it records), the scope's own: its module tracker, its models'
+            parameter names (unless `model=` is given) and the keys its step's passes gave so far, so `key` and
+            `module` are the ones the record holds (`gradstore.recording.recorder.scope_keys`).
         root: the pass's root (loss tensor or its grad_fn), so the key's ordinal counts as gradstore records it.
         stats: compute statistics of each saved tensor (gradstore.recording.stats.measure, float64; one pass over each).
-    Args (recorded form): db path / URL / Store, run name, node key, step (default: last step it ran), rank.
+    Args (recorded form): db path / URL / Store, run name, node key, step (default: last step it ran), rank;
+        or `sequence_nr=` in place of the key: the node whose call at `step` has that autograd sequence number.
     Returns: `Explanation` / `RecordedExplanation`: `print()` it, or display it in a notebook.
     Raises: TypeError for something that is not a Node, or a tensor that requires no gradient (it has no node);
         DatabaseNotFound, UnknownRun, UnknownNode.
@@ -752,7 +863,9 @@ def explain(
     """
 
     if isinstance(grad_fn_or_db, (str, Path, Store)):
-        if run is None or key is None:
-            raise TypeError("explain(db, run, key): the recorded form needs a run name and a node key")
-        return explain_recorded(grad_fn_or_db, run, key, step=step, rank=rank)
+        if run is None or (key is None and sequence_nr is None):
+            raise TypeError(
+                "explain(db, run, key): the recorded form needs a run name and a node key (or sequence_nr=)"
+            )
+        return explain_recorded(grad_fn_or_db, run, key, step=step, rank=rank, sequence_nr=sequence_nr)
     return explain_node(grad_fn_or_db, model=model, owner=owner, root=root, stats=stats)

@@ -11,8 +11,9 @@ The same module walks a pass's graph in one call (`walk`, used by gradstore.reco
 edges as packed int32, every sequence_nr and the signature gradstore.recording.graph keys a fresh pass by, with no
 Python tuple per edge or per `next_functions` entry; a recorded pass's walk is lazy: its Nodes stay in C++, keyed by
 address (`node_address`), and a Node's Python object is made only where one is asked for, `walk_node`), builds the
-call rows on the writer thread (`call_rows`), reads every parameter's `.grad` state (`grad_states`: data pointer and
-version counter, gradstore.recording.passes) without a Python object per parameter, and measures the parameters'
+call rows on the writer thread (`call_rows`: each with its node's sequence_nr as the walk read it), reads every
+parameter's `.grad` state (`grad_states`: data pointer and version counter, gradstore.recording.passes) without a
+Python object per parameter, and measures the parameters'
 `.grad`s into their rows (`param_rows`, gradstore.recording.final_grads: the kernel's statistics of each plain dense
 float32/float64 CPU gradient, built into its row tuple with no `Measured` object or Python float per statistic), or
 into packed rows (`param_pack`: one bytes object for all of them, built into rows where they are read, the writer's
@@ -70,7 +71,7 @@ from . import torch_private as tp
 
 SOURCE = Path(__file__).with_name("kernels") / "hooks.cpp"
 MODULE = "_gradstore_hooks"
-ABI_VERSION = 19
+ABI_VERSION = 20
 _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()

@@ -597,7 +597,8 @@ class PassRecorder:
         rec, infos, calls, measured = self.record, self.infos, self.calls, self.measured
         # no calls (stats='params' hooks no node): rows already built, so that the step's message to the writer's
         # child is made on the training thread (offload._light), not with the GIL on the writer thread
-        rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos)) if calls else LazyRows.of([])
+        seqs = rec.seqs  # each call's sequence_nr: its node's, as the walk read it (no read in a hook)
+        rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos, seqs)) if calls else LazyRows.of([])
         packed = self._params_packed  # the param_grad rows packed (then `measured` holds none of them), or None
         if packed is not None and not measured:  # stats='params': the param_grad rows alone, built where read
             rec.nonfinite = packed.nonfinite
@@ -673,7 +674,8 @@ class PassRecorder:
                 made.append([info.key for info in infos])
             return made[0]
 
-        rec.calls = LazyRows(ncalls, lambda: module.call_rows(cap, keys_of()))
+        seqs = rec.seqs  # each call's sequence_nr: its node's, as the walk read it (no read in a hook)
+        rec.calls = LazyRows(ncalls, lambda: module.call_rows(cap, keys_of(), seqs))
         packed: list = []
 
         def pack() -> tuple[bytes, bytes]:  # the tensor and call rows as bytes, packed once (the writer thread)
@@ -681,7 +683,7 @@ class PassRecorder:
                 packed.append(module.pack(cap))
             return packed[0]
 
-        rec.calls.pack = lambda: PackedRows("calls", ncalls, (pack()[1], keys_of()))
+        rec.calls.pack = lambda: PackedRows("calls", ncalls, (pack()[1], keys_of(), seqs))
         handed = [
             m if isinstance(m, (Measured, tuple)) else Measured("skipped", reason="gradstore: no measurement")
             for m in fallbacks

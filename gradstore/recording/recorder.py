@@ -55,7 +55,7 @@ from .modules import (
 from .offload import maybe_offload
 from .optimizer_reads import UNHELD_STEPS, OptimizerReads
 from .options import Options
-from .param_list import ParamList
+from .param_list import ParamList, ids_of
 from .passes import PassRecorder, StepState, grad_states, grads_changed
 from .reaction import LastStep, Reaction, amp_skipped, first_nonfinite, not_an_overflow
 from .rows import LazyRows
@@ -1199,3 +1199,48 @@ def log(values: dict | None = None, /, **named) -> None:
     if _open_scope is None:
         raise RecordUsageError("gradstore.log(...) needs an open recording (gradstore.record as decorator or `with`)")
     _open_scope.log(values, **named)
+
+
+@dataclass(frozen=True)
+class ScopeKeys:
+    """How the recording scope open on the calling thread keys that thread's nodes now (`scope_keys`), for the live
+    `gradstore.explain`: what a pass of the scope's step would hand `gradstore.recording.graph.describe`.
+
+    owner, region: the scope's `ModuleTracker.owner` and `.region` (sequence_nr -> module name / compiled region);
+    param_names: id(parameter) -> first qualified name, of the scope's models (read only); known: the step's `Keyed`,
+    the nodes its passes keyed so far (read only: wrap it, never add to it), None before the first step; walker: the
+    step's C++ walk (gradstore.recording.native) or None, which `known` keys nodes by (`Walk.ident`); lineage: the
+    scope's `Lineage` (nodes of earlier steps); device_threads: as `StepState.device_threads`.
+    """
+
+    owner: object
+    region: object
+    param_names: dict
+    known: object
+    walker: object
+    lineage: Lineage | None
+    device_threads: bool
+
+
+def scope_keys() -> ScopeKeys | None:
+    """The keys of the recording scope open in this process, when it records the calling thread (its scope's thread,
+    in the process that opened it), else None. Reads the scope's state; changes nothing."""
+    rec = _open_scope
+    if (
+        rec is None
+        or not rec._in_scope
+        or rec._scope_pid != os.getpid()
+        or getattr(rec, "_thread", None) != threading.get_ident()
+        or rec._tracker is None
+    ):
+        return None
+    state = rec._state
+    return ScopeKeys(
+        owner=rec._tracker.owner,
+        region=rec._tracker.region,
+        param_names=ids_of(rec._params),
+        known=state.known if state is not None else None,
+        walker=state.walker if state is not None else None,
+        lineage=state.lineage if state is not None else rec._lineage,
+        device_threads=bool(state is not None and state.device_threads),
+    )

@@ -143,8 +143,9 @@ class PackedRows(LazyRows):
     Args:
         what: 'tensors' (payload: (packed tensor rows, node keys by index, the fallback rows in order, rows to
             append: a list of rows, or a PackedRows of them: the param_grad rows)), 'calls' (payload: (packed call
-            rows, node keys)), 'walk_edges' (payload: (the C++ walk's edges: four native int32 each,)) or 'edges'
-            (payload: (those edges, node keys): `edge_rows`).
+            rows, node keys, the walk's sequence_nr per node index or None: `call_rows`)), 'walk_edges' (payload:
+            (the C++ walk's edges: four native int32 each,)) or 'edges' (payload: (those edges, node keys):
+            `edge_rows`).
         length: the number of rows.
     """
 
@@ -175,8 +176,8 @@ def unpack(what: str, payload: tuple) -> list:
 
     module = native.load_cached()  # the build the parent used, from the cache; None: decoded here instead
     if what == "calls":
-        blob, keys = payload
-        return module.unpack_calls(blob, keys) if module is not None else _unpack_calls(blob, keys)
+        blob, keys, seqs = payload
+        return module.unpack_calls(blob, keys, seqs) if module is not None else _unpack_calls(blob, keys, seqs)
     blob, keys, fallbacks, tail = payload
     head = module.unpack_rows(blob, keys, fallbacks) if module is not None else _unpack_rows(blob, keys, fallbacks)
     return head + (tail if isinstance(tail, list) else list(tail))
@@ -190,9 +191,10 @@ _CALL = struct.Struct("=2iq2d")
 _K_NONE, _K_STATS, _K_PY = 0, 2, 3  # hooks.cpp's Kind
 
 
-def _unpack_calls(blob: bytes, keys: list) -> list[tuple]:
+def _unpack_calls(blob: bytes, keys: list, seqs: list | None) -> list[tuple]:
     calls = _CALL.iter_unpack(blob)
-    return [(keys[node], seq, start, dur if ended else None) for node, ended, seq, start, dur in calls]
+    number = _numbers(seqs)
+    return [(keys[node], seq, start, dur if ended else None, number(node)) for node, ended, seq, start, dur in calls]
 
 
 def _unpack_rows(blob: bytes, keys: list, fallbacks: list) -> list[tuple]:
@@ -262,10 +264,31 @@ def tensor_rows(measured: list, infos: list[NodeInfo], param_keys: list[str], ro
     ]
 
 
-def call_rows(calls: list, infos: list[NodeInfo]) -> list[tuple]:
-    """The calls rows of one pass: (node key, seq, start s, duration s or None) from the hooks' calls, each a
-    sequence starting (node index, seq, start, duration): the Python hooks' call lists or the C++ hooks' tuples."""
-    return [(infos[c[0]].key, c[1], c[2], c[3]) for c in calls]
+_LAST_SEQUENCE_NR = 2**63 - 1  # the largest a call row stores (call_data.sequence_nr, a signed 64-bit integer)
+
+
+def sequence_nr(value) -> int | None:
+    """A walked node's sequence_nr (`PassRecord.seqs`: `grad_fn._sequence_nr()` as the walk read it) as a call row
+    stores it: the number where it is one, else None: AccumulateGrad nodes all give 2**64-1
+    (`torch_private.ACCUMULATE_GRAD_SEQUENCE_NR`), and -1 means it could not be read. hooks.cpp's sequence_nr_of."""
+    return value if type(value) is int and 0 <= value <= _LAST_SEQUENCE_NR else None
+
+
+def _numbers(seqs: list | None):
+    """node index -> `sequence_nr(seqs[index])`; None for every node where `seqs` is None or too short."""
+    if seqs is None:
+        return lambda _i: None
+    n = len(seqs)
+    return lambda i: sequence_nr(seqs[i]) if 0 <= i < n else None
+
+
+def call_rows(calls: list, infos: list[NodeInfo], seqs: list | None = None) -> list[tuple]:
+    """The calls rows of one pass: (node key, seq, start s, duration s or None, sequence_nr or None) from the hooks'
+    calls, each a sequence starting (node index, seq, start, duration): the Python hooks' call lists or the C++
+    hooks' tuples. seqs: the pass walk's sequence_nr per node index (`PassRecord.seqs`), or None (every
+    sequence_nr None); a number that is not one (`sequence_nr`) is None."""
+    number = _numbers(seqs)
+    return [(infos[c[0]].key, c[1], c[2], c[3], number(c[0])) for c in calls]
 
 
 def edge_rows(edges: list[tuple[int, int, int, int]], infos: list[NodeInfo]) -> list[tuple]:

@@ -83,7 +83,7 @@ def get(name: str) -> Query:
 
 
 # parameters that the SQL casts to a number: checked here, since CAST('abc' AS INTEGER) is 0 in SQLite
-_INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b", "all", "slot"}
+_INTEGER_PARAMS = {"rank", "step", "rank_a", "rank_b", "step_a", "step_b", "all", "slot", "sequence_nr"}
 _REAL_PARAMS = {"rtol", "atol", "now"}
 
 
@@ -102,11 +102,23 @@ def _typed(query: str, param: str, value):
         if param in _INTEGER_PARAMS:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
-            return int(value)
-        return float(value)
+            number = int(value)
+        else:
+            return float(value)
     except (TypeError, ValueError):
         kind = "a whole number" if param in _INTEGER_PARAMS else "a number"
         raise QueryParameterError(f"query {query!r}: parameter {param} takes {kind}, got {value!r}") from None
+    if param == "sequence_nr" and not 0 <= number < 2**63:  # call_data.sequence_nr: a signed 64-bit integer
+        raise QueryParameterError(
+            f"query {query!r}: parameter sequence_nr is an autograd sequence number, 0 <= n < 2**63, got {value!r}"
+            + (
+                " (2**64-1 is what every AccumulateGrad node gives: none of its own, stored NULL; find a parameter's "
+                "node by its key, param:NAME)"
+                if number == 2**64 - 1
+                else ""
+            )
+        )
+    return number
 
 
 def frame(rows: list, columns: list[str]) -> pd.DataFrame:

@@ -209,8 +209,23 @@ class Store:
     def calls(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
     ) -> pd.DataFrame:
-        """Calls in execution order: run, rank, step, pass, seq, key, name, module, param, start, duration (s)."""
+        """Calls in execution order: run, rank, step, pass, seq, key, name, module, param, start, duration (s),
+        sequence_nr (the node's autograd sequence number, `grad_fn._sequence_nr()`; NULL for AccumulateGrad and for
+        calls stored before schema revision 0011_sequence_nr)."""
         return self.query("calls", run=run, step=step, rank=rank, module=module)
+
+    def by_sequence_nr(
+        self, run: str | None, sequence_nr: int | None, step: int | None = None, rank: int | None = None
+    ) -> pd.DataFrame:
+        """The node with autograd sequence number `sequence_nr` (`grad_fn._sequence_nr()`, torch.profiler's
+        "Sequence number" of a backward event: "AddmmBackward0 #317"): one row per call of it, with run, rank,
+        step, pass, seq, sequence_nr, key, name, kind, module (the layer: '' outside any module), param, frame
+        (record(frames=True)), region. A thread's counter grows from the process start, and each rank counts on its
+        own: give `step` (and `rank`). Empty where no call has that number: the node did not run in those steps, or
+        modules=/params= left it unhooked, or its calls were stored before schema revision 0011_sequence_nr;
+        AccumulateGrad nodes have no number of their own (NULL, never matched). queries/by_sequence_nr.sql.
+        Raises UnknownRun; QueryParameterError for a number, step or rank that is not a whole number."""
+        return self.query("by_sequence_nr", run=run, sequence_nr=sequence_nr, step=step, rank=rank)
 
     def tensors(
         self,

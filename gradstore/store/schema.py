@@ -190,7 +190,8 @@ claims = Table(
 )
 
 # ---- calls: a compact table and a view ---------------------------------------------------------------------
-# `calls` (what every query reads) is a VIEW with the columns of revisions 0001-0002; the rows live in call_data:
+# `calls` (what every query reads) is a VIEW with the columns of revisions 0001-0002 and sequence_nr (revision
+# 0011_sequence_nr); the rows live in call_data:
 #   start and duration as INTEGER nanoseconds (SQLite stores a small integer in 1 to 6 bytes, a REAL in 8); the
 #     view gives seconds, start_ns / 1e9 in double precision (time.perf_counter's resolution is 1 ns);
 #   no step_id: the view takes it from the call's pass;
@@ -208,14 +209,18 @@ call_data = Table(
     Column("seq", Integer, nullable=False),  # execution order within the step
     Column("start_ns", BigInteger, nullable=False),  # nanoseconds since the pass started
     Column("duration_ns", BigInteger),  # nanoseconds; NULL when the hook after the node never fired
+    # revision 0011_sequence_nr: the node's autograd sequence number (`grad_fn._sequence_nr()`, what torch.profiler's
+    # backward events call "Sequence number"), as the pass's graph walk read it; NULL for AccumulateGrad (torch gives
+    # every one 2**64-1), where it could not be read, and in rows stored before that revision
+    Column("sequence_nr", BigInteger),
 )
 
 # seconds from nanoseconds in IEEE double arithmetic on both engines (PostgreSQL reads a bare 1e9 as NUMERIC)
 _NS = "CAST(1000000000 AS DOUBLE PRECISION)"
-CALLS_VIEW_COLUMNS = ("id", "step_id", "pass_id", "node_id", "seq", "start", "duration")
+CALLS_VIEW_COLUMNS = ("id", "step_id", "pass_id", "node_id", "seq", "start", "duration", "sequence_nr")
 CALLS_VIEW = f"""CREATE VIEW calls AS
 SELECT c.id, (SELECT p.step_id FROM passes p WHERE p.id = c.pass_id) AS step_id, c.pass_id, c.node_id, c.seq,
-       c.start_ns / {_NS} AS start, c.duration_ns / {_NS} AS duration
+       c.start_ns / {_NS} AS start, c.duration_ns / {_NS} AS duration, c.sequence_nr
 FROM call_data c"""
 
 # the view for SQLAlchemy Core (select only; not part of `metadata`, so Alembic's comparison leaves it alone)

@@ -326,7 +326,7 @@ class Writer:
             + returning
         )
         self._call_insert = self._rows_insert(
-            "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns")
+            "call_data", ("id", "pass_id", "node_id", "seq", "start_ns", "duration_ns", "sequence_nr")
         )
         self._tensor_insert = self._rows_insert("tensor_data", TENSOR_DATA_COLUMNS)
         self._note_insert = self._rows_insert(
@@ -1236,11 +1236,19 @@ class Writer:
             k = 0
             for p, pass_id in zip(b.passes, pass_ids):
                 # cids[k:k + len(p.calls)] are this pass's (its first_call..last_call); times in integer ns
-                for key, seq, start, dur in p.calls:
+                for key, seq, start, dur, number in p.calls:
                     cid = call_of[seq] = cids[k]
                     k += 1
                     call_rows.append(
-                        (cid, pass_id, node_id[key], seq, round(start * 1e9), None if dur is None else round(dur * 1e9))
+                        (
+                            cid,
+                            pass_id,
+                            node_id[key],
+                            seq,
+                            round(start * 1e9),
+                            None if dur is None else round(dur * 1e9),
+                            number,
+                        )
                     )
             self._call_insert.run(cur, call_rows)
         # the passes' rows, then the forward's activation rows and the final param_grad rows, which have no pass

@@ -49,7 +49,7 @@ namespace {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-constexpr int ABI = 19;
+constexpr int ABI = 20;
 enum Level { SHAPE = 0, HEALTH = 1, FULL = 2 };
 enum Kind : int8_t { K_NONE = 0, K_SHAPE = 1, K_STATS = 2, K_PY = 3 };
 enum Role : int8_t { R_OUT = 0, R_IN = 1 };
@@ -1011,24 +1011,54 @@ void untrack_if_atomic(PyObject* row) {
   if (PyObject_GC_IsTracked(row)) PyObject_GC_UnTrack(row);
 }
 
-// one call row: (node key, seq, start s, duration s or None: a call still running)
-PyObject* call_row(PyObject* key, int64_t seq, double start, bool ended, double dur) {
-  PyObject* row = PyTuple_New(4);
-  if (row == nullptr) return nullptr;
+// a call's node's sequence_nr (`Node::sequence_nr`, what `grad_fn._sequence_nr()` returns) from `seqs`, the pass
+// walk's number per node index (a list, or None: none known): that int where it is a number, 0 <= n < 2**63;
+// None for AccumulateGrad's 2**64-1 (one value for every such node), -1 (not read) and a node past the list
+// (rows.sequence_nr in Python). A new reference.
+PyObject* sequence_nr_of(PyObject* seqs, int32_t node) {
+  if (seqs == Py_None || node < 0 || node >= PyList_GET_SIZE(seqs)) return none();
+  PyObject* v = PyList_GET_ITEM(seqs, node);
+  if (!PyLong_CheckExact(v)) return none();
+  int overflow = 0;
+  long long n = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (n == -1 && PyErr_Occurred()) PyErr_Clear();
+  if (overflow != 0 || n < 0) return none();
+  Py_INCREF(v);
+  return v;
+}
+
+// one call row: (node key, seq, start s, duration s or None: a call still running, sequence_nr or None); seqnr: a
+// new reference (sequence_nr_of), taken over
+PyObject* call_row(PyObject* key, int64_t seq, double start, bool ended, double dur, PyObject* seqnr) {
+  PyObject* row = PyTuple_New(5);
+  if (row == nullptr) {
+    Py_DECREF(seqnr);
+    return nullptr;
+  }
   Py_INCREF(key);
   PyTuple_SET_ITEM(row, 0, key);
   PyTuple_SET_ITEM(row, 1, PyLong_FromLongLong(seq));
   PyTuple_SET_ITEM(row, 2, PyFloat_FromDouble(start));
   PyTuple_SET_ITEM(row, 3, ended ? PyFloat_FromDouble(dur) : none());
+  PyTuple_SET_ITEM(row, 4, seqnr);
   untrack_if_atomic(row);
   return row;
 }
 
-// call_rows(pass, keys) -> [(node key, seq, start s, duration s or None)] in call order (rows.call_rows of the
-// Python hooks' calls); after finish()
+// the `seqs` argument of call_rows / unpack_calls: a list, or None
+bool seqs_arg(PyObject* seqs, const char* what) {
+  if (seqs == Py_None || PyList_Check(seqs)) return true;
+  PyErr_Format(PyExc_TypeError, "%s(): seqs is a list of sequence numbers by node index, or None", what);
+  return false;
+}
+
+// call_rows(pass, keys, seqs) -> [(node key, seq, start s, duration s or None, sequence_nr or None)] in call order
+// (rows.call_rows of the Python hooks' calls); seqs: the pass walk's sequence_nr per node index, or None; after
+// finish()
 PyObject* py_call_rows(PyObject*, PyObject* args) {
-  PyObject *cap, *keys;
-  if (!PyArg_ParseTuple(args, "OO!", &cap, &PyList_Type, &keys)) return nullptr;
+  PyObject *cap, *keys, *seqs;
+  if (!PyArg_ParseTuple(args, "OO!O", &cap, &PyList_Type, &keys, &seqs)) return nullptr;
+  if (!seqs_arg(seqs, "call_rows")) return nullptr;
   auto* sp = pass_of(cap);
   if (sp == nullptr) return nullptr;
   Pass& p = **sp;
@@ -1042,7 +1072,8 @@ PyObject* py_call_rows(PyObject*, PyObject* args) {
       PyErr_SetString(PyExc_IndexError, "call_rows(): a call's node has no key");
       return nullptr;
     }
-    PyObject* row = call_row(PyList_GET_ITEM(keys, c.node), c.seq, c.start, c.ended, c.dur);
+    PyObject* row =
+        call_row(PyList_GET_ITEM(keys, c.node), c.seq, c.start, c.ended, c.dur, sequence_nr_of(seqs, c.node));
     if (row == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -1418,11 +1449,15 @@ PyObject* py_unpack_rows(PyObject*, PyObject* args) {
   return out;
 }
 
-// unpack_calls(call rows bytes, keys) -> the rows call_rows() gave for the pass pack() read
+// unpack_calls(call rows bytes, keys, seqs) -> the rows call_rows() gave for the pass pack() read, with the same seqs
 PyObject* py_unpack_calls(PyObject*, PyObject* args) {
   Py_buffer buf;
-  PyObject* keys;
-  if (!PyArg_ParseTuple(args, "y*O!", &buf, &PyList_Type, &keys)) return nullptr;
+  PyObject *keys, *seqs;
+  if (!PyArg_ParseTuple(args, "y*O!O", &buf, &PyList_Type, &keys, &seqs)) return nullptr;
+  if (!seqs_arg(seqs, "unpack_calls")) {
+    PyBuffer_Release(&buf);
+    return nullptr;
+  }
   if (buf.len % (Py_ssize_t)sizeof(PackedCall) != 0) {
     PyBuffer_Release(&buf);
     PyErr_SetString(PyExc_ValueError, "unpack_calls(): not calls pack() made");
@@ -1438,7 +1473,8 @@ PyObject* py_unpack_calls(PyObject*, PyObject* args) {
       PyErr_SetString(PyExc_IndexError, "unpack_calls(): a call's node has no key");
       break;
     }
-    PyObject* row = call_row(PyList_GET_ITEM(keys, c.node), c.seq, c.start, c.ended != 0, c.dur);
+    PyObject* row =
+        call_row(PyList_GET_ITEM(keys, c.node), c.seq, c.start, c.ended != 0, c.dur, sequence_nr_of(seqs, c.node));
     if (row == nullptr) {
       Py_CLEAR(out);
       break;
