@@ -237,7 +237,7 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
                 )
             )
             seq_to_call = {}
-            for key, seq, start, dur in p.calls:
+            for key, seq, start, dur, number in p.calls:
                 call_id += 1
                 seq_to_call[seq] = call_id
                 rows["calls"].append(
@@ -249,6 +249,7 @@ def raw_executemany(batch, db: Path, n: int) -> dict:
                             "seq": seq,
                             "start_ns": round(start * 1e9),
                             "duration_ns": None if dur is None else round(dur * 1e9),
+                            "sequence_nr": number,
                         }.get(c)
                         for c in call_cols
                     )

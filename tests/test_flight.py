@@ -249,7 +249,8 @@ def _loop(db, run, inputs, flush_each=False, **options):
 
 def _detail(store, run, steps) -> dict:
     """Every detail query of `steps`, without the columns that differ between two runs of one loop (run name,
-    wall-clock times and ids)."""
+    wall-clock times and ids), the calls' autograd sequence numbers counted from the lowest shown (a thread's
+    counter runs on from one run to the next)."""
     drop = {"run", "start", "duration", "setup", "finish", "started_at", "ended_at", "id", "step_id", "pass_id"}
     out = {}
     for name in ("tensors", "calls", "passes", "slices", "values", "activations", "losses", "saved"):
@@ -257,6 +258,8 @@ def _detail(store, run, steps) -> dict:
         if name == "values":
             continue  # step values: the summary's, not the detail's
         frame = frame[frame.step.isin(steps)].drop(columns=[c for c in frame.columns if c in drop])
+        if name == "calls":
+            frame = frame.assign(sequence_nr=frame.sequence_nr - frame.sequence_nr.min())
         if name == "tensors":  # the query orders a step's rows by node id too: the two runs created theirs apart
             frame = frame.sort_values(["step", "final", "pass", "seq", "key", "role", "slot"], kind="stable")
         out[name] = frame.reset_index(drop=True)

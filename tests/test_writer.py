@@ -155,7 +155,7 @@ def test_rows_come_back_through_the_view_exactly(writer):
         _row("param:w", None, 2, 0, "3", b, checksum=-1234567890123),
         _row("f/MulBackward0#0", 0, 1, 1, "3", b, layout=("sparse_coo", 5, 0)),  # a sparse gradient's note
     ]
-    w.write(_batch(run_id, 0, tensors, [("f/MulBackward0#0", 0, 0.0, 0.001)]))
+    w.write(_batch(run_id, 0, tensors, [("f/MulBackward0#0", 0, 0.0, 0.001, 5)]))
     got = _read(path, 0)
     with sqlite3.connect(path) as conn:
         pass_id = conn.execute("SELECT id FROM passes").fetchone()[0]
@@ -196,7 +196,9 @@ def test_a_row_whose_call_was_not_kept_names_its_pass(writer):
 def test_a_new_shape_in_a_later_step_gets_its_layout(writer):
     w, run_id, path = writer
     w.write(
-        _batch(run_id, 0, [_row("f/MulBackward0#0", 0, 0, 0, "2", [1.0, 2.0])], [("f/MulBackward0#0", 0, 0.0, 0.001)])
+        _batch(
+            run_id, 0, [_row("f/MulBackward0#0", 0, 0, 0, "2", [1.0, 2.0])], [("f/MulBackward0#0", 0, 0.0, 0.001, 5)]
+        )
     )
     w.write(
         _batch(
@@ -206,7 +208,7 @@ def test_a_new_shape_in_a_later_step_gets_its_layout(writer):
                 _row("f/MulBackward0#0", 0, 0, 0, "2", [1.0, 2.0]),
                 _row("f/MulBackward0#0", 0, 1, 0, "1,3", [4.0, 5.0, 6.0]),
             ],
-            [("f/MulBackward0#0", 0, 0.0, 0.001)],
+            [("f/MulBackward0#0", 0, 0.0, 0.001, 5)],
         )
     )
     assert [(r[9], r[10]) for r in _read(path, 1)] == [("2", 2), ("1,3", 3)]
@@ -218,22 +220,22 @@ def test_a_new_shape_in_a_later_step_gets_its_layout(writer):
 
 def test_calls_are_stored_in_nanoseconds_and_read_back_in_seconds(writer):
     """call_data keeps round(seconds * 1e9); the calls view gives ns / 1e9, the step of the call's pass, and
-    each pass records its calls' id range."""
+    each pass records its calls' id range; each call's sequence_nr as given (None: AccumulateGrad's, NULL)."""
     w, run_id, path = writer
     mul, acc = "f/MulBackward0#0", "param:w"
-    step0 = [(mul, 0, 0.000123456789, 0.0000015004), (acc, 1, 0.25, None)]  # a hook that never fired: None
-    step1 = [(mul, 0, 1.5e-9, 2.4999e-9), (acc, 1, 3.0000000005, 7e-6)]  # ties and sub-ns digits round
-    second = [(mul, 2, 0.0, 0.001), (acc, 3, 0.002, 0.0001)]  # step 1's second pass
+    step0 = [(mul, 0, 0.000123456789, 0.0000015004, 7), (acc, 1, 0.25, None, None)]  # a hook that never fired
+    step1 = [(mul, 0, 1.5e-9, 2.4999e-9, 2**63 - 1), (acc, 1, 3.0000000005, 7e-6, None)]  # ties, sub-ns digits round
+    second = [(mul, 2, 0.0, 0.001, 2**63 - 1), (acc, 3, 0.002, 0.0001, None)]  # step 1's second pass
     w.write(_batch(run_id, 0, [], step0))
     w.write(_batch(run_id, 1, [], step1, more_passes=[([], second)]))
     with sqlite3.connect(path) as conn:
         stored = conn.execute(
-            "SELECT c.id, st.step, p.pass, c.seq, c.start_ns, c.duration_ns FROM call_data c "
+            "SELECT c.id, st.step, p.pass, c.seq, c.start_ns, c.duration_ns, c.sequence_nr FROM call_data c "
             "JOIN passes p ON p.id = c.pass_id JOIN steps st ON st.id = p.step_id "
             "ORDER BY c.id"
         ).fetchall()
         view = conn.execute(
-            "SELECT c.id, st.step, c.seq, c.start, c.duration FROM calls c "
+            "SELECT c.id, st.step, c.seq, c.start, c.duration, c.sequence_nr FROM calls c "
             "JOIN steps st ON st.id = c.step_id ORDER BY c.id"
         ).fetchall()
         ranges = conn.execute(
@@ -241,16 +243,19 @@ def test_calls_are_stored_in_nanoseconds_and_read_back_in_seconds(writer):
             "JOIN steps st ON st.id = p.step_id ORDER BY p.id"
         ).fetchall()
     assert [r[1:] for r in stored] == [
-        (0, 0, 0, 123457, 1500),
-        (0, 0, 1, 250000000, None),
-        (1, 0, 0, 2, 2),
-        (1, 0, 1, 3000000000, 7000),  # ties (1.5 ns, 3000000000.5 ns): half to even
-        (1, 1, 2, 0, 1000000),
-        (1, 1, 3, 2000000, 100000),
+        (0, 0, 0, 123457, 1500, 7),
+        (0, 0, 1, 250000000, None, None),
+        (1, 0, 0, 2, 2, 2**63 - 1),
+        (1, 0, 1, 3000000000, 7000, None),  # ties (1.5 ns, 3000000000.5 ns): half to even
+        (1, 1, 2, 0, 1000000, 2**63 - 1),
+        (1, 1, 3, 2000000, 100000, None),
     ]
     assert [r[0] for r in stored] == [1, 2, 3, 4, 5, 6]
-    assert view == [(i, step, seq, ns / 1e9, None if dur is None else dur / 1e9) for i, step, _, seq, ns, dur in stored]
-    assert view[0][3:] == (0.000123457, 1.5e-06) and view[3][3] == 3.0
+    assert view == [
+        (i, step, seq, ns / 1e9, None if dur is None else dur / 1e9, number)
+        for i, step, _, seq, ns, dur, number in stored
+    ]
+    assert view[0][3:5] == (0.000123457, 1.5e-06) and view[3][3] == 3.0
     assert ranges == [(0, 0, 1, 2), (1, 0, 3, 4), (1, 1, 5, 6)]
 
 
@@ -258,8 +263,8 @@ def test_a_step_s_calls_are_found_when_two_writers_ids_interleave(writer):
     """PostgreSQL's sequence can hand two concurrent writers interleaved ids: a pass's range then holds the
     other pass's calls too, and the queries keep only the pass's own (pass_id)."""
     w, run_id, path = writer
-    w.write(_batch(run_id, 0, [], [("f/MulBackward0#0", 0, 0.0, 0.001)]))
-    w.write(_batch(run_id, 1, [], [("f/MulBackward0#0", 0, 0.0, 0.001)]))
+    w.write(_batch(run_id, 0, [], [("f/MulBackward0#0", 0, 0.0, 0.001, 5)]))
+    w.write(_batch(run_id, 1, [], [("f/MulBackward0#0", 0, 0.0, 0.001, 5)]))
     with sqlite3.connect(path) as conn:  # re-number as interleaved: step 0 gets ids 10, 12, 14; step 1 11, 13
         (p0, p1) = [r[0] for r in conn.execute("SELECT id FROM passes ORDER BY id")]
         node = conn.execute("SELECT id FROM nodes WHERE key = 'f/MulBackward0#0'").fetchone()[0]
@@ -288,12 +293,22 @@ def test_a_step_s_calls_are_found_when_two_writers_ids_interleave(writer):
 
 def test_a_call_row_takes_about_24_bytes(writer):
     """The point of revision 0003: a call row in about 24 bytes (dbstat, after VACUUM), no index, where 0002
-    took about 49 (REAL seconds, a step_id, and the (pass_id, seq) index)."""
+    took about 49 (REAL seconds, a step_id, and the (pass_id, seq) index); with the sequence numbers of a long run
+    (revision 0011_sequence_nr: a few million, 3 bytes each; NULL for AccumulateGrad) too."""
     w, run_id, path = writer
     mul, acc = "f/MulBackward0#0", "param:w"
     steps = 200
     for step in range(steps):  # 300 calls a step, times as a pass gives them: ~0.5 s of starts, ~µs durations
-        calls = [(mul if i % 2 else acc, i, 0.0016 * i + 1e-7 * step, 0.000012 + 1e-9 * i) for i in range(300)]
+        calls = [
+            (
+                mul if i % 2 else acc,
+                i,
+                0.0016 * i + 1e-7 * step,
+                0.000012 + 1e-9 * i,
+                4_000_000 + 300 * step + i if i % 2 else None,
+            )
+            for i in range(300)
+        ]
         w.write(_batch(run_id, step, [], calls))
     w.close()
     with sqlite3.connect(path) as conn:
