@@ -323,9 +323,12 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         slots = "; ".join(
             f"{row.role}[{row.slot}]: {row.nan} nan, {row.posinf} +inf, {row.neginf} -inf" for row in rows.itertuples()
         )
+        from .view.story import region_origin_note  # pandas only, as the CLI
+
+        region = region_origin_note(store, run, r["key"])
         lines.append(
             f"First non-finite gradient (rank {rank}): step {r['step']}, pass {r['pass']}, seq {r['seq']}: "
-            f"{r['key']} in {_module_label(r['module'])} ({slots}){scaler}"
+            f"{r['key']} in {_module_label(r['module'])} ({slots}){scaler}" + (f" ({region})" if region else "")
         )
     return "\n".join(lines + notes)
 
@@ -535,6 +538,15 @@ def _not_used_why(row) -> str:
     return "its module's forward did not run in the step"
 
 
+def _skipped_what(rows: pd.DataFrame) -> str:
+    """'Gradients', or 'Gradients and forward rows' where Store.not_measured `rows` hold activation or loss rows
+    (record(forward=True): a module output that could not be measured, the calls inside a torch.compile region)."""
+    forward = rows["role"].isin(["activation", "loss"]) if len(rows) else rows["role"]
+    if not forward.any():
+        return "Gradients"
+    return "Forward rows" if forward.all() else "Gradients and forward rows"
+
+
 def _reasons(rows: pd.DataFrame, limit: int = 3) -> str:
     """'reason (n rows); ...' from Store.not_measured rows, the most frequent reasons first."""
     if rows.empty:
@@ -696,12 +708,13 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
         click.echo("  (every row: --limit N, or gradstore query DB steps -p run=RUN)")
     if skipped.any():
         partly = int(((skipped > 0) & (steps["status"] != "unmeasured")).sum())
+        rows = store.not_measured(run=run, rank=rank)
         click.echo(
-            "Gradients not measured (stored as skipped: no statistics, not checked for NaN/Inf): "
+            f"{_skipped_what(rows)} not measured (stored as skipped: no statistics, not checked for NaN/Inf): "
             f"{int(skipped.sum()):,} rows in {int((skipped > 0).sum()):,} of "
             f"{int((steps['status'] != UNWRITTEN).sum()):,} step records written"
             + (f" ({partly:,} of them measured the rest: their status speaks of those only)" if partly else "")
-            + f"; why: {_reasons(store.not_measured(run=run, rank=rank))}"
+            + f"; why: {_reasons(rows)}"
         )
     raised = _raised_text(passes)
     if raised:
@@ -884,7 +897,7 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     skipped = store.not_measured(run=run, rank=rank, step=step)
     if not skipped.empty:
         click.echo(
-            f"\nGradients not measured (stored as skipped: no statistics, not checked for NaN/Inf): "
+            f"\n{_skipped_what(skipped)} not measured (stored as skipped: no statistics, not checked for NaN/Inf): "
             f"{int(skipped['tensors'].sum()):,} rows:"
         )
         click.echo(_table(skipped[["rank", "role", "tensors", "params", "reason"]]))

@@ -68,6 +68,12 @@ DTYPES = [
     "uint7",
     "uint8",
 ]
+# the reason of the skipped grad_output row on each root node of a pass that compiled autograd ran (no node hooked);
+# queries/passes.sql knows such a pass by it (its calls are then NULL: not known)
+COMPILED_AUTOGRAD_REASON = (
+    "compiled autograd ran this pass: gradstore hangs no node hook under it, so its node calls and their gradients "
+    "(grad_output, grad_input) were not recorded, and whether each node ran is not known"
+)
 ROLE = {name: i for i, name in enumerate(ROLES)}
 STATUS = {name: i for i, name in enumerate(STATUSES)}
 KIND = {name: i for i, name in enumerate(KINDS)}

@@ -1,5 +1,5 @@
 -- title: Nodes
--- description: Every autograd node seen in a run: its stable key, name, kind, owning module ('' outside any module), parameter (AccumulateGrad of a parameter), the user-code frame that created it (record(frames=True)), for a compiled region (CompiledFunctionBackward) of a torch.compile'd module the modules inside it (comma-separated), and the step it was first seen in.
+-- description: Every autograd node seen in a run: its stable key, name, kind, owning module ('' outside any module), parameter (AccumulateGrad of a parameter), the user-code frame that created it (record(frames=True)), for a node made inside a torch.compile'd module's call (its CompiledFunctionBackward, a backend's per-op node, the forward's region#k row) the modules inside the region (comma-separated), and the step it was first seen in.
 -- param run: run name; empty (NULL) for every run
 -- param module: qualified module name; the module and its submodules; empty (NULL) for all
 SELECT r.name AS run, n.key, n.name, k.name AS kind, n.module, n.param, n.frame, n.region, n.first_step

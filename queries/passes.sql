@@ -1,5 +1,5 @@
 -- title: Backward passes
--- description: One row per backward pass: kind (backward accumulates into .grad; grad is torch.autograd.grad), flags, number of roots, inputs= and reachable nodes and node calls (NULL at stats='params', which walks no graph and hooks no node), the parent pass and call of a nested pass (reentrant checkpoint), duration in seconds (from hook registration to the engine's return), and the recorder's own seconds on the training thread before the engine ran (setup: graph walk, keys, hooks) and after (finish: hook removal, parameter gradients, host transfer, rows); error: the exception the engine raised in the pass ('Type: message', also where the training code caught it), NULL where it returned or where the pass was stored before schema revision 0010_pass_errors; raised_at: for a pass that raised, the key of the node whose call started and did not end (the node whose backward raised; the innermost, highest seq, where several did not end), NULL where the pass returned or no call was left open (the engine raised outside a node, or stats='params', which hooks none).
+-- description: One row per backward pass: kind (backward accumulates into .grad; grad is torch.autograd.grad), flags, number of roots, inputs= and reachable nodes and node calls (NULL at stats='params', which walks no graph and hooks no node, and for a pass that compiled autograd ran, where gradstore hooks no node: not known; its root nodes' skipped grad_output rows say so), the parent pass and call of a nested pass (reentrant checkpoint), duration in seconds (from hook registration to the engine's return), and the recorder's own seconds on the training thread before the engine ran (setup: graph walk, keys, hooks) and after (finish: hook removal, parameter gradients, host transfer, rows); error: the exception the engine raised in the pass ('Type: message', also where the training code caught it), NULL where it returned or where the pass was stored before schema revision 0010_pass_errors; raised_at: for a pass that raised, the key of the node whose call started and did not end (the node whose backward raised; the innermost, highest seq, where several did not end), NULL where the pass returned or no call was left open (the engine raised outside a node, or stats='params', which hooks none).
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
@@ -7,6 +7,9 @@ SELECT r.name AS run, st.rank, st.step, p.pass, p.kind, p.parent_pass, p.parent_
        p.create_graph, p.retain_graph, p.roots, p.inputs,
        CASE WHEN st.level = 'params' THEN NULL ELSE p.nodes END AS nodes,  -- stats='params' walks no graph: not counted
        CASE WHEN st.level = 'params' THEN NULL  -- no node hooked: not counted
+            WHEN EXISTS (SELECT 1 FROM tensor_data t JOIN tensor_notes x ON x.id = t.id  -- compiled autograd: nor here
+                         WHERE t.step_id = p.step_id AND t.status = 2 AND t.pass_id = p.id
+                           AND x.reason LIKE 'compiled autograd ran this pass:%') THEN NULL
             ELSE (SELECT COUNT(*) FROM calls c WHERE c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id) END AS calls,
        p.started_at, p.duration, p.setup, p.finish, p.error,
        CASE WHEN p.error IS NOT NULL THEN

@@ -826,3 +826,225 @@ def test_module_gains_count_no_node_of_compile_time_tracing(tmp_path, where):
         assert made[0]["block"] == made[1]["block"] == 1  # the region runs as one CompiledFunctionBackward
         got = gains[gains.module == "block"].sort_values("step")
         assert got.nodes.tolist() == [1, 1]
+
+
+# ---- what gradstore runs in traced code, and what it cannot see there --------------------------------------------
+def _counted(step, steps: int) -> tuple[int, int]:
+    """(graphs compiled, graph breaks) over `steps` calls of `step(x)` from a fresh cache (dynamo's counters)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for i in range(steps):
+        step(XS[i % len(XS)].clone().requires_grad_())
+    found = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    return found
+
+
+def _with_own_hook() -> Net:
+    """Net whose `inp` has a forward hook of its own: gradstore notes its module calls by global hooks."""
+    net = make()
+    net.inp.register_forward_hook(lambda m, i, o: None)
+    return net
+
+
+@pytest.mark.parametrize(
+    "model, kw",
+    [
+        (make, {"forward": True}),
+        (make, {"frames": True}),
+        (_with_own_hook, {}),
+    ],
+    ids=["forward", "frames", "own_hook"],
+)
+def test_recording_some_steps_compiles_as_many_graphs_as_without(tmp_path, model, kw):
+    """forward=True (a global module forward hook, and the module tracker's global hooks), frames=True (a
+    TorchFunctionMode) and a model with module hooks of its own (the tracker's global hooks) on every other step,
+    and on one step of four: dynamo guards each compiled frame on the global module hooks and the function mode
+    stack, so those must be as they are on the recorded steps. As many graphs and graph breaks as the unrecorded
+    compiled model, and bit-identical gradients."""
+
+    def steps_of(rec_kw):
+        net = model()
+        compiled = torch.compile(net, backend="aot_eager")
+        grads = []
+
+        def step(x):
+            compiled(x).sum().backward()
+            grads.append([p.grad.clone() for p in net.parameters()] + [x.grad])
+            net.zero_grad(set_to_none=True)
+
+        if rec_kw is None:
+            return _counted(step, 4), grads
+        db = str(tmp_path / f"s{len(list(tmp_path.iterdir()))}.db")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rec_kw.pop("decorated", False):  # a scope per call
+                counted = _counted(gradstore.record("r", db=db, model=compiled, **kw, **rec_kw)(step), 4)
+            else:
+                with gradstore.record("r", db=db, model=compiled, **kw, **rec_kw) as rec:
+
+                    def then_step(x):
+                        step(x)
+                        rec.step()
+
+                    counted = _counted(then_step, 4)
+        assert [str(w.message) for w in caught] == []
+        return counted, grads
+
+    plain, plain_grads = steps_of(None)
+    assert plain == (1, 0)
+    samples = [{"every": 2}, {"steps": [1]}]
+    if "frames" in kw:  # a decorated function: a scope, and a FrameTracker, per call; dynamo guards on the mode's type
+        samples.append({"every": 2, "decorated": True})
+    for sampled in samples:
+        counted, grads = steps_of(dict(sampled))
+        assert counted == plain, sampled
+        assert all(torch.equal(a, b) for ga, gb in zip(plain_grads, grads) for a, b in zip(ga, gb))
+
+
+def test_forward_true_on_a_compiled_model_breaks_no_graph_and_names_what_it_did_not_see(tmp_path):
+    """record(forward=True) on a torch.compile'd model: its global module hook is traced by dynamo, so it returns
+    before reading anything there (no graph break, `fullgraph=True` compiles) and is hidden from torch's warning
+    about global hooks. The compiled module's own call runs eagerly: its output is measured under the plain
+    model's key ('forward#0'); the module calls inside the compiled region are not seen, and a skipped row says so
+    (steps.not_measured counts it), never an empty forward with the step ok."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    net = make()
+    plain = torch.compile(net, backend="aot_eager", fullgraph=True)
+    x = XS[0].clone().requires_grad_()
+    y = plain(x)
+    y.sum().backward()
+    expected = ([p.grad.clone() for p in net.parameters()], x.grad, _norm(y))
+    torch._dynamo.reset()
+    net = make()
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)  # raises on a graph break
+    db = str(tmp_path / "fw.db")
+    breaks = _graph_breaks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradstore.record("fw", db=db, model=compiled, forward=True):
+            x = XS[0].clone().requires_grad_()
+            compiled(x).sum().backward()
+    assert [str(w.message) for w in caught] == [] and _graph_breaks() == breaks
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), expected[0]))
+    assert torch.equal(x.grad, expected[1])
+    with gradstore.open(db) as store:
+        acts = store.activations("fw")
+        steps = store.steps("fw")
+        nodes = store.nodes("fw").set_index("key")
+        skipped = store.not_measured("fw")
+    seen = acts[acts.status == "ok"]
+    assert list(seen.key) == ["forward#0"] and seen.norm.iloc[0] == pytest.approx(expected[2], rel=1e-12)
+    (unseen,) = acts[acts.status == "skipped"].itertuples()
+    assert unseen.key == "region#0" and unseen.module == ""
+    assert ", ".join(REGION.split(",")) in unseen.reason and "compiled" in unseen.reason
+    assert nodes.loc["region#0", "region"] == REGION and nodes.loc["region#0", "kind"] == "forward"
+    assert list(steps.status) == ["ok"] and list(steps.not_measured) == [1]  # the one compiled call
+    assert list(skipped.role) == ["activation"] and list(skipped.tensors) == [1]
+    torch._dynamo.reset()
+
+
+def test_backend_eager_nodes_made_inside_the_region_are_marked_with_it(tmp_path):
+    """backend='eager' runs the compiled graph op by op: the region's ops are per-op nodes, made where no module
+    hook runs. They keep the compiled module as their module and get its `region`, the modules inside it, so that
+    they read as made inside a compiled region (explain says which module made one is not known)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    net = make()
+    compiled = torch.compile(net, backend="eager")
+    db = str(tmp_path / "be.db")
+    x = XS[0].clone().requires_grad_()
+    with gradstore.record("be", db=db, model=compiled):
+        y = compiled(x)
+        inside = _reach(y.grad_fn)  # the nodes the compiled call made (none of the leaves' AccumulateGrad)
+        y.sum().backward()
+    made = {n.name() for n in inside if n.name() != "torch::autograd::AccumulateGrad"}
+    keys = _keys(db, "be")
+    ops = {k: v for k, v in keys.items() if v[1] != "accumulate_grad"}
+    assert {v[0] for v in ops.values() if v[4] is not None} == made  # every node the compiled call made
+    assert all(v[4] == REGION and v[2] == "" for v in ops.values() if v[4] is not None)
+    assert [v[0] for v in ops.values() if v[4] is None] == ["SumBackward0"]  # made outside, by .sum()
+    key = next(k for k, v in ops.items() if v[0] == "TanhBackward0")
+    with gradstore.open(db) as store:
+        shown = str(gradstore.explain(store, "be", key))
+    assert "made inside a torch.compile region" in shown and ", ".join(REGION.split(",")) in shown
+    torch._dynamo.reset()
+
+
+def test_compiled_autograd_nodes_ran_not_known_never_said_not_run(tmp_path):
+    """Under compiled autograd gradstore hangs no node hook: whether each node ran is not known. never_ran lists
+    none of them, param_status.calls and passes.calls are NULL, module_calls.ran is NULL, and the step's text names
+    compiled autograd, not filters; every parameter did get its gradient (plain torch says so)."""
+    from click.testing import CliRunner
+    from torch._dynamo import compiled_autograd
+
+    from gradstore.cli import main
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    db = str(tmp_path / "ca.db")
+    with gradstore.record("ca", db=db, model=m):
+        loss = m(XS[0]).sum()
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
+    with gradstore.open(db) as store:
+        never = store.never_ran("ca")
+        status = store.param_status("ca")
+        passes = store.passes("ca")
+        calls = store.module_gains("ca")
+    assert never.empty
+    assert set(status.param) == {n for n, _ in m.named_parameters()} and status.calls.isna().all()
+    assert list(status.status) == ["ok"] * 4
+    assert passes.calls.isna().all() and int(passes.nodes.iloc[0]) > 0
+    assert calls[calls.module.isin(["", "0", "1", "2"])].ran.isna().all()
+    shown = CliRunner().invoke(main, ["show", db, "ca", "--step", "0"]).output
+    assert "reached, not run" not in shown and "compiled autograd" in shown
+    assert "modules= / params= filter" not in shown
+
+
+def test_views_by_module_and_the_nonfinite_origin_say_what_a_region_hides(tmp_path):
+    """A submodule compiled in place whose backward makes NaN (sqrt at 0): the rows by module of the modules inside
+    the region hold only their parameters' gradients (grad_norms says which module's region holds them, the report's
+    heatmap says so), and `show` names the region's node as the origin with the note that the op inside is not
+    recorded."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    class Sqrt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.sqrt(self.a(x) * 0)  # d sqrt / dx at 0 is inf: the backward makes NaN (inf * 0)
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(Sqrt(), nn.Linear(4, 1))
+    net[0] = torch.compile(net[0], backend="aot_eager")
+    db = str(tmp_path / "nan.db")
+    with gradstore.record("nan", db=db, model=net):
+        net(XS[0]).sum().backward()
+    assert net[0].a.weight.grad.isnan().any()  # plain torch: the NaN is there
+    with gradstore.open(db) as store:
+        norms = store.grad_norms("nan", by="module").set_index("module")
+    assert norms.loc["0.a", "compiled_in"] == "0" and norms.loc["0", "compiled_in"] is None
+    assert norms.loc["1", "compiled_in"] is None
+    shown = CliRunner().invoke(main, ["show", db, "nan"]).output
+    line = next(s for s in shown.splitlines() if s.startswith("First non-finite gradient"))
+    assert "0/CompiledFunctionBackward#0" in line and "which op inside made the NaN/Inf is not recorded" in line
+    page = str(tmp_path / "r.html")
+    assert CliRunner().invoke(main, ["report", db, "nan", "-o", page]).exit_code == 0
+    text = open(page).read()
+    assert "torch.compile regions (0 holds 0.a)" in text and "hold only their parameters" in text
+    torch._dynamo.reset()

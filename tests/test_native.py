@@ -463,7 +463,12 @@ def _compiled_autograd_case(tmp_path, how):
     assert list(steps.status) == ["ok", "ok"] and steps.error.isna().all()
     assert list(steps.passes) == [1, 1] and list(steps.tracing_passes) == [0, 0]
     assert list(passes.kind) == ["backward", "backward"] and list(passes.nodes) == [nodes, nodes]
-    assert calls.empty and set(t.role) == {"param_grad"}
+    assert calls.empty and set(t.role) == {"param_grad", "grad_output"}
+    # each pass's root (the loss's SumBackward0): one skipped grad_output row saying why no node row is there
+    roots = t[t.role == "grad_output"]
+    assert list(roots.step) == [0, 1] and set(roots.key) == {"SumBackward0#0"} and set(roots.status) == {"skipped"}
+    assert roots.reason.str.startswith("compiled autograd ran this pass").all()
+    assert passes.calls.isna().all()  # not known: no node hooked
     names = [n for n, _ in m.named_parameters()]
     for step, grads in enumerate(recorded):
         for name, g in zip(names, grads):

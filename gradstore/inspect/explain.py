@@ -535,10 +535,16 @@ class RecordedExplanation:
             )
         if self.region is not None:
             inside = ", ".join(self.region.split(",")) if self.region else "no submodule"
-            out.append(
-                f"a torch.compile region: one node for the compiled forward of {where}; its submodules (which of "
-                f"them ran is not known): {inside}"
-            )
+            if self.kind == "compiled":
+                out.append(
+                    f"a torch.compile region: one node for the compiled forward of {where}; its submodules (which of "
+                    f"them ran is not known): {inside}"
+                )
+            else:  # backend='eager' runs the graph op by op; or an op between graph breaks
+                out.append(
+                    f"made inside a torch.compile region of {where}, where no module hook runs: which of its "
+                    f"submodules ({inside}) made it is not known (the same model run uncompiled names it)"
+                )
         if len(self.edges_in) == 0 and len(self.edges_out) == 0:  # not "no edges": none were recorded
             out.append(
                 "edges: none recorded (the record holds the edges of the graphs backward passes walked: none at "

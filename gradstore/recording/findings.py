@@ -598,10 +598,16 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     zero: dict[str, list] = {}  # key -> _zero of each of its grad_output rows
     defined: set[str] = set()  # keys with a grad_output row that holds a gradient (the engine may pass none)
     reached: set[str] = set()
+    hooked: set[str] = set()  # keys reached by a pass that hooked their AccumulateGrad (its calls are known)
     changed: set[str] = set()
     final: dict[str, tuple] = {}  # key -> the last param_grad row
     for p in passes:  # the rows are read by C loops (map, filter, compress): thousands a step
-        reached |= keys.intersection(p.index)
+        got = keys.intersection(p.index)
+        reached |= got
+        if p.hooked is None:
+            hooked |= got
+        else:  # compiled autograd hooks no node; modules= / params= filters only theirs
+            hooked.update(k for k in got if p.hooked[p.index[k]])
         calls.update(filter(is_key, map(_FIRST, p.calls)))
         rows = p.tensors
         roles = list(map(_ROLE_OF, rows))
@@ -624,7 +630,8 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         if unseen and not compiled.isdisjoint(modules):
             module_ran = None
         has_grad = has_grad_of.get(name, False)
-        n_calls = calls[key] if walked else None
+        # NULL (not known) where no pass hooked it: stats='params' walks no graph; compiled autograd hooks no node
+        n_calls = calls[key] if walked and (key in hooked or key not in reached or calls[key]) else None
         if n_calls:  # its AccumulateGrad ran: with a gradient, unless the engine passed it none in every call
             got, zeros = key in defined or key not in zero, zero.get(key, [])
         else:  # no AccumulateGrad call (or none hooked: stats='params'): a backward that changed .grad gave it one
@@ -757,6 +764,10 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
         return hit
 
     first_call: list[int | None] = [None] * n
+    # innermost calls holding a walked node that was hooked / that was not (only passes with filters or under compiled
+    # autograd, which hook some or no node, add to them): a call whose walked nodes none was hooked has ran NULL
+    hooked_in: set[int] = set()
+    unhooked_in: set[int] = set()
     found: list[set] = [set() for _ in range(n)]
     ran_found: list[set] = [set() for _ in range(n)]
     walked_seqs: set[int] = set()
@@ -858,6 +869,8 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
             if plain:
                 walked_seqs.add(seq)
             known = hooked is None or hooked[i]
+            if hooked is not None and c >= 0:  # a node with no hooks (filters, compiled autograd): ran not known
+                (hooked_in if known else unhooked_in).add(c)
             entry = seen.get(ident)
             if entry is None:
                 born = rec.born.get(i) if rec.born else None
@@ -987,6 +1000,10 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
             )
         )
 
+    blind: set[int] = set()  # calls (with the calls around them) whose walked nodes were none of them hooked
+    if unhooked_in:
+        seen_hooked = {k for c in hooked_in for k in chains[c]}
+        blind = {k for c in unhooked_in for k in chains[c]} - seen_hooked
     ordinals: dict[str, int] = {}
     for k, c in enumerate(calls):
         ordinal = ordinals.get(c[0], 0)
@@ -1002,7 +1019,7 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
                 ctx[1] if ctx is not None else None,
                 recomputes[k],
                 c[4] - c[1] if exact[k] and c[4] is not None and c[1] >= 0 else len(found[k]),
-                len(ran_found[k]) if walked else None,
+                len(ran_found[k]) if walked and k not in blind else None,
                 first_call[k],
             )
         )

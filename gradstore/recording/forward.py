@@ -13,7 +13,14 @@ call of that module (qualified name) since the last top-level backward pass ende
 across steps and runs of the same code, and micro-batches give the same keys again (as node keys do; `occurrence`
 tells them apart). Each call also takes a number from the step's counter of backward calls (`seq`), so forward
 and backward events of a step share one order. Only the recording thread's module calls count (as module
-attribution); under torch.compile's tracing the hook does nothing.
+attribution). Under torch.compile's tracing the hook returns before it reads anything (dynamo traces global module
+hooks into its graph: a no-op there breaks no graph), and torch's check for global hooks disregards it
+(gradstore.recording.torch_private.hide_global_module_hooks). So the module calls inside a compiled region run with
+no measurement: the `torch.compile` wrapper's own call, which runs eagerly, is measured under the name of the module
+it compiles (its outputs are that module's), and a node `module/region#k` (kind 'forward', `region` the modules
+inside) holds one activation row with status skipped, whose reason says that the calls of those modules were not
+seen; a graph that a compiler backend runs as a `torch.fx.GraphModule` that no model names is not a module call of
+the model and is not recorded.
 
 What is measured is what the module call returns to its caller. torch runs the global hooks before a module's
 own forward hooks (`nn.Module._call_impl`), and those may replace the output: tensor parallelism's
@@ -31,15 +38,17 @@ import threading
 import weakref
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
+from torch.fx import GraphModule
 from torch.nn.modules.module import register_module_forward_hook
 
 from ..records import ROLE, NodeInfo
-from .modules import compiling
+from . import torch_private as tp
 from .stats import Measured, Measurer, to_rows
-from .torch_private import own_forward_hooks as _own_hooks
-from .torch_private import runs_last
 
+# torch.compile tracing (dynamo reads it as the constant True): the hook then returns before reading anything else
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 _DEPTH = 4  # nesting of tuples, lists and dicts searched for output tensors
 _ROLE_ACTIVATION = ROLE["activation"]
 # a module that gained forward hooks of its own after the scope opened: the call where that is found was not seen
@@ -47,6 +56,10 @@ _LATE_HOOKS = (
     "not measured: the module has forward hooks of its own that run after gradstore's and may replace its output, "
     "and gradstore's hook after them was not in place for this call (the hooks were registered after recording "
     "began, or after gradstore's); what the call returns is measured from its next call on"
+)
+REGION_NOT_SEEN = (
+    "inside a torch.compile region: the calls of its modules ({}) run in compiled code, where no module hook runs; "
+    "record them uncompiled to measure their outputs"
 )
 
 
@@ -74,7 +87,12 @@ class ForwardRecorder:
             named by their class in angle brackets, as module attribution names them.
         options: gradstore.recording.options.Options (level; the modules= filter applies).
         wrappers: ids of wrapper modules (DistributedDataParallel, DataParallel) whose calls are not recorded:
-            their outputs are the wrapped model's, and keys stay those of the plain model.
+            their outputs are the wrapped model's, and keys stay those of the plain model. A `torch.compile`
+            wrapper is not one of them: the call of the module it compiles runs inside compiled code, unseen.
+        compiled_call: None, or a callable module -> (name, region) when it is a `torch.compile` wrapper (the name
+            of the module it compiles; the modules inside its compiled region, comma-separated, '' for none), else
+            None (`ModuleTracker.compiled_call`); asked for the modules `names` does not name.
+        regions: id(wrapper) -> region of the `torch.compile` wrappers `names` names (`ModuleTracker.regions`).
         modules: the modules of the recorded models; those holding forward hooks of their own get gradstore's
             hook after them at `install()` (the module docstring).
     Use: `install()` / `remove()` around the scope; `begin(step)` when a recorded step starts (its StepState:
@@ -82,10 +100,20 @@ class ForwardRecorder:
     end of the step.
     """
 
-    def __init__(self, names: dict[int, str], options, wrappers: frozenset = frozenset(), modules=()):
+    def __init__(
+        self,
+        names: dict[int, str],
+        options,
+        wrappers: frozenset = frozenset(),
+        compiled_call=None,
+        regions: dict[int, str] | None = None,
+        modules=(),
+    ):
         self.names = names
         self.options = options
         self.wrappers = wrappers
+        self.compiled_call = compiled_call
+        self.regions = regions if regions is not None else {}
         self.level = options.node_level or "full"  # forward=True is refused at stats='params'
         self._thread = threading.get_ident()
         self._handle = None
@@ -93,7 +121,7 @@ class ForwardRecorder:
         # the modules with forward hooks of their own (weakly), and gradstore's hook after them: id -> handle
         self._hooked: dict[int, weakref.ref] = {}
         for m in modules:
-            if _own_hooks(m) and id(m) not in wrappers:
+            if tp.own_forward_hooks(m) and id(m) not in wrappers:
                 self._hooked[id(m)] = weakref.ref(m)
         self._tails: dict[int, object] = {}
         self._reset()
@@ -110,6 +138,7 @@ class ForwardRecorder:
         of each module known to hold some."""
         if self._handle is None:
             self._handle = register_module_forward_hook(self._post)
+            tp.hide_global_module_hooks([self._handle])
         for key, ref in list(self._hooked.items()):
             module = ref()
             if module is None:
@@ -120,6 +149,7 @@ class ForwardRecorder:
     def remove(self) -> None:
         """Remove the hooks (the global one and those on modules); safe to call twice."""
         if self._handle is not None:
+            tp.unhide_global_module_hooks([self._handle])
             self._handle.remove()
             self._handle = None
         tails, self._tails = self._tails, {}
@@ -139,45 +169,79 @@ class ForwardRecorder:
         self._reset()
         self.step = step
 
+    def sleep(self) -> None:
+        """Measure nothing until `begin()`, the hook left as it is: for a step the recording does not sample while
+        torch.compile may run (dynamo guards a compiled frame on the global hooks its module calls meet, so a hook on
+        recorded steps only would make it compile each such frame twice)."""
+        self._reset()
+        self.step = None
+
     def backward_done(self) -> None:
         """A top-level backward pass ended: the next forward's module calls count from 0 again."""
         self.calls.clear()
 
     def _post(self, module, _args, output) -> None:
+        if _is_compiling():  # first: torch.compile traces this hook, and reads nothing else here (no graph break)
+            return
         step = self.step
-        if step is None or threading.get_ident() != self._thread or id(module) in self.wrappers or compiling():
+        if step is None or threading.get_ident() != self._thread or id(module) in self.wrappers:
             return
         try:
-            name = self.names.get(id(module))
-            if name is None:
-                name = f"<{type(module).__name__}>"
-            if self.options.modules is not None and not self.options.wants_module(name):
-                return
+            key = id(module)
+            name = self.names.get(key)
+            if name is not None:  # a known torch.compile wrapper has its region (a dict read per call, no more)
+                region = self.regions.get(key)
+            else:  # a module not known when the scope opened: a wrapper compiled since, a backend's graph, ...
+                compiled = self.compiled_call(module) if self.compiled_call is not None else None
+                if compiled is not None:
+                    name, region = compiled
+                elif isinstance(module, GraphModule):  # a compiler backend's graph run as a module: compiled code
+                    return
+                else:
+                    name, region = f"<{type(module).__name__}>", None
+            options = self.options
+            if options.modules is not None and not options.wants_module(name):
+                if not region or not any(map(options.wants_module, region.split(","))):
+                    return
+                region_only = True
+            else:
+                region_only = False
             k = self.calls.get(name, 0)
             self.calls[name] = k + 1
-            key = f"{name}/forward#{k}" if name else f"forward#{k}"
-            if key not in self.nodes:
-                self.nodes[key] = NodeInfo(key, type(module).__name__, "forward", name, None)
             seq = step.next_seq()
-            if _own_hooks(module):  # hooks of the module's own run after this one and may replace the output (rare)
-                tail = self._tails.get(id(module))
-                if tail is not None and runs_last(module, tail):  # gradstore's runs last: it measures
-                    self._pending.setdefault(id(module), []).append((key, seq))
-                    return
-                self._attach(module)  # from the next call on
-                self.rows.append((key, seq, 0, Measured("skipped", _LATE_HOOKS)))
-                return
-            measure = self.measurer
-            for slot, t in enumerate(output_tensors(output)):
-                self.rows.append((key, seq, slot, measure(t)))
+            if not region_only:
+                key = f"{name}/forward#{k}" if name else f"forward#{k}"
+                if key not in self.nodes:  # a torch.compile wrapper: named by the class of what it compiles
+                    inner = tp.compiled_module_inner(module) if region is not None else None
+                    cls = type(inner if inner is not None else module)
+                    self.nodes[key] = NodeInfo(key, cls.__name__, "forward", name, None)
+                if tp.own_forward_hooks(module):  # the module's own hooks run after this one, may replace the output
+                    tail = self._tails.get(id(module))
+                    if tail is not None and tp.runs_last(module, tail):  # gradstore's runs last: it measures
+                        self._pending.setdefault(id(module), []).append((key, seq))
+                    else:
+                        self._attach(module)  # from the next call on
+                        self.rows.append((key, seq, 0, Measured("skipped", _LATE_HOOKS)))
+                else:
+                    measure = self.measurer
+                    for slot, t in enumerate(output_tensors(output)):
+                        self.rows.append((key, seq, slot, measure(t)))
+            if region:  # the calls inside the compiled region ran unseen: say so, in a row of their own
+                key = f"{name}/region#{k}" if name else f"region#{k}"
+                if key not in self.nodes:
+                    self.nodes[key] = NodeInfo(key, "CompiledRegion", "forward", name, None, region=region)
+                shown = ", ".join(region.split(","))
+                self.rows.append((key, seq, 0, Measured("skipped", reason=REGION_NOT_SEEN.format(shown))))
         except Exception as exc:  # a recorder fault never reaches the model
             step.fault("forward hook", exc)
 
     def _tail(self, module, _args, output) -> None:
         """gradstore's forward hook after a module's own: measures what the call returns (its key and number were
         taken by `_post`)."""
+        if _is_compiling():  # first: torch.compile traces this hook, and reads nothing else here (no graph break)
+            return
         step = self.step
-        if step is None or threading.get_ident() != self._thread or compiling():
+        if step is None or threading.get_ident() != self._thread:
             return
         try:
             waiting = self._pending.get(id(module))

@@ -20,8 +20,11 @@ that create no node (no_grad, inputs without requires_grad) pay the dispatch and
 
 Limits: one thread (the mode stack and the sequence counter are per thread); ops run by C++ without a
 Python call (inside torch.compile regions, autograd's own double-backward ops) get no frame. While torch.compile
-traces, the mode only calls through (`torch.compiler.is_compiling()`), so it breaks no graph; a compiled
-region's node gets the compiled forward's file and function (dynamo's frame keeps its code's file).
+traces, the mode only calls through (`torch.compiler.is_compiling()`, read before anything of the tracker's), so it
+breaks no graph; a compiled region's node gets the compiled forward's file and function (dynamo's frame keeps its
+code's file). Dynamo guards every compiled frame on the mode stack (`___check_torch_function_mode_stack`): a frame
+compiled with the tracker on the stack is compiled again where it runs without it, so between the recorded steps
+of a recording the tracker stays on the stack, paused (`sleep()`), once `torch._dynamo` is imported.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class FrameTracker(TorchFunctionMode):
         self._internal: dict = {}  # code object -> bool (its file is in `skip`)
         self._active = False
         self._paused = False
+        self._sleeping = False  # `sleep()`: on the stack, paused, between recorded steps
         self._apply_handle = None
 
     # ---- the hot path ------------------------------------------------------------------------------------
@@ -81,7 +85,9 @@ class FrameTracker(TorchFunctionMode):
             sites.setdefault(seq, site)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self._paused or _is_compiling():  # torch.compile traces: no counter read, no stack walk, no graph break
+        # torch.compile traces: no counter read, no stack walk, no graph break; and `_paused` is not read there, so
+        # dynamo guards on nothing of the tracker's (a paused step would recompile the frame)
+        if _is_compiling() or self._paused:
             return func(*args, **(kwargs or {}))
         before = _peek()
         out = func(*args, **(kwargs or {}))
@@ -92,7 +98,7 @@ class FrameTracker(TorchFunctionMode):
 
     # listener protocol of gradstore.recording.function_apply (custom Function.apply)
     def before(self, cls, args, kwargs):
-        return _peek()
+        return None if self._paused else _peek()
 
     def after(self, cls, args, kwargs, output, token):
         after = _peek()
@@ -114,14 +120,28 @@ class FrameTracker(TorchFunctionMode):
         return super().__exit__(exc_type, exc, tb)
 
     def install(self) -> None:
-        """Start noting frames on this thread (no-op when already active or the sequence counter is
-        unreadable). Pair with `remove()`; modes nest, so remove in the reverse order of installing."""
+        """Start noting frames on this thread (no-op when the sequence counter is unreadable; wakes a tracker that
+        `sleep()` left on the stack). Pair with `remove()`; modes nest, so remove in the reverse order of
+        installing."""
+        if self._sleeping:
+            self._sleeping = self._paused = False
         if self._active or not tp.has_sequence_nr():
             return
         self.__enter__()
 
+    def sleep(self) -> None:
+        """Stop noting frames but stay on this thread's mode stack (and on custom Functions' `apply`), paused, until
+        `install()` wakes it or `remove()` takes it off: for the steps a recording does not sample while
+        torch.compile may run (`torch._dynamo` imported). Dynamo guards each compiled frame on the types of the
+        TorchFunctionModes on the stack, so a mode pushed on recorded steps only would make it compile every frame
+        twice; paused, each op pays the mode's dispatch only (about 1.6 µs; see the module docstring)."""
+        if self._active and not self._sleeping:
+            self._sleeping = self._paused = True
+
     def remove(self) -> None:
         """Stop noting frames; safe to call twice."""
+        if self._sleeping:
+            self._sleeping = self._paused = False
         if self._active:
             self.__exit__(None, None, None)
 

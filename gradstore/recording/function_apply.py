@@ -30,8 +30,10 @@ _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) 
 
 
 def _wrapped(cls, *args, **kwargs):
+    if _is_compiling():  # torch.compile traces the call: no listener (no graph break), nothing else read
+        return _original.__func__(cls, *args, **kwargs)
     listeners = _listeners
-    if not listeners or _is_compiling():  # torch.compile traces the call: no listener (no graph break)
+    if not listeners:
         return _original.__func__(cls, *args, **kwargs)
     tokens = []
     for listener in listeners:

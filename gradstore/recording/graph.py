@@ -420,8 +420,10 @@ def describe(
             create (double backward, recomputation) with counters of their own: a node below the step's first
             number that the lineage does not know is then not said to be older than the step.
         region: callable sequence_nr -> the modules inside the compiled region running then (str) or None
-            (`ModuleTracker.region`); sets `NodeInfo.region` of compiled nodes (CompiledFunctionBackward). None:
-            no region is known.
+            (`ModuleTracker.region`); sets `NodeInfo.region` of every node (AccumulateGrad aside) created inside a
+            `torch.compile` wrapper's call: its CompiledFunctionBackward, and the per-op nodes of a backend that runs
+            the graph eagerly (backend='eager') or of ops run between graph breaks, which no module hook bounded
+            either. None: no region is known.
     The ordinal of a node counts the nodes of the same name and module in forward order (`sequence_nr`,
     then walk order) within a key scope. A pass whose graph reuses nodes keyed earlier in this step (other
     than AccumulateGrad nodes: a second pass over a retained graph) continues their scope, and a nested pass
@@ -520,7 +522,7 @@ def describe(
         prefix = f"{module}/" if module else ""
         for ordinal, (seq, _, i) in enumerate(sorted(members), start=start):
             kind = kinds[i]
-            inside = region(seq) if region is not None and kind == "compiled" else None
+            inside = region(seq) if region is not None else None
             infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, kind, module, None, region=inside)
         scope[(module, name)] = start + len(members) - 1
     known.hold(w.nodes)

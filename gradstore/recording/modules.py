@@ -324,13 +324,36 @@ class Structure:
         return len(now) == len(self._print) and all(map(operator.is_, now, self._print))
 
 
+# True while torch.compile traces (dynamo reads it as the constant True); False where it is missing
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
-def compiling() -> bool:
-    """True while torch.compile traces (its compiled graph then runs as one CompiledFunctionBackward node, whose
-    owner is the module around the compiled call); `torch.compiler.is_compiling`, False where it is missing."""
-    return bool(_is_compiling())
+def _quiet(*_args):
+    return None
+
+
+def _switched(c_pre, c_post) -> tuple:
+    """(pre, post, switch): the tracker's global hooks in front of the C++ hooks `c_pre`, `c_post`: Python functions,
+    so that torch.compile, which traces global module hooks, reads `_is_compiling()` there and returns (a C callable
+    would break its graph); `switch(False)` has them call a no-op instead of the C hooks until `switch(True)`
+    (`ModuleTracker.sleep`), with nothing more read per call."""
+    live_pre, live_post = c_pre, c_post
+
+    def pre(module, args):
+        if _is_compiling():
+            return None
+        return live_pre(module, args)
+
+    def post(module, args, output):
+        if _is_compiling():
+            return None
+        return live_post(module, args, output)
+
+    def switch(on: bool) -> None:
+        nonlocal live_pre, live_post
+        live_pre, live_post = (c_pre, c_post) if on else (_quiet, _quiet)
+
+    return pre, post, switch
 
 
 def _tracer_get(self, module, owner=None):
@@ -482,6 +505,9 @@ class ModuleTracker:
         self._c_hooks = None  # the C++ hooks module's (pre-hook, hook) behind `_native_hooks`
         self._use_tap = tap
         self._tapped = False  # module calls come through the module tap (`_tap_in`)
+        self._sleeping = False  # `sleep()`: the global hooks stay installed and note nothing
+        self._own_thread = self._thread  # `_thread` reads -1 while sleeping
+        self._switch = None  # `_switched`'s switch of the C hooks behind `_native_hooks`
 
     def _bind(self, record: ForwardRecord) -> None:
         """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
@@ -530,9 +556,22 @@ class ModuleTracker:
                 pass
         return f"<{type(module).__name__}>", None
 
+    def compiled_call(self, module) -> tuple[str, str] | None:
+        """(name, region) of `module` when it is a `torch.compile` wrapper (OptimizedModule): the name of the module it
+        compiles and the modules inside its compiled region (`region_of`: comma-separated, '' for none); None for
+        any other module."""
+        if tp.compiled_module_inner(module) is None:
+            return None
+        key = id(module)
+        name, region = self.names.get(key), self.regions.get(key)
+        if name is None or region is None:
+            name, region = self._unknown(module)
+        return name, region or ""
+
     def _pre(self, module, _args):
         # per module call (hot): locals and module globals only, no wrapper calls
-        if _is_compiling() or _get_ident() != self._thread:  # torch.compile traces: a no-op, no graph break
+        # torch.compile traces: a no-op, no graph break (`_is_compiling()` first: nothing else is read there)
+        if _is_compiling() or _get_ident() != self._thread:
             return
         key = id(module)
         name = self.names.get(key)
@@ -623,6 +662,9 @@ class ModuleTracker:
         """Start noting module calls (no-op when the sequence counter is unreadable): through the module tap where
         it can be used (`_tap_in`, the module docstring), else by a global forward pre-hook and hook, hidden from
         torch's check for global hooks, so `torch.compile(module)` does not warn about them."""
+        if self._sleeping:  # the global hooks `sleep()` left installed note calls again
+            self._wake()
+            return
         if not tp.has_sequence_nr() or self._handles or self._tapped:
             return
         pre, post = self._hooks()
@@ -630,6 +672,27 @@ class ModuleTracker:
             return
         self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
         tp.hide_global_module_hooks(self._handles)
+
+    def sleep(self) -> None:
+        """Stop noting module calls until `install()`, for a step the recording does not sample while torch.compile
+        may run (`torch._dynamo` imported): global module hooks stay installed, noting nothing (dynamo guards a
+        compiled frame on the global hooks its module calls meet: hooks on recorded steps only would make it compile
+        each such frame twice); the module tap is taken down (`remove()`: its traced path is torch's own)."""
+        if not self._handles:
+            self.remove()
+        elif not self._sleeping:  # the hooks' own checks, unchanged: the C hooks swapped out, or no thread matches
+            self._sleeping = True
+            if self._switch is not None:
+                self._switch(False)
+            self._thread = -1
+
+    def _wake(self) -> None:
+        """Undo `sleep()`."""
+        if self._sleeping:
+            self._sleeping = False
+            if self._switch is not None:
+                self._switch(True)
+            self._thread = self._own_thread
 
     def _tap_in(self) -> bool:
         """Have module calls come through the module tap, with this tracker's C pre-hook and hook as its target: True
@@ -696,17 +759,7 @@ class ModuleTracker:
                     self._native_hooks = False
                 else:
                     self._c_hooks = (c_pre, c_post)
-
-                    def pre(module, args):
-                        if _is_compiling():
-                            return None
-                        return c_pre(module, args)
-
-                    def post(module, args, output):
-                        if _is_compiling():
-                            return None
-                        return c_post(module, args, output)
-
+                    pre, post, self._switch = _switched(c_pre, c_post)
                     self._native_hooks = (pre, post)
         return self._native_hooks or (self._pre, self._post)
 
@@ -714,6 +767,7 @@ class ModuleTracker:
         """Stop noting module calls (torch's `nn.Module._compiled_call_impl` back, or the global hooks removed); safe
         to call twice."""
         global _tap_owner
+        self._wake()
         if self._tapped:
             if _tap_owner is self:
                 _tap_owner = None
@@ -727,6 +781,7 @@ class ModuleTracker:
         if self._native_hooks:  # they hold this tracker: let go of them, or the two would wait for the collector
             self._native_hooks = None
             self._c_hooks = None
+            self._switch = None
         self._stack.clear()
         self._unowned.clear()
         self._region_stack.clear()

@@ -25,7 +25,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from ..records import NodeInfo, PassRecord
+from ..records import COMPILED_AUTOGRAD_REASON, NodeInfo, PassRecord
 from . import native as native_hooks
 from . import torch_private as tp
 from .final_grads import measure_params, pack_params, reusable, wanted, watch_start, watch_stop
@@ -311,7 +311,11 @@ class PassRecorder:
             # compiled autograd traces every Python node hook into its compiled backward graph with dynamo (and
             # runs only such hooks): gradstore's would break that graph at every node and exhaust dynamo's
             # recompile limit. The pass, its graph (nodes, edges) and the parameter gradients are recorded; the
-            # node calls and their gradients are not
+            # node calls and their gradients are not: no node is hooked (whether one ran is not known), and a
+            # skipped grad_output row on each root node says why
+            rec.hooked = [False] * len(self.infos)
+            for at in dict.fromkeys(rec.root_nodes):
+                self.measured.append(([at, None], _ROLE_OUT, 0, Measured("skipped", reason=COMPILED_AUTOGRAD_REASON)))
             step.active.append(self)
             self.record.setup = time.perf_counter() - self.t0
             return

@@ -354,6 +354,7 @@ class record:
         self._tracker: ModuleTracker | None = None
         self._frames: FrameTracker | None = None
         self._forward: ForwardRecorder | None = None
+        self._per_call = False  # the scope is one call of a function this record decorates (one step)
         self._params: list = []
         self._fsdp: list = []  # the modules FSDP2 (fully_shard) manages, whose parameters the graph sees unsharded
         self._recorded: list = []  # [(first name, parameter)] that param_status rows are written for
@@ -441,7 +442,8 @@ class record:
             self._writer.release(self.run_id, self.rank)
         self._claimed_by = None
 
-    def _enter(self, models: list[nn.Module]) -> None:
+    def _enter(self, models: list[nn.Module], per_call: bool = False) -> None:
+        """Open a scope recording `models`; `per_call`: the scope is one call of a decorated function."""
         if self._in_scope:
             raise RecordUsageError(f"record({self.run!r}) is already recording; scopes do not nest")
         global _open_scope
@@ -465,6 +467,7 @@ class record:
                     _open_scope = None
             raise
         self._in_scope = True
+        self._per_call = per_call
         self._scope_pid = os.getpid()
         try:
             self._open_scope(self.models or models)
@@ -490,9 +493,13 @@ class record:
         self._reads = OptimizerReads()
         self._warning_log = WarningLog(self._step_warnings, self._thread, self._in_pass)
         if self.options.forward:
-            wrappers = frozenset(id(m) for _, m in models if unwrap(m) is not m)
+            # DDP's call is the model's: not recorded; a torch.compile wrapper's is (the model's own call is compiled)
+            wrappers = frozenset(id(m) for _, m in models if unwrap(m) is not m and tp.compiled_module_inner(m) is None)
             modules = (m for _, m in walk_modules(models))  # those with forward hooks of their own: hooked after them
-            self._forward = ForwardRecorder(self._tracker.names, self.options, wrappers, modules)
+            tracker = self._tracker
+            self._forward = ForwardRecorder(
+                tracker.names, self.options, wrappers, tracker.compiled_call, tracker.regions, modules
+            )
         if self.options.keep is not None and self._flight is None:
             self._flight = FlightRecorder(self.options.keep, self.options.dump_on, self.options.spike_factor)
         self._check_filters(models)
@@ -692,15 +699,33 @@ class record:
             self._final = FinalGrads(self._params, self.options, (lambda: fsdp_aliases(fsdp)) if fsdp else None)
             self._observed = observers.Observed(self._thread, self._values, self._final, self._state.fault)
             observers.activate(self._observed)
-        else:  # an unsampled step runs with no gradstore hook at all
+        else:  # an unsampled step runs with no gradstore hook at all, or, where torch.compile may run, dormant ones
             self._state = None
             self._final = None
             self._observed = None
+            # torch.compile guards a compiled frame on the TorchFunctionModes and the global module hooks it meets:
+            # those of recorded steps only would make it compile each such frame twice (every=N). So, once it may
+            # run, they are as a recorded step has them, noting nothing (the module tap, which dynamo does not see,
+            # down). Dynamo tells modes apart by type, so a decorated function's calls (a scope each) keep one
+            # graph; global hooks by their handles, which each scope registers anew: there, none on the calls not
+            # sampled, whose graph then stays cached
+            compiles = tp.dynamo_imported()
             if self._frames is not None:
-                self._frames.remove()
-            if self._forward is not None:
-                self._forward.remove()
-            self._tracker.remove()
+                if compiles:
+                    self._frames.install()
+                    self._frames.sleep()
+                else:
+                    self._frames.remove()
+            if compiles and not self._per_call:
+                self._tracker.install()
+                self._tracker.sleep()
+                if self._forward is not None:
+                    self._forward.install()
+                    self._forward.sleep()
+            else:
+                if self._forward is not None:
+                    self._forward.remove()
+                self._tracker.remove()
             self._warning_log.remove()
             intercept.deactivate(self)
             observers.deactivate()
@@ -1093,7 +1118,7 @@ class record:
 
         @functools.wraps(fn)
         def recorded(*args, **kwargs):
-            self._enter(_module_arguments(signature, args, kwargs))
+            self._enter(_module_arguments(signature, args, kwargs), per_call=True)
             exc = None
             try:
                 return fn(*args, **kwargs)

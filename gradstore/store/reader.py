@@ -251,15 +251,36 @@ class Store:
     ) -> pd.DataFrame:
         """Per step and node key (by='node'; also for None or '') or module (by='module'): grad_output_norm,
         grad_input_norm (float64; NaN where a gradient was not measured, or where there is none: an AccumulateGrad
-        has no grad_inputs), calls, nonfinite (NaN where not measured). Raises ArgumentError (a ValueError) for
-        another `by`."""
+        has no grad_inputs), calls, nonfinite (NaN where not measured), compiled_in (the module whose
+        `torch.compile` region holds the row's module, from nodes.region; None outside any: the ops of a module
+        inside a region run in the compiled module's nodes, CompiledFunctionBackward, so its row holds only its
+        parameters' gradients, and the compiled module's row holds its ops', unlike the same model run
+        uncompiled). Raises ArgumentError (a ValueError) for another `by`."""
         by = by or "node"
         if by not in ("node", "module"):
             raise ArgumentError(f"grad_norms(by=...) is 'node' or 'module', got {by!r}")
         frame = self.query("grad_norms", run=run, by=by, step=step, rank=rank, module=module)
         for col in ("grad_output_norm", "grad_input_norm"):  # all NULL (stats='shape') would read back as objects
             frame[col] = pd.to_numeric(frame[col]).astype("float64")
+        inside = self.compiled_in(run)
+        found = [inside.get((r, m)) for r, m in zip(frame["run"], frame["module"])] if inside else [None] * len(frame)
+        frame["compiled_in"] = pd.Series(found, index=frame.index, dtype=object)
         return frame
+
+    def compiled_in(self, run: str | None = None) -> dict[tuple[str, str], str]:
+        """{(run, module): the module whose `torch.compile` region holds it} for the modules listed in the `region`
+        of a node of `run` (None: every run) made inside a compiled region (its CompiledFunctionBackward, or the
+        per-op nodes of a backend that runs the graph eagerly); the innermost such module where regions nest.
+        Empty where no region was recorded."""
+        nodes = self.nodes(run)
+        nodes = nodes[nodes["region"].notna() & (nodes["kind"] != "forward")]
+        found: dict[tuple[str, str], str] = {}
+        for r, owner, region in sorted(
+            set(zip(nodes["run"], nodes["module"], nodes["region"])), key=lambda x: len(x[1])
+        ):
+            for m in filter(None, region.split(",")):
+                found[(r, m)] = owner  # a longer (inner) owner's later write wins
+        return found
 
     def grad_cells(
         self,

@@ -247,6 +247,9 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
     unmeasured = int((steps["status"] == "unmeasured").sum())
     skipped = steps["not_measured"].fillna(0).astype(int) if "not_measured" in steps else steps["step"] * 0
     why = _not_measured_why(store, run) if skipped.any() and store is not None else ""
+    # record(forward=True): activation or loss rows among them (a module output, a torch.compile region's calls)
+    forward = bool(why) and store.not_measured(run=run)["role"].isin(["activation", "loss"]).any()
+    noun, row = ("rows", "gradient or forward") if forward else ("gradients", "gradient")
     if unmeasured:
         shape = int(((steps["status"] == "unmeasured") & (steps["level"] == "shape")).sum())
         causes = []
@@ -263,13 +266,13 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
     if partly.any():
         page.add(
             f'<p class="note">{int(partly.sum()):,} step record{"s" if partly.sum() > 1 else ""} measured only some '
-            f"gradients: {int(skipped[partly].sum()):,} gradient rows not measured ({_e(why)}); their status "
-            "speaks of the measured gradients only.</p>"
+            f"{noun}: {int(skipped[partly].sum()):,} {row} rows not measured ({_e(why)}); their status "
+            f"speaks of the measured {noun} only.</p>"
         )
     bad = steps[~steps["status"].isin(["ok", "unmeasured"])]
     if bad.empty:
         if unmeasured < len(steps):
-            tail = f" ({int(partly.sum()):,} of them with gradients not measured, above)" if partly.any() else ""
+            tail = f" ({int(partly.sum()):,} of them with {noun} not measured, above)" if partly.any() else ""
             which = "written" if len(lost) else "recorded"  # the steps not written were not checked
             if left:  # not all clear: part of the graph was never measured (above)
                 tail += "; that speaks of the measured gradients only, not of the parameters and nodes above"
@@ -589,6 +592,9 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
         else '<span class="note">not recorded (record(frames=True) keeps it)</span>'
     )
     origin = _origin(start)
+    region = story.region_origin_note(store, run, start.key)
+    if region:
+        origin += f" {_e(region)}."
     page.add(
         f'<div class="callout"><p><b>{_e(start.name)}</b> <code>{_e(start.key)}</code><br>module '
         f"<code>{_e(start.module or '(top level)')}</code> &middot; created at {frame}<br>rank {start.rank}, "
@@ -675,6 +681,9 @@ def _heatmap_section(page: _Page, store, run: str, steps: pd.DataFrame, rank: in
             '<p class="partial">Rows: the modules with a measured node only; the nodes and parameters not measured '
             "(see Steps) have no row or an empty one.</p>"
         )
+    compiled = story.compiled_rows_note(store, run)
+    if compiled:
+        page.add(f'<p class="note">Rows of {_e(compiled)}.</p>')
     page.add(_png(fig, f"heatmap of gradient norms by module for {run}"))
 
 

@@ -454,6 +454,7 @@ def measured_rows(store, run: str) -> tuple[int, int, str]:
         "WHERE r.name = :run AND t.role IN (0, 1, 2)"
     )
     skipped = store.not_measured(run=run)  # first: it checks the run and refreshes the reader
+    skipped = skipped[skipped["role"].isin(["grad_output", "grad_input", "param_grad"])]  # not activation / loss
     with store.engine.connect() as conn:
         measured, unmeasured = conn.execute(sql, {"run": run}).one()
     parts = []
@@ -478,8 +479,9 @@ class LeftOut:
     parameters the record knows (nodes with a param: reached by a pass, or recorded); nodes: the most nodes one
     backward pass (of the steps asked about) reached without a recorded call (not hooked: outside the filter; or
     reached and not run: a pass that raised, inputs= that prune the graph); nodes_total: the nodes that pass reached;
-    raised: whether that pass raised (passes.error: then the likely reason, named first). Empty (false) where
-    everything reached was measured.
+    raised: whether that pass raised (passes.error: then the likely reason, named first); compiled: the most nodes
+    one pass that compiled autograd ran reached (gradstore hooks none there: passes.calls NULL with nodes known).
+    Empty (false) where everything reached was measured.
     """
 
     params: list[str]
@@ -487,9 +489,10 @@ class LeftOut:
     nodes: int
     nodes_total: int
     raised: bool = False
+    compiled: int = 0  # the most nodes one pass run by compiled autograd reached (no node hooked: no call recorded)
 
     def __bool__(self) -> bool:
-        return bool(self.params or self.nodes)
+        return bool(self.params or self.nodes or self.compiled)
 
     def words(self, limit: int = 6) -> str:
         """'4 of the 6 parameters in the record's graph (embed.weight, ...) and up to 19 of the 23 nodes a backward
@@ -507,6 +510,11 @@ class LeftOut:
                 f"{'up to ' if self.params else ''}{self.nodes:,} of the {self.nodes_total:,} nodes a backward pass "
                 "reached (no call recorded)"
             )
+        if self.compiled:
+            parts.append(
+                f"the {self.compiled:,} nodes a backward pass run by compiled autograd reached (no node hooked: no "
+                "call or node gradient recorded, whether each ran not known)"
+            )
         return " and ".join(parts)
 
     def sentence(self) -> str:
@@ -514,7 +522,12 @@ class LeftOut:
         about it."""
         if not self:
             return ""
-        if self.raised and not self.params:  # a pass that raised: the engine never ran the rest of its graph
+        if self.compiled and not (self.params or self.nodes):
+            why = (
+                "Under compiled autograd gradstore hangs no node hook (they would break its compiled backward graph at "
+                "every node); its passes' graphs and parameter gradients are recorded."
+            )
+        elif self.raised and not self.params:  # a pass that raised: the engine never ran the rest of its graph
             why = (
                 "That backward pass raised before the engine ran them (passes.error), so they have no call; a "
                 "modules= / params= filter of record(), or inputs=, would also leave reached nodes without one."
@@ -553,7 +566,63 @@ def left_out(store, run: str, step: int | None = None, rank: int | None = None) 
             nodes, total_nodes = int(gap.iloc[at]), int(known["nodes"].iloc[at])
             error = known["error"].iloc[at] if "error" in known.columns else None
             raised = error is not None and not pd.isna(error)
-    return LeftOut(params=params, params_total=len(known_params), nodes=nodes, nodes_total=total_nodes, raised=raised)
+    # calls NULL where nodes are known: a pass compiled autograd ran (stats='params' has neither)
+    unhooked = passes["nodes"][passes["calls"].isna() & passes["nodes"].notna()]
+    compiled = int(unhooked.max()) if len(unhooked) else 0
+    return LeftOut(
+        params=params,
+        params_total=len(known_params),
+        nodes=nodes,
+        nodes_total=total_nodes,
+        raised=raised,
+        compiled=compiled,
+    )
+
+
+def _label(module: str) -> str:
+    return module if module else "(top level)"
+
+
+def compiled_rows_note(store, run: str) -> str:
+    """The sentence that views by module (the heatmap, `grad_norms(by='module')`) owe a run with `torch.compile`
+    regions ('' where none was recorded): the nodes made inside a region count in the compiled module's row, and
+    the rows of the modules inside hold only their parameters' gradients. From `Store.compiled_in`."""
+    inside = store.compiled_in(run)
+    if not inside:
+        return ""
+    held: dict[str, list[str]] = {}
+    for (_run, module), owner in inside.items():
+        held.setdefault(owner, []).append(module)
+    regions = "; ".join(f"{_label(owner)} holds {', '.join(ms)}" for owner, ms in held.items())
+    return (
+        f"torch.compile regions ({regions}): no module hook runs inside them, so the nodes made there (one "
+        "CompiledFunctionBackward per compiled graph, or a backend's per-op nodes) count in the compiled module's "
+        "row, and the rows of the modules inside hold only their parameters' gradients (AccumulateGrad), not their "
+        "ops': these rows are not those of the same model run uncompiled"
+    )
+
+
+def region_origin_note(store, run: str, key: str) -> str:
+    """What a node's `region` means for finding where its NaN/Inf came from ('' for a node made outside any
+    `torch.compile` region): a CompiledFunctionBackward runs the whole compiled backward as one call, so the op
+    inside that made it is not recorded; a per-op node made inside a region (backend='eager') is not attributed to
+    the module inside that made it."""
+    nodes = store.nodes(run)
+    hit = nodes[nodes["key"] == key]
+    if hit.empty or not isinstance(hit["region"].iloc[0], str):
+        return ""
+    module, region, kind = hit["module"].iloc[0], hit["region"].iloc[0], hit["kind"].iloc[0]
+    inside = ", ".join(region.split(",")) if region else "no submodule"
+    if kind == "compiled":
+        return (
+            f"{key} is a torch.compile region's node: it runs the backward of the compiled forward of "
+            f"{_label(module)} (modules inside: {inside}) as one call, so which op inside made the NaN/Inf is not "
+            "recorded; run the model uncompiled (a node per op, the eager keys) to find it"
+        )
+    return (
+        f"{key} was made inside a torch.compile region of {_label(module)}, where no module hook runs: which of its "
+        f"modules ({inside}) made it is not known; run the model uncompiled to name it"
+    )
 
 
 def changed_most(store, run: str, rank: int | None = None, top: int = 10, which: str = "pass") -> pd.DataFrame:
