@@ -214,3 +214,36 @@ def test_the_command_line_names_elements_that_differ(db):
             (w * torch.tensor(c)).sum().backward()
     out = CliRunner().invoke(main, ["diff", db, "a", "b"]).output
     assert "first at MulBackward0#0 grad_inputs[0]" in out and "elements differ: max |a - b| 1 (rel 0.5" in out
+
+
+def test_rows_of_one_side_only_are_not_compared_and_the_rest_are(db):
+    """Both sides stored elements and side b's graph has a node side a's has not (a `/ 1.0` at the root): its rows
+    are one-sided, their elements 'not compared' with the reason; the shared rows are compared as usual. The
+    multiplier differs in order only (same statistics), so the first divergence is MulBackward0's elements."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    c = {"a": [1.0, 2.0, 3.0, 0.0], "b": [3.0, 2.0, 1.0, 0.0]}
+    for run in ("a", "b"):
+        w = nn.Parameter(torch.zeros(4))
+        with gradstore.record(run, db=db, model=nn.ParameterList([w]), values="*"):
+            loss = (w * torch.tensor(c[run])).sum()
+            (loss / 1.0 if run == "b" else loss).backward()
+    store = gradstore.open(db)
+    d = store.diff("a", "b")
+    only_b = d[d.side == "b"]
+    assert set(only_b.key) == {"DivBackward0#0"} and len(only_b) == 3  # grad_output, grad_inputs[0] and [1]
+    assert (only_b.values_compared == "no: a row of side b only").all() and only_b.values_max_abs.isna().all()
+    assert (d.side != "a").all()
+    grad = d[(d.side == "both") & (d.role == "param_grad") & d.pass_a.notna()].iloc[0]
+    assert grad.values_compared == "yes"  # w's gradient: c, compared element by element
+    assert grad.values_max_abs == 2.0 and "values" in grad.differs.split(",")
+    first = store.first_divergence("a", "b")
+    assert list(zip(first.key, first.role, first.slot, first.differs)) == [
+        ("MulBackward0#0", "grad_input", 0, "values")
+    ]
+    # the command line reads the same rows
+    result = CliRunner().invoke(main, ["diff", db, "a", "b"])
+    assert result.exit_code == 0, result.output
+    assert "3 only in run 'b'" in result.output and "first at MulBackward0#0 grad_inputs[0]" in result.output

@@ -8,7 +8,8 @@ compares the elements of paired rows in Python (float64, NumPy):
 - values_rel: values_max_abs / max(max |a|, max |b|) over the finite elements (0 when values_max_abs is 0);
 - values_cosine: a . b / (|a| |b|), computed on a and b scaled by their largest magnitudes (no overflow);
   NULL when a side is all zero or holds NaN or Inf;
-- values_compared: 'yes', or 'no: ' and the reason (no values on a side, shapes differ, a row of one side only).
+- values_compared: 'yes', or 'no: ' and the reason (no values on a side, shapes differ, a row of side a (or b) only:
+  the other side has no such row, so its elements are not compared).
 Two sides' elements differ bitwise when their bytes differ (the same dtype and shape), or, with tolerances,
 where some element has |a - b| > atol + rtol * max(|a|, |b|) (NaN equal to NaN; the same infinity equal).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+import pandas as pd
 
 from ..records import DTYPES
 
@@ -114,15 +116,17 @@ def differ(a, b, data_a: bytes, data_b: bytes, rtol: float, atol: float) -> bool
 
 
 def _none(v):
-    """A frame cell as a plain value: None for NULL/NaN."""
-    if v is None:
+    """A frame cell as a plain value: None for NULL (None, pandas' NA of a nullable column such as Int64, NaN)."""
+    if v is None or v is pd.NA:
         return None
-    try:
-        if v != v:
-            return None
-    except Exception:
-        pass
+    if isinstance(v, float) and v != v:
+        return None
     return v
+
+
+def _one_side(side: str) -> str:
+    """values_compared of a row that exists on one side only (side 'a' or 'b'): the other side has no such row."""
+    return f"no: a row of side {side} only"
 
 
 def _which(values_a, values_b) -> str:
@@ -139,7 +143,7 @@ def add_columns(frame, stored_a: dict, stored_b: dict, rtol: float = 0.0, atol: 
     if not stored_a and not stored_b:  # nothing stored on either side: no row is compared (no per-row work)
         out = frame.copy()
         out["values_compared"] = [
-            "no: a row of one side only" if side != "both" else f"no: no values on {_which(va, vb)}"
+            _one_side(side) if side != "both" else f"no: no values on {_which(va, vb)}"
             for side, va, vb in zip(frame["side"], frame["values_a"], frame["values_b"])
         ]
         for c in VALUE_COLUMNS[1:]:
@@ -155,7 +159,7 @@ def add_columns(frame, stored_a: dict, stored_b: dict, rtol: float = 0.0, atol: 
         sb = stored_b.get(int(idb)) if idb is not None else None
         if side != "both":
             result, flag = dict.fromkeys(VALUE_COLUMNS), None
-            result["values_compared"] = "no: a row of one side only"
+            result["values_compared"] = _one_side(side)
         elif str(reasons[i] or "").startswith(DTENSOR_PIECES):  # different shards: different elements by design
             result, flag = dict.fromkeys(VALUE_COLUMNS), None
             result["values_compared"] = "no: different pieces of one DTensor"
