@@ -229,3 +229,111 @@ def test_csr_gradient_with_nan_inf_and_one_with_no_stored_entry(tmp_path):
     assert_stats(r, dense_stats(g_empty), "no stored entry")  # ten implicit zeros: norm 0, min = max = mean = 0
     with gradstore.open(db) as store:
         assert list(store.steps("bad").status) == ["nonfinite"]
+
+
+# ---- replay_check: a sparse grad_input compared as the tensor it represents ----------------------------------
+class SparseBackward(torch.autograd.Function):
+    """y = x * 2; backward returns an uncoalesced COO gradient (index (0, 1) twice), plus `shift` times the number
+    of earlier calls at each entry when `shift` is set: a backward that is not deterministic."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, shift):
+        ctx.shift = shift
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        SparseBackward.calls += 1
+        extra = ctx.shift * (SparseBackward.calls - 1)
+        indices = torch.tensor([[0, 0, 1], [1, 1, 2]])
+        values = torch.stack([g[0, 1], g[0, 1], g[1, 2]]) * 2 + extra
+        return torch.sparse_coo_tensor(indices, values, g.shape), None
+
+
+def _replay_row(df, name):
+    rows = df[df["name"] == name]
+    assert len(rows) == 1, df
+    return rows.iloc[0]
+
+
+def test_replay_check_compares_sparse_grad_inputs_of_an_embedding_and_a_csr_leaf():
+    """The engine's sparse results are deterministic here (plain PyTorch: two passes give the same entries bit for
+    bit), so replay_check finds every replayed node equal; it used to raise 'unsupported memory format'."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    loss = emb(IDX).pow(2).sum()
+    first, second = (torch.autograd.grad(loss, [emb.weight], retain_graph=True)[0] for _ in range(2))
+    assert first.layout is torch.sparse_coo and not first.is_coalesced() and same_sparse(first, second)
+    df = gradstore.replay_check(loss, model=emb)
+    row = _replay_row(df, "EmbeddingBackward0")
+    assert row["replayable"] and bool(row["equal"]) and bool(row["close"]) and row["max_abs_diff"] == 0.0
+    assert df[df["replayable"]]["equal"].all() and emb.weight.grad is None
+
+    x = X.to_sparse_csr().requires_grad_()
+    loss = (x.to_dense() * W).sum()
+    first, second = (torch.autograd.grad(loss, [x], retain_graph=True)[0] for _ in range(2))
+    assert first.layout is torch.sparse_csr and same_sparse(first, second)
+    df = gradstore.replay_check(loss)
+    row = _replay_row(df, "ToDenseBackward0")
+    assert row["replayable"] and bool(row["equal"]) and row["max_abs_diff"] == 0.0 and row["difference"] is None
+
+
+def test_replay_check_of_a_custom_backward_returning_sparse_coo():
+    x = torch.zeros(2, 3, requires_grad=True)
+    SparseBackward.calls = 0
+    df = gradstore.replay_check(SparseBackward.apply(x * 1.0, 0.0).sum())
+    row = _replay_row(df, "SparseBackwardBackward")
+    assert row["replayable"] and bool(row["equal"]) and row["max_abs_diff"] == 0.0
+    # a backward that adds 0.25 per call: the pass's (first) and the replay's (second) results, by hand
+    SparseBackward.calls = 0
+    y = SparseBackward.apply(x * 1.0, 0.25)
+    df = gradstore.replay_check(y.sum())
+    by_hand = [
+        torch.sparse_coo_tensor(torch.tensor([[0, 0, 1], [1, 1, 2]]), torch.tensor([2.0, 2.0, 2.0]) + shift, (2, 3))
+        for shift in (0.0, 0.25)
+    ]
+    want = float((by_hand[0].to_dense() - by_hand[1].to_dense()).abs().max())  # index (0, 1) twice: 0.5
+    assert want == 0.5
+    row = _replay_row(df, "SparseBackwardBackward")
+    assert row["replayable"] and not bool(row["equal"]) and not bool(row["close"])
+    assert row["max_abs_diff"] == want and "values differ (max abs difference 0.5)" in row["difference"]
+
+
+def test_sparse_compare_is_exact_and_over_the_tensors_represented():
+    from gradstore.inspect.replay import compare
+
+    def coo(idx, vals, shape=(3, 4)):
+        return torch.sparse_coo_tensor(torch.tensor(idx), torch.tensor(vals), shape)
+
+    def plain(a, b):
+        x, y = a.to_dense().double(), b.to_dense().double()
+        return bool(torch.equal(bits(a.to_dense()), bits(b.to_dense()))), float((x - y).abs().max())
+
+    a = coo([[0, 0, 2], [1, 1, 3]], [0.1, 0.2, 0.3])  # uncoalesced: (0, 1) twice
+    assert compare(a, a.clone()) == (True, True, 0.0)
+    # the same tensor stored in another order (the sums are exact): equal, as its dense tensors are
+    b = coo([[2, 0, 0], [3, 1, 1]], [0.3, 0.5, -0.25])
+    c = coo([[0, 2, 0], [1, 3, 1]], [-0.25, 0.3, 0.5])
+    assert plain(b, c) == (True, 0.0) and compare(b, c) == (True, True, 0.0)
+    # an entry on one side only, another differing by 1e-3
+    d = coo([[0, 1, 2], [1, 0, 3]], [0.1 + 0.2, 1.0, 0.301])
+    eq, diff = plain(a, d)
+    got = compare(a, d)
+    assert got[0] is eq is False and got[2] == pytest.approx(diff, rel=1e-12) and diff == pytest.approx(1.0)
+    assert got[1] == torch.allclose(a.to_dense(), d.to_dense())
+    # within a tolerance that covers it: close, not equal
+    e = coo([[0, 2], [1, 3]], [0.1 + 0.2, 0.3 + 1e-7])
+    assert compare(a.coalesce(), e)[:2] == (False, True) and compare(a.coalesce(), e)[2] == pytest.approx(
+        plain(a.coalesce(), e)[1], rel=1e-9
+    )
+    # CSR against CSR, and a sparse tensor against its own dense tensor: close, never bitwise equal
+    assert compare(X.to_sparse_csr(), X.to_sparse_csr()) == (True, True, 0.0)
+    y = X.clone()
+    y[2, 3] = 4.5
+    assert compare(X.to_sparse_csr(), y.to_sparse_csr())[::2] == (False, 0.5)
+    assert compare(X.to_sparse_csr(), X) == (False, True, 0.0)
+    # a NaN at the same place on both sides
+    n = coo([[0], [1]], [float("nan")])
+    assert compare(n, n.clone()) == (True, True, 0.0)

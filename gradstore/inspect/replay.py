@@ -379,32 +379,91 @@ def compare(
     Bitwise: same dtype, shape and bits (NaN payloads included). close: `torch.allclose(a, b, rtol, atol,
     equal_nan=True)`. max abs difference: over elements, in float64; NaN at the same place in both counts as
     0, Inf in one only as inf; None when both are None; inf for a None against a tensor or a shape mismatch.
+    A sparse gradient (COO, uncoalesced included; CSR, CSC, BSR, BSC) is compared as the tensor it represents
+    (`_compare_sparse`): bitwise equal when both store the same entries bit for bit, or when the tensors they
+    represent (duplicates summed) have the same bits; a sparse against a dense (strided) one is never bitwise
+    equal (their layouts differ), close and the difference are over the elements they represent.
     """
     if a is None and b is None:
         return True, True, None
     if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
         return False, False, math.inf
     a, b = a.detach(), b.detach()
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return _compare_sparse(a, b, rtol, atol)
+    return _compare_dense(a, b, rtol, atol)
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided tensors of one dtype and shape hold the same bits (NaN payloads included)."""
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return torch.equal(a, b)
+
+
+def _compare_dense(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, bool, float]:
+    """`compare` of two strided tensors of one dtype and shape."""
     if a.is_complex():
         a, b = torch.view_as_real(a), torch.view_as_real(b)
     if a.numel() == 0:
         return True, True, 0.0
+    equal = _bitwise(a, b)
     if a.is_floating_point():
-        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        equal = torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
         close = torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
         x, y = a.double(), b.double()
         same = (x == y) | (torch.isnan(x) & torch.isnan(y))
         diff = torch.where(same, torch.zeros((), dtype=torch.float64, device=x.device), (x - y).abs())
         diff = torch.nan_to_num(diff, nan=math.inf)
         return bool(equal), bool(close), float(diff.max())
-    equal = torch.equal(a, b)
     diff = float((a.double() - b.double()).abs().max()) if not a.dtype == torch.bool else float(not equal)
     return equal, equal, diff
 
 
+def _as_coo(t: torch.Tensor) -> torch.Tensor:
+    """A sparse tensor's entries as COO: a COO tensor as it is (uncoalesced stays so), a compressed one (CSR, CSC,
+    BSR, BSC) converted entry for entry (`Tensor.to_sparse_coo`, which sums nothing)."""
+    return t if t.layout is torch.sparse_coo else t.to_sparse_coo()
+
+
+def _compare_sparse(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, bool, float]:
+    """`compare` where a side is sparse (same dtype and shape). Two sparse tensors of one layout that store the
+    same entries bit for bit (indices and values, in order, duplicates included) are equal at once: no sum is
+    taken, so a replay that returns exactly what the engine did is bitwise equal. Otherwise both are coalesced
+    (`Tensor.coalesce()`: duplicates summed) and their values compared at the union of their indices, zero
+    where a side stores nothing: the tensors they represent, compared in O(nnz) memory, never densified. A
+    sparse tensor against a strided one, or COO tensors of different sparse_dim, are compared densified
+    (`Tensor.to_dense()`) and are never bitwise equal when their layouts differ. Relies on `to_sparse_coo`,
+    `coalesce`, `indices`/`values` and, through gradstore.recording.torch_private, `_indices`/`_values`."""
+    same_layout = a.layout == b.layout
+    if not same_layout and (a.layout == torch.strided or b.layout == torch.strided):
+        equal, close, diff = _compare_dense(a.to_dense(), b.to_dense(), rtol, atol)
+        return False, close, diff
+    x, y = _as_coo(a), _as_coo(b)
+    ix, iy, vx, vy = tp.sparse_indices(x), tp.sparse_indices(y), tp.sparse_values(x), tp.sparse_values(y)
+    if same_layout and ix.shape == iy.shape and vx.shape == vy.shape and torch.equal(ix, iy) and _bitwise(vx, vy):
+        return True, True, 0.0
+    x, y = x.coalesce(), y.coalesce()
+    if x.sparse_dim() != y.sparse_dim():
+        equal, close, diff = _compare_dense(x.to_dense(), y.to_dense(), rtol, atol)
+        return equal and same_layout, close, diff
+    ix, iy, vx, vy = x.indices(), y.indices(), x.values(), y.values()
+    union, where = torch.unique(torch.cat([ix, iy], dim=1), dim=1, return_inverse=True)
+    at_x = vx.new_zeros((union.shape[1], *vx.shape[1:]))
+    at_y = vy.new_zeros((union.shape[1], *vy.shape[1:]))
+    at_x[where[: ix.shape[1]]] = vx  # coalesced: each index once, so a plain assignment
+    at_y[where[ix.shape[1] :]] = vy
+    equal, close, diff = _compare_dense(at_x, at_y, rtol, atol)
+    return equal and same_layout, close, diff
+
+
 def _tensor_text(t: torch.Tensor | None) -> str:
-    return "None" if t is None else f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} tensor"
+    if t is None:
+        return "None"
+    layout = "" if t.layout == torch.strided else f" {str(t.layout).removeprefix('torch.')}"
+    return f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}{layout} tensor"
 
 
 def difference(
@@ -415,7 +474,13 @@ def difference(
     if result[0]:
         return None
     where = f"grad_inputs[{slot}]"
-    if seen is None or again is None or seen.shape != again.shape or seen.dtype != again.dtype:
+    if (
+        seen is None
+        or again is None
+        or seen.shape != again.shape
+        or seen.dtype != again.dtype
+        or seen.layout != again.layout
+    ):
         return f"{where}: {_tensor_text(seen)} {names[0]}, {_tensor_text(again)} {names[1]}"
     return f"{where}: values differ (max abs difference {result[2]:.6g})"
 
@@ -601,8 +666,9 @@ def replay_check(
         replayable (bool), reason (why not; None when replayed), grad_inputs (number of slots),
         max_abs_diff (float, max over slots; NaN when not replayed), slot_max_abs_diff (tuple, per slot; None
         for a slot that is None in both, inf for None in one only), equal (bitwise, all slots; <NA> when not
-        replayed), close, difference (the slots that are not bitwise equal and how, e.g. 'grad_inputs[1]: None
-        in the pass, a (3, 4) float32 tensor in the replay'; None when equal or not replayed),
+        replayed; a sparse gradient is compared as the tensor it represents: `compare`), close, difference (the
+        slots that are not bitwise equal and how, e.g. 'grad_inputs[1]: None in the pass, a (3, 4) float32 tensor
+        in the replay'; None when equal or not replayed),
         hooks_changed (the node's own Python post hooks, registered before replay_check ran: `node.register_hook`,
         a module's full backward hook; True when what they handed on is not bitwise equal to what its backward
         computed, False when it is; <NA> when not measured: the node did not run, or PyTorch did not let
