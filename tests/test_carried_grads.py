@@ -242,3 +242,71 @@ def test_parameters_no_stepping_optimizer_holds_are_named(db, how):
     assert list(kept[kept.message.str.contains("holds them")]["step"]) == [4], kept
     for name, _ in model.named_parameters():
         assert (name in said[0]) == (name in want), name
+
+
+# ---- sparse .grads: nn.Embedding(sparse=True) (uncoalesced COO) and a CSR parameter ---------------------------
+def _sparse_model(layout: str) -> nn.Module:
+    torch.manual_seed(0)
+    if layout == "coo":
+        return nn.ModuleDict({"emb": nn.Embedding(10, 3, sparse=True)})
+    dense = torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, -3.0], [0.0, 0.5, 4.0]])
+    return nn.ParameterDict({"csr": nn.Parameter(dense.to_sparse_csr())})
+
+
+def _sparse_loop(model, optimizer: str, clear: str | None, steps: int, rec=None, seen=None):
+    """Per step one backward pass (a sparse `.grad`), then the optimizer steps; `clear` after it: None (nothing),
+    'set_to_none' (zero_grad(): a fresh sparse `.grad` next step) or 'zeros kept' (zero_grad(set_to_none=False):
+    the same tensor, emptied in place). `seen`: as `_loop`'s, told by hand (a sparse `.grad`'s dense tensor)."""
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.1)
+    stepped = {}
+    for k in range(steps):
+        before = {
+            n: p.grad
+            for n, p in model.named_parameters()
+            if n in stepped
+            and p.grad is stepped[n][0]
+            and p.grad._version == stepped[n][1]
+            and bool(p.grad.to_dense().any())
+        }
+        if "emb" in model:
+            model["emb"](torch.tensor([1, 2, 2, k % 5])).pow(2).sum().backward()
+        else:
+            (model["csr"].to_dense() * (k + 1.0)).pow(2).sum().backward()
+        if seen is not None:
+            seen.append(sorted(n for n, g in before.items() if g._version != stepped[n][1]))
+        opt.step()
+        stepped = {n: (p.grad, p.grad._version) for n, p in model.named_parameters() if p.grad is not None}
+        if clear is not None:
+            opt.zero_grad(set_to_none=clear == "set_to_none")
+        if rec is not None:
+            rec.step()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support", "ignore:Sparse invariant checks")
+@pytest.mark.parametrize("clear", [None, "set_to_none", "zeros kept"])
+@pytest.mark.parametrize(("layout", "optimizer"), [("coo", "SGD"), ("coo", "SparseAdam"), ("csr", "SGD")])
+def test_a_sparse_grad_not_cleared_after_the_optimizer_step_is_named(db, layout, optimizer, clear):
+    """A sparse `.grad` has no storage of its own (no data pointer): it used to be left out of the check, so a
+    missing zero_grad() went unnamed for nn.Embedding(sparse=True) while the dense embedding was named."""
+    seen: list = []
+    plain = _sparse_model(layout)
+    _sparse_loop(plain, optimizer, clear, 3, seen=seen)
+    name = "emb.weight" if layout == "coo" else "csr"
+    if clear != "set_to_none":
+        assert plain.get_parameter(name).grad.layout is {"coo": torch.sparse_coo, "csr": torch.sparse_csr}[layout]
+    want = [name] if clear is None else []
+    assert seen == [[], want, want]
+    model = _sparse_model(layout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradstore.record("carry", db=db, model=model) as rec:
+            _sparse_loop(model, optimizer, clear, 3, rec=rec)
+    said = _said(caught, "not cleared since")
+    if not want:
+        assert said == []
+        return
+    assert len(said) == 1 and f"step 1 added to the .grad of 1 parameter(s) ({name})" in said[0], said
+    # the recording changed no gradient or parameter: as the unrecorded loop
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.detach().to_dense(), q.detach().to_dense()), n
+        assert torch.equal(p.grad.to_dense(), q.grad.to_dense()), n  # the last step's (clear is None here)

@@ -3,9 +3,10 @@
 - A `.grad` an optimizer stepped with that nobody cleared before a later backward pass adds to it (a missing
   `zero_grad()`): the gradient accumulates across optimizer steps. Told per parameter by three facts: its `.grad`
   at the start of a top-level backward pass is the tensor the optimizer stepped with, at the same data pointer and
-  version counter (hooks.cpp `grad_states`; `zero_grad(set_to_none=False)` moves the counter, `set_to_none=True`
-  makes it None); it is not all zeros then (`p.grad.data.zero_()` moves no counter: the norms of those `.grad`s,
-  CPU tensors only, tell); and that pass changed it (`PassRecord.grads_changed`). A pass that does not
+  version counter (hooks.cpp `grad_states`; a sparse `.grad`, which has no storage of its own: the same TensorImpl
+  and version counter; `zero_grad(set_to_none=False)` moves the counter, `set_to_none=True` makes it None); it is
+  not all zeros then (`p.grad.data.zero_()` moves no counter: the norms of those `.grad`s, a sparse one's stored
+  values, CPU tensors only, tell); and that pass changed it (`PassRecord.grads_changed`). A pass that does not
   reach the parameter (a GAN's discriminator pass, the generator's `.grad` left for its own `zero_grad`) is no
   such addition.
 - A parameter with a `.grad`, at the end of several recorded steps in a row with an optimizer step, that no
@@ -21,12 +22,25 @@ Relies on `id()` of the parameters in the optimizers' `param_groups` (public).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from . import torch_private as tp
 from .param_list import ids_of, names_of
 
 UNHELD_STEPS = 5  # recorded steps in a row, each with an optimizer step, before a never-held parameter is named
 ZEROED_STEPS = 3  # steps whose unchanged .grads were all zeros (`p.grad.data.zero_()`) before the check stops
+
+
+_STRIDED = torch.strided
+
+
+def _stored(g):
+    """The values a sparse `.grad` (COO, CSR, CSC, BSR, BSC) stores, whose norm is 0 exactly when it is all zeros:
+    an uncoalesced COO tensor's through a coalesced copy (duplicates that cancel sum to zero; `coalesce()` returns a
+    new tensor, the `.grad` is left as it is)."""
+    if g.layout is torch.sparse_coo and not g.is_coalesced():
+        g = g.detach().coalesce()
+    return tp.sparse_values(g)
 
 
 class OptimizerReads:
@@ -96,7 +110,8 @@ class OptimizerReads:
 
     def _nonzero(self, params: list, same: np.ndarray) -> np.ndarray:
         """`same` less the parameters whose `.grad` is all zeros now (cleared through `.data`, which moves no
-        version counter) or not a CPU tensor (not read: nothing told)."""
+        version counter; a sparse `.grad`: its stored values, `_stored`) or not a CPU tensor (not read: nothing
+        told)."""
         at = np.flatnonzero(same).tolist()
         grads = [params[i][1].grad for i in at]
         if any(g is None or g.device.type != "cpu" for g in grads):
@@ -106,7 +121,7 @@ class OptimizerReads:
         out = np.zeros_like(same)
         if not grads:
             return out
-        norms = tp.foreach_norm(grads)
+        norms = tp.foreach_norm([g if g.layout is _STRIDED else _stored(g) for g in grads])
         nonzero = [bool(n != 0) for n in norms]  # NaN != 0: a carried NaN is carried
         for i, nz in zip(at, nonzero):
             out[i] = nz

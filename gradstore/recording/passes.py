@@ -140,8 +140,11 @@ def _grad_state(p) -> tuple | None:
         return None
     try:
         return g.data_ptr(), g._version
-    except Exception:  # a tensor subclass without storage or version counter: compared by identity instead
-        return id(g), None
+    except Exception:  # no storage: a sparse tensor (its identity and version counter), or a subclass (identity)
+        try:
+            return id(g), g._version
+        except Exception:
+            return id(g), None
 
 
 _NO_GRAD = -2  # grad_states' second word for a `.grad` of None (hooks.cpp)

@@ -1514,8 +1514,10 @@ PyObject* grad_words(PyObject* params, const char* what, Fill fill) {
 }
 
 // grad_states(params) -> bytes, or None (grad_words): two int64 per parameter: (0, -2) for a `.grad` of None, (data
-// pointer, version counter) for a `.grad` with storage and a version, else (its TensorImpl's address, -1). What
-// tells that a `.grad` changed (gradstore.recording.passes).
+// pointer, version counter) for a `.grad` with storage and a version, (its TensorImpl's address, version counter)
+// for a sparse one (COO, CSR, CSC, BSR, BSC: no storage of its own; accumulating into it, zero_() and any other
+// in-place op move its counter), else (its TensorImpl's address, -1). What tells that a `.grad` changed
+// (gradstore.recording.passes).
 PyObject* py_grad_states(PyObject*, PyObject* params) {
   return grad_words<2>(params, "grad_states", [](const at::Tensor& grad, int64_t* w) {
     w[0] = 0;
@@ -1524,8 +1526,11 @@ PyObject* py_grad_states(PyObject*, PyObject* params) {
     c10::TensorImpl* impl = grad.unsafeGetTensorImpl();
     w[0] = (int64_t)(intptr_t)impl;
     w[1] = -1;
-    if (impl->has_storage() && !impl->is_inference() && !impl->is_python_dispatch()) {
+    if (impl->is_inference() || impl->is_python_dispatch()) return;
+    if (impl->has_storage()) {
       w[0] = (int64_t)(intptr_t)grad.data_ptr();
+      w[1] = (int64_t)impl->version_counter().current_version();
+    } else if (impl->is_sparse() || impl->is_sparse_compressed()) {
       w[1] = (int64_t)impl->version_counter().current_version();
     }
   });
