@@ -1266,7 +1266,8 @@ def list_queries(verbose):
 )
 def explain(db, run, key, step, rank, sequence_nr):
     """Explain node KEY of run RUN in database DB: its name, kind and module, where its grad_outputs come from
-    and its grad_inputs go (edges), and its calls' grad_output / grad_input statistics at a step.
+    and its grad_inputs go (the edges that held in that step), and its calls' grad_output / grad_input
+    statistics at a step.
 
     KEY is a node key as `gradstore query DB nodes -p run=RUN` lists it, e.g. 'fc/AddmmBackward0#0' or
     'param:fc.weight' (any name of a tied parameter: the output says which names it is tied to). Or leave KEY out

@@ -155,6 +155,7 @@ class PassRecord:
     duration: float | None = None
     nodes: list[NodeInfo] = field(default_factory=list)
     edges: list[tuple[str, int, str, int]] = field(default_factory=list)
+    walked: bool = False  # `edges` are every edge of the graph the pass walked (False: none walked, stats='params')
     calls: list[tuple[str, int, float, float | None, int | None]] = field(default_factory=list)
     tensors: list[dict] = field(default_factory=list)
     nonfinite: bool = False

@@ -316,6 +316,60 @@ def test_recording_every_other_step_of_a_compiled_model_compiles_no_more_than_wi
     assert [c for (c,) in calls] == [""]
 
 
+class ShapeBranch(nn.Module):
+    """block runs only for a batch of more than 4: compiled with dynamic=False, the second batch size recompiles
+    the region with block's parameters among its inputs, and its grad_inputs' slots move."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if x.shape[0] > 4:
+            h = self.block(h)
+        return self.out(h)
+
+
+def test_a_recompiled_regions_edges_are_those_of_each_step(tmp_path):
+    """The region's node keeps its key (CompiledFunctionBackward#0) across the recompile; its edges to the
+    parameters are, per step, those of that step's graph: expected from the live node's next_functions (the
+    AccumulateGrad's variable, plain torch). The record used to list both steps' edges for step 1, grad_inputs[3]
+    going to out.weight and to block.weight."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    net = ShapeBranch()
+    compiled = torch.compile(net, backend="aot_eager", dynamic=False)
+    names = {id(p): f"param:{n}" for n, p in net.named_parameters()}
+    db = str(tmp_path / "r.db")
+    want = []
+    with gradstore.record("recompile", db=db, model=compiled) as rec:
+        for bs in (3, 5, 3):
+            loss = compiled(torch.randn(bs, 4)).sum()
+            region = loss.grad_fn.next_functions[0][0]
+            assert region.name() == "CompiledFunctionBackward"
+            want.append(
+                {
+                    (slot, names[id(nxt.variable)])
+                    for slot, (nxt, _) in enumerate(region.next_functions)
+                    if nxt is not None and hasattr(nxt, "variable")
+                }
+            )
+            loss.backward()
+            rec.step()
+    torch._dynamo.reset()
+    assert (3, "param:block.weight") in want[1] and (3, "param:out.weight") in want[0] and want[0] == want[2]
+    with gradstore.open(db) as store:
+        for step, edges in enumerate(want):
+            got = store.edges("recompile", step=step)
+            got = got[(got.src == "CompiledFunctionBackward#0") & got.dst.str.startswith("param:")]
+            assert set(zip(got.src_slot, got.dst)) == edges, step
+        text = str(gradstore.explain(store, "recompile", "CompiledFunctionBackward#0", step=1))
+        assert "grad_inputs[3] -> param:block.weight" in text and "grad_inputs[3] -> param:out.weight" not in text
+
+
 class BrokenBlock(Block):
     """Block with a graph break between its two layers: dynamo compiles Net's forward in several graphs."""
 

@@ -287,3 +287,44 @@ def test_merge_carries_step_values_summaries_and_dumps(tmp_path, monkeypatch):
     assert list(merged.dumps("loop")["rank"]) == [0, 1]
     levels = merged.steps("loop").set_index(["rank", "step"])["level"]
     assert list(levels.loc[0]) == ["summary", "summary", "full", "full", "summary"] == list(levels.loc[1])
+
+
+def test_the_graphs_each_step_walked_are_merged(tmp_path, monkeypatch):
+    """A data-dependent branch (b on even steps only) recorded by two ranks into two files: after the merge, the
+    edges of each step and rank are those that held there (as each source has them), each graph stored once."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.c(self.b(h) if x.sum() > 0 else h)
+
+    paths = []
+    for rank in (0, 1):
+        path = str(tmp_path / f"r{rank}.db")
+        monkeypatch.setattr(recorder, "_rank_and_world_size", lambda rank=rank: (rank, 2))
+        model = Branchy()
+        with gradstore.record("job", db=path, model=model) as rec:
+            for step in range(3):
+                model(torch.full((2, 3), 1.0 if (step + rank) % 2 == 0 else -1.0)).sum().backward()
+                rec.step()
+        gradstore.open(path).close()
+        paths.append(path)
+    out = str(tmp_path / "out.db")
+    merge(out, paths)
+    cols = ["src", "src_slot", "dst", "dst_slot", "held"]
+    with gradstore.open(out) as merged:
+        for rank, path in enumerate(paths):
+            with gradstore.open(path) as src:
+                for step in range(3):
+                    got, want = merged.edges("job", step=step, rank=rank), src.edges("job", step=step)
+                    pd.testing.assert_frame_equal(canonical(got[cols]), canonical(want[cols]), obj=f"{rank} {step}")
+                    assert (got.held == "yes").all()
+        # rank 0's step 0 (b ran) and rank 1's step 0 (b did not) differ
+        assert "b/AddmmBackward0#0" in set(merged.edges("job", step=0, rank=0).dst)
+        assert "b/AddmmBackward0#0" not in set(merged.edges("job", step=0, rank=1).dst)
+    assert scalar(out, "SELECT COUNT(*) FROM graphs") == 2 == scalar(paths[0], "SELECT COUNT(*) FROM graphs")

@@ -951,3 +951,39 @@ def test_upgrade_0010_to_0011_adds_the_calls_sequence_nr_and_down_again(tmp_path
         assert conn.execute("SELECT sql FROM sqlite_master WHERE name = 'calls'").fetchone()[0] == view_before
         assert conn.execute("SELECT * FROM calls ORDER BY id").fetchall()[: len(before)] == before
         assert conn.execute("SELECT * FROM call_data ORDER BY id").fetchall()[: len(data_before)] == data_before
+
+
+# ---- revision 0012_edge_steps: the graph each pass walked ---------------------------------------------------------
+def test_upgrade_to_0012_adds_graphs_and_down_again(tmp_path):
+    """The committed revision-0003 file, at 0010_pass_errors, then 0012_edge_steps: every pass keeps its values and
+    reads graph_id NULL (which edges held in its step is not known), so a step's edges are every edge seen by then,
+    said so (held 'not recorded per step'); the union is unchanged. Down to 0010 drops the column and tables."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-loop.db", path)
+    _migrate(path, "0010_pass_errors")
+    with sqlite3.connect(path) as conn:
+        before = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
+        edges = conn.execute("SELECT src, src_slot, dst, dst_slot, first_step FROM edges ORDER BY id").fetchall()
+    _migrate(path, "0012_edge_steps")
+    with sqlite3.connect(path) as conn:
+        after = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
+        assert conn.execute("SELECT COUNT(*) FROM graphs").fetchone() == (0,)
+        assert conn.execute("SELECT COUNT(*) FROM graph_edges").fetchone() == (0,)
+    assert len(before) == len(after) > 0 and len(edges) == 10
+    assert columns[-1] == "graph_id" and [r[:-1] for r in after] == before and {r[-1] for r in after} == {None}
+    _migrate(path, database.head_revision())
+    store = gradstore.open(path)
+    union = store.edges("asset-run-0003")
+    assert len(union) == len(edges) and union["held"].isna().all()
+    at_0 = store.edges("asset-run-0003", step=0)
+    assert len(at_0) == sum(first <= 0 for *_, first in edges)
+    assert (at_0["held"] == "not recorded per step").all()
+    explained = str(gradstore.explain(path, "asset-run-0003", "0/AddmmBackward0#0", step=0))
+    assert "which held in step 0 was not recorded" in explained
+    store.close()
+    _migrate(path, "0010_pass_errors", down=True)
+    with sqlite3.connect(path) as conn:
+        assert "graph_id" not in [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
+        assert not conn.execute("SELECT 1 FROM sqlite_master WHERE name IN ('graphs', 'graph_edges')").fetchall()
+        assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before

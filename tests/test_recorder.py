@@ -484,6 +484,110 @@ def test_edges_written_once_across_steps(db):
     assert set(e.first_step) == {0}
 
 
+class Branchy(nn.Module):
+    """a, then b only where the input's sum is positive (data-dependent control flow), then c."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.sum() > 0:
+            h = self.b(h)
+        return self.c(h)
+
+
+def _branchy_edges(model: Branchy, x: torch.Tensor) -> tuple[torch.Tensor, set]:
+    """The loss of one step and its edges by key, from the live graph's next_functions (walked here): a module's
+    output node is MODULE/AddmmBackward0#0, the weight's transpose MODULE/TBackward0#0, a parameter's
+    AccumulateGrad param:NAME, the sum SumBackward0#0."""
+    outputs = {}
+    handles = [
+        getattr(model, m).register_forward_hook(lambda mod, args, out, m=m: outputs.__setitem__(m, out.grad_fn))
+        for m in ("a", "b", "c")
+    ]
+    try:
+        loss = model(x).sum()
+    finally:
+        for h in handles:
+            h.remove()
+    key = {loss.grad_fn: "SumBackward0#0"}
+    for m, node in outputs.items():
+        key[node] = f"{m}/AddmmBackward0#0"
+        key[node.next_functions[2][0]] = f"{m}/TBackward0#0"
+    names = {id(p): f"param:{n}" for n, p in model.named_parameters()}
+
+    def k(node):
+        return names[id(node.variable)] if plain_name(node) == "AccumulateGrad" else key[node]
+
+    edges = {
+        (k(node), slot, k(nxt), input_nr)
+        for node in reachable([loss.grad_fn])
+        for slot, (nxt, input_nr) in enumerate(node.next_functions)
+        if nxt is not None
+    }
+    return loss, edges
+
+
+def test_edges_of_a_step_are_the_edges_that_held_in_it(db):
+    """A graph whose structure changes between steps (b runs on even steps only): each step's edges are those of
+    its own graph (c's grad_inputs[1] goes to b's output node on even steps, to a's on odd ones), not every step's;
+    without a step, the union; explain and the graph drawing of a step show that step's. The graphs repeat: stored
+    once each, however many steps walk them."""
+    model = Branchy()
+    want = []
+    with gradstore.record("branchy", db=db, model=model) as rec:
+        for step in range(4):
+            x = torch.full((2, 3), 1.0 if step % 2 == 0 else -1.0)
+            loss, edges = _branchy_edges(model, x)
+            want.append(edges)
+            loss.backward()
+            model.zero_grad()
+            rec.step()
+    assert want[0] == want[2] and want[1] == want[3] and want[0] != want[1]
+    assert ("c/AddmmBackward0#0", 1, "b/AddmmBackward0#0", 0) in want[0] - want[1]
+    assert ("c/AddmmBackward0#0", 1, "a/AddmmBackward0#0", 0) in want[1] - want[0]
+    store = gradstore.open(db)
+    for step in range(4):
+        got = store.edges("branchy", step=step)
+        assert set(zip(got.src, got.src_slot, got.dst, got.dst_slot)) == want[step], step
+        assert len(got) == len(want[step]) and (got.held == "yes").all()
+        assert set(store.edges("branchy", step=step, rank=0).dst) == {e[2] for e in want[step]}
+    union = store.edges("branchy")
+    assert set(zip(union.src, union.src_slot, union.dst, union.dst_slot)) == want[0] | want[1]
+    assert union.held.isna().all() and len(union) == len(want[0] | want[1])
+    assert store.edges("branchy", step=9).empty  # no such step: no edge held in it
+    # explain: c's grad_inputs at step 1 go to a's output and c's own parameters only
+    odd = gradstore.explain(store, "branchy", "c/AddmmBackward0#0", step=1)
+    assert set(zip(odd.edges_out.src_slot, odd.edges_out.dst)) == {
+        (slot, dst) for src, slot, dst, _ in want[1] if src == "c/AddmmBackward0#0"
+    }
+    assert "edges in step 1" in str(odd)
+    not_walked = str(gradstore.explain(store, "branchy", "param:b.weight", step=1))
+    assert "edges: none in step 1" in not_walked
+    last = gradstore.explain(store, "branchy", "c/AddmmBackward0#0")  # the last step it ran in: 3
+    assert last.step == 3 and set(zip(last.edges_out.src_slot, last.edges_out.dst)) == {
+        (slot, dst) for src, slot, dst, _ in want[3] if src == "c/AddmmBackward0#0"
+    }
+    # each graph once, each pass naming its own
+    with gradstore.store.database.make_engine(db).connect() as conn:
+        from sqlalchemy import text
+
+        assert conn.execute(text("SELECT COUNT(*) FROM graphs")).scalar() == 2
+        ids = [r[0] for r in conn.execute(text("SELECT graph_id FROM passes ORDER BY id"))]
+    assert ids[0] == ids[2] != ids[1] == ids[3]
+    # the drawing of a step: that step's edges (every node ran)
+    graphviz = pytest.importorskip("graphviz")
+    from gradstore.view import graph
+
+    for step in (0, 1):
+        g = graph(store, "branchy", step=step)
+        assert isinstance(g, graphviz.Digraph) and sum("->" in line for line in g.body) == len(want[step])
+    store.close()
+
+
 # ---- step status ------------------------------------------------------------------------------------------------
 def test_error_step_decorator_same_exception(db):
     m = _model()

@@ -483,15 +483,16 @@ class RecordedExplanation:
 
     Attributes: run, key, name, kind, module, param, first_step, region (a compiled region's modules, comma-separated,
     or None), frame (the user-code line that created it, 'file:line in function', with record(frames=True); None:
-    not recorded); edges_in / edges_out: DataFrames (src, src_slot,
-    dst, dst_slot): who sends gradients into this node's grad_outputs and where its grad_inputs go; step and
-    rank: the step shown; calls: DataFrame of its calls in that step (pass, seq, start, duration in s, sequence_nr:
-    the node's autograd sequence number in that step, NULL for AccumulateGrad and for calls stored before schema
-    revision 0011_sequence_nr);
-    tensors: DataFrame of its gradient statistics in that step (pass, seq, role grad_output / grad_input /
-    saved, slot, status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros); statuses: a
-    parameter's param_status rows where its node had no call; tied: a tied parameter's names, the one asked for
-    first ('head.weight, emb.weight'), else None.
+    not recorded); edges_in / edges_out: DataFrames (src, src_slot, dst, dst_slot): who sends gradients into this
+    node's grad_outputs and where its grad_inputs go, in the graphs step `edges_step` walked (`edges_at` 'step';
+    'unknown': that step's graphs were not recorded, every edge seen by then; 'union': no step, every edge of the
+    run, the union over its steps); step and rank: the step shown; calls: DataFrame of its calls in that step
+    (pass, seq, start, duration in s, sequence_nr: the node's autograd sequence number in that step, NULL for
+    AccumulateGrad and for calls stored before schema revision 0011_sequence_nr); tensors: DataFrame of its
+    gradient statistics in that step (pass, seq, role grad_output / grad_input / saved, slot, status, dtype, shape,
+    numel, norm, min, max, mean, std, nan, posinf, neginf, zeros); statuses: a parameter's param_status rows where
+    its node had no call; tied: a tied parameter's names, the one asked for first ('head.weight, emb.weight'), else
+    None.
     """
 
     run: str
@@ -511,6 +512,8 @@ class RecordedExplanation:
     frame: str | None = None
     statuses: object = None  # a parameter's key without a call: DataFrame (step, rank, status) of param_status
     tied: str | None = None  # a tied parameter: its names (the one asked for first), e.g. 'head.weight, emb.weight'
+    edges_step: int | None = None  # the step whose graphs the edges are of (None: the union over steps)
+    edges_at: str = "union"  # 'step', 'unknown' (that step's graphs not recorded) or 'union'
 
     def lines(self) -> list[str]:
         where = f"module {self.module!r}" if self.module else "top level (the model itself, or no module)"
@@ -545,12 +548,29 @@ class RecordedExplanation:
                     f"made inside a torch.compile region of {where}, where no module hook runs: which of its "
                     f"submodules ({inside}) made it is not known (the same model run uncompiled names it)"
                 )
-        if len(self.edges_in) == 0 and len(self.edges_out) == 0:  # not "no edges": none were recorded
+        if len(self.edges_in) == 0 and len(self.edges_out) == 0 and self.edges_at == "step":
+            out.append(
+                f"edges: none in step {self.edges_step}: no graph its backward passes walked holds this node (the "
+                "run's other steps may: explain without a step shows the union)"
+            )
+        elif len(self.edges_in) == 0 and len(self.edges_out) == 0:  # not "no edges": none were recorded
             out.append(
                 "edges: none recorded (the record holds the edges of the graphs backward passes walked: none at "
                 "stats='params', and none of a node no pass reached)"
             )
         else:
+            if self.edges_at == "union":
+                out.append(
+                    "edges: every step's, the union (where the graph changed between steps, as with data-dependent "
+                    "control flow or a recompiled region, they did not all hold at once; give a step for its own)"
+                )
+            elif self.edges_at == "unknown":
+                out.append(
+                    f"edges: which held in step {self.edges_step} was not recorded (a step written before schema "
+                    "revision 0012_edge_steps, or stats='params'): every edge seen by then"
+                )
+            else:
+                out.append(f"edges in step {self.edges_step} (the graphs its backward passes walked):")
             out.append(f"grad_outputs come from ({len(self.edges_in)} edge(s)):")
             for r in self.edges_in.itertuples():
                 out.append(f"  {r.src} grad_inputs[{r.src_slot}] -> grad_outputs[{r.dst_slot}]")
@@ -563,7 +583,7 @@ class RecordedExplanation:
                 out.append(
                     f"  {slots} go(es) to more than one node: this key names nodes of several passes or steps "
                     "that repeat one another (micro-batches, steps of the same code), whose graphs differ there; "
-                    "the edges above are the union over the run (store.edges has each one's first_step)"
+                    "the edges above are the union over those passes (store.edges has each one's first_step)"
                 )
         if self.step is None:
             out.append(
@@ -717,10 +737,6 @@ def explain_recorded(
         n = hit.iloc[0]
         if step is not None:
             _check_step(store, run, step, rank)
-        edges = store.edges(run=run)
-        cols = ["src", "src_slot", "dst", "dst_slot"]
-        edges_in = edges[edges["dst"] == key][cols].reset_index(drop=True)
-        edges_out = edges[edges["src"] == key][cols].sort_values("src_slot").reset_index(drop=True)
         module = n["module"] if isinstance(n["module"], str) else ""
         calls = store.calls(run=run, step=step, rank=rank, module=module or None)  # a step given: its calls only
         calls = calls[calls["key"] == key]
@@ -733,6 +749,15 @@ def explain_recorded(
             calls = calls[calls["rank"] == chosen_rank].sort_values("seq").reset_index(drop=True)
             tensors = store.tensors(run=run, step=chosen_step, rank=chosen_rank, module=module or None)
             tensors = tensors[(tensors["key"] == key) & tensors["seq"].notna()].reset_index(drop=True)
+        # the edges that held in the step shown (or the one asked for); without either, the union over the steps
+        edges_step = chosen_step if chosen_step is not None else step
+        edges_rank = chosen_rank if chosen_step is not None else rank
+        edges = store.edges(run=run, step=edges_step, rank=edges_rank if edges_step is not None else None)
+        cols = ["src", "src_slot", "dst", "dst_slot"]
+        edges_in = edges[edges["dst"] == key][cols].reset_index(drop=True)
+        edges_out = edges[edges["src"] == key][cols].sort_values("src_slot").reset_index(drop=True)
+        held = edges["held"].dropna()
+        edges_at = "union" if edges_step is None else "unknown" if (held == "not recorded per step").any() else "step"
         param = n["param"] if isinstance(n["param"], str) else None
         statuses = None
         if param is not None and calls.empty:  # no AccumulateGrad call: param_status says why, step by step
@@ -752,6 +777,8 @@ def explain_recorded(
             edges_in=edges_in,
             edges_out=edges_out,
             calls=calls[["pass", "seq", "start", "duration", "sequence_nr"]] if not calls.empty else calls,
+            edges_step=edges_step,
+            edges_at=edges_at,
             tensors=tensors,
             region=region,
             frame=frame,

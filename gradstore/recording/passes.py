@@ -574,6 +574,7 @@ class PassRecorder:
                 blob = self.walk.edge_bytes
                 if blob is not None:  # the C++ walk's bytes, with the keys: built where they are read
                     rec.edges.pack = lambda: PackedRows("edges", len(edges), (blob, [i.key for i in infos]))
+                rec.walked = True
             if native is not None:
                 self._native_rows(native, param_keys)
             else:

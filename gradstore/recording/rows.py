@@ -81,6 +81,20 @@ class LazyRows(Sequence):
         """True once the rows exist."""
         return self._rows is not None
 
+    def identity(self) -> tuple:
+        """A hashable value that is equal for two row sequences holding the same rows in the same order, made
+        without building the rows where they are still packed (`pack`: the C++ walk's edge bytes with the node
+        keys); else the rows as a tuple. Two sequences of the same rows in another order give different values.
+        The writer uses it to tell a pass's graph (`PassRecord.edges`) seen before at the cost of one hash."""
+        if self._rows is None and self.pack is not None:
+            try:
+                packed = self.pack()
+            except Exception:
+                packed = None
+            if isinstance(packed, PackedRows):
+                return packed.identity()
+        return tuple(self.rows())
+
     def __len__(self) -> int:
         return self._len if self._len >= 0 else len(self.rows())
 
@@ -162,6 +176,12 @@ class PackedRows(LazyRows):
     def payload(self) -> tuple:
         """What the rows are built from (see Args): bytes, keys and rows, never changed once made."""
         return self._payload
+
+    def identity(self) -> tuple:
+        """As `LazyRows.identity`: for 'edges' and 'walk_edges', the packed bytes and node keys (no row built)."""
+        if self._what in ("edges", "walk_edges") and self._rows is None:
+            return (self._what, *(tuple(x) if isinstance(x, list) else x for x in self._payload))
+        return tuple(self.rows())
 
 
 def unpack(what: str, payload: tuple) -> list:

@@ -7,7 +7,8 @@ the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank
   the worst of error / running / finished, created_at the earliest, finished_at the latest);
 - steps are appended per (run, rank, step); one that OUT already holds is an error (`MergeConflict`, naming
   it), or is skipped with its passes, calls and tensors when `skip_existing=True`;
-- nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated;
+- nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated, and the graphs
+  each pass walked (revision 0012_edge_steps) matched by digest, with their edges;
 - passes, calls and tensors are copied with remapped ids (each pass's calls stay an id range), with their
   reasons, checksums, sparse layouts and DTensor layouts (shardings matched by key), and with each tensor the
   rows keyed by its id (tensor_notes, tensor_shardings, and revision 0008_inside's tensor_slices,
@@ -271,7 +272,10 @@ def _merge_nodes(src, dst, run_map, report) -> dict[int, int]:
     return node_map
 
 
-def _merge_edges(src, dst, run_map, node_map, report) -> None:
+def _merge_edges(src, dst, run_map, node_map, report) -> dict[int, int]:
+    """Edges matched by their nodes and slots within the run (new ones added; first_step the earliest); returns
+    the input's edge id -> OUT's."""
+    edge_map: dict[int, int] = {}
     for src_run, dst_run in run_map.items():
         have = {
             (a, a_slot, b, b_slot): (eid, first)
@@ -286,11 +290,12 @@ def _merge_edges(src, dst, run_map, node_map, report) -> None:
                 ).where(s.edges.c.run_id == dst_run)
             )
         }
-        new_rows = []
+        new_rows, new_src = [], []
         for e in src.execute(select(s.edges).where(s.edges.c.run_id == src_run).order_by(s.edges.c.id)).mappings():
             key = (node_map[e["src"]], e["src_slot"], node_map[e["dst"]], e["dst_slot"])
             hit = have.get(key)
             if hit is None:
+                new_src.append(e["id"])
                 new_rows.append(
                     {
                         "run_id": dst_run,
@@ -302,11 +307,48 @@ def _merge_edges(src, dst, run_map, node_map, report) -> None:
                     }
                 )
                 have[key] = (None, e["first_step"])
-            elif hit[0] is not None and e["first_step"] < hit[1]:
-                dst.execute(update(s.edges).where(s.edges.c.id == hit[0]).values(first_step=e["first_step"]))
-        for chunk in _chunks(new_rows):
-            dst.execute(insert(s.edges), chunk)
+            else:  # (an input holds each edge once: its nodes and slots are unique)
+                edge_map[e["id"]] = hit[0]
+                if e["first_step"] < hit[1]:
+                    dst.execute(update(s.edges).where(s.edges.c.id == hit[0]).values(first_step=e["first_step"]))
+        edge_map.update(zip(new_src, _insert_returning_ids(dst, s.edges, new_rows)))
         report.edges += len(new_rows)
+    return edge_map
+
+
+def _merge_graphs(src, dst, run_map, edge_map) -> dict[int, int]:
+    """graphs (revision 0012_edge_steps) matched by digest within the run (new ones added with their graph_edges;
+    first_step the earliest); returns the input's graph id -> OUT's."""
+    graph_map: dict[int, int] = {}
+    g = s.graphs.c
+    for src_run, dst_run in run_map.items():
+        have = {
+            digest: (gid, first)
+            for gid, digest, first in dst.execute(select(g.id, g.digest, g.first_step).where(g.run_id == dst_run))
+        }
+        new_rows, new_src = [], []
+        for row in src.execute(select(s.graphs).where(g.run_id == src_run).order_by(g.id)).mappings():
+            hit = have.get(row["digest"])
+            if hit is None:
+                new_src.append(row["id"])
+                new_rows.append({**{k: v for k, v in row.items() if k != "id"}, "run_id": dst_run})
+                continue
+            graph_map[row["id"]] = hit[0]
+            if row["first_step"] < hit[1]:
+                dst.execute(update(s.graphs).where(g.id == hit[0]).values(first_step=row["first_step"]))
+        new_ids = _insert_returning_ids(dst, s.graphs, new_rows)
+        graph_map.update(zip(new_src, new_ids))
+        added = dict(zip(new_src, new_ids))
+        for ids in _chunks(list(added), _IN):
+            rows = [
+                {"graph_id": added[gid], "edge_id": edge_map[eid]}
+                for gid, eid in src.execute(
+                    select(s.graph_edges.c.graph_id, s.graph_edges.c.edge_id).where(s.graph_edges.c.graph_id.in_(ids))
+                )
+            ]
+            if rows:
+                dst.execute(insert(s.graph_edges), rows)
+    return graph_map
 
 
 def _merge_one(src, dst, db: str, out: str, skip_existing: bool, tick: Callable[[int], None]) -> MergeReport:
@@ -315,7 +357,8 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool, tick: Callable[
     step_map = _merge_steps(src, dst, run_map, names, db, out, skip_existing, report)
     tick(len(step_map))
     node_map = _merge_nodes(src, dst, run_map, report)
-    _merge_edges(src, dst, run_map, node_map, report)
+    edge_map = _merge_edges(src, dst, run_map, node_map, report)
+    graph_map = _merge_graphs(src, dst, run_map, edge_map)
 
     pass_map: dict[int, int] = {}
     for rows in _stream(src, s.passes):
@@ -323,6 +366,8 @@ def _merge_one(src, dst, db: str, out: str, skip_existing: bool, tick: Callable[
         for r in rows:
             r["step_id"] = step_map[r["step_id"]]
             r["first_call"] = r["last_call"] = None  # set below, from the calls' new ids
+            if r["graph_id"] is not None:
+                r["graph_id"] = graph_map[r["graph_id"]]
         src_ids = [r.pop("id") for r in rows]
         pass_map.update(zip(src_ids, _insert_returning_ids(dst, s.passes, rows)))
         tick(len(rows))

@@ -202,9 +202,17 @@ class Store:
         `module` keeps that module and its children."""
         return self.query("nodes", run=run, module=module)
 
-    def edges(self, run: str | None = None) -> pd.DataFrame:
-        """Edges: run, src, src_slot, dst, dst_slot, first_step (src.next_functions[src_slot] == (dst, dst_slot))."""
-        return self.query("edges", run=run)
+    def edges(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
+        """Edges, as queries/edges.sql: run, src, src_slot, dst, dst_slot (src.next_functions[src_slot] == (dst,
+        dst_slot)), first_step (the first step that walked it), held.
+
+        Without `step`: every edge of the run, the union over its steps (held NULL): where the graph's structure
+        changes between steps (data-dependent control flow, a recompiled torch.compile region) its edges never all
+        held at once. With `step`: the edges of the graphs that step's backward passes walked (on `rank`, or on
+        any rank), held 'yes'; for a step whose graphs were not recorded (written before schema revision
+        0012_edge_steps, or at stats='params') every edge first seen by then, held 'not recorded per step'.
+        Raises UnknownRun."""
+        return self.query("edges", run=run, step=step, rank=rank)
 
     def calls(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None

@@ -138,6 +138,9 @@ passes = Table(
     # the exception the pass raised, `Type: message` (revision 0010_pass_errors); NULL: it returned (or was stored
     # before that revision, when a raise was not recorded)
     Column("error", Text),
+    # the graph the pass walked (graphs.id; revision 0012_edge_steps); NULL: not walked (stats='params'), or stored
+    # before that revision: which edges held in the pass is not known
+    Column("graph_id", Integer),
     UniqueConstraint("step_id", "pass"),
 )
 
@@ -169,6 +172,31 @@ edges = Table(
     Column("dst_slot", Integer, nullable=False),
     Column("first_step", Integer, nullable=False),
     UniqueConstraint("src", "src_slot", "dst", "dst_slot"),
+)
+
+# ---- graphs: which edges held in which pass (revision 0012_edge_steps) ---------------------------------------
+# `edges` holds every edge a run's passes walked, once (the union over its steps). A graph is one set of edges a
+# pass walked, stored once per run however often it repeats (`digest`: sha256 of the sorted edges by node key, so
+# every writer of the run finds the same row); passes.graph_id names the graph of each pass, so the edges that held
+# in a step are those of its passes' graphs. A repeating graph costs each pass one integer.
+graphs = Table(
+    "graphs",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id"), nullable=False),
+    Column("digest", String(64), nullable=False),
+    Column("edges", Integer, nullable=False),  # how many edges it has
+    Column("first_step", Integer, nullable=False),
+    UniqueConstraint("run_id", "digest"),
+)
+
+graph_edges = Table(
+    "graph_edges",
+    metadata,
+    Column("graph_id", Integer, ForeignKey("graphs.id"), nullable=False),
+    Column("edge_id", Integer, ForeignKey("edges.id"), nullable=False),
+    PrimaryKeyConstraint("graph_id", "edge_id"),
+    sqlite_with_rowid=False,
 )
 
 # ---- claims: who is writing each (run, rank) now (revision 0007_faults) -------------------------------------

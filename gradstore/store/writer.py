@@ -8,7 +8,7 @@ warning and counted in `Writer.errors`; it never raises into training.
 Many writers, one database: every rank (process) has its own Writer. On SQLite each step transaction starts
 with BEGIN IMMEDIATE (the file's write lock, waited for up to the busy timeout), so id reservation and the
 whole step are one writer's at a time; on PostgreSQL ids come from sequences and rows of shared tables (nodes,
-edges, layouts) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
+edges, graphs, layouts) are inserted in key order. A step transaction that fails for a transient reason (SQLite busy, a
 PostgreSQL deadlock or serialization failure) is retried whole. A forked child gets fresh writers: the
 parent's queue, thread, connections and claims are not its own.
 
@@ -30,6 +30,7 @@ step it declines (one that cannot be sent) is written here too.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import math
 import operator
 import os
@@ -114,6 +115,7 @@ def use_native_rows(fn) -> None:
 
 
 _CHUNK = 500  # keys per IN (...) list
+_GRAPH_MEMO = 64  # passes' edge lists (by identity) whose graph the writer remembers, the latest
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
 
 
@@ -256,7 +258,9 @@ class Writer:
         self._sink_next: tuple | None = None  # (sink or None,) given to `offload`, not yet taken up
         self.offload_lost: str | None = None  # why the last sink went away, if one did
         self._node_ids: dict[int, dict[str, int]] = {}  # run id -> node key -> nodes.id
-        self._edges: set[tuple] = set()  # (run_id, (src key, src_slot, dst key, dst_slot)) already stored
+        self._edge_ids: dict[tuple, int] = {}  # (run_id, (src key, src_slot, dst key, dst_slot)) -> edges.id
+        self._graph_ids: dict[tuple, int] = {}  # (run_id, digest) -> graphs.id
+        self._graph_memo: dict[tuple, int] = {}  # (run_id, a pass's edges' identity()) -> graphs.id, the latest
         self._param_names: set[tuple] = set()  # (run_id, name) already stored
         self._layout_ids: dict[tuple, int] = {}  # (dtype, shape, numel) -> layouts.id
         self._sharding_ids: dict = {}  # gradstore.records.Sharding -> shardings.id
@@ -321,6 +325,7 @@ class Writer:
                     "first_call",
                     "last_call",
                     "error",
+                    "graph_id",
                 ),
             )
             + returning
@@ -382,7 +387,7 @@ class Writer:
         self._busy = False
         self._closed = False
         self._node_ids = {}  # the parent may have been inside a step transaction that is yet to commit
-        self._edges = set()
+        self._edge_ids, self._graph_ids, self._graph_memo = {}, {}, {}
         self._param_names = set()
         self._layout_ids = {}
         self._sharding_ids = {}
@@ -1027,14 +1032,14 @@ class Writer:
         if summary_id is not None:
             step_values.move(cur, paramstyle, summary_id, step_id)
         self._write_nodes(conn, b, added)
-        self._write_edges(conn, b, added)
+        graph_ids = self._write_graphs(conn, b, added)
         step_values.write(cur, paramstyle, step_id, b, self._node_ids[b.run_id])
         if b.passes or b.activations:
             # call ids first: each pass row records the id range of its calls (passes.first_call, last_call)
             n_calls = sum(len(p.calls) for p in b.passes)
             call_ids = self._reserve_ids(cur, "call_data", n_calls) if n_calls else []
             pass_ids, k = [], 0
-            for p in b.passes:
+            for p, graph_id in zip(b.passes, graph_ids):
                 ids = call_ids[k : k + len(p.calls)]
                 k += len(p.calls)
                 pass_ids.append(
@@ -1059,6 +1064,7 @@ class Writer:
                             min(ids) if ids else None,
                             max(ids) if ids else None,
                             p.error,
+                            graph_id,
                         ),
                     )
                 )
@@ -1140,27 +1146,84 @@ class Writer:
                 ids[key] = node_id
                 added.append((ids, key))
 
-    def _write_edges(self, conn, b: StepBatch, added: list) -> None:
-        seen, run_id = self._edges, b.run_id
-        new = {}
+    def _write_graphs(self, conn, b: StepBatch, added: list) -> list[int | None]:
+        """passes.graph_id of each pass of `b` (None for a pass that walked no graph: stats='params'), storing the
+        graphs and edges the run has not seen yet. A pass whose edges are a list the writer saw lately
+        (`LazyRows.identity`: the C++ walk's bytes and the node keys) costs one hash and no row."""
+        run_id, memo = b.run_id, self._graph_memo
+        out: list[int | None] = []
         for p in b.passes:
-            for e in p.edges:
-                if (run_id, e) not in seen:
-                    new[(run_id, e)] = None
-        if not new:
-            return
-        ids = self._node_ids[run_id]
-        rows = sorted((ids[src], slot, ids[dst], dslot) for _, (src, slot, dst, dslot) in new)
+            if not p.walked:
+                out.append(None)
+                continue
+            edges = p.edges
+            key = (run_id, edges.identity() if hasattr(edges, "identity") else tuple(edges))
+            graph_id = memo.get(key)
+            if graph_id is None:
+                graph_id = self._store_graph(conn, b, edges, added)
+                if graph_id is None:  # its rows could not be built (a recorder fault): not known
+                    out.append(None)
+                    continue
+                if len(memo) >= _GRAPH_MEMO:
+                    memo.pop(next(iter(memo)))
+                memo[key] = graph_id
+                added.append((memo, key))
+            out.append(graph_id)
+        return out
+
+    def _store_graph(self, conn, b: StepBatch, edges, added: list) -> int | None:
+        """The graphs.id of the set of `edges` (by key) in b's run: found by its digest (sha256 of the sorted edges'
+        repr, the same in every writer), else inserted with its edges (those the run lacks too) and graph_edges.
+        None where the rows could not be built (`LazyRows.fault`): which edges the pass walked is not known."""
+        run_id = b.run_id
+        distinct = sorted(set(edges))
+        if getattr(edges, "fault", None) is not None:
+            return None
+        digest = hashlib.sha256(repr(distinct).encode()).hexdigest()
+        gkey = (run_id, digest)
+        graph_id = self._graph_ids.get(gkey)
+        if graph_id is not None:
+            return graph_id
+        ids, edge_ids = self._node_ids[run_id], self._edge_ids
+        missing = {  # by node ids -> the cache's key
+            (ids[e[0]], e[1], ids[e[2]], e[3]): (run_id, e) for e in distinct if (run_id, e) not in edge_ids
+        }
+        if missing:
+            step = b.step
+            conn.execute(
+                _insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]),
+                [  # one order for every writer: concurrent inserts cannot deadlock
+                    {"run_id": run_id, "src": a, "src_slot": a_slot, "dst": d, "dst_slot": d_slot, "first_step": step}
+                    for a, a_slot, d, d_slot in sorted(missing)
+                ],
+            )
+            e = s.edges.c
+            srcs = sorted({k[0] for k in missing})
+            for i in range(0, len(srcs), _CHUNK):
+                rows = conn.execute(
+                    select(e.id, e.src, e.src_slot, e.dst, e.dst_slot).where(
+                        e.run_id == run_id, e.src.in_(srcs[i : i + _CHUNK])
+                    )
+                )
+                for edge_id, *at in rows:
+                    k = missing.get(tuple(at))
+                    if k is not None and k not in edge_ids:
+                        edge_ids[k] = edge_id
+                        added.append((edge_ids, k))
         conn.execute(
-            _insert_ignore(self.engine, s.edges, ["src", "src_slot", "dst", "dst_slot"]),
-            [
-                {"run_id": run_id, "src": e[0], "src_slot": e[1], "dst": e[2], "dst_slot": e[3], "first_step": b.step}
-                for e in rows
-            ],
+            _insert_ignore(self.engine, s.graphs, ["run_id", "digest"]),
+            [{"run_id": run_id, "digest": digest, "edges": len(distinct), "first_step": b.step}],
         )
-        for key in new:
-            seen.add(key)
-            added.append((seen, key))
+        g = s.graphs.c
+        graph_id = conn.execute(select(g.id).where(g.run_id == run_id, g.digest == digest)).scalar_one()
+        if distinct:
+            conn.execute(
+                _insert_ignore(self.engine, s.graph_edges, ["graph_id", "edge_id"]),
+                [{"graph_id": graph_id, "edge_id": edge_ids[(run_id, e)]} for e in distinct],
+            )
+        self._graph_ids[gkey] = graph_id
+        added.append((self._graph_ids, gkey))
+        return graph_id
 
     def _write_layouts(self, conn, triples: set, added: list) -> None:
         """Give each (dtype, shape, numel) in `triples` its layouts id (inserted when new, sorted: one order

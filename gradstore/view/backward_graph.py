@@ -63,7 +63,9 @@ def graph(
     Returns a `graphviz.Digraph`. Each node that ran in the step is a box: its name (`node.name()`), the key's
     ordinal, its module (or parameter, for an AccumulateGrad), the L2 norms of its grad_outputs (in) and
     grad_inputs (out) over the step's calls, and its first seq. Edges run from a node to its next_functions
-    (the direction gradients flow), labelled `grad_inputs[i] -> grad_outputs[j]` with the norm of that gradient.
+    (the direction gradients flow), labelled `grad_inputs[i] -> grad_outputs[j]` with the norm of that gradient:
+    those of the graphs the step's passes walked (`store.edges(run, step, rank)`; for a step written before schema
+    revision 0012_edge_steps, which did not record them, every edge seen by then, and the title says so).
     Nodes and edges whose gradients held NaN or Inf are red (exact counts), and the run's first non-finite node
     (in this step and rank) has a thick border and says so. Nodes that did not run in the step are left out.
     Rendering needs Graphviz's `dot` (Debian/Ubuntu: apt install graphviz).
@@ -100,7 +102,7 @@ def graph(
     calls = store.calls(run=run, step=step, rank=rank)
     ran = calls.groupby("key").agg(seq=("seq", "min"), calls=("seq", "size"))
     nodes = store.nodes(run=run).set_index("key")
-    edges = store.edges(run=run)
+    edges = store.edges(run=run, step=step, rank=rank)  # the graphs this step walked, not every step's
     edges = edges[edges["src"].isin(ran.index) & edges["dst"].isin(ran.index)]
 
     keep = set(ran.index)
@@ -155,6 +157,8 @@ def graph(
     first_key = start.key if start is not None and start.step == step and start.rank == rank else None
 
     what = f"step {step}, rank {rank}" + (f", {depth} edges around {around}" if around is not None else "")
+    if (edges["held"] == "not recorded per step").any():
+        what += " (which edges held in this step was not recorded: every edge seen by then)"
     g = gv.Digraph(
         name=f"{run} {what}",
         graph_attr={

@@ -205,7 +205,8 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
     `.grad` may still have: `Store.first_nonfinite` reports that row where no call came first, as at stats='params',
     which records no calls). Raises UnknownRun.
 
-    The path follows the recorded edges from the first non-finite call: an edge carried a non-finite gradient
+    The path follows the recorded edges from the first non-finite call (those of the graphs its step walked,
+    `Store.edges(run, step, rank)`): an edge carried a non-finite gradient
     when its source's grad_inputs[src_slot] (or, where that was not recorded, its destination's
     grad_outputs[dst_slot]) held NaN or Inf in that pass.
     """
@@ -267,7 +268,7 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
 
     nodes = store.nodes(run=run).set_index("key")
     ran = set(grads["key"])
-    edges = store.edges(run=run)
+    edges = store.edges(run=run, step=step, rank=rank)  # the graphs that step walked, not every step's
     upstream = list(dict.fromkeys(edges.loc[edges["dst"] == key, "src"]))
     arrived, arrived_from = None, None
     if outputs == "nonfinite":
