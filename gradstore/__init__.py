@@ -18,6 +18,7 @@ from .errors import (
     MissingDependency,
     NonFiniteGradient,
     NotAGradstoreDatabase,
+    OutputNotWritten,
     QueryParameterError,
     RankInUse,
     RecordUsageError,
@@ -27,9 +28,11 @@ from .errors import (
     SavedTensorsFreed,
     SchemaTooNew,
     SchemaTooOld,
+    StepNotWritten,
     UnknownNode,
     UnknownQuery,
     UnknownRun,
+    UnknownStep,
     ValuesNotRecorded,
     VerifyUsageError,
     WriteFailedWarning,
@@ -67,6 +70,8 @@ __all__ = [
     "NotAGradstoreDatabase",
     "RankInUse",
     "UnknownRun",
+    "UnknownStep",
+    "StepNotWritten",
     "UnknownQuery",
     "QueryParameterError",
     "ArgumentError",
@@ -92,6 +97,7 @@ __all__ = [
     "VerifyUsageError",
     "ValuesNotRecorded",
     "MissingDependency",
+    "OutputNotWritten",
 ]
 
 

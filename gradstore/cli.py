@@ -34,13 +34,15 @@ from contextlib import contextmanager
 import click
 import pandas as pd
 from sqlalchemy import and_, func, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .errors import GradstoreError
+from .records import HOOK_RAISED
 from .store import queries as named_queries
 from .store import schema as s
 from .store import shards
-from .store.database import DEFAULT_DB
+from .store.database import DEFAULT_DB, damaged
+from .store.database import explain as explain_db
 from .store.reader import Store
 from .store.schema import UNWRITTEN
 from .store.values import DTENSOR_PIECES
@@ -61,8 +63,26 @@ def _one_line(exc: BaseException) -> str:
     return f"database error: {text} ({type(cause).__module__}.{type(cause).__name__})"
 
 
+class _Command(click.Command):
+    """A command whose database errors name its database (the argument DB): a damaged SQLite file, wherever the
+    command reads it, gets the message every reader gives (`gradstore.store.database.explain`: the file, SQLite's
+    words, `PRAGMA integrity_check` and `.recover`), not the driver's bare one."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except DBAPIError as exc:
+            db = ctx.params.get("db") or ctx.params.get("db_path")
+            if isinstance(db, str) and damaged(exc):
+                raise explain_db(db, exc, writing=False) from None
+            raise
+
+
 class _Group(click.Group):
-    """A click group that turns GradstoreError and SQLAlchemyError into a one-line ClickException."""
+    """A click group that turns GradstoreError and SQLAlchemyError into a one-line ClickException; its commands
+    are `_Command`s."""
+
+    command_class = _Command
 
     def invoke(self, ctx: click.Context):
         try:
@@ -488,13 +508,16 @@ def _unwritten_line(store: Store, run: str, rank: int | None = None) -> str | No
     )
 
 
-def _status_why(row, skipped: dict | None = None, raised: str | None = None) -> str:
+def _status_why(
+    row, skipped: dict | None = None, raised: str | None = None, where: tuple = (False, None), fault: str = ""
+) -> str:
     """One line of README's param_status table for a row of Store.param_status (its status and the facts).
 
     skipped: parameter name -> the reason its gradient rows were stored as skipped in the step (a parameter with
     status 'received' whose gradient could not be measured: meta device, complex dtype, ...); raised: what a
     top-level backward pass of the step raised ('backward pass 0 raised RuntimeError: ... in BadBackward#0'),
-    None when none did."""
+    None when none did; where: `_raise_where` of the step's passes (a node's call left open; the parameter whose own
+    gradient hook raised); fault: the step's recorder faults ('' for none: `story.recorder_faults`)."""
     status, reached = row.status, row.reached
     if status == "unreachable":
         calls = getattr(row, "calls", None)
@@ -503,8 +526,25 @@ def _status_why(row, skipped: dict | None = None, raised: str | None = None) -> 
                 "its AccumulateGrad ran with no gradient: the backward of the op that uses it returned None for it "
                 "(an undefined grad_output)"
             )
-        if reached == 1 and raised:
+        if reached == 1 and (calls is None or calls != calls) and fault:
+            return (
+                "a pass reached its AccumulateGrad and its .grad did not change; whether the pass ran it is not known: "
+                f"a recorder fault in the step may have lost its call ({_short(fault, 160)})"
+            )
+        open_call, hook_param = where
+        if reached == 1 and raised and hook_param is not None and hook_param in (row.param, row.node_param):
+            return (
+                "the pass raised in a hook on this parameter's own gradient (Tensor.register_hook on it): the engine "
+                f"got to its AccumulateGrad and the hook's error stopped the pass before it accumulated ({raised})"
+            )
+        if reached == 1 and raised and (open_call or hook_param is not None):
             return f"a pass reached its AccumulateGrad and did not run it: {raised}, before the engine got to it"
+        if reached == 1 and raised:
+            return (
+                f"a pass reached its AccumulateGrad and did not run it: {raised}; where the pass raised is not known "
+                "(no node's call was left open: the engine raised outside a node's backward, e.g. in a tensor hook, "
+                "perhaps on this parameter's gradient)"
+            )
         if reached == 1:
             return "a pass reached its AccumulateGrad and did not run it: torch.autograd.grad or backward(inputs=...)"
         if reached is None or reached != reached:  # NULL: no graph was walked (stats='params')
@@ -557,6 +597,20 @@ def _reasons(rows: pd.DataFrame, limit: int = 3) -> str:
     if len(counts) > limit:
         parts.append(f"{len(counts) - limit:,} more reasons")
     return "; ".join(parts)
+
+
+def _raise_where(passes: pd.DataFrame) -> tuple[bool, str | None]:
+    """Where the step's top-level passes that raised raised (rows of Store.passes): (a node's call was left open in
+    one, raised_at; the parameter one of whose own gradient hooks raised, from passes.error's note, or None)."""
+    if "error" not in passes.columns:
+        return False, None
+    bad = passes[passes["error"].notna() & passes["parent_pass"].isna()]
+    open_call = bool(bad["raised_at"].map(lambda v: isinstance(v, str)).any()) if len(bad) else False
+    for error in bad["error"]:
+        at = str(error).rfind(HOOK_RAISED)
+        if at >= 0 and str(error).endswith("]"):
+            return open_call, str(error)[at + len(HOOK_RAISED) : -1]
+    return open_call, None
 
 
 def _raised_text(passes: pd.DataFrame) -> str | None:
@@ -935,7 +989,7 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             )
         )
 
-    from .view.story import left_out  # pandas only, as the CLI
+    from .view.story import left_out, recorder_faults  # pandas only, as the CLI
 
     unhooked = left_out(store, run, step=step, rank=rank)
     if unhooked:  # the step's status and every "none" below speak of what was measured only
@@ -957,7 +1011,10 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             rows = store.tensors(run=run, rank=rank, step=step)
             rows = rows[(rows["role"] == "param_grad") & (rows["status"] == "skipped")]
             reasons = dict(zip(rows["param"], rows["reason"].fillna("no reason recorded")))
-        shown_odd = shown_odd.assign(why=[_status_why(r, reasons, raised) for r in shown_odd.itertuples()])
+        where, fault = _raise_where(passes), recorder_faults(store, run, step, rank)
+        shown_odd = shown_odd.assign(
+            why=[_status_why(r, reasons, raised, where, fault) for r in shown_odd.itertuples()]
+        )
         click.echo(
             _table(
                 shown_odd[["rank", "param", "status", "why", "module_ran", "reached", "calls", "has_grad"]],
@@ -1290,9 +1347,21 @@ def db():
 
 @db.command(short_help="Upgrade (or create) a database to the newest schema revision.")
 @click.argument("db_path", metavar="DB")
-def upgrade(db_path):
-    """Upgrade database DB to the newest schema revision, creating it (and its file) when new."""
+@click.option(
+    "--create", is_flag=True, help="Create DB (an empty database at the newest revision) when no file is there."
+)
+def upgrade(db_path, create):
+    """Upgrade database DB to the newest schema revision. A SQLite path with no file is refused (a typo would
+    otherwise leave a new, empty database behind) unless --create is given."""
+    from .store.database import check_db, is_url
     from .store.database import upgrade as upgrade_db
+
+    check_db(db_path, "gradstore db upgrade DB")
+    if not is_url(db_path) and not os.path.lexists(db_path) and not create:
+        raise click.ClickException(
+            f"no database at {db_path}: nothing to upgrade (check the path); to create an empty database there, "
+            f"run `gradstore db upgrade --create {db_path}` (gradstore.record creates one by itself)"
+        )
 
     with _progress(f"upgrading {db_path}") as update:
 
@@ -1462,6 +1531,9 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             first = store.first_divergence(**sides, rtol=rtol, atol=atol)
         except ValueError as exc:  # a tolerance of inf or nan
             raise click.BadParameter(str(exc)) from None
+        # steps a side could not write (status unwritten) before any divergence found: said apart, never a divergence
+        unwritten = first[first["key"].isna() & (first["differs"] == "not compared")]
+        first = first.drop(index=unwritten.index)
         ranks = set(store.steps(run=run_a)["rank"]) | set(store.steps(run=run_b)["rank"])
         held_a, held_b, summaries = _summary_steps(store, **sides, label_a=label_a, label_b=label_b)
         store_levels = (
@@ -1524,6 +1596,16 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         click.echo(levels)
     tolerance = f"rtol={rtol:g}, atol={atol:g}" if rtol or atol else ""
     unmeasured = unmeasured & ~pieces
+    lost_line = ""
+    if len(unwritten):
+        lost_a = sorted({int(r.step_a) for r in unwritten.itertuples() if r.side in ("a", "both")})
+        lost_b = sorted({int(r.step_b) for r in unwritten.itertuples() if r.side in ("b", "both")})
+        where = [f"step(s) {_step_ranges(st)} of {label}" for st, label in ((lost_a, label_a), (lost_b, label_b)) if st]
+        lost_line = (
+            f"not compared: {' and '.join(where)}, which the writer could not write (status unwritten; "
+            "`gradstore show` says why): a divergence there would not be seen"
+            + (", so an earlier one may hide there" if len(first) else "")
+        )
     if first.empty and valued.empty and not fwd_compared:  # nothing measured on both sides: no verdict at all
         click.echo(
             f"nothing compared: no gradient was measured on both {label_a} and {label_b}, so no agreement or "
@@ -1531,6 +1613,8 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         )
         if n_unmeasured:
             click.echo(f"  e.g. {_not_compared_example(table[unmeasured])}")
+        if lost_line:
+            click.echo(f"  {lost_line}")
         return
     if first.empty:
         scope = "every compared gradient" if n_unmeasured or n_pieces or summaries else "every gradient"
@@ -1561,6 +1645,8 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             click.echo(unhealthy_piece)
         if summaries:
             click.echo(f"  {summaries}")
+        if lost_line:
+            click.echo(f"  {lost_line}")
         return
     tolerance = f" beyond {tolerance}" if tolerance else ""
     several = len(ranks) > 1
@@ -1581,6 +1667,8 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         click.echo(unhealthy_piece)
     if summaries:  # an earlier step kept only its summary: the sides may have parted there, unseen
         click.echo(summaries)
+    if lost_line:  # an earlier step was not written on a side: the sides may have parted there, unseen
+        click.echo(lost_line)
 
 
 def _nonfinite_piece_words(table: pd.DataFrame, carried: set[str], several_ranks: bool, label_a: str, label_b: str):

@@ -30,6 +30,15 @@ class UnknownRun(GradstoreError):
     """A run name that is not in the database."""
 
 
+class UnknownStep(GradstoreError):
+    """A step number (and rank) that the run did not record: the message says which steps it has."""
+
+
+class StepNotWritten(GradstoreError):
+    """A step the writer could not write (status 'unwritten': a full disk, an I/O error) was asked for on its own:
+    nothing of it but its steps row is in the database; the message says why it was not written."""
+
+
 class UnknownQuery(GradstoreError):
     """A query name that has no file in queries/."""
 
@@ -98,6 +107,11 @@ class NonFiniteGradient(GradstoreError):
         self.run, self.rank, self.step = run, rank, step
         for name in ("key", "name", "module", "frame", "role", "slot"):
             setattr(self, name, row.get(name) if row else None)
+
+
+class OutputNotWritten(GradstoreError):
+    """A file gradstore was asked to write (`gradstore report -o FILE`) could not be written: a missing directory, a
+    directory given as the file, no permission, a full disk. Nothing is left at that path (no part of a file)."""
 
 
 class MissingDependency(GradstoreError):

@@ -81,6 +81,12 @@ DTYPE = {name: i for i, name in enumerate(DTYPES)}
 PARAM_STATUS = {name: i for i, name in enumerate(PARAM_STATUSES)}
 
 
+# a backward pass that raised in a hook on a recorded parameter's own gradient (`Tensor.register_hook` on the
+# parameter, `register_post_accumulate_grad_hook`), where no node's call was left open: its error text ends with
+# this note and the parameter's name, then ']' (passes.error; readers find the name there)
+HOOK_RAISED = " [raised in a hook on the gradient of parameter "
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """What the store keeps of a node: key (stable across steps and runs), name, kind (one of KINDS), module,
@@ -174,6 +180,9 @@ class PassRecord:
     # step's node (step None: an earlier step that was not recorded, or before the scope)
     grads_changed: list[str] | None = None  # stats='params': parameters whose .grad this pass changed
     error: str | None = None  # the exception the engine raised in this pass ('Type: message'), None: it returned
+    # a recorder fault may have lost some of the pass's calls or rows (a hook's fault it could not recover from, a
+    # C++ hook's, the end of the pass, rows not built): a node with no call is then not known not to have run
+    faulted: bool = False
     # record(slices=/values=/saved=True/forward=True), each a sequence (plain list or LazyRows) whose first item
     # is the index of the row of `tensors` it belongs to:
     #   slices: (row, dim, slices, zero, nonfinite, norm_min, norm_median, norm_max, zero_first, nonfinite_first,

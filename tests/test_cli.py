@@ -199,18 +199,23 @@ def test_queries_listing():
     assert "-p module=" in invoke("queries", "-v").output
 
 
-def test_db_upgrade_creates_the_newest_revision(db):
+def test_db_upgrade_creates_the_newest_revision_only_when_asked(db):
+    """A path with no file (a typo) is refused, and nothing is created there; --create makes the new database."""
     from gradstore.store.database import head_revision
 
     head = head_revision()
-    result = invoke("db", "upgrade", db)
+    assert_one_line_error(invoke("db", "upgrade", db), f"no database at {db}")
+    assert not Path(db).exists()
+    result = invoke("db", "upgrade", "--create", db)
     assert result.exit_code == 0, result.output
     assert head in result.output
     assert sql_count(db, "SELECT version_num FROM alembic_version") == head
     again = invoke("db", "upgrade", db)
     assert again.exit_code == 0 and f"already at schema revision {head}" in again.output
     missing = Path(db).parent / "no" / "such"
-    assert_one_line_error(invoke("db", "upgrade", missing / "dir.db"), f"its directory {missing} does not exist")
+    assert_one_line_error(
+        invoke("db", "upgrade", "--create", missing / "dir.db"), f"its directory {missing} does not exist"
+    )
 
 
 def _commands(group, prefix=()):
@@ -433,3 +438,100 @@ def test_show_at_params_does_not_say_why_no_pass_reached_a_parameter(tmp_path):
     out = invoke("show", db, "inputs", "--step", 0).output
     assert "no pass's roots reach it (detached" not in out
     assert "whether a pass's roots reach it is not known (stats='params' walks no graph" in out
+
+
+def _run_limited(args, limit_bytes, cwd):
+    """`python -m gradstore ARGS` with every file this process writes limited to `limit_bytes` (RLIMIT_FSIZE, as a
+    full disk fails a write: EFBIG instead of the SIGXFSZ that would kill it)."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "gradstore", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit,
+        env=env,
+    )
+
+
+def test_report_to_a_path_it_cannot_write_is_one_line_and_leaves_no_part_of_a_page(demo_db, tmp_path):
+    db, _ = demo_db
+    missing = tmp_path / "no" / "such"
+    assert_one_line_error(
+        invoke("report", db, "demo", "-o", missing / "x.html"), f"its directory {missing} does not exist"
+    )
+    assert_one_line_error(invoke("report", db, "demo", "-o", tmp_path), f"{tmp_path}: it is a directory")
+    out = tmp_path / "r.html"
+    out.write_text("the report of yesterday")
+    limited = _run_limited(["report", db, "demo", "-o", out], 20_000, tmp_path)
+    assert limited.returncode == 1 and "Traceback" not in limited.stderr, limited.stderr
+    line = limited.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: cannot write the report to") and "file size limit" in line, line
+    assert out.read_text() == "the report of yesterday"  # the old file is kept whole; no cut-off page
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]  # and no temporary file is left
+
+
+def test_a_database_argument_that_names_no_database_is_a_gradstore_error(tmp_path):
+    for db, words in [
+        (None, "got NoneType None"),
+        (123, "got int 123"),
+        ("", "an empty path"),
+        ("   ", "an empty path"),
+        ("mysql://u@h/x", "mysql:// databases are not supported"),
+        ("postgres://u@h/x", "postgresql+psycopg://"),
+    ]:
+        with pytest.raises(gradstore.RecordUsageError) as info:
+            gradstore.record("x", db=db)
+        assert "record(db=...)" in str(info.value) and words in str(info.value), str(info.value)
+        assert "postgresql+psycopg://" in str(info.value) and "gradstore[postgres]" in str(info.value)
+    with pytest.raises(gradstore.ArgumentError, match=r"gradstore.open\(db\) takes .*got NoneType None"):
+        gradstore.open(None)
+    db = str(tmp_path / "v.db")
+    m = torch.nn.Linear(2, 1)
+    with gradstore.record("r", db=db, model=m) as rec:
+        m(torch.ones(1, 2)).sum().backward()
+        rec.log(loss=1.0)
+    for names in (3, [3], ["loss", None]):
+        with pytest.raises(gradstore.ArgumentError, match=r"values\(names=...\) takes a name or a list of names"):
+            gradstore.open(db).values("r", names=names)
+    assert list(gradstore.open(db).values("r", names=("loss",)).columns) == ["loss"]
+
+
+def test_a_postgresql_url_without_its_driver_names_what_to_install(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_psycopg(name, *args, **kwargs):
+        if name.split(".")[0] in ("psycopg", "psycopg2"):
+            raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_psycopg)
+    from gradstore.store.database import make_engine
+
+    with pytest.raises(
+        gradstore.MissingDependency, match=r"driver for postgresql\+psycopg2?://.*gradstore\[postgres\]"
+    ):
+        make_engine("postgresql+psycopg://u@localhost/x")
+
+
+def test_db_upgrade_on_a_full_disk_names_the_limit(tmp_path):
+    import shutil
+
+    old = tmp_path / "old.db"
+    shutil.copy(Path(__file__).parent / "assets" / "rev0003-why.db", old)
+    size = old.stat().st_size
+    result = _run_limited(["db", "upgrade", old], size, tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: cannot write {old}") and f"files larger than {size:,} bytes" in line, line
+    assert "left at revision 0003" in line

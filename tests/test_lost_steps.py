@@ -137,7 +137,11 @@ def test_history_has_a_gap_at_the_unwritten_steps(lost_db):
     db = lost_db[0]
     with gradstore.open(db) as store:
         rows = store.history("lost", param="0.weight", role="param_grad")
-        assert not set(rows["step"]) & set(LOST)
+        gaps = rows[rows["step"].isin(LOST)]
+        # one row per unwritten step: no statistics, the status and the writer's error saying why
+        assert gaps["step"].tolist() == LOST and (gaps["status"] == "unwritten").all()
+        assert gaps["norm"].isna().all() and gaps["reason"].str.contains("database or disk is full").all()
+        assert (rows.loc[~rows["step"].isin(LOST), "status"] == "ok").all()
         data = cells.series(store, "lost", param="0.weight")
     assert data["step"].tolist() == list(range(STEPS))
     gap = data["value"].isna()
@@ -165,7 +169,10 @@ def test_a_comparison_with_an_unwritten_step_is_not_compared(lost_db):
         table = store.diff(run_a="lost", run_b="lost", step_a=1, step_b=LOST[0])
         assert len(table) and (table["differs"] == "not compared").all()
         assert table["reason"].str.contains(f"step {LOST[0]} was not written").all()
-        assert store.first_divergence(run_a="lost", run_b="lost", step_a=1, step_b=LOST[0]).empty
+        first = store.first_divergence(run_a="lost", run_b="lost", step_a=1, step_b=LOST[0])
+        # never empty (which reads as agreement): one 'not compared' row naming the step not written
+        assert len(first) == 1 and first["differs"].tolist() == ["not compared"] and first["key"].isna().all()
+        assert f"side b's step {LOST[0]} was not written" in first["reason"].iloc[0]
     out = (
         CliRunner()
         .invoke(main, ["diff", db, "lost", "--step-a", "1", "--step-b", str(LOST[0])], catch_exceptions=False)
@@ -335,3 +342,42 @@ def test_merge_counts_the_steps_not_written_apart(tmp_path, monkeypatch):
     assert "8 steps of rank 0 (2 of them not written: status unwritten)" in text
     steps = gradstore.open(out).steps("lost")
     assert sorted(steps.loc[steps["status"] == "unwritten", "step"]) == sorted(lost)
+
+
+def test_the_pandas_helpers_never_read_an_unwritten_step_as_absent_or_agreeing(lost_db):
+    """first_divergence (empty meant agreement), the per-step helpers (empty frames) and the series helpers
+    (history, global_norm, values: the steps skipped, a line drawn across them) each say 'not written' now."""
+    db, _, _, losses = lost_db
+    _train(db, set(), run="clean")  # the same seed and inputs, every step written: the gradients agree
+    lost_range = _ranges(LOST)
+    with gradstore.open(db) as store:
+        first = store.first_divergence("lost", "clean")
+        # no divergence anywhere it could look, and one 'not compared' row per step it could not look into
+        assert first["step_a"].tolist() == LOST and (first["differs"] == "not compared").all()
+        assert (first["side"] == "a").all() and first["key"].isna().all()
+        assert first["reason"].str.contains("was not written").all()
+        assert first["reason"].str.contains("database or disk is full").all()
+        one = store.first_divergence("lost", step_a=LOST[0] - 1, step_b=LOST[0])
+        assert len(one) == 1 and one["side"].iloc[0] == "b" and one["differs"].iloc[0] == "not compared"
+        assert store.first_divergence("lost", "clean", step_a=LOST[0] - 1).empty  # a written step: agreement
+        for helper in ("tensors", "calls", "passes", "param_status", "param_grads", "module_gains", "never_ran"):
+            with pytest.raises(gradstore.StepNotWritten, match=f"step {LOST[1]} was not written.*disk is full"):
+                getattr(store, helper)("lost", step=LOST[1])
+        with pytest.raises(gradstore.StepNotWritten, match="disk is full"):
+            store.tensor("lost", param="0.weight", step=LOST[1])
+        norms = store.global_norm("lost")
+        assert norms["step"].tolist() == list(range(STEPS))
+        gap = norms["step"].isin(LOST)
+        assert (norms.loc[gap, "status"] == "unwritten").all() and norms.loc[gap, "total_norm"].isna().all()
+        assert norms.loc[gap, "reason"].str.contains("disk is full").all()
+        assert (norms.loc[~gap, "status"] == "written").all() and norms.loc[~gap, "total_norm"].notna().all()
+        values = store.values("lost")
+        assert [s for s, _ in values.index] == list(range(STEPS))
+        assert values.loc[[(s, 0) for s in LOST], "loss"].isna().all()
+        kept = [s for s in range(STEPS) if s not in LOST]
+        assert values.loc[[(s, 0) for s in kept], "loss"].tolist() == pytest.approx([losses[s] for s in kept])
+        assert set(values.attrs["not_written"]) == {(s, 0) for s in LOST}
+    out = CliRunner().invoke(main, ["diff", db, "lost", "clean"], catch_exceptions=False).output
+    assert f"not compared: step(s) {lost_range} of run 'lost'" in out, out
+    out = CliRunner().invoke(main, ["explain", db, "lost", "param:0.weight", "--step", str(LOST[1])]).output
+    assert f"step {LOST[1]} was not written" in out, out

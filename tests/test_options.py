@@ -357,3 +357,45 @@ def test_a_module_registered_under_two_names_names_its_parameters_under_both(tmp
     assert list(got["param"]) == ["enc.weight"] and got["shared_with"].iloc[0] == "dec.weight"
     assert math.isclose(got["norm"].iloc[0], float(model.enc.weight.grad.double().norm()), rel_tol=1e-9)
     assert sorted(store.param_status("ae")["param"]) == ["dec.bias", "dec.weight", "enc.bias", "enc.weight"]
+
+
+@pytest.mark.parametrize(
+    "steps, words",
+    [
+        (range(-3, 2), ["step numbers >= 0", "range(-3, 2)"]),  # a negative number in a range, as in a list
+        ([-1, 0], ["not a step number: -1"]),
+        ([1.5, 2], ["not a step number: 1.5"]),
+        ("1-3", ["'1-3'"]),  # a str is not taken character by character
+        (b"12", ["b'12'"]),
+    ],
+)
+def test_steps_is_checked_alike_for_ranges_lists_and_strings(db, steps, words):
+    with pytest.raises(gradstore.RecordUsageError) as info:
+        gradstore.record("r", db=db, steps=steps)
+    text = str(info.value)
+    assert "record(steps=...)" in text and all(w in text for w in words), text
+    assert "['-'" not in text and "'1', '3'" not in text
+
+
+def test_steps_takes_numpy_integers_and_descending_ranges(db):
+    import numpy as np
+
+    store, _, _ = _train(db, n=5, steps=[np.int64(1), np.int32(3)])
+    assert list(store.steps("r").step) == [1, 3]
+    db2 = db.replace(".db", "2.db")
+    store2, _, _ = _train(db2, n=5, steps=range(4, -1, -2))
+    assert list(store2.steps("r").step) == [0, 2, 4]
+
+
+def test_a_step_not_recorded_is_refused_by_every_per_step_helper_alike(db):
+    """tensors(step=999) was an empty frame where diff and show refused the same step: each helper of one step
+    now names the steps the run has."""
+    store, _, _ = _train(db, n=3)
+    for helper in ("tensors", "calls", "passes", "param_status", "module_gains", "never_ran", "param_grads"):
+        with pytest.raises(gradstore.UnknownStep, match="no step 999 .*it has steps 0-2 on rank\\(s\\) 0"):
+            getattr(store, helper)("r", step=999)
+    with pytest.raises(gradstore.UnknownStep, match="no step 1 rank 5"):
+        store.tensors("r", step=1, rank=5)
+    with pytest.raises(gradstore.UnknownStep):
+        store.diff("r", step_a=0, step_b=999)
+    assert len(store.tensors("r", step=2)) and store.tensors("r", step=2).attrs.get("not_written") is None

@@ -599,3 +599,60 @@ def test_a_pass_of_another_thread_is_not_called_stale(db, stats):
     final = store.param_grads("worker", which="final").set_index("param")
     for name, g in truth.items():
         assert final.loc[name, "norm"] == pytest.approx(float(g.double().norm()), rel=1e-6, abs=1e-12), name
+
+
+def _hook_raises(db, where: str):
+    """One step whose backward raises in a user's hook: on parameter 2.weight itself (`where` 'param': a leaf tensor
+    hook, run as its AccumulateGrad starts) or on the activation between the layers ('activation': a hook on a
+    non-leaf tensor, run before the ReLU node's call), the training code catching it; returns what each hook saw
+    (plain PyTorch: which hooks ran)."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    reached = []
+
+    def hook(g):
+        reached.append(where)
+        raise ValueError(f"my hook on the {where} failed")
+
+    if where == "param":
+        model[2].weight.register_hook(hook)
+    with gradstore.record("r", db=db, model=model) as rec:
+        h = model[0](torch.randn(32, 8))
+        if where == "activation":
+            h.register_hook(hook)
+        loss = nn.functional.mse_loss(model[2](model[1](h)), torch.randn(32, 4))
+        with pytest.raises(ValueError):
+            loss.backward()
+        rec.step()
+    out = CliRunner().invoke(main, ["show", db, "r", "--step", "0"], catch_exceptions=False).output
+    return reached, {line.split()[1]: line for line in out.splitlines() if line.split()[2:3] == ["unreachable"]}
+
+
+def test_a_hook_on_a_parameter_that_raised_is_named_where_it_raised(db):
+    """The user's own hook on 2.weight raised: the engine got to that parameter (its hook ran), so `show` says the
+    pass raised in a hook on this parameter's gradient, not that the engine never got to it; of the parameters
+    behind it, that the pass stopped before the engine got to them."""
+    reached, lines = _hook_raises(db, "param")
+    assert reached == ["param"]  # plain PyTorch: the engine reached 2.weight and ran its hook
+    passes = gradstore.open(db).passes("r", step=0)
+    assert passes["error"].iloc[0].endswith("[raised in a hook on the gradient of parameter 2.weight]")
+    assert "raised in a hook on this parameter's own gradient" in lines["2.weight"], lines
+    assert "before the engine got to it" not in lines["2.weight"]
+    for name in ("0.weight", "0.bias"):
+        assert "did not run it" in lines[name] and "before the engine got to it" in lines[name], lines
+
+
+def test_a_raise_outside_any_node_call_says_where_is_not_known(db):
+    """A hook on an activation raised: no node's call was open and no parameter's hook raised, so `show` does not
+    claim the engine stopped before the parameters: where it raised is not known."""
+    reached, lines = _hook_raises(db, "activation")
+    assert reached == ["activation"]
+    passes = gradstore.open(db).passes("r", step=0)
+    assert passes["raised_at"].isna().all() and "[raised in a hook" not in passes["error"].iloc[0]
+    for name in ("0.weight", "0.bias"):
+        assert "where the pass raised is not known" in lines[name], lines
+        assert "before the engine got to it" not in lines[name], lines

@@ -351,3 +351,56 @@ def test_a_database_deleted_between_recordings_is_created_again(tmp_path):
     assert list(runs["run"]) == ["second"]
     steps = sqlite3.connect(db).execute("SELECT COUNT(*) FROM steps").fetchone()[0]
     assert steps == 2
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_database_removed_while_recording_is_said_and_its_steps_not_written(tmp_path, how):
+    """The file (and its -wal, -shm) removed at step 10 of 30 (and, `replaced`, another file made at its path):
+    the writer kept writing into the unlinked file and said every later step was written, while nothing was left
+    on disk. It now sees the path no longer names the file it opened, warns once (WriteFailedWarning naming the
+    file and what happened to it), writes nothing more there, and says of each later step that it was not
+    written."""
+    import warnings
+
+    import gradstore
+    from gradstore.store.writer import close_writer
+
+    db = tmp_path / "gone.db"
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    results = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradstore.record("r", db=str(db), model=net, writer="thread") as rec:
+            for step in range(30):
+                net(torch.randn(4, 3)).sum().backward()
+                net.zero_grad()
+                rec.step()
+                rec.flush()  # the step's write is done (or given up on) before the next: its outcome can be read
+                results[step] = (rec.last_step.write_result, rec.last_step.write_error)
+                if step == 10:
+                    for suffix in ("", "-wal", "-shm"):
+                        p = tmp_path / f"gone.db{suffix}"
+                        if p.exists():
+                            p.unlink()
+                    if how == "replaced":  # another program's file now at the path
+                        other = sqlite3.connect(db)
+                        other.execute("CREATE TABLE other (a)")
+                        other.commit()
+                        other.close()
+        close_writer(str(db))
+    words = "was removed" if how == "removed" else "was replaced by another file"
+    assert all(results[n] == ("written", None) for n in range(11)), results
+    for n in range(11, 30):
+        result, error = results[n]
+        assert result == "not written" and words in error, (n, results[n])
+    said = [str(w.message) for w in caught if issubclass(w.category, gradstore.WriteFailedWarning)]
+    first = [m for m in said if "every step after it are not written" in m]
+    assert len(first) == 1 and str(db) in first[0] and "step 11 " in first[0], said
+    assert "was removed (or replaced by another file)" in first[0]
+    assert any("19 steps (11-29)" in m and "no file at that path holds them" in m for m in said), said
+    if how == "removed":
+        assert not db.exists()  # nothing was created at the path behind the recording's back
+    else:  # the other file is left as it was: no step went into it
+        tables = sqlite3.connect(db).execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+        assert tables == [("other",)]

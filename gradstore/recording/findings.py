@@ -16,9 +16,12 @@ Definitions (README "Why and where" says the same):
   the norm of their sum (`_slot_value`).
 - in_norm, out_norm: sqrt(sum of squared norms) over those tensors and over the step's passes; a slot whose
   node was hooked and did not run passes no gradient (0); a slot without a measurement (no hooks on the node:
-  modules=/params= filters; stats='shape', which measures no values; a skipped tensor) is counted in
-  in_unmeasured / out_unmeasured instead; a gradient not computed is counted in in_tensors / out_tensors and
-  neither measured nor unmeasured, and makes the norm None.
+  modules=/params= filters; stats='shape', which measures no values; a skipped tensor; a node without a call in
+  a pass where a recorder fault may have lost calls, `PassRecord.faulted`) is counted in in_unmeasured /
+  out_unmeasured instead; a gradient not computed is counted in in_tensors / out_tensors and neither measured nor
+  unmeasured, and makes the norm None. In a pass where a recorder fault may have lost calls a node without a call
+  is not known to have run or not (step_nodes.ran NULL), and a parameter's AccumulateGrad without one has calls
+  NULL.
 
 Parameter status, in this order: 'frozen' (requires_grad is False at the end of the step); 'ok', 'zero' or
 'received' when its AccumulateGrad ran in some pass of the step, or a top-level backward pass changed its .grad
@@ -130,12 +133,14 @@ class Findings:
     def __init__(self, facts: StepFacts):
         self.facts = facts
         self._result: Result | None = None
+        self.fault: str | None = None  # 'Type: message' of a fault that left the findings empty
 
     def result(self) -> Result:
         if self._result is None:
             try:
                 self._result = _build(self.facts)
             except Exception as exc:
+                self.fault = f"{type(exc).__name__}: {exc}"[:500]
                 warnings.warn(
                     f"gradstore: recorder fault (step findings not built): {type(exc).__name__}: {exc}"[:500],
                     RuntimeWarning,
@@ -175,6 +180,14 @@ class _Pass:
         self.ran.pop(None, None)  # calls of nodes not among the walked ones
         self.tensors = list(rec.tensors)
         self.hooked = rec.hooked
+        # a recorder fault may have lost some of the pass's calls or rows (PassRecord.faulted; rows that faulted
+        # while being built): a node without a call is then not known not to have run, as one without hooks
+        self.faulted = bool(getattr(rec, "faulted", False)) or any(
+            getattr(rows, "fault", None) for rows in (rec.calls, rec.tensors)
+        )
+        if self.faulted and self.infos:
+            hooked, ran = self.hooked, self.ran
+            self.hooked = [(hooked is None or hooked[i]) and i in ran for i in range(len(self.infos))]
 
 
 def _norm_of(row) -> float | None:
@@ -548,6 +561,7 @@ def _repeat_key(f: StepFacts, values: bool = False) -> list | None:
             list(r.walk_edges or ()),
             None if r.root_nodes is None else list(r.root_nodes),
             None if r.grads_changed is None else list(r.grads_changed),
+            bool(getattr(r, "faulted", False)),
         ]
     return key
 
@@ -601,6 +615,7 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
     hooked: set[str] = set()  # keys reached by a pass that hooked their AccumulateGrad (its calls are known)
     changed: set[str] = set()
     final: dict[str, tuple] = {}  # key -> the last param_grad row
+    unsure: set[str] = set()  # keys reached by a pass that a recorder fault may have lost calls of
     for p in passes:  # the rows are read by C loops (map, filter, compress): thousands a step
         got = keys.intersection(p.index)
         reached |= got
@@ -608,6 +623,8 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
             hooked |= got
         else:  # compiled autograd hooks no node; modules= / params= filters only theirs
             hooked.update(k for k in got if p.hooked[p.index[k]])
+        if p.faulted:
+            unsure |= got
         calls.update(filter(is_key, map(_FIRST, p.calls)))
         rows = p.tensors
         roles = list(map(_ROLE_OF, rows))
@@ -632,6 +649,8 @@ def _params(f: StepFacts, passes: list[_Pass], out: Result) -> None:
         has_grad = has_grad_of.get(name, False)
         # NULL (not known) where no pass hooked it: stats='params' walks no graph; compiled autograd hooks no node
         n_calls = calls[key] if walked and (key in hooked or key not in reached or calls[key]) else None
+        if n_calls == 0 and key in unsure:  # no call recorded where a fault may have lost it: not known
+            n_calls = None
         if n_calls:  # its AccumulateGrad ran: with a gradient, unless the engine passed it none in every call
             got, zeros = key in defined or key not in zero, zero.get(key, [])
         else:  # no AccumulateGrad call (or none hooked: stats='params'): a backward that changed .grad gave it one

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass, field
+from numbers import Integral
 
 from ..errors import RecordUsageError
 from .stats import LEVELS
@@ -145,15 +146,8 @@ class Options:
             raise RecordUsageError(
                 f"record(every=...) takes a whole number >= 1 (record every Nth step), got {every!r}"
             )
-        if steps is not None and not isinstance(steps, range):
-            try:
-                steps = frozenset(steps)
-            except TypeError:
-                raise RecordUsageError(
-                    f"record(steps=...) takes a range or a list of step numbers, got {steps!r}"
-                ) from None
-            if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
-                raise RecordUsageError(f"record(steps=...) takes step numbers >= 0, got {sorted(steps, key=str)!r}")
+        if steps is not None:
+            steps = _steps(steps)
         if on_full not in ON_FULL:
             raise RecordUsageError(
                 f"record(on_full=...) is 'wait' (the step waits for the writer) or 'drop' "
@@ -275,6 +269,26 @@ class Options:
     def param_level(self) -> str:
         """Statistics level of param_grad rows: all statistics except at stats='shape'/'health'."""
         return "full" if self.stats == "params" else self.stats
+
+
+def _steps(steps) -> frozenset | range:
+    """record(steps=...) checked: a range (kept as it is) or an iterable of whole numbers (a
+    frozenset), every step number >= 0; raises RecordUsageError saying what was given and what is taken."""
+    takes = "a range or a list of step numbers >= 0 (e.g. range(100, 110) or [0, 5, 9])"
+    if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
+        raise RecordUsageError(f"record(steps=...) takes {takes}, got {steps!r}")
+    if isinstance(steps, range):
+        if len(steps) and min(steps) < 0:
+            raise RecordUsageError(f"record(steps=...) takes step numbers >= 0, got {steps!r}")
+        return steps
+    try:
+        numbers = frozenset(steps)
+    except TypeError:
+        raise RecordUsageError(f"record(steps=...) takes {takes}, got {steps!r}") from None
+    bad = sorted((s for s in numbers if not isinstance(s, Integral) or isinstance(s, bool) or s < 0), key=repr)
+    if bad:
+        raise RecordUsageError(f"record(steps=...) takes {takes}; not a step number: {', '.join(map(repr, bad[:5]))}")
+    return frozenset(int(s) for s in numbers)
 
 
 def _flight(keep, dump_on, spike_factor, stats, every, steps) -> tuple[tuple[str, ...], float]:

@@ -36,7 +36,7 @@ from .options import Options
 from .param_list import ids_of, names_of
 from .rows import LazyRows, PackedRows, call_rows, edge_rows, tensor_rows
 from .saved import saved_tensors, saved_versions
-from .stats import NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, to_rows
+from .stats import NONE, NONFINITE_COLUMNS, Measured, Measurer, any_nonfinite, measure, needs_transfer, to_rows
 
 
 class StepState:
@@ -418,6 +418,7 @@ class PassRecorder:
 
     def _prehook(self, i: int, grad_outputs):
         """Node i's prehook: a call starts; measure its grad_outputs (and saved tensors with saved=True)."""
+        call = None
         try:
             tid = _task_id()
             if tid != self.task and not self._claim(tid, i):
@@ -443,11 +444,12 @@ class PassRecorder:
             call[2] = time.perf_counter() - self.t0
             self.calls.append(call)
         except Exception as exc:
-            self.step.fault("prehook", exc)
+            self._prehook_fault(i, grad_outputs, call, exc)
         return None
 
     def _hook(self, i: int, grad_inputs, grad_outputs):
         """Node i's hook: the call ends; measure its grad_inputs."""
+        call = None
         try:
             t = time.perf_counter() - self.t0
             tid = _task_id()
@@ -466,8 +468,64 @@ class PassRecorder:
             ):
                 measured.append((call, _ROLE_IN, slot, m))
         except Exception as exc:
-            self.step.fault("hook", exc)
+            self._hook_fault(i, grad_inputs, call, exc)
         return None
+
+    # ---- a recorder fault in a hook (the rare path) ----------------------------------------------------------
+    # The engine runs the node whatever gradstore's hook does: the call is kept, and a gradient that could not be
+    # measured is a skipped row whose reason names the fault (not measured, never "did not run"). Where even that
+    # fails, the pass is marked `faulted`: the step's findings then say "not known" of its nodes without a call.
+    def _safe_measure(self, g) -> Measured | tuple:
+        """`self.measurer(g)`, or a skipped result saying which recorder fault stopped it."""
+        try:
+            return self.measurer(g)
+        except Exception as exc:
+            return Measured("skipped", reason=f"recorder fault: {type(exc).__name__}: {exc}"[:500])
+
+    def _prehook_fault(self, i: int, grad_outputs, call, exc: BaseException) -> None:
+        """`_prehook` raised `exc` (a recorder fault): note it, and keep the call, its grad_outputs measured one by
+        one (`call` is None where that failed: the call is made here)."""
+        self.step.fault("prehook", exc)
+        try:
+            if self.task is None or _task_id() != self.task or (call is not None and self.open.get(i) is call):
+                # not this pass's call as far as can be told, or the call is open already (what failed came after)
+                if self.task is None:
+                    self.record.faulted = True
+                return
+            if call is None:  # the grad_outputs' measurement failed: each measured alone, the failing ones skipped
+                ms = [self._safe_measure(g) for g in grad_outputs]
+                call = [i, self.step.next_seq(), 0.0, None, ms, [None] * len(ms)]  # no versions: nothing reused
+                for slot, m in enumerate(ms):
+                    self.measured.append((call, _ROLE_OUT, slot, m))
+            self.open[i] = call
+            self.step.open_stack().append((self.record.number, call[1]))
+            call[2] = time.perf_counter() - self.t0
+            if not self.calls or self.calls[-1] is not call:
+                self.calls.append(call)
+        except Exception:
+            self.record.faulted = True  # the call may be lost: its node's run is not known
+
+    def _hook_fault(self, i: int, grad_inputs, call, exc: BaseException) -> None:
+        """`_hook` raised `exc` (a recorder fault): note it, and end the call, its grad_inputs measured one by one
+        where none of them was recorded (`call`: the call `_hook` took from `open`, None where it got no further)."""
+        self.step.fault("hook", exc)
+        try:
+            if call is None:
+                if self.task is None or _task_id() != self.task:
+                    if self.task is None:
+                        self.record.faulted = True
+                    return
+                call = self.open.pop(i, None)
+                if call is None:
+                    return
+                if call[3] is None:
+                    call[3] = time.perf_counter() - self.t0 - call[2]
+            if any(e[0] is call and e[1] == _ROLE_IN for e in self.measured):
+                return  # its grad_inputs were recorded: what failed came after
+            for slot, g in enumerate(grad_inputs):
+                self.measured.append((call, _ROLE_IN, slot, self._safe_measure(g) if g is not None else NONE))
+        except Exception:
+            self.record.faulted = True
 
     def _prehook_inside(self, i: int, grad_outputs):
         """The prehook of a node that slices= or values= selects: `_prehook`, then its grad_outputs' copies
@@ -525,6 +583,8 @@ class PassRecorder:
                 native = self.step.native.finish(self.native)
                 for text in native[5]:
                     self.step.fault_text(text)
+                if native[5]:  # a C++ hook's fault may have lost a call (its node's run is then not known)
+                    rec.faulted = True
             for h in self.handles:
                 h.remove()
             self.handles.clear()
@@ -581,6 +641,7 @@ class PassRecorder:
                 self._python_rows(param_keys)
         except Exception as exc:
             self.step.fault("end of pass", exc)
+            rec.faulted = True  # its calls or rows may not have been handed over
         finally:
             if watch_from is not None:
                 watch_stop(watch_from)

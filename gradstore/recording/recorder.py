@@ -24,10 +24,10 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from ..errors import NonFiniteGradient, RecordUsageError, RecordUsageWarning
-from ..records import STATUS, StepBatch
+from ..records import HOOK_RAISED, STATUS, StepBatch
 from ..store import claims
 from ..store import schema as s
-from ..store.database import DEFAULT_DB, explain
+from ..store.database import DEFAULT_DB, check_db, explain
 from ..store.writer import flush_pending, writer_for
 from ..version import __version__
 from . import intercept, kernel, native, observers
@@ -184,7 +184,8 @@ class record:
     Args:
         run: the run's name (str). Recording again into an existing run continues its step numbering
             (per rank).
-        db: SQLite file path (created if missing; default ./gradstore.db) or an SQLAlchemy URL.
+        db: SQLite file path (created if missing; default ./gradstore.db) or a PostgreSQL URL
+            (postgresql+psycopg://...); anything else (None, '', another dialect's URL) is a RecordUsageError.
         model: an `nn.Module`, or a list or dict of them; qualified names label modules and parameters
             (several models are prefixed by dict key or list position). The decorator uses the function's
             `nn.Module` arguments when it is not given (several are prefixed by the argument's name).
@@ -263,13 +264,14 @@ class record:
     (gradstore.recording.final_grads).
 
     Raises:
-        RecordUsageError: a bad argument, a scope opened inside another, or a RANK / WORLD_SIZE in the
+        RecordUsageError: a bad argument (`db` included), a scope opened inside another, or a RANK / WORLD_SIZE in the
             environment that is not a rank.
         RankInUse: another live process is writing the same rank of the run.
         SchemaTooNew: the database was written by a newer gradstore.
         NotAGradstoreDatabase: `db` is not an SQLite database, or an SQLite database of something else.
         DatabaseUnavailable: the database cannot be written (a read-only file or directory, a missing
             directory, a full disk, an unreachable server); the message names the file and the fix.
+        MissingDependency: a PostgreSQL URL whose driver is not installed (pip install 'gradstore[postgres]').
     Warns: RecordUsageWarning (once per record object) for a modules= or params= glob that matches no name, or
     a scope without a model while modules ran.
 
@@ -342,7 +344,7 @@ class record:
             writer=writer,
         )
         self.run = run
-        self.db = db
+        self.db = check_db(db, "record(db=...)", RecordUsageError)
         self.models = models
         self.meta = meta
         self.run_id: int | None = None
@@ -975,6 +977,9 @@ class record:
                 if p is not None:
                     if raised is not None:
                         p.record.error = _exception_text(raised)
+                        hooked = _raising_param_hook(raised, self._params)
+                        if hooked is not None:  # no node's backward raised: the parameter's own hook did
+                            p.record.error += f"{HOOK_RAISED}{hooked}]"
                         state.pass_raised(p.record, raised)
                     rec = p.finish(ok)
                     measured = p.params_measured  # with an operator watcher to take over or remove
@@ -1143,6 +1148,32 @@ class record:
 def _exception_text(exc: BaseException) -> str:
     """'Type: message' of an exception, as a step's error text gives it."""
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def _raising_param_hook(exc: BaseException, params) -> str | None:
+    """The first name of the recorded parameter (of `params`, [(name, Parameter)]) one of whose own gradient hooks
+    raised `exc`: a hook registered on the parameter tensor (`Tensor.register_hook`: kept in its `_backward_hooks`,
+    run by the engine as its AccumulateGrad node starts, before gradstore's node prehook) or a
+    `register_post_accumulate_grad_hook` (`_post_accumulate_grad_hooks`), found by its code object among the frames
+    of the exception's traceback. None where none is (a node's backward raised, or a hook elsewhere), and where
+    that code is a hook of several parameters (which one raised is not known). Called only for a pass that raised;
+    reads no gradient."""
+    codes = set()
+    tb = exc.__traceback__
+    while tb is not None:
+        codes.add(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    if not codes:
+        return None
+    found: dict[int, str] = {}  # id of the parameter -> its first name (a tied parameter is one)
+    for name, p in params:
+        for hooks in (getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None)):
+            for hook in (hooks or {}).values():
+                fn = getattr(hook, "func", hook)  # a functools.partial
+                fn = getattr(fn, "__func__", fn)  # a bound method
+                if getattr(fn, "__code__", None) in codes:
+                    found.setdefault(id(p), name)
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def _exception_ids(exc: BaseException | None) -> set[int]:

@@ -124,8 +124,10 @@ def built_fields(record, packed: bool = False) -> dict:
     its rows built now if they were not yet (a LazyRows holds its builder and a lock, which do not pickle);
     every field is looked at, so a field added later is covered too. packed: a LazyRows not built yet that can
     be packed (`LazyRows.pack`: the C++ hooks' tensor and call rows) is given as its `PackedRows` instead, which
-    pickles as bytes and is built where it is read (the writer's child process)."""
+    pickles as bytes and is built where it is read (the writer's child process). A record with a `faulted` field
+    (a PassRecord) whose rows faulted while being built gets faulted=True too."""
     out = {}
+    faulted = False
     for f in fields(record):
         v = getattr(record, f.name)
         if isinstance(v, LazyRows):
@@ -135,6 +137,9 @@ def built_fields(record, packed: bool = False) -> dict:
                 out[f.name] = _packed(v)
             else:
                 out[f.name] = v.rows()
+            faulted = faulted or v.fault is not None
+    if faulted and hasattr(record, "faulted"):  # rows lost to a fault while building them: said with the plain list
+        out["faulted"] = True
     return out
 
 

@@ -29,9 +29,11 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import QueuePool
 
 from ..errors import (
+    ArgumentError,
     DatabaseNotFound,
     DatabaseUnavailable,
     GradstoreError,
+    MissingDependency,
     NotAGradstoreDatabase,
     SchemaTooNew,
     SchemaTooOld,
@@ -56,6 +58,42 @@ _GRADSTORE_TABLES = {"runs", "steps", "passes", "nodes", "edges", "alembic_versi
 def is_url(db: str | Path) -> bool:
     """True when `db` is an SQLAlchemy URL (it contains '://') rather than a SQLite file path."""
     return "://" in str(db)
+
+
+# the URL schemes gradstore writes and reads (SQLAlchemy dialect names), and what to say of the others
+_POSTGRES_HINT = "postgresql+psycopg://user:password@host:5432/name (psycopg 3: pip install 'gradstore[postgres]')"
+SUPPORTED = f"an SQLite file path (e.g. 'grads.db') or a PostgreSQL URL ({_POSTGRES_HINT})"
+
+
+def check_db(db, what: str, error: type[GradstoreError] = ArgumentError) -> str | Path:
+    """`db` as given when it can name a database: a non-empty str or path (`os.PathLike`), and for a URL one of
+    the dialects gradstore supports (sqlite, postgresql); else raise `error` (a GradstoreError class) whose
+    message names `what` ('record(db=...)'), what was given and what is taken. Touches no file or server."""
+    if isinstance(db, os.PathLike) and not isinstance(db, (str, Path)):
+        db = os.fspath(db)
+    if not isinstance(db, (str, Path)):
+        raise error(f"{what} takes {SUPPORTED}; got {type(db).__name__} {db!r}")
+    text = str(db)
+    if not text.strip():
+        raise error(f"{what} got an empty path; give {SUPPORTED}")
+    if is_url(text):
+        scheme = text.split("://", 1)[0].lower()
+        dialect = scheme.partition("+")[0]
+        if dialect not in ("sqlite", "postgresql"):
+            hint = " ('postgres://' is spelled postgresql+psycopg:// for SQLAlchemy)" if dialect == "postgres" else ""
+            raise error(f"{what}: {scheme}:// databases are not supported{hint}; gradstore records into {SUPPORTED}")
+    return db
+
+
+def _url_engine(db: str | Path, **kw) -> Engine:
+    """create_engine for a URL; a driver that is not installed is a MissingDependency naming what to install."""
+    try:
+        return create_engine(str(db), **kw)
+    except ImportError as exc:
+        scheme = str(db).split("://", 1)[0]
+        raise MissingDependency(
+            f"the database driver for {scheme}:// is not installed ({exc}); for PostgreSQL use {_POSTGRES_HINT}"
+        ) from None
 
 
 def transient(exc: BaseException) -> bool:
@@ -102,7 +140,7 @@ def make_engine(db: str | Path, immediate: bool = False) -> Engine:
     busy timeout does not apply to a read transaction that must become a write one). The writer uses it.
     """
     if is_url(db):
-        return create_engine(str(db), pool_pre_ping=True)
+        return _url_engine(db, pool_pre_ping=True)
     engine = create_engine(f"sqlite:///{Path(db)}")
 
     @event.listens_for(engine, "connect")
@@ -288,6 +326,42 @@ def _read_only_reason(path: Path) -> str:
     return "SQLite may not write it (an immutable file or directory, or read-only media)"
 
 
+def write_limit(path: Path) -> str | None:
+    """Why a write to the SQLite file `path` (its -wal and -journal files beside it) may have failed with an I/O
+    error, as far as the system says (SQLite's message does not carry the errno): 'the disk holding P is full'
+    (ENOSPC: a few pages free, from `os.statvfs`), or 'this process may not write files larger than N bytes (a file
+    size limit: ulimit -f)' where such a limit is set and a file there has reached it (EFBIG, from
+    `resource.getrlimit(RLIMIT_FSIZE)`); None where neither is seen."""
+    directory = path.parent if str(path.parent) else Path(".")
+    try:
+        st = os.statvfs(directory)
+        free = st.f_bavail * st.f_frsize
+        if free < 2 * max(st.f_frsize, 4096) * 16:  # a few pages: SQLite cannot add a page, a -wal frame
+            return f"the disk holding {path} is full"
+    except OSError:
+        pass
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    sizes = []
+    for suffix in ("", "-wal", "-journal"):
+        try:
+            sizes.append(os.stat(f"{path}{suffix}").st_size)
+        except OSError:
+            pass
+    if any(size + 65536 >= soft for size in sizes) or not sizes:
+        return (
+            f"this process may not write files larger than {soft:,} bytes (a file size limit: ulimit -f, "
+            "RLIMIT_FSIZE), and a file of the database has reached it"
+        )
+    return None
+
+
 def damaged(exc: BaseException) -> bool:
     """True when a driver error says an SQLite file is damaged (SQLITE_CORRUPT: 'database disk image is
     malformed'; SQLITE_NOTADB met after the file was opened) or could not be read (SQLITE_IOERR)."""
@@ -341,6 +415,14 @@ def explain(db: str | Path, exc: BaseException, writing: bool) -> GradstoreError
             f"the disk holding {db} is full (SQLite: {text}): free space there, or record into a file on another "
             "disk; what is already in the file is kept"
         )
+    if writing and (name.startswith("SQLITE_IOERR") or "disk i/o error" in low):
+        limit = write_limit(path)
+        if limit is not None:
+            fix = "free space there" if limit.endswith("is full") else "raise the limit (ulimit -f)"
+            return DatabaseUnavailable(
+                f"cannot write {db}: {limit} (SQLite: {text}); {fix}, or record into a file on another disk; what "
+                "is already in the file is kept"
+            )
     if cantopen or readonly:
         directory = path.parent
         if not directory.is_dir():

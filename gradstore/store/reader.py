@@ -6,26 +6,63 @@ whose columns are documented in that file's header and in README.md.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
 import time
+from collections.abc import Iterable
+from numbers import Integral
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
-from ..errors import ArgumentError, GradstoreError, UnknownRun, ValuesNotRecorded
+from ..errors import ArgumentError, StepNotWritten, UnknownRun, UnknownStep, ValuesNotRecorded
 from . import claims, queries
 from . import schema as s
 from . import values as stored_values
-from .database import damaged, explain, open_existing, open_sqlite_reader
+from .database import check_db, damaged, explain, open_existing, open_sqlite_reader
 from .writer import flush_pending
 
 # how a record(values=...) copy that failed is named among a step's recorder faults (steps.error); as
 # gradstore.recording.values.FAULT
 _VALUES_FAULT = "values=: "
 _NONFINITE_ROLES = ("grad_output", "grad_input", "param_grad", "activation", "loss")  # first_nonfinite(role=)
+_NOT_WRITTEN = "not written to the database: "  # how an unwritten step's error starts (gradstore.store.writer)
+
+
+def unwritten_why(error) -> str:
+    """The writer's error from an unwritten step's steps.error ('not written to the database: E; the step's status
+    was ...' -> 'E'); the text as it is where it does not read so."""
+    text = "" if error is None or (isinstance(error, float) and math.isnan(error)) else str(error)
+    if text.startswith(_NOT_WRITTEN):
+        text = text[len(_NOT_WRITTEN) :].split("; the step's status was", 1)[0]
+    return text
+
+
+def _per_step(method):
+    """A helper of one step (its `step=` argument): asked for a step the run did not record it raises UnknownStep,
+    for one the writer could not write (status unwritten) on every rank asked for StepNotWritten; where only some
+    of the ranks asked for could not write it, the frame holds the others' rows and `frame.attrs['not_written']`
+    says which ranks are missing and why (`Store._step_written`). step=None: every step, unchecked."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        given = signature.bind(self, *args, **kwargs).arguments
+        step = given.get("step")
+        note = None
+        if step is not None:
+            note = self._step_written(given.get("run"), step, given.get("rank"))
+        frame = method(self, *args, **kwargs)
+        if note is not None and isinstance(frame, pd.DataFrame):
+            frame.attrs["not_written"] = note
+        return frame
+
+    return checked
 
 
 class Store:
@@ -34,10 +71,15 @@ class Store:
     `immutable` (bool): the SQLite file was opened immutable=1 (read-only media, or a directory this process
     cannot write, with no writer at the time).
 
-    Raises (from every helper): UnknownRun for a run name not in the database.
+    Raises (from every helper): UnknownRun for a run name not in the database. A helper of one step (`step=N`:
+    passes, calls, tensors, param_status, module_gains, never_ran, param_grads, ...; not `steps`) raises
+    UnknownStep for a step the run did not record and StepNotWritten for one the writer could not write (status
+    unwritten) on every rank asked for; where only some of those ranks wrote it, the frame holds their rows and
+    `frame.attrs['not_written']` names the others and why.
     """
 
     def __init__(self, db: str | Path):
+        db = check_db(db, "gradstore.open(db)")
         flush_pending(db)  # this process's own recording may still be writing
         self.db = db
         self.engine, self.immutable = open_existing(db)
@@ -150,22 +192,37 @@ class Store:
         values as floats (NaN where that step did not log the name, or logged NaN; `query("values", ...)` gives
         the long form, where a NaN is a row with value NaN and an absent value is no row).
 
+        A step the writer could not write (status unwritten: a full disk, an I/O error; its values are lost with it)
+        is a row too, NaN throughout, so that a plot of a value over steps shows the gap; `frame.attrs
+        ['not_written']` maps each such (step, rank) to why (and `steps()` gives their status and error).
+
         Args:
             run: the run's name. names: a name or a list of names (columns in that order; a name no step logged
             is a column of NaN); None: every name, sorted. rank: one rank; None: every rank.
-        Raises: UnknownRun.
+        Raises: UnknownRun; ArgumentError (a ValueError) for names that are not a str or an iterable of str.
         """
-        self._check_run(run)
-        long = self.query("values", run=run, rank=rank)
         if isinstance(names, str):
             names = [names]
+        elif names is not None:
+            given = names
+            names = list(names) if isinstance(names, Iterable) else None
+            if names is None or not all(isinstance(n, str) for n in names):
+                raise ArgumentError(f"values(names=...) takes a name or a list of names (str), got {given!r}")
+        self._check_run(run)
+        long = self.query("values", run=run, rank=rank)
         if names is not None:
             long = long[long["name"].isin(list(names))]
         wide = _pivot(long, keys=["step", "rank"])
         if names is not None:
             wide = wide.reindex(columns=list(names))
+        lost = self._unwritten(run, rank)
+        if not lost.empty:
+            at = pd.MultiIndex.from_arrays([lost["step"], lost["rank"]], names=["step", "rank"])
+            wide = wide.reindex(wide.index.append(at).unique()).sort_index()
+        wide.attrs["not_written"] = dict(zip(zip(lost["step"], lost["rank"]), lost["reason"]))
         return wide
 
+    @_per_step
     def param_norms(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, param: str | None = None
     ) -> pd.DataFrame:
@@ -178,13 +235,17 @@ class Store:
         manual), first_step, last_step (the steps written in full), at (s since the epoch)."""
         return self.query("dumps", run=run, rank=rank)
 
+    @_per_step
     def passes(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Backward passes: run, rank, step, pass, kind (backward/grad), parent_pass, parent_seq, create_graph,
         retain_graph, roots, inputs, nodes, calls, started_at, duration, setup, finish (s), error (the exception
-        the pass raised, 'Type: message', also where the training code caught it; NULL where it returned) and
-        raised_at (the key of the node whose call started and did not end in a pass that raised)."""
+        the pass raised, 'Type: message', also where the training code caught it, followed by ' [raised in a hook
+        on the gradient of parameter NAME]' where a hook on a recorded parameter raised it with no node's call
+        open; NULL where it returned) and raised_at (the key of the node whose call started and did not end in a
+        pass that raised)."""
         return self.query("passes", run=run, rank=rank, step=step)
 
+    @_per_step
     def not_measured(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """The gradients a step could not measure (rows with status skipped), grouped by reason, as
         queries/not_measured.sql.
@@ -214,6 +275,7 @@ class Store:
         Raises UnknownRun."""
         return self.query("edges", run=run, step=step, rank=rank)
 
+    @_per_step
     def calls(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
     ) -> pd.DataFrame:
@@ -222,6 +284,7 @@ class Store:
         calls stored before schema revision 0011_sequence_nr)."""
         return self.query("calls", run=run, step=step, rank=rank, module=module)
 
+    @_per_step
     def by_sequence_nr(
         self, run: str | None, sequence_nr: int | None, step: int | None = None, rank: int | None = None
     ) -> pd.DataFrame:
@@ -235,6 +298,7 @@ class Store:
         Raises UnknownRun; QueryParameterError for a number, step or rank that is not a whole number."""
         return self.query("by_sequence_nr", run=run, sequence_nr=sequence_nr, step=step, rank=rank)
 
+    @_per_step
     def tensors(
         self,
         run: str | None = None,
@@ -249,6 +313,7 @@ class Store:
         return self.query("tensors", run=run, step=step, rank=rank, role=role, module=module)
 
     # ---- the analyses ------------------------------------------------------------------------------------------
+    @_per_step
     def grad_norms(
         self,
         run: str | None = None,
@@ -308,6 +373,7 @@ class Store:
             raise ArgumentError(f"grad_cells(by=...) is 'node' or 'module', got {by!r}")
         return self.query("grad_cells", run=run, by=by, role=role, rank=rank, module=module)
 
+    @_per_step
     def param_grads(
         self,
         run: str | None = None,
@@ -343,6 +409,7 @@ class Store:
             raise ArgumentError(f"param_grads(scope=...) is 'rank' or 'global', got {scope!r}")
         return self.query("param_grads", run=run, step=step, rank=rank, param=param, which=which)
 
+    @_per_step
     def global_grads(
         self, run: str | None = None, step: int | None = None, param: str | None = None, which: str = "final"
     ) -> pd.DataFrame:
@@ -375,6 +442,7 @@ class Store:
         """
         return self.query("global_grads", run=run, step=step, param=param, which=which)
 
+    @_per_step
     def global_norm(self, run: str | None = None, step: int | None = None, which: str = "final") -> pd.DataFrame:
         """The total gradient norm of every step over all parameters, from the ranks' shards (queries/
         global_grads.sql): one row per run and step (and moment, with which='all') with run, step, final,
@@ -391,11 +459,17 @@ class Store:
             about max_norm and its return is the step value `clip_grad_norm` (`values(run)`).
         total_norm is NULL when some parameter's norm is not derivable, and when some gradient holds NaN or Inf
         (clip_grad_norm_ then returns nan or inf, not the finite elements' norm).
+        status: 'written', or 'unwritten' where some rank's step could not be written (a full disk, an I/O error:
+        steps status unwritten): such a step is a row too (total_norm NaN, and the counts <NA> where no rank wrote
+        it), so that a plot of total_norm over steps shows the gap; reason says why (NULL for a written step).
         Raises UnknownRun; QueryParameterError for another `which`."""
         g = self.query("global_grads", run=run, step=step, which=which)
-        cols = ["run", "step", "final", "total_norm", "params", "not_derivable", "nonfinite"]
+        cols = ["run", "step", "final", "total_norm", "params", "not_derivable", "nonfinite", "status", "reason"]
+        lost = self._unwritten(run)
+        if step is not None:
+            lost = lost[lost["step"] == step]
         if g.empty:
-            return pd.DataFrame(columns=cols)
+            return self._with_unwritten(pd.DataFrame(columns=cols), lost, which, cols)
         keys = ["run", "step", "final"]
         has = g[g["status"] != "none"]
         counts = has[["nan", "posinf", "neginf"]].apply(pd.to_numeric).fillna(0).sum(axis=1)
@@ -415,8 +489,40 @@ class Store:
         at = out.set_index(keys).index
         derived = out["total_norm"].notna().to_numpy()
         out.loc[derived, "total_norm"] = hypot.reindex(at).to_numpy()[derived]
-        return out[cols]
+        return self._with_unwritten(out.assign(status="written", reason=None), lost, which, cols)
 
+    @staticmethod
+    def _with_unwritten(out: pd.DataFrame, lost: pd.DataFrame, which: str, cols: list) -> pd.DataFrame:
+        """`global_norm`'s rows with the unwritten steps of `lost` (`_unwritten`): a written step some rank could not
+        write is marked (status 'unwritten', total_norm NaN: not every rank's gradients are there); a step no rank
+        wrote gets a row of its own (per moment: final 1 / 0 as `which` asks), its counts <NA>."""
+        if lost.empty:
+            return out[cols].reset_index(drop=True)
+        why = lost.groupby(["run", "step"], sort=False)["reason"].agg("; ".join)
+        keyed = list(zip(out["run"], out["step"].astype(int)))
+        hit = [k in why.index for k in keyed]
+        if any(hit):
+            out = out.copy()
+            out.loc[hit, "status"] = "unwritten"
+            out.loc[hit, "reason"] = [why[k] for k, h in zip(keyed, hit) if h]
+            out.loc[hit, "total_norm"] = np.nan
+        have = set(keyed)
+        finals = {"final": [1], "pass": [0]}.get(which, [0, 1])
+        extra = [
+            {"run": run, "step": step, "final": f, "total_norm": np.nan, "status": "unwritten", "reason": reason}
+            for (run, step), reason in why.items()
+            if (run, step) not in have
+            for f in finals
+        ]
+        if extra:
+            out = pd.concat([out, pd.DataFrame(extra)], ignore_index=True)
+            for c in ("params", "not_derivable", "nonfinite"):
+                out[c] = out[c].astype("Int64")
+            order = {name: i for i, name in enumerate(dict.fromkeys([*out["run"], *lost["run"]]))}
+            out = out.assign(_run=out["run"].map(order)).sort_values(["_run", "step", "final"], kind="stable")
+        return out[cols].reset_index(drop=True)
+
+    @_per_step
     def param_status(
         self,
         run: str | None = None,
@@ -448,18 +554,23 @@ class Store:
               zeros zero_grad(set_to_none=False) wrote (the optimizer applies it either way).
         A step whose backward raised has rows too: what each parameter got before the failure. At stats='params'
         (no node hooks) a backward pass that changed .grad (a new tensor or an in-place addition) counts as a
-        gradient, and reached and calls are NULL. Parameters left out by record(params=, modules=) have no rows.
+        gradient, and reached and calls are NULL. Where a recorder fault in a pass that reached its AccumulateGrad may
+        have lost that node's calls (the step's error names the fault), calls is NULL (not known) and the status
+        is judged on whether the pass changed .grad, as at stats='params'. Parameters left out by record(params=,
+        modules=) have no rows.
         Raises UnknownRun; QueryParameterError for a status not in that list.
         Relies on: `nn.Module.named_parameters(remove_duplicate=False)` (every name), global module forward hooks
         (which modules ran), `Node.register_prehook` on AccumulateGrad nodes (which parameters got a gradient).
         """
         return self.query("param_status", run=run, step=step, rank=rank, param=param, status=status)
 
+    @_per_step
     def saved_memory(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """With record(saved=True): per step and module, saved_tensors (count), bytes (numel x element size),
         largest_numel."""
         return self.query("saved_memory", run=run, step=step, rank=rank)
 
+    @_per_step
     def first_nonfinite(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, role: str | None = None
     ) -> pd.DataFrame:
@@ -481,6 +592,7 @@ class Store:
             )
         return self.query("first_nonfinite", run=run, step=step, rank=rank, role=role)
 
+    @_per_step
     def first_nonfinite_saved(
         self, run: str | None = None, step: int | None = None, rank: int | None = None
     ) -> pd.DataFrame:
@@ -491,6 +603,7 @@ class Store:
         return self.query("first_nonfinite_saved", run=run, step=step, rank=rank)
 
     # ---- why and where ----------------------------------------------------------------------------------------
+    @_per_step
     def module_gains(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
     ) -> pd.DataFrame:
@@ -518,7 +631,8 @@ class Store:
               input is inside the call (a residual block x + f(x) sums both paths);
           one piece alone is exact; several pieces meeting a use on the other side are not computed (the norms
           of pieces do not give the norm of their sum): the norm is NULL and no_ratio starts 'not computed'.
-        A boundary node that was hooked and did not run passes 0. Parameter gradients are in neither sum: a
+        A boundary node that was hooked and did not run passes 0; one without a call in a pass where a recorder fault
+        may have lost calls is not measured (in_unmeasured), never 0. Parameter gradients are in neither sum: a
         module whose weight gradient is unremarkable can still multiply the gradient it passes on, and
         grad_norms(by='module') (which sums every grad_output and grad_input of the nodes the module itself
         owns, its parameters' AccumulateGrad nodes included, and not its submodules') does not show that.
@@ -528,6 +642,7 @@ class Store:
         """
         return self.query("module_gains", run=run, step=step, rank=rank, module=module)
 
+    @_per_step
     def node_births(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """The nodes a step reached that it did not create in its forward, as queries/node_births.sql: born in an
         earlier step (born_step < step: a hidden state that was not detached, a graph retained across steps;
@@ -543,6 +658,7 @@ class Store:
         """
         return self.query("node_births", run=run, step=step, rank=rank)
 
+    @_per_step
     def never_ran(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
     ) -> pd.DataFrame:
@@ -555,11 +671,14 @@ class Store:
         tensors and those of a returned tuple, list or dict, and of containers inside it, three deep). Not found: a node
         that no pass reaches and no module returns (the TBackward0 under an unused Linear's AddmmBackward0, ops outside
         any module).
+        A node whose run is not known is not listed: no hooks on it (modules= / params= filters), or a recorder
+        fault in its pass that may have lost its call (the step's error names it; `gradstore show` counts them).
         Columns: run, rank, step, key, name, module, why, pass, module_call, call_module, call_ordinal,
         born_pass, recomputed. `module=` keeps that module and its submodules. Raises UnknownRun.
         """
         return self.query("never_ran", run=run, step=step, rank=rank, module=module)
 
+    @_per_step
     def recomputations(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """Module forwards re-run inside a backward pass (torch.utils.checkpoint, reentrant or not), as
         queries/recomputations.sql: call, module, ordinal, during_pass, during_seq, running (the key of the node
@@ -568,6 +687,7 @@ class Store:
         original call's outputs, the keys) of the original forward. Raises UnknownRun."""
         return self.query("recomputations", run=run, step=step, rank=rank)
 
+    @_per_step
     def warnings(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """Warnings raised inside recorded steps (what Python showed; they reach the user unchanged), as
         queries/warnings.sql: run, rank, step, category, message, location ('file:line'), count (times shown in
@@ -591,12 +711,32 @@ class Store:
         row of that key, role and slot in the step; micro-batches count up), status, dtype, shape, numel, norm,
         min, max, mean, std, nan, posinf, neginf, zeros, checksum, layout, nnz, coalesced, final (1 for the
         param_grad row taken when the step ended, last in its step), placements, global_shape (a DTensor
-        gradient: its row is this rank's piece, not the whole gradient; NULL for a plain tensor). With no
-        filter: every gradient of the run.
+        gradient: its row is this rank's piece, not the whole gradient; NULL for a plain tensor), reason (why a
+        skipped row was not measured). A step the writer could not write (a full disk, an I/O error) is one row of
+        status 'unwritten' per rank, every statistic NaN (so that a plot of the series shows the gap), reason
+        saying why. With no filter: every gradient of the run.
         Raises UnknownRun; ArgumentError (a ValueError) for a role other than grad_output, grad_input, param_grad.
         """
         _check_role(role)
-        return self.query("history", run=run, key=key, module=module, param=param, role=role, rank=rank)
+        frame = self.query("history", run=run, key=key, module=module, param=param, role=role, rank=rank)
+        lost = self._unwritten(run, rank)
+        if lost.empty:
+            return frame
+        gaps = pd.DataFrame(
+            {
+                "run": lost["run"],
+                "rank": lost["rank"],
+                "step": lost["step"],
+                "key": key if key is not None else (f"param:{param}" if param is not None else None),
+                "module": module,
+                "param": param,
+                "role": role,
+                "status": s.UNWRITTEN,
+                "reason": lost["reason"],
+            }
+        )
+        out = pd.concat([frame, gaps.reindex(columns=frame.columns)], ignore_index=True)
+        return out.sort_values("step", kind="stable").reset_index(drop=True)  # as history.sql: step, then rank
 
     def diff(
         self,
@@ -664,6 +804,10 @@ class Store:
         as `diff`. Empty when the sides agree, and when nothing was compared (no gradient measured on both
         sides: a flight-recorder summary step has none; `diff` counts them). Sides as in `diff`; rows `diff` marks
         'not compared' (different pieces of one DTensor, each rank's own local piece) are never a divergence.
+        A pair of steps compared where a side's step was not written (status unwritten: a full disk, an I/O error)
+        is a row first (key NULL, differs 'not compared', reason naming the step and the writer's error), for
+        each such pair before the divergence found (every one where none was): a divergence there cannot be seen,
+        so the frame is never empty across such steps.
         Raises UnknownRun; GradstoreError for a step or rank not recorded; ArgumentError (a ValueError) for a
         negative or non-finite tolerance.
         """
@@ -680,7 +824,88 @@ class Store:
             first = stored_values.first_divergence(
                 first, every, run_a is None and run_b is None, rank_a is None and rank_b is None
             )
-        return first.drop(columns=["values_differ"])
+        return self._unwritten_divergence(first.drop(columns=["values_differ"]), sides)
+
+    def _unwritten_divergence(self, first: pd.DataFrame, sides: dict) -> pd.DataFrame:
+        """`first` (first_divergence's rows) after a 'not compared' row (key NULL, differs 'not compared', reason
+        why) for each pair of steps compared where a side's step was not written (status unwritten) and that comes
+        before the divergence found for its rank pair (every such pair where none was found): no divergence can
+        be seen there, so an empty frame would read as agreement it is not."""
+        run_a = sides["run_a"]
+        run_b = sides["run_b"] if sides["run_b"] is not None else run_a
+        if self._unwritten(run_a).empty and (run_b == run_a or self._unwritten(run_b).empty):
+            return first
+        pick = {}
+        for me, other in (("a", "b"), ("b", "a")):
+            pick[f"step_{me}"] = sides[f"step_{me}"] if sides[f"step_{me}"] is not None else sides[f"step_{other}"]
+            pick[f"rank_{me}"] = sides[f"rank_{me}"] if sides[f"rank_{me}"] is not None else sides[f"rank_{other}"]
+        frames = []
+        for me, run in (("a", run_a), ("b", run_b)):
+            f = self._step_statuses(run)
+            if pick[f"step_{me}"] is not None:
+                f = f[f["step"] == pick[f"step_{me}"]]
+            if pick[f"rank_{me}"] is not None:
+                f = f[f["rank"] == pick[f"rank_{me}"]]
+            frames.append(f)
+        on = [c for c in ("step", "rank") if pick[f"{c}_a"] is None]
+        a, b = frames
+        if on:
+            pairs = a.merge(b, on=on, how="inner", suffixes=("_a", "_b"))
+            for c in on:
+                pairs[f"{c}_a"] = pairs[f"{c}_b"] = pairs[c]
+        else:
+            pairs = a.add_suffix("_a").merge(b.add_suffix("_b"), how="cross")
+        lost = pairs[(pairs["status_a"] == s.UNWRITTEN) | (pairs["status_b"] == s.UNWRITTEN)]
+        if lost.empty:
+            return first
+        found = {}
+        for r in first.itertuples():
+            pair = (r.rank_a, r.rank_b)
+            found[pair] = min(found.get(pair, r.step_a), r.step_a)
+        rows = []
+        for r in lost.sort_values(["rank_a", "rank_b", "step_a"]).itertuples():
+            at = found.get((r.rank_a, r.rank_b))
+            if at is not None and r.step_a >= at:
+                continue  # the divergence found comes first
+            a_lost, b_lost = r.status_a == s.UNWRITTEN, r.status_b == s.UNWRITTEN
+            why = "; ".join(
+                f"side {side}'s step {step} was not written (the writer could not write it: "
+                f"{unwritten_why(error) or 'no reason stored'})"
+                for side, lost_here, step, error in (
+                    ("a", a_lost, r.step_a, r.error_a),
+                    ("b", b_lost, r.step_b, r.error_b),
+                )
+                if lost_here
+            )
+            rows.append(
+                {
+                    "run_a": run_a,
+                    "run_b": run_b,
+                    "rank_a": int(r.rank_a),
+                    "rank_b": int(r.rank_b),
+                    "step_a": int(r.step_a),
+                    "step_b": int(r.step_b),
+                    "side": "both" if a_lost and b_lost else ("a" if a_lost else "b"),
+                    "differs": "not compared",
+                    "reason": f"not compared: {why}: a divergence there would not be seen",
+                }
+            )
+        if not rows:
+            return first
+        return pd.concat([pd.DataFrame(rows).reindex(columns=first.columns), first], ignore_index=True)
+
+    def _step_statuses(self, run: str) -> pd.DataFrame:
+        """rank, step, status, error of every step of `run` (no counts: cheaper than queries/steps.sql)."""
+        st, r = s.steps.c, s.runs.c
+        q = (
+            select(st.rank, st.step, st.status, st.error)
+            .select_from(s.steps.join(s.runs, s.runs.c.id == st.run_id))
+            .where(r.name == run)
+            .order_by(st.step, st.rank)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        return pd.DataFrame(rows, columns=["rank", "step", "status", "error"])
 
     # ---- stored elements (record(values=...)) ------------------------------------------------------------------
     def _stored_values(self, sides: dict) -> tuple[dict, dict]:
@@ -730,8 +955,9 @@ class Store:
             occurrence: 0 for the first row of that key, role and slot in the step, 1, 2, ... for micro-batches.
         Returns: torch.Tensor (decoded from little-endian bytes: gradstore.store.values.decode); a sparse
             gradient's is the dense (strided) tensor it represents, as it was stored.
-        Raises: UnknownRun; ValuesNotRecorded when no such stored gradient exists (the message says which are
-            stored for that key, and why this one is not, as `_why_no_values` reads it); ArgumentError (a
+        Raises: UnknownRun; UnknownStep (a step the run did not record); StepNotWritten (a step the writer could
+            not write: status unwritten); ValuesNotRecorded when no such stored gradient exists (the message says
+            which are stored for that key, and why this one is not, as `_why_no_values` reads it); ArgumentError (a
             ValueError) for a bad role.
         """
         if param is not None:
@@ -741,6 +967,8 @@ class Store:
             raise ArgumentError("tensor(...) needs key= (a node key) or param= (a parameter's qualified name)")
         _check_role(role)
         self._check_run(run)
+        if step is not None:
+            self._step_written(run, step, rank)  # UnknownStep, StepNotWritten
         frame = self.query("tensor_values", run=run, key=key, step=step, rank=rank)
         sel = frame[(frame["slot"] == slot) & (frame["occurrence"] == occurrence)]
         if role is not None:
@@ -818,6 +1046,7 @@ class Store:
         )
 
     # ---- inside tensors, the forward, saved tensors ---------------------------------------------------------------
+    @_per_step
     def slices(
         self,
         run: str | None = None,
@@ -835,6 +1064,7 @@ class Store:
         _check_role(role)
         return self.query("slices", run=run, step=step, rank=rank, role=role, module=module, key=key)
 
+    @_per_step
     def activations(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
     ) -> pd.DataFrame:
@@ -844,6 +1074,7 @@ class Store:
         zeros. Raises UnknownRun."""
         return self.query("activations", run=run, step=step, rank=rank, module=module)
 
+    @_per_step
     def losses(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """With record(forward=True): the roots of every backward pass (role 'loss'), as queries/losses.sql: run,
         rank, step, pass, seq, key, name, module, slot, value (a one-element root's value when finite, else NULL:
@@ -851,6 +1082,7 @@ class Store:
         zeros. Raises UnknownRun."""
         return self.query("losses", run=run, step=step, rank=rank)
 
+    @_per_step
     def saved(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
     ) -> pd.DataFrame:
@@ -998,11 +1230,40 @@ class Store:
                 )
         return pd.DataFrame(out)
 
-    def _check_step(self, run: str, step: int | None, rank: int | None) -> None:
-        """Raise GradstoreError when `run` has no such step (and rank); the message says what it has."""
+    def _unwritten(self, run: str | None, rank: int | None = None) -> pd.DataFrame:
+        """The steps of `run` (None: every run; `rank`: one rank) the writer could not write (status unwritten): run,
+        rank, step, reason ('step N was not written on rank R: <the writer's error>'), in run and step order."""
+        st, r = s.steps.c, s.runs.c
+        q = (
+            select(r.name.label("run"), st.rank, st.step, st.error)
+            .select_from(s.steps.join(s.runs, s.runs.c.id == st.run_id))
+            .where(st.status == s.UNWRITTEN)
+            .order_by(r.id, st.step, st.rank)
+        )
+        if run:
+            q = q.where(r.name == run)
+        if rank is not None:
+            q = q.where(st.rank == int(rank))
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        return pd.DataFrame(
+            {
+                "run": [row.run for row in rows],
+                "rank": [int(row.rank) for row in rows],
+                "step": [int(row.step) for row in rows],
+                "reason": [
+                    f"step {row.step} was not written on rank {row.rank} (the writer could not write it: "
+                    f"{unwritten_why(row.error) or 'no reason stored'}): nothing of it is in the database"
+                    for row in rows
+                ],
+            }
+        )
+
+    def _check_step(self, run: str | None, step: int | None, rank: int | None) -> None:
+        """Raise UnknownStep when `run` (None: any run) has no such step (and rank); the message says what it has."""
         if step is None and rank is None:
             return
-        have = self.steps(run=run)
+        have = self.query("steps", run=run)
         sel = have
         if step is not None:
             sel = sel[sel["step"] == step]
@@ -1018,7 +1279,45 @@ class Store:
                 known = "; ".join(
                     f"{_step_span(at['step'])} on rank {int(r)}" for r, at in have.groupby("rank", sort=True)
                 )
-            raise GradstoreError(f"run {run!r} has no {what} in {self.db}; it has {known}")
+            who = f"run {run!r} has" if run else "no run has"
+            raise UnknownStep(f"{who} no {what} in {self.db}; {'it has' if run else 'the runs have'} {known}")
+
+    def _step_written(self, run: str | None, step: int, rank: int | None) -> str | None:
+        """For a helper asked for one step (`_per_step`): raise UnknownRun, UnknownStep (no such step, or rank), or
+        StepNotWritten (the writer could not write it on every rank asked for: status unwritten); return None where
+        every rank asked for wrote it, else the note that names the ranks that could not and why."""
+        if isinstance(step, bool) or not isinstance(step, Integral):
+            raise ArgumentError(f"step is a step number (int), got {step!r}")
+        self._check_run(run)
+        self._refresh()
+        st, r = s.steps.c, s.runs.c
+        q = (
+            select(r.name, st.rank, st.status, st.error)
+            .select_from(s.steps.join(s.runs, s.runs.c.id == st.run_id))
+            .where(st.step == int(step))
+        )
+        if run:
+            q = q.where(r.name == run)
+        if rank is not None:
+            q = q.where(st.rank == int(rank))
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        if not rows:
+            self._check_step(run or None, int(step), rank)
+        lost = [row for row in rows if row.status == s.UNWRITTEN]
+        if not lost:
+            return None
+        where = "; ".join(
+            f"run {row.name!r} rank {row.rank}: {unwritten_why(row.error) or 'no reason stored'}" for row in lost
+        )
+        text = (
+            f"step {step} was not written ({where}): the writer could not write it, so its passes, calls, gradients "
+            "and step values are not in the database, only its steps row (status 'unwritten'; Store.steps)"
+        )
+        if len(lost) == len(rows):
+            raise StepNotWritten(text)
+        written = ", ".join(f"run {row.name!r} rank {row.rank}" for row in rows if row.status != s.UNWRITTEN)
+        return f"{text}; these rows are of {written} only"
 
     def _check_sides(self, run_a, run_b, step_a, step_b, rank_a, rank_b) -> None:
         if run_a is None:

@@ -19,6 +19,11 @@ checkpoint, so the database file itself holds every step committed more than abo
 own checkpoint at WAL_AUTOCHECKPOINT_PAGES pages bounds it by size as well). Both run on the writer thread,
 between steps: nothing is added to a training step or a hook.
 
+A SQLite file removed (or replaced by another file) while a writer has it open would take every later step into
+a file no path names: after each step it writes, the writer compares the path's (device, inode) with the file it
+opened (one `os.stat`, on the writer thread); once they differ it writes no more steps there, gives each up as not
+written (`lost`, `rec.last_step.write_result`), and warns once (WriteFailedWarning), then as for any write fault.
+
 A writer can hand its steps to a sink in another process (`offload`; gradstore.recording.offload starts one: the
 step's findings and its SQL then run there, beside training rather than on its interpreter). The writer thread
 stays the one queue: it sends a step, waits for the sink to say it is written (or why not), and only then takes
@@ -39,7 +44,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from pathlib import Path
 
 from sqlalchemy import or_, select, update
@@ -50,7 +55,7 @@ from ..errors import GradstoreError, WriteFailedWarning
 from ..records import KIND, ROLE, StepBatch
 from . import claims, step_values
 from . import schema as s
-from .database import ensure_schema, explain, is_url, make_engine, transient
+from .database import ensure_schema, explain, is_url, make_engine, transient, write_limit
 from .inserts import Insert
 
 # tensor_data's columns in the order the writer builds its rows
@@ -117,6 +122,10 @@ def use_native_rows(fn) -> None:
 _CHUNK = 500  # keys per IN (...) list
 _GRAPH_MEMO = 64  # passes' edge lists (by identity) whose graph the writer remembers, the latest
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
+
+
+class FileGone(Exception):
+    """The SQLite file a writer opened is no longer the file at its path (removed, or replaced by another)."""
 
 
 class OffloadLost(Exception):
@@ -187,10 +196,24 @@ def fault_cause(db, exc) -> tuple[str, str]:
             f"`sqlite3 {db} 'PRAGMA integrity_check'` says where; record into a new file",
         )
     if "i/o error" in text or "ioerr" in text:
+        limit = None if is_url(db) else write_limit(Path(db))
+        if limit is not None:  # SQLite's message carries no errno: a full disk or a file size limit, where seen
+            fix = "free space on that disk" if limit.endswith("is full") else "raise the limit (ulimit -f)"
+            return (
+                limit,
+                f"{fix} (writing resumes by itself), or record into a file on another disk (record(db=...)); what "
+                "is already in the file is kept",
+            )
         return (
             f"an I/O error on the disk holding {db}",
             "check that disk (a full or failing disk, a network file system that went away), or record into a "
             "file on another disk",
+        )
+    if isinstance(exc, FileGone) or text.startswith("filegone:"):
+        return (
+            f"{db} was removed (or replaced by another file) while this process wrote to it",
+            "the steps written into the removed file are lost with it, and no more are written there; record into "
+            "a path nothing removes (a new `gradstore.record(..., db=...)` scope opens the file at that path anew)",
         )
     if is_url(db) and ("connect" in text or "server" in text or "terminat" in text):
         return (f"the database server of {db} could not be reached", "check the server and the network")
@@ -219,6 +242,45 @@ def step_ranges(steps) -> str:
     return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
 
 
+def _slim(b: StepBatch) -> StepBatch:
+    """The step as `_write_unwritten` needs it (its steps row), without its rows: a step given up on is kept until
+    it is recorded as not written, perhaps for long (a full disk), and its calls and tensors are never written."""
+    n = len(b.passes) if b.pass_count is None else b.pass_count
+    return replace(
+        b,
+        passes=[],
+        pass_count=n,
+        activations=[],
+        final=[],
+        final_nodes=[],
+        forward_nodes=[],
+        nodes=[],
+        param_names=[],
+        param_status=[],
+        module_calls=[],
+        step_nodes=[],
+        warnings=[],
+        values={},
+        param_norms=[],
+    )
+
+
+def _late_faults(b: StepBatch) -> list[str]:
+    """The recorder faults met while the writer built the step's rows (gradstore.recording.rows.LazyRows.fault: a
+    pass's calls or tensors; the findings' own, `Findings.fault`), as 'what: Type: message'; [] in a usual step."""
+    out = []
+    for p in b.passes:
+        for name in ("calls", "tensors"):
+            fault = getattr(getattr(p, name), "fault", None)
+            if fault:
+                out.append(f"pass {p.number}'s {name} not built: {fault}")
+    source = getattr(b.param_status, "source", None)
+    fault = getattr(source, "fault", None)
+    if fault:
+        out.append(f"step findings not built: {fault}")
+    return out
+
+
 def _insert_ignore(engine: Engine, table, index_elements):
     """INSERT that skips rows conflicting on `index_elements` (SQLite and PostgreSQL)."""
     if engine.dialect.name == "postgresql":
@@ -244,6 +306,10 @@ class Writer:
             self.engine.dispose()
             raise explain(db, exc, writing=True) from None
         self.file_id = _file_id(db)  # (device, inode) of a SQLite file when opened: `writer_for` tells a new file
+        # why the file this writer has open is not the one at its path any more (removed or replaced), else None:
+        # no step is written after that is seen (`_check_file`)
+        self.gone: str | None = None
+        self._where = None if is_url(db) else os.path.abspath(db)  # the path as opened (a later chdir changes nothing)
         self.retries = 0  # step transactions tried again after a transient failure
         self.errors: list[str] = []
         # (run_id, rank, step) -> the short error, for every step given up on (the latest _LOST_KEPT)
@@ -654,11 +720,15 @@ class Writer:
                 elif isinstance(item, tuple):
                     write = self._write_release if item[0] == "release" else self._write_run_status
                     self._retrying(write, item)
+                elif self.gone is not None:
+                    raise FileGone(self.gone)  # not into a file no path names
                 elif sent == "check" and self._stored(item):
                     pass  # the sink's process committed it before it went away
                 else:
                     self._retrying(self.write, item)
                     self._unchecked = not self._pg
+                if isinstance(item, StepBatch):
+                    self._check_file()  # the step went into the file opened: is that still the one at the path?
                 ok = item is not None
             except Exception as exc:
                 self._failed(item, exc)
@@ -689,7 +759,7 @@ class Writer:
         self.errors.append(f"step {'?' if step is None else step}: {error}")
         if isinstance(item, StepBatch):
             key = (item.run_id, item.rank, item.step)
-            self._unwritten[key] = (item, error)
+            self._unwritten[key] = (_slim(item), error)
             self.lost[key] = error
             if len(self.lost) > _LOST_KEPT:
                 self.lost.pop(next(iter(self.lost)))
@@ -706,6 +776,14 @@ class Writer:
         if fault is None or fault.cause != cause:
             self._fault = fault = _Fault(cause, fix, error, step)
             fault.count = int(step is not None)
+            if isinstance(exc, FileGone):
+                _warn(
+                    f"gradstore: {cause}: step {step} and every step after it are not written (rec.last_step."
+                    "write_result 'not written'); the steps before it were written into the file that was then "
+                    f"removed. Fix: {fix}. Training goes on; this is warned at most every {FAULT_SUMMARY_S:g} s",
+                    WriteFailedWarning,
+                )
+                return
             _warn(
                 f"gradstore: could not write {what} to {self.db}: {cause} ({error}). Fix: {fix}. Training goes on; "
                 "steps that cannot be written are recorded as not written (steps.status 'unwritten') once a write "
@@ -748,6 +826,24 @@ class Writer:
             WriteFailedWarning,
         )
 
+    def _check_file(self) -> None:
+        """After a step went into the SQLite file this writer opened: raise FileGone where the path no longer
+        names that file (removed, or replaced by another: `os.stat`'s device and inode differ, or nothing is
+        there), so that the step is given up as not written, and note it in `gone` (no later step is written).
+        One stat per step on the writer thread; nothing for a URL."""
+        if self.file_id is None:
+            return
+        if self.gone is None:
+            now = _file_id(self._where)
+            if now == self.file_id:
+                return
+            self.gone = (
+                f"{self.db} was removed while this process wrote to it"
+                if now is None
+                else f"{self.db} was replaced by another file while this process wrote to it"
+            )
+        raise FileGone(self.gone)
+
     def _written(self, item) -> None:
         """A run status written (alone or with the scope's last step) replaces one whose write had failed."""
         if isinstance(item, tuple) and item[0] == "run_status":
@@ -760,6 +856,8 @@ class Writer:
         failed), in one transaction; True when done (or nothing was waiting). Never raises."""
         if not self._unwritten and not self._pending_status:
             return True
+        if self.gone is not None:  # the file opened is not the one at the path: nothing goes into it
+            return False
         rows, statuses = dict(self._unwritten), dict(self._pending_status)
         try:
             self._retrying(self._write_unwritten, (rows, statuses))
@@ -828,7 +926,14 @@ class Writer:
             waiting = sorted(self._unwritten)
             if self._record_unwritten():
                 return True
-        if waiting:
+        if waiting and self.gone is not None:
+            steps = step_ranges(k[2] for k in waiting)
+            _warn(
+                f"gradstore: {len(waiting)} step{'s' if len(waiting) != 1 else ''} ({steps}) of this process were not "
+                f"written: {self.gone}, and no file at that path holds them",
+                WriteFailedWarning,
+            )
+        elif waiting:
             steps = step_ranges(k[2] for k in waiting)
             _warn(
                 f"gradstore: {len(waiting)} step{'s' if len(waiting) != 1 else ''} ({steps}) "
@@ -1072,6 +1177,15 @@ class Writer:
         elif b.final:
             self._write_calls_and_tensors(conn, cur, b, step_id, [], [], added)
         self._write_findings(conn, cur, b, step_id, added)
+        late = _late_faults(b)
+        if late:  # rows a recorder fault kept from being built here: the step's error says so, as for the hooks'
+            mark = "%s" if self._pg else "?"
+            text = "recorder faults: " + "; ".join(late)
+            cur.execute(
+                f"UPDATE steps SET error = CASE WHEN error IS NULL THEN {mark} ELSE error || {mark} END "
+                f"WHERE id = {mark}",
+                (text, "\n" + text, step_id),
+            )
         if b.run_status is not None:
             cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
 
@@ -1497,7 +1611,8 @@ def writer_for(db) -> Writer:
     """The process's Writer for `db` (created, with its schema ensured, on first use). A SQLite file deleted or
     replaced since this process's writer opened it gets a new writer: the old one's connections would keep writing
     to the deleted file, and its caches (node ids, edges, layouts) describe the old one. The old writer is left to
-    any recording that holds it (the steps it writes go to the file it has open) and flushed at exit."""
+    any recording that holds it (it writes no more steps: it gives them up as not written, with a
+    WriteFailedWarning, `Writer._check_file`) and flushed at exit."""
     global _exit_hook_pid
     key = _db_id(db)
     stale = None

@@ -19,6 +19,7 @@ import pandas as pd
 
 from ..errors import ArgumentError, GradstoreError
 from ..store import shards
+from ..store.schema import UNWRITTEN
 
 STATS = ("norm", "absmax", "min", "max", "mean")
 BY = ("module", "param", "node")
@@ -295,7 +296,8 @@ def series(
                     f"run {run!r} has no rank {missing[0]}; its ranks: {', '.join(map(str, all_ranks))}"
                 )
         rows = store.history(run, key=key, module=module, param=param, role=role)
-        rows = rows[rows["rank"].isin(ranks)]
+        # a step the writer could not write: its history row only marks the gap (its step in `recorded` is NaN)
+        rows = rows[rows["rank"].isin(ranks) & (rows["status"] != UNWRITTEN)]
         final = None
         if role == "param_grad" and not rows.empty:
             # the step's final row (the .grad the optimizer read): its non-finite counts mark the step too, so a

@@ -12,8 +12,10 @@ recorded, and step values when the Store has them (`Store.values`, when this gra
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import io
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import GradstoreError
+from ..errors import GradstoreError, OutputNotWritten
 from ..store.schema import UNWRITTEN
 from ..store.writer import step_ranges as _ranges
 from ..version import __version__
@@ -936,16 +938,14 @@ def _values_section(page: _Page, store, run: str) -> None:
     except GradstoreError as exc:
         page.add(f'<p class="note">Step values not read: {_e(exc)}</p>')
         return
+    # a step the writer could not write has no values: Store.values gives it a row of NaN, so that its line has a
+    # gap there
+    lost = pd.DataFrame(list(vals.attrs.get("not_written", {})), columns=["step", "rank"])
     vals = vals.reset_index()  # step and rank as columns
-    if vals is None or len(vals) == 0:
+    if vals is None or len(vals) == len(lost):
         page.add('<p class="note">No step values recorded in this run.</p>')
         return
-    # a step the writer could not write has no values: a row of NaN, so that its line has a gap there
-    every = store.steps(run=run)
-    lost = every.loc[every["status"] == UNWRITTEN, ["step", "rank"]]
-    if len(lost) and "rank" in vals:
-        vals = pd.concat([vals, lost.astype(vals[["step", "rank"]].dtypes.to_dict())], ignore_index=True)
-        vals = vals.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
+    vals = vals.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)
     keys = {"run", "rank", "step"}
     names = [c for c in vals.columns if c not in keys and pd.api.types.is_numeric_dtype(vals[c])]
     if not names:
@@ -1072,15 +1072,74 @@ def write_report(db, run: str, out=None, progress: Callable[[str], None] | None 
     """Write the report of run `run` of database `db` (path or URL) to `out` (default: RUN.html, the run name
     with characters other than letters, digits, '-', '_' and '.' replaced by '_') and return its path.
 
-    Raises DatabaseNotFound, UnknownRun, MissingDependency (see report_html).
+    The page is written to a new file beside `out` and renamed over it once whole (`os.replace`), so a failed
+    write (a full disk, a file size limit) leaves no part of a page at `out` (an older file there is kept).
+    Raises DatabaseNotFound, UnknownRun, MissingDependency (see report_html); OutputNotWritten where `out` cannot
+    be written (its directory missing, a directory, no permission, a full disk), checked before the report is
+    built where it can be.
     """
     from ..store.reader import Store
 
     if out is None:
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in run) or "run"
         out = f"{safe}.html"
+    path = Path(out)
+    _check_output(path)
     with Store(db) as store:
         text = report_html(store, run, progress=progress)
-    path = Path(out)
-    path.write_text(text, encoding="utf-8")
+    _write_whole(path, text.encode("utf-8"))
     return path
+
+
+def _check_output(path: Path) -> None:
+    """Raise OutputNotWritten where `path` cannot be a file this process writes: a directory, a missing or
+    unwritable directory."""
+    if path.is_dir():
+        raise OutputNotWritten(
+            f"cannot write the report to {path}: it is a directory; give a file name, e.g. {path / 'report.html'}"
+        )
+    directory = path.parent
+    if not directory.is_dir():
+        raise OutputNotWritten(
+            f"cannot write the report to {path}: its directory {directory} does not exist; create it "
+            f"(mkdir -p {directory}) or give another path"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise OutputNotWritten(
+            f"cannot write the report to {path}: its directory {directory} is not writable by this process"
+        )
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """`data` into `path` whole or not at all: written to a temporary file in the same directory (mode 0666 less
+    the umask, as open() gives), flushed, then renamed over `path`; on failure the temporary file is removed and
+    OutputNotWritten says why (errno ENOSPC: the disk is full; EFBIG: a file size limit; EDQUOT: a quota)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        why = {
+            errno.ENOSPC: f"the disk holding {path.parent} is full",
+            errno.EFBIG: "the page is larger than this process may write (a file size limit: ulimit -f) or the file "
+            "system allows",
+            errno.EDQUOT: "the disk quota of this user is used up",
+            errno.EACCES: "permission denied",
+            errno.EROFS: "the file system is read-only",
+        }.get(exc.errno, exc.strerror or str(exc))
+        raise OutputNotWritten(
+            f"cannot write the report to {path}: {why} ({len(data):,} bytes to write; {exc}); nothing was written "
+            "there"
+            + ("; free space, or give -o a path on another disk" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+        ) from None

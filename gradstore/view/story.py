@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ..store import shards
+from ..store.schema import UNWRITTEN
 
 
 @dataclass
@@ -481,8 +482,9 @@ class LeftOut:
     backward pass (of the steps asked about) reached without a recorded call (not hooked: outside the filter; or
     reached and not run: a pass that raised, inputs= that prune the graph); nodes_total: the nodes that pass reached;
     raised: whether that pass raised (passes.error: then the likely reason, named first); compiled: the most nodes
-    one pass that compiled autograd ran reached (gradstore hooks none there: passes.calls NULL with nodes known).
-    Empty (false) where everything reached was measured.
+    one pass that compiled autograd ran reached (gradstore hooks none there: passes.calls NULL with nodes known);
+    fault: the recorder faults of that pass's step (steps.error after 'recorder faults: '), which may have lost
+    calls, else None. Empty (false) where everything reached was measured.
     """
 
     params: list[str]
@@ -491,6 +493,7 @@ class LeftOut:
     nodes_total: int
     raised: bool = False
     compiled: int = 0  # the most nodes one pass run by compiled autograd reached (no node hooked: no call recorded)
+    fault: str | None = None
 
     def __bool__(self) -> bool:
         return bool(self.params or self.nodes or self.compiled)
@@ -528,6 +531,12 @@ class LeftOut:
                 "Under compiled autograd gradstore hangs no node hook (they would break its compiled backward graph at "
                 "every node); its passes' graphs and parameter gradients are recorded."
             )
+        elif self.fault and not self.params:  # gradstore's own fault: whether they ran is not known
+            why = (
+                f"A recorder fault in that step ({_short_text(self.fault, 200)}; steps.error) may have lost their "
+                "calls, so whether they ran is not known; a pass that raised, a modules= / params= filter of "
+                "record(), or inputs= would also leave reached nodes without one."
+            )
         elif self.raised and not self.params:  # a pass that raised: the engine never ran the rest of its graph
             why = (
                 "That backward pass raised before the engine ran them (passes.error), so they have no call; a "
@@ -560,6 +569,7 @@ def left_out(store, run: str, step: int | None = None, rank: int | None = None) 
     nodes = total_nodes = 0
     raised = False
     known = passes.dropna(subset=["nodes", "calls"])
+    fault = None
     if len(known):
         gap = (known["nodes"].astype("int64") - known["calls"].astype("int64")).clip(lower=0)
         if gap.max() > 0:
@@ -567,6 +577,8 @@ def left_out(store, run: str, step: int | None = None, rank: int | None = None) 
             nodes, total_nodes = int(gap.iloc[at]), int(known["nodes"].iloc[at])
             error = known["error"].iloc[at] if "error" in known.columns else None
             raised = error is not None and not pd.isna(error)
+            faults = recorder_faults(store, run, int(known["step"].iloc[at]), int(known["rank"].iloc[at]))
+            fault = faults or None
     # calls NULL where nodes are known: a pass compiled autograd ran (stats='params' has neither)
     unhooked = passes["nodes"][passes["calls"].isna() & passes["nodes"].notna()]
     compiled = int(unhooked.max()) if len(unhooked) else 0
@@ -577,6 +589,7 @@ def left_out(store, run: str, step: int | None = None, rank: int | None = None) 
         nodes_total=total_nodes,
         raised=raised,
         compiled=compiled,
+        fault=fault,
     )
 
 
@@ -624,6 +637,28 @@ def region_origin_note(store, run: str, key: str) -> str:
         f"{key} was made inside a torch.compile region of {_label(module)}, where no module hook runs: which of its "
         f"modules ({inside}) made it is not known; run the model uncompiled to name it"
     )
+
+
+def _short_text(text: str, limit: int) -> str:
+    """`text` on one line, cut to `limit` characters with '...' where longer."""
+    one = " ".join(str(text).split())
+    return one if len(one) <= limit else one[: limit - 3] + "..."
+
+
+RECORDER_FAULTS = "recorder faults: "  # how a step's error names gradstore's own faults (gradstore.recording.recorder)
+
+
+def recorder_faults(store, run: str, step: int, rank: int | None = None) -> str:
+    """The recorder faults of `run`'s step (and rank: None, any) as its steps.error names them ('hook: RuntimeError:
+    ...; ...'), '' where it had none. Such a fault may have lost calls or rows of the step: what those would say
+    is not known (not 'did not run', not 'nothing flowed')."""
+    steps = store.steps(run=run, step=step, rank=rank)
+    parts = []
+    for error in steps["error"].dropna():
+        for line in str(error).splitlines():
+            if line.startswith(RECORDER_FAULTS):
+                parts.append(line[len(RECORDER_FAULTS) :])
+    return "; ".join(dict.fromkeys(parts))
 
 
 def changed_most(store, run: str, rank: int | None = None, top: int = 10, which: str = "pass") -> pd.DataFrame:
@@ -781,6 +816,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
     held = {int(st): {int(r) for r in at["rank"]} for st, at in steps.groupby("step")}
     table = store.rank_divergence(run, all=True)
     hist = store.history(run, role="param_grad")
+    hist = hist[hist["status"] != UNWRITTEN]  # a step not written has no rows: its row only marks the gap
     rows = []
     for step, n in counts.items():
         at = hist[hist["step"] == step]

@@ -48,3 +48,43 @@ def test_reading_and_recording_a_damaged_file_say_so(tmp_path):
             m(torch.ones(1, 2)).sum().backward()
             rec.step()
     assert db in str(info.value) and "damaged" in str(info.value) and os.path.exists(db)
+
+
+def _damaged_in_one_table(tmp_path, table: str) -> str:
+    """A recorded file whose `table` alone is damaged (its b-tree's root page overwritten): the runs and steps
+    read, and a command fails only where it reads that table."""
+    db = str(tmp_path / "t.db")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    with gradstore.record("d", db=db, model=m, writer="thread") as rec:
+        for _ in range(20):
+            m(torch.randn(4, 8)).sum().backward()
+            rec.step()
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    page = con.execute("PRAGMA page_size").fetchone()[0]
+    root = con.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()[0]
+    con.close()
+    with open(db, "r+b") as f:
+        f.seek(page * (root - 1))
+        f.write(bytes(range(256)) * (page // 256))
+    return db
+
+
+def test_every_command_names_a_damaged_file_with_the_fix(tmp_path):
+    """`gradstore show DB RUN` (the whole run) read the damaged table outside the query helpers and ended with the
+    driver's bare 'database disk image is malformed', while runs, query and show --step named the file and the
+    fix: every command now does (a click command's database error is explained where it names its DB)."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    db = _damaged_in_one_table(tmp_path, "tensor_data")
+    runs = CliRunner().invoke(main, ["runs", db])
+    assert runs.exit_code == 0, runs.output  # the runs and steps are not damaged
+    for args in (["show", db, "d"], ["show", db, "d", "--step", "3"], ["query", db, "tensors"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and "Traceback" not in result.output, (args, result.output)
+        line = result.output.strip().splitlines()[-1]
+        assert line.startswith(f"Error: {db} is damaged"), (args, line)
+        assert "PRAGMA integrity_check" in line and ".recover" in line, (args, line)
