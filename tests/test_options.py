@@ -392,7 +392,7 @@ def test_a_step_not_recorded_is_refused_by_every_per_step_helper_alike(db):
     now names the steps the run has."""
     store, _, _ = _train(db, n=3)
     for helper in ("tensors", "calls", "passes", "param_status", "module_gains", "never_ran", "param_grads"):
-        with pytest.raises(gradstore.UnknownStep, match="no step 999 .*it has steps 0-2 on rank\\(s\\) 0"):
+        with pytest.raises(gradstore.UnknownStep, match="no step 999 .*it has steps 0-2 on rank 0"):
             getattr(store, helper)("r", step=999)
     with pytest.raises(gradstore.UnknownStep, match="no step 1 rank 5"):
         store.tensors("r", step=1, rank=5)
