@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from _functions import Square
 
 import gradstore
 from gradstore.inspect import capture as capture_module
@@ -157,18 +158,6 @@ def test_modules_outside_the_model_keep_their_class_name_and_are_looked_up_once(
 
 
 # ---- verify.capture() held by nobody --------------------------------------------------------------------------
-class Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
-
-
 def test_capture_keeps_working_when_the_caller_does_not_hold_it():
     def forward():
         x = torch.randn(4, dtype=torch.float64, requires_grad=True)

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
+from _functions import Square
 from torch.autograd import backward as early_backward  # bound before any recording scope patches anything
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.checkpoint import checkpoint
@@ -803,18 +804,6 @@ def test_hooks_removed_after_exception_inside_backward(db, monkeypatch):
 
 
 # ---- memory --------------------------------------------------------------------------------------------------
-class Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
-
-
 class Small(nn.Module):
     def __init__(self):
         super().__init__()

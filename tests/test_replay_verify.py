@@ -7,6 +7,7 @@ import math
 import pandas as pd
 import pytest
 import torch
+from _functions import Square
 from torch.utils.checkpoint import checkpoint
 
 import gradstore
@@ -495,24 +496,12 @@ def test_after_optimizer_step_explain_says_not_re_runnable_and_replay_names_the_
         gradstore.replay_check(loss, model=lin)
 
 
-class _SaveInput(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
-
-
 def test_a_custom_functions_input_modified_in_place_is_named_too():
     """The same for a custom Function's saved input, changed by an in-place op after the forward: plain PyTorch's
     backward raises; replay raises SavedTensorModified naming saved_tensors[0]."""
     x = torch.randn(3, requires_grad=True)
     h = x * 1
-    y = _SaveInput.apply(h)
+    y = Square.apply(h)
     h.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward(retain_graph=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.autograd.graph
 import torch.distributed as dist
+from _functions import Square
 from _procs import run_distributed
 
 from gradstore.recording import torch_private as tp
@@ -480,7 +481,7 @@ def test_a_nodes_python_post_hooks_share_one_dict_that_a_hook_can_be_put_in_fron
     cases = (  # a built-in node and a custom Function's node, the gradient their backward gives for ones, and what
         # the graph below them does to it on the way to x
         (lambda x: (x * 2).exp(), lambda x: torch.exp(2 * x), lambda g: g * 2),
-        (lambda x: _Twice.apply(x), lambda x: 2 * x, lambda g: g),
+        (lambda x: Square.apply(x), lambda x: 2 * x, lambda g: g),
     )
     for make, backward_of_ones, below in cases:
         x = torch.randn(3, requires_grad=True)
@@ -500,15 +501,3 @@ def test_a_nodes_python_post_hooks_share_one_dict_that_a_hook_can_be_put_in_fron
         handle.remove()
         (again,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
         assert torch.equal(again, g) and len(seen) == 1 and tp.python_hook_counts(node) == (1, 2)
-
-
-class _Twice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * g * x
