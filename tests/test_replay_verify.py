@@ -2,12 +2,14 @@
 hooks saw and the closed-form gradients; no replay touches .grad; verify's numbers agree with hand-computed
 directional derivatives, a backward that ignores its gradient is flagged with its module."""
 
+import contextlib
 import math
 
 import pandas as pd
 import pytest
 import torch
 from _functions import Square
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import gradstore
@@ -509,3 +511,34 @@ def test_a_custom_functions_input_modified_in_place_is_named_too():
     assert not ok and "saved_tensors[0]" in reason
     with pytest.raises(gradstore.SavedTensorModified, match=r"saved_tensors\[0\]"):
         gradstore.replay(y.grad_fn, torch.ones(3))
+
+
+def test_replay_check_inside_a_record_scope_adds_no_pass_to_the_step(tmp_path):
+    """replay_check's own backward pass, run inside a `record` scope, is no pass of the training step: the step
+    holds the training code's one pass, and module_gains' in_norm of the model's call is |dL/d out| once (plain
+    PyTorch: out, for L = sum(out**2)/2), not sqrt(2) times it; the .grads equal an unrecorded run's."""
+    db = str(tmp_path / "g.db")
+
+    def run(record: bool):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+        x = torch.randn(4, 4)
+        scope = gradstore.record("r", db=db, model=net) if record else contextlib.nullcontext()
+        with scope:
+            out = net(x)
+            loss = (out**2).sum() / 2  # dL/d out = out
+            chk = gradstore.replay_check(loss, model=net)
+            loss.backward()
+        return net, out.detach(), chk
+
+    plain, out, chk = run(False)
+    net, _, _ = run(True)
+    assert chk["equal"].all()
+    for a, b in zip(plain.parameters(), net.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    with gradstore.open(db) as store:
+        assert len(store.passes("r")) == 1
+        gains = store.module_gains("r", step=0)
+        top = gains[gains["module"] == ""].iloc[0]
+        assert top["in_tensors"] == 1
+        assert top["in_norm"] == pytest.approx(out.norm().item(), rel=1e-6)

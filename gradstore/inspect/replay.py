@@ -52,6 +52,7 @@ import torch
 from ..errors import ReplayError, SavedTensorModified, SavedTensorsFreed
 from ..recording import torch_private as tp
 from ..recording.graph import Keyed, describe, node_kind, node_name, walk
+from ..recording.recorder import tool_passes
 from ..recording.saved import is_custom, saved_tensors, saved_versions
 from .capture import captured
 from .context import owner_fn, param_names
@@ -739,7 +740,8 @@ def replay_check(
         raise ReplayError(f"replay_check(via=...) is 'grad' or 'backward', got {via!r}")
     _refuse_modified(w.nodes, infos)
     try:
-        _run_pass(w.nodes, hooks, roots, grad_outputs, leaves, via, model, watch)
+        with tool_passes():  # inside a record scope: not a pass of the step
+            _run_pass(w.nodes, hooks, roots, grad_outputs, leaves, via, model, watch)
     except RuntimeError as exc:
         if "donated buffer" in str(exc):
             raise ReplayError(f"replay_check cannot run the pass: {DONATED_ADVICE} ({exc})") from None

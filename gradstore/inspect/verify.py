@@ -38,6 +38,7 @@ import torch
 
 from ..errors import VerifyUsageError
 from ..recording.graph import Keyed, describe, node_name, walk
+from ..recording.recorder import tool_passes
 from ..recording.saved import is_custom
 from .capture import Capture, CapturedCall, capture, flatten_tensors, live_captures
 from .context import owner_fn, param_names
@@ -110,7 +111,7 @@ def _check_node(
         return rows
     by_slot = {r["slot"]: r for r in rows}
     try:
-        with torch.enable_grad(), no_nested_backward(direct=False):
+        with torch.enable_grad(), no_nested_backward(direct=False), tool_passes():  # no pass of a record scope
             inputs = {i: args64[i].clone().requires_grad_(True) for _, i in diff}
             full = [inputs.get(i, a) for i, a in enumerate(args64)]
             with torch.random.fork_rng(devices=devices):

@@ -65,6 +65,7 @@ from .step_warnings import WarningLog
 from .values import ValueTaker
 
 _open_scope = None  # the record object whose scope is open in this process (scopes do not nest)
+_TOOL = threading.local()  # .depth > 0: this thread runs gradstore's own backward passes (`tool_passes`)
 _scope_lock = threading.Lock()  # held while a scope checks for and takes `_open_scope`
 # nan, posinf, neginf in an activation row (node key, seq, role, slot, *stats.ROW_COLUMNS)
 _ACTIVATION_NONFINITE = tuple(4 + i for i in NONFINITE_COLUMNS)
@@ -917,6 +918,10 @@ class record:
             # the training code; counted in steps.tracing_passes, and the engine runs it untouched
             state.tracing_passes += 1
             return original(outputs, *args, **kwargs)
+        if state is not None and getattr(_TOOL, "depth", 0):
+            # gradstore's own pass (replay_check inside the scope): no pass of the training code; the engine runs
+            # it untouched, and the step's figures (passes, module_gains, ...) do not count it
+            return original(outputs, *args, **kwargs)
         if state is not None and threading.get_ident() != self._thread and state.open_call() is None:
             # a pass of another thread (not one nested in a node running on that thread, as a reentrant
             # checkpoint's on a device thread): its forward's modules were not tracked either
@@ -1255,6 +1260,18 @@ def log(values: dict | None = None, /, **named) -> None:
     if _open_scope is None:
         raise RecordUsageError("gradstore.log(...) needs an open recording (gradstore.record as decorator or `with`)")
     _open_scope.log(values, **named)
+
+
+@contextlib.contextmanager
+def tool_passes():
+    """Within it, the backward passes the calling thread runs are gradstore's own (`gradstore.replay_check`'s): an
+    open recording runs them untouched and records none of them, so a check run inside a `record` scope adds no
+    pass, call or gradient to the step. Nests; changes nothing where no recording is open."""
+    _TOOL.depth = getattr(_TOOL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _TOOL.depth -= 1
 
 
 @dataclass(frozen=True)
