@@ -79,8 +79,8 @@ def through_writer(batch, db: Path, n: int) -> dict:
     w = Writer(str(db))
     try:
         run_id = _new_run(w.engine, "writer-bench")
-        w.write(dataclasses.replace(batch, run_id=run_id, step=0, run_status=None))
-        copies = [dataclasses.replace(batch, run_id=run_id, step=i, run_status=None) for i in range(1, n + 1)]
+        w.write(dataclasses.replace(batch, run_id=run_id, step=0, run_end=None))
+        copies = [dataclasses.replace(batch, run_id=run_id, step=i, run_end=None) for i in range(1, n + 1)]
         per_step = []
         t0 = time.perf_counter()
         for b in copies:

@@ -448,11 +448,14 @@ def demo(db, run_name, steps, seed, nan_step, top):
 def runs(db):
     """List the runs in database DB (a SQLite file or SQLAlchemy URL): status, steps, last step, times, versions.
 
-    Status `interrupted`: the process writing the run died with its scope open: at once where it ran on this host
-    (its pid is gone), else once its last heartbeat is older than its lease."""
+    The status is the aggregate over the run's ranks: `running` while any rank's writer is live, `interrupted`
+    where a rank's process died with its scope open (at once where it ran on this host: its pid is gone; else
+    once its last heartbeat is older than its lease), `error` where a rank raised, `finished` when every rank that
+    recorded ended cleanly. A run of several ranks gets a line saying how each rank's recording stands."""
     with _store(db) as store:
         df = store.runs()
         lost = {run: _unwritten_line(store, run) for run, n in zip(df["run"], df["unwritten"]) if n}
+        several = _several_ranks(store, df)
     if df.empty:
         click.echo(f"no runs in {db}")
         return
@@ -474,6 +477,16 @@ def runs(db):
     click.echo(_table(out))
     for run, line in lost.items():
         click.echo(f"run {run!r}: {line}")
+    for run, line in zip(df["run"], df["ranks"]):
+        if run in several:
+            click.echo(f"run {run!r}: {line}")
+
+
+def _several_ranks(store: Store, runs: pd.DataFrame) -> set[str]:
+    """The runs of `runs` (a Store.runs frame) recorded by, or for, more than one rank: a world size above 1, or
+    several ranks in this database."""
+    counts = store.run_ranks().groupby("run")["rank"].nunique()
+    return {r for r, w in zip(runs["run"], runs["world_size"]) if w > 1 or counts.get(r, 0) > 1}
 
 
 def _status_with_unwritten(status: str, unwritten) -> str:
@@ -679,17 +692,24 @@ def _steps_gap(hidden: pd.DataFrame) -> str:
 
 
 def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> None:
-    r = store.runs(run=run).iloc[0]
+    frame = store.runs(run=run)
+    r = frame.iloc[0]
+    several = run in _several_ranks(store, frame)
     status = r["status"]
     if status == "interrupted":
         last = "no step written" if pd.isna(r["last_step"]) else f"last step {int(r['last_step'])}"
-        status = f"interrupted ({last}, ended {_when(r['last_step_at'])}; its writer died with its scope open)"
+        whose = "its writer died with its scope open"
+        if several:
+            whose = "a rank's writer died with its scope open: see Ranks"
+        status = f"interrupted ({last}, ended {_when(r['last_step_at'])}; {whose})"
     status = _status_with_unwritten(status, r["unwritten"])
     click.echo(
         f"Run {run!r} in {db}: {status}, world size {r['world_size']}, created {_when(r['created_at'])}, "
         f"finished {_when(r['finished_at'])}; torch {r['torch_version']}, gradstore {r['gradstore_version']}, "
         f"host {r['host']}"
     )
+    if several:
+        click.echo(f"Ranks: {r['ranks']}")
     click.echo(_counts_lines(_counts(store, run, rank=rank)))
     steps = store.steps(run=run, rank=rank)
     if steps.empty:
@@ -1824,11 +1844,14 @@ def _names(names: list[str], verbose: bool, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + f", and {len(names) - limit} more (--verbose lists them)"
 
 
-def _absent_words(absent: list[int], steps: pd.DataFrame, step: int, world: int) -> str:
-    """Why ranks `absent` have no step `step` in this database, and what to do: merge their files only where the
-    database holds no step at all of that rank."""
+def _absent_words(absent: list[int], steps: pd.DataFrame, step: int, world: int, ranks: pd.DataFrame) -> str:
+    """Why ranks `absent` have no step `step` in this database, and what to do: from each rank's claims row
+    (`ranks`: Store.run_ranks of the run) how its recording stands (still running, interrupted after its last step
+    written, ended with an error, finished earlier); merge their files only where the database holds no trace of
+    that rank (no claim, no step)."""
     wrote = {int(r) for r in steps["rank"]}
     lost = {int(r) for r in steps.loc[(steps["status"] == UNWRITTEN) & (steps["step"] == step), "rank"]}
+    claimed = {int(r.rank): r for r in ranks.itertuples() if not pd.isna(r.status)}
     parts = []
     if lost & set(absent):
         named = sorted(lost & set(absent))
@@ -1837,8 +1860,36 @@ def _absent_words(absent: list[int], steps: pd.DataFrame, step: int, world: int)
             "writer could not write it, its error is in the steps row"
         )
         absent = [r for r in absent if r not in lost]
-    elsewhere = [r for r in absent if r in wrote]
-    nowhere = [r for r in absent if r not in wrote]
+    benign = []
+    for rank in [r for r in absent if r in claimed]:
+        row = claimed[rank]
+        last = None if pd.isna(row.last_step) else int(row.last_step)
+        if last is not None and last >= step:  # it wrote later steps: how its recording ended is not why
+            benign.append(rank)
+            continue
+        who = (
+            f"rank {rank} recorded into this database (claimed {_when(row.claimed_at)} by pid {int(row.pid)} on "
+            f"{row.host})"
+        )
+        after = f"after step {last}" if last is not None else "before any step of it was written"
+        if row.status == "running":
+            parts.append(
+                f"{who} and is still recording (last heartbeat {_when(row.heartbeat_at)}): step {step} may not be "
+                "written yet"
+            )
+        elif row.status == "interrupted":
+            parts.append(
+                f"{who} and was interrupted {after}: its process died with its scope open (last heartbeat "
+                f"{_when(row.heartbeat_at)}), and the steps it had not yet written were lost"
+            )
+        elif row.status == "error":
+            where = "" if pd.isna(row.ended_step) else f" at step {int(row.ended_step)}"
+            error = "" if pd.isna(row.error) else f" ({_short(str(row.error).strip().splitlines()[0], 200)})"
+            parts.append(f"{who} and its recording ended with an error{where}{error}, {after}")
+        elif row.status == "finished":
+            parts.append(f"{who} and its recording finished {after}")
+    elsewhere = [r for r in absent if (r in wrote and r not in claimed) or r in benign]
+    nowhere = [r for r in absent if r not in wrote and r not in claimed]
     if elsewhere:
         parts.append(
             f"rank{'s' if len(elsewhere) > 1 else ''} {', '.join(map(str, elsewhere))} recorded no step {step} but "
@@ -1848,7 +1899,7 @@ def _absent_words(absent: list[int], steps: pd.DataFrame, step: int, world: int)
     if nowhere:
         parts.append(
             f"rank{'s' if len(nowhere) > 1 else ''} {', '.join(map(str, nowhere))} of world size {world} wrote no "
-            "step of this run to this database; merge their databases with `gradstore merge`"
+            "step of this run to this database, nor claimed it here; merge their databases with `gradstore merge`"
         )
     return "; ".join(parts)
 
@@ -1971,7 +2022,8 @@ def ranks(db, run, step, verbose):
         ranks_at = sorted(int(r) for r in steps[steps["step"] == step]["rank"])
         every_rank = sorted(set(range(world)) | {int(r) for r in steps["rank"]})
         absent = [r for r in every_rank if r not in ranks_at]
-        note = f" ({_absent_words(absent, steps, step, world)})" if absent else ""
+        ranks_of = store.run_ranks(run=run)
+        note = f" ({_absent_words(absent, steps, step, world, ranks_of)})" if absent else ""
         if len(ranks_at) < 2:
             click.echo(f"only rank {ranks_at[0]} recorded step {step} of run {run!r}: nothing to compare{note}")
             return
@@ -2089,7 +2141,7 @@ def ranks(db, run, step, verbose):
         click.echo(
             f"  not compared: step{'s' if len(unseen) > 1 else ''} {_step_ranges(set(unseen))}, which not every rank "
             "recorded ("
-            + "; ".join(_absent_words(r, steps, st, world) for st, r in list(unseen.items())[:3])
+            + "; ".join(_absent_words(r, steps, st, world, ranks_of) for st, r in list(unseen.items())[:3])
             + ("; ..." if len(unseen) > 3 else "")
             + f"): gradstore ranks {db} {run} --step N"
         )

@@ -193,6 +193,20 @@ class PassRecord:
     saved_versions: list[tuple] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RankEnd:
+    """How a recording scope on one rank of a run ended, for its claims row (revision 0013_rank_ends): status
+    finished / error, at (s since the epoch), step (the step an error ended the scope in; None otherwise), error
+    ('Type: message' of that exception), pid (the process holding the claim: the recording process, also where a
+    writer's child process writes its steps)."""
+
+    status: str
+    at: float
+    step: int | None = None
+    error: str | None = None
+    pid: int = 0
+
+
 @dataclass
 class StepBatch:
     """A finished step: identity, timing (seconds since the epoch), status and its passes."""
@@ -205,7 +219,7 @@ class StepBatch:
     status: str
     error: str | None
     passes: list[PassRecord] = field(default_factory=list)
-    run_status: str | None = None  # when set, the run row is updated to it (end of a scope)
+    run_end: RankEnd | None = None  # when set, the scope on this rank ended: its claim and the run's status say so
     level: str = "full"  # the stats level; 'summary' for a flight-recorder step written without its detail
     dropped: int = 0  # rows dropped because the writer fell behind (on_full='drop')
     waited: float = 0.0  # seconds the training thread waited for the writer (on_full='wait')

@@ -1,9 +1,23 @@
 -- title: Parameter gradients that differ across ranks, or could not be compared
--- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank of the run (0 .. world_size - 1, and any rank that wrote a step) has no param_grad row for the parameter: it recorded the step without one, or recorded no such step (reason: rank R recorded no step S, and whether it wrote other steps of the run to this database), or could not write the step (status unwritten: reason says step S was not written on rank R), not compared (side says which rank has one). rule none: .grad is None on both ranks: no values to compare and no placement to read (replicated or sharded is not known from these rows): not compared. result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side, a rank that recorded no such step or could not write it, or .grad None on both: nothing is claimed about its values), equal, sharded (layouts agree; values not compared, by design) or local: a backward row of rule replicated that differs (differs lists the fields) where the gradients were reduced after the pass (a hand-written all-reduce between backward() and the optimizer): its pair of ranks' final rows compared by value and agree, or, in the same step, some other pair's final rows agree where their backward rows differ; each rank's .grad after the pass is then its own local gradient (different where the ranks see different data), and the final rows are the comparison that counts. Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
+-- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank of the run (0 .. world_size - 1, and any rank that wrote a step) has no param_grad row for the parameter: it recorded the step without one, or recorded no such step (reason: rank R recorded no step S, and where it recorded into this database how its recording stands: still running, interrupted after its last step written (its process died: the steps it had not written are lost), ended with an error at a step, or finished after its last step; else whether it wrote other steps of the run to this database), or could not write the step (status unwritten: reason says step S was not written on rank R), not compared (side says which rank has one). rule none: .grad is None on both ranks: no values to compare and no placement to read (replicated or sharded is not known from these rows): not compared. result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side, a rank that recorded no such step or could not write it, or .grad None on both: nothing is claimed about its values), equal, sharded (layouts agree; values not compared, by design) or local: a backward row of rule replicated that differs (differs lists the fields) where the gradients were reduced after the pass (a hand-written all-reduce between backward() and the optimizer): its pair of ranks' final rows compared by value and agree, or, in the same step, some other pair's final rows agree where their backward rows differ; each rank's .grad after the pass is then its own local gradient (different where the ranks see different data), and the final rows are the comparison that counts. Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
 -- param run: run name; empty (NULL) for every run
 -- param step: step number; empty (NULL) for every step
 -- param all: 1 to list every comparison (the equal and sharded ones too); empty (NULL): only those that differ or were not compared
-WITH RECURSIVE latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass's first ('backward'); the final row ('final')
+-- param now: the current time in seconds since the epoch (gradstore binds it): where a rank recorded no such step, its reason says whether its recording is still running, ended, or was interrupted (its lease ran out at that time; queries/run_ranks.sql); empty (NULL): no lease is judged
+-- param dead: claims ids (comma-separated) whose holder the reader found gone (gradstore binds the claims held on its own host whose pid is dead); empty (NULL): leases only
+WITH RECURSIVE prm AS (
+    SELECT CASE WHEN CAST(:now AS TEXT) = '' THEN NULL ELSE CAST(:now AS DOUBLE PRECISION) END AS now,
+           ',' || COALESCE(CAST(:dead AS TEXT), '') || ',' AS dead
+), rank_ends AS (  -- each claimed rank's status, as queries/run_ranks.sql gives it, with its last step written
+    SELECT c.run_id, c.rank, c.pid, c.host, c.ended_step, c.error,
+           CASE WHEN c.released_at IS NOT NULL THEN COALESCE(c.status, 'interrupted')
+                WHEN prm.now IS NOT NULL AND (c.heartbeat_at + c.lease < prm.now
+                                              OR prm.dead LIKE ('%,' || CAST(c.id AS TEXT) || ',%'))
+                     THEN 'interrupted'
+                ELSE COALESCE(c.status, 'running') END AS status,
+           (SELECT MAX(x.step) FROM steps x WHERE x.run_id = c.run_id AND x.rank = c.rank AND x.status <> 'unwritten') AS last_step
+    FROM claims c CROSS JOIN prm
+), latest_rows AS (  -- each rank's param_grad rows by stage: the latest pass's first ('backward'); the final row ('final')
     SELECT t.id AS tid, t.step_id AS sid, st.run_id, st.step, st.rank, t.node_id,
            CASE WHEN t.pass_id IS NULL THEN 'final' ELSE 'backward' END AS stage,
            ROW_NUMBER() OVER (PARTITION BY t.step_id, t.node_id, t.pass_id IS NULL ORDER BY p.pass DESC) AS latest
@@ -195,7 +209,25 @@ SELECT r.name AS run,
        CASE WHEN v.how = 'absent' THEN 'rank '
                  || CAST(CASE WHEN v.ida IS NULL THEN v.rank_a ELSE v.rank_b END AS TEXT) || ' recorded no step '
                  || CAST(v.step AS TEXT)
-                 || CASE WHEN v.has_any = 1
+                 -- a rank whose steps here end before this one: how its recording stands says why
+                 || CASE WHEN ke.status IS NOT NULL AND (ke.last_step IS NULL OR ke.last_step < v.step)
+                         THEN ' (it recorded into this database: pid ' || CAST(ke.pid AS TEXT) || ' on ' || ke.host || '; '
+                              || CASE WHEN ke.status = 'running'
+                                      THEN 'its recording is still running: the step may not be written yet)'
+                                      WHEN ke.status = 'interrupted'
+                                      THEN 'its process died with its scope open '
+                                           || CASE WHEN ke.last_step IS NULL THEN 'before any step of it was written'
+                                                   ELSE 'after step ' || CAST(ke.last_step AS TEXT) END
+                                           || ': the steps it had not yet written are lost)'
+                                      WHEN ke.status = 'error'
+                                      THEN 'its recording ended with an error'
+                                           || CASE WHEN ke.ended_step IS NULL THEN ''
+                                                   ELSE ' at step ' || CAST(ke.ended_step AS TEXT) END
+                                           || CASE WHEN ke.error IS NULL THEN '' ELSE ': ' || SUBSTR(ke.error, 1, 200) END || ')'
+                                      ELSE 'its recording ' || ke.status || ' '
+                                           || CASE WHEN ke.last_step IS NULL THEN 'without writing a step)'
+                                                   ELSE 'after step ' || CAST(ke.last_step AS TEXT) || ')' END END
+                         WHEN v.has_any = 1
                          THEN ' (it wrote other steps of this run to this database: a rank writes no step in which it '
                               || 'ran no backward pass, nor one that every= or steps= leave out)'
                          ELSE ' (no step of that rank is in this database: record every rank into it, or join the '
@@ -273,6 +305,8 @@ SELECT r.name AS run,
        v.checksum_b
 FROM verdicts v
 JOIN runs r ON r.id = v.run_id
+LEFT JOIN rank_ends ke ON v.how = 'absent' AND ke.run_id = v.run_id
+                      AND ke.rank = CASE WHEN v.ida IS NULL THEN v.rank_a ELSE v.rank_b END
 JOIN nodes n ON n.id = v.node_id
 LEFT JOIN statuses sua ON sua.id = v.sa
 LEFT JOIN statuses sub ON sub.id = v.sb

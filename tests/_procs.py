@@ -95,11 +95,15 @@ def run_processes(fn, n: int, *args, timeout: float = 90.0) -> list:
         q.close()
 
 
-def _distributed(rank, world_size, port, fn, args):
+def _distributed(rank, world_size, port, fn, args, timeout_s=60.0):
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
     )
     try:
         return fn(rank, *args)
@@ -111,3 +115,34 @@ def run_distributed(fn, *args, world_size: int = 2, timeout: float = 90.0) -> li
     """Call fn(rank, *args) in `world_size` forked processes that form a gloo process group (rendezvous on a
     free TCP port of 127.0.0.1; destroyed before each process exits); results in rank order."""
     return run_processes(_distributed, world_size, world_size, free_port(), fn, args, timeout=timeout)
+
+
+def _spawned(rank, world_size, port, fn, args, timeout_s):
+    import torch
+
+    torch.set_num_threads(1)
+    _distributed(rank, world_size, port, fn, args, timeout_s)
+
+
+def spawn_distributed(fn, *args, world_size: int = 2, timeout_s: float = 60.0) -> list:
+    """Start fn(rank, *args) in `world_size` forked processes forming a gloo process group (as `run_distributed`,
+    collectives timing out after `timeout_s`) and return them (multiprocessing Processes, rank order) while they
+    run: for tests about ranks that raise, die or hang, which read each one's `exitcode`. The caller joins them, and
+    kills (`kill_all`) whatever is left, in a `finally`."""
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_spawned, args=(r, world_size, port, fn, args, timeout_s), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def kill_all(procs, timeout: float = 5.0) -> None:
+    """SIGKILL every process of `procs` still alive, and reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=timeout)

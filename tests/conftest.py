@@ -28,6 +28,7 @@ BACKEND_MODULES = {
     "test_step_values.py",
     "test_on_nonfinite.py",
     "test_sequence_nr.py",
+    "test_run_status.py",
 }
 SQLITE_ONLY = {"test_memory_does_not_grow"}  # about the recorder's memory, not the database: once is enough
 BACKENDS = [

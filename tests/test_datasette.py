@@ -203,6 +203,7 @@ def test_q_runs_reads_an_empty_now_as_the_current_time(tmp_path):
         for run, lease in (("dead", 60.0), ("live", 3600.0)):  # heartbeats 120 s ago
             (run_id,) = con.execute("SELECT id FROM runs WHERE name = ?", (run,)).fetchone()
             con.execute("UPDATE runs SET status = 'running', finished_at = NULL WHERE id = ?", (run_id,))
+            con.execute("DELETE FROM claims WHERE run_id = ?", (run_id,))  # this process's, released: replaced
             con.execute(
                 "INSERT INTO claims (run_id, rank, pid, host, started_at, heartbeat_at, lease) "
                 "VALUES (?, 0, 1, 'another-host', ?, ?, ?)",

@@ -328,3 +328,25 @@ def test_the_graphs_each_step_walked_are_merged(tmp_path, monkeypatch):
         assert "b/AddmmBackward0#0" in set(merged.edges("job", step=0, rank=0).dst)
         assert "b/AddmmBackward0#0" not in set(merged.edges("job", step=0, rank=1).dst)
     assert scalar(out, "SELECT COUNT(*) FROM graphs") == 2 == scalar(paths[0], "SELECT COUNT(*) FROM graphs")
+
+
+def test_merge_keeps_each_ranks_end_and_the_run_is_their_aggregate(tmp_path, monkeypatch):
+    """Rank 0's scope ends cleanly in a.db, rank 1's raises at its step 1 in b.db: merged (b first, so that the
+    clean rank is merged last), the run is an error, and each rank's end (its claims row: status, step, error) is
+    as its own file has it."""
+    a, b, out = (str(tmp_path / n) for n in ("a.db", "b.db", "out.db"))
+    record_rank(a, 0, monkeypatch, run="ends")
+    monkeypatch.setattr(recorder, "_rank_and_world_size", lambda: (1, 2))
+    model = make_model()
+    with pytest.raises(RuntimeError, match="rank 1 stopped"):
+        with gradstore.record("ends", db=b, model=model) as rec:
+            model(torch.ones(3, 4)).sum().backward()
+            rec.step()
+            raise RuntimeError("rank 1 stopped")
+    gradstore.record("ends", db=b).flush()
+    merge(out, [b, a])
+    with gradstore.open(out) as store:
+        assert store.runs("ends").iloc[0]["status"] == "error"
+        ranks = store.run_ranks("ends").set_index("rank")
+    assert list(ranks["status"]) == ["finished", "error"]
+    assert ranks.loc[1, "ended_step"] == 1 and ranks.loc[1, "error"] == "RuntimeError: rank 1 stopped"

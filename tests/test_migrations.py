@@ -4,6 +4,7 @@ between migrations/ and gradstore/store/schema.py."""
 import json
 import math
 import shutil
+import socket
 import sqlite3
 from pathlib import Path
 
@@ -987,3 +988,45 @@ def test_upgrade_to_0012_adds_graphs_and_down_again(tmp_path):
         assert "graph_id" not in [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
         assert not conn.execute("SELECT 1 FROM sqlite_master WHERE name IN ('graphs', 'graph_edges')").fetchall()
         assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before
+
+
+# ---- revision 0013_rank_ends: how each rank's recording ended, kept on its claims row ---------------------------
+def test_upgrade_0012_to_0013_keeps_the_held_claims_and_down_again(tmp_path):
+    """The committed revision-0003 file at 0012_edge_steps, with a claim held by a process that is gone (a row as
+    0007_faults wrote it: every row then was held, since a scope's end deleted its row); at 0013_rank_ends the row
+    keeps its values, its new columns are NULL (no scope of it ended), and the run reads as interrupted, since
+    that process is gone. Down to 0012 deletes the released rows (what the older code did on release), keeps the
+    held one, and drops the columns."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-faults.db", path)
+    _migrate(path, "0012_edge_steps")
+    gone = 2**22 + 12345  # above Linux's default pid_max (4194304): no such process
+    with sqlite3.connect(path) as conn:
+        (run_id,) = conn.execute("SELECT id FROM runs WHERE name = 'killed'").fetchone()
+        (other,) = conn.execute("SELECT id FROM runs WHERE name = 'done'").fetchone()
+        conn.execute(
+            "INSERT INTO claims (run_id, rank, pid, host, started_at, heartbeat_at, lease) "
+            "VALUES (?, 0, ?, ?, 1, 2, 60)",
+            (run_id, gone, socket.gethostname()),
+        )
+        before = conn.execute("SELECT * FROM claims").fetchall()
+    _migrate(path, "0013_rank_ends")
+    with sqlite3.connect(path) as conn:
+        after = conn.execute("SELECT * FROM claims").fetchall()
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(claims)")]
+    assert columns[len(before[0]) :] == ["status", "ended_at", "ended_step", "error", "released_at"]
+    assert [r[: len(before[0])] for r in after] == before and {r[len(before[0]) :] for r in after} == {(None,) * 5}
+    with gradstore.open(path) as store:
+        ranks = store.run_ranks("killed")
+        assert store.runs("killed").iloc[0]["status"] == "interrupted"
+    assert ranks[["rank", "status", "pid"]].values.tolist() == [[0, "interrupted", gone]]
+    with sqlite3.connect(path) as conn:  # a rank of another run whose scope ended and released its claim
+        conn.execute(
+            "INSERT INTO claims (run_id, rank, pid, host, started_at, heartbeat_at, lease, status, ended_at, "
+            "released_at) VALUES (?, 0, 1, 'h', 1, 2, 60, 'finished', 3, 4)",
+            (other,),
+        )
+    _migrate(path, "0012_edge_steps", down=True)
+    with sqlite3.connect(path) as conn:
+        assert [r[1] for r in conn.execute("PRAGMA table_info(claims)")] == columns[: len(before[0])]
+        assert conn.execute("SELECT * FROM claims").fetchall() == before

@@ -26,8 +26,8 @@ from gradstore.store import database, queries, schema
 # columns that hold wall-clock times or durations, and autograd sequence numbers (a thread's counter runs on from
 # one recording to the next): they differ between any two recordings (tests/test_sequence_nr.py checks the numbers)
 VOLATILE = re.compile(
-    r"(^|_)(created_at|finished_at|started_at|ended_at|step_at|heartbeat_at|duration|start|setup|finish|waited"
-    r"|sequence_nr)(_a|_b|_abs|_rel)?$"
+    r"(^|_)(created_at|finished_at|started_at|ended_at|step_at|heartbeat_at|claimed_at|released_at|duration|start|setup|"
+    r"finish|waited|sequence_nr)(_a|_b|_abs|_rel)?$"
 )
 
 

@@ -24,7 +24,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from ..errors import NonFiniteGradient, RecordUsageError, RecordUsageWarning
-from ..records import HOOK_RAISED, STATUS, StepBatch
+from ..records import HOOK_RAISED, STATUS, RankEnd, StepBatch
 from ..store import claims
 from ..store import schema as s
 from ..store.database import DEFAULT_DB, check_db, explain
@@ -767,7 +767,7 @@ class record:
             if final is not None:
                 final.close()
             if run_status is not None:
-                self._writer.set_run_status(self.run_id, run_status, time.time())
+                self._writer.set_run_status(self.run_id, self.rank, self._rank_end(run_status, exc))
             return
         final_nodes, final_rows, final_nonfinite, final_norms = [], [], False, ([], [], [])
         if final is not None:
@@ -817,7 +817,7 @@ class record:
             status=status,
             error=error,
             passes=records,
-            run_status=run_status,
+            run_end=None if run_status is None else self._rank_end(run_status, exc),
             level=self.options.stats,
             tracing_passes=state.tracing_passes,
             warnings=[(*key, n) for key, n in state.warnings.items()],
@@ -861,8 +861,20 @@ class record:
             except NonFiniteGradient as e:
                 self._raised = e
                 if run_status is not None:
-                    self._writer.set_run_status(self.run_id, "error", time.time())
+                    self._writer.set_run_status(self.run_id, self.rank, self._rank_end("error", e))
                 raise
+
+    def _rank_end(self, status: str, exc: BaseException | None) -> RankEnd:
+        """How this scope on its rank ended (end of a scope): `status`, now, and for an error the step and the
+        exception (`exc`; None for an error without one)."""
+        error = status == "error"
+        return RankEnd(
+            status=status,
+            at=time.time(),
+            step=self._step_number if error else None,
+            error=_exception_text(exc) if error and exc is not None else None,
+            pid=os.getpid(),
+        )
 
     def _add_findings(self, batch: StepBatch, state: StepState, records: list, final_norms: tuple) -> None:
         """Hand what the step noted to its findings (built on the writer thread: gradstore.recording.findings);

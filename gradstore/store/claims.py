@@ -5,9 +5,14 @@ per (run, rank) with the process's pid and host, when it started, and a heartbea
 thread renews every `heartbeat_interval()` seconds (`renew`). The claim stands while `heartbeat_at + lease` is in
 the future (lease: LEASE_HEARTBEATS heartbeats), and, when its holder runs on this host, while its pid is alive.
 A second process claiming a rank whose claim stands gets `RankInUse`; a claim that no longer stands (its holder
-was killed, or its machine lost) is taken over, so a restarted job resumes its record. The holder deletes its
-row when its scope ends (`release`). Readers tell a live run from an interrupted one by its claims
-(queries/runs.sql).
+was killed, or its machine lost) is taken over, so a restarted job resumes its record. The holder releases its
+claim when its scope ends (`release`), and the row stays (revision 0013_rank_ends) with how the scope ended
+(`end`: finished / error, when, and where an error ended it) and when the claim was released, so that a run's
+status is the aggregate over its ranks: running while a rank's writer is live, interrupted where a rank's process
+died with its scope open, error where a rank raised, finished when every rank that recorded ended cleanly
+(queries/runs.sql and queries/run_ranks.sql read it; `end` also stores that aggregate in runs.status, as far as it
+can be known without a clock: a rank whose scope is open counts as running there). Readers on this host also bind
+`dead` (the held claims whose pid is gone) so that a writer killed here reads as interrupted at once.
 
 PostgreSQL: the claiming transaction takes an advisory lock on (run_id, rank) first, so two processes claiming
 the same rank take turns; SQLite: the writer's transactions hold the file's write lock (BEGIN IMMEDIATE).
@@ -19,13 +24,18 @@ import os
 import socket
 import time
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import insert, select, update
 
 from ..errors import RankInUse
+from ..records import RankEnd
 from . import schema as s
 
 HEARTBEAT_S = 10.0  # seconds between heartbeats (the environment's GRADSTORE_HEARTBEAT_S overrides it)
 LEASE_HEARTBEATS = 6  # a claim stands this many heartbeats after the last one
+
+
+# a claim taken (again): no scope of it has ended yet
+_OPEN = {"status": None, "ended_at": None, "ended_step": None, "error": None, "released_at": None}
 
 
 def heartbeat_interval() -> float:
@@ -65,8 +75,10 @@ def pid_alive(pid: int) -> bool:
 
 def stands(row, now: float, host: str | None = None) -> bool:
     """True when the claim `row` (a claims row: pid, host, heartbeat_at, lease) still holds its rank at time
-    `now` (s since the epoch): its heartbeat is within its lease and, where its holder is on this host, the
-    holder's pid is alive."""
+    `now` (s since the epoch): it is not released, its heartbeat is within its lease and, where its holder is on
+    this host, the holder's pid is alive."""
+    if getattr(row, "released_at", None) is not None:
+        return False
     if row.heartbeat_at + row.lease < now:
         return False
     if row.host == (host or this_host()) and not pid_alive(row.pid):
@@ -86,7 +98,7 @@ def take(conn, run_id: int, rank: int, run_name: str) -> None:
         conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({int(run_id)}, {int(rank)})")
     c = s.claims.c
     row = conn.execute(select(s.claims).where(c.run_id == run_id, c.rank == rank)).first()
-    mine = {"pid": pid, "host": host, "started_at": now, "heartbeat_at": now, "lease": lease()}
+    mine = {"pid": pid, "host": host, "started_at": now, "heartbeat_at": now, "lease": lease(), **_OPEN}
     if row is None:
         conn.execute(insert(s.claims).values(run_id=run_id, rank=rank, **mine))
         return
@@ -111,7 +123,7 @@ def renew(conn, keys) -> list[tuple[int, int]]:
     for run_id, rank in keys:
         n = conn.execute(
             update(s.claims)
-            .where(c.run_id == run_id, c.rank == rank, c.pid == pid, c.host == host)
+            .where(c.run_id == run_id, c.rank == rank, c.pid == pid, c.host == host, c.released_at.is_(None))
             .values(heartbeat_at=now, lease=lease())
         ).rowcount
         if n == 0:
@@ -120,8 +132,54 @@ def renew(conn, keys) -> list[tuple[int, int]]:
 
 
 def release(conn, run_id: int, rank: int) -> None:
-    """Delete this process's claim on (run_id, rank), if it still holds it."""
+    """Give back this process's claim on (run_id, rank), if it still holds it: the row stays, with `released_at`
+    (how its scope ended was written before, by `end`)."""
     c = s.claims.c
     conn.execute(
-        delete(s.claims).where(c.run_id == run_id, c.rank == rank, c.pid == os.getpid(), c.host == this_host())
+        update(s.claims)
+        .where(c.run_id == run_id, c.rank == rank, c.pid == os.getpid(), c.host == this_host(), c.released_at.is_(None))
+        .values(released_at=time.time())
     )
+
+
+def end(cur, pg: bool, run_id: int, rank: int, how: RankEnd) -> None:
+    """On the writer's DB-API cursor `cur`, inside its transaction (`pg`: PostgreSQL's driver): record that the
+    scope of process `how.pid` (on this host) on (run_id, rank) ended as `how` says (its claims row: status,
+    ended_at, ended_step, error; nothing when another process took the rank over), then store the run's status as
+    the aggregate over its ranks' rows: running while some rank's scope is open, else error where a rank ended with
+    one, else `how.status`; finished_at NULL while running. On PostgreSQL the run's row is locked first, so that
+    two ranks ending at once each see the other's end (READ COMMITTED would otherwise let both read the other as
+    still running); on SQLite the transaction holds the file's write lock already."""
+    sql = _END_SQL["%s" if pg else "?"]
+    if pg:
+        # NO KEY UPDATE: ranks' ends take turns, while the KEY SHARE locks that the step's rows (foreign keys to
+        # the run) hold in other ranks' transactions do not block it (FOR UPDATE would deadlock with them)
+        cur.execute(sql[0], (run_id,))
+        cur.fetchall()
+    cur.execute(sql[1], (how.status, how.at, how.step, how.error, run_id, rank, how.pid or os.getpid(), this_host()))
+    cur.execute(sql[2], (run_id, run_id, how.status, run_id, how.at, run_id))
+
+
+def _end_sql(mark: str) -> tuple[str, str, str]:
+    """`end`'s statements for the driver's parameter mark: lock the run (PostgreSQL), the rank's end, the run's
+    status as the aggregate (the driver's own SQL: run at each scope end, also each call of a decorated function)."""
+    open_ = f"EXISTS (SELECT 1 FROM claims c WHERE c.run_id = {mark} AND c.status IS NULL AND c.released_at IS NULL)"
+    return (
+        f"SELECT id FROM runs WHERE id = {mark} FOR NO KEY UPDATE",
+        f"UPDATE claims SET status = {mark}, ended_at = {mark}, ended_step = {mark}, error = {mark} "
+        f"WHERE run_id = {mark} AND rank = {mark} AND pid = {mark} AND host = {mark}",
+        f"UPDATE runs SET status = CASE WHEN {open_} THEN 'running' "
+        f"WHEN EXISTS (SELECT 1 FROM claims c WHERE c.run_id = {mark} AND c.status = 'error') THEN 'error' "
+        f"ELSE {mark} END, finished_at = CASE WHEN {open_} THEN NULL ELSE {mark} END WHERE id = {mark}",
+    )
+
+
+_END_SQL = {mark: _end_sql(mark) for mark in ("?", "%s")}
+
+
+def dead(conn) -> list[int]:
+    """The ids of the claims held (not released) by a process on this host that is gone (`pid_alive`): what a
+    reader here binds as the queries' `dead` parameter (queries/runs.sql, run_ranks.sql), since SQL sees no pid."""
+    c = s.claims.c
+    rows = conn.execute(select(c.id, c.pid).where(c.host == this_host(), c.released_at.is_(None))).fetchall()
+    return [row.id for row in rows if not pid_alive(row.pid)]

@@ -4,7 +4,10 @@ Each rank (or machine) of a job can record into its own file; `merge` copies the
 the comparisons across ranks (`Store.rank_divergence`, `Store.diff(rank_a=, rank_b=)`) see every rank:
 
 - runs are matched by name (created in OUT when missing; world_size becomes the largest of the two, status
-  the worst of error / running / finished, created_at the earliest, finished_at the latest);
+  the worst of error / running / finished, created_at the earliest, finished_at the latest), and each rank's
+  claims row (its writer's pid and host, and how its recording ended) copied where OUT has none for that rank, so
+  that the merged run's status is the aggregate over its ranks (a rank still recording when its file was merged
+  reads running in OUT until its lease runs out, then interrupted: OUT never hears of its end);
 - steps are appended per (run, rank, step); one that OUT already holds is an error (`MergeConflict`, naming
   it), or is skipped with its passes, calls and tensors when `skip_existing=True`;
 - nodes are matched by key within the run (new ones added; ids remapped), edges de-duplicated, and the graphs
@@ -210,6 +213,21 @@ def _merge_runs(src, dst, report: MergeReport) -> tuple[dict[int, int], dict[int
     return run_map, names
 
 
+def _merge_claims(src, dst, run_map: dict[int, int]) -> None:
+    """Each rank's claims row (who recorded it, and how its recording ended: revision 0013_rank_ends), copied where
+    OUT has none for that (run, rank): the merged run's status is the aggregate over its ranks, as in each input."""
+    c = s.claims.c
+    have = {(row.run_id, row.rank) for row in dst.execute(select(c.run_id, c.rank))}
+    rows = []
+    for r in src.execute(select(s.claims).order_by(c.id)).mappings():
+        key = (run_map[r["run_id"]], r["rank"])
+        if key not in have:
+            have.add(key)
+            rows.append({**{k: v for k, v in r.items() if k != "id"}, "run_id": key[0]})
+    if rows:
+        dst.execute(insert(s.claims), rows)
+
+
 def _merge_steps(src, dst, run_map, names, db, out, skip_existing, report) -> dict[int, int]:
     src_steps = list(src.execute(select(s.steps).order_by(s.steps.c.id)).mappings())
     existing = set()
@@ -354,6 +372,7 @@ def _merge_graphs(src, dst, run_map, edge_map) -> dict[int, int]:
 def _merge_one(src, dst, db: str, out: str, skip_existing: bool, tick: Callable[[int], None]) -> MergeReport:
     report = MergeReport(source=db)
     run_map, names = _merge_runs(src, dst, report)
+    _merge_claims(src, dst, run_map)
     step_map = _merge_steps(src, dst, run_map, names, db, out, skip_existing, report)
     tick(len(step_map))
     node_map = _merge_nodes(src, dst, run_map, report)

@@ -128,6 +128,8 @@ class Store:
             q = queries.get(name)
             if "now" in q.params and params.get("now") is None:
                 params["now"] = time.time()  # the reference time that tells a live run from an interrupted one
+            if "dead" in q.params and params.get("dead") is None:
+                params["dead"] = self._dead_claims()  # SQL sees no pid: the writers gone on this host, named
             return queries.run(self.engine, name, params)
         except DBAPIError as exc:  # a file damaged where this query reads it: named, with the fix
             if damaged(exc):
@@ -135,39 +137,43 @@ class Store:
             raise
 
     # ---- the tables ------------------------------------------------------------------------------------------
-    def runs(self, run: str | None = None) -> pd.DataFrame:
-        """Runs (or the one named `run`): run, status (running / finished / error, or interrupted: its writer
-        died with its scope open, see queries/runs.sql), world_size, created_at, finished_at (s since epoch),
-        versions, host, steps, last_step (the highest step number written, any rank), last_step_at (when it
-        ended), heartbeat_at (the latest heartbeat of a process writing it; NULL once every scope ended).
+    def _dead_claims(self) -> str:
+        """The ids (comma-separated) of the claims held by a process on this host that is gone, as the queries'
+        `dead` parameter takes them ('' when there is none, or the claims cannot be read)."""
+        try:
+            with self.engine.connect() as conn:
+                return ",".join(str(i) for i in claims.dead(conn))
+        except DBAPIError:  # a damaged file: the query that follows says so
+            return ""
 
-        A run reads as interrupted once none of its claims stands (`claims.stands`). queries/runs.sql (and
-        `query("runs")`) can check only the leases: a dead writer's lease runs out up to 60 s after its last
-        heartbeat, by default. This helper also checks the pid of each claim held on this host: a writer killed
-        here reads as interrupted at once. A claim held on another host stands until its lease runs out."""
-        now = time.time()
-        frame = self.query("runs", run=run, now=now)
-        live = frame.index[frame["status"] != "interrupted"]
-        if len(live) == 0:
-            return frame
-        c = s.claims.c
-        with self.engine.connect() as conn:
-            held = conn.execute(
-                select(s.runs.c.name, c.pid, c.host, c.heartbeat_at, c.lease).select_from(
-                    s.claims.join(s.runs, s.runs.c.id == c.run_id)
-                )
-            ).fetchall()
-        by_run: dict[str, list] = {}
-        for row in held:
-            by_run.setdefault(row.name, []).append(row)
-        host = claims.this_host()
-        for i in live:
-            held_by = by_run.get(frame.at[i, "run"])
-            # runs.sql: interrupted when no claim stands while the run says running or holds claims; with none
-            # held the SQL's answer stands (it already read a running run without claims as interrupted)
-            if held_by and not any(claims.stands(h, now, host) for h in held_by):
-                frame.at[i, "status"] = "interrupted"
-        return frame
+    def runs(self, run: str | None = None) -> pd.DataFrame:
+        """Runs (or the one named `run`): run, status, world_size, created_at, finished_at (s since epoch; NULL
+        while running), versions, host, steps, last_step (the highest step number written, any rank),
+        last_step_at (when it ended), heartbeat_at (the latest heartbeat of a process writing it; NULL once every
+        scope ended), unwritten (steps the writer could not write), and ranks: one line per rank that recorded
+        into this database, how its recording stands (`rank_words`), '; '-joined.
+
+        status is the aggregate over the run's ranks (`run_ranks`, queries/runs.sql): running while any rank's
+        writer is live, else interrupted where a rank's process died with its scope open, else error where a rank's
+        scope ended raising, else finished (every rank that recorded ended cleanly). A writer on another host reads
+        as interrupted once its lease runs out (up to 60 s after its last heartbeat, by default); one on this host
+        at once (its pid is gone: bound as the query's `dead`)."""
+        frame = self.query("runs", run=run)
+        ranks = self.run_ranks(run=run)
+        runs = zip(frame["run"], frame["world_size"])
+        lines = [ranks_line(ranks[ranks["run"] == name], world) for name, world in runs]
+        return frame.assign(ranks=lines)
+
+    def run_ranks(self, run: str | None = None) -> pd.DataFrame:
+        """One row per rank of a run (or of `run`) that recorded into this database, as queries/run_ranks.sql:
+        run, rank, status (running / finished / error / interrupted; NULL where the rank wrote steps but has no
+        claims row: recorded before revision 0013_rank_ends, how it ended is not known), pid, host, claimed_at,
+        heartbeat_at, lease, ended_at, ended_step (the step an error ended its scope in), error, released_at,
+        steps, last_step, last_step_at, unwritten. A writer on this host whose pid is gone reads interrupted at
+        once; one elsewhere once its lease runs out.
+
+        Raises UnknownRun."""
+        return self.query("run_ranks", run=run)
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Steps: run, rank, step, status (ok / error / nonfinite, or unmeasured: nothing raised and no gradient
@@ -1351,6 +1357,60 @@ def _step_span(steps) -> str:
             parts.append(str(start) if start == prev else f"{start}-{prev}")
             start = cur
     return ("step " if len(nums) == 1 else "steps ") + ", ".join(parts)
+
+
+def _clock(ts) -> str:
+    """Seconds since the epoch as local 'YYYY-MM-DD HH:MM:SS' ('-' for None/NaN)."""
+    if ts is None or pd.isna(ts):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
+
+
+def _known(value) -> bool:
+    return value is not None and not pd.isna(value)
+
+
+def rank_words(row) -> str:
+    """How one rank's recording stands, in words, from a `Store.run_ranks` row (a namedtuple or a Series):
+    'rank 0 finished', 'rank 1 error at step 3: RuntimeError: ...', 'rank 1 running (pid 123 on HOST, last
+    heartbeat ...)', 'rank 1 interrupted after step 2: its process (pid 123 on HOST) died with its scope open (last
+    heartbeat ...); the steps it had not yet written are lost', or, for a rank without a claims row (recorded before
+    revision 0013_rank_ends), 'rank 1 wrote N steps (how its recording ended is not known: ...)'."""
+    rank, status = int(row.rank), row.status
+    process = f"pid {int(row.pid)} on {row.host}" if _known(row.pid) else ""
+    last = f"after step {int(row.last_step)}" if _known(row.last_step) else "before any step of it was written"
+    if not _known(status):
+        return (
+            f"rank {rank} wrote {int(row.steps):,} step{'s' if int(row.steps) != 1 else ''} (how its recording ended "
+            "is not known: recorded before revision 0013_rank_ends, which keeps each rank's end)"
+        )
+    if status == "running":
+        return f"rank {rank} running ({process}, last heartbeat {_clock(row.heartbeat_at)})"
+    if status == "interrupted":
+        return (
+            f"rank {rank} interrupted {last}: its process ({process}) died with its scope open (last heartbeat "
+            f"{_clock(row.heartbeat_at)}); the steps it had not yet written are lost"
+        )
+    if status == "error":
+        where = f" at step {int(row.ended_step)}" if _known(row.ended_step) else ""
+        error = str(row.error).strip().splitlines()[0][:200] if _known(row.error) and str(row.error).strip() else ""
+        return f"rank {rank} error{where}" + (f": {error}" if error else "")
+    return f"rank {rank} {status}"
+
+
+def ranks_line(rows: pd.DataFrame, world_size) -> str:
+    """The ranks of one run in words, '; '-joined: `rank_words` of each of its `Store.run_ranks` rows, then the ranks
+    of its world (0 .. world_size - 1) that left no trace in this database ('rank 1 of world size 2: no record in
+    this database (no claim, no step: it may have recorded into another file, which gradstore merge joins)')."""
+    parts = [rank_words(r) for r in rows.itertuples()]
+    world = int(world_size) if _known(world_size) else 0
+    missing = sorted(set(range(world)) - {int(r) for r in rows["rank"]})
+    if missing:
+        parts.append(
+            f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of world size {world}: no record in "
+            "this database (no claim, no step: it may have recorded into another file, which gradstore merge joins)"
+        )
+    return "; ".join(parts)
 
 
 def _check_role(role: str | None) -> None:

@@ -199,10 +199,12 @@ graph_edges = Table(
     sqlite_with_rowid=False,
 )
 
-# ---- claims: who is writing each (run, rank) now (revision 0007_faults) -------------------------------------
-# one row per rank being recorded, held by one process from its scope's start to its end (gradstore.store.claims):
+# ---- claims: who is writing each (run, rank) now (revision 0007_faults), and how it ended (0013_rank_ends) ---
+# one row per rank recorded, held by one process from its scope's start to its end (gradstore.store.claims):
 # its pid and host, and the heartbeat its writer thread renews; the claim stands while heartbeat_at + lease (s)
-# is in the future. A run whose status says running but that has no standing claim was interrupted.
+# is in the future and it is not released. The row stays when the scope ends: status finished / error (NULL while
+# a scope is open), ended_at, ended_step and error say how; released_at when the process gave the claim back. A run's
+# status is the aggregate of its ranks' (queries/runs.sql, queries/run_ranks.sql).
 claims = Table(
     "claims",
     metadata,
@@ -214,6 +216,12 @@ claims = Table(
     Column("started_at", Float, nullable=False),
     Column("heartbeat_at", Float, nullable=False),  # s since the epoch, renewed by the writer thread
     Column("lease", Float, nullable=False),  # s after heartbeat_at that the claim stands
+    # revision 0013_rank_ends: how the holder's last scope on the rank ended (NULL while one is open)
+    Column("status", String(16)),  # finished / error
+    Column("ended_at", Float),  # s since the epoch
+    Column("ended_step", Integer),  # the step an error ended the scope in
+    Column("error", Text),  # 'Type: message' of that error
+    Column("released_at", Float),  # when the holder gave the claim back (its scope's end; the decorator's: its exit)
     UniqueConstraint("run_id", "rank"),
 )
 

@@ -47,12 +47,12 @@ from collections import deque
 from dataclasses import astuple, replace
 from pathlib import Path
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import or_, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ..errors import GradstoreError, WriteFailedWarning
-from ..records import KIND, ROLE, StepBatch
+from ..records import KIND, ROLE, RankEnd, StepBatch
 from . import claims, step_values
 from . import schema as s
 from .database import ensure_schema, explain, is_url, make_engine, transient, write_limit
@@ -315,7 +315,8 @@ class Writer:
         # (run_id, rank, step) -> the short error, for every step given up on (the latest _LOST_KEPT)
         self.lost: dict[tuple[int, int, int], str] = {}
         self._unwritten: dict[tuple[int, int, int], tuple] = {}  # given up on, not yet recorded as such
-        self._pending_status: dict[int, tuple[str, float]] = {}  # run_id -> a run status whose write failed
+        # (run_id, rank) -> how a scope on it ended (RankEnd), whose write failed
+        self._pending_status: dict[tuple[int, int], RankEnd] = {}
         self._fault: _Fault | None = None  # the write fault going on, if one is
         self.rows_written = 0
         self.submitted = 0  # steps handed to submit by this process
@@ -434,8 +435,6 @@ class Writer:
             "saved_versions": self._rows_insert("saved_versions", ("id", "version", "saved_version", "note")),
         }
         self._seq_insert = self._rows_insert("forward_seqs", ("id", "seq"))
-        mark = "%s" if self._pg else "?"
-        self._run_status_update = f"UPDATE runs SET status = {mark}, finished_at = {mark} WHERE id = {mark}"
         self._thread = threading.Thread(target=self._loop, name=f"gradstore-writer:{db}", daemon=True)
         if thread:
             self._thread.start()
@@ -602,11 +601,12 @@ class Writer:
             if old is not None:
                 old.close()
 
-    def set_run_status(self, run_id: int, status: str, at: float) -> None:
-        """Queue an update of a run's status (end of a scope whose last step was not sampled)."""
+    def set_run_status(self, run_id: int, rank: int, how: RankEnd) -> None:
+        """Queue the end of a scope on (run_id, rank) (one whose last step was not sampled): its claims row and the
+        run's status (`claims.end`)."""
         with self._cond:
             self._running()
-            self._pending.append(("run_status", run_id, status, at))
+            self._pending.append(("run_status", run_id, rank, how))
             self._cond.notify_all()
 
     def hold(self, run_id: int, rank: int) -> None:
@@ -616,7 +616,7 @@ class Writer:
             key = (run_id, rank)
             self._claims[key] = self._claims.get(key, 0) + 1
             self._lost.discard(key)
-            self._pending_status.pop(run_id, None)  # the run is open again: a failed end-of-scope status is stale
+            self._pending_status.pop(key, None)  # the rank is open again: a failed end-of-scope status is stale
             self._next_beat = time.monotonic() + claims.heartbeat_interval()
             self._running()
             self._cond.notify_all()
@@ -763,10 +763,10 @@ class Writer:
             self.lost[key] = error
             if len(self.lost) > _LOST_KEPT:
                 self.lost.pop(next(iter(self.lost)))
-            if item.run_status is not None:
-                self._pending_status[item.run_id] = (item.run_status, item.ended_at)
+            if item.run_end is not None:
+                self._pending_status[(item.run_id, item.rank)] = item.run_end
         elif isinstance(item, tuple) and item[0] == "run_status":
-            self._pending_status[item[1]] = (item[2], item[3])
+            self._pending_status[(item[1], item[2])] = item[3]
         cause, fix = fault_cause(self.db, detail)
         low = error.lower()
         if "malformed" in low or "not a database" in low or "corrupt" in low:  # a damaged file: explain's fix
@@ -847,9 +847,9 @@ class Writer:
     def _written(self, item) -> None:
         """A run status written (alone or with the scope's last step) replaces one whose write had failed."""
         if isinstance(item, tuple) and item[0] == "run_status":
-            self._pending_status.pop(item[1], None)
-        elif getattr(item, "run_status", None) is not None:
-            self._pending_status.pop(item.run_id, None)
+            self._pending_status.pop((item[1], item[2]), None)
+        elif getattr(item, "run_end", None) is not None:
+            self._pending_status.pop((item.run_id, item.rank), None)
 
     def _record_unwritten(self) -> bool:
         """Write a steps row of status 'unwritten' for each step given up on (and a run status whose write
@@ -865,8 +865,8 @@ class Writer:
             return False
         for key in rows:
             self._unwritten.pop(key, None)
-        for run_id in statuses:
-            self._pending_status.pop(run_id, None)
+        for key in statuses:
+            self._pending_status.pop(key, None)
         return True
 
     def _write_unwritten(self, item) -> None:
@@ -912,8 +912,8 @@ class Writer:
                     )
                     if self._pg:
                         cur.fetchone()
-                for run_id, (status, at) in statuses.items():
-                    cur.execute(self._run_status_update, (status, at, run_id))
+                for (run_id, rank), how in statuses.items():
+                    claims.end(cur, self._pg, run_id, rank, how)
             finally:
                 cur.close()
 
@@ -1068,7 +1068,26 @@ class Writer:
 
     def _write_run_status(self, item) -> None:
         with self.engine.begin() as conn:
-            conn.execute(update(s.runs).where(s.runs.c.id == item[1]).values(status=item[2], finished_at=item[3]))
+            self._on_cursor(conn, lambda cur: claims.end(cur, self._pg, item[1], item[2], item[3]))
+
+    def _on_cursor(self, conn, work):
+        """work(cur) on the driver's own cursor of `conn` (closed after); a driver error is re-raised as
+        SQLAlchemy's DBAPIError, so that `_retrying` sees it."""
+        dbapi_error = self.engine.dialect.loaded_dbapi.Error
+        cur = conn.connection.cursor()
+        try:
+            return work(cur)
+        except dbapi_error as exc:
+            raise DBAPIError.instance(
+                None,
+                None,
+                exc,
+                dbapi_error,
+                dialect=self.engine.dialect,
+                connection_invalidated=self.engine.dialect.is_disconnect(exc, conn.connection, cur),
+            ) from exc
+        finally:
+            cur.close()
 
     def write(self, b: StepBatch) -> None:
         """Write one step and everything in it in one transaction (called on the writer thread). The caches of
@@ -1077,24 +1096,10 @@ class Writer:
         The hot inserts (steps, passes, calls, tensor rows) go through the driver's own cursor with statements
         built once; a driver error is re-raised as SQLAlchemy's DBAPIError, so that `_retrying` sees it."""
         added: list = []
-        dbapi_error = self.engine.dialect.loaded_dbapi.Error
         self._tensor_next_pending = None
         try:
             with self.engine.begin() as conn:
-                cur = conn.connection.cursor()
-                try:
-                    self._write_step(conn, cur, b, added)
-                except dbapi_error as exc:
-                    raise DBAPIError.instance(
-                        None,
-                        None,
-                        exc,
-                        dbapi_error,
-                        dialect=self.engine.dialect,
-                        connection_invalidated=self.engine.dialect.is_disconnect(exc, conn.connection, cur),
-                    ) from exc
-                finally:
-                    cur.close()
+                self._on_cursor(conn, lambda cur: self._write_step(conn, cur, b, added))
             if self._tensor_next_pending is not None:
                 self._tensor_next = self._tensor_next_pending
         except BaseException:
@@ -1186,8 +1191,8 @@ class Writer:
                 f"WHERE id = {mark}",
                 (text, "\n" + text, step_id),
             )
-        if b.run_status is not None:
-            cur.execute(self._run_status_update, (b.run_status, b.ended_at, b.run_id))
+        if b.run_end is not None:
+            claims.end(cur, self._pg, b.run_id, b.rank, b.run_end)
 
     def _write_findings(self, conn, cur, b: StepBatch, step_id: int, added: list) -> None:
         """The step's findings (gradstore.recording.findings, built here on first read): param_names (once per

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import GradstoreError, OutputNotWritten
+from ..store.reader import rank_words
 from ..store.schema import UNWRITTEN
 from ..store.writer import step_ranges as _ranges
 from ..version import __version__
@@ -181,6 +182,7 @@ class _Page:
 
 def _run_section(page: _Page, store, run: str, db: str) -> pd.DataFrame:
     r = store.runs(run=run).iloc[0]  # interrupted at once where its writer died on this host
+    several = int(r["world_size"]) > 1 or store.run_ranks(run=run)["rank"].nunique() > 1
     steps = store.steps(run=run)
     status = r["status"]
     lost = int(r["unwritten"]) if "unwritten" in r and not pd.isna(r["unwritten"]) else 0
@@ -192,6 +194,8 @@ def _run_section(page: _Page, store, run: str, db: str) -> pd.DataFrame:
         f"&middot; created {_when(r['created_at'])}, finished {_when(r['finished_at'])} &middot; torch "
         f"{_e(r['torch_version'])}, gradstore {_e(r['gradstore_version'])} &middot; host {_e(r['host'])}</p>"
     )
+    if several:  # the status is the aggregate over the ranks: each rank's, beside it
+        page.add(f'<p class="meta">ranks: {_e(r["ranks"])}</p>')
     return steps
 
 
@@ -806,10 +810,21 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
     ranks = sorted(steps["rank"].unique()) if len(steps) else []
     if len(ranks) < 2:
         if world > 1:
+            claimed = store.run_ranks(run=run)
+            claimed = claimed[claimed["status"].notna() & ~claimed["rank"].isin(ranks)]
+            # a rank that claimed the run here but wrote no step: how its recording stands says why, not a lost file
+            why = "".join(f" {rank_words(row)}." for row in claimed.itertuples())
+            others = sorted(set(range(world)) - set(int(x) for x in ranks) - set(int(x) for x in claimed["rank"]))
+            merge = (
+                f" Rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} left no trace here: merge "
+                "the other ranks' files with <code>gradstore merge</code> to compare them."
+                if others
+                else ""
+            )
             page.add(
                 f'<p class="note">World size {world}, but only rank{"s" if len(ranks) != 1 else ""} '
-                f"{', '.join(map(str, ranks)) or '(none)'} in this database: ranks not compared. Merge the other "
-                "ranks' files with <code>gradstore merge</code> to compare them.</p>"
+                f"{', '.join(map(str, ranks)) or '(none)'} wrote steps in this database: ranks not compared."
+                f"{_e(why)}{merge}</p>"
             )
         else:
             page.add('<p class="note">One rank recorded: nothing to compare across ranks.</p>')

@@ -62,8 +62,8 @@ def test_a_killed_run_reads_as_interrupted_with_its_last_step(tmp_path, monkeypa
         assert store.query("runs", now=None).iloc[0]["status"] == "interrupted"  # bound by the helper
     con = sqlite3.connect(db)
     sql = (database.migrations_dir().parent / "queries" / "runs.sql").read_text()
-    assert con.execute(sql, {"run": None, "now": None}).fetchone()[1] == "running"
-    assert con.execute(sql, {"run": None, "now": time.time()}).fetchone()[1] == "interrupted"
+    assert con.execute(sql, {"run": None, "now": None, "dead": None}).fetchone()[1] == "running"
+    assert con.execute(sql, {"run": None, "now": time.time(), "dead": None}).fetchone()[1] == "interrupted"
     con.close()
 
 
@@ -79,8 +79,9 @@ def _record_then_wait(db, written):
 
 def test_runs_says_interrupted_at_once_when_the_claims_pid_on_this_host_is_dead(tmp_path, monkeypatch):
     """A writer SIGKILLed on this host: `gradstore runs`, `gradstore show` and store.runs() say interrupted at
-    once (its pid is gone), long before its lease (60 s with the default heartbeat) runs out; runs.sql, which sees
-    leases only, still says running. The same dead claim held on another host stands until its lease runs out."""
+    once (its pid is gone), long before its lease (60 s with the default heartbeat) runs out, and so does
+    store.query('runs'), which binds the dead claim as `dead`; runs.sql with leases only (dead left empty) still
+    says running. The same dead claim held on another host stands until its lease runs out."""
     monkeypatch.delenv("GRADSTORE_HEARTBEAT_S", raising=False)  # the default lease: 60 s
     db = str(tmp_path / "pid.db")
     written = mp.get_context("fork").Event()
@@ -98,7 +99,8 @@ def test_runs_says_interrupted_at_once_when_the_claims_pid_on_this_host_is_dead(
     assert "interrupted (last step 0" in shown, shown
     with gradstore.open(db) as store:
         assert store.runs(run="here").iloc[0]["status"] == "interrupted"
-        sql = store.query("runs").iloc[0]  # the lease alone: the claim stands for a minute yet
+        assert store.query("runs").iloc[0]["status"] == "interrupted"  # the helper binds the dead pid's claim
+        sql = store.query("runs", dead="").iloc[0]  # the lease alone: the claim stands for a minute yet
         assert sql["status"] == "running" and time.time() - sql["heartbeat_at"] < 30
     with sqlite3.connect(db) as con:
         (host, pid) = con.execute("SELECT host, pid FROM claims").fetchone()
@@ -121,8 +123,8 @@ def test_a_scope_that_ends_releases_its_claim_and_the_run_is_finished(db, monkey
     with gradstore.open(db) as store:
         run = store.runs().iloc[0]
     assert run["status"] == "finished" and run["last_step"] == 0
-    with sqlite3.connect(db) as con:
-        assert con.execute("SELECT COUNT(*) FROM claims").fetchone()[0] == 0
+    with sqlite3.connect(db) as con:  # released, and kept: how the rank's recording ended
+        assert con.execute("SELECT status, released_at IS NOT NULL FROM claims").fetchall() == [("finished", 1)]
 
 
 def test_upgrade_from_the_committed_revision_0003_file(tmp_path):
@@ -142,7 +144,7 @@ def test_upgrade_from_the_committed_revision_0003_file(tmp_path):
         columns = [r[1] for r in con.execute("PRAGMA table_info(claims)")]
     # later revisions add columns at the end (steps.tracing_passes, values_bytes, ...): the old ones are unchanged
     assert {t: [r[: len(before[t][0])] for r in rows] for t, rows in after.items()} == before
-    assert columns == ["id", "run_id", "rank", "pid", "host", "started_at", "heartbeat_at", "lease"]
+    assert columns[:8] == ["id", "run_id", "rank", "pid", "host", "started_at", "heartbeat_at", "lease"]
     with gradstore.open(path) as store:
         runs = store.runs().set_index("run")
     assert runs.loc["killed", "status"] == "interrupted" and runs.loc["killed", "last_step"] == 1

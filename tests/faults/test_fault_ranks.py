@@ -117,6 +117,7 @@ def test_a_dead_holders_claim_is_taken_over_at_once_and_a_remote_one_after_its_l
     # a holder on another machine is judged by its heartbeat alone
     with sqlite3.connect(db) as con:
         run_id = con.execute("SELECT id FROM runs").fetchone()[0]
+        con.execute("DELETE FROM claims WHERE run_id = ?", (run_id,))  # this process's, released: replaced
         con.execute(
             "INSERT INTO claims (run_id, rank, pid, host, started_at, heartbeat_at, lease) VALUES (?, 0, 1, "
             "'elsewhere', ?, ?, 30)",
