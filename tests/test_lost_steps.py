@@ -360,7 +360,16 @@ def test_the_pandas_helpers_never_read_an_unwritten_step_as_absent_or_agreeing(l
         one = store.first_divergence("lost", step_a=LOST[0] - 1, step_b=LOST[0])
         assert len(one) == 1 and one["side"].iloc[0] == "b" and one["differs"].iloc[0] == "not compared"
         assert store.first_divergence("lost", "clean", step_a=LOST[0] - 1).empty  # a written step: agreement
-        for helper in ("tensors", "calls", "passes", "param_status", "param_grads", "module_gains", "never_ran"):
+        for helper in (
+            "tensors",
+            "calls",
+            "passes",
+            "param_status",
+            "param_grads",
+            "module_gains",
+            "never_ran",
+            "edges",
+        ):
             with pytest.raises(gradstore.StepNotWritten, match=f"step {LOST[1]} was not written.*disk is full"):
                 getattr(store, helper)("lost", step=LOST[1])
         with pytest.raises(gradstore.StepNotWritten, match="disk is full"):

@@ -391,7 +391,8 @@ def test_a_step_not_recorded_is_refused_by_every_per_step_helper_alike(db):
     """tensors(step=999) was an empty frame where diff and show refused the same step: each helper of one step
     now names the steps the run has."""
     store, _, _ = _train(db, n=3)
-    for helper in ("tensors", "calls", "passes", "param_status", "module_gains", "never_ran", "param_grads"):
+    helpers = ("tensors", "calls", "passes", "param_status", "module_gains", "never_ran", "param_grads", "edges")
+    for helper in helpers:
         with pytest.raises(gradstore.UnknownStep, match="no step 999 .*it has steps 0-2 on rank 0"):
             getattr(store, helper)("r", step=999)
     with pytest.raises(gradstore.UnknownStep, match="no step 1 rank 5"):
@@ -399,3 +400,14 @@ def test_a_step_not_recorded_is_refused_by_every_per_step_helper_alike(db):
     with pytest.raises(gradstore.UnknownStep):
         store.diff("r", step_a=0, step_b=999)
     assert len(store.tensors("r", step=2)) and store.tensors("r", step=2).attrs.get("not_written") is None
+    assert len(store.edges("r")) == len(store.edges("r", step=2)) > 0  # step=None: the union, unchecked
+
+
+def test_edges_refuses_a_step_every_skipped(db):
+    """edges(step=1) of an every=2 run was an empty frame, which reads as 'no edge held in step 1': the step was
+    not recorded, and edges says so as every per-step helper does."""
+    store, _, _ = _train(db, n=4, every=2)
+    assert list(store.steps("r").step) == [0, 2]
+    with pytest.raises(gradstore.UnknownStep, match="no step 1 "):
+        store.edges("r", step=1)
+    assert len(store.edges("r", step=2)) > 0

@@ -269,6 +269,7 @@ class Store:
         `module` keeps that module and its children."""
         return self.query("nodes", run=run, module=module)
 
+    @_per_step
     def edges(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
         """Edges, as queries/edges.sql: run, src, src_slot, dst, dst_slot (src.next_functions[src_slot] == (dst,
         dst_slot)), first_step (the first step that walked it), held.
@@ -278,7 +279,8 @@ class Store:
         held at once. With `step`: the edges of the graphs that step's backward passes walked (on `rank`, or on
         any rank), held 'yes'; for a step whose graphs were not recorded (written before schema revision
         0012_edge_steps, or at stats='params') every edge first seen by then, held 'not recorded per step'.
-        Raises UnknownRun."""
+        Raises UnknownRun; with `step`, UnknownStep for a step the run did not record (every=, steps=, or one
+        that never ran) and StepNotWritten for one the writer could not write, as every per-step helper."""
         return self.query("edges", run=run, step=step, rank=rank)
 
     @_per_step
