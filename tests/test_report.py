@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from _procs import run_distributed
 from click.testing import CliRunner
@@ -219,3 +220,39 @@ def test_a_run_with_final_rows_only_shows_them_and_draws_nothing_false(tmp_path)
 
         w = story.changed_most(store, "hand", which="final").set_index("param").loc["weight"]
     assert w["first"] == pytest.approx(norms[0], rel=1e-9) and w["last"] == pytest.approx(norms[2], rel=1e-9)
+
+
+def test_a_gradient_that_went_to_zero_ranks_as_the_largest_change(tmp_path):
+    """A parameter whose .grad went to exactly 0 showed smallest 0 but a ratio of its positive norms only (1.8),
+    and ranked below parameters whose gradients never left 0's neighbourhood: its ratio is inf now, it comes
+    first, and the page says at which step it went to 0."""
+    import torch
+
+    db = str(tmp_path / "zero.db")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    norms: dict[str, list[float]] = {}
+    with gradstore.record("z", db=db, model=net) as rec:
+        for step in range(4):
+            h = net[1](net[0](torch.randn(3, 4)))
+            if step == 3:
+                h = h * 0  # the last layer's input is 0: its weight's gradient (and layer 0's) is exactly 0
+            net[2](h).pow(2).mean().backward()
+            rec.step()
+            for name, p in net.named_parameters():
+                norms.setdefault(name, []).append(float(p.grad.double().norm()))
+                p.grad = None
+    zero = sorted(n for n, v in norms.items() if v[3] == 0 and max(v) > 0)
+    assert zero == ["0.bias", "0.weight", "2.weight"]  # plain PyTorch: the gradients that vanished at step 3
+    live = norms["2.bias"]
+    page = _write(db, "z", tmp_path / "z.html")
+    with gradstore.open(db) as store:
+        from gradstore.view import story
+
+        top = story.changed_most(store, "z")
+    assert sorted(top["param"].head(3)) == zero and top["param"].iloc[3] == "2.bias"
+    assert (top["ratio"].head(3) == np.inf).all() and top["zero_at"].head(3).tolist() == [3, 3, 3]
+    b = top.set_index("param").loc["2.bias"]
+    assert b["ratio"] == pytest.approx(max(live) / min(live), rel=1e-6) and b["zero_at"] is pd.NA
+    text = re.sub(r"<[^>]+>", "", page)
+    assert all(f"{n}: its .grad went to 0 at step 3" in text for n in zero), text

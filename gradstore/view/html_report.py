@@ -728,7 +728,9 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         f"<p>Each parameter's .grad {when}"
         + (f", on rank {ranks[0]} (of ranks {', '.join(map(str, ranks))})" if len(ranks) > 1 else "")
         + ": parameters with non-finite steps first, "
-        "then by the ratio of their largest to smallest finite norm over the recorded steps."
+        "then by the ratio of their largest to smallest finite norm over the recorded steps (inf where a .grad "
+        "norm was exactly 0 at a step and not at another, the most extreme change: zero_at names the first step "
+        "at 0)."
         + (
             f" For the run's {int(top['summaries'].max()):,} flight-recorder summary steps, which keep each "
             "parameter's final norm and NaN/Inf count only, that final norm (as the optimizer read it) stands in "
@@ -752,7 +754,20 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         )
     else:
         top = top.drop(columns="norm_of")
-    page.add(_table(top, {"steps", "first", "last", "smallest", "largest", "ratio", "nonfinite", "not_measured"}))
+    numeric = {"steps", "first", "last", "smallest", "largest", "ratio", "zero_at", "nonfinite", "not_measured"}
+    page.add(_table(top, numeric))
+    vanished = top[top["zero_at"].notna()]
+    if len(vanished):
+        page.add(
+            '<p class="note">'
+            + "; ".join(
+                f"<code>{_e(r.param)}</code>: its .grad "
+                + ("went to 0" if r.first > 0 else "was 0")  # 'first': the first finite norm
+                + f" at step {int(r.zero_at)} (norm exactly 0; ratio inf)"
+                for r in vanished.itertuples()
+            )
+            + ".</p>"
+        )
     if top["steps"].max() == 0:
         why = _not_measured_why(store, run, role="param_grad")
         page.add(

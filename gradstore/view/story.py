@@ -665,7 +665,10 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     """The parameters whose .grad norm (after each step's last backward pass, before any clipping or unscaling: the
     `param_grads(which='pass')` rows; `which='final'`: as the optimizer saw it) moved most over the recorded
     steps of `rank` (default the lowest): param, module, steps (with a finite norm), first, last, smallest,
-    largest (finite norms), ratio (largest / smallest positive finite norm; NaN with fewer than two), nonfinite
+    largest (finite norms), ratio (largest / smallest finite norm: inf where a step's norm is exactly 0 and
+    another's is not, a gradient that vanished, the most extreme change; NaN with fewer than two finite norms or
+    where every one is 0), zero_at (the first step whose norm is exactly 0 where another step's is not; NaN where
+    none), nonfinite
     (steps whose .grad held NaN or Inf; NaN where no step's .grad was measured, so none was checked),
     not_measured (steps whose .grad row could not be measured: skipped, or stats='shape'), norm_of ('' for a plain
     .grad; for a DTensor .grad, whose rows are each rank's shard, 'the whole parameter ...' where every step's
@@ -689,6 +692,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "smallest",
                 "largest",
                 "ratio",
+                "zero_at",
                 "nonfinite",
                 "not_measured",
                 "norm_of",
@@ -725,7 +729,10 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
         f = f.sort_values("step")
         good = f[~f["bad"] & f["norm"].notna() & (f["status"] == "ok")]
         counted = f["nan"].notna() & (f["status"] == "ok")  # rows whose NaN / Inf were counted
-        pos = good["norm"][good["norm"] > 0]
+        lo, hi = (good["norm"].min(), good["norm"].max()) if len(good) else (np.nan, np.nan)
+        # a norm of exactly 0 beside a positive one: the gradient vanished (or appeared), ratio inf, never skipped
+        ratio = np.nan if len(good) < 2 or not hi > 0 else np.inf if lo == 0 else hi / lo
+        zero_at = good.loc[good["norm"] == 0, "step"].min() if hi > 0 and lo == 0 else np.nan
         rows.append(
             {
                 "param": param,
@@ -733,9 +740,10 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "steps": len(good),
                 "first": good["norm"].iloc[0] if len(good) else np.nan,
                 "last": good["norm"].iloc[-1] if len(good) else np.nan,
-                "smallest": good["norm"].min() if len(good) else np.nan,
-                "largest": good["norm"].max() if len(good) else np.nan,
-                "ratio": pos.max() / pos.min() if len(pos) >= 2 else np.nan,
+                "smallest": lo,
+                "largest": hi,
+                "ratio": ratio,
+                "zero_at": zero_at,
                 "nonfinite": int(f["bad"].sum()) if counted.any() else np.nan,
                 "not_measured": int(((f["status"] == "skipped") | ((f["status"] == "ok") & f["nan"].isna())).sum()),
                 "norm_of": f["norm_of"].iloc[0],
@@ -743,6 +751,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
             }
         )
     out = pd.DataFrame(rows)
+    out["zero_at"] = out["zero_at"].astype("Int64")
     out = out.sort_values(["nonfinite", "ratio"], ascending=[False, False], na_position="last", kind="stable")
     return out.head(top).reset_index(drop=True)
 
