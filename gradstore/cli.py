@@ -43,7 +43,7 @@ from .store import schema as s
 from .store import shards
 from .store.database import DEFAULT_DB, damaged
 from .store.database import explain as explain_db
-from .store.reader import Store
+from .store.reader import Store, step_span
 from .store.schema import UNWRITTEN
 from .store.values import DTENSOR_PIECES
 from .store.writer import step_ranges as _step_ranges
@@ -933,7 +933,7 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     steps = store.steps(run=run, rank=rank, step=step)
     if steps.empty:
         known = store.steps(run=run, rank=rank)["step"]
-        have = f"steps {known.min()}-{known.max()}" if len(known) else "no steps yet"
+        have = step_span(known) if len(known) else "no steps yet"
         raise click.ClickException(
             f"run {run!r} has no step {step}" + (f" on rank {rank}" if rank is not None else "") + f"; it has {have}"
         )

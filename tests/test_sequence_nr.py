@@ -304,3 +304,28 @@ def test_live_explain_outside_a_scope_is_unchanged():
     net(torch.randn(5, 4))
     e = gradstore.explain(net.nodes["c"])
     assert e.module == "" and not e.key.startswith("c/")
+
+
+def test_a_number_not_found_says_why_truthfully(tmp_path):
+    """At stats='params' no call is recorded, so no number: the message said the node did not run. A node made in
+    step 0 and run by step 1's backward pass carries step 1's calls: the message said it is in the step whose
+    forward created it."""
+    db = str(tmp_path / "why.db")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with gradstore.record("params", db=db, model=net, stats="params"):
+        out = net(torch.randn(3, 4))
+        n = out.grad_fn._sequence_nr()
+        out.sum().backward()
+    text = CliRunner().invoke(main, ["explain", db, "params", "--sequence-nr", str(n), "--step", "0"]).output
+    assert "stats='params', which stores no node calls" in text and "did not run" not in text, text
+    with gradstore.record("carry", db=db, model=net) as rec:
+        carry = net[0](torch.randn(3, 4))  # made in step 0; step 0's backward pass does not reach it
+        sn = carry.grad_fn._sequence_nr()
+        net(torch.randn(3, 4)).sum().backward()
+        rec.step()
+        (net(torch.randn(3, 4)).sum() + carry.sum()).backward()
+        rec.step()
+    text = CliRunner().invoke(main, ["explain", db, "carry", "--sequence-nr", str(sn), "--step", "0"]).output
+    assert "the step whose backward pass ran it" in text and "so the node is in the step whose forward" not in text
+    assert len(gradstore.open(db).by_sequence_nr("carry", sn, step=1)) == 1  # where the message sends the reader

@@ -431,3 +431,28 @@ def test_the_nan_row_keeps_a_log_axis_tick_labels_as_matplotlib_chooses_them():
     minor_ticks = [y for y in banded.yaxis.get_minorticklocs() if y <= hi]
     assert got and len(got) < len(minor_ticks)  # not every minor tick
     assert labelled(plain)  # the same data without the row: matplotlib labels some minor ticks too
+
+
+def test_a_step_not_recorded_names_the_steps_recorded_without_a_false_range(tmp_path):
+    """graph(step=1) of an every=2 run said 'it has steps 0-2' (it has 0 and 2); every such message lists the
+    recorded steps: gaps named, an equal stride said."""
+    pytest.importorskip("graphviz")
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    db = str(tmp_path / "every.db")
+    net = nn.Linear(3, 1)
+    with gradstore.record("r", db=db, model=net, every=2) as rec:
+        for _ in range(7):
+            net(torch.randn(2, 3)).sum().backward()
+            rec.step()
+    store = gradstore.open(db)
+    assert store.steps("r")["step"].tolist() == [0, 2, 4, 6]  # every=2 of steps 0-6
+    with pytest.raises(gradstore.GradstoreError) as info:
+        graph(store, "r", step=1)
+    assert str(info.value).endswith("it has steps 0-6 (every 2nd)"), info.value
+    with pytest.raises(gradstore.UnknownStep, match=r"it has steps 0-6 \(every 2nd\) on rank 0"):
+        store.tensors("r", step=3)
+    out = CliRunner().invoke(main, ["show", db, "r", "--step", "5"]).output
+    assert "it has steps 0-6 (every 2nd)" in out, out

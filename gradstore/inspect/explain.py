@@ -38,6 +38,8 @@ from ..store.writer import step_ranges
 from .context import owner_fn, param_names
 from .replay import captured_outputs, looks_undefined, output_metadata, replayable
 
+# the levels whose steps store no node call (so no sequence number), as a message names them
+_NO_CALLS = {"params": "at stats='params'", "summary": "as flight-recorder summaries (record(keep=N))"}
 STAT_COLUMNS = ("norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
 
 
@@ -667,11 +669,30 @@ def _key_of_sequence_nr(store: Store, run: str, sequence_nr: int, step: int | No
     hits = store.by_sequence_nr(run, sequence_nr, step=step, rank=rank)
     where = "".join(f" {name} {value}" for name, value in (("at step", step), ("on rank", rank)) if value is not None)
     if hits.empty:
+        asked = store.steps(run=run, rank=rank, step=step)
+        levels = asked["level"]
+        callless = levels.isin(list(_NO_CALLS))
+        if len(levels) and callless.all():  # nothing of the kind was recorded: not a node that did not run
+            raise UnknownNode(
+                f"no call of a node with sequence_nr {sequence_nr} in run {run!r}{where}: "
+                + ("that step was" if step is not None and len(levels) == 1 else "its steps were")
+                + " recorded "
+                + " and ".join(_NO_CALLS[lv] for lv in sorted(set(levels)))
+                + ", which stores no node calls (parameter .grad rows only), so no sequence number either; record at "
+                "stats='health' or 'full' to find a node by it"
+            )
         raise UnknownNode(
             f"no call of a node with sequence_nr {sequence_nr} in run {run!r}{where}. Only calls carry the number: "
             "a node that did not run (or that modules=/params= left unhooked) has none, nor does a call stored "
-            "before schema revision 0011_sequence_nr, nor an AccumulateGrad (find it as param:NAME); numbers count "
-            "per thread from the process start, so the node is in the step whose forward created it (list a step's: "
+            "before schema revision 0011_sequence_nr, nor an AccumulateGrad (find it as param:NAME)"
+            + (
+                f", nor a step recorded without calls (stats='params', a flight-recorder summary: "
+                f"{step_ranges(asked.loc[callless, 'step'])})"
+                if callless.any()
+                else ""
+            )
+            + "; numbers count per thread from the process start, so the node is in the step whose backward pass "
+            "ran it, which may be a later step than the one whose forward created it (list a step's: "
             f"gradstore query DB calls -p run={run} -p step=N)"
         )
     found = hits.drop_duplicates(["key", "step", "rank"])

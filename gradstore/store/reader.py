@@ -25,7 +25,7 @@ from . import claims, queries
 from . import schema as s
 from . import values as stored_values
 from .database import check_db, damaged, explain, open_existing, open_sqlite_reader
-from .writer import flush_pending
+from .writer import flush_pending, step_ranges
 
 # how a record(values=...) copy that failed is named among a step's recorder faults (steps.error); as
 # gradstore.recording.values.FAULT
@@ -1285,7 +1285,7 @@ class Store:
                 known = "no steps yet"
             else:  # per rank: ranks of one run may have recorded different steps (a shorter rank, every=, steps=)
                 known = "; ".join(
-                    f"{_step_span(at['step'])} on rank {int(r)}" for r, at in have.groupby("rank", sort=True)
+                    f"{step_span(at['step'])} on rank {int(r)}" for r, at in have.groupby("rank", sort=True)
                 )
             who = f"run {run!r} has" if run else "no run has"
             raise UnknownStep(f"{who} no {what} in {self.db}; {'it has' if run else 'the runs have'} {known}")
@@ -1350,15 +1350,12 @@ def _pivot(long: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return wide.sort_index()
 
 
-def _step_span(steps) -> str:
-    """'step 0', 'steps 0-2', 'steps 0-2, 5, 7-9': a rank's recorded steps, runs of consecutive numbers joined."""
-    nums = sorted({int(v) for v in steps})
-    parts, start = [], nums[0]
-    for prev, cur in zip(nums, nums[1:] + [None]):
-        if cur is None or cur != prev + 1:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ("step " if len(nums) == 1 else "steps ") + ", ".join(parts)
+def step_span(steps) -> str:
+    """'step 0', 'steps 0-2', 'steps 0-2, 5, 7-9', 'steps 0-8 (every 2nd)': a rank's recorded steps (an iterable of
+    ints), runs of consecutive numbers, and of three or more an equal gap apart, joined (`writer.step_ranges`):
+    never a range that holds a step not recorded."""
+    nums = {int(v) for v in steps}
+    return ("step " if len(nums) == 1 else "steps ") + step_ranges(nums, strided=True)
 
 
 def _clock(ts) -> str:

@@ -230,16 +230,39 @@ class _Fault:
         self.next_summary = time.monotonic() + FAULT_SUMMARY_S
 
 
-def step_ranges(steps) -> str:
+def step_ranges(steps, strided: bool = False) -> str:
     """The step numbers `steps` (an iterable of ints, any order, repeats allowed) as ranges for a message:
-    '0-3, 5, 7-9' (str; '' for none). No error of its own; no PyTorch."""
-    nums, parts = sorted(set(steps)), []
-    for n in nums:
-        if parts and parts[-1][1] == n - 1:
-            parts[-1][1] = n
+    '0-3, 5, 7-9' (str; '' for none). strided=True also joins three or more numbers an equal gap apart:
+    '0-8 (every 2nd), 11' (an every= run's steps), never a range with numbers missing unsaid. No error of its
+    own; no PyTorch."""
+    nums, parts = sorted({int(n) for n in steps}), []
+    if not strided:
+        for n in nums:
+            if parts and parts[-1][1] == n - 1:
+                parts[-1][1] = n
+            else:
+                parts.append([n, n])
+        return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
+    i = 0
+    while i < len(nums):
+        j, gap = i + 1, nums[i + 1] - nums[i] if i + 1 < len(nums) else 0
+        while j + 1 < len(nums) and nums[j + 1] - nums[j] == gap:
+            j += 1
+        if gap == 1 and j > i:  # consecutive numbers: a plain range, also of two
+            parts.append(f"{nums[i]}-{nums[j]}")
+        elif j - i >= 2:
+            parts.append(f"{nums[i]}-{nums[j]} (every {_ordinal(gap)})")
         else:
-            parts.append([n, n])
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
+            parts.append(str(nums[i]))
+            j = i
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _ordinal(n: int) -> str:
+    """2 -> '2nd', 3 -> '3rd', 11 -> '11th'."""
+    end = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{end}"
 
 
 def _slim(b: StepBatch) -> StepBatch:

@@ -15,6 +15,7 @@ from collections import deque
 import pandas as pd
 
 from ..errors import ArgumentError, GradstoreError
+from ..store.reader import step_span
 from . import story
 from .cells import pick_rank
 from .extras import require
@@ -85,9 +86,7 @@ def graph(
         step = start.step if start is not None else int(steps["step"].max())
     at = steps[steps["step"] == step]
     if at.empty:
-        raise GradstoreError(
-            f"run {run!r} has no step {step}; it has steps {steps['step'].min()}-{steps['step'].max()}"
-        )
+        raise GradstoreError(f"run {run!r} has no step {step}; it has {step_span(steps['step'])}")
     if rank is None:
         rank = int(at["rank"].min())
     else:
