@@ -744,7 +744,10 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
             ],
             "step_s": table["duration"].round(4),
             "backward_s": table["backward_s"].round(4),
-            "warnings": table["warnings"].fillna(0).astype(int),
+            # '-' for a step not written: the warnings it counted were lost with it (0 would say none)
+            "warnings": [
+                "-" if st == UNWRITTEN else int(n) for st, n in zip(table["status"], table["warnings"].fillna(0))
+            ],
             "error": table["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:80]),
         }
     )

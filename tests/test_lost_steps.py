@@ -322,6 +322,7 @@ def test_an_unwritten_step_is_neither_measured_nor_unmeasured_beside_skipped_row
     out = CliRunner().invoke(main, ["show", db, "mixed", "--limit", "10"], catch_exceptions=False).output
     rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["2", "0"], ["3", "0"])]
     assert len(rows) == 2 and all(r[2:6] == ["unwritten", "1", "-", "-"] for r in rows), out  # not_measured, calls
+    assert all(r[8] == "-" for r in rows), out  # warnings: lost with the step, not 0
     assert f"in {len(written)} of {len(written)} step records written" in out
     from gradstore.view.html_report import report_html
 
