@@ -559,7 +559,8 @@ def test_edges_of_a_step_are_the_edges_that_held_in_it(db):
     union = store.edges("branchy")
     assert set(zip(union.src, union.src_slot, union.dst, union.dst_slot)) == want[0] | want[1]
     assert union.held.isna().all() and len(union) == len(want[0] | want[1])
-    assert store.edges("branchy", step=9).empty  # no such step: no edge held in it
+    with pytest.raises(gradstore.UnknownStep, match="no step 9"):  # no such step: refused, as every per-step helper
+        store.edges("branchy", step=9)
     # explain: c's grad_inputs at step 1 go to a's output and c's own parameters only
     odd = gradstore.explain(store, "branchy", "c/AddmmBackward0#0", step=1)
     assert set(zip(odd.edges_out.src_slot, odd.edges_out.dst)) == {
