@@ -780,9 +780,11 @@ class Writer:
         error = short_error(detail)
         step = getattr(item, "step", None)
         self.errors.append(f"step {'?' if step is None else step}: {error}")
+        cause, fix = fault_cause(self.db, detail)
         if isinstance(item, StepBatch):
             key = (item.run_id, item.rank, item.step)
-            self._unwritten[key] = (_slim(item), error)
+            # its steps row keeps the cause the warning names (a full disk, a file size limit), not the bare error
+            self._unwritten[key] = (_slim(item), f"{cause} ({error})")
             self.lost[key] = error
             if len(self.lost) > _LOST_KEPT:
                 self.lost.pop(next(iter(self.lost)))
@@ -790,7 +792,6 @@ class Writer:
                 self._pending_status[(item.run_id, item.rank)] = item.run_end
         elif isinstance(item, tuple) and item[0] == "run_status":
             self._pending_status[(item[1], item[2])] = item[3]
-        cause, fix = fault_cause(self.db, detail)
         low = error.lower()
         if "malformed" in low or "not a database" in low or "corrupt" in low:  # a damaged file: explain's fix
             fix = str(explain(self.db, RuntimeError(error), writing=True))
