@@ -11,8 +11,8 @@ import torch
 import gradstore
 
 
-def _recorded_then_damaged(tmp_path) -> str:
-    db = str(tmp_path / "d.db")
+def _recorded(db: str) -> sqlite3.Connection:
+    """Record 20 steps of a 4-layer model into `db` and fold its WAL into the file: a connection to it, open."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
     with gradstore.record("d", db=db, model=m, writer="thread") as rec:
@@ -21,6 +21,12 @@ def _recorded_then_damaged(tmp_path) -> str:
             rec.step()
     con = sqlite3.connect(db)
     con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return con
+
+
+def _recorded_then_damaged(tmp_path) -> str:
+    db = str(tmp_path / "d.db")
+    con = _recorded(db)
     con.close()
     with open(db, "r+b") as f:  # pages 6-8 of the file: tables' pages, well inside it
         f.seek(4096 * 5)
@@ -54,14 +60,7 @@ def _damaged_in_one_table(tmp_path, table: str) -> str:
     """A recorded file whose `table` alone is damaged (its b-tree's root page overwritten): the runs and steps
     read, and a command fails only where it reads that table."""
     db = str(tmp_path / "t.db")
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-    with gradstore.record("d", db=db, model=m, writer="thread") as rec:
-        for _ in range(20):
-            m(torch.randn(4, 8)).sum().backward()
-            rec.step()
-    con = sqlite3.connect(db)
-    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con = _recorded(db)
     page = con.execute("PRAGMA page_size").fetchone()[0]
     root = con.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()[0]
     con.close()
