@@ -104,3 +104,24 @@ def test_a_database_that_cannot_be_opened_is_one_clear_error(tmp_path):
     with pytest.raises(gradstore.DatabaseUnavailable, match=r"its directory .*no/such does not exist; create it"):
         with gradstore.record("r", db=str(tmp_path / "no" / "such" / "dir.db")):
             pass
+
+
+def test_a_step_the_run_did_not_record_is_named_not_an_empty_table(recorded):
+    """`recorded` holds steps 0 and 1 of run 'q': an edges query of step 5 is no "no edges in step 5"."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    store = gradstore.open(recorded)
+    assert len(store.query("edges", run="q", step=1)) > 0
+    for name in ("edges", "calls", "tensors", "param_grads", "first_nonfinite"):
+        with pytest.raises(gradstore.UnknownStep, match=r"run 'q' has no step 5 .* it has steps 0-1 on rank 0"):
+            store.query(name, run="q", step=5)
+    with pytest.raises(gradstore.UnknownStep, match="no step 1 rank 3"):
+        store.query("calls", run="q", step=1, rank=3)
+    # a recorded step where nothing of the kind happened is an empty frame (no NaN in step 1), not an error
+    assert store.query("first_nonfinite", run="q", step=1).empty
+    out = CliRunner().invoke(main, ["query", recorded, "edges", "-p", "run=q", "-p", "step=5"])
+    assert out.exit_code != 0 and "run 'q' has no step 5" in out.output and "(no rows)" not in out.output
+    ok = CliRunner().invoke(main, ["query", recorded, "edges", "-p", "run=q", "-p", "step=1"])
+    assert ok.exit_code == 0 and "(no rows)" not in ok.output

@@ -120,7 +120,10 @@ class Store:
         """Run the query file queries/NAME.sql with `:named` parameters; returns a DataFrame.
 
         Raises UnknownQuery, QueryParameterError, UnknownRun; DatabaseUnavailable where the file is damaged or
-        cannot be read where the query reads it (SQLite's 'database disk image is malformed').
+        cannot be read where the query reads it (SQLite's 'database disk image is malformed'); where the query
+        returns no row and was given a `step` (and `rank`) the run did not record, UnknownStep naming the steps it
+        has (StepNotWritten for one the writer could not write), rather than an empty frame that reads as "nothing
+        of that kind happened in that step". A step it recorded gives its rows, or an empty frame.
         """
         try:
             self._check_run(params.get("run"))
@@ -130,11 +133,31 @@ class Store:
                 params["now"] = time.time()  # the reference time that tells a live run from an interrupted one
             if "dead" in q.params and params.get("dead") is None:
                 params["dead"] = self._dead_claims()  # SQL sees no pid: the writers gone on this host, named
-            return queries.run(self.engine, name, params)
+            frame = queries.run(self.engine, name, params)
+            if frame.empty and "step" in q.params:
+                self._step_of_empty(params)
+            return frame
         except DBAPIError as exc:  # a file damaged where this query reads it: named, with the fix
             if damaged(exc):
                 raise explain(self.db, exc, writing=False) from None
             raise
+
+    def _step_of_empty(self, params: dict) -> None:
+        """For a query that returned no row: raise UnknownStep (StepNotWritten) where its `step` parameter (and
+        `rank`) names a step the run did not record (could not write). Parameters as `gradstore query -p` gives
+        them (text) or as Python values; a value that is not a whole number is left to the SQL (no raise)."""
+
+        def whole(value):
+            if value is None or isinstance(value, bool) or value == "":
+                return None
+            try:
+                return int(value) if isinstance(value, Integral) or str(value).strip().lstrip("-").isdigit() else None
+            except (TypeError, ValueError):
+                return None
+
+        step = whole(params.get("step"))
+        if step is not None:
+            self._step_written(params.get("run") or None, step, whole(params.get("rank")))
 
     # ---- the tables ------------------------------------------------------------------------------------------
     def _dead_claims(self) -> str:
