@@ -123,7 +123,8 @@ class Store:
         cannot be read where the query reads it (SQLite's 'database disk image is malformed'); where the query
         returns no row and was given a `step` (and `rank`) the run did not record, UnknownStep naming the steps it
         has (StepNotWritten for one the writer could not write), rather than an empty frame that reads as "nothing
-        of that kind happened in that step". A step it recorded gives its rows, or an empty frame.
+        of that kind happened in that step". A step it recorded gives its rows, or an empty frame; so does the
+        `steps` query, which lists the steps there are (an empty `steps(step=N)` says there is no step N).
         """
         try:
             self._check_run(params.get("run"))
@@ -134,7 +135,7 @@ class Store:
             if "dead" in q.params and params.get("dead") is None:
                 params["dead"] = self._dead_claims()  # SQL sees no pid: the writers gone on this host, named
             frame = queries.run(self.engine, name, params)
-            if frame.empty and "step" in q.params:
+            if frame.empty and "step" in q.params and name != "steps":  # steps(step=N): empty where there is none
                 self._step_of_empty(params)
             return frame
         except DBAPIError as exc:  # a file damaged where this query reads it: named, with the fix
@@ -209,8 +210,10 @@ class Store:
         (record(values=...)), started_at, ended_at, duration (s), error; then one column per step value the steps logged
         (`values`; a name equal to one of the columns before it gets the prefix 'value:'), NaN where a step has none."""
         frame = self.query("steps", run=run, rank=rank, step=step)
+        if frame.empty:
+            return frame
         long = self.query("values", run=run, rank=rank, step=step)
-        if long.empty or frame.empty:
+        if long.empty:
             return frame
         wide = _pivot(long, keys=["run", "rank", "step"])
         wide.columns = [f"value:{c}" if c in frame.columns else c for c in wide.columns]
