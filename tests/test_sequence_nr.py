@@ -329,3 +329,60 @@ def test_a_number_not_found_says_why_truthfully(tmp_path):
     text = CliRunner().invoke(main, ["explain", db, "carry", "--sequence-nr", str(sn), "--step", "0"]).output
     assert "the step whose backward pass ran it" in text and "so the node is in the step whose forward" not in text
     assert len(gradstore.open(db).by_sequence_nr("carry", sn, step=1)) == 1  # where the message sends the reader
+
+
+class _Custom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+class _WithCustom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(_Custom.apply(self.a(x)))
+
+
+def test_replay_check_and_verify_inside_a_recording_scope_give_the_records_keys_and_modules(tmp_path):
+    """No owner=, no model=: each node's module is the module whose forward made it (noted by forward hooks of our
+    own: the grad_fn of each module's output), and the keys are the ones the record stores for the same nodes."""
+    db = str(tmp_path / "rc.db")
+    torch.manual_seed(0)
+    net = _WithCustom()
+    made = {}
+    for name in ("a", "b"):
+        getattr(net, name).register_forward_hook(lambda m, i, o, name=name: made.__setitem__(name, o.grad_fn))
+    with gradstore.record("rc", db=db, model=net):
+        loss = net(torch.randn(5, 4)).pow(2).mean()
+        checked = gradstore.replay_check(loss)
+        verified = gradstore.verify(loss)
+        truth = {name: (n._sequence_nr(), type(n).__name__) for name, n in made.items()}
+        loss.backward()
+    assert truth["a"][1] == truth["b"][1] == "AddmmBackward0"
+    addmm = checked[checked["name"] == "AddmmBackward0"]
+    # walk order from the loss: module b's node first, then a's (behind the custom Function)
+    assert addmm["module"].tolist() == ["b", "a"]
+    assert addmm["key"].tolist() == ["b/AddmmBackward0#0", "a/AddmmBackward0#0"]
+    assert set(checked.loc[checked["kind"] == "accumulate_grad", "key"]) == {
+        "param:a.weight",
+        "param:a.bias",
+        "param:b.weight",
+        "param:b.bias",
+    }
+    assert verified["module"].tolist() == [""]  # the custom Function ran in net's own forward, between a and b
+    with gradstore.open(db) as store:
+        for name, (number, _) in truth.items():
+            rec = store.by_sequence_nr("rc", number, step=0).iloc[0]
+            row = checked[checked["key"] == rec["key"]]
+            assert len(row) == 1 and row["module"].item() == rec["module"] == name
+        custom = store.nodes("rc")
+        custom = custom[custom["kind"] == "custom_function"]
+        assert verified["key"].tolist() == custom["key"].tolist()

@@ -28,14 +28,13 @@ import torch
 
 from ..errors import ArgumentError, UnknownNode
 from ..recording import torch_private as tp
-from ..recording.graph import Keyed, describe, node_kind, node_name, walk
-from ..recording.recorder import scope_keys
+from ..recording.graph import node_kind, node_name
 from ..recording.saved import FREED_MESSAGE, is_custom, saved_bytes, saved_tensors, saved_values
 from ..recording.stats import ROW_COLUMNS, measure, to_rows
 from ..store import shards
 from ..store.reader import Store
 from ..store.writer import step_ranges
-from .context import owner_fn, param_names
+from .context import live_keys
 from .replay import captured_outputs, looks_undefined, output_metadata, replayable
 
 # the levels whose steps store no node call (so no sequence number), as a message names them
@@ -347,39 +346,6 @@ def _saved_items(node, stats: bool) -> tuple[list[SavedItem], bool, int]:
     return items, saved.freed, saved_bytes(saved)
 
 
-class _StepKeys(Keyed):
-    """The keys a recording step's passes gave so far (`ScopeKeys.known`), read only, under a `Keyed` of its own:
-    `describe` keys a live graph as the step's next pass over it would, and writes only here. A key scope read from
-    the step is handed out as a copy (one per scope, so that `describe` still tells scopes apart), since `describe`
-    adds ordinals to the scope it continues."""
-
-    __slots__ = ("_base", "_copies")
-
-    def __init__(self, base: Keyed):
-        super().__init__()
-        self._base = base
-        self._copies: dict[int, dict] = {}
-
-    def __contains__(self, ident: int) -> bool:
-        return super().__contains__(ident) or ident in self._base
-
-    def get(self, ident: int) -> tuple | None:
-        hit = super().get(ident)
-        if hit is not None:
-            return hit
-        hit = self._base.get(ident)
-        if hit is None:
-            return None
-        info, scope = hit
-        copy = self._copies.get(id(scope))
-        if copy is None:
-            copy = self._copies[id(scope)] = dict(scope)
-        return info, copy
-
-    def isdisjoint(self, idents) -> bool:
-        return super().isdisjoint(idents) and self._base.isdisjoint(idents)
-
-
 def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = True) -> Explanation:
     """Explain a live autograd node (see `explain`)."""
     if isinstance(grad_fn, torch.Tensor):  # a tensor: its grad_fn, or a leaf's AccumulateGrad
@@ -401,28 +367,7 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
         )
     roots = [root] if root is not None else [grad_fn]
     roots = [r.grad_fn if isinstance(r, torch.Tensor) else r for r in roots]
-    scope = scope_keys() if owner is None else None  # inside a recording scope: its keys, modules and names
-    if scope is None:
-        w = walk(roots)
-        if id(grad_fn) not in w.index:
-            w = walk([grad_fn])
-        infos = describe(w, owner_fn(owner), param_names(model), Keyed())
-    else:
-        # walked as the step's passes walk (the same node identities as its `known`), keyed with its tracker
-        w = walk(roots, 0, scope.walker, lazy=scope.walker is not None)
-        if w.ident(grad_fn) not in w.index:
-            w = walk([grad_fn], 0, scope.walker, lazy=scope.walker is not None)
-        known = _StepKeys(scope.known) if scope.known is not None else Keyed()
-        names = param_names(model) if model is not None else scope.param_names
-        infos = describe(
-            w,
-            scope.owner,
-            names,
-            known,
-            region=scope.region,
-            lineage=scope.lineage,
-            device_threads=scope.device_threads,
-        )
+    w, infos = live_keys(roots, owner, model, include=grad_fn)
     info = infos[w.index[w.ident(grad_fn)]]
     key_of = {ident: infos[i].key for ident, i in w.index.items()}
     name = node_name(grad_fn)

@@ -51,11 +51,11 @@ import torch
 
 from ..errors import ReplayError, SavedTensorModified, SavedTensorsFreed
 from ..recording import torch_private as tp
-from ..recording.graph import Keyed, describe, node_kind, node_name, walk
+from ..recording.graph import node_kind, node_name
 from ..recording.recorder import tool_passes
 from ..recording.saved import is_custom, saved_tensors, saved_versions
 from .capture import captured
-from .context import owner_fn, param_names
+from .context import live_keys
 from .guard import NESTED_NAMES, REASON_NESTED, NestedBackward, no_nested_backward
 
 RETAIN_ADVICE = (
@@ -695,8 +695,8 @@ def replay_check(
         grad_outputs = [torch.ones_like(r) for r in roots]
     elif isinstance(grad_outputs, torch.Tensor):
         grad_outputs = [grad_outputs]
-    w = walk([r.grad_fn for r in roots if r.grad_fn is not None])
-    infos = describe(w, owner_fn(owner), param_names(model), Keyed())
+    w, infos = live_keys([r.grad_fn for r in roots if r.grad_fn is not None], owner, model)
+    nodes = list(w.nodes)  # Node objects (a lazy walk's made once, held while the check runs)
     captured_out: dict[int, tuple] = {}
     captured_in: dict[int, tuple] = {}  # grad_inputs as the backward computed them (first post hook), else as handed on
     first_in: set[int] = set()  # nodes whose captured_in the first post hook took
@@ -731,17 +731,17 @@ def replay_check(
 
     leaves = [
         n.variable
-        for n in w.nodes
+        for n in nodes
         if node_kind(n, node_name(n)) == "accumulate_grad" and getattr(n, "variable", None) is not None
     ]
     if via is None:
-        via = "backward" if (not leaves or any(node_name(n) in NESTED_NAMES for n in w.nodes)) else "grad"
+        via = "backward" if (not leaves or any(node_name(n) in NESTED_NAMES for n in nodes)) else "grad"
     if via not in ("grad", "backward"):
         raise ReplayError(f"replay_check(via=...) is 'grad' or 'backward', got {via!r}")
-    _refuse_modified(w.nodes, infos)
+    _refuse_modified(nodes, infos)
     try:
         with tool_passes():  # inside a record scope: not a pass of the step
-            _run_pass(w.nodes, hooks, roots, grad_outputs, leaves, via, model, watch)
+            _run_pass(nodes, hooks, roots, grad_outputs, leaves, via, model, watch)
     except RuntimeError as exc:
         if "donated buffer" in str(exc):
             raise ReplayError(f"replay_check cannot run the pass: {DONATED_ADVICE} ({exc})") from None
@@ -753,7 +753,7 @@ def replay_check(
         raise
 
     rows = []
-    for i, node in enumerate(w.nodes):
+    for i, node in enumerate(nodes):
         info = infos[i]
         ran = i in captured_out and i in ran_post
         measured = ran and i in first_in and i in handed

@@ -37,11 +37,11 @@ import pandas as pd
 import torch
 
 from ..errors import VerifyUsageError
-from ..recording.graph import Keyed, describe, node_name, walk
+from ..recording.graph import node_name
 from ..recording.recorder import tool_passes
 from ..recording.saved import is_custom
 from .capture import Capture, CapturedCall, capture, flatten_tensors, live_captures
-from .context import owner_fn, param_names
+from .context import live_keys
 from .guard import NESTED_NAMES, NestedBackward, no_nested_backward
 
 COLUMNS = [
@@ -253,11 +253,11 @@ def verify(
     captures = [capture] if capture is not None else live_captures()
     if owner is None and capture is not None and capture._tracker is not None:
         owner = capture
-    w = walk([r.grad_fn for r in roots])
-    infos = describe(w, owner_fn(owner), param_names(model), Keyed())
+    w, infos = live_keys([r.grad_fn for r in roots], owner, model)
+    nodes = list(w.nodes)  # Node objects (a lazy walk's made once)
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for i, node in enumerate(w.nodes):
+    for i, node in enumerate(nodes):
         if not is_custom(node):
             continue
         info = infos[i]
