@@ -122,7 +122,7 @@ class Store:
         Raises UnknownQuery, QueryParameterError, UnknownRun; DatabaseUnavailable where the file is damaged or
         cannot be read where the query reads it (SQLite's 'database disk image is malformed'); where the query
         returns no row and was given a `step` (and `rank`) the run did not record, UnknownStep naming the steps it
-        has (StepNotWritten for one the writer could not write), rather than an empty frame that reads as "nothing
+        has, rather than an empty frame that reads as "nothing
         of that kind happened in that step". A step it recorded gives its rows, or an empty frame; so does the
         `steps` query, which lists the steps there are (an empty `steps(step=N)` says there is no step N).
         """
@@ -144,8 +144,9 @@ class Store:
             raise
 
     def _step_of_empty(self, params: dict) -> None:
-        """For a query that returned no row: raise UnknownStep (StepNotWritten) where its `step` parameter (and
-        `rank`) names a step the run did not record (could not write). Parameters as `gradstore query -p` gives
+        """For a query that returned no row: raise UnknownStep where its `step` parameter (and `rank`) names a step
+        the run did not record (a step the writer could not write has its steps row, status 'unwritten': no raise
+        here; the per-step helpers raise StepNotWritten). Parameters as `gradstore query -p` gives
         them (text) or as Python values; a value that is not a whole number is left to the SQL (no raise)."""
 
         def whole(value):
@@ -158,7 +159,7 @@ class Store:
 
         step = whole(params.get("step"))
         if step is not None:
-            self._step_written(params.get("run") or None, step, whole(params.get("rank")))
+            self._check_step(params.get("run") or None, step, whole(params.get("rank")))
 
     # ---- the tables ------------------------------------------------------------------------------------------
     def _dead_claims(self) -> str:
