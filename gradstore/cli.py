@@ -43,7 +43,7 @@ from .store import schema as s
 from .store import shards
 from .store.database import DEFAULT_DB, damaged
 from .store.database import explain as explain_db
-from .store.reader import Store, step_span
+from .store.reader import Store, step_span, unwritten_why
 from .store.schema import UNWRITTEN
 from .store.values import DTENSOR_PIECES
 from .store.writer import step_ranges as _step_ranges
@@ -1273,6 +1273,22 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, str]:
     return params
 
 
+def _unwritten_note(store: Store, bound: dict) -> str | None:
+    """Where `-p step=N` names a step the writer could not write (status unwritten, on every rank asked for), why:
+    its rows are not in the database, so an empty table says nothing about it. None otherwise."""
+    step, rank = bound.get("step"), bound.get("rank")
+    if not step or not str(step).strip().lstrip("-").isdigit():
+        return None
+    rank = int(rank) if rank and str(rank).strip().isdigit() else None
+    rows = store.steps(run=bound.get("run") or None, step=int(step), rank=rank)
+    if rows.empty or (rows["status"] != UNWRITTEN).any():
+        return None
+    why = "; ".join(
+        f"run {r.run!r} rank {r.rank}: {unwritten_why(r.error) or 'no reason stored'}" for r in rows.itertuples()
+    )
+    return f"step {int(step)} was not written ({why}); only its steps row is in the database"
+
+
 def _list_queries() -> None:
     for q in named_queries.available().values():
         click.echo(f"{q.name:<20} {q.title}")
@@ -1308,10 +1324,11 @@ def query(db, name, params, as_csv, list_only):
     named_queries.get(name)  # UnknownQuery before the database is opened
     with _store(db) as store:
         df = store.query(name, **bound)
+        lost = _unwritten_note(store, bound) if df.empty and not as_csv else None
     if as_csv:
         click.echo(df.to_csv(index=False), nl=False)
     elif df.empty:
-        click.echo("(no rows)")
+        click.echo(f"(no rows: {lost})" if lost else "(no rows)")
     else:
         click.echo(df.to_string(index=False))
 

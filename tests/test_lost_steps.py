@@ -392,3 +392,13 @@ def test_the_pandas_helpers_never_read_an_unwritten_step_as_absent_or_agreeing(l
     assert f"not compared: step(s) {lost_range} of run 'lost'" in out, out
     out = CliRunner().invoke(main, ["explain", db, "lost", "param:0.weight", "--step", str(LOST[1])]).output
     assert f"step {LOST[1]} was not written" in out, out
+
+
+def test_query_of_an_unwritten_step_says_it_was_not_written(lost_db):
+    """`gradstore query DB calls -p step=N` of a step the full disk lost: not a bare '(no rows)'."""
+    db = lost_db[0]
+    out = CliRunner().invoke(main, ["query", db, "calls", "-p", "run=lost", "-p", f"step={LOST[1]}"]).output
+    assert f"(no rows: step {LOST[1]} was not written (run 'lost' rank 0: " in out and "database or disk is full" in out
+    kept = [n for n in range(STEPS) if n not in LOST][0]
+    ok = CliRunner().invoke(main, ["query", db, "calls", "-p", "run=lost", "-p", f"step={kept}"]).output
+    assert "(no rows" not in ok and "AddmmBackward0" in ok
