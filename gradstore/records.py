@@ -176,8 +176,9 @@ class PassRecord:
     root_nodes: list[int] | None = None  # indices of the pass's roots among the walked nodes
     hooked: list[bool] | None = None  # per walked node: it had hooks (None: all did; modules=/params= filters)
     seq_range: tuple[int, int] | None = None  # sequence numbers handed out on the pass's thread while it ran
-    born: dict[int, tuple[int | None, int | None]] | None = None  # walked index -> (step, pass) of an earlier
-    # step's node (step None: an earlier step that was not recorded, or before the scope)
+    # walked index -> (step, pass, module call) of an earlier step's node (step None: an earlier step that was not
+    # recorded, or before the scope; call: `module_calls.call` of that step it was made in, None: none or not known)
+    born: dict[int, tuple[int | None, int | None, int | None]] | None = None
     grads_changed: list[str] | None = None  # stats='params': parameters whose .grad this pass changed
     error: str | None = None  # the exception the engine raised in this pass ('Type: message'), None: it returned
     # a recorder fault may have lost some of the pass's calls or rows (a hook's fault it could not recover from, a

@@ -28,7 +28,8 @@ import torch
 
 from ..errors import ArgumentError, UnknownNode
 from ..recording import torch_private as tp
-from ..recording.graph import node_kind, node_name
+from ..recording.graph import UNKNOWN_MODULE, node_kind, node_name
+from ..recording.recorder import scope_keys
 from ..recording.saved import FREED_MESSAGE, is_custom, saved_bytes, saved_tensors, saved_values
 from ..recording.stats import ROW_COLUMNS, measure, to_rows
 from ..store import shards
@@ -128,7 +129,8 @@ class Explanation:
         kind: function / accumulate_grad / custom_function / compiled / other (gradstore.recording.graph.node_kind).
         key: the key gradstore would record ('module/Name#ordinal', 'param:fc.weight'); the ordinal is exact
             when `root=` is the pass's root and module attribution is given (`owner=`), else relative.
-        module: the owning module's qualified name ('' when unknown or outside any module).
+        module: the owning module's qualified name ('' when unknown or outside any module; '?' inside a recording
+            scope for a node made before the recording began or in a step it did not record: `made` says why).
         param: the parameter's qualified name for an AccumulateGrad of a named parameter, else None.
         sequence_nr: the node's forward creation number (private `_sequence_nr`; -1 unknown; 2**64-1 for
             AccumulateGrad).
@@ -143,6 +145,8 @@ class Explanation:
         hooks: (prehooks, post hooks) registered on the node itself from Python (`node.register_prehook`,
             `node.register_hook`; a module's full backward hook is a post hook of its BackwardHookFunctionBackward
             node), or None where PyTorch does not let them be counted; tensor hooks and C++ hooks are not counted.
+        made: inside a recording scope, for a node made before the step it records: where (the step, its pass or
+            forward, its module call), or why that is not known; None otherwise.
     """
 
     name: str
@@ -163,6 +167,7 @@ class Explanation:
     forward_args: tuple | None = None
     metadata: list[str] = field(default_factory=list)
     hooks: tuple[int, int] | None = None
+    made: str | None = None
 
     def _hook_lines(self) -> list[str]:
         """What the node's own Python hooks may do, where it has some."""
@@ -185,13 +190,18 @@ class Explanation:
 
     # ---- text ------------------------------------------------------------------------------------------------
     def _header(self) -> str:
-        where = f"module {self.module!r}" if self.module else "module: (unknown or outside any module)"
+        if self.module == UNKNOWN_MODULE:
+            where = f"module not known ({self.module!r})"
+        else:
+            where = f"module {self.module!r}" if self.module else "module: (unknown or outside any module)"
         seq = "AccumulateGrad (no number)" if self.sequence_nr == tp.ACCUMULATE_GRAD_SEQUENCE_NR else self.sequence_nr
         return f"{self.name} ({self.kind})  key {self.key}  {where}  sequence_nr {seq}"
 
     def lines(self) -> list[str]:
         """The explanation as lines of text."""
         out = [self._header()]
+        if self.made:
+            out.append(f"  {self.made}")
         if self.param:
             out.append(f"  accumulates the gradient of parameter {self.param}")
         if self.variable is not None:
@@ -369,6 +379,8 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
     roots = [r.grad_fn if isinstance(r, torch.Tensor) else r for r in roots]
     w, infos = live_keys(roots, owner, model, include=grad_fn)
     info = infos[w.index[w.ident(grad_fn)]]
+    scope = scope_keys() if owner is None else None  # inside a recording scope: where an earlier step made it
+    made = _made(scope.lineage, tp.sequence_nr(grad_fn), node_name(grad_fn)) if scope is not None else None
     key_of = {ident: infos[i].key for ident, i in w.index.items()}
     name = node_name(grad_fn)
     kind = node_kind(grad_fn, name)
@@ -420,7 +432,27 @@ def explain_node(grad_fn, *, model=None, owner=None, root=None, stats: bool = Tr
         forward_args=forward_args,
         metadata=metadata,
         hooks=tp.python_hook_counts(grad_fn),
+        made=made,
     )
+
+
+def _made(lineage, seq: int, name: str) -> str | None:
+    """Where the node numbered `seq` (named `name`) was made when that was before the step the scope records, in
+    words, as the recording's `describe` finds it (the scope's `Lineage`: `lookup`, else `made`), or why that is not
+    known (`Lineage.unknown_reason`); None for a node of the step, or outside a step."""
+    if lineage is None or not 0 <= seq < lineage.first_seq:
+        return None
+    hit = lineage.lookup(seq)
+    if hit is not None and hit[0].name == name:
+        step, in_pass, call = hit[1:]
+    else:
+        birth = lineage.made(seq, name)
+        step, in_pass, call = (None, None, None) if birth is None else (birth.step, birth.pass_, birth.call)
+    if step is None:
+        return f"made before the step being recorded; its step and module are not known: {lineage.unknown_reason(seq)}"
+    by = f"by backward pass {in_pass}" if in_pass is not None else "by its forward"
+    within = f", inside its module call {call} (module_calls.call)" if call is not None else ""
+    return f"made in step {step} {by}{within}, before the step being recorded (it runs here: a graph kept across steps)"
 
 
 # ---- a recorded node -----------------------------------------------------------------------------------------
@@ -461,9 +493,17 @@ class RecordedExplanation:
     tied: str | None = None  # a tied parameter: its names (the one asked for first), e.g. 'head.weight, emb.weight'
     edges_step: int | None = None  # the step whose graphs the edges are of (None: the union over steps)
     edges_at: str = "union"  # 'step', 'unknown' (that step's graphs not recorded) or 'union'
+    # the node of the step shown was made elsewhere (store.node_births): where, in words (None: by that step's forward)
+    made: str | None = None
 
     def lines(self) -> list[str]:
-        where = f"module {self.module!r}" if self.module else "top level (the model itself, or no module)"
+        if self.module == UNKNOWN_MODULE:
+            where = (
+                "module not known ('?': made before the recording began, or in a step it did not record, and run "
+                "by a later step)"
+            )
+        else:
+            where = f"module {self.module!r}" if self.module else "top level (the model itself, or no module)"
         seen = (
             f"parameter {self.param}'s key, named from step {self.first_step} (an AccumulateGrad exists only while "
             "the parameter requires grad and a graph uses it)"
@@ -477,6 +517,8 @@ class RecordedExplanation:
             else "created at: not recorded"
             + ("" if self.param else " (record(frames=True) keeps the user-code line that made the node)"),
         ]
+        if self.made:
+            out.append(self.made)
         if self.tied:
             names = self.tied.split(", ")
             out.append(
@@ -730,6 +772,7 @@ def explain_recorded(
             statuses = store.param_status(run=run, step=step, rank=rank, param=param)[["step", "rank", "status"]]
         region = n["region"] if isinstance(n.get("region"), str) else None
         frame = n["frame"] if isinstance(n.get("frame"), str) and n["frame"] else None
+        made = _made_recorded(store, run, key, chosen_step, chosen_rank) if chosen_step is not None else None
         return RecordedExplanation(
             run=run,
             key=key,
@@ -750,10 +793,41 @@ def explain_recorded(
             frame=frame,
             statuses=statuses,
             tied=", ".join([asked[len("param:") :], *names[1:]]) if names is not None and len(names) > 1 else None,
+            made=made,
         )
     finally:
         if store is not db:
             store.close()
+
+
+def _made_recorded(store: Store, run: str, key: str, step: int, rank: int) -> str | None:
+    """Where node `key`, run in `step` on `rank`, was made when not by that step's forward (store.node_births), in
+    words; None otherwise (an AccumulateGrad's birth is left to param_status)."""
+    births = store.node_births(run=run, step=step, rank=rank)
+    births = births[births["key"] == key]
+    if births.empty or key.startswith("param:"):
+        return None
+    b = births.iloc[0]
+    born_step = None if pd.isna(b["born_step"]) else int(b["born_step"])
+    if born_step is None and b["name"] == "AccumulateGrad":
+        return (
+            f"made before step {step}: a node of an earlier step points to it (an AccumulateGrad has no sequence "
+            "number: which step made it is not known)"
+        )
+    if born_step is None:
+        return (
+            f"made before step {step}, in a step not known (made before the recording began, or in a step it did "
+            "not record)"
+        )
+    by = f"by backward pass {int(b['born_pass'])}" if not pd.isna(b["born_pass"]) else "by its forward"
+    within = ""
+    if not pd.isna(b["module_call"]):
+        within = f", inside module call {int(b['module_call'])}"
+        if isinstance(b["call_module"], str):
+            within += f" ({b['call_module'] or 'the model itself'!r}, its call {int(b['call_ordinal'])} in that step)"
+    if born_step == step:
+        return f"made in this step {by}{within}"
+    return f"made in step {born_step} {by}{within}; run in step {step} (a graph kept across steps)"
 
 
 def _param_names(store: Store, run: str, name: str) -> list[str] | None:

@@ -6,7 +6,8 @@ Definitions (README "Why and where" says the same):
 
 - A module call's nodes are the nodes created while it ran, by it or by a submodule: those whose `sequence_nr`
   falls after its entry and before its exit (gradstore.recording.modules.ForwardRecord). AccumulateGrad nodes
-  (parameters, leaves) and nodes of earlier steps belong to no module call.
+  (parameters, leaves) and nodes of earlier steps belong to no module call of this step (a node of an earlier step
+  names the call of its own step it was made in: step_nodes.module_call, from `PassRecord.born`).
 - Gradient flowing in (w.r.t. its outputs) and out (w.r.t. its inputs, not to the AccumulateGrad of one of its own
   parameters, named under the module): per tensor, the sum autograd makes at the slot of the node that made it
   (`x.grad_fn`'s grad_outputs at `x.output_nr`) of the edges crossing the call's boundary that way: the pieces
@@ -1003,8 +1004,9 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
         recomputed = k >= 0 and calls[k][2] is not None
         if not earlier and in_pass is None and ran is not False:
             continue
-        if earlier:
-            born_step, born_pass = born if born is not None else (None, None)
+        call = k if k >= 0 else None
+        if earlier:  # its module call is one of the step that made it (None: not known)
+            born_step, born_pass, call = (*born, None)[:3] if born is not None else (None, None, None)
         else:
             born_step, born_pass = step, in_pass
         out.step_nodes.append(
@@ -1013,7 +1015,7 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
                 first_pass,
                 born_step,
                 born_pass,
-                k if k >= 0 else None,
+                call,
                 None if ran is None else int(ran),
                 int(recomputed),
             )

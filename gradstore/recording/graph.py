@@ -13,7 +13,7 @@ Facts this relies on (torch.autograd.graph.Node):
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 
 import torch
@@ -24,6 +24,9 @@ from . import torch_private as tp
 from .rows import LazyRows, PackedRows
 
 ACCUMULATE_GRAD = "AccumulateGrad"
+# the module of a node made before the recording began or in a step it did not record (run by a later pass): the
+# module boundaries of its forward were not noted, so which module made it is not known
+UNKNOWN_MODULE = "?"
 
 
 def node_name(node) -> str:
@@ -98,7 +101,7 @@ class Walk:
     index: dict[int, int] = field(default_factory=dict)
     scope: dict | None = None  # set by describe: (module, name) -> highest ordinal given in this key scope
     seqs: list[int] | None = None  # set by describe: each node's sequence_nr
-    born: dict[int, tuple] | None = None  # set by describe: index -> (step, pass) of nodes of earlier steps
+    born: dict[int, tuple] | None = None  # set by describe: index -> (step, pass, call) of nodes of earlier steps
     raw_seqs: list[int] | None = None  # the C++ walk's: each node's sequence_nr, read during the walk
     sig: tuple | None = None  # the C++ walk's: (base, signature bytes, id of each AccumulateGrad's variable)
     edge_bytes: bytes | None = None  # the C++ walk's: the edges as four native int32 each (`edges` unpacks them)
@@ -402,8 +405,9 @@ def describe(
 
     Args:
         w: the walk; `w.scope` is set to the key scope this pass used, `w.seqs` to every node's sequence_nr
-            (`ACCUMULATE_GRAD_SEQUENCE_NR` for AccumulateGrad, -1 unknown) and `w.born` to {index: (step, pass)}
-            for the nodes created before this step (step None where no recorded step created it).
+            (`ACCUMULATE_GRAD_SEQUENCE_NR` for AccumulateGrad, -1 unknown) and `w.born` to {index: (step, pass,
+            module call)} for the nodes created before this step (step None where no remembered recorded step
+            created it; pass None: by a forward; call: `module_calls.call` of that step, None: none or not known).
         owner: callable sequence_nr -> module qualified name ('' outside any module).
         param_names: id(parameter) -> qualified name.
         known: the nodes already keyed earlier in this step (`Keyed`: a second pass over the same graph, double
@@ -415,7 +419,11 @@ def describe(
         lineage: a `gradstore.recording.lineage.Lineage` (the nodes earlier steps keyed, by sequence number, and
             the first sequence number of this step), or None. A node created before this step (a hidden state
             that was not detached, a graph retained across steps) keeps the NodeInfo it got in the step that
-            created it; the nodes of this step take ordinals after it, so no two nodes of a step share a key.
+            created it; the nodes of this step take ordinals after it, so no two nodes of a step share a key. One
+            that no remembered walk keyed (made in a module's forward, first run by a later step) gets the module
+            its own step's boundaries name (`Lineage.made`): for a module output that step did not walk, the key
+            that step's findings gave it; else keyed in that module here. One made where no remembered step
+            noted module boundaries (before the recording, in a step not recorded) gets module `UNKNOWN_MODULE`.
         device_threads: a pass of this step ran on an accelerator, whose device threads number the nodes they
             create (double backward, recomputation) with counters of their own: a node below the step's first
             number that the lineage does not know is then not said to be older than the step.
@@ -464,6 +472,7 @@ def describe(
     groups: dict[tuple[str, str], list[tuple[int, int]]] = {}
     taken: dict[tuple[str, str], int] = {}  # ordinals held by nodes of earlier steps
     born: dict[int, tuple] = {}
+    made_in: dict[int, str] | None = None  # nodes of an earlier step made inside a compiled region: that region
     scope = parent_scope
     leaf_ordinal = 0
     idents = w.idents()
@@ -498,12 +507,31 @@ def describe(
             earlier = lineage.lookup(seq)
             if earlier is not None and earlier[0].name == name:
                 info = infos[i] = earlier[0]
-                born[i] = (earlier[1], earlier[2])
+                born[i] = earlier[1:]
                 base = (info.module, info.name)
                 taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
                 continue
-            if not device_threads:  # keyed as found: by a recorded step that never walked it, or none recorded
-                born[i] = lineage.born_of(seq) or (None, None)
+            if not device_threads:  # no remembered walk keyed it: where its number was handed out, if remembered
+                birth = lineage.made(seq, name)
+                if birth is None:  # before the recording, or in a step not recorded: its module is not known
+                    born[i] = (None, None, None)
+                    groups.setdefault((UNKNOWN_MODULE, name), []).append((seq, i, i))
+                    continue
+                born[i] = (birth.step, birth.pass_, birth.call)
+                if birth.info is not None:  # a module output its step did not walk: the key that step gave it
+                    info = infos[i] = replace(birth.info, kind=kind, region=birth.region)
+                    base = (info.module, info.name)
+                    taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
+                    continue
+                if birth.module is None:
+                    groups.setdefault((UNKNOWN_MODULE, name), []).append((seq, i, i))
+                    continue
+                if birth.region is not None:
+                    if made_in is None:
+                        made_in = {}
+                    made_in[i] = birth.region
+                groups.setdefault((birth.module, name), []).append((seq, i, i))  # the module of the step that made it
+                continue
         groups.setdefault((owner(seq), name), []).append((seq, i, i))
     fresh = scope is None
     if fresh:
@@ -525,6 +553,9 @@ def describe(
             inside = region(seq) if region is not None else None
             infos[i] = NodeInfo(f"{prefix}{name}#{ordinal}", name, kind, module, None, region=inside)
         scope[(module, name)] = start + len(members) - 1
+    if made_in:  # the region of the step that made them, not this step's (`region` answers for this step's numbers)
+        for i, inside in made_in.items():
+            infos[i] = replace(infos[i], region=inside)
     known.hold(w.nodes)
     for i, ident in enumerate(idents):
         known.add(ident, infos[i], scope)

@@ -806,6 +806,15 @@ class ModuleTracker:
         """What this step's forwards recorded so far (the tracker goes on appending to it until `clear()`)."""
         return self._record
 
+    def boundaries(self) -> tuple | None:
+        """(ForwardRecord, region sequence numbers, region values) noted since `clear()`: what `owner` and `region`
+        answer from, and each boundary's module call (`ForwardRecord.owner_calls`), for `gradstore.recording.lineage`
+        to name the module of a node a later step runs. Held, not copied: `clear()` binds new lists. None when the
+        sequence counter is unreadable."""
+        if not tp.has_sequence_nr():
+            return None
+        return self._record, self._region_seqs, self._region_vals
+
     def modules_ran(self) -> set[str]:
         """The names of the modules whose forward ran since `clear()`."""
         return set(self._record.call_names)

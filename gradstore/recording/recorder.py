@@ -764,6 +764,8 @@ class record:
         if state is None or (
             quiet and not state.records and not state.faults and not state.tracing_passes and not activations
         ):
+            if state is not None and self._tracker is not None:  # its forward's nodes may run in a later step
+                self._lineage.push(self._step_number, [], tp.next_sequence_nr(), self._tracker.boundaries(), False)
             if final is not None:
                 final.close()
             if run_status is not None:
@@ -909,7 +911,7 @@ class record:
         batch.param_status = LazyRows.deferred(lambda: findings.result().param_status, findings)
         batch.module_calls = LazyRows.deferred(lambda: findings.result().module_calls, findings)
         batch.step_nodes = LazyRows.deferred(lambda: findings.result().step_nodes, findings)
-        self._lineage.push(self._step_number, records, tp.next_sequence_nr())
+        self._lineage.push(self._step_number, records, tp.next_sequence_nr(), self._tracker.boundaries())
 
     def _frozen_facts(self) -> list[tuple[str, bool]]:
         """[(first name, frozen: not requires_grad)] of the recorded parameters, for the step's findings: the list

@@ -686,8 +686,10 @@ class Store:
         and module of the step that created it. "Which pass reached back into step 3":
         `store.node_births(run, step=4).query("born_step == 3")`.
 
-        Columns: run, rank, step, pass (the first pass that reached it), key, name, module, born_step, born_pass,
-        recomputed, ran. Raises UnknownRun.
+        Columns: run, rank, step, pass (the first pass that reached it), key, name, module ('?': not known, made
+        before the recording or in a step not recorded), born_step, born_pass, recomputed, ran, module_call,
+        call_module, call_ordinal (the module call of born_step it was made in: its number, module and ordinal;
+        NULL: none, not known, or a step that wrote no row). Raises UnknownRun.
         Relies on: `Node._sequence_nr()` (private: unique per thread, in creation order) to know a node again
         without holding it; nodes created on autograd's device threads are not told apart.
         """
