@@ -473,3 +473,27 @@ def test_explaining_a_parameter_without_a_call_gives_its_status_per_step(tmp_pat
     assert "frozen: step(s) 0, 1" in text and "first seen" not in text, text
     text = "\n".join(gradstore.explain(db, "why", "param:idle.bias").lines())
     assert "not used: step(s) 0, 1" in text, text
+
+
+def test_explain_an_input_leaf_of_torch_autograd_grad_points_at_what_flowed_into_it(db):
+    """Saliency: torch.autograd.grad(out, x) returns x's gradient without running x's AccumulateGrad (plain PyTorch:
+    a hook on that node never fires); explain of that node says so and names the slot its gradient came from."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(1, 2, 3)
+    x = torch.randn(1, 1, 5, 5, requires_grad=True)
+    fired = []
+    with gradstore.record("sal", db=db, model=conv):
+        out = conv(x).sum()
+        acc = out.grad_fn.next_functions[0][0].next_functions[0][0]
+        assert type(acc).__name__ == "AccumulateGrad" and acc.variable is x
+        acc.register_prehook(lambda g: fired.append(1))
+        (gx,) = torch.autograd.grad(out, x)
+    assert fired == [] and x.grad is None
+    text = str(gradstore.explain(db, "sal", "AccumulateGrad#0"))
+    assert "no recorded call of this node" in text
+    assert "hand a leaf's gradient back without running it" in text
+    assert "what flowed in is ConvolutionBackward0#0 grad_inputs[0]" in text
+    with gradstore.open(db) as store:
+        conv_in = store.tensors("sal", role="grad_input")
+        conv_in = conv_in[(conv_in["key"] == "ConvolutionBackward0#0") & (conv_in["slot"] == 0)]
+    assert conv_in["norm"].item() == pytest.approx(gx.norm().item(), rel=1e-6)

@@ -583,6 +583,13 @@ class RecordedExplanation:
                     else ""
                 )
             )
+            if self.kind == "accumulate_grad" and len(self.edges_in):
+                src = self.edges_in.iloc[0]
+                out.append(
+                    "an AccumulateGrad runs only where a pass accumulates into .grad: torch.autograd.grad(outputs, "
+                    "inputs) and backward(inputs=...) hand a leaf's gradient back without running it; what flowed in "
+                    f"is {src.src} grad_inputs[{src.src_slot}] (gradstore explain DB {self.run} {src.src} --step N)"
+                )
             if self.statuses is not None and len(self.statuses):
                 out.append(f"why, per step (store.param_status({self.run!r}, param={self.param!r})):")
                 for status, rows in self.statuses.groupby("status", sort=False):
