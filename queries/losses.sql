@@ -1,5 +1,5 @@
--- title: Losses: the roots of every backward pass
--- description: With record(forward=True): each root tensor of each backward pass (role loss: the loss), measured as the pass started: run, rank, step, pass, seq (its place in the step's counter, shared with the forward's module calls and the backward calls), key (the root's node), name, module, slot (position among the tensors given to backward), value (the root's value when it has one element and it is finite; NULL otherwise), status, dtype, shape, numel and its statistics (norm, min, max, mean, std over the finite elements; exact nan, posinf, neginf, zeros counts: a NaN loss has nan = 1). In order of step, rank and pass.
+-- title: Losses: the roots of every top-level backward pass
+-- description: With record(forward=True): each root tensor of each top-level backward pass (role loss: the loss; a pass nested in another, a reentrant checkpoint's, has none: a file written before gradstore knew this holds loss rows of such a pass's root, left out here), measured as the pass started: run, rank, step, pass, seq (its place in the step's counter, shared with the forward's module calls and the backward calls), key (the root's node), name, module, slot (position among the tensors given to backward), value (the root's value when it has one element and it is finite; NULL otherwise), status, dtype, shape, numel and its statistics (norm, min, max, mean, std over the finite elements; exact nan, posinf, neginf, zeros counts: a NaN loss has nan = 1). In order of step, rank and pass.
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
@@ -17,6 +17,7 @@ JOIN statuses su ON su.id = t.status
 LEFT JOIN dtypes d ON d.id = t.dtype
 LEFT JOIN passes p ON p.id = t.pass_id
 WHERE td.role = 5  -- the loss rows' partial index (ix_tensor_data_loss)
+  AND p.parent_pass IS NULL  -- a top-level pass's
   AND td.step_id IN (
       SELECT st2.id FROM steps st2 JOIN runs r2 ON r2.id = st2.run_id
       WHERE (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r2.name = NULLIF(CAST(:run AS TEXT), ''))

@@ -30,6 +30,14 @@ and a forward hook of gradstore's, kept last among the module's own (`register_f
 after the others), measures the output they leave: on the modules that hold hooks when the scope opens, and on one
 that gains hooks later from its next call on (the call where it is found is a 'skipped' row saying so). A module
 without hooks of its own pays one dict check more.
+
+Only the forward counts: a module call made while a backward pass runs on the recording thread (activation
+checkpointing's recomputation, `torch.utils.checkpoint` with or without reentrance; a module called by a backward
+hook) is no forward call of the step. It takes no key, no number from the counter and no row (the recorder pauses
+these hooks for each top-level pass: `pause` / `resume`), so the keys of the forward calls are the same with and
+without checkpointing, and two runs that differ only there compare equal in the forward. Its outputs are not
+measured; the call is a module call of its own in module_calls (`during_pass`, `recomputes`: Store.recomputations).
+The roots of a pass nested in another (a reentrant checkpoint's: the recomputed block's output) are no loss either.
 """
 
 from __future__ import annotations
@@ -179,6 +187,19 @@ class ForwardRecorder:
     def backward_done(self) -> None:
         """A top-level backward pass ended: the next forward's module calls count from 0 again."""
         self.calls.clear()
+
+    def pause(self):
+        """A top-level backward pass starts: until `resume`, a module call is no forward call of the step (the module
+        docstring: a recomputation) and takes no key, number or row. Returns what `resume` takes (None where nothing
+        was being recorded: a step not sampled, or a pause already running). The hooks read nothing new: `step` is
+        None meanwhile, which they check first."""
+        step, self.step = self.step, None
+        return step
+
+    def resume(self, step) -> None:
+        """End a `pause` (`step`: what it returned; None: nothing to do)."""
+        if step is not None and self.step is None:
+            self.step = step
 
     def _post(self, module, _args, output) -> None:
         if _is_compiling():  # first: torch.compile traces this hook, and reads nothing else here (no graph break)

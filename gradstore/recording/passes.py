@@ -308,7 +308,8 @@ class PassRecorder:
                     if frame is not None:
                         self.infos[i] = replace(info, frame=frame)
                         step.known.set_info(key, self.infos[i])
-        if options.forward:  # the roots (the loss), as they are when the pass starts
+        if options.forward and parent is None:  # the roots (the loss), as they are when the pass starts; a nested
+            # pass's (a reentrant checkpoint's: the recomputed block's output) are no loss
             self._measure_roots(outputs)
         if tp.compiled_autograd_active():
             # compiled autograd traces every Python node hook into its compiled backward graph with dynamo (and
@@ -385,9 +386,9 @@ class PassRecorder:
 
     def _measure_roots(self, outputs) -> None:
         """record(forward=True): a loss row (role 'loss', slot = position among the outputs given) for each root
-        tensor, under its node's key, with a number from the step's counter (its place among the forward's module
-        calls and the backward calls); measured now, before the engine runs. A pseudo call [node index, seq]
-        keys the row (it is no call: no call row is made of it)."""
+        tensor of a top-level pass, under its node's key, with a number from the step's counter (its place among
+        the forward's module calls and the backward calls); measured now, before the engine runs. A pseudo call
+        [node index, seq] keys the row (it is no call: no call row is made of it)."""
         index = self.walk.index
         for slot, out in enumerate(outputs):
             if not isinstance(out, torch.Tensor):

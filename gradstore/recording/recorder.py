@@ -230,8 +230,9 @@ class record:
             matching gradients past it (and those that could not be read or copied) are counted in
             steps.values_left_out.
         forward: also record the forward: the statistics of every module call's output tensors (role
-            'activation', nodes 'module/forward#k'), and each pass's roots (role 'loss': its loss, measured
-            as the pass starts; `Store.losses`). Off by default; not at stats='params'.
+            'activation', nodes 'module/forward#k'; not a module call made while a backward pass runs, as a
+            checkpoint's recomputation), and each top-level pass's roots (role 'loss': its loss, measured as the
+            pass starts; `Store.losses`). Off by default; not at stats='params'.
         on_nonfinite: what to do after a step whose status is nonfinite is written: 'warn' (once per
             recording, naming the first non-finite node, module, step and frame), 'raise'
             (`gradstore.NonFiniteGradient`, carrying them), or a function called with that row (a dict with
@@ -976,6 +977,8 @@ class record:
                     self._reads.pass_started(self._params, p.grads_before)
                 except Exception as exc:
                     state.fault("start of pass", exc)
+        # record(forward=True): a module call while this pass runs is no forward call of the step (no key, no row)
+        paused = self._forward.pause() if outer and self._forward is not None else None
         ok = False
         raised = None
         try:
@@ -1018,6 +1021,8 @@ class record:
             finally:
                 if outer and self._tracker is not None:
                     self._tracker.context = None
+                if paused is not None:
+                    self._forward.resume(paused)
 
     def _run_unfollowed(self, state: StepState, original, outputs, args, kwargs):
         """A backward pass the recording does not follow (another thread's): the engine runs it untouched; the step

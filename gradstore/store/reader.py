@@ -1105,18 +1105,19 @@ class Store:
     def activations(
         self, run: str | None = None, step: int | None = None, rank: int | None = None, module: str | None = None
     ) -> pd.DataFrame:
-        """With record(forward=True): every module call's output statistics in forward order, as
-        queries/activations.sql: run, rank, step, seq, key ('module/forward#k'), name (the module's class),
-        module, slot, status, reason, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf,
-        zeros. Raises UnknownRun."""
+        """With record(forward=True): every module call's output statistics in forward order (a call made while a
+        backward pass ran, a checkpoint's recomputation, is none: see `recomputations`), as
+        queries/activations.sql: run, rank, step, seq, key ('module/forward#k'), name (the module's class), module,
+        slot, status, reason, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros. Raises
+        UnknownRun."""
         return self.query("activations", run=run, step=step, rank=rank, module=module)
 
     @_per_step
     def losses(self, run: str | None = None, step: int | None = None, rank: int | None = None) -> pd.DataFrame:
-        """With record(forward=True): the roots of every backward pass (role 'loss'), as queries/losses.sql: run,
-        rank, step, pass, seq, key, name, module, slot, value (a one-element root's value when finite, else NULL:
-        see nan, posinf, neginf), status, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf,
-        zeros. Raises UnknownRun."""
+        """With record(forward=True): the roots of every top-level backward pass (role 'loss'; a pass nested in
+        another, a reentrant checkpoint's, has none), as queries/losses.sql: run, rank, step, pass, seq, key, name,
+        module, slot, value (a one-element root's value when finite, else NULL: see nan, posinf, neginf), status,
+        dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros. Raises UnknownRun."""
         return self.query("losses", run=run, step=step, rank=rank)
 
     @_per_step

@@ -69,9 +69,10 @@ class NonfiniteStart:
     grad_inputs' dtype holds less than its grad_outputs', and the largest finite incoming magnitude is past it);
     saved (the node's saved rows in that call, role saved: slot, status, reason, dtype, shape, numel, nan, posinf,
     neginf; an empty frame: the node saved no tensor; None: saved tensors were not recorded in that pass,
-    record(saved=True) records them); losses (the pass's root rows, role loss: key, value, status, nan, posinf,
-    neginf; None: not recorded, record(forward=True) records them); activation (the step's first module output
-    holding NaN/Inf, as a row of Store.activations; None: none did or none recorded); activations_recorded
+    record(saved=True) records them); losses (the root rows of the pass, or of the top-level pass it is nested in,
+    role loss: key, value, status, nan, posinf, neginf; None: not recorded, record(forward=True) records them);
+    activation (the step's first module output holding NaN/Inf, as a row of Store.activations; None: none did or
+    none recorded); activations_recorded
     (record(forward=True) recorded module outputs in that step); amp_skipped: a GradScaler skipped the optimizer
     step in that step (step value grad_scaler.skipped = 1); logged_losses: (name, value) of the step values of that
     step and rank whose name contains 'loss' (rec.log, the trainer callbacks) and that were NaN or +-Inf: the
@@ -298,7 +299,8 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
             ["slot", "status", "reason", "dtype", "shape", "numel", "nan", "posinf", "neginf"]
         ].reset_index(drop=True)
     losses = store.losses(run=run, step=step, rank=rank)
-    losses = losses[losses["pass"] == pass_]
+    if len(losses):  # the loss of the top-level pass this one ran in (a reentrant checkpoint's nested pass has none)
+        losses = losses[losses["pass"] == _top_pass(store.passes(run=run, rank=rank, step=step), pass_)]
     logged = store.query("values", run=run, rank=rank, step=step)
     logged = logged[logged["name"].str.contains("loss", case=False, regex=False)]
     logged_losses = [
@@ -390,6 +392,17 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
         also_ranks=[x for x in also if x != rank],
         logged_losses=logged_losses,
     )
+
+
+def _top_pass(passes: pd.DataFrame, pass_) -> object:
+    """The top-level pass that pass `pass_` runs in (itself when it is one), from Store.passes rows of its step and
+    rank (pass, parent_pass); `pass_` as it is where its parent is not among them."""
+    parent = dict(zip(passes["pass"], passes["parent_pass"]))
+    seen = set()
+    while pass_ not in seen and not pd.isna(up := parent.get(pass_)):
+        seen.add(pass_)
+        pass_ = int(up)
+    return pass_
 
 
 def _nonfinite_rows(rows: pd.DataFrame) -> pd.Series:
