@@ -417,7 +417,7 @@ def _compare_dense(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -
         x, y = a.double(), b.double()
         same = (x == y) | (torch.isnan(x) & torch.isnan(y))
         diff = torch.where(same, torch.zeros((), dtype=torch.float64, device=x.device), (x - y).abs())
-        diff = torch.nan_to_num(diff, nan=math.inf)
+        diff = torch.nan_to_num(diff, nan=math.inf, posinf=math.inf)  # (nan_to_num's default posinf is the max float)
         return bool(equal), bool(close), float(diff.max())
     diff = float((a.double() - b.double()).abs().max()) if not a.dtype == torch.bool else float(not equal)
     return equal, equal, diff
@@ -483,6 +483,8 @@ def difference(
         or seen.layout != again.layout
     ):
         return f"{where}: {_tensor_text(seen)} {names[0]}, {_tensor_text(again)} {names[1]}"
+    if result[2] == 0:  # compare counts NaN against NaN and -0.0 against 0.0 as no difference: only the bits differ
+        return f"{where}: bits differ where the values are equal (NaN payloads, or the sign of a zero)"
     return f"{where}: values differ (max abs difference {result[2]:.6g})"
 
 

@@ -12,8 +12,10 @@ float64, and for every differentiable input slot i a vector-Jacobian product is 
 directional derivative (what `torch.autograd.gradcheck` does in its fast mode, one random projection per slot):
     analytic  = < backward(v)_i , u >          v: random gradient for the outputs, u: random direction for input i
     numerical = < v , (f(x_i + eps u) - f(x_i - eps u)) / (2 eps) >
-    rel_error = |analytic - numerical| / max(|analytic|, |numerical|)   (0 when both are 0)
-    ok        = |analytic - numerical| <= atol + rtol * |numerical|
+    rel_error = |analytic - numerical| / max(|analytic|, |numerical|)   (0 when both are 0; NaN where either is
+                NaN or infinite: undefined, and `reason` says which side, how many elements of the slot)
+    ok        = |analytic - numerical| <= atol + rtol * |numerical|  (False where the backward gave NaN/Inf against
+                finite differences; <NA>, not checked, where the finite differences are not finite)
 Cost per node: one forward and one backward in float64, plus two forwards per differentiable input slot.
 A backward that ignores its incoming gradient (returns a constant) or scales it wrongly gives rel_error ~1.
 
@@ -147,20 +149,43 @@ def _check_node(
             row["reason"] = f"the float64 forward raised {type(exc).__name__}: {exc}"[:300]
             continue
         err = abs(analytic - numerical)
+        row.update(analytic=analytic, numerical=numerical, abs_error=err)
+        if not (math.isfinite(analytic) and math.isfinite(numerical)):
+            # max() and comparisons with NaN decide nothing: a non-finite side leaves rel_error undefined, and a
+            # non-finite finite difference leaves the backward unchecked (not a pass, not a failure)
+            why = [_nonfinite_backward(g, slot, analytic)] if not math.isfinite(analytic) else []
+            if not math.isfinite(numerical):
+                why.append(
+                    f"the finite differences are {numerical} (the float64 forward is not finite along the random "
+                    f"direction at eps={eps:g}): not compared"
+                )
+            row.update(rel_error=math.nan, ok=False if math.isfinite(numerical) else pd.NA, reason="; ".join(why))
+            continue
         scale = max(abs(analytic), abs(numerical))
-        agrees = bool(err <= atol + rtol * abs(numerical)) and math.isfinite(analytic)
-        row.update(
-            analytic=analytic,
-            numerical=numerical,
-            abs_error=err,
-            rel_error=err / scale if scale > 0 else 0.0,
-            ok=agrees,
-        )
+        agrees = bool(err <= atol + rtol * abs(numerical))
+        row.update(rel_error=err / scale if scale > 0 else 0.0, ok=agrees)
         if g is None:
             row["reason"] = "backward returned None for an input that needs a gradient (taken as zeros)"
-        elif not agrees and math.isfinite(analytic):
+        elif not agrees:
             row["reason"] = _coarser(numerical_at, analytic, numerical, eps, rtol, atol)
     return rows
+
+
+def _nonfinite_backward(g: torch.Tensor, slot: int, analytic: float) -> str:
+    """Why `analytic` (< g, u >) is NaN or infinite: the elements of grad_inputs[slot] that are, or an overflow of
+    the projection where all of them are finite."""
+    g = g.detach()
+    nan, posinf, neginf = (int(m.sum()) for m in (torch.isnan(g), torch.isposinf(g), torch.isneginf(g)))
+    if nan + posinf + neginf == 0:
+        return (
+            f"analytic is {analytic}: the backward's grad_inputs[{slot}] is finite, but its projection on the "
+            "random direction overflowed float64"
+        )
+    parts = [f"{n} {what}" for n, what in ((nan, "NaN"), (posinf, "+Inf"), (neginf, "-Inf")) if n]
+    return (
+        f"the backward returned NaN/Inf: grad_inputs[{slot}] holds {', '.join(parts)} of {g.numel()} elements "
+        "(in float64, on the captured inputs), so analytic is not finite and rel_error is undefined"
+    )
 
 
 def _central_difference(call, args64: list, i: int, u, picked: list, vs: list, seed: int, devices, step) -> float:
@@ -224,8 +249,10 @@ def verify(
     Returns:
         DataFrame, one row per custom Function node and grad_input slot (= tensor input of its forward), in
         graph walk order: key, name, module, function (qualified class name), slot (grad_inputs index), arg
-        (forward argument index), shape, analytic, numerical, abs_error, rel_error, ok (bool; <NA> when not
-        checked), reason (why not checked, or a note). A node whose forward was not captured gets one row with
+        (forward argument index), shape, analytic, numerical, abs_error, rel_error (NaN where analytic or
+        numerical is NaN or infinite), ok (bool; <NA> when not checked, also where the finite differences are
+        not finite), reason (why not checked, or a note; where the backward returned NaN or Inf, which
+        grad_inputs slot and how many of its elements). A node whose forward was not captured gets one row with
         slot <NA> and the reason. Empty (with these columns) when the graph has no custom Function.
     Raises:
         VerifyUsageError: no tensor with a grad_fn, or a bad argument.
