@@ -284,6 +284,7 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
     With `step`, only when that call (or `.grad`) is in that step.
     """
     bad = store.first_nonfinite(run=run)
+    gaps = bad.attrs.get("not_recorded", {})  # the run's first: steps before it that nobody measured
     if step is not None:
         bad = bad[bad["step"] == step]
     if bad.empty:
@@ -296,7 +297,11 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
     lines, notes = [], []
     for (rank, _, _), rows in bad.groupby(["rank", "phase", "seq"], sort=False, dropna=False):
         r = rows.iloc[0]
+        gap = gaps.get((run, int(rank)))
+        if gap:  # steps before it that nobody measured: the first non-finite gradient may be there
+            notes.append(f"(rank {rank}: {gap['note']})")
         before_lost = lost[(lost["rank"] == rank) & (lost["step"] < r["step"])]["step"]
+        before_lost = before_lost[~before_lost.isin(gap["steps"].get("unwritten", []) if gap else [])]  # said above
         if len(before_lost):  # the record cannot say that nothing went non-finite there
             notes.append(
                 f"(rank {rank}: steps {_step_ranges(before_lost)} before it were not written: a non-finite gradient "

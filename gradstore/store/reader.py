@@ -619,13 +619,75 @@ class Store:
         in the step's final rows, pass None), as at stats='params', which records no calls. `role=` keeps rows of
         that role only. Empty when every measured gradient (and forward tensor) was finite; a step at
         stats='shape' measured no values (Store.steps' level says which). As queries/first_nonfinite.sql.
+        Without `step=`, where steps before a rank's first non-finite step were not measured after the last one
+        that was (not recorded: every=, steps=; a flight-recorder summary whose gradients held NaN/Inf; stats
+        'shape'; not written), the first non-finite gradient may be in one of them: `frame.attrs['not_recorded']`
+        maps (run, rank) to {'steps': {why: [step, ...]}, 'note': a sentence} (why: 'not recorded', 'summary',
+        'unmeasured', 'unwritten'; note: 'steps 21-23 were not recorded: the first non-finite gradient may be in
+        one of them'); absent when there are none.
         Raises UnknownRun; ArgumentError (a ValueError) for a role other than grad_output, grad_input,
         param_grad, activation, loss."""
         if role is not None and role not in _NONFINITE_ROLES:
             raise ArgumentError(
                 f"first_nonfinite(role=...) is one of {', '.join(_NONFINITE_ROLES)} (or None for all), got {role!r}"
             )
-        return self.query("first_nonfinite", run=run, step=step, rank=rank, role=role)
+        frame = self.query("first_nonfinite", run=run, step=step, rank=rank, role=role)
+        if step is None and not frame.empty:
+            notes = {}
+            for (run_, rank_), rows in frame.groupby(["run", "rank"], sort=False):
+                note = self._unmeasured_before(str(run_), int(rank_), int(rows["step"].min()))
+                if note:
+                    notes[(str(run_), int(rank_))] = note
+            if notes:
+                frame.attrs["not_recorded"] = notes
+        return frame
+
+    def _unmeasured_before(self, run: str, rank: int, first: int) -> dict | None:
+        """Why the first non-finite gradient of `run` on `rank` may come before step `first` (its first recorded
+        one): the steps after the last step before it whose gradients were measured (a steps row with status ok,
+        error or nonfinite, or a flight-recorder summary, measured in full in memory, that stayed finite) that were
+        not recorded (no steps row: every=, steps=; numbering starts at 0), kept only as a flight-recorder summary
+        that held NaN/Inf, measured nothing (status unmeasured, level shape) or were not written, as
+        {'steps': {why: [step, ...]}, 'note': sentence}; None when there are none."""
+        st, r = s.steps.c, s.runs.c
+        q = (
+            select(st.step, st.status, st.level)  # the steps table only: cheaper than queries/steps.sql's counts
+            .select_from(s.steps.join(s.runs, s.runs.c.id == st.run_id))
+            .where(r.name == run, st.rank == rank, st.step < first)
+            .order_by(st.step)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        kinds: dict[str, list[int]] = {"not recorded": [], "summary": [], "unmeasured": [], "unwritten": []}
+        last = -1
+        for step, status, level in rows:
+            if status == s.UNWRITTEN:
+                kinds["unwritten"].append(int(step))
+            elif status == "unmeasured" or level == "shape":
+                kinds["unmeasured"].append(int(step))
+            elif level == "summary" and status == "nonfinite":
+                kinds["summary"].append(int(step))
+            else:  # measured: what came before it is not in question
+                last = int(step)
+                for k in kinds.values():
+                    k.clear()
+        recorded = {int(row[0]) for row in rows}
+        kinds["not recorded"] = [n for n in range(last + 1, first) if n not in recorded]
+        words = {
+            "not recorded": "not recorded",
+            "summary": "kept only as a flight-recorder summary, whose gradients held NaN or Inf",
+            "unmeasured": "recorded without measuring any value (status unmeasured, stats='shape')",
+            "unwritten": "not written (status unwritten)",
+        }
+        parts = [
+            f"step{'s' if len(v) > 1 else ''} {step_ranges(v)} {'were' if len(v) > 1 else 'was'} {words[k]}"
+            for k, v in kinds.items()
+            if v
+        ]
+        if not parts:
+            return None
+        note = "; ".join(parts) + ": the first non-finite gradient may be in one of them"
+        return {"steps": {k: v for k, v in kinds.items() if v}, "note": note}
 
     @_per_step
     def first_nonfinite_saved(

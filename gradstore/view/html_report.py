@@ -504,6 +504,14 @@ def _origin(start: story.NonfiniteStart) -> str:
     return " ".join(parts)
 
 
+def _not_recorded_before(page: _Page, store, run: str) -> None:
+    """A note per rank where steps before the first non-finite gradient were not measured (not recorded: every=,
+    steps=, ...; Store.first_nonfinite's attrs['not_recorded']): it may be in one of them."""
+    gaps = store.first_nonfinite(run=run).attrs.get("not_recorded", {})
+    for (_, rank), gap in sorted(gaps.items()):
+        page.add(f'<p class="partial">Rank {rank}: {_e(gap["note"])}.</p>')
+
+
 def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None) -> int | None:
     """The section on the run's first non-finite gradient; returns the rank it is on (None: none recorded).
     `left` (story.LeftOut): what was not measured, said with any claim that no gradient held NaN/Inf."""
@@ -530,6 +538,7 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
             + (" " + SKIPPED_STEP if (pf.rank, pf.step) in story.amp_skipped_steps(store, run) else "")
             + "</p></div>"
         )
+        _not_recorded_before(page, store, run)
         if start is not None:
             page.add(f"<h3>The first node call that held NaN or Inf (later: step {start.step})</h3>")
     unmeasured = steps[steps["level"] == "shape"]
@@ -608,6 +617,8 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
         f"{_also(start.also_ranks, 'node call')}</p>"
         f"<p>{slots}.</p><p>{origin}</p></div>"
     )
+    if pf is None:
+        _not_recorded_before(page, store, run)
     if start.path:
         hops = []
         for e in start.path:
