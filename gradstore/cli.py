@@ -289,7 +289,7 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         bad = bad[bad["step"] == step]
     if bad.empty:
         return None
-    from .view.story import amp_skipped_steps  # pandas only, as the CLI
+    from .view.story import amp_fault_note, amp_skipped_steps  # pandas only, as the CLI
 
     every = store.steps(run=run)
     lost = every[every["status"] == UNWRITTEN]
@@ -300,6 +300,11 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         gap = gaps.get((run, int(rank)))
         if gap:  # steps before it that nobody measured: the first non-finite gradient may be there
             notes.append(f"(rank {rank}: {gap['note']})")
+        fault = (
+            amp_fault_note(store, run, int(rank), int(r["step"])) if (int(rank), int(r["step"])) in skipped else None
+        )
+        if fault and step is None:  # the scaler handled that one: name the first step that is a fault
+            notes.append(f"(rank {rank}: {fault})")
         before_lost = lost[(lost["rank"] == rank) & (lost["step"] < r["step"])]["step"]
         before_lost = before_lost[~before_lost.isin(gap["steps"].get("unwritten", []) if gap else [])]  # said above
         if len(before_lost):  # the record cannot say that nothing went non-finite there
@@ -763,8 +768,11 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
         out.insert(4, "not_measured", shown)
     counts = steps["status"].value_counts()
     click.echo("\nSteps (" + ", ".join(f"{n} {status}" for status, n in counts.items()) + "); times in seconds:")
-    from .view.story import left_out  # pandas only, as the CLI
+    from .view.story import left_out, nonfinite_outputs, nonfinite_values  # pandas only, as the CLI
 
+    for said_here in (nonfinite_values(store, run, rank=rank, steps=steps), nonfinite_outputs(store, run, rank=rank)):
+        if said_here:  # a NaN loss with finite gradients, a -inf mask: no step status says them
+            click.echo(f"  {said_here}.")
     left = left_out(store, run, rank=rank)
     if left:  # a status speaks of what was measured only
         click.echo(f"  {left.sentence()} A step's status speaks of the rest only.")

@@ -1,8 +1,9 @@
 -- title: First non-finite gradient (and forward activation or loss)
--- description: Per run and rank, in execution order (step, then seq across the step's passes; a call's grad_inputs count at its end, after the calls of passes nested in it, as a reentrant checkpoint's), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls). Where no call's gradients held one before, a parameter's gradient does (a `.grad` measured with NaN or +/-Inf at a pass's end, or in the step's final rows, as at stats='params', which records no calls): the first such param_grad row (phase backward, seq NULL; pass NULL for a final row), ordered after the calls of its step, by pass (the final rows last), then in the order the parameters' AccumulateGrad nodes ran (in that pass; for a final row, in the step), then in the order its rows were written (at stats='params', which records no AccumulateGrad call, that order says nothing of which went non-finite first).
+-- description: Per run and rank, in execution order (step, then seq across the step's passes; a call's grad_inputs count at its end, after the calls of passes nested in it, as a reentrant checkpoint's), the first call whose grad_outputs or grad_inputs (gradients only: saved tensors are first_nonfinite_saved's) hold NaN or +/-Inf: one row per non-finite gradient slot of that call (phase backward), with node, module, the user-code frame that created the node (record(frames=True), else NULL), step, pass, role and slot. With record(forward=True), before those rows, the first event of the forward side whose tensors hold NaN or +/-Inf, when it comes before that call (or there is no such call), in a step whose gradients or loss also held one (a module output alone, such as an additive -inf attention mask, is a forward value, not a fault: Store.activations lists it): a module call's outputs (role activation, key module/forward#k, pass NULL) or a pass's loss (role loss, the root's node key, its pass), one row per non-finite slot (phase forward; seq from the step's counter shared with the backward calls). Where no call's gradients held one before, a parameter's gradient does (a `.grad` measured with NaN or +/-Inf at a pass's end, or in the step's final rows, as at stats='params', which records no calls): the first such param_grad row (phase backward, seq NULL; pass NULL for a final row), ordered after the calls of its step, by pass (the final rows last), then in the order the parameters' AccumulateGrad nodes ran (in that pass; for a final row, in the step), then in the order its rows were written (at stats='params', which records no AccumulateGrad call, that order says nothing of which went non-finite first).
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
+-- param faults: any text (1) leaves out the steps in which a torch.amp.GradScaler skipped the optimizer step for what can be an overflow of its loss scale, which it handles itself (step value grad_scaler.fault = 0), so that the first row is of a step that is a fault (a skip that cannot be an overflow, grad_scaler.fault 1 to 3, or no skip); empty (NULL) for every step
 -- param role: grad_output, grad_input, param_grad, activation or loss (only rows of that role); empty (NULL) for all five
 WITH bad AS (  -- seq: when the row's values were there: a call's grad_outputs at its start, its grad_inputs at its
     -- end, which for a call that ran nested passes (a reentrant checkpoint's recomputation and backward) comes after
@@ -33,6 +34,8 @@ WITH bad AS (  -- seq: when the row's values were there: a call's grad_outputs a
       AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
       AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
       AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
+      AND (NULLIF(CAST(:faults AS TEXT), '') IS NULL OR NOT EXISTS (  -- a GradScaler skip it handled: left out
+               SELECT 1 FROM step_values v WHERE v.step_id = st.id AND v.name = 'grad_scaler.fault' AND v.value = 0))
 ), pbad AS (  -- parameters' gradients (a pass's param_grad rows, the step's final rows): after the step's calls;
     -- among them, in the order their AccumulateGrad nodes ran (in that pass; for a final row, in the step)
     SELECT st.run_id, st.rank, st.step, t.step_id, t.node_id, t.id AS tid, COALESCE(p.pass, 2147483647) AS pass_order,
@@ -51,6 +54,8 @@ WITH bad AS (  -- seq: when the row's values were there: a call's grad_outputs a
       AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
       AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
       AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
+      AND (NULLIF(CAST(:faults AS TEXT), '') IS NULL OR NOT EXISTS (  -- a GradScaler skip it handled: left out
+               SELECT 1 FROM step_values v WHERE v.step_id = st.id AND v.name = 'grad_scaler.fault' AND v.value = 0))
 ), ranked AS (  -- calls (kind 0, by seq) before parameters' gradients (kind 1) in a step
     SELECT run_id, rank, step, seq, call_id, step_id, node_id, tid,
            ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, kind, seq, pass_order, acc_seq, tid) AS nth
@@ -69,10 +74,16 @@ WITH bad AS (  -- seq: when the row's values were there: a call's grad_outputs a
     JOIN roles ro ON ro.id = t.role
     WHERE t.nan + t.posinf + t.neginf > 0
       AND t.role IN (4, 5)  -- activation, loss
+      -- a module's output counts where the step's gradients (or a loss) went non-finite too: alone it is a forward
+      -- value (an additive -inf mask), as a saved tensor is, and no fault (Store.activations lists it)
+      AND (t.role = 5 OR EXISTS (SELECT 1 FROM tensors g WHERE g.step_id = t.step_id AND g.role IN (0, 1, 2, 5)
+                                 AND g.nan + g.posinf + g.neginf > 0))
       AND (NULLIF(CAST(:role AS TEXT), '') IS NULL OR ro.name = NULLIF(CAST(:role AS TEXT), ''))
       AND (NULLIF(CAST(:run AS TEXT), '') IS NULL OR r.name = NULLIF(CAST(:run AS TEXT), ''))
       AND (CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER) IS NULL OR st.rank = CAST(NULLIF(CAST(:rank AS TEXT), '') AS INTEGER))
       AND (CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER) IS NULL OR st.step = CAST(NULLIF(CAST(:step AS TEXT), '') AS INTEGER))
+      AND (NULLIF(CAST(:faults AS TEXT), '') IS NULL OR NOT EXISTS (  -- a GradScaler skip it handled: left out
+               SELECT 1 FROM step_values v WHERE v.step_id = st.id AND v.name = 'grad_scaler.fault' AND v.value = 0))
 ), ffirst AS (  -- the first module call with one, where it comes before the first non-finite backward call
     SELECT f.run_id, f.rank, f.step, f.seq
     FROM (SELECT run_id, rank, step, seq, ROW_NUMBER() OVER (PARTITION BY run_id, rank ORDER BY step, seq) AS nth

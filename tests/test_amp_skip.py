@@ -13,8 +13,10 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from click.testing import CliRunner
 
 import gradstore
+from gradstore.cli import main
 
 
 def _mlp() -> nn.Sequential:
@@ -160,3 +162,26 @@ def test_a_nonfinite_forward_is_no_overflow_where_the_forward_is_recorded(db):
     assert [row["step"] for row in got] == [0, 1, 2]  # the scale (65536 ...) could have overflowed; the forward not
     assert all("forward" in row["amp_reason"] for row in got)
     assert rec.last_step.amp_skipped and rec.last_step.amp_reason == got[-1]["amp_reason"]
+
+
+def test_the_raise_at_a_fault_points_at_a_call_that_names_that_step_not_an_earlier_handled_skip(db):
+    plain = _where_trap(_trap(), 8.0, 5)
+    assert all(skipped for _, _, skipped, _ in plain)  # every step skipped; the scale halves: 8, 4, 2, 1, 0.5
+    fault = next(i for i, (_, s, _, _) in enumerate(plain) if s <= 1.0)
+    assert fault == 3
+
+    m = _trap()
+    with pytest.raises(gradstore.NonFiniteGradient) as raised:
+        with gradstore.record("fault", db=db, model=m, on_nonfinite="raise") as rec:
+            _where_trap(m, 8.0, 5, rec=rec)
+    assert raised.value.step == fault
+    assert "first_nonfinite('fault', faults=True)" in str(raised.value)
+    store = gradstore.open(db)
+    assert int(store.first_nonfinite("fault")["step"].iloc[0]) == 0  # the first non-finite step: a handled skip
+    assert set(store.first_nonfinite("fault", faults=True)["step"]) == {fault}  # the call the message names
+    steps = store.steps("fault")
+    # how each skip was judged: 0 the scaler's own overflow handling (scale 8, 4, 2), 3 a scale of 1 or less
+    assert list(steps["grad_scaler.fault"]) == [0.0 if s > 1.0 else 3.0 for _, s, _, _ in plain[: fault + 1]]
+    out = CliRunner().invoke(main, ["show", db, "fault"])
+    assert out.exit_code == 0, out.output
+    assert f"the first step that is a fault: step {fault}" in out.output

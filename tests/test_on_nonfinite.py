@@ -17,7 +17,9 @@ import torch.nn as nn
 from click.testing import CliRunner
 
 import gradstore
+from gradstore.cli import main
 from gradstore.store import writer
+from gradstore.view import write_report
 
 
 class Root(nn.Module):
@@ -329,3 +331,98 @@ def test_a_saved_non_finite_tensor_does_not_stand_in_for_the_first_non_finite_gr
     assert (row["name"], row["role"]) == ("SqrtBackward0", "grad_input")
     assert (row["nan"], row["posinf"], row["neginf"]) == want
     assert list(gradstore.open(db).steps("sqrt")["status"]) == ["nonfinite"]
+
+
+class _Mask(nn.Module):
+    def forward(self, pad):  # an additive attention mask: -inf where pad is True
+        return torch.zeros(pad.shape).masked_fill(pad, float("-inf"))[:, None, :]
+
+
+class _Attend(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mask, self.q, self.head = _Mask(), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x, pad):
+        scores = self.q(x) @ x.transpose(-1, -2) + self.mask(pad)
+        return self.head(torch.softmax(scores, -1) @ x)
+
+
+def test_a_non_finite_module_output_is_no_non_finite_gradient(db):
+    x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(3))
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[:, -1] = True  # 2 -inf elements in the mask's output of 2 * 5
+    plain = _Attend()
+    plain(x, pad).pow(2).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in plain.parameters())  # plain PyTorch: gradients finite
+
+    m = _Attend()
+    with gradstore.record("mask", db=db, model=m, forward=True, on_nonfinite="raise") as rec:
+        for _ in range(2):
+            m.zero_grad()
+            m(x, pad).pow(2).mean().backward()
+            rec.step()  # no NonFiniteGradient: a -inf mask is a forward value
+    assert rec.last_step.status == "ok"
+    store = gradstore.open(db)
+    assert list(store.steps("mask")["status"]) == ["ok", "ok"]
+    assert store.first_nonfinite("mask").empty
+    acts = store.activations("mask", module="mask")
+    assert list(acts["neginf"]) == [2, 2] and list(acts["numel"]) == [10, 10]  # still recorded, counted
+    out = CliRunner().invoke(main, ["show", db, "mask"])
+    assert out.exit_code == 0, out.output
+    assert "Module outputs holding NaN/Inf in the forward: 2 rows in steps 0-1" in out.output
+
+
+def test_on_nonfinite_or_a_nonfinite_dump_at_stats_shape_is_refused():
+    with pytest.raises(gradstore.RecordUsageError, match="stats='shape'"):
+        gradstore.record("x", stats="shape", on_nonfinite="raise")
+    with pytest.raises(gradstore.RecordUsageError, match="stats='shape'"):
+        gradstore.record("x", stats="shape", keep=4, dump_on=("nonfinite",))
+    gradstore.record("x", stats="shape")  # the defaults (on_nonfinite None) stay accepted
+
+
+def test_what_on_nonfinites_function_raised_belongs_to_its_step_not_a_new_one(db):
+    m = nn.Linear(2, 1)
+
+    def bad(row):
+        raise KeyError("bug in my callback")
+
+    with pytest.raises(KeyError):
+        with gradstore.record("cb", db=db, model=m, on_nonfinite=bad) as rec:
+            for _ in range(3):
+                torch.sqrt(m(torch.ones(1, 2)) * 0 - 1).sum().backward()  # sqrt(-1): NaN gradients
+                rec.step()
+    steps = gradstore.open(db).steps("cb")
+    assert list(steps["step"]) == [0]  # the loop ran one step: no step 1 that it never ran
+    assert steps["status"].iloc[0] == "nonfinite"
+    assert "KeyError: 'bug in my callback'" in steps["error"].iloc[0]
+    runs = gradstore.open(db).runs(run="cb")
+    assert runs["status"].iloc[0] == "error"
+
+
+def test_a_nan_loss_with_finite_gradients_is_said_where_the_steps_are(db, tmp_path):
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    m = nn.Linear(4, 5)
+    x = torch.randn(6, 4)
+    y = torch.full((6,), -100)  # every label ignored: cross_entropy is 0/0
+    loss = F.cross_entropy(m(x), y)
+    loss.backward()
+    assert math.isnan(loss.item()) and all(bool((p.grad == 0).all()) for p in m.parameters())  # plain PyTorch
+    m.zero_grad()
+
+    with gradstore.record("ign", db=db, model=m) as rec:
+        for labels in (torch.tensor([0, 1, 2, 3, 4, 0]), y):
+            loss = F.cross_entropy(m(x), labels)
+            loss.backward()
+            m.zero_grad()
+            rec.log(loss=loss)
+            rec.step()
+    assert list(gradstore.open(db).steps("ign")["status"]) == ["ok", "ok"]  # the gradients were finite
+    out = CliRunner().invoke(main, ["show", db, "ign"])
+    assert out.exit_code == 0, out.output
+    assert "loss = NaN at step 1; step 1 still has status ok" in out.output
+    page = write_report(db, "ign", out=tmp_path / "r.html").read_text()
+    assert "loss = NaN at step 1" in page

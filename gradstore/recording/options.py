@@ -185,6 +185,11 @@ class Options:
                 "record(on_nonfinite=...) is 'warn', 'raise' or a function taking the first non-finite row "
                 f"(a dict), got {on_nonfinite!r}"
             )
+        if on_nonfinite is not None and stats == "shape":
+            raise RecordUsageError(
+                "record(on_nonfinite=...) reacts to NaN/Inf in measured gradients; stats='shape' measures no value, "
+                "so it could never fire: use stats='health' (the cheapest level that counts NaN and Inf) or 'full'"
+            )
         dump_on, spike_factor = _flight(keep, dump_on, spike_factor, stats, every, steps)
         given = writer is not None
         writer = default_writer() if writer is None else writer
@@ -323,6 +328,11 @@ def _flight(keep, dump_on, spike_factor, stats, every, steps) -> tuple[tuple[str
         raise RecordUsageError(
             f"record(spike_factor=...) is a number > 1 (times the running median of the total gradient norm), "
             f"got {spike_factor!r}"
+        )
+    if "nonfinite" in dump_on and stats == "shape":
+        raise RecordUsageError(
+            "record(keep=..., dump_on=('nonfinite', ...)) dumps on NaN/Inf in measured gradients; stats='shape' "
+            "measures no value, so it could never fire: use stats='health' or 'full', or leave 'nonfinite' out"
         )
     if "spike" in dump_on and stats == "shape":
         raise RecordUsageError(

@@ -123,6 +123,42 @@ def _scale_of(values: dict[str, float], skipped_key: str) -> float | None:
     return values.get("grad_scaler.scale" + skipped_key[len("grad_scaler.skipped") :])
 
 
+# step value grad_scaler.fault, stored in a step in which a GradScaler skipped the optimizer step: how gradstore
+# judged the skip (`amp_judgement`): 0 can be the scaler's own handling of a loss-scale overflow; else a fault, by
+# the rule that says it cannot be one: 1 a NaN/Inf loss, 2 a NaN/Inf module output, 3 a scale of 1 or less
+AMP_FAULT = "grad_scaler.fault"
+AMP_HANDLED, AMP_LOSS, AMP_FORWARD, AMP_SCALE = 0.0, 1.0, 2.0, 3.0
+
+
+def amp_judgement(values: dict[str, float], loss: str | None, forward: bool) -> tuple[float | None, str | None]:
+    """(the step value grad_scaler.fault, the reason) for a step in which a GradScaler skipped (`amp_skipped`):
+    (AMP_HANDLED, None) where the skip can be an overflow of the loss scale, else (AMP_LOSS / AMP_FORWARD /
+    AMP_SCALE, `not_an_overflow`'s reason); (None, None) where no scaler skipped."""
+    if not amp_skipped(values):
+        return None, None
+    if loss is not None:
+        return AMP_LOSS, (
+            f"the loss given to GradScaler.scale held {loss} before it was scaled: the forward made it (the data, "
+            "the weights or the loss function), not an overflow of the loss scale"
+        )
+    if forward:
+        return AMP_FORWARD, (
+            "a module's output in the forward held NaN or Inf: the forward is not loss-scaled, so no overflow of it"
+        )
+    scales = [
+        _scale_of(values, k)
+        for k, v in values.items()
+        if v == 1.0 and (k == "grad_scaler.skipped" or k.startswith("grad_scaler.skipped#"))
+    ]
+    low = [s for s in scales if s is not None and s <= 1.0]
+    if low:
+        return AMP_SCALE, (
+            f"the GradScaler's scale was {low[0]:g}: the gradients were not scaled up, so their Inf/NaN is no "
+            "overflow of the loss scale (a scaler that skips step after step halves its scale each time)"
+        )
+    return AMP_HANDLED, None
+
+
 def not_an_overflow(values: dict[str, float], loss: str | None, forward: bool) -> str | None:
     """Why a step in which a GradScaler skipped the optimizer step (`amp_skipped`) cannot be the scaler's own
     handling of a loss-scale overflow; None when it can be one (or no scaler skipped). The rules, in order:
@@ -135,27 +171,7 @@ def not_an_overflow(values: dict[str, float], loss: str | None, forward: bool) -
       step halves its scale each time: from the default 65536, the 17th skip in a row is reported; a warm-up
       that settles on a scale above 1 never is, however large its init_scale.
     """
-    if not amp_skipped(values):
-        return None
-    if loss is not None:
-        return (
-            f"the loss given to GradScaler.scale held {loss} before it was scaled: the forward made it (the data, "
-            "the weights or the loss function), not an overflow of the loss scale"
-        )
-    if forward:
-        return "a module's output in the forward held NaN or Inf: the forward is not loss-scaled, so no overflow of it"
-    scales = [
-        _scale_of(values, k)
-        for k, v in values.items()
-        if v == 1.0 and (k == "grad_scaler.skipped" or k.startswith("grad_scaler.skipped#"))
-    ]
-    low = [s for s in scales if s is not None and s <= 1.0]
-    if low:
-        return (
-            f"the GradScaler's scale was {low[0]:g}: the gradients were not scaled up, so their Inf/NaN is no "
-            "overflow of the loss scale (a scaler that skips step after step halves its scale each time)"
-        )
-    return None
+    return amp_judgement(values, loss, forward)[1]
 
 
 class LastStep:
@@ -166,10 +182,10 @@ class LastStep:
         step (int), rank (int): its number and rank.
         status (str): 'ok' (nothing raised and every measured gradient was finite), 'error' (the step raised, or
             a backward pass in it raised and the training code caught it), 'nonfinite' (some gradient, of a node or
-            a parameter, held NaN or Inf; with record(forward=True) also a module output or loss; never a saved
-            tensor) or 'unmeasured' (stats='shape', which measures no value: nothing raised,
-            finiteness unknown). A step whose gradient rows were all skipped (meta device) is 'ok' here, as the
-            rows are built after the step: `Store.steps` reads it as 'unmeasured'.
+            a parameter, held NaN or Inf; with record(forward=True) also a pass's loss; never a saved tensor nor a
+            module's output, which are forward values) or 'unmeasured' (stats='shape', which measures no value:
+            nothing raised, finiteness unknown). A step whose gradient rows were all skipped (meta device) is 'ok'
+            here, as the rows are built after the step: `Store.steps` reads it as 'unmeasured'.
         error (str | None): the exception's text (and recorder faults); for a pass that raised and was caught,
             'backward pass N raised Type: message (caught by the training code, which went on)'.
         passes (int): backward passes in the step.
@@ -251,7 +267,7 @@ class LastStep:
         return f"LastStep(step={self.step}, rank={self.rank}, status={self.status!r}, written={self.written!r})"
 
 
-def describe(row: dict | None, db) -> str:
+def describe(row: dict | None, db, amp_fault: bool = False) -> str:
     """One sentence naming the first non-finite value of a step and where it is written: a gradient (a node's
     grad_outputs[slot] / grad_inputs[slot], a parameter's param_grad), or, with record(forward=True), the loss
     (a backward pass's root) or a module's output, which are forward values, not gradients."""
@@ -269,9 +285,12 @@ def describe(row: dict | None, db) -> str:
         what = f"first non-finite gradient at {row['key']} param_grad"
     else:  # grad_output / grad_input, as PyTorch's hooks name them: grad_outputs[i], grad_inputs[i]
         what = f"first non-finite gradient at {row['key']} {role}s[{row['slot']}]"
+    # a GradScaler skip that is a fault: earlier skips the scaler handled (overflows) come first in the run, and
+    # faults=True leaves them out (step value grad_scaler.fault)
+    call = f"{row['run']!r}, faults=True" if amp_fault else repr(row["run"])
     return (
         f"step {row['step']} of run {row['run']!r} (rank {row['rank']}): {what} ({counts}; {where}{frame}); "
-        f"written to {db}: gradstore.open({str(db)!r}).first_nonfinite({row['run']!r})"
+        f"written to {db}: gradstore.open({str(db)!r}).first_nonfinite({call})"
     )
 
 
@@ -293,7 +312,7 @@ class Reaction:
         if callable(self.how):
             self.how(row if row is not None else {"run": run, "rank": rank, "step": step, "amp_reason": amp_reason})
             return
-        text = describe(row, db)
+        text = describe(row, db, amp_fault=amp_reason is not None)
         if amp_reason is not None:
             text += f"; a GradScaler skipped the step, but not for an overflow of its loss scale: {amp_reason}"
         if self.how == "raise":

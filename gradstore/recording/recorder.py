@@ -57,7 +57,7 @@ from .optimizer_reads import UNHELD_STEPS, OptimizerReads
 from .options import Options
 from .param_list import ParamList, ids_of
 from .passes import PassRecorder, StepState, grad_states, grads_changed
-from .reaction import LastStep, Reaction, amp_skipped, first_nonfinite, not_an_overflow
+from .reaction import AMP_FAULT, LastStep, Reaction, amp_judgement, amp_skipped, first_nonfinite
 from .rows import LazyRows
 from .stats import NONFINITE_COLUMNS
 from .step_values import StepValues
@@ -232,14 +232,17 @@ class record:
         forward: also record the forward: the statistics of every module call's output tensors (role
             'activation', nodes 'module/forward#k'; not a module call made while a backward pass runs, as a
             checkpoint's recomputation), and each top-level pass's roots (role 'loss': its loss, measured as the
-            pass starts; `Store.losses`). Off by default; not at stats='params'.
+            pass starts; `Store.losses`). Off by default; not at stats='params'. A module's output is a forward
+            value, not a gradient: its NaN/Inf (an additive -inf mask) is counted in its row but never makes a step
+            nonfinite nor triggers on_nonfinite or a dump; a non-finite loss does.
         on_nonfinite: what to do after a step whose status is nonfinite is written: 'warn' (once per
             recording, naming the first non-finite node, module, step and frame), 'raise'
             (`gradstore.NonFiniteGradient`, carrying them), or a function called with that row (a dict with
             the columns of `Store.first_nonfinite`, and `amp_reason`); None (default): nothing. A step in which
             a GradScaler skipped the optimizer step for what can be an overflow of its loss scale does not
             trigger it; one whose skip cannot be one (a NaN/Inf loss or forward, a scale of 1 or less:
-            gradstore.recording.reaction.not_an_overflow) does. Costs nothing on finite steps.
+            gradstore.recording.reaction.not_an_overflow) does. Costs nothing on finite steps. Not at
+            stats='shape', which measures no value (RecordUsageError).
         keep: the flight recorder: hold the full detail of the last `keep` steps in memory, write only a
             summary of each step (status, step values, each parameter's final gradient norm), and write the
             detail of the held steps when a trigger of `dump_on` fires or `rec.dump()` is called
@@ -381,7 +384,9 @@ class record:
         self._observed: observers.Observed | None = None  # what the step's GradScaler / clipping wrappers report into
         self._flight: FlightRecorder | None = None
         self._reaction = Reaction(self.options.on_nonfinite) if self.options.on_nonfinite is not None else None
-        self._raised: BaseException | None = None  # the NonFiniteGradient this recording raised last
+        # the NonFiniteGradient this recording raised last (or what on_nonfinite's function raised), and its step
+        self._raised: BaseException | None = None
+        self._raised_step: int | None = None
         self.last_step: LastStep | None = None
 
     # ---- run and step bookkeeping ----------------------------------------------------------------------
@@ -791,11 +796,9 @@ class record:
         elif caught:
             status = "error"
             error = "; ".join(caught) + " (caught by the training code, which went on)"
-        elif (
-            final_nonfinite
-            or any(r.nonfinite for r in state.records)
-            or any(row[i] for row in activations for i in _ACTIVATION_NONFINITE)
-        ):
+        elif final_nonfinite or any(r.nonfinite for r in state.records):
+            # gradients (and, with forward=True, a pass's loss): a module's output is a forward value, as a saved
+            # tensor is: an additive -inf attention mask is no fault; its rows keep their counts (Store.activations)
             status = "nonfinite"
         elif self.options.stats == "shape":
             status = "unmeasured"  # nothing raised; no value was measured, so finiteness is unknown
@@ -804,7 +807,9 @@ class record:
             try:
                 loss = observers.loss_nonfinite(observed.losses) if observed is not None else None
                 forward = any(row[i] for row in activations for i in _ACTIVATION_NONFINITE)
-                amp_reason = not_an_overflow(values, loss, forward)
+                judged, amp_reason = amp_judgement(values, loss, forward)
+                if judged is not None:  # stored: which skips were handled overflows, which faults (first_nonfinite)
+                    values[AMP_FAULT] = judged
             except Exception as e:
                 state.fault("GradScaler skip (was it an overflow?)", e)
         overflow = skipped and amp_reason is None  # the scaler's own handling of an overflow: no reaction, no dump
@@ -861,8 +866,14 @@ class record:
                     amp_reason,
                     stacklevel=_user_stacklevel() + 1,  # the user's line (rec.step(), the with, the call)
                 )
-            except NonFiniteGradient as e:
-                self._raised = e
+            except BaseException as e:  # NonFiniteGradient, or what an on_nonfinite callable raised
+                # it belongs to this step (written already), not to the next one the loop never ran: its steps row
+                # keeps its status and says what the callable raised; the scope's end names this step
+                self._raised, self._raised_step = e, batch.step
+                if not isinstance(e, NonFiniteGradient):
+                    self._writer.set_step_error(
+                        self.run_id, self.rank, batch.step, f"on_nonfinite's function raised {_exception_text(e)}"
+                    )
                 if run_status is not None:
                     self._writer.set_run_status(self.run_id, self.rank, self._rank_end("error", e))
                 raise
@@ -874,7 +885,9 @@ class record:
         return RankEnd(
             status=status,
             at=time.time(),
-            step=self._step_number if error else None,
+            step=(self._raised_step if exc is not None and exc is self._raised else self._step_number)
+            if error
+            else None,
             error=_exception_text(exc) if error and exc is not None else None,
             pid=os.getpid(),
         )

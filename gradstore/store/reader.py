@@ -607,7 +607,12 @@ class Store:
 
     @_per_step
     def first_nonfinite(
-        self, run: str | None = None, step: int | None = None, rank: int | None = None, role: str | None = None
+        self,
+        run: str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        role: str | None = None,
+        faults: bool = False,
     ) -> pd.DataFrame:
         """Per run and rank, the first call (execution order) with NaN/Inf in its gradients (grad_outputs or
         grad_inputs; saved tensors never: `first_nonfinite_saved`), within `step` when given: run, rank, step,
@@ -617,7 +622,12 @@ class Store:
         tensors hold NaN/Inf, when it comes before that call. Where no call's gradients held one before, a
         parameter's: the first param_grad row with NaN/Inf (a `.grad` measured at a pass's end, pass set, seq None; or
         in the step's final rows, pass None), as at stats='params', which records no calls. `role=` keeps rows of
-        that role only. Empty when every measured gradient (and forward tensor) was finite; a step at
+        that role only. `faults=True` leaves out the steps in which a torch.amp.GradScaler skipped the optimizer
+        step for what can be an overflow of its loss scale, which the scaler handles (step value grad_scaler.fault
+        0; 1 to 3: a skip that cannot be one, as on_nonfinite judged it), so that the row is the first fault.
+        A module's output counts only in a step whose gradients (or loss) went non-finite too (alone it is a
+        forward value, as an additive -inf mask: `activations` lists it). Empty when every measured gradient was
+        finite; a step at
         stats='shape' measured no values (Store.steps' level says which). As queries/first_nonfinite.sql.
         Without `step=`, where steps before a rank's first non-finite step were not measured after the last one
         that was (not recorded: every=, steps=; a flight-recorder summary whose gradients held NaN/Inf; stats
@@ -631,7 +641,7 @@ class Store:
             raise ArgumentError(
                 f"first_nonfinite(role=...) is one of {', '.join(_NONFINITE_ROLES)} (or None for all), got {role!r}"
             )
-        frame = self.query("first_nonfinite", run=run, step=step, rank=rank, role=role)
+        frame = self.query("first_nonfinite", run=run, step=step, rank=rank, role=role, faults=1 if faults else None)
         if step is None and not frame.empty:
             notes = {}
             for (run_, rank_), rows in frame.groupby(["run", "rank"], sort=False):

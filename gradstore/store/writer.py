@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import astuple, replace
 from pathlib import Path
 
-from sqlalchemy import or_, select
+from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -632,6 +632,15 @@ class Writer:
             self._pending.append(("run_status", run_id, rank, how))
             self._cond.notify_all()
 
+    def set_step_error(self, run_id: int, rank: int, step: int, text: str) -> None:
+        """Queue `text` onto the error of the steps row (run_id, rank, step), written already (after the steps
+        queued before it): what the loop's code raised while reacting to that step (an on_nonfinite callback).
+        Its status is kept (it says what the step's gradients were)."""
+        with self._cond:
+            self._running()
+            self._pending.append(("step_error", run_id, rank, step, text))
+            self._cond.notify_all()
+
     def hold(self, run_id: int, rank: int) -> None:
         """Note that a scope of this process holds the claim on (run_id, rank) (taken with `claims.take`): the
         writer thread renews it until as many `release` calls."""
@@ -741,7 +750,9 @@ class Writer:
                 elif isinstance(sent, OffloadFailed):
                     raise sent
                 elif isinstance(item, tuple):
-                    write = self._write_release if item[0] == "release" else self._write_run_status
+                    write = {"release": self._write_release, "step_error": self._write_step_error}.get(
+                        item[0], self._write_run_status
+                    )
                     self._retrying(write, item)
                 elif self.gone is not None:
                     raise FileGone(self.gone)  # not into a file no path names
@@ -795,7 +806,11 @@ class Writer:
         low = error.lower()
         if "malformed" in low or "not a database" in low or "corrupt" in low:  # a damaged file: explain's fix
             fix = str(explain(self.db, RuntimeError(error), writing=True))
-        what = f"step {step}" if step is not None else ("a run's status" if item[0] == "run_status" else "a claim")
+        what = (
+            f"step {step}"
+            if step is not None
+            else {"run_status": "a run's status", "step_error": f"step {item[3]}'s error"}.get(item[0], "a claim")
+        )
         fault = self._fault
         if fault is None or fault.cause != cause:
             self._fault = fault = _Fault(cause, fix, error, step)
@@ -1089,6 +1104,14 @@ class Writer:
     def _write_release(self, item) -> None:
         with self.engine.begin() as conn:
             claims.release(conn, item[1], item[2])
+
+    def _write_step_error(self, item) -> None:
+        _, run_id, rank, step, text = item
+        with self.engine.begin() as conn:
+            c = s.steps.c
+            where = (c.run_id == run_id) & (c.rank == rank) & (c.step == step)
+            before = conn.execute(select(c.error).where(where)).scalar()
+            conn.execute(update(s.steps).where(where).values(error=text if before is None else f"{before}\n{text}"))
 
     def _write_run_status(self, item) -> None:
         with self.engine.begin() as conn:

@@ -233,6 +233,12 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
         f"(steps {_e(_ranges(nums))}): {words}. Recorded at stats level {levels}.</p>"
     )
     page.add(_png(_status_strip(steps), f"status of each step of {run}"))
+    logged = story.nonfinite_values(store, run, steps=steps) if store is not None else None
+    if logged:  # a status speaks of gradients: a NaN loss with finite gradients leaves its step ok
+        page.add(f'<p class="bad">{_e(logged)}.</p>')
+    outputs = story.nonfinite_outputs(store, run) if store is not None else None
+    if outputs:  # record(forward=True): forward values, which set no status
+        page.add(f'<p class="note">{_e(outputs)}.</p>')
     if left:  # a status speaks of what was measured: say first what was not
         page.add(f'<p class="partial">{_e(left.sentence())} A step status speaks of the rest only.</p>')
     lost = steps[steps["status"] == UNWRITTEN]
@@ -541,6 +547,12 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
         _not_recorded_before(page, store, run)
         if start is not None:
             page.add(f"<h3>The first node call that held NaN or Inf (later: step {start.step})</h3>")
+    first = pf if pf is not None else start
+    fault = None
+    if first is not None and (first.rank, first.step) in story.amp_skipped_steps(store, run):
+        fault = story.amp_fault_note(store, run, int(first.rank), int(first.step))
+    # the first is a skip the scaler handled: said after the callout, which step is the first fault
+    fault_note = f'<p class="note">{_e(fault[0].upper() + fault[1:])}.</p>' if fault else None
     unmeasured = steps[steps["level"] == "shape"]
     params_only = steps[steps["level"] == "params"]
     caveats = []
@@ -556,6 +568,8 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
     if start is None and pf is not None:
         for c in caveats:
             page.add(f'<p class="note">{_e(c)}.</p>')
+        if fault_note:
+            page.add(fault_note)
         return pf.rank
     if start is None:
         pg = store.param_grads(run=run)
@@ -668,6 +682,8 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
         )
     for c in caveats:
         page.add(f'<p class="note">{_e(c)}.</p>')
+    if fault_note:
+        page.add(fault_note)
     return pf.rank if pf is not None else start.rank
 
 

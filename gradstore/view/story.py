@@ -456,6 +456,83 @@ def amp_skipped_steps(store, run: str, rank: int | None = None) -> set[tuple[int
     return {(int(a), int(b)) for a, b in zip(v["rank"], v["step"])}
 
 
+def nonfinite_values(store, run: str, rank: int | None = None, steps: pd.DataFrame | None = None) -> str | None:
+    """A sentence naming the step values (rec.log, the trainer callbacks' loss, ...) of `run` logged as NaN or
+    +-Inf, by name and step, and what the status of those steps says (a status speaks of gradients: a NaN loss
+    whose gradients were all finite, such as a batch whose labels are all ignore_index, leaves the step ok); None
+    when every logged value is finite. `steps`: `Store.steps(run=run, rank=rank)` when read already. Reads
+    queries/values.sql. Raises UnknownRun."""
+    from ..store.writer import step_ranges
+
+    v = store.query("values", run=run, rank=rank)
+    v = v[~np.isfinite(v["value"].astype(float))]
+    if v.empty:
+        return None
+    if steps is None:
+        steps = store.steps(run=run, rank=rank)
+    parts = []
+    for name, rows in v.groupby("name", sort=False):
+        kinds = rows["value"].map(lambda x: "NaN" if x != x else ("+inf" if x > 0 else "-inf"))
+        parts.append(
+            f"{name} = "
+            + "; ".join(
+                f"{k} at step {step_ranges(sorted(set(rows['step'][kinds == k])))}" for k in dict.fromkeys(kinds)
+            )
+        )
+    ok = steps[steps["status"].eq("ok")].set_index(["rank", "step"]).index
+    calm = sorted({int(b) for a, b in zip(v["rank"], v["step"]) if (a, b) in ok})
+    tail = (
+        f"; step {step_ranges(calm)} still ha{'s' if len(calm) == 1 else 've'} status ok: every measured gradient "
+        "there was finite (a status speaks of gradients, not of logged values)"
+        if calm
+        else ""
+    )
+    return "Logged step values that are not finite: " + ", ".join(parts) + tail
+
+
+def nonfinite_outputs(store, run: str, rank: int | None = None) -> str | None:
+    """With record(forward=True): a sentence on the module outputs of `run` that held NaN or +-Inf (how many rows,
+    in which steps, the first one's counts). They are forward values, not gradients (an additive -inf attention
+    mask is one): they set no step status; None when none did. Reads queries/activations.sql. Raises UnknownRun."""
+    from ..store.writer import step_ranges
+
+    acts = store.activations(run=run, rank=rank)
+    if acts.empty:
+        return None
+    acts = acts[(acts["nan"].fillna(0) + acts["posinf"].fillna(0) + acts["neginf"].fillna(0)) > 0]
+    if acts.empty:
+        return None
+    a, where = acts.iloc[0], sorted({int(x) for x in acts["step"]})
+    return (
+        f"Module outputs holding NaN/Inf in the forward: {len(acts):,} rows in step{'s' if len(where) > 1 else ''} "
+        f"{step_ranges(where)}, the first {a['key']} output {int(a['slot'])} at step "
+        f"{int(a['step'])} ({int(a['nan'])} nan, {int(a['posinf'])} +inf, {int(a['neginf'])} -inf of "
+        f"{int(a['numel'])}); forward values, not gradients (an additive -inf mask is one): they set no step status "
+        "(Store.activations)"
+    )
+
+
+def amp_fault_note(store, run: str, rank: int, step: int) -> str | None:
+    """Where step `step` of `run` on `rank` is one in which a torch.amp.GradScaler skipped the optimizer step for
+    what can be an overflow of its loss scale (step value grad_scaler.fault = 0: the scaler handles it itself), a
+    sentence naming the first step that is a fault (`Store.first_nonfinite(faults=True)`); else None. Reads
+    queries/values.sql, and first_nonfinite.sql when it is such a step. Raises UnknownRun."""
+    judged = store.query("values", run=run, rank=rank, step=step, value_name="grad_scaler.fault")
+    if not judged["value"].eq(0).any():
+        return None
+    fault = store.first_nonfinite(run=run, rank=rank, faults=True)
+    return (
+        f"step {step}'s GradScaler skip can be an overflow of its loss scale, which the scaler handles itself (step "
+        "value grad_scaler.fault = 0); "
+        + (
+            f"the first step that is a fault: step {int(fault['step'].iloc[0])} (Store.first_nonfinite(run, "
+            f"faults=True), or gradstore query DB first_nonfinite -p run={run} -p faults=1)"
+            if len(fault)
+            else "no non-finite step after it is a fault: each was a skip the scaler handled"
+        )
+    )
+
+
 def measured_rows(store, run: str) -> tuple[int, int, str]:
     """(gradient rows measured, rows not measured, why) over `run`'s steps: grad_output, grad_input and
     param_grad rows; measured = status ok with NaN/Inf counts (stats='shape' counts none); not measured = skipped
