@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -532,7 +533,12 @@ def _unwritten_line(store: Store, run: str, rank: int | None = None) -> str | No
 
 
 def _status_why(
-    row, skipped: dict | None = None, raised: str | None = None, where: tuple = (False, None), fault: str = ""
+    row,
+    skipped: dict | None = None,
+    raised: str | None = None,
+    where: tuple = (False, None),
+    fault: str = "",
+    last_bad: str | None = None,
 ) -> str:
     """One line of README's param_status table for a row of Store.param_status (its status and the facts).
 
@@ -540,7 +546,9 @@ def _status_why(
     status 'received' whose gradient could not be measured: meta device, complex dtype, ...); raised: what a
     top-level backward pass of the step raised ('backward pass 0 raised RuntimeError: ... in BadBackward#0'),
     None when none did; where: `_raise_where` of the step's passes (a node's call left open; the parameter whose own
-    gradient hook raised); fault: the step's recorder faults ('' for none: `story.recorder_faults`)."""
+    gradient hook raised); fault: the step's recorder faults ('' for none: `story.recorder_faults`); last_bad: where
+    no call was left open, the last call that returned in a pass that raised, where its grad_inputs held NaN/Inf
+    ('SqrtBackward0#0 (pass 0, seq 7)': `_last_call_nonfinite`), else None."""
     status, reached = row.status, row.reached
     if status == "unreachable":
         calls = getattr(row, "calls", None)
@@ -562,11 +570,33 @@ def _status_why(
             )
         if reached == 1 and raised and (open_call or hook_param is not None):
             return f"a pass reached its AccumulateGrad and did not run it: {raised}, before the engine got to it"
+        anomaly = _anomaly_node(raised)
+        if reached == 1 and raised and anomaly:
+            return (
+                f"a pass reached its AccumulateGrad and did not run it: {raised}: anomaly mode's NaN check raised "
+                f"right after a call of {anomaly} returned NaN (that call is not in the record), before the engine "
+                "got to it"
+            )
         if reached == 1 and raised:
             return (
                 f"a pass reached its AccumulateGrad and did not run it: {raised}; where the pass raised is not known "
                 "(no node's call was left open: the engine raised outside a node's backward, e.g. in a tensor hook, "
-                "perhaps on this parameter's gradient)"
+                "perhaps on this parameter's gradient"
+                + (
+                    f"; the last call that returned, {last_bad}, held NaN/Inf in its grad_inputs: a check on them "
+                    "after it (a hook of your own, or anomaly mode) may have raised"
+                    if last_bad
+                    else ""
+                )
+                + ")"
+            )
+        if raised and (reached is None or reached != reached):  # stats='params': no graph walked, and a pass raised
+            return (
+                f"its module ran and got no gradient: {raised}"
+                + (f" (anomaly mode's NaN check, right after a call of {anomaly} returned NaN)" if anomaly else "")
+                + "; the engine stopped the pass there, before the nodes "
+                "after it ran, which may be why; whether a pass's roots reach it is not known (stats='params' walks "
+                "no graph: else detached, a branch the loss does not use, or backward(inputs=...))"
             )
         if reached == 1:
             return "a pass reached its AccumulateGrad and did not run it: torch.autograd.grad or backward(inputs=...)"
@@ -636,9 +666,47 @@ def _raise_where(passes: pd.DataFrame) -> tuple[bool, str | None]:
     return open_call, None
 
 
+_ANOMALY = re.compile(r"Function '([^']+)' returned nan values in its \d+\w* output")
+
+
+def _anomaly_node(error: str | None) -> str | None:
+    """The node name in anomaly mode's error ("Function 'SqrtBackward0' returned nan values in its 0th output.",
+    raised by the engine under torch.autograd.detect_anomaly(check_nan=True) right after that node's call returned
+    NaN in its grad_inputs), else None."""
+    m = _ANOMALY.search(error) if isinstance(error, str) else None
+    return m.group(1) if m else None
+
+
+def _last_call_nonfinite(store: Store, run: str, step: int, rank: int | None, passes: pd.DataFrame) -> str | None:
+    """'KEY (pass P, seq S)' of the last call that returned in a top-level pass of the step that raised (rows of
+    Store.passes), where that call's grad_inputs were measured holding NaN/Inf; None where no such call (none
+    recorded, or its grad_inputs measured finite or not measured)."""
+    bad = passes[passes["error"].notna() & passes["parent_pass"].isna()]
+    if bad.empty:
+        return None
+    tensors = store.tensors(run=run, step=step, rank=rank)
+    calls = store.calls(run=run, step=step, rank=rank)
+    for p in bad.to_dict("records"):
+        done = calls[(calls["rank"] == p["rank"]) & (calls["pass"] == p["pass"]) & calls["duration"].notna()]
+        if done.empty:
+            continue
+        last = done.sort_values("seq").iloc[-1]
+        rows = tensors[
+            (tensors["rank"] == p["rank"])
+            & (tensors["seq"] == last["seq"])
+            & (tensors["role"] == "grad_input")
+            & (tensors["status"] == "ok")
+        ]
+        held = rows[["nan", "posinf", "neginf"]].apply(pd.to_numeric).fillna(0).to_numpy().sum()
+        if held > 0:
+            return f"{last['key']} (pass {last['pass']}, seq {last['seq']})"
+    return None
+
+
 def _raised_text(passes: pd.DataFrame) -> str | None:
     """What the top-level passes that raised raised: 'backward pass 0 raised RuntimeError: ... in BadBackward#0'
-    (rows of Store.passes; the node is the call left open, where one was); None when none raised."""
+    (rows of Store.passes; the node is the call left open, where one was, or the call after which anomaly mode's
+    NaN check raised: 'right after SqrtBackward0#0's call returned NaN ...'); None when none raised."""
     if "error" not in passes.columns:
         return None
     bad = passes[passes["error"].notna() & passes["parent_pass"].isna()]
@@ -647,6 +715,11 @@ def _raised_text(passes: pd.DataFrame) -> str | None:
     parts = []
     for p in bad.to_dict("records"):
         where = f" in {p['raised_at']}" if isinstance(p["raised_at"], str) else ""
+        if where and _anomaly_node(p["error"]):  # the call returned; anomaly mode checked its grad_inputs after it
+            where = (
+                f" right after {p['raised_at']}'s call returned NaN in its grad_inputs (anomaly mode's check, "
+                "torch.autograd.detect_anomaly(check_nan=True))"
+            )
         parts.append(f"backward pass {p['pass']} raised {_short(p['error'], 120)}{where}")
     return "; ".join(parts)
 
@@ -1048,8 +1121,11 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             rows = rows[(rows["role"] == "param_grad") & (rows["status"] == "skipped")]
             reasons = dict(zip(rows["param"], rows["reason"].fillna("no reason recorded")))
         where, fault = _raise_where(passes), recorder_faults(store, run, step, rank)
+        last_bad = None
+        if raised and not where[0] and where[1] is None and (shown_odd["status"] == "unreachable").any():
+            last_bad = _last_call_nonfinite(store, run, step, rank, passes)  # the rare case only: reads the step
         shown_odd = shown_odd.assign(
-            why=[_status_why(r, reasons, raised, where, fault) for r in shown_odd.itertuples()]
+            why=[_status_why(r, reasons, raised, where, fault, last_bad) for r in shown_odd.itertuples()]
         )
         click.echo(
             _table(

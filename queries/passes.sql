@@ -1,5 +1,5 @@
 -- title: Backward passes
--- description: One row per backward pass: kind (backward accumulates into .grad; grad is torch.autograd.grad), flags, number of roots, inputs= and reachable nodes and node calls (NULL at stats='params', which walks no graph and hooks no node, and for a pass that compiled autograd ran, where gradstore hooks no node: not known; its root nodes' skipped grad_output rows say so), the parent pass and call of a nested pass (reentrant checkpoint), duration in seconds (from hook registration to the engine's return), and the recorder's own seconds on the training thread before the engine ran (setup: graph walk, keys, hooks) and after (finish: hook removal, parameter gradients, host transfer, rows); error: the exception the engine raised in the pass ('Type: message', also where the training code caught it; followed by ' [raised in a hook on the gradient of parameter NAME]' where a hook on a recorded parameter raised it while no node's call was open), NULL where it returned or where the pass was stored before schema revision 0010_pass_errors; raised_at: for a pass that raised, the key of the node whose call started and did not end (the node whose backward raised; the innermost, highest seq, where several did not end), NULL where the pass returned or no call was left open (the engine raised outside a node, or stats='params', which hooks none).
+-- description: One row per backward pass: kind (backward accumulates into .grad; grad is torch.autograd.grad), flags, number of roots, inputs= and reachable nodes and node calls (NULL at stats='params', which walks no graph and hooks no node, and for a pass that compiled autograd ran, where gradstore hooks no node: not known; its root nodes' skipped grad_output rows say so), the parent pass and call of a nested pass (reentrant checkpoint), duration in seconds (from hook registration to the engine's return), and the recorder's own seconds on the training thread before the engine ran (setup: graph walk, keys, hooks) and after (finish: hook removal, parameter gradients, host transfer, rows); error: the exception the engine raised in the pass ('Type: message', also where the training code caught it; followed by ' [raised in a hook on the gradient of parameter NAME]' where a hook on a recorded parameter raised it while no node's call was open), NULL where it returned or where the pass was stored before schema revision 0010_pass_errors; raised_at: for a pass that raised, the key of the node whose call started and did not end (the node whose backward raised; the innermost, highest seq, where several did not end); where no call was left open and the error is anomaly mode's "Function 'NAME' returned nan values in its Nth output." (torch.autograd.detect_anomaly(check_nan=True) checks a call's grad_inputs right after it returned), the key of the pass's last call of a node named NAME; NULL where the pass returned or neither names a node (the engine raised outside a node, or stats='params', which hooks none).
 -- param run: run name; empty (NULL) for every run
 -- param rank: rank; empty (NULL) for every rank
 -- param step: step number; empty (NULL) for every step
@@ -13,9 +13,18 @@ SELECT r.name AS run, st.rank, st.step, p.pass, p.kind, p.parent_pass, p.parent_
             ELSE (SELECT COUNT(*) FROM calls c WHERE c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id) END AS calls,
        p.started_at, p.duration, p.setup, p.finish, p.error,
        CASE WHEN p.error IS NOT NULL THEN
+            COALESCE(
             (SELECT n.key FROM call_data c JOIN nodes n ON n.id = c.node_id
              WHERE c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id AND c.duration_ns IS NULL
-             ORDER BY c.seq DESC LIMIT 1)
+             ORDER BY c.seq DESC LIMIT 1),
+            -- anomaly mode's NaN check raises right after a call returned, naming its node: "Function 'NAME'
+            -- returned nan values in its Nth output."; the pass's last call of a node named NAME is that call
+            CASE WHEN p.error LIKE '%Function ''%'' returned nan values in its %' THEN
+                 (SELECT n.key FROM call_data c JOIN nodes n ON n.id = c.node_id
+                  WHERE c.id BETWEEN p.first_call AND p.last_call AND +c.pass_id = +p.id
+                    AND p.error LIKE ('%Function ''' || n.name || ''' returned nan values in its %')
+                  ORDER BY c.seq DESC LIMIT 1)
+            END)
        END AS raised_at
 FROM passes p
 JOIN steps st ON st.id = p.step_id

@@ -656,3 +656,89 @@ def test_a_raise_outside_any_node_call_says_where_is_not_known(db):
     for name in ("0.weight", "0.bias"):
         assert "where the pass raised is not known" in lines[name], lines
         assert "before the engine got to it" not in lines[name], lines
+
+
+class _SqrtNet(nn.Module):
+    """fc -> sqrt where positive (0 elsewhere) -> head: sqrt's backward at 0 gives NaN (0 * inf) to fc's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, hook=None):
+        h = self.fc(x)
+        if hook is not None:
+            h.register_hook(hook)
+        return self.head(torch.where(h > 0, torch.sqrt(h), torch.zeros_like(h)))
+
+
+def _unreachable_lines(db: str, run: str) -> dict:
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    out = CliRunner().invoke(main, ["show", db, run, "--step", "0"], catch_exceptions=False).output
+    return {line.split()[1]: line for line in out.splitlines() if line.split()[2:3] == ["unreachable"]}
+
+
+@pytest.mark.parametrize("stats", ["full", "params"])
+def test_a_pass_anomaly_mode_stopped_names_the_node_it_named(db, stats):
+    """helper trial: under detect_anomaly(check_nan=True) the engine raised "Function 'SqrtBackward0' returned nan
+    values in its 0th output." right after that node's call returned; raised_at was None and `show` guessed a
+    tensor hook, and at stats='params' left the raise out of fc's explanation."""
+    torch.manual_seed(0)
+    model, x = _SqrtNet(), torch.randn(8, 4)
+    name = torch.sqrt(torch.ones(1, requires_grad=True)).grad_fn.name()  # plain PyTorch's name of sqrt's node
+    with gradstore.record("anom", db=db, model=model, stats=stats) as rec:
+        with pytest.raises(RuntimeError) as err, pytest.warns(UserWarning), torch.autograd.detect_anomaly(True):
+            model(x).pow(2).mean().backward()
+        rec.step()
+    assert f"Function '{name}' returned nan values" in str(err.value)
+    assert model.fc.weight.grad is None  # plain PyTorch: the engine stopped before fc's parameters
+    passes = gradstore.open(db).passes("anom", step=0)
+    lines = _unreachable_lines(db, "anom")
+    if stats == "full":
+        assert passes["raised_at"].tolist() == [f"{name}#0"]
+        for p in ("fc.weight", "fc.bias"):
+            assert f"right after {name}#0's call returned NaN" in lines[p], lines
+            assert "where the pass raised is not known" not in lines[p], lines
+    else:  # no call recorded: the error still names the node, and the pass raised before reaching fc
+        assert passes["raised_at"].isna().all()
+        for p in ("fc.weight", "fc.bias"):
+            said = f"returned nan values in its 0th output. (anomaly mode's NaN check, right after a call of {name}"
+            assert said in lines[p], lines
+            assert "the engine stopped the pass there" in lines[p], lines
+
+
+def test_a_raise_outside_any_call_names_the_last_call_that_returned_nan(db):
+    """A user's check on the gradient of fc's output raises on NaN: no node's call is open, so where the pass
+    raised is not known, but the last call that returned (sqrt's, plain PyTorch's node hook sees it return NaN)
+    held the NaN the check found: `show` names it."""
+    torch.manual_seed(0)
+    model, x = _SqrtNet(), torch.randn(8, 4)
+    seen = {}
+
+    def check(g):
+        if torch.isnan(g).any():
+            raise ValueError("NaN gradient")
+
+    with gradstore.record("chk", db=db, model=model) as rec:
+        out = model(x, hook=check).pow(2).mean()
+        stack = [out.grad_fn]
+        while stack:  # plain PyTorch: a hook on the sqrt node records what its call returned
+            fn = stack.pop()
+            if fn is not None and fn.name() == "SqrtBackward0":
+                fn.register_hook(lambda gi, go: seen.update(nan=bool(torch.isnan(gi[0]).any())))
+            stack.extend(n for n, _ in (fn.next_functions if fn is not None else ()))
+        with pytest.raises(ValueError):
+            out.backward()
+        rec.step()
+    assert seen == {"nan": True}
+    passes = gradstore.open(db).passes("chk", step=0)
+    assert passes["raised_at"].isna().all()
+    lines = _unreachable_lines(db, "chk")
+    for p in ("fc.weight", "fc.bias"):
+        assert "where the pass raised is not known" in lines[p], lines
+        assert "the last call that returned, SqrtBackward0#0 (pass 0, seq" in lines[p], lines
+        assert "held NaN/Inf in its grad_inputs" in lines[p], lines

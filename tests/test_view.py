@@ -10,6 +10,7 @@ import shutil
 
 import matplotlib.colors
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -456,3 +457,106 @@ def test_a_step_not_recorded_names_the_steps_recorded_without_a_false_range(tmp_
         store.tensors("r", step=3)
     out = CliRunner().invoke(main, ["show", db, "r", "--step", "5"]).output
     assert "it has steps 0-6 (every 2nd)" in out, out
+
+
+def test_a_grad_that_went_nan_after_the_pass_is_said_to_and_its_first_step_is_in_the_table(tmp_path):
+    """helper trial: the heatmap legend labelled a .grad that went NaN after the pass "step 3 (after the backward
+    pass)", which reads as the moment measured; and the report's parameter table had zero_at but no first
+    non-finite step. Plain PyTorch says when each .grad held NaN: after the pass and as the optimizer read it."""
+    db = str(tmp_path / "p.db")
+    seen = _poke_run(db)
+    assert not any(seen[3][0].values()) and seen[3][1]["2.weight"]  # the pass left it finite; then it went NaN
+    store = gradstore.open(db)
+    fig = heatmap(store, "poke", by="param")
+    legend = " ".join(" ".join(t.get_text() for t in fig.axes[0].get_legend().get_texts()).split())
+    assert "2.weight's .grad, step 3 (went non-finite between the backward pass and the optimizer step" in legend
+    assert "(after the backward pass)" not in legend
+    for which, moment in (("pass", 0), ("final", 1)):
+        top = story.changed_most(store, "poke", which=which).set_index("param")
+        for name in top.index:
+            steps = [s for s, both in enumerate(seen) if both[moment][name]]
+            want = steps[0] if steps else pd.NA
+            got = top.loc[name, "nonfinite_at"]
+            assert (got is pd.NA and want is pd.NA) or got == want, (which, name, got, want)
+    from gradstore.view.html_report import report_html
+
+    text = " ".join(re.sub(r"<[^>]+>", " ", report_html(store, "poke")).split())
+    assert "nonfinite_at" in text
+
+
+class _TwoBranches(nn.Module):
+    """h = fc(x) feeds two heads, a and b: autograd's engine sums their two gradients into fc's grad_outputs."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).to(dtype)
+        self.a = nn.Linear(4, 1).to(dtype)
+        self.b = nn.Linear(4, 1).to(dtype)
+
+    def forward(self, x, hook=None):
+        h = self.fc(x)
+        if hook is not None:
+            h.register_hook(hook)
+        return (self.a(h) * 400.0).float().sum() + (self.b(h) * 400.0).float().sum()
+
+
+def test_two_finite_gradients_whose_float16_sum_overflows_are_named_not_a_hook(tmp_path):
+    """helper trial: each head sends a finite 40000 to h; the engine sums them, 80000 is past float16's largest
+    value 65504, so fc's grad_outputs hold +Inf. The report blamed a hook (there is none) and named one head."""
+    torch.manual_seed(0)
+    model = _TwoBranches(torch.float16)
+    with torch.no_grad():
+        model.a.weight.fill_(100.0)
+        model.b.weight.fill_(100.0)
+    x = torch.randn(2, 4).half()
+    # plain PyTorch, nothing recorded: each head's own gradient into h, and their sum in float16
+    h = model.fc(x)
+    ga = torch.autograd.grad((model.a(h) * 400.0).float().sum(), h)[0]
+    gb = torch.autograd.grad((model.b(h) * 400.0).float().sum(), h)[0]
+    assert ga.isfinite().all() and gb.isfinite().all() and torch.isinf(ga + gb).all()
+    limit = torch.finfo(torch.float16).max
+    assert float(ga.abs().max()) + float(gb.abs().max()) > limit
+    db = str(tmp_path / "sum.db")
+    with gradstore.record("sum", db=db, model=model):
+        model(x).backward()
+    store = gradstore.open(db)
+    start = story.first_nonfinite(store, "sum")
+    assert (start.key, start.made_here, start.arrived) == ("fc/AddmmBackward0#0", False, "sum")
+    (slot,) = start.slots_in
+    got = {c.src: c.largest for c in slot.contributions}
+    assert got == {"a/AddmmBackward0#0": float(ga.abs().max()), "b/AddmmBackward0#0": float(gb.abs().max())}
+    assert (slot.verdict, slot.limit, slot.posinf, slot.nan) == ("overflow", limit, ga.numel(), 0)
+    from gradstore.view.html_report import report_html
+
+    text = " ".join(re.sub(r"<[^>]+>", "", report_html(store, "sum")).split())
+    assert f"The sum of 2 finite gradients overflowed float16's largest finite value {limit:.6g}" in text
+    assert "a/AddmmBackward0#0 grad_inputs[1] (max |x| 40000)" in text
+    assert "b/AddmmBackward0#0 grad_inputs[1] (max |x| 40000)" in text
+    assert "a tensor hook or a node hook" not in text
+
+
+def test_a_hook_after_a_sum_that_cannot_overflow_is_still_said_to_have_changed_it(tmp_path):
+    """Two finite float32 gradients meet at h, far below float32's largest value, and a tensor hook on h adds +Inf:
+    the sum cannot have overflowed, so the report says it changed on the way (naming both contributions)."""
+    torch.manual_seed(0)
+    model = _TwoBranches(torch.float32)
+    x = torch.randn(2, 4)
+    h = model.fc(x)
+    ga = torch.autograd.grad((model.a(h) * 400.0).sum(), h)[0]
+    gb = torch.autograd.grad((model.b(h) * 400.0).sum(), h)[0]
+    assert float(ga.abs().max()) + float(gb.abs().max()) < torch.finfo(torch.float32).max
+    db = str(tmp_path / "hook.db")
+    with gradstore.record("hook", db=db, model=model):
+        model(x, hook=lambda g: g + float("inf")).backward()
+    store = gradstore.open(db)
+    start = story.first_nonfinite(store, "hook")
+    assert (start.key, start.arrived) == ("fc/AddmmBackward0#0", "sum")
+    (slot,) = start.slots_in
+    assert slot.verdict == "changed" and {c.src for c in slot.contributions} == {
+        "a/AddmmBackward0#0",
+        "b/AddmmBackward0#0",
+    }
+    from gradstore.view.html_report import report_html
+
+    text = " ".join(re.sub(r"<[^>]+>", "", report_html(store, "hook")).split())
+    assert "so their sum did not overflow: it changed on the way, in a tensor hook or a node hook" in text

@@ -361,6 +361,47 @@ SKIPPED_STEP = (
 )
 
 
+def _summed(a: story.SlotArrival) -> str:
+    """The sentence on how grad_outputs[a.slot] of the first non-finite call got its NaN / Inf from the finite
+    gradients every recorded edge into it carried (`story.SlotArrival`): autograd's engine sums two or more."""
+
+    def each(c: story.Contribution) -> str:
+        size = "size not recorded" if c.norm is None else f"norm {c.norm:.6g}"
+        if c.largest is not None:
+            size = f"max |x| {c.largest:.6g}"
+        return f"<code>{_e(c.src)}</code> grad_inputs[{c.src_slot}] ({size})"
+
+    held = f"Its grad_outputs[{a.slot}] held {_counts(a.nan, a.posinf, a.neginf)} when it ran"
+    if len(a.contributions) == 1:
+        return (
+            f"{held}, while {each(a.contributions[0])}, the one gradient that flows there, was finite: it changed on "
+            "the way, in a tensor hook or a node hook that returned a new gradient."
+        )
+    n = len(a.contributions)
+    parts = ", ".join(each(c) for c in a.contributions)
+    summed = f"{held}, where autograd's engine summed the {n} finite gradients that flow there: {parts}."
+    if a.verdict == "overflow":
+        return (
+            f"{summed} <b>The sum of {n} finite gradients overflowed</b> {_e(a.dtype)}'s largest finite value "
+            f"{a.limit:.6g} (torch.finfo): together they reach up to {a.bound:.6g} in magnitude, and a sum past that "
+            "value is +-Inf. No hook is needed to explain it: keep such a sum in a wider dtype, or scale it down."
+        )
+    if a.verdict == "unknown":
+        return (
+            f"{summed} Either their sum overflowed "
+            + (f"{_e(a.dtype)}'s largest finite value" if a.dtype else "the dtype's largest finite value")
+            + " (how large they were is not recorded), or it changed on the way, in a tensor hook or a node hook "
+            "that returned a new gradient."
+        )
+    why = (
+        "a sum of finite values gives +-Inf at most, never NaN"
+        if a.nan
+        else f"together they reach at most {a.bound:.6g} in magnitude, within {_e(a.dtype)}'s largest finite value "
+        f"{a.limit:.6g}, so their sum did not overflow"
+    )
+    return f"{summed} But {why}: it changed on the way, in a tensor hook or a node hook that returned a new gradient."
+
+
 def _origin(start: story.NonfiniteStart) -> str:
     """The paragraph saying where the first non-finite call's NaN/Inf came from, built from the rows the record
     holds: a grad_output not measured is never taken for finite, a cast that narrowed a finite gradient past the
@@ -375,6 +416,8 @@ def _origin(start: story.NonfiniteStart) -> str:
             + ", or its own backward made them, is not known. The origin may be upstream of this node."
         )
         return text + (" " + SKIPPED_STEP if start.amp_skipped else "")
+    if not start.made_here and start.arrived == "sum":
+        return " ".join(_summed(a) for a in start.slots_in) + (" " + SKIPPED_STEP if start.amp_skipped else "")
     if not start.made_here:
         text = {
             "between": f"They were already in its grad_outputs when it ran, while <code>{_e(start.arrived_from)}"
@@ -757,7 +800,7 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         + ": parameters with non-finite steps first, "
         "then by the ratio of their largest to smallest finite norm over the recorded steps (inf where a .grad "
         "norm was exactly 0 at a step and not at another, the most extreme change: zero_at names the first step "
-        "at 0)."
+        "at 0; nonfinite_at the first step whose .grad held NaN or Inf)."
         + (
             f" For the run's {int(top['summaries'].max()):,} flight-recorder summary steps, which keep each "
             "parameter's final norm and NaN/Inf count only, that final norm (as the optimizer read it) stands in "
@@ -781,7 +824,18 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         )
     else:
         top = top.drop(columns="norm_of")
-    numeric = {"steps", "first", "last", "smallest", "largest", "ratio", "zero_at", "nonfinite", "not_measured"}
+    numeric = {
+        "steps",
+        "first",
+        "last",
+        "smallest",
+        "largest",
+        "ratio",
+        "zero_at",
+        "nonfinite_at",
+        "nonfinite",
+        "not_measured",
+    }
     page.add(_table(top, numeric))
     vanished = top[top["zero_at"].notna()]
     if len(vanished):

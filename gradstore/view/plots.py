@@ -67,7 +67,13 @@ def _first_nonfinite_cell(store, run: str, g) -> tuple | None:
 
     pf = param_first(store, run, rank=g.rank)
     if pf is not None and pf.rank == g.rank:
-        when = " (after the backward pass)" if pf.after_pass else ""
+        when = (  # the pass row left it finite: it went non-finite after the pass, not "measured after" it
+            " (went non-finite between the backward pass and the optimizer step: the pass left it finite)"
+            if pf.after_pass
+            else f" (when backward pass {pf.pass_} returned)"
+            if pf.pass_ is not None
+            else " (as the optimizer read it: the step's final row)"
+        )
         text = f"the first non-finite gradient: parameter {pf.param}'s .grad, step {pf.step}{when}"
         if g.by != "param":
             return (None, None, text) if pf.step in g.steps else None
@@ -92,6 +98,8 @@ def _first_nonfinite_cell(store, run: str, g) -> tuple | None:
         if start.made_here
         else "its grad_outputs were not measured"
         if start.outputs == "not measured"
+        else "autograd's sum of finite gradients overflowed"
+        if start.arrived == "sum" and all(a.verdict == "overflow" for a in start.slots_in if len(a.contributions) > 1)
         else "it arrived in its grad_outputs"
     )
     return (

@@ -44,6 +44,45 @@ class Narrowing:
 
 
 @dataclass
+class Contribution:
+    """One gradient the engine summed into a grad_outputs slot: grad_inputs[src_slot] of `src` (the edge
+    src.next_functions[src_slot]), measured finite in the pass; largest: its largest |value| (from its min and max,
+    over the pass's calls; None where they were not recorded); norm: its L2 norm (the largest over the pass's calls;
+    None where not recorded)."""
+
+    src: str
+    src_slot: int
+    largest: float | None
+    norm: float | None
+
+
+@dataclass
+class SlotArrival:
+    """How a non-finite grad_outputs slot of the first non-finite call got its NaN / Inf, where every recorded edge
+    into it carried a measured, finite gradient (`contributions`, one per edge).
+
+    With two or more, autograd's engine summed them into that slot (its input buffer) before the call: a sum of
+    finite values can overflow to +-Inf, never make NaN. slot; dtype (the slot's, the sum's dtype); limit
+    (torch.finfo(dtype).max, None for a non-floating or unknown dtype); nan, posinf, neginf (the slot's exact
+    counts); bound: the largest the sum's |value| can be (the contributions' largest |value| added; their norms
+    where a largest was not recorded; None where neither was); verdict: 'overflow' (only +-Inf, and bound is past
+    limit: the sum's overflow fits the record), 'changed' (one contribution; or NaN, which no sum of finite values
+    makes; or bound within limit, so the sum cannot have overflowed: it changed on the way, in a tensor hook or a
+    node hook that returned a new gradient) or 'unknown' (only +-Inf, and the bound or limit is not known: an
+    overflow of the sum, or a hook)."""
+
+    slot: int
+    dtype: str | None
+    limit: float | None
+    nan: int
+    posinf: int
+    neginf: int
+    contributions: list[Contribution]
+    bound: float | None
+    verdict: str
+
+
+@dataclass
 class NonfiniteStart:
     """The first call (execution order) whose gradients held NaN or Inf, on one rank, and where they went.
 
@@ -54,11 +93,14 @@ class NonfiniteStart:
     held NaN/Inf: a skipped row, stats='shape', or no row); outputs_why: with 'not measured', which slots and why
     (the rows' reasons); made_here: True only when its grad_outputs were measured finite and a grad_input was not
     (its own backward made them); never True when they were not measured; arrived: how they arrived there when they
-    were non-finite in its grad_outputs ('between': every edge into that slot carried a measured, finite gradient
-    from its source's grad_inputs, so it changed on the way, in a tensor hook or a node hook that returned a new
-    gradient; 'root': no recorded edge leads into the node, so it is a root of the pass and they came with the
+    were non-finite in its grad_outputs ('between': the one edge into each such slot carried a measured, finite
+    gradient from its source's grad_inputs, so it changed on the way, in a tensor hook or a node hook that returned
+    a new gradient; 'sum': every edge into each such slot carried a measured, finite gradient and some slot had two
+    or more, which autograd's engine summed there: `slots_in` says per slot whether the sum's overflow fits;
+    'root': no recorded edge leads into the node, so it is a root of the pass and they came with the
     gradient handed to backward; 'unrecorded': the edges into that slot come from nodes whose grad_inputs the
-    record does not hold or did not measure), else None; arrived_from: the source node of the 'between' edge;
+    record does not hold or did not measure), else None; arrived_from: the source node of the first such edge;
+    slots_in: with 'between' and 'sum', a SlotArrival per non-finite grad_outputs slot (its finite contributions);
     upstream: the nodes whose grad_inputs flow into its grad_outputs (recorded edges); path: the shortest chain of
     non-finite edges from it to the first parameter it reached (or to the farthest node reached when it reached
     none); reached_param: whether the path ends at a parameter; edges: every non-finite edge reachable from it in
@@ -92,6 +134,7 @@ class NonfiniteStart:
     made_here: bool
     arrived: str | None = None
     arrived_from: str | None = None
+    slots_in: list[SlotArrival] = field(default_factory=list)
     outputs: str = "finite"
     outputs_why: str | None = None
     upstream: list[str] = field(default_factory=list)
@@ -272,7 +315,7 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
     ran = set(grads["key"])
     edges = store.edges(run=run, step=step, rank=rank)  # the graphs that step walked, not every step's
     upstream = list(dict.fromkeys(edges.loc[edges["dst"] == key, "src"]))
-    arrived, arrived_from = None, None
+    arrived, arrived_from, slots_in = None, None, []
     if outputs == "nonfinite":
         bad_slots = set(own.loc[bad_out, "slot"].astype(int))
         into = edges[(edges["dst"] == key) & edges["dst_slot"].isin(bad_slots)]
@@ -286,7 +329,9 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
             for e in into.itertuples(index=False)
         ]
         if given and all(c is not None and sum(c) == 0 for _, c in given):  # every source gave a finite gradient
-            arrived, arrived_from = "between", given[0][0]
+            arrived_from = given[0][0]
+            slots_in = _slot_arrivals(own[bad_out], into, ok)
+            arrived = "sum" if any(len(a.contributions) > 1 for a in slots_in) else "between"
         elif edges[edges["dst"] == key].empty:
             arrived = "root"
         else:
@@ -373,6 +418,7 @@ def first_nonfinite(store, run: str, rank: int | None = None) -> NonfiniteStart 
         made_here=made_here,
         arrived=arrived,
         arrived_from=arrived_from,
+        slots_in=slots_in,
         outputs=outputs,
         outputs_why=outputs_why,
         upstream=upstream,
@@ -403,6 +449,46 @@ def _top_pass(passes: pd.DataFrame, pass_) -> object:
         seen.add(pass_)
         pass_ = int(up)
     return pass_
+
+
+def _slot_arrivals(bad_outs: pd.DataFrame, into: pd.DataFrame, ok: pd.DataFrame) -> list[SlotArrival]:
+    """A SlotArrival per non-finite grad_outputs row of the call (`bad_outs`), from the edges into it (`into`) and
+    the pass's measured rows (`ok`), whose sources' grad_inputs were each measured finite."""
+    src_rows = ok[ok["role"] == "grad_input"]
+    out = []
+    for o in bad_outs.sort_values("slot").itertuples(index=False):
+        contributions = []
+        for e in into[into["dst_slot"] == int(o.slot)].itertuples(index=False):
+            r = src_rows[(src_rows["key"] == e.src) & (src_rows["slot"] == int(e.src_slot))]
+            lo = pd.to_numeric(r["min"], errors="coerce").abs().max()
+            hi = pd.to_numeric(r["max"], errors="coerce").abs().max()
+            norm = pd.to_numeric(r["norm"], errors="coerce").max()
+            largest = None if pd.isna(lo) or pd.isna(hi) else float(max(lo, hi))
+            contributions.append(Contribution(e.src, int(e.src_slot), largest, None if pd.isna(norm) else float(norm)))
+        each = [c.largest if c.largest is not None else c.norm for c in contributions]  # |x| <= max |x| <= norm
+        bound = float(sum(each)) if contributions and all(v is not None for v in each) else None
+        limit = _finfo_max(o.dtype)
+        nan = count_of(o.nan)
+        if len(contributions) < 2 or nan or (bound is not None and limit is not None and bound <= limit):
+            verdict = "changed"  # a sum of finite values makes no NaN, and none past the largest finite value
+        elif bound is not None and limit is not None:
+            verdict = "overflow"
+        else:
+            verdict = "unknown"
+        out.append(
+            SlotArrival(
+                slot=int(o.slot),
+                dtype=o.dtype if isinstance(o.dtype, str) else None,
+                limit=limit,
+                nan=nan,
+                posinf=count_of(o.posinf),
+                neginf=count_of(o.neginf),
+                contributions=contributions,
+                bound=bound,
+                verdict=verdict,
+            )
+        )
+    return out
 
 
 def _nonfinite_rows(rows: pd.DataFrame) -> pd.Series:
@@ -758,7 +844,8 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     largest (finite norms), ratio (largest / smallest finite norm: inf where a step's norm is exactly 0 and
     another's is not, a gradient that vanished, the most extreme change; NaN with fewer than two finite norms or
     where every one is 0), zero_at (the first step whose norm is exactly 0 where another step's is not; NaN where
-    none), nonfinite
+    none), nonfinite_at (the first step whose .grad row held NaN or Inf, counted; NaN where none did, or none was
+    counted), nonfinite
     (steps whose .grad held NaN or Inf; NaN where no step's .grad was measured, so none was checked),
     not_measured (steps whose .grad row could not be measured: skipped, or stats='shape'), norm_of ('' for a plain
     .grad; for a DTensor .grad, whose rows are each rank's shard, 'the whole parameter ...' where every step's
@@ -783,6 +870,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "largest",
                 "ratio",
                 "zero_at",
+                "nonfinite_at",
                 "nonfinite",
                 "not_measured",
                 "norm_of",
@@ -823,6 +911,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
         # a norm of exactly 0 beside a positive one: the gradient vanished (or appeared), ratio inf, never skipped
         ratio = np.nan if len(good) < 2 or not hi > 0 else np.inf if lo == 0 else hi / lo
         zero_at = good.loc[good["norm"] == 0, "step"].min() if hi > 0 and lo == 0 else np.nan
+        nonfinite_at = f.loc[f["bad"], "step"].min() if f["bad"].any() else np.nan  # counts: a NULL one is 0
         rows.append(
             {
                 "param": param,
@@ -834,6 +923,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "largest": hi,
                 "ratio": ratio,
                 "zero_at": zero_at,
+                "nonfinite_at": nonfinite_at,
                 "nonfinite": int(f["bad"].sum()) if counted.any() else np.nan,
                 "not_measured": int(((f["status"] == "skipped") | ((f["status"] == "ok") & f["nan"].isna())).sum()),
                 "norm_of": f["norm_of"].iloc[0],
@@ -842,6 +932,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
         )
     out = pd.DataFrame(rows)
     out["zero_at"] = out["zero_at"].astype("Int64")
+    out["nonfinite_at"] = out["nonfinite_at"].astype("Int64")
     out = out.sort_values(["nonfinite", "ratio"], ascending=[False, False], na_position="last", kind="stable")
     return out.head(top).reset_index(drop=True)
 
