@@ -608,6 +608,12 @@ def _status_why(
         return "its module ran, but no pass's roots reach it (detached, or a branch the loss does not use)"
     if status == "received" and skipped and row.param in skipped:
         return f"received a gradient that could not be measured: {skipped[row.param]}"
+    if status == "frozen" and row.has_grad == 1 and row.calls == 0:  # calls NULL: whether it got one is not known
+        return (
+            "requires_grad=False; received nothing this step, and .grad still holds a tensor from before (an earlier "
+            "gradient, or zeros from zero_grad(set_to_none=False)), which an optimizer still applies: with "
+            "momentum or weight decay the parameter still moves"
+        )
     return {
         "frozen": "requires_grad=False",
         "zero": "received gradients, all exactly 0",
@@ -1279,14 +1285,23 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         click.echo("  (none)")
 
     bad = _nonfinite_mask(grads)
-    finite = grads[~bad & (grads["status"] == "ok") & grads["norm"].notna()]
+    # no backward pass of the step gave it a gradient (frozen, not used, unreachable, stale): its .grad, left from
+    # before (an earlier gradient, the zeros zero_grad(set_to_none=False) writes), is no gradient of this step
+    nograd = grads["no_gradient"].notna() & ~bad
+    finite = grads[~bad & ~nograd & (grads["status"] == "ok") & grads["norm"].notna()]
     top = finite.sort_values("norm", ascending=False).head(limit)
     others = []
     if len(finite) > len(top):
         others.append(f"{len(finite) - len(top):,} smaller not shown")
     if bad.any():
         others.append(f"{int(bad.sum()):,} non-finite listed above")
-    unmeasured = len(grads) - len(finite) - int(bad.sum())
+    if nograd.any():
+        kinds = ", ".join(sorted(set(grads.loc[nograd, "param_status"].dropna())))
+        others.append(
+            f"{int(nograd.sum()):,} that no backward pass of the step gave a gradient ({kinds}, above; their .grad "
+            "is left from before: param_grads' no_gradient)"
+        )
+    unmeasured = len(grads) - len(finite) - int(bad.sum()) - int(nograd.sum())
     if unmeasured:
         others.append(f"{unmeasured:,} with no .grad or not measured (status none / skipped, or stats='shape')")
     pieces = grads["placements"].map(shards.is_piece) if "placements" in grads else pd.Series(False, grads.index)

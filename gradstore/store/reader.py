@@ -420,14 +420,24 @@ class Store:
     ) -> pd.DataFrame:
         """Each parameter's .grad per step, as queries/param_grads.sql.
 
-        scope='rank' (default): one row per rank: run, rank, step, pass, final, param, module, status, dtype,
-        shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros, layout, nnz, coalesced (a sparse
+        scope='rank' (default): one row per rank: run, rank, step, pass, final, param, module, status,
+        param_status, no_gradient, dtype, shape, numel, norm, min, max, mean, std, nan, posinf, neginf, zeros,
+        layout, nnz, coalesced (a sparse
         gradient's layout, stored entries and whether it was coalesced; NULL for a dense one) (a DTensor's local
         shard: shape and numel are the shard's), then placements, mesh_shape, mesh_dims, coordinate,
         global_shape, global_offset (NULL for a plain tensor), shared_with. A tied weight is one row under its
         first name; `param=` any of its names finds it, and shared_with lists its other names (comma-separated;
         '' for an untied parameter). scope='global': the whole gradient combined from every rank's shard, as
         `global_grads` (`rank` must be None then; `which` picks the moment there too).
+
+        status is the measurement's (ok: the .grad was measured; none: .grad was None; skipped), not a verdict on
+        the gradient: param_status is the step's `param_status` for the parameter (NULL where the step has no such
+        row), and no_gradient, where no backward pass of the step gave it a gradient (frozen with no
+        AccumulateGrad call, stale, not used, unreachable), says so and what the .grad holds then (a tensor left
+        from before: an earlier gradient, or the zeros `zero_grad(set_to_none=False)` writes); NULL where a pass
+        gave it one, and where .grad is None (status none). Such a row is no gradient of its step: do not read
+        its norm as one (a final row is labelled only where it matches the step's pass row: code may set .grad
+        after the pass).
 
         which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN), or,
             for a step without that row (recorded before schema revision 0009_loop), as the step's last

@@ -31,11 +31,15 @@ def additive(rows: pd.DataFrame) -> pd.DataFrame:
     """The additive parts of each gradient row of a `tensors`, `history` or `param_grads` frame.
 
     Returns `rows` with columns measured (1 where status is ok and a norm was measured, else 0), finite, sumsq,
-    total, absmax added (numel, min, max, nan, posinf, neginf, zeros as they were, as float64).
+    total, absmax added (numel, min, max, nan, posinf, neginf, zeros as they were, as float64). A `param_grads`
+    row whose step gave the parameter no gradient (column no_gradient set: frozen, stale, not used, unreachable)
+    counts as not measured, with its parts NaN: its .grad, left from before, is no gradient of that step.
     """
     out = rows.copy()
     for col in ("numel", "norm", "min", "max", "mean", "nan", "posinf", "neginf", "zeros"):
         out[col] = pd.to_numeric(out[col], errors="coerce").astype("float64")
+    if "no_gradient" in out:
+        out.loc[out["no_gradient"].notna(), ["norm", "min", "max", "mean", "nan", "posinf", "neginf", "zeros"]] = np.nan
     ok = out["norm"].notna()
     if "status" in out:
         ok &= out["status"] == "ok"
@@ -187,6 +191,12 @@ def grid(
         rows = rows[rows["param"].notna()]
         if prefix:
             rows = rows[_under(rows["param"], prefix)]
+        without = rows[rows["step"].isin(recorded) & rows["no_gradient"].notna()]
+        if len(without):  # its .grad there is left from before: no gradient of the step (additive: not measured)
+            notes.append(
+                f"{len(without):,} cells of steps where no backward pass gave the parameter a gradient (frozen, not "
+                "used, unreachable or a stale .grad: param_grads' no_gradient) left blank"
+            )
         parts = additive(rows).assign(label=lambda f: f["param"])
     else:
         role = role or "grad_output"
@@ -260,8 +270,11 @@ def series(
 
     Returns a frame with run, rank, step, value (NaN: not measured in that step, or no row), nan, posinf,
     neginf (exact counts over the step's rows; NaN where no row was measured), measured (rows), reason (why the
-    step's skipped rows were not measured, '; '-joined; None where none was skipped), label ('RUN rank R', or 'RUN'
-    for one rank), part, one row per recorded step of each run and rank, in step order. part is 'piece' where the
+    step's skipped rows were not measured, '; '-joined; None where none was skipped), no_gradient (param_grad
+    rows: why no backward pass of the step gave the parameter a gradient, as `Store.param_grads`' no_gradient:
+    frozen, stale, not used, unreachable; the .grad it held, left from before, is no value of that step, so value
+    and the counts are NaN there; None elsewhere), label ('RUN rank R', or 'RUN' for one rank), part, one row per
+    recorded step of each run and rank, in step order. part is 'piece' where the
     rank's rows are DTensor pieces (a shard or a Partial term: its value is of this rank's piece, not of the whole
     gradient, and its label says which piece) and 'whole' otherwise; for a DTensor parameter (param=, role
     param_grad, every rank) each run has a series more, rank <NA> (the rank column is then nullable Int64),
@@ -299,12 +312,17 @@ def series(
         # a step the writer could not write: its history row only marks the gap (its step in `recorded` is NaN)
         rows = rows[rows["rank"].isin(ranks) & (rows["status"] != UNWRITTEN)]
         final = None
+        nograd = pd.Series(dtype=object)  # (rank, step) -> why the step gave the parameter no gradient
         if role == "param_grad" and not rows.empty:
+            rows = _with_no_gradient(store, run, param, rows)
             # the step's final row (the .grad the optimizer read): its non-finite counts mark the step too, so a
             # .grad that went NaN after the backward pass (a hook, code writing to .grad) is not drawn as finite
-            final = rows[rows["final"] == 1][["rank", "step", "nan", "posinf", "neginf"]]
+            final = rows[(rows["final"] == 1) & rows["no_gradient"].isna()][["rank", "step", "nan", "posinf", "neginf"]]
             last = rows.groupby(["rank", "step"])["pass"].transform("max")
             rows = rows[rows["pass"] == last]
+            said = rows.dropna(subset=["no_gradient"])
+            if len(said):
+                nograd = said.groupby(["rank", "step"])["no_gradient"].agg(lambda r: "; ".join(dict.fromkeys(r)))
         parts = combine(additive(rows), ["rank", "step"]) if not rows.empty else None
         if parts is not None and final is not None and not final.empty:
             extra = final.groupby(["rank", "step"])[["nan", "posinf", "neginf"]].sum()
@@ -333,7 +351,8 @@ def series(
             else pd.Series(dtype=object)
         )
         frame = frame.assign(
-            reason=[reasons.get((int(r), int(s_)), None) for r, s_ in zip(frame["rank"], frame["step"])]
+            reason=[reasons.get((int(r), int(s_)), None) for r, s_ in zip(frame["rank"], frame["step"])],
+            no_gradient=[nograd.get((int(r), int(s_)), None) for r, s_ in zip(frame["rank"], frame["step"])],
         )
         several = len(ranks) > 1
         piece = {}  # rank -> how its rows relate to the whole gradient, where they are DTensor pieces
@@ -353,8 +372,36 @@ def series(
         out.append(frame)
         if piece and param is not None and role == "param_grad" and rank is None:
             out.append(_whole_param(store, run, param, stat, frame["step"].unique()))
-    cols = ["run", "rank", "step", "value", "nan", "posinf", "neginf", "measured", "reason", "label", "part"]
+    cols = [
+        "run",
+        "rank",
+        "step",
+        "value",
+        "nan",
+        "posinf",
+        "neginf",
+        "measured",
+        "reason",
+        "no_gradient",
+        "label",
+        "part",
+    ]
     return pd.concat(out, ignore_index=True)[cols]
+
+
+def _with_no_gradient(store, run: str, param: str | None, rows: pd.DataFrame) -> pd.DataFrame:
+    """`rows` (`Store.history` param_grad rows of `run`) with column no_gradient from `Store.param_grads`
+    (which='all'): why the step gave the parameter no gradient (its .grad, left from before, is no gradient of
+    the step), None where a pass gave it one. Matched on rank, step, final and parameter: a step's pass rows
+    (every micro-batch's) share its last pass row's."""
+    pg = store.param_grads(run=run, param=param, which="all")
+    said = pg.dropna(subset=["no_gradient"])
+    if said.empty:
+        return rows.assign(no_gradient=None)
+    keys = said.assign(final=said["final"].astype(int))[["rank", "step", "final", "param", "no_gradient"]]
+    out = rows.assign(final=rows["final"].astype(int)).merge(keys, on=["rank", "step", "final", "param"], how="left")
+    out.index = rows.index
+    return out.assign(no_gradient=out["no_gradient"].where(out["no_gradient"].notna(), None))
 
 
 def _whole_param(store, run: str, param: str, stat: str, steps) -> pd.DataFrame:
@@ -385,6 +432,7 @@ def _whole_param(store, run: str, param: str, stat: str, steps) -> pd.DataFrame:
         run=run,
         rank=pd.array([pd.NA] * len(frame), dtype="Int64"),
         reason=None,
+        no_gradient=None,
         label=f"{run} whole parameter (every rank's shards combined, as full_tensor())",
         part="whole",
     )

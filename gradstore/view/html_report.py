@@ -773,12 +773,13 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
             + (f" and {len(left.params) - 20:,} more" if len(left.params) > 20 else "")
             + ". They have no row below; their .grad was not measured.</p>"
         )
-    top, when = story.changed_most(store, run, top=10), "after the step's last backward pass"
-    if top.empty:  # no top-level backward pass recorded a .grad: the final rows, where there are
-        top, when = (
-            story.changed_most(store, run, top=10, which="final"),
+    every, when = story.changed_most(store, run, top=None), "after the step's last backward pass"
+    if every.empty:  # no top-level backward pass recorded a .grad: the final rows, where there are
+        every, when = (
+            story.changed_most(store, run, top=None, which="final"),
             ("as the optimizer saw it (the step's final rows: no backward pass of the run recorded a .grad)"),
         )
+    top = every.head(10)
     if top.empty:
         summaries = store.steps(run=run)
         summaries = summaries[summaries["level"] == "summary"]
@@ -802,6 +803,13 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         "norm was exactly 0 at a step and not at another, the most extreme change: zero_at names the first step "
         "at 0; nonfinite_at the first step whose .grad held NaN or Inf)."
         + (
+            " A step in which no backward pass gave a parameter a gradient (frozen, not used, unreachable, or a "
+            "stale .grad: see param_status) is not counted: its .grad, left from before, is no gradient of that "
+            "step (column no_gradient counts those steps; below, which and why)."
+            if every["no_gradient"].any()
+            else ""
+        )
+        + (
             f" For the run's {int(top['summaries'].max()):,} flight-recorder summary steps, which keep each "
             "parameter's final norm and NaN/Inf count only, that final norm (as the optimizer read it) stands in "
             "(column summaries)."
@@ -824,6 +832,10 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         )
     else:
         top = top.drop(columns="norm_of")
+    without = every[every["no_gradient"] > 0]  # every parameter with such steps, in the table or not
+    top = top.drop(columns="no_gradient_why")
+    if not every["no_gradient"].any():
+        top = top.drop(columns="no_gradient")
     numeric = {
         "steps",
         "first",
@@ -835,6 +847,7 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         "nonfinite_at",
         "nonfinite",
         "not_measured",
+        "no_gradient",
     }
     page.add(_table(top, numeric))
     vanished = top[top["zero_at"].notna()]
@@ -847,6 +860,15 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
                 + f" at step {int(r.zero_at)} (norm exactly 0; ratio inf)"
                 for r in vanished.itertuples()
             )
+            + ".</p>"
+        )
+    if len(without):
+        shown = without.head(20)
+        page.add(
+            '<p class="note">No gradient in some steps, not counted above (the .grad there was measured, but no '
+            "backward pass of the step gave it one, or none is known to have): "
+            + "; ".join(f"<code>{_e(r.param)}</code>: {_e(r.no_gradient_why)}" for r in shown.itertuples())
+            + (f"; and {len(without) - len(shown):,} more parameters" if len(without) > len(shown) else "")
             + ".</p>"
         )
     if top["steps"].max() == 0:

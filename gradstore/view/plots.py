@@ -17,6 +17,7 @@ import textwrap
 
 import numpy as np
 
+from ..store.writer import step_ranges
 from . import cells
 from .extras import require
 
@@ -151,7 +152,9 @@ def heatmap(
     words NaN / +Inf / -Inf where cells are large enough) where any gradient of the cell held NaN or Inf, from
     the exact counts (the statistic over the finite elements is not drawn there); white where the statistic is
     exactly 0 (log scales); grey hatching where nothing was measured (no call, a None slot, a skipped tensor, a
-    level that does not measure it). Rows with a non-finite cell have red labels. By module or node, the cell of
+    level that does not measure it) and, by='param', where no backward pass of the step gave the parameter a
+    gradient (`Store.param_grads`' no_gradient: its .grad, left from before, is no value of the step; the title
+    counts those cells). Rows with a non-finite cell have red labels. By module or node, the cell of
     the run's first non-finite node call (gradstore.view.story.first_nonfinite: its module, or its key, and its
     step) is outlined, and the legend names it: with the default role grad_output its own cell may be finite (its
     backward made the NaN / Inf from finite grad_outputs), while the red rows show where it went.
@@ -246,7 +249,9 @@ def heatmap(
             facecolor=MISSING_FACE,
             edgecolor=MISSING_HATCH,
             hatch="////",
-            label="no value (not measured, or None)",
+            label="no value (not measured, None, or no gradient in the step)"
+            if g.by == "param"
+            else "no value (not measured, or None)",
         ),
     ]
     if log and zeros.any():
@@ -425,7 +430,10 @@ def history(
     edge, above every value drawn, in its line's colour (its value over the finite elements is not drawn); on a
     log axis a value of exactly 0 is a triangle on the bottom edge; a step with nothing measured is a gap in the
     line; a run (or rank) with nothing measured in any step gets no line and no legend entry, but a note on the
-    axes: 'RUN: not measured (the reason stored on its skipped rows)'.
+    axes: 'RUN: not measured (the reason stored on its skipped rows)'. A parameter's step in which no backward pass
+    gave it a gradient (frozen, not used, unreachable, a stale .grad: `cells.series`' no_gradient) is not drawn,
+    and the title names those steps and why: the .grad it held there, left from before, is no value of
+    that step (the zeros `zero_grad(set_to_none=False)` writes would read as a gradient that went to 0).
     Raises UnknownRun, ArgumentError (a ValueError), GradstoreError (no such rank), MissingDependency (no matplotlib).
     """
     ticker = require("matplotlib.ticker", "gradstore.view.history")
@@ -436,8 +444,15 @@ def history(
     edge = ax.get_xaxis_transform()  # x in data, y in axes fractions
     any_bad = any_zero = False
     unmeasured = []  # (label, why) of the lines with no value measured in any step: nothing drawn for them
+    nograd = []  # (label, steps, why): steps in which no backward pass gave the parameter a gradient, not drawn
     for label, f in data.groupby("label", sort=False):
         bad = (f["nan"].fillna(0) + f["posinf"].fillna(0) + f["neginf"].fillna(0)) > 0
+        without = f[f["no_gradient"].notna()]
+        if len(without):
+            kinds = "; ".join(dict.fromkeys(str(w).split(":")[0] for w in without["no_gradient"]))
+            nograd.append((label, step_ranges(without["step"]), kinds))
+        if f["value"].isna().all() and not bad.any() and len(without) == len(f):
+            continue  # no gradient in any step: said below, not "not measured"
         if f["value"].isna().all() and not bad.any():
             why = sorted({r for r in f["reason"].dropna()})
             unmeasured.append((label, "; ".join(why) if why else "no value recorded in any step"))
@@ -492,6 +507,8 @@ def history(
                 else ""
             )
         )
+    for label, at, kinds in nograd:  # its .grad there, left from before (frozen, zero_grad(set_to_none=False)),
+        title += f"\n{label}: no gradient in step(s) {at} ({kinds}): not drawn"  # is no gradient value
     ax.set_title(title, fontsize=10 if "\n" not in title else 9, loc="left")
     ax.grid(True, which="major", alpha=0.3)
     if unmeasured:  # said on the axes: an empty axis alone would read as a value near 0

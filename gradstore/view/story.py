@@ -13,6 +13,7 @@ import pandas as pd
 
 from ..store import shards
 from ..store.schema import UNWRITTEN
+from ..store.writer import step_ranges
 
 
 @dataclass
@@ -837,7 +838,7 @@ def recorder_faults(store, run: str, step: int, rank: int | None = None) -> str:
     return "; ".join(dict.fromkeys(parts))
 
 
-def changed_most(store, run: str, rank: int | None = None, top: int = 10, which: str = "pass") -> pd.DataFrame:
+def changed_most(store, run: str, rank: int | None = None, top: int | None = 10, which: str = "pass") -> pd.DataFrame:
     """The parameters whose .grad norm (after each step's last backward pass, before any clipping or unscaling: the
     `param_grads(which='pass')` rows; `which='final'`: as the optimizer saw it) moved most over the recorded
     steps of `rank` (default the lowest): param, module, steps (with a finite norm), first, last, smallest,
@@ -847,12 +848,15 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     none), nonfinite_at (the first step whose .grad row held NaN or Inf, counted; NaN where none did, or none was
     counted), nonfinite
     (steps whose .grad held NaN or Inf; NaN where no step's .grad was measured, so none was checked),
-    not_measured (steps whose .grad row could not be measured: skipped, or stats='shape'), norm_of ('' for a plain
+    not_measured (steps whose .grad row could not be measured: skipped, or stats='shape'), no_gradient (steps in
+    which no backward pass gave it a gradient: param_grads' no_gradient, param_status frozen, stale, not used or
+    unreachable; its .grad there, left from before, is not counted in steps, first .. zero_at, nonfinite),
+    no_gradient_why ('' for none; else which steps and why, `no_gradient_words`), norm_of ('' for a plain
     .grad; for a DTensor .grad, whose rows are each rank's shard, 'the whole parameter ...' where every step's
     shards combine (`Store.global_grads`, same `which`): the norms are then the whole parameter's; else 'rank R:
     this rank's shard, ...': the norms are that rank's shard's). Non-finite parameters first, then by ratio,
-    largest first; `top` rows. A flight-recorder run's summary steps keep each parameter's final norm and NaN/Inf
-    count only (`Store.param_norms`): those stand in for their steps' rows (`summaries` counts them). Raises
+    largest first; `top` rows (None: all). A flight-recorder run's summary steps keep each parameter's final norm
+    and NaN/Inf count only (`Store.param_norms`): those stand in for their steps' rows (`summaries` counts them). Raises
     UnknownRun."""
     # 'pass' by default, as the plot beside the report's table draws them (gradstore.view.cells.series): clipping and
     # unscaling after the pass would hide how far the gradient itself moved
@@ -873,6 +877,8 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "nonfinite_at",
                 "nonfinite",
                 "not_measured",
+                "no_gradient",
+                "no_gradient_why",
                 "norm_of",
                 "summaries",
             ]
@@ -883,6 +889,8 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
         bad=(pg["nan"].fillna(0) + pg["posinf"].fillna(0) + pg["neginf"].fillna(0)) > 0,
         norm=pd.to_numeric(pg["norm"], errors="coerce").astype("float64"),
         norm_of="",
+        # no backward pass of the step gave it a gradient: its .grad (left from before) is no value of the step
+        nograd=no_gradient_mask(pg),
     )
     pieces = pg["placements"].map(shards.is_piece)
     if pieces.any():  # DTensor shards: the whole parameter's norms where every rank's shards combine, else say so
@@ -905,13 +913,14 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     rows = []
     for (param, module), f in pg.groupby(["param", "module"], sort=False, dropna=False):
         f = f.sort_values("step")
-        good = f[~f["bad"] & f["norm"].notna() & (f["status"] == "ok")]
-        counted = f["nan"].notna() & (f["status"] == "ok")  # rows whose NaN / Inf were counted
+        own = f[~f["nograd"]]  # the steps whose backward passes gave it a gradient (or where that is not known)
+        good = own[~own["bad"] & own["norm"].notna() & (own["status"] == "ok")]
+        counted = own["nan"].notna() & (own["status"] == "ok")  # rows whose NaN / Inf were counted
         lo, hi = (good["norm"].min(), good["norm"].max()) if len(good) else (np.nan, np.nan)
         # a norm of exactly 0 beside a positive one: the gradient vanished (or appeared), ratio inf, never skipped
         ratio = np.nan if len(good) < 2 or not hi > 0 else np.inf if lo == 0 else hi / lo
         zero_at = good.loc[good["norm"] == 0, "step"].min() if hi > 0 and lo == 0 else np.nan
-        nonfinite_at = f.loc[f["bad"], "step"].min() if f["bad"].any() else np.nan  # counts: a NULL one is 0
+        nonfinite_at = own.loc[own["bad"], "step"].min() if own["bad"].any() else np.nan  # counts: a NULL one is 0
         rows.append(
             {
                 "param": param,
@@ -924,8 +933,12 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
                 "ratio": ratio,
                 "zero_at": zero_at,
                 "nonfinite_at": nonfinite_at,
-                "nonfinite": int(f["bad"].sum()) if counted.any() else np.nan,
-                "not_measured": int(((f["status"] == "skipped") | ((f["status"] == "ok") & f["nan"].isna())).sum()),
+                "nonfinite": int(own["bad"].sum()) if counted.any() else np.nan,
+                "not_measured": int(
+                    ((own["status"] == "skipped") | ((own["status"] == "ok") & own["nan"].isna())).sum()
+                ),
+                "no_gradient": int(f["nograd"].sum()),
+                "no_gradient_why": no_gradient_words(f[f["nograd"]]),
                 "norm_of": f["norm_of"].iloc[0],
                 "summaries": int(f["summary"].sum()),
             }
@@ -934,7 +947,31 @@ def changed_most(store, run: str, rank: int | None = None, top: int = 10, which:
     out["zero_at"] = out["zero_at"].astype("Int64")
     out["nonfinite_at"] = out["nonfinite_at"].astype("Int64")
     out = out.sort_values(["nonfinite", "ratio"], ascending=[False, False], na_position="last", kind="stable")
-    return out.head(top).reset_index(drop=True)
+    return (out if top is None else out.head(top)).reset_index(drop=True)
+
+
+def no_gradient_mask(rows: pd.DataFrame) -> pd.Series:
+    """True for the rows of a `Store.param_grads` frame whose step gave the parameter no gradient (column
+    no_gradient set: param_status frozen with no AccumulateGrad call, stale, not used, unreachable): their .grad,
+    left from before (an earlier gradient, or the zeros zero_grad(set_to_none=False) writes), is no gradient of
+    that step. False where the frame has no such column (a flight-recorder summary's rows)."""
+    if "no_gradient" not in rows:
+        return pd.Series(False, index=rows.index)
+    return rows["no_gradient"].notna()
+
+
+def no_gradient_words(rows: pd.DataFrame) -> str:
+    """Which steps of one parameter's `Store.param_grads` rows (those `no_gradient_mask` picks) gave it no
+    gradient, and why: 'steps 3-5: frozen (requires_grad=False): no backward pass of the step gave it a gradient;
+    its .grad is all zeros, left from before (...)', one part per reason, '; '-joined; '' for no rows. A step with
+    a pass and a final row counts once."""
+    if rows.empty:
+        return ""
+    parts = []
+    for why, f in rows.groupby("no_gradient", sort=False):
+        steps = sorted({int(v) for v in f["step"]})
+        parts.append(f"step{'s' if len(steps) > 1 else ''} {step_ranges(steps)}: {why}")
+    return "; ".join(parts)
 
 
 def _with_summaries(store, run: str, rank: int | None, pg: pd.DataFrame) -> pd.DataFrame:
