@@ -226,4 +226,55 @@ def test_health_level_leaves_mean_and_std_unknown_and_no_gradient_is_none(tmp_pa
     _write(db, "n", [[none], [none]])
     g = _global(db, "n")
     assert g["status"] == "none" and pd.isna(g["not_derivable"]) and pd.isna(g["numel"])
-    assert g["total_norm"] == 0.0  # as clip_grad_norm_ over parameters without a gradient
+    # no parameter holds a gradient: no norm to give (clip_grad_norm_'s 0 for an empty list is no measurement)
+    assert pd.isna(g["total_norm"])
+
+
+def _hand_sgd(db, run, clear_at):
+    """A recorded loop updating by hand (`p -= lr * p.grad`) with no optimizer; in the steps of `clear_at` it then
+    sets `p.grad = None`, in the others it keeps the .grad. Returns each step's .grad norms as backward left them
+    and as the step ended (None where cleared), computed here."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    after_pass, at_end = [], []
+    with gradstore.record(run, db=db, model=m) as rec:
+        for step in range(3):
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            for p in m.parameters():
+                p.grad = None
+            nn.functional.mse_loss(m(x), y).backward()
+            after_pass.append(math.hypot(*(float(p.grad.double().norm()) for p in m.parameters())))
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    if step in clear_at:
+                        p.grad = None
+            at_end.append(None if step in clear_at else after_pass[-1])
+            rec.step()
+    return after_pass, at_end
+
+
+def test_a_step_that_ends_with_no_grad_has_no_total_norm(tmp_path):
+    """A hand-written update that clears `p.grad = None` before the step ends: at the step's end no parameter holds
+    a gradient, so its total norm is NULL (params 0), never 0.0; global_norm gives NaN there and the other steps'
+    totals, and which='pass' still gives the norm of the gradients backward produced."""
+    db = str(tmp_path / "g.db")
+    after_pass, _ = _hand_sgd(db, "all", clear_at={0, 1, 2})
+    with gradstore.open(db) as store:
+        g = store.global_grads("all", which="final")
+        final = store.global_norm("all")
+        passed = store.global_norm("all", which="pass")
+    assert set(g["status"]) == {"none"} and g["total_norm"].isna().all()
+    assert list(final["step"]) == [0, 1, 2] and list(final["params"]) == [0, 0, 0]
+    assert final["total_norm"].isna().all() and list(final["final"]) == [1, 1, 1]
+    assert list(passed["total_norm"]) == pytest.approx(after_pass, rel=1e-6)
+    db2 = str(tmp_path / "mixed.db")
+    after_pass, at_end = _hand_sgd(db2, "mixed", clear_at={1})
+    with gradstore.open(db2) as store:
+        final = store.global_norm("mixed")
+    assert list(final["params"]) == [4, 0, 4]
+    assert final["total_norm"][0] == pytest.approx(at_end[0], rel=1e-6) and pd.isna(final["total_norm"][1])
+    assert final["total_norm"][2] == pytest.approx(at_end[2], rel=1e-6)

@@ -502,8 +502,9 @@ class Store:
             which='pass'; where they were changed before it (a division by the micro-batch count) and it did
             not clip (its total was at most max_norm), it is which='final'; where it clipped, the final norm is
             about max_norm and its return is the step value `clip_grad_norm` (`values(run)`).
-        total_norm is NULL when some parameter's norm is not derivable, and when some gradient holds NaN or Inf
-        (clip_grad_norm_ then returns nan or inf, not the finite elements' norm).
+        total_norm is NULL when some parameter's norm is not derivable, when some gradient holds NaN or Inf
+        (clip_grad_norm_ then returns nan or inf, not the finite elements' norm), and when no parameter has a
+        gradient at that moment (params 0: every `.grad` None, as after a loop that sets `p.grad = None`).
         status: 'written', or 'unwritten' where some rank's step could not be written (a full disk, an I/O error:
         steps status unwritten): such a step is a row too (total_norm NaN, and the counts <NA> where no rank wrote
         it), so that a plot of total_norm over steps shows the gap; reason says why (NULL for a written step).
@@ -532,8 +533,10 @@ class Store:
         # math.hypot of the same norms, which scales, where the total is derivable
         hypot = has.groupby(keys, sort=False)["norm"].agg(lambda v: math.hypot(*map(float, v.dropna())))
         at = out.set_index(keys).index
+        out["total_norm"] = pd.to_numeric(out["total_norm"]).astype(float)  # all NULL: a column of None otherwise
         derived = out["total_norm"].notna().to_numpy()
-        out.loc[derived, "total_norm"] = hypot.reindex(at).to_numpy()[derived]
+        if derived.any():
+            out.loc[derived, "total_norm"] = hypot.reindex(at).to_numpy(dtype=float)[derived]
         return self._with_unwritten(out.assign(status="written", reason=None), lost, which, cols)
 
     @staticmethod
