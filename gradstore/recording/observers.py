@@ -5,11 +5,15 @@ that fix the step's final parameter gradients (gradstore.recording.final_grads).
 While a sampled step is open (`activate`), these public callables are wrapped process-wide and call straight
 through otherwise (and on any thread but the recording's):
 - `torch.nn.utils.clip_grad_norm_` (also as `torch.nn.utils.clip_grad.clip_grad_norm_`): its returned total norm
-  is logged as step value `clip_grad_norm` ('#1', '#2', ... for further calls in the step; read with
-  `Tensor.item()` when the step ends, so no device wait is added), and the final gradients are taken again after
-  it (clipping changed them);
+  is logged as step value `clip_grad_norm` for its default norm_type 2.0 (the L2 norm), `clip_grad_norm[inf]`,
+  `clip_grad_norm[1]`, ... for another norm_type (`norm_name`) ('#1', '#2', ... for further calls in the step;
+  read with `Tensor.item()` when the step ends, so no device wait is added), and the final gradients are taken
+  again after it (clipping changed them);
 - `torch.nn.utils.clip_grads_with_norm_` (the second half of clip_grad_norm_, public): the total norm it is given,
-  the same way; `torch.nn.utils.clip_grad_value_`: the final gradients again;
+  the same way, named by the norm_type of the `torch.nn.utils.get_total_norm` call of the step that returned that
+  very tensor (also wrapped: it notes the types of its results), else `clip_grad_norm[unknown]` (a total computed
+  some other way, or reduced across ranks after get_total_norm: its norm type is the caller's);
+  `torch.nn.utils.clip_grad_value_`: the final gradients again;
 - `torch.amp.GradScaler.unscale_` (also `torch.cuda.amp.GradScaler`, a subclass): the final gradients again;
 - `torch.amp.GradScaler.step`: `grad_scaler.scale` (`get_scale()` before the step: the scale this step's loss
   was multiplied by; 1.0 for a disabled scaler) and `grad_scaler.skipped` (1.0 when the scaler found Inf/NaN and
@@ -35,6 +39,7 @@ gradstore's own is noted on the step and never reaches the caller.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 
 import torch
@@ -59,7 +64,8 @@ _LOSS_DEPTH = 4  # nesting of lists and tuples searched for the tensors given to
 class Observed:
     """What the wrappers report into: the recording thread's id, the step's values (a
     gradstore.recording.step_values.StepValues), its FinalGrads, `fault(where, exc)`, which notes a recorder
-    fault on the step, and `losses`: what GradScaler.scale was given in the step (see `loss_nonfinite`)."""
+    fault on the step, `losses`: what GradScaler.scale was given in the step (see `loss_nonfinite`), and
+    `norm_types`: the results of the step's `get_total_norm` calls with their norm types (`_clip_with_norm`)."""
 
     def __init__(self, thread: int, values, final, fault):
         self.thread = thread
@@ -67,6 +73,7 @@ class Observed:
         self.final = final
         self.fault = fault
         self.losses: list[tuple[bool, torch.Tensor]] = []  # (flags, tensor): see _note_losses
+        self.norm_types: list[tuple[torch.Tensor, float]] = []  # (get_total_norm's result, its norm_type)
 
 
 def _here() -> Observed | None:
@@ -88,17 +95,60 @@ def _log_tensor_or_float(t: Observed, name: str, value) -> None:
     t.values.add(name, value.detach() if isinstance(value, torch.Tensor) else float(value))
 
 
+def norm_name(norm_type) -> str:
+    """The step value name of a total gradient norm of `norm_type` (what clip_grad_norm_ accepts: a float, int or
+    'inf'; None: not known): 'clip_grad_norm' for 2.0 (the L2 norm, the one `Store.global_norm` gives), else
+    'clip_grad_norm[inf]', 'clip_grad_norm[-inf]', 'clip_grad_norm[1]', 'clip_grad_norm[0.5]', and
+    'clip_grad_norm[unknown]' for None. Raises what `float(norm_type)` raises."""
+    if norm_type is None:
+        return "clip_grad_norm[unknown]"
+    p = float(norm_type)  # as torch.nn.utils.get_total_norm reads it
+    if p == 2.0:
+        return "clip_grad_norm"
+    if p in (math.inf, -math.inf):
+        text = "inf" if p > 0 else "-inf"
+    else:
+        text = str(int(p)) if p.is_integer() else repr(p)
+    return f"clip_grad_norm[{text}]"
+
+
+def _norm_type_of(args: tuple, kwargs: dict, at: int):
+    """The norm_type a call was given (positional `at`, or the keyword), else the default 2.0."""
+    return args[at] if len(args) > at else kwargs.get("norm_type", 2.0)
+
+
 def _clip_norm(original):
     @functools.wraps(original)
     def clip_grad_norm_(*args, **kwargs):
         result = original(*args, **kwargs)
         t = _here()
         if t is not None:
-            _guarded("clip_grad_norm_", _log_tensor_or_float, t, "clip_grad_norm", result)
+            _guarded("clip_grad_norm_", _log_clip_norm, t, _norm_type_of(args, kwargs, 2), result)
             _guarded("clip_grad_norm_", t.final.take, "clip_grad_norm_")
         return result
 
     return clip_grad_norm_
+
+
+def _log_clip_norm(t: Observed, norm_type, value) -> None:
+    _log_tensor_or_float(t, norm_name(norm_type), value)
+
+
+def _total_norm(original):
+    @functools.wraps(original)
+    def get_total_norm(*args, **kwargs):
+        result = original(*args, **kwargs)
+        t = _here()
+        if t is not None:
+            _guarded("get_total_norm", _note_norm_type, t, result, _norm_type_of(args, kwargs, 1))
+        return result
+
+    return get_total_norm
+
+
+def _note_norm_type(t: Observed, result, norm_type) -> None:
+    if isinstance(result, torch.Tensor):
+        t.norm_types.append((result, float(norm_type)))
 
 
 def _clip_with_norm(original):
@@ -107,7 +157,8 @@ def _clip_with_norm(original):
         result = original(parameters, max_norm, total_norm, *args, **kwargs)
         t = _here()
         if t is not None:
-            _guarded("clip_grads_with_norm_", _log_tensor_or_float, t, "clip_grad_norm", total_norm)
+            norm_type = next((p for r, p in reversed(t.norm_types) if r is total_norm), None)
+            _guarded("clip_grads_with_norm_", _log_clip_norm, t, norm_type, total_norm)
             _guarded("clip_grads_with_norm_", t.final.take, "clip_grads_with_norm_")
         return result
 
@@ -264,6 +315,7 @@ _WRAPS = (
     (torch.nn.utils, "clip_grad_value_", _clip_value),
     (torch.nn.utils.clip_grad, "clip_grad_value_", _clip_value),
     (torch.nn.utils, "clip_grads_with_norm_", _clip_with_norm),
+    (torch.nn.utils, "get_total_norm", _total_norm),
     (grad_scaler.GradScaler, "scale", _scaler_scale),
     (grad_scaler.GradScaler, "unscale_", _unscale),
     (grad_scaler.GradScaler, "step", _scaler_step),

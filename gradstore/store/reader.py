@@ -501,7 +501,9 @@ class Store:
             given, before it clips them: where they were not changed between the pass and the call, that is
             which='pass'; where they were changed before it (a division by the micro-batch count) and it did
             not clip (its total was at most max_norm), it is which='final'; where it clipped, the final norm is
-            about max_norm and its return is the step value `clip_grad_norm` (`values(run)`).
+            about max_norm and its return is the step value `clip_grad_norm` (`values(run)`). This is for its
+            default norm_type=2.0 (the L2 norm, as total_norm): another norm type's return is the step value
+            `clip_grad_norm[inf]`, `clip_grad_norm[1]`, ..., a different norm.
         total_norm is NULL when some parameter's norm is not derivable, when some gradient holds NaN or Inf
         (clip_grad_norm_ then returns nan or inf, not the finite elements' norm), and when no parameter has a
         gradient at that moment (params 0: every `.grad` None, as after a loop that sets `p.grad = None`).
