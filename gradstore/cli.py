@@ -929,12 +929,14 @@ def _show_nonfinite(
     levels: set | None = None,
     skipped: pd.DataFrame | None = None,
     left=None,
+    unstepped: set | None = None,
 ) -> None:
     """The step's non-finite parameter .grad and node gradients, before any list sorted by norm (a norm is over
     the finite elements: an all-NaN gradient has norm 0 and would sort last). `grads`: param_grads(which='all'),
     the .grad after the step's last backward pass and as the optimizer saw it: a parameter counts when either
     held NaN or Inf (a loop that sets .grad to None before the step ends leaves only the first). `left`
-    (story.LeftOut): what the step reached and did not measure, said with any "none"."""
+    (story.LeftOut): what the step reached and did not measure, said with any "none". `unstepped`: the ranks on
+    which no optimizer stepped in the step (their final rows are the .grad the step ended with)."""
     bad_rows = grads[_nonfinite_mask(grads)]
     bad_params = bad_rows.drop_duplicates(["rank", "param"])
     grads = grads.drop_duplicates(["rank", "param"])
@@ -991,7 +993,10 @@ def _show_nonfinite(
         # both moments where their counts differ (GradScaler.unscale_ or clipping between them), else one row
         shown = bad_rows.drop_duplicates(["rank", "param", "nan", "posinf", "neginf", "norm"]).copy()
         shown["moment"] = [
-            "as the optimizer read it" if f == 1 else "after the last pass" for f in shown["final"].fillna(0)
+            ("at the step's end (no optimizer step)" if rk in (unstepped or ()) else "as the optimizer read it")
+            if f == 1
+            else "after the last pass"
+            for f, rk in zip(shown["final"].fillna(0), shown["rank"])
         ]
         cols = ["rank", "param", "moment", "shape", "numel", "nan", "posinf", "neginf", "norm"]
         click.echo(
@@ -1039,12 +1044,24 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             "rank": steps["rank"],
             "status": steps["status"],
             "passes": steps["passes"],
+            "optimizer_steps": steps["optimizer_steps"].map(lambda n: "-" if pd.isna(n) else int(n)),
             "duration_s": steps["duration"].round(4),
             "error": steps["error"].map(lambda e: "" if e is None or pd.isna(e) else " ".join(str(e).split())[:100]),
         }
     )
     click.echo("\nStep:")
     click.echo(_table(out))
+    from .view.story import NO_OPTIMIZER_STEP, no_optimizer_steps  # pandas only, as the CLI
+
+    unstepped = no_optimizer_steps(steps[steps["status"] != UNWRITTEN])
+    if unstepped:
+        click.echo(
+            f"\nNo optimizer step ran in this step (optimizer_steps 0, rank(s) "
+            f"{', '.join(str(r) for r, _ in sorted(unstepped))}): its final parameter rows are the .grad the step "
+            "ended with, or that zero_grad cleared, not one an optimizer read"
+        )
+    if steps["optimizer_steps"].isna().any():
+        click.echo("(optimizer_steps '-': recorded before schema revision 0014_optimizer_steps, not known)")
     lost = steps[steps["status"] == UNWRITTEN]
     if len(lost):
         ranks_lost = ", ".join(str(int(r)) for r in lost["rank"])
@@ -1239,7 +1256,13 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     grads = store.param_grads(run=run, rank=rank, step=step)
     levels = set(store.steps(run=run, rank=rank, step=step)["level"])
     _show_nonfinite(
-        tensors, store.param_grads(run=run, rank=rank, step=step, which="all"), limit, levels, skipped, left=unhooked
+        tensors,
+        store.param_grads(run=run, rank=rank, step=step, which="all"),
+        limit,
+        levels,
+        skipped,
+        left=unhooked,
+        unstepped={r for r, _ in unstepped},
     )
 
     calls = store.calls(run=run, rank=rank, step=step)
@@ -1306,7 +1329,16 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         others.append(f"{unmeasured:,} with no .grad or not measured (status none / skipped, or stats='shape')")
     pieces = grads["placements"].map(shards.is_piece) if "placements" in grads else pd.Series(False, grads.index)
     columns = ["rank", "param", "status", "shape", "norm", "min", "max", "nan", "posinf", "neginf"]
-    heading = "Largest finite parameter .grad norms (as the step left them for the optimizer; see param_grads)"
+    left_for = "as the step left them for the optimizer"
+    if unstepped:  # no optimizer read them on some rank
+        every = {int(r) for r in steps["rank"]} <= {r for r, _ in unstepped}
+        left_for = (
+            NO_OPTIMIZER_STEP
+            if every
+            else "as the step left them for the optimizer; on rank(s) "
+            + (", ".join(str(r) for r, _ in sorted(unstepped)) + f" {NO_OPTIMIZER_STEP}")
+        )
+    heading = f"Largest finite parameter .grad norms ({left_for}; see param_grads)"
     if pieces.any():
         # a DTensor .grad: each row is this rank's shard; the parameter's norm is combined from every rank's rows
         whole = store.global_grads(run=run, step=step, which="final")
@@ -1325,7 +1357,7 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         top = top.sort_values(["_by", "norm"], ascending=False).head(limit)
         columns = [*columns[:5], "norm_of", "param_norm", *columns[5:]]
         heading = (
-            "Largest finite parameter .grad norms (as the step left them for the optimizer; see param_grads), by the "
+            f"Largest finite parameter .grad norms ({left_for}; see param_grads), by the "
             "parameter's norm. A DTensor .grad's row is this rank's shard: its norm (norm_of says which piece) is "
             "not the parameter's; param_norm is the whole parameter's, what p.grad.full_tensor().norm() returns, "
             "combined exactly from every rank's shards (sqrt of the sum of the shards' squared norms, a replicated "

@@ -242,6 +242,9 @@ class StepBatch:
     # elements not stored (past the budget, not measured, or a failed copy)
     values_bytes: int | None = None
     values_left_out: int | None = None
+    # optimizer steps that ran in the step (`torch.optim.Optimizer.step` calls that returned, on the recording
+    # thread; a GradScaler that skipped its optimizer's step calls none); None: not known
+    optimizer_steps: int | None = None
 
     # the parameter gradients as they stood when the step ended (or its optimizer stepped): param_grad tensor
     # rows (node key, None, role, slot, *ROW_COLUMNS) written without a pass (the `final` rows), and their nodes

@@ -1016,6 +1016,7 @@ def test_upgrade_0012_to_0013_keeps_the_held_claims_and_down_again(tmp_path):
         columns = [r[1] for r in conn.execute("PRAGMA table_info(claims)")]
     assert columns[len(before[0]) :] == ["status", "ended_at", "ended_step", "error", "released_at"]
     assert [r[: len(before[0])] for r in after] == before and {r[len(before[0]) :] for r in after} == {(None,) * 5}
+    _migrate(path, database.head_revision())  # readers open the newest revision only (later ones add to 0013)
     with gradstore.open(path) as store:
         ranks = store.run_ranks("killed")
         assert store.runs("killed").iloc[0]["status"] == "interrupted"
@@ -1030,3 +1031,28 @@ def test_upgrade_0012_to_0013_keeps_the_held_claims_and_down_again(tmp_path):
     with sqlite3.connect(path) as conn:
         assert [r[1] for r in conn.execute("PRAGMA table_info(claims)")] == columns[: len(before[0])]
         assert conn.execute("SELECT * FROM claims").fetchall() == before
+
+
+# ---- revision 0014_optimizer_steps: how many optimizer steps ran in each step ------------------------------------
+def test_upgrade_0013_to_0014_adds_optimizer_steps_as_not_known_and_down_again(tmp_path):
+    """The committed revision-0003 file at 0013_rank_ends, then 0014_optimizer_steps: every steps row keeps its
+    values and its new optimizer_steps is NULL (not known: an older gradstore did not count them), which the steps
+    query gives as missing, never as 0 (0 says no optimizer stepped). Down to 0013 drops the column."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003.db", path)
+    _migrate(path, "0013_rank_ends")
+    with sqlite3.connect(path) as conn:
+        before = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(steps)")]
+    _migrate(path, "0014_optimizer_steps")
+    with sqlite3.connect(path) as conn:
+        after = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
+        now = [r[1] for r in conn.execute("PRAGMA table_info(steps)")]
+    assert now == [*columns, "optimizer_steps"] and after == [(*row, None) for row in before] and before
+    with gradstore.open(path) as store:
+        steps = store.steps()
+    assert len(steps) == len(before) and steps["optimizer_steps"].isna().all()
+    _migrate(path, "0013_rank_ends", down=True)
+    with sqlite3.connect(path) as conn:
+        assert [r[1] for r in conn.execute("PRAGMA table_info(steps)")] == columns
+        assert conn.execute("SELECT * FROM steps ORDER BY id").fetchall() == before

@@ -194,7 +194,8 @@ def test_chromium_renders_the_report_with_no_console_message(demo_page, tmp_path
 def test_a_run_with_final_rows_only_shows_them_and_draws_nothing_false(tmp_path):
     """No backward pass writes .grad: torch.autograd.grad, .grad set by hand from its result, then clipped (the clip
     takes the step's final rows). The "changed most" table reads those rows and says so; no plot of pass rows that
-    do not exist (a log scale of nothing raised)."""
+    do not exist (a log scale of nothing raised). No optimizer steps in this loop: the report says so of its three
+    steps, and never calls those rows what an optimizer saw."""
     import torch
 
     db = str(tmp_path / "f.db")
@@ -209,10 +210,10 @@ def test_a_run_with_final_rows_only_shows_them_and_draws_nothing_false(tmp_path)
                 p.grad = g
             norms.append(float(model.weight.grad.double().norm()))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # a no-op clip: the final rows are the grads
-    page = _write(db, "hand", tmp_path / "f.html")
-    assert "as the optimizer saw it (the step&#x27;s final rows: no backward pass" in page or (
-        "as the optimizer saw it (the step's final rows: no backward pass" in page
-    )
+    page = _write(db, "hand", tmp_path / "f.html").replace("&#x27;", "'")
+    assert "at the end of each step (the step's final rows; no optimizer stepped in any step" in page
+    assert "as the optimizer saw it" not in page
+    assert "3 step records ran no optimizer step (steps 0-2; steps column optimizer_steps 0)" in page
     assert "No .grad after a backward pass recorded: nothing to draw." in page
     assert "No parameter .grad rows recorded" not in page
     with gradstore.open(db) as store:

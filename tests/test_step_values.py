@@ -310,6 +310,53 @@ def test_clip_grad_norm_values_are_named_by_their_norm_type(db):
     )
 
 
+def test_optimizer_steps_are_counted_and_a_step_without_one_is_not_called_what_the_optimizer_read(db):
+    """steps.optimizer_steps counts the optimizer steps that ran in each step (expected: each optimizer's own step
+    post-hook, counting in plain PyTorch): 1, 0 (the loop skipped it), 2 (two optimizers), 0 (a GradScaler found
+    Inf and skipped it). Where none ran, `gradstore show` says so and does not call the final rows what the
+    optimizer read."""
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    net = _net()
+    first = torch.optim.SGD(net[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(net[2].parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    counted = [0]
+    for opt in (first, second):
+        opt.register_step_post_hook(lambda *_: counted.__setitem__(0, counted[0] + 1))
+    expected = []
+    with gradstore.record("opt", db=db, model=net) as rec:
+        for i, x in enumerate(_batches(4)):
+            counted[0] = 0
+            loss = net(x).pow(2).mean()
+            if i == 3:
+                scaler.scale(loss * float("inf")).backward()
+                scaler.step(first)  # finds Inf: skips first.step()
+                scaler.update()
+            else:
+                loss.backward()
+                if i in (0, 2):
+                    first.step()
+                if i == 2:
+                    second.step()
+            first.zero_grad()
+            second.zero_grad()
+            expected.append(counted[0])
+            rec.step()
+    assert expected == [1, 0, 2, 0]  # the test's own count
+    steps = gradstore.open(db).steps("opt")
+    assert list(steps["optimizer_steps"]) == expected
+    for step, ran in enumerate(expected):
+        out = CliRunner().invoke(main, ["show", db, "opt", "--step", str(step)], catch_exceptions=False).output
+        said = "No optimizer step ran in this step" in out
+        assert said == (ran == 0), (step, out)
+        heading = next(line for line in out.splitlines() if line.startswith("Largest finite parameter .grad"))
+        assert ("for the optimizer" in heading) == (ran > 0), heading
+        assert ("no optimizer step in this step" in heading) == (ran == 0), heading
+
+
 def _amp_loop(net, opt, scaler, batches, poison_at, rec=None):
     scales, skipped, params = [], [], []
     for i, x in enumerate(batches):

@@ -310,6 +310,7 @@ class FinalGrads:
         # the last such step (hooks.cpp bytes; None: not read): gradstore.recording.optimizer_reads
         self.read_ids: set[int] = set()
         self.read_states: bytes | None = None
+        self.optimizer_steps = 0  # optimizer `step()` calls that returned in the step (`optimizer_stepped`)
 
     def take(self, why: str) -> None:
         """Take the snapshot now, replacing an earlier one of the step. `why` names the moment.
@@ -501,6 +502,11 @@ class FinalGrads:
         if self._locked:
             for key in self._keys_of(ids):
                 self._locked.pop(key, None)
+
+    def optimizer_stepped(self) -> None:
+        """An optimizer's `step()` returned (torch.optim's global post-hook): counted in `optimizer_steps`, what
+        steps.optimizer_steps stores. A GradScaler that skipped the step called none: not counted."""
+        self.optimizer_steps += 1
 
     def _any_grad(self) -> bool:
         """Whether a recorded parameter holds a `.grad` now."""

@@ -28,7 +28,8 @@ through otherwise (and on any thread but the recording's):
   public): the final gradients just before an optimizer steps, after every pre-hook of its own and every global
   one (the global pre-hook adds one to the optimizer, last, for the step: `Optimizer.register_step_pre_hook`),
   taken again there where the snapshot the step holds may no longer be what the optimizer reads
-  (`FinalGrads.at_optimizer_step`), and when it returns if a backward pass ran inside it (a closure);
+  (`FinalGrads.at_optimizer_step`), and when it returns if a backward pass ran inside it (a closure); each step
+  that returns is counted (`FinalGrads.optimizer_steps`: steps.optimizer_steps);
 - `torch.optim.Optimizer.zero_grad` and `torch.nn.Module.zero_grad`: the final gradients just before they are
   cleared, unless already taken after the last backward pass (a loop that zeroes them inside the step); an
   optimizer step after that takes them again (it steps with what zero_grad left).
@@ -305,6 +306,7 @@ def _optimizer_post_hook(optimizer, args, kwargs):
         hook.remove()
     t = _here()
     if t is not None:
+        _guarded("optimizer step post-hook", t.final.optimizer_stepped)
         _guarded("optimizer step post-hook", t.final.take_if_missing, "optimizer step (after its closure)")
         _guarded("optimizer step post-hook", t.final.after_optimizer_step, optimizer)
 

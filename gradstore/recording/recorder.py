@@ -834,6 +834,7 @@ class record:
             final=final_rows,
             final_nodes=final_nodes,
             values=values,
+            optimizer_steps=final.optimizer_steps if final is not None else None,
         )
         if state.values is not None:
             batch.values_bytes, batch.values_left_out = state.values.bytes, state.values.left_out

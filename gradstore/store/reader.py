@@ -206,7 +206,10 @@ class Store:
         before gradstore said so reads unmeasured too; or unwritten: the writer could not write the step, a full
         disk or an I/O error, and only this row is stored, its error saying why), not_measured (gradient rows
         skipped: `not_measured()` gives their reasons; NULL for an unwritten step), passes,
-        tracing_passes (torch.compile's tracing calls of autograd, not recorded), level (the stats level; 'summary' for
+        tracing_passes (torch.compile's tracing calls of autograd, not recorded), optimizer_steps (the optimizer
+        `step()` calls that returned in the step; 0: none did, and the step's final param_grad rows are the .grad
+        the step ended with, or that zero_grad cleared, not one an optimizer read; NULL: recorded before schema
+        revision 0014_optimizer_steps, not known), level (the stats level; 'summary' for
         a flight-recorder step written without its detail), dropped (rows), waited (s), values_bytes and values_left_out
         (record(values=...)), started_at, ended_at, duration (s), error; then one column per step value the steps logged
         (`values`; a name equal to one of the columns before it gets the prefix 'value:'), NaN where a step has none."""
@@ -439,8 +442,9 @@ class Store:
         its norm as one (a final row is labelled only where it matches the step's pass row: code may set .grad
         after the pass).
 
-        which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN), or,
-            for a step without that row (recorded before schema revision 0009_loop), as the step's last
+        which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN; in a step
+            where no optimizer stepped, `steps` optimizer_steps 0, the .grad the step ended with, or that zero_grad
+            cleared), or, for a step without that row (recorded before schema revision 0009_loop), as the step's last
             top-level backward pass returned it (final = 0); 'pass': always the latter; 'all': both rows (two a
             step, not one per pass: each micro-batch's pass rows are `tensors(role='param_grad')`).
         Raises UnknownRun; QueryParameterError for another `which`; ArgumentError (a ValueError) for another

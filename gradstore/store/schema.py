@@ -111,6 +111,10 @@ steps = Table(
     # not measured, or a failed copy; earlier versions counted only the budget's)
     Column("values_bytes", BigInteger),
     Column("values_left_out", Integer),
+    # optimizer `step()` calls that returned in the step (revision 0014_optimizer_steps; NULL before it: not known).
+    # 0: no optimizer stepped (a skipped step, a hand-written update, a GradScaler that skipped it): the step's
+    # final param_grad rows are then the .grad the step ended with (or that zero_grad cleared), not one it read
+    Column("optimizer_steps", Integer),
     UniqueConstraint("run_id", "rank", "step"),
 )
 

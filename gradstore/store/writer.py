@@ -390,6 +390,7 @@ class Writer:
                     "tracing_passes",
                     "values_bytes",
                     "values_left_out",
+                    "optimizer_steps",
                 ),
             )
             + returning
@@ -947,6 +948,7 @@ class Writer:
                             b.tracing_passes,
                             None,
                             None,
+                            b.optimizer_steps,
                         ),
                     )
                     if self._pg:
@@ -1184,6 +1186,7 @@ class Writer:
                 b.tracing_passes,
                 b.values_bytes,
                 b.values_left_out,
+                b.optimizer_steps,
             ),
         )
         if summary_id is not None:

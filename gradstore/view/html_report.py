@@ -256,6 +256,16 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
     steps = steps[steps["status"] != UNWRITTEN]  # below: the steps written
     if steps.empty:
         return
+    unstepped = story.no_optimizer_steps(steps)
+    if unstepped:  # their final rows are not what an optimizer read: said before anything reads them
+        scaled = unstepped & (story.amp_skipped_steps(store, run) if store is not None else set())
+        page.add(
+            f'<p class="note">{len(unstepped):,} step record{"s" if len(unstepped) > 1 else ""} ran no optimizer step '
+            f"(steps {_e(_ranges(sorted({st for _, st in unstepped})))}; steps column optimizer_steps 0"
+            + (f"; in {len(scaled):,} of them a torch.amp.GradScaler skipped it" if scaled else "")
+            + "): their final parameter rows are the .grad the step ended with, or that zero_grad cleared, not one "
+            "an optimizer read.</p>"
+        )
     unmeasured = int((steps["status"] == "unmeasured").sum())
     skipped = steps["not_measured"].fillna(0).astype(int) if "not_measured" in steps else steps["step"] * 0
     why = _not_measured_why(store, run) if skipped.any() and store is not None else ""
@@ -306,12 +316,14 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
         }
     )
     skipped_steps = story.amp_skipped_steps(store, run) if store is not None else set()
-    if skipped_steps:  # said beside the status: a nonfinite step whose optimizer step a GradScaler skipped
+    if skipped_steps or unstepped:  # said beside the status: a bad step whose optimizer did not step
         out.insert(
             3,
             "optimizer step",
             [
-                "skipped by GradScaler" if (int(rk), int(st)) in skipped_steps else ""
+                "skipped by GradScaler"
+                if (int(rk), int(st)) in skipped_steps
+                else ("none ran" if (int(rk), int(st)) in unstepped else "")
                 for rk, st in zip(shown["rank"], shown["step"])
             ],
         )
@@ -569,8 +581,11 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
     pf = story.param_first(store, run)
     if pf is not None:  # a parameter's .grad held NaN / Inf before any recorded node call did
         counts = ", ".join(f"{n:,} {w}" for w, n in (("NaN", pf.nan), ("+Inf", pf.posinf), ("-Inf", pf.neginf)) if n)
+        no_step = (pf.rank, pf.step) in story.no_optimizer_steps(store.steps(run=run, step=pf.step))
         seen = (
             "as the optimizer read it (the step's final row)"
+            if pf.pass_ is None and not no_step
+            else f"in the step's final row ({story.NO_OPTIMIZER_STEP})"
             if pf.pass_ is None
             else f"when backward pass {pf.pass_} returned"
         )
@@ -775,9 +790,16 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         )
     every, when = story.changed_most(store, run, top=None), "after the step's last backward pass"
     if every.empty:  # no top-level backward pass recorded a .grad: the final rows, where there are
+        ran = store.steps(run=run)
+        seen = (  # no optimizer stepped in any step (optimizer_steps 0 throughout): none read them
+            "at the end of each step (the step's final rows; no optimizer stepped in any step: not what an optimizer "
+            "read"
+            if len(ran) and ran["optimizer_steps"].eq(0).all()
+            else "as the optimizer saw it (the step's final rows"
+        )
         every, when = (
             story.changed_most(store, run, top=None, which="final"),
-            ("as the optimizer saw it (the step's final rows: no backward pass of the run recorded a .grad)"),
+            f"{seen}: no backward pass of the run recorded a .grad)",
         )
     top = every.head(10)
     if top.empty:
@@ -811,7 +833,8 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         )
         + (
             f" For the run's {int(top['summaries'].max()):,} flight-recorder summary steps, which keep each "
-            "parameter's final norm and NaN/Inf count only, that final norm (as the optimizer read it) stands in "
+            "parameter's final norm and NaN/Inf count only, that final norm (as the optimizer read it, in a step where "
+            "one stepped) stands in "
             "(column summaries)."
             if top["summaries"].any()
             else ""

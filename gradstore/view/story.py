@@ -533,6 +533,20 @@ def _narrowing(outs: pd.DataFrame, bad_ins: pd.DataFrame) -> Narrowing | None:
     return None
 
 
+# how a step's final param_grad rows are described where no optimizer stepped in it (steps.optimizer_steps 0)
+NO_OPTIMIZER_STEP = "no optimizer step in this step: the .grad the step ended with, or that zero_grad cleared"
+
+
+def no_optimizer_steps(steps: pd.DataFrame) -> set[tuple[int, int]]:
+    """(rank, step) of the rows of `steps` (a `Store.steps` frame) in which no optimizer stepped (optimizer_steps 0:
+    their final rows are not what an optimizer read). A step recorded before schema revision 0014_optimizer_steps
+    (NULL: not known) is not among them."""
+    if "optimizer_steps" not in steps or steps.empty:
+        return set()
+    none = steps[steps["optimizer_steps"].eq(0)]
+    return {(int(a), int(b)) for a, b in zip(none["rank"], none["step"])}
+
+
 def amp_skipped_steps(store, run: str, rank: int | None = None) -> set[tuple[int, int]]:
     """(rank, step) of the steps of `run` in which a torch.amp.GradScaler skipped the optimizer step (step value
     grad_scaler.skipped, or grad_scaler.skipped#k for a second scaler, equal to 1: its inf check found NaN/Inf in
