@@ -394,3 +394,93 @@ def test_a_summary_step_that_measured_nothing_is_unmeasured(db):
     steps = gradstore.open(db).steps("meta")
     assert set(steps["level"]) == {"summary"} and set(steps["status"]) == {"unmeasured"}
     assert rec.last_step.status == "unmeasured"
+
+
+def _clipped(db, run, inputs, scaler=None, unused=False, **options):
+    """A loop that clips with `clip_grad_norm_(params, 1.0)` (HF Trainer's max_grad_norm, Lightning's
+    gradient_clip_val), optionally under a GradScaler (unscale_ first) and with a parameter no loss uses (its .grad
+    stays None). Returns what clip_grad_norm_ returned each step (the pre-clip L2 norm, as PyTorch computes it),
+    the total norm of the .grads after clipping (by hand) and the recorder's last steps."""
+    net = _net()
+    if unused:
+        net.add_module("unused", nn.Linear(2, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    returned, after, outcomes = [], [], []
+    with gradstore.record(run, db=db, model=net, **options) as rec:
+        for x, factor in inputs:
+            loss = net[2](net[1](net[0](x))).pow(2).mean() * factor
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            returned.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)))
+            after.append(
+                float(torch.stack([p.grad.double().norm() for p in net.parameters() if p.grad is not None]).norm())
+            )
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            rec.step()
+            outcomes.append(rec.last_step)
+    return returned, after, outcomes
+
+
+@pytest.mark.parametrize("more", [{}, {"checksum": True}, {"stats": "params"}], ids=["packed", "python", "params"])
+def test_a_spike_under_gradient_clipping_dumps(db, more):
+    """Clipping caps the final total at max_norm: a 1000x explosion must still fire 'spike', judged on the
+    gradients as backward produced them (clip_grad_norm_'s own return is the expected pre-clip total); whichever
+    way the pass measured them (packed in C++, or in Python where a checksum is due)."""
+    inputs = _inputs(16, spike_at={14})
+    returned, after, _ = _clipped(db, "clip", inputs, keep=2, dump_on="spike", spike_factor=50, **more)
+    median = pd.Series(returned[:14]).median()
+    assert returned[14] > 50 * median and max(returned[:14]) < 50 * median  # the test's own check of the trigger
+    assert max(after) <= 1.0 + 1e-6  # what the optimizer read never exceeds max_norm
+    dumps = gradstore.open(db).dumps("clip")
+    assert list(zip(dumps["step"], dumps["reason"], dumps["first_step"], dumps["last_step"])) == [(14, "spike", 13, 14)]
+
+
+def test_a_spike_under_a_growing_loss_scale_and_clipping_dumps_at_the_spike_only(db):
+    """Under a GradScaler whose scale doubles every step (growth_interval=1), the gradients backward produces grow
+    2x a step with no explosion at all; the pre-clip total is judged unscaled (divided by the scale the step
+    logged: clip_grad_norm_'s return after unscale_), so only the real spike at step 14 fires."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_factor=2.0, growth_interval=1)
+    returned, _, _ = _clipped(
+        db, "amp", _inputs(16, spike_at={14}), scaler=scaler, keep=2, dump_on="spike", spike_factor=50
+    )
+    median = pd.Series(returned[:14]).median()
+    assert returned[14] > 50 * median and max(returned[:14]) < 50 * median  # the test's own check
+    dumps = gradstore.open(db).dumps("amp")
+    assert list(zip(dumps["step"], dumps["reason"])) == [(14, "spike")]
+
+
+def test_a_parameter_without_a_gradient_does_not_blind_the_spike_trigger(db):
+    """A parameter no loss reaches keeps .grad None: the totals leave it out, as clip_grad_norm_ does (its return
+    is the expected total), and the spike fires; rec.last_step.grad_norm is the total after clipping, by hand."""
+    returned, after, outcomes = _clipped(
+        db, "unused", _inputs(16, spike_at={14}), unused=True, keep=2, dump_on="spike", spike_factor=50
+    )
+    assert [o.grad_norm for o in outcomes] == pytest.approx(after, rel=1e-9)
+    median = pd.Series(returned[:14]).median()
+    assert returned[14] > 50 * median and max(returned[:14]) < 50 * median
+    dumps = gradstore.open(db).dumps("unused")
+    assert list(zip(dumps["step"], dumps["reason"])) == [(14, "spike")]
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["cpp-hooks", "python-hooks"])
+def test_the_pre_clip_total_from_the_rows_of_the_passs_host_copy(db, monkeypatch, saved):
+    """Gradients on a device are measured into device tensors and copied to the host once per pass: the pre-clip
+    total is then read from the rows of that copy (after the C++ hooks' pass, or the Python hooks'). On this CPU
+    machine the copy is made as if the results were on a device (needs_transfer answers True)."""
+    from gradstore.recording import passes
+
+    monkeypatch.setattr(passes, "needs_transfer", lambda measured: True)
+    inputs = _inputs(16, spike_at={14})
+    returned, _, _ = _clipped(db, "copy", inputs, keep=2, dump_on="spike", spike_factor=50, checksum=True, saved=saved)
+    median = pd.Series(returned[:14]).median()
+    assert returned[14] > 50 * median and max(returned[:14]) < 50 * median
+    dumps = gradstore.open(db).dumps("copy")
+    assert list(zip(dumps["step"], dumps["reason"])) == [(14, "spike")]

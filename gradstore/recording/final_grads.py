@@ -29,13 +29,13 @@ from operator import attrgetter
 
 import torch
 
-from ..records import ROLE, NodeInfo
+from ..records import ROLE, STATUS, NodeInfo
 from . import native
 from . import torch_private as tp
 from .options import Options
 from .param_list import ParamList
 from .rows import PackedRows
-from .stats import NONFINITE_COLUMNS, ROW_COLUMNS, Row, measure, measure_many, to_rows
+from .stats import NONFINITE_COLUMNS, NORM, ROW_COLUMNS, Measured, Row, measure, measure_many, to_rows
 
 
 def world_size() -> int:
@@ -134,6 +134,7 @@ def _pick(params: ParamList, options: Options) -> tuple[tuple, tuple]:
 
 
 _REQUIRES_GRAD, _GRAD = attrgetter("requires_grad"), attrgetter("grad")
+_STATUS_AT = 4  # a tensor row's status: (key, seq, role, slot, *ROW_COLUMNS)
 # the tensor types whose `requires_grad` and `.grad` C++ reads as Python does (a subclass may override them)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NORM_AT, _NAN_AT = ROW_COLUMNS.index("norm"), ROW_COLUMNS.index("nan")
@@ -147,7 +148,8 @@ class PackedParams:
     nodes: their NodeInfos (key 'param:<name>'); keys: those keys; rows: their tensor rows, (key, None, role code of
     param_grad, 0, *ROW_COLUMNS, sharding) each, as a `rows.PackedRows` (built where it is first read: the writer's
     child process); norms, counts: per parameter, its row's `norm` and its NaN + Inf count (None where the row has
-    none: a `.grad` of None, stats='shape'); nonfinite: any count above 0. It holds no parameter or tensor."""
+    none: a `.grad` of None, stats='shape'); nonfinite: any count above 0; absent: the keys of the parameters whose
+    `.grad` was None (found only where some norm is None). It holds no parameter or tensor."""
 
     nodes: list[NodeInfo]
     keys: list[str]
@@ -156,12 +158,15 @@ class PackedParams:
     counts: list
     nonfinite: bool
     declined: int = 0  # `.grad`s the C++ hooks left to `stats.measure` (a device or float16 tensor, a DTensor)
+    absent: frozenset = frozenset()
 
     def again(self) -> PackedParams:
         """The same measurement with rows of its own (a new `rows.PackedRows` over the same bytes): the step's final
         rows where they are the pass's (`FinalGrads.take`)."""
         rows = PackedRows("tensors", len(self.rows), self.rows.payload)
-        return PackedParams(self.nodes, self.keys, rows, self.norms, self.counts, self.nonfinite, self.declined)
+        return PackedParams(
+            self.nodes, self.keys, rows, self.norms, self.counts, self.nonfinite, self.declined, self.absent
+        )
 
 
 def pack_params(
@@ -191,14 +196,48 @@ def pack_params(
         counts[i] = None if nan is None else nan + (row[_NAN_AT + 1] or 0) + (row[_NAN_AT + 2] or 0)
     keys = [info.key for info in nodes]
     rows = PackedRows("tensors", len(keys), (blob, keys, fallbacks, []))
-    return PackedParams(nodes, keys, rows, norms, counts, any(counts), len(declined))
+    # the rare case (some norm unknown): which of them is a .grad of None
+    absent = frozenset(k for k, g in zip(keys, grads) if g is None) if None in norms else frozenset()
+    return PackedParams(nodes, keys, rows, norms, counts, any(counts), len(declined), absent)
 
 
-def total_norm(norms: list) -> float | None:
-    """sqrt(sum of squares) of the parameters' norms (floats, in order); None when any is unknown or there are none."""
-    if not norms or any(n is None for n in norms):
+def total_norm(norms: list, keys: list = (), absent: frozenset = frozenset()) -> float | None:
+    """sqrt(sum of squares) of the parameters' norms (floats, in order), leaving out the parameters whose key (in
+    `keys`, in the same order) is in `absent` (no `.grad`: as `torch.nn.utils.clip_grad_norm_` leaves them out);
+    None when another one's norm is unknown (skipped, not measured) or no parameter is left."""
+    if absent:
+        norms = [n for n, k in zip(norms, keys) if k not in absent]
+    if not norms or None in norms:
         return None
     return math.hypot(*norms)  # scaled: no Inf past 1.3e154, no 0.0 under 1.5e-154
+
+
+_NONE_CODE = STATUS["none"]
+
+
+def norms_of(results: list, keys: list) -> tuple[list, frozenset]:
+    """(norms, absent) of parameter gradients measured in Python, from what is on the host now: per result (a
+    `Measured`, a `stats.Row`, a row from `stats.to_rows`, a `shape_only` tuple) its norm, None where not known
+    here (skipped, stats='shape', statistics still in a device tensor), and the keys (of `keys`, in order) of the
+    `.grad`s that were None. Reads no tensor."""
+    norms, absent = [], set()
+    for m, key in zip(results, keys):
+        if type(m) is Measured:
+            vec = m.vec
+            if m.status == "none":
+                absent.add(key)
+                norms.append(None)
+            elif type(vec) is tuple:
+                norms.append(float(vec[NORM]))
+            else:
+                norms.append(0.0 if m.status == "ok" and vec is None and m.numel == 0 else None)
+        elif len(m) > _NORM_AT:  # a row: (status code, reason, dtype, shape, numel, norm, ...)
+            if m[0] == _NONE_CODE:
+                absent.add(key)
+            norms.append(m[_NORM_AT])
+        else:  # a shape_only (dtype, size): no statistic
+            norms.append(None)
+    return norms, frozenset(absent)
 
 
 def _rows_in_cpp(grads: list, level: str) -> list | None:
@@ -311,6 +350,7 @@ class FinalGrads:
         self.read_ids: set[int] = set()
         self.read_states: bytes | None = None
         self.optimizer_steps = 0  # optimizer `step()` calls that returned in the step (`optimizer_stepped`)
+        self.absent: frozenset = frozenset()  # `rows`: the keys of its rows whose `.grad` was None
 
     def take(self, why: str) -> None:
         """Take the snapshot now, replacing an earlier one of the step. `why` names the moment.
@@ -455,15 +495,32 @@ class FinalGrads:
         NaN + Inf counts)) of the snapshot, taking it first if the step has none; empty when no top-level backward
         pass ran. The rows are a `rows.PackedRows` where the C++ hooks packed them (`pack_params`), else a list built
         here, on the training thread (one host copy per device for results still in device tensors). The norms and
-        counts are per parameter, None where its row has none (what gradstore.recording.flight's summary holds)."""
+        counts are per parameter, None where its row has none (what gradstore.recording.flight's summary holds).
+        `absent` is then the keys of the rows whose `.grad` was None (found only where some norm is None)."""
         try:
             self.take_if_missing("end of step")
         finally:
             self.close()
         got = self._snapshot_rows()
+        absent = self._absent(got[3][1])
         self.results = None
         locked, self._locked, self._stepped = self._locked, {}, set()
-        return _with_locked(got, locked) if locked else got
+        if locked:  # their rows are what an optimizer read
+            got = _with_locked(got, locked)
+            absent = absent - locked.keys()
+            if None in got[3][1]:
+                absent |= {k for k, (_, row, _, _) in locked.items() if row[_STATUS_AT] == _NONE_CODE}
+        self.absent = frozenset(absent)
+        return got
+
+    def _absent(self, norms: list) -> frozenset:
+        """The keys of the snapshot's parameters whose `.grad` was None, where some of `norms` (its norms) is None."""
+        results = self.results
+        if results is None or None not in norms:
+            return frozenset()
+        if isinstance(results, PackedParams):
+            return results.absent
+        return norms_of(results, [n.key for n in self.nodes])[1]
 
     def _snapshot_rows(self) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:
         """`rows`' 4-tuple for the snapshot held now (empty where there is none), which stays held."""

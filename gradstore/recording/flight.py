@@ -8,10 +8,19 @@ non-finite count in `param_norms`); the full detail of the steps in the ring is 
   GradScaler skipped the optimizer step for what can be an overflow of its loss scale (AMP's own handling)
   does not trigger, one whose skip cannot be one (gradstore.recording.reaction.not_an_overflow: a NaN/Inf
   loss or forward, a scale of 1 or less) does;
-- 'spike': the total norm of the final parameter gradients (over finite elements) is more than `spike_factor`
-  times the median of the previous (up to) SPIKE_WINDOW steps' totals, once at least SPIKE_MIN are known, and
-  the last step judged before it (status ok, with a total) was no spike: a step between that raised or went
-  non-finite does not end a run of spikes;
+- 'spike': a total gradient norm of the step is more than `spike_factor` times the median of the previous (up
+  to) SPIKE_WINDOW steps' totals of the same kind, once at least SPIKE_MIN are known, and the last step judged
+  before it (status ok, with a total) was no spike: a step between that raised or went non-finite does not end a
+  run of spikes. Two totals are judged, each against its own running median, and either fires it:
+  - the pre-clip total: the norm of the parameters' gradients as the step's last top-level backward pass left
+    them (its param_grad rows: after gradient accumulation, before any clipping, division or unscaling),
+    divided by the GradScaler scale the step logged (step value grad_scaler.scale) where it logged one: what
+    `clip_grad_norm_` would return there. Clipping (`clip_grad_norm_(params, 1.0)`, HF Trainer's max_grad_norm,
+    Lightning's gradient_clip_val) caps the final total at max_norm, so an explosion under clipping shows here
+    only;
+  - the final total: the norm of the step's final parameter gradients (what the optimizer read);
+  each over the parameters that hold a gradient (a `.grad` of None is left out, as clip_grad_norm_ does; one
+  that is not measured, skipped, leaves that total unknown), over finite elements;
 - 'error': the step raised;
 - `rec.dump()`: the ring is written at once, and the current step in full when it ends.
 
@@ -113,21 +122,33 @@ class FlightRecorder:
         self.dump_on = frozenset(dump_on)
         self.spike_factor = spike_factor
         self.ring: deque[Held] = deque(maxlen=keep - 1)  # the earlier steps; a dump adds the current one
-        self.totals: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.totals: deque[float] = deque(maxlen=SPIKE_WINDOW)  # the final totals
+        self.pass_totals: deque[float] = deque(maxlen=SPIKE_WINDOW)  # the pre-clip totals
         self.was_nonfinite = False
         self.was_spike = False
         self.full_next = False  # rec.dump(): the current step is written in full when it ends
         self.pending_row: tuple[str, int, int] | None = None
 
-    def _trigger(self, batch: StepBatch, failed: bool, amp_overflow: bool, total: float | None) -> str | None:
-        nonfinite = batch.status == "nonfinite" and not amp_overflow
+    def _judge(self, totals: deque, total: float | None) -> tuple[bool, bool]:
+        """(judged, spike) of `total` against the running median of `totals`, to which it is then added."""
+        if total is None:
+            return False, False
         spike = False
-        judged = total is not None and not nonfinite and batch.status == "ok"
-        if judged:
-            if len(self.totals) >= SPIKE_MIN:
-                median = statistics.median(self.totals)
-                spike = median > 0 and total > self.spike_factor * median
-            self.totals.append(total)
+        if len(totals) >= SPIKE_MIN:
+            median = statistics.median(totals)
+            spike = median > 0 and total > self.spike_factor * median
+        totals.append(total)
+        return True, spike
+
+    def _trigger(
+        self, batch: StepBatch, failed: bool, amp_overflow: bool, total: float | None, pass_total: float | None
+    ) -> str | None:
+        nonfinite = batch.status == "nonfinite" and not amp_overflow
+        spike = judged = False
+        if not nonfinite and batch.status == "ok":
+            final_judged, final_spike = self._judge(self.totals, total)
+            pass_judged, pass_spike = self._judge(self.pass_totals, pass_total)
+            judged, spike = final_judged or pass_judged, final_spike or pass_spike
         reason = None
         if failed and "error" in self.dump_on:
             reason = "error"
@@ -141,12 +162,18 @@ class FlightRecorder:
         return reason
 
     def end_step(
-        self, batch: StepBatch, failed: bool, amp_overflow: bool, total: float | None
+        self,
+        batch: StepBatch,
+        failed: bool,
+        amp_overflow: bool,
+        total: float | None,
+        pass_total: float | None = None,
     ) -> tuple[list[StepBatch], str | None]:
         """The batches to write for the step that ended (its summary, or a dump), and the trigger that fired
         (or 'manual', or None). `batch` is the step in full, with its param_norms and values; `amp_overflow`:
-        a GradScaler skipped the optimizer step for what can be an overflow of its loss scale."""
-        reason = self._trigger(batch, failed, amp_overflow, total)
+        a GradScaler skipped the optimizer step for what can be an overflow of its loss scale; `total`, `pass_total`:
+        the step's final and pre-clip total gradient norms (None: not known), judged by 'spike'."""
+        reason = self._trigger(batch, failed, amp_overflow, total, pass_total)
         if reason is None and not self.full_next:
             held = Held(batch)
             self.ring.append(held)

@@ -271,6 +271,12 @@ class Options:
         return None if self.stats == "params" else self.stats
 
     @property
+    def judges_spikes(self) -> bool:
+        """The flight recorder's 'spike' trigger is on: each top-level backward pass notes its parameters' total
+        gradient norm (`StepState.pass_norm`)."""
+        return self.keep is not None and "spike" in self.dump_on
+
+    @property
     def param_level(self) -> str:
         """Statistics level of param_grad rows: all statistics except at stats='shape'/'health'."""
         return "full" if self.stats == "params" else self.stats
@@ -326,7 +332,7 @@ def _flight(keep, dump_on, spike_factor, stats, every, steps) -> tuple[tuple[str
         spike_factor = SPIKE_FACTOR
     if isinstance(spike_factor, bool) or not isinstance(spike_factor, (int, float)) or not spike_factor > 1:
         raise RecordUsageError(
-            f"record(spike_factor=...) is a number > 1 (times the running median of the total gradient norm), "
+            f"record(spike_factor=...) is a number > 1 (times the running median of a total gradient norm), "
             f"got {spike_factor!r}"
         )
     if "nonfinite" in dump_on and stats == "shape":

@@ -28,7 +28,7 @@ import torch
 from ..records import COMPILED_AUTOGRAD_REASON, NodeInfo, PassRecord
 from . import native as native_hooks
 from . import torch_private as tp
-from .final_grads import measure_params, pack_params, reusable, wanted, watch_start, watch_stop
+from .final_grads import measure_params, norms_of, pack_params, reusable, total_norm, wanted, watch_start, watch_stop
 from .graph import Keyed, LazyNodes, describe, roots_of, walk
 from .inside import PassInside
 from .native import LEVEL_CODES
@@ -72,6 +72,10 @@ class StepState:
         # the top-level passes that raised: (pass number, 'Type: message', id of the exception); the exception
         # itself is not kept (its traceback holds the frames, and with them the graph's tensors)
         self.raised: list[tuple[int, str, int]] = []
+        # record(keep=N) with the 'spike' trigger: the total norm of the parameters' gradients as the step's last
+        # top-level backward pass left them (before any clipping; None: not measured), from that pass's own
+        # measurement (PassRecorder.finish)
+        self.pass_norm: float | None = None
 
     def next_seq(self) -> int:
         if self.native_step is not None:
@@ -601,6 +605,10 @@ class PassRecorder:
                 self.step.note_grads(self.params, after)
                 if self.grads_before is not None:
                     rec.grads_changed = grads_changed(self.params, self.grads_before, after)
+            judge = False
+            if rec.kind == "backward" and rec.parent_pass is None:
+                judge = ok and self.options.judges_spikes
+                self.step.pass_norm = None  # this pass's, below, or none: an earlier pass's no longer stands
             if ok and rec.kind == "backward" and rec.parent_pass is None:
                 opts = self.options
                 packed = None if opts.inside else pack_params(self.params, opts, self._sharded_of)
@@ -615,8 +623,15 @@ class PassRecorder:
                     param_keys = packed.keys
                     param_nodes = dict(zip(param_keys, packed.nodes))
                     nodes = results = measured = ()
+                    if judge:
+                        self.step.pass_norm = total_norm(packed.norms, packed.keys, packed.absent)
+                        judge = False
                 else:
                     nodes, results, measured = measure_params(self.params, opts, self._sharded_of, rows=not opts.inside)
+                    if judge and not needs_transfer(results):  # else from the rows of the pass's host copy
+                        keys = [info.key for info in nodes]
+                        self.step.pass_norm = total_norm(*_norms_keyed(results, keys))
+                        judge = False
                 for info, m, p in zip(nodes, results, measured):
                     key, module, name = info.key, info.module, info.param
                     param_nodes[key] = info
@@ -637,9 +652,9 @@ class PassRecorder:
                     rec.edges.pack = lambda: PackedRows("edges", len(edges), (blob, [i.key for i in infos]))
                 rec.walked = True
             if native is not None:
-                self._native_rows(native, param_keys)
+                self._native_rows(native, param_keys, judge)
             else:
-                self._python_rows(param_keys)
+                self._python_rows(param_keys, judge)
         except Exception as exc:
             self.step.fault("end of pass", exc)
             rec.faulted = True  # its calls or rows may not have been handed over
@@ -662,8 +677,9 @@ class PassRecorder:
             self.step.records.append(rec)
         return rec
 
-    def _python_rows(self, param_keys: list[str]) -> None:
-        """The record's calls and tensors from the Python hooks' lists (and the parameter gradients)."""
+    def _python_rows(self, param_keys: list[str], judge: bool = False) -> None:
+        """The record's calls and tensors from the Python hooks' lists (and the parameter gradients). judge: note the
+        parameters' total norm from the rows of the pass's host copy (`StepState.pass_norm`)."""
         rec, infos, calls, measured = self.record, self.infos, self.calls, self.measured
         # no calls (stats='params' hooks no node): rows already built, so that the step's message to the writer's
         # child is made on the training thread (offload._light), not with the GIL on the writer thread
@@ -687,6 +703,8 @@ class PassRecorder:
             # results left in tensors (a device, or a non-finite CPU tensor): the pass's one host copy now,
             # while the tensors are this pass's; the rows are then built from host values
             rows = to_rows([m for _, _, _, m in measured], extra)
+            if judge:
+                self._note_pass_norm(measured, rows, param_keys)
             if self._node_of is None:
                 rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
             else:  # record(saved=True): a saved tensor is a forward value, not a gradient: it sets no status
@@ -704,6 +722,12 @@ class PassRecorder:
             rec.nonfinite = rec.nonfinite or packed.nonfinite
         self._side_rows(extra, lambda: _row_index(heads, param_keys))
         rec.measured, rec.reused = self.measurer.measured, self.measurer.reused
+
+    def _note_pass_norm(self, measured: list, rows: list, param_keys: list[str]) -> None:
+        """`StepState.pass_norm` from the host rows of the pass's measurements (`measured`' entries, in order: the
+        param_grad ones are the parameters of `param_keys`, in order)."""
+        params = [row for (_, role, _, _), row in zip(measured, rows) if role is _ROLE_PARAM]
+        self.step.pass_norm = total_norm(*_norms_keyed(params, param_keys))
 
     def _extra(self) -> list:
         """What rides in the pass's host copy beside the statistics: slice results and value copies."""
@@ -730,10 +754,10 @@ class PassRecorder:
         rec.values = LazyRows(len(inside.copies), part(1))
         rec.saved_versions = LazyRows(len(inside.versions), part(2))
 
-    def _native_rows(self, native: tuple, param_keys: list[str]) -> None:
+    def _native_rows(self, native: tuple, param_keys: list[str], judge: bool = False) -> None:
         """The record's calls and tensors from the C++ hooks' pass (`native`: what its finish() returned), then
         the parameter gradients measured here; the Python measurements the hooks handed over are copied to
-        the host now if they hold device tensors, like every pass's."""
+        the host now if they hold device tensors, like every pass's (judge: as `_python_rows`)."""
         rec, infos, cap = self.record, self.infos, self.native
         ncalls, count, fallbacks, rec.measured, rec.reused, _faults, nonfinite_here = native
         module = self.step.native
@@ -766,6 +790,8 @@ class PassRecorder:
         extra = self._extra()
         if needs_transfer(results) or _on_device(extra):
             rows = to_rows(results, extra)
+            if judge:
+                self._note_pass_norm(params, rows[len(handed) :], param_keys)
             rec.nonfinite = any(row[i] for row in rows for i in NONFINITE_COLUMNS)
             params = [(c, role, slot, None) for c, role, slot, _ in params]  # no device tensor kept
         else:
@@ -796,6 +822,12 @@ class PassRecorder:
 
         rec.tensors = LazyRows(length, build)
         rec.tensors.pack = build_packed
+
+
+def _norms_keyed(results: list, keys: list[str]) -> tuple[list, list[str], frozenset]:
+    """`total_norm`'s arguments (norms, keys, absent) for parameter gradients measured in Python (`norms_of`)."""
+    norms, absent = norms_of(results, keys)
+    return norms, keys, absent
 
 
 def _on_device(tensors: list) -> bool:

@@ -203,7 +203,9 @@ class LastStep:
         dump (str | None): the trigger that made this step dump the ring ('nonfinite', 'spike', 'error',
             'manual'), else None.
         grad_norm (float | None): the total norm (sqrt of the sum of squares) of the final parameter gradients'
-            norms over their finite elements; None at stats='shape'.
+            norms over their finite elements, of the parameters that hold a gradient (a `.grad` of None is left
+            out, as `clip_grad_norm_` does); None at stats='shape', where a gradient was not measured (skipped), and
+            where no parameter holds one.
         amp_skipped (bool): a GradScaler skipped the optimizer step (its inf check found Inf/NaN).
         amp_reason (str | None): with amp_skipped, why the skip cannot be the scaler's own handling of a
             loss-scale overflow (`not_an_overflow`): such a nonfinite step reacts (on_nonfinite) and dumps like

@@ -249,8 +249,11 @@ class record:
             (gradstore.recording.flight). Does not combine with every= or steps=.
         dump_on: the flight recorder's triggers, some of 'nonfinite', 'spike', 'error' (default: all three;
             () for rec.dump() only).
-        spike_factor: 'spike' fires when the total final gradient norm exceeds spike_factor (default 10) times
-            the running median of the previous steps' totals.
+        spike_factor: 'spike' fires when a total gradient norm of the step exceeds spike_factor (default 10) times
+            the running median of the previous steps' totals: the pre-clip total (the parameters' gradients as the
+            last backward pass left them, divided by a GradScaler's scale: an explosion that clipping hides) or
+            the final total (what the optimizer read), each against its own median
+            (gradstore.recording.flight).
         writer: where each step's findings and SQL run (gradstore.recording.offload): 'thread' (this
             process's writer thread), 'process' (a child process, from the first step), 'auto' (default; the
             environment variable GRADSTORE_WRITER sets another): a child process once 16 steps went to the
@@ -841,13 +844,14 @@ class record:
         self._add_findings(batch, state, records, final_norms)
         state.release()
         written, dump = "full", None
-        grad_norm = total_norm(final_norms[1])
+        grad_norm = total_norm(final_norms[1], final_norms[0], final.absent if final is not None else frozenset())
         if self._flight is not None:
             batch.param_norms = list(zip(*final_norms))
             if batch.status == "ok" and _nothing_measured(batch, final_norms[1]):
                 # its summary keeps no row a reader could tell it from (as steps.sql does for a full step)
                 batch.status = "unmeasured"
-            batches, dump = self._flight.end_step(batch, status == "error", overflow, grad_norm)
+            pre_clip = _unscaled(state.pass_norm, values)
+            batches, dump = self._flight.end_step(batch, status == "error", overflow, grad_norm, pre_clip)
             written = "dumped" if dump is not None else "summary"
         else:
             batches = [batch]
@@ -1238,6 +1242,20 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _unscaled(norm: float | None, values: dict[str, float]) -> float | None:
+    """`norm` (the pre-clip total of the step's last backward pass) divided by the GradScaler scale the step logged
+    (step value grad_scaler.scale, and grad_scaler.scale#1, ... for further GradScaler.step calls: its loss, and so
+    its gradients, were multiplied by it); unchanged where it logged none; None where the scales logged differ or
+    one is not a positive finite number (the gradients' scale is then not known)."""
+    if norm is None or "grad_scaler.scale" not in values:
+        return norm
+    scales = {v for k, v in values.items() if k == "grad_scaler.scale" or k.startswith("grad_scaler.scale#")}
+    if len(scales) != 1:
+        return None
+    (scale,) = scales
+    return norm / scale if 0.0 < scale < float("inf") else None
 
 
 def _nothing_measured(batch: StepBatch, norms: list) -> bool:
