@@ -277,8 +277,9 @@ def test_repeated_clipping_in_a_step_is_numbered(db):
 def test_clip_grad_norm_values_are_named_by_their_norm_type(db):
     """clip_grad_norm_'s return is the L2 norm only for norm_type 2.0: another norm type's total is logged under a
     name that says it (`clip_grad_norm[inf]`, `clip_grad_norm[1]`), never as `clip_grad_norm`, which the README
-    compares with the L2 global_norm. clip_grads_with_norm_ is named by the get_total_norm call that gave its total,
-    and `[unknown]` for a total computed another way. Expected: what torch returned, and the norms by hand."""
+    compares with the L2 global_norm. clip_grads_with_norm_ is named by the get_total_norm calls that gave its
+    total: the one that returned it, or several combined (accelerate's per-mesh totals); `[unknown]` for a total
+    computed without one. Expected: what torch returned, and the norms by hand."""
     net = _net()
     x = _batches(1)[0]
     with gradstore.record("types", db=db, model=net):
@@ -289,19 +290,26 @@ def test_clip_grad_norm_values_are_named_by_their_norm_type(db):
         by_two = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1e6))
         total = torch.nn.utils.get_total_norm([p.grad for p in net.parameters()], "inf")
         torch.nn.utils.clip_grads_with_norm_(net.parameters(), 1e6, total)
+        halves = [list(net[0].parameters()), list(net[2].parameters())]  # as accelerate combines per-mesh totals
+        parts = [torch.nn.utils.get_total_norm([p.grad for p in half]) for half in halves]
+        combined = torch.linalg.vector_norm(torch.stack(parts))
+        torch.nn.utils.clip_grads_with_norm_(net.parameters(), 1e6, combined)
         own = torch.stack([p.grad.norm() for p in net.parameters()]).norm()  # the caller's own total
         torch.nn.utils.clip_grads_with_norm_(net.parameters(), 1e6, own)
     flat = torch.cat([g.reshape(-1) for g in grads])
     assert by_inf == pytest.approx(float(flat.abs().max()), rel=1e-6)
     assert by_one == pytest.approx(float(flat.abs().sum()), rel=1e-6)
     assert by_two == pytest.approx(float(flat.norm()), rel=1e-6)
+    assert float(combined) == pytest.approx(float(flat.norm()), rel=1e-6)
     values = gradstore.open(db).values("types").iloc[0]
     assert values["clip_grad_norm[inf]"] == by_inf and values["clip_grad_norm[1]"] == by_one
-    assert values["clip_grad_norm"] == by_two  # the one L2 total: comparable with global_norm
+    assert values["clip_grad_norm"] == by_two  # the L2 totals: comparable with global_norm
+    assert values["clip_grad_norm#1"] == float(combined)
     assert values["clip_grad_norm[inf]#1"] == float(total) and values["clip_grad_norm[unknown]"] == float(own)
     assert sorted(values.index) == sorted(
         [
             "clip_grad_norm",
+            "clip_grad_norm#1",
             "clip_grad_norm[1]",
             "clip_grad_norm[inf]",
             "clip_grad_norm[inf]#1",

@@ -10,9 +10,11 @@ through otherwise (and on any thread but the recording's):
   read with `Tensor.item()` when the step ends, so no device wait is added), and the final gradients are taken
   again after it (clipping changed them);
 - `torch.nn.utils.clip_grads_with_norm_` (the second half of clip_grad_norm_, public): the total norm it is given,
-  the same way, named by the norm_type of the `torch.nn.utils.get_total_norm` call of the step that returned that
-  very tensor (also wrapped: it notes the types of its results), else `clip_grad_norm[unknown]` (a total computed
-  some other way, or reduced across ranks after get_total_norm: its norm type is the caller's);
+  the same way, named by the norm_type of the `torch.nn.utils.get_total_norm` calls it was computed from (also
+  wrapped: each notes the type of its result): the call that returned that very tensor, else the calls made
+  since the last clipping of the step where they all used one type (a total combined from per-mesh or per-stage
+  get_total_norm results, as accelerate's and the HF Trainer's clipping of DTensor gradients and pipeline
+  schedules do), else `clip_grad_norm[unknown]` (no get_total_norm call, or several types: the caller's norm);
   `torch.nn.utils.clip_grad_value_`: the final gradients again;
 - `torch.amp.GradScaler.unscale_` (also `torch.cuda.amp.GradScaler`, a subclass): the final gradients again;
 - `torch.amp.GradScaler.step`: `grad_scaler.scale` (`get_scale()` before the step: the scale this step's loss
@@ -152,14 +154,24 @@ def _note_norm_type(t: Observed, result, norm_type) -> None:
         t.norm_types.append((result, float(norm_type)))
 
 
+def _norm_type_given(t: Observed, total_norm) -> float | None:
+    """The norm type of the total given to clip_grads_with_norm_ (see the module's docstring), or None; the
+    get_total_norm results noted so far are used up."""
+    noted, t.norm_types = t.norm_types, []
+    same = next((p for r, p in reversed(noted) if r is total_norm), None)
+    if same is not None:
+        return same
+    types = {p for _, p in noted}
+    return types.pop() if len(types) == 1 else None
+
+
 def _clip_with_norm(original):
     @functools.wraps(original)
     def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
         result = original(parameters, max_norm, total_norm, *args, **kwargs)
         t = _here()
         if t is not None:
-            norm_type = next((p for r, p in reversed(t.norm_types) if r is total_norm), None)
-            _guarded("clip_grads_with_norm_", _log_clip_norm, t, norm_type, total_norm)
+            _guarded("clip_grads_with_norm_", _log_clip_norm, t, _norm_type_given(t, total_norm), total_norm)
             _guarded("clip_grads_with_norm_", t.final.take, "clip_grads_with_norm_")
         return result
 
