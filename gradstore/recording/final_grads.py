@@ -148,8 +148,9 @@ class PackedParams:
     nodes: their NodeInfos (key 'param:<name>'); keys: those keys; rows: their tensor rows, (key, None, role code of
     param_grad, 0, *ROW_COLUMNS, sharding) each, as a `rows.PackedRows` (built where it is first read: the writer's
     child process); norms, counts: per parameter, its row's `norm` and its NaN + Inf count (None where the row has
-    none: a `.grad` of None, stats='shape'); nonfinite: any count above 0; absent: the keys of the parameters whose
-    `.grad` was None (found only where some norm is None). It holds no parameter or tensor."""
+    none: a `.grad` of None, stats='shape'); nonfinite: any count above 0; total: `total_norm` of the norms where
+    every one is known (else None); absent: the keys of the parameters whose `.grad` was None (found only where
+    some norm is not known). It holds no parameter or tensor."""
 
     nodes: list[NodeInfo]
     keys: list[str]
@@ -158,6 +159,7 @@ class PackedParams:
     counts: list
     nonfinite: bool
     declined: int = 0  # `.grad`s the C++ hooks left to `stats.measure` (a device or float16 tensor, a DTensor)
+    total: float | None = None
     absent: frozenset = frozenset()
 
     def again(self) -> PackedParams:
@@ -165,7 +167,7 @@ class PackedParams:
         rows where they are the pass's (`FinalGrads.take`)."""
         rows = PackedRows("tensors", len(self.rows), self.rows.payload)
         return PackedParams(
-            self.nodes, self.keys, rows, self.norms, self.counts, self.nonfinite, self.declined, self.absent
+            self.nodes, self.keys, rows, self.norms, self.counts, self.nonfinite, self.declined, self.total, self.absent
         )
 
 
@@ -196,20 +198,30 @@ def pack_params(
         counts[i] = None if nan is None else nan + (row[_NAN_AT + 1] or 0) + (row[_NAN_AT + 2] or 0)
     keys = [info.key for info in nodes]
     rows = PackedRows("tensors", len(keys), (blob, keys, fallbacks, []))
-    # the rare case (some norm unknown): which of them is a .grad of None
-    absent = frozenset(k for k, g in zip(keys, grads) if g is None) if None in norms else frozenset()
-    return PackedParams(nodes, keys, rows, norms, counts, any(counts), len(declined), absent)
+    total, absent = _known_total(norms), frozenset()
+    if total is None and norms:  # the rare case (some norm not known): which of them is a .grad of None
+        absent = frozenset(k for k, g in zip(keys, grads) if g is None)
+    return PackedParams(nodes, keys, rows, norms, counts, any(counts), len(declined), total, absent)
+
+
+def _known_total(norms: list) -> float | None:
+    """math.hypot of `norms` where every one is a number (a None makes hypot raise: no scan for it first), else
+    None."""
+    try:
+        return math.hypot(*norms) if norms else None
+    except TypeError:
+        return None
 
 
 def total_norm(norms: list, keys: list = (), absent: frozenset = frozenset()) -> float | None:
     """sqrt(sum of squares) of the parameters' norms (floats, in order), leaving out the parameters whose key (in
     `keys`, in the same order) is in `absent` (no `.grad`: as `torch.nn.utils.clip_grad_norm_` leaves them out);
     None when another one's norm is unknown (skipped, not measured) or no parameter is left."""
-    if absent:
-        norms = [n for n, k in zip(norms, keys) if k not in absent]
-    if not norms or None in norms:
-        return None
-    return math.hypot(*norms)  # scaled: no Inf past 1.3e154, no 0.0 under 1.5e-154
+    total = _known_total(norms)  # scaled: no Inf past 1.3e154, no 0.0 under 1.5e-154
+    if total is not None or not absent:
+        return total
+    norms = [n for n, k in zip(norms, keys) if k not in absent]
+    return None if not norms or None in norms else math.hypot(*norms)
 
 
 _NONE_CODE = STATUS["none"]
@@ -502,7 +514,7 @@ class FinalGrads:
         finally:
             self.close()
         got = self._snapshot_rows()
-        absent = self._absent(got[3][1])
+        absent = self._absent(got[3][1])  # before the snapshot is let go
         self.results = None
         locked, self._locked, self._stepped = self._locked, {}, set()
         if locked:  # their rows are what an optimizer read
@@ -514,12 +526,13 @@ class FinalGrads:
         return got
 
     def _absent(self, norms: list) -> frozenset:
-        """The keys of the snapshot's parameters whose `.grad` was None, where some of `norms` (its norms) is None."""
+        """The keys of the snapshot's parameters whose `.grad` was None (`norms`: its norms; a packed snapshot knows
+        them, one measured in Python is looked at only where some norm is not known)."""
         results = self.results
-        if results is None or None not in norms:
-            return frozenset()
         if isinstance(results, PackedParams):
             return results.absent
+        if results is None or _known_total(norms) is not None:
+            return frozenset()
         return norms_of(results, [n.key for n in self.nodes])[1]
 
     def _snapshot_rows(self) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:

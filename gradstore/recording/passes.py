@@ -623,9 +623,11 @@ class PassRecorder:
                     param_keys = packed.keys
                     param_nodes = dict(zip(param_keys, packed.nodes))
                     nodes = results = measured = ()
-                    if judge:
-                        self.step.pass_norm = total_norm(packed.norms, packed.keys, packed.absent)
-                        judge = False
+                    if judge:  # known already where every norm is (pack_params)
+                        total = packed.total
+                        if total is None:
+                            total = total_norm(packed.norms, packed.keys, packed.absent)
+                        self.step.pass_norm, judge = total, False
                 else:
                     nodes, results, measured = measure_params(self.params, opts, self._sharded_of, rows=not opts.inside)
                     if judge and not needs_transfer(results):  # else from the rows of the pass's host copy
