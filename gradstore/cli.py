@@ -912,6 +912,11 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
         detail = int(nonfinite["step"].iloc[0]) if len(nonfinite) else detail
     elif (steps["status"] == "error").any():  # the first step that raised, or whose backward pass raised
         detail = int(steps.loc[steps["status"] == "error", "step"].iloc[0])
+    from .view.story import never_gradient, never_gradient_words  # pandas only, as the CLI
+
+    dead = never_gradient_words(never_gradient(store, run, rank=rank))
+    if dead:  # a step status speaks of errors and NaN/Inf: a dead expert or layer leaves every step ok
+        click.echo(f"\nNo gradient, or an all-zero one, in any recorded step (param_status): {dead}")
     click.echo(f"\nOne step in detail: gradstore show {db} {run} --step {detail}")
 
 
@@ -1328,7 +1333,8 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     if unmeasured:
         others.append(f"{unmeasured:,} with no .grad or not measured (status none / skipped, or stats='shape')")
     pieces = grads["placements"].map(shards.is_piece) if "placements" in grads else pd.Series(False, grads.index)
-    columns = ["rank", "param", "status", "shape", "norm", "min", "max", "nan", "posinf", "neginf"]
+    # every row here was measured (status ok): param_status says whether a gradient came (zero: an all-zero one)
+    columns = ["rank", "param", "param_status", "shape", "norm", "min", "max", "nan", "posinf", "neginf"]
     left_for = "as the step left them for the optimizer"
     if unstepped:  # no optimizer read them on some rank
         every = {int(r) for r in steps["rank"]} <= {r for r, _ in unstepped}
@@ -1338,7 +1344,10 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             else "as the step left them for the optimizer; on rank(s) "
             + (", ".join(str(r) for r, _ in sorted(unstepped)) + f" {NO_OPTIMIZER_STEP}")
         )
-    heading = f"Largest finite parameter .grad norms ({left_for}; see param_grads)"
+    heading = (
+        f"Largest finite parameter .grad norms ({left_for}; see param_grads; "
+        "param_status zero: every gradient it received was all zeros)"
+    )
     if pieces.any():
         # a DTensor .grad: each row is this rank's shard; the parameter's norm is combined from every rank's rows
         whole = store.global_grads(run=run, step=step, which="final")

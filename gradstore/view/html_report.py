@@ -298,7 +298,13 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
             which = "written" if len(lost) else "recorded"  # the steps not written were not checked
             if left:  # not all clear: part of the graph was never measured (above)
                 tail += "; that speaks of the measured gradients only, not of the parameters and nodes above"
-            box = "partial" if left else "calm"
+            dead = store is not None and not story.never_gradient(store, run).empty
+            if dead:
+                tail += (
+                    "; a step status speaks of errors and NaN/Inf, not of parameters that got no gradient or an "
+                    "all-zero one in every step (named under Parameters whose gradients changed most)"
+                )
+            box = "partial" if left or dead else "calm"
             page.add(
                 f'<p class="{box}">Every {which} step has status ok{_e(tail)}.</p>'
                 if not unmeasured
@@ -788,6 +794,11 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
             + (f" and {len(left.params) - 20:,} more" if len(left.params) > 20 else "")
             + ". They have no row below; their .grad was not measured.</p>"
         )
+    dead = story.never_gradient_words(story.never_gradient(store, run))
+    if dead:  # a dead expert or layer has no ratio: it would never reach the table's top
+        page.add(
+            f'<p class="bad">No gradient, or an all-zero one, in any recorded step (param_status): {_e(dead)}.</p>'
+        )
     every, when = story.changed_most(store, run, top=None), "after the step's last backward pass"
     if every.empty:  # no top-level backward pass recorded a .grad: the final rows, where there are
         ran = store.steps(run=run)
@@ -832,6 +843,13 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
             else ""
         )
         + (
+            " A recorded step with no row of this view for a parameter (none of the step's backward passes "
+            "returned: one raised) is not counted either (column not_in_view counts those steps; below, which and "
+            "what its .grad at the step's end held)."
+            if every["not_in_view"].any()
+            else ""
+        )
+        + (
             f" For the run's {int(top['summaries'].max()):,} flight-recorder summary steps, which keep each "
             "parameter's final norm and NaN/Inf count only, that final norm (as the optimizer read it, in a step where "
             "one stepped) stands in "
@@ -856,9 +874,12 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
     else:
         top = top.drop(columns="norm_of")
     without = every[every["no_gradient"] > 0]  # every parameter with such steps, in the table or not
-    top = top.drop(columns="no_gradient_why")
+    aside = every[every["not_in_view"] > 0]
+    top = top.drop(columns=["no_gradient_why", "not_in_view_why"])
     if not every["no_gradient"].any():
         top = top.drop(columns="no_gradient")
+    if not every["not_in_view"].any():
+        top = top.drop(columns="not_in_view")
     numeric = {
         "steps",
         "first",
@@ -871,6 +892,7 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         "nonfinite",
         "not_measured",
         "no_gradient",
+        "not_in_view",
     }
     page.add(_table(top, numeric))
     vanished = top[top["zero_at"].notna()]
@@ -888,10 +910,20 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
     if len(without):
         shown = without.head(20)
         page.add(
-            '<p class="note">No gradient in some steps, not counted above (the .grad there was measured, but no '
-            "backward pass of the step gave it one, or none is known to have): "
+            '<p class="note">No gradient in some steps, not counted above (the .grad there was None, or measured but '
+            "no backward pass of the step gave it one, or none is known to have): "
             + "; ".join(f"<code>{_e(r.param)}</code>: {_e(r.no_gradient_why)}" for r in shown.itertuples())
             + (f"; and {len(without) - len(shown):,} more parameters" if len(without) > len(shown) else "")
+            + ".</p>"
+        )
+    if len(aside):
+        shown = aside.head(20)
+        page.add(
+            '<p class="note">Recorded steps with no .grad row after a backward pass, not counted above '
+            "(param_grads which='final' holds their .grad at the step's end; story.changed_most(which='final') "
+            "counts them): "
+            + "; ".join(f"<code>{_e(r.param)}</code>: {_e(r.not_in_view_why)}" for r in shown.itertuples())
+            + (f"; and {len(aside) - len(shown):,} more parameters" if len(aside) > len(shown) else "")
             + ".</p>"
         )
     if top["steps"].max() == 0:
@@ -903,7 +935,16 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         )
         return
     if top["steps"].max() < 2:
-        page.add('<p class="note">One measured step per parameter: no change to draw.</p>')
+        page.add(
+            '<p class="note">One measured step per parameter in this view: no change to draw'
+            + (
+                f" ({int(every['not_in_view'].sum() + every['no_gradient'].sum()):,} parameter-steps not counted, "
+                "above: this says nothing of how their gradients changed)"
+                if every["not_in_view"].any() or every["no_gradient"].any()
+                else ""
+            )
+            + ".</p>"
+        )
         return
     if not when.startswith("after"):  # the plot draws the pass rows (gradstore.view.history): there are none
         page.add('<p class="note">No .grad after a backward pass recorded: nothing to draw.</p>')

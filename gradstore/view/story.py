@@ -865,7 +865,11 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
     not_measured (steps whose .grad row could not be measured: skipped, or stats='shape'), no_gradient (steps in
     which no backward pass gave it a gradient: param_grads' no_gradient, param_status frozen, stale, not used or
     unreachable; its .grad there, left from before, is not counted in steps, first .. zero_at, nonfinite),
-    no_gradient_why ('' for none; else which steps and why, `no_gradient_words`), norm_of ('' for a plain
+    no_gradient_why ('' for none; else which steps and why, `no_gradient_words`; a step whose .grad was None, status
+    none, counts here too: no pass gave it a gradient), not_in_view (recorded steps with no row of this view for the
+    parameter: with which='pass', a step none of whose backward passes returned, e.g. one that raised, has only
+    its final row, the .grad at the step's end; not counted in steps .. nonfinite), not_in_view_why ('' for none;
+    else which steps and why, and what the other view holds), norm_of ('' for a plain
     .grad; for a DTensor .grad, whose rows are each rank's shard, 'the whole parameter ...' where every step's
     shards combine (`Store.global_grads`, same `which`): the norms are then the whole parameter's; else 'rank R:
     this rank's shard, ...': the norms are that rank's shard's). Non-finite parameters first, then by ratio,
@@ -893,18 +897,23 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
                 "not_measured",
                 "no_gradient",
                 "no_gradient_why",
+                "not_in_view",
+                "not_in_view_why",
                 "norm_of",
                 "summaries",
             ]
         )
     if rank is None:
         pg = pg[pg["rank"] == pg["rank"].min()]
+    pg = _with_other_view(store, run, pg, which)
+    none = pg["status"] == "none"  # .grad was None: no pass of the step gave it a gradient, no value to count
     pg = pg.assign(
         bad=(pg["nan"].fillna(0) + pg["posinf"].fillna(0) + pg["neginf"].fillna(0)) > 0,
         norm=pd.to_numeric(pg["norm"], errors="coerce").astype("float64"),
         norm_of="",
         # no backward pass of the step gave it a gradient: its .grad (left from before) is no value of the step
-        nograd=no_gradient_mask(pg),
+        nograd=(no_gradient_mask(pg) | none) & ~pg["other_view"],
+        no_gradient=pg["no_gradient"].where(~none, _none_words(pg, which)) if "no_gradient" in pg else None,
     )
     pieces = pg["placements"].map(shards.is_piece)
     if pieces.any():  # DTensor shards: the whole parameter's norms where every rank's shards combine, else say so
@@ -927,6 +936,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
     rows = []
     for (param, module), f in pg.groupby(["param", "module"], sort=False, dropna=False):
         f = f.sort_values("step")
+        aside, f = f[f["other_view"]], f[~f["other_view"]]  # steps with no row of this view: counted apart
         own = f[~f["nograd"]]  # the steps whose backward passes gave it a gradient (or where that is not known)
         good = own[~own["bad"] & own["norm"].notna() & (own["status"] == "ok")]
         counted = own["nan"].notna() & (own["status"] == "ok")  # rows whose NaN / Inf were counted
@@ -953,7 +963,11 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
                 ),
                 "no_gradient": int(f["nograd"].sum()),
                 "no_gradient_why": no_gradient_words(f[f["nograd"]]),
-                "norm_of": f["norm_of"].iloc[0],
+                "not_in_view": len(aside),
+                "not_in_view_why": no_gradient_words(
+                    aside.drop(columns="no_gradient").rename(columns={"other_why": "no_gradient"})
+                ),
+                "norm_of": (f if len(f) else aside)["norm_of"].iloc[0],
                 "summaries": int(f["summary"].sum()),
             }
         )
@@ -962,6 +976,68 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
     out["nonfinite_at"] = out["nonfinite_at"].astype("Int64")
     out = out.sort_values(["nonfinite", "ratio"], ascending=[False, False], na_position="last", kind="stable")
     return (out if top is None else out.head(top)).reset_index(drop=True)
+
+
+def _none_words(pg: pd.DataFrame, which: str) -> pd.Series:
+    """Why a status-none row of `pg` (changed_most's param_grads rows) holds no gradient: '.grad is None ...', with
+    its param_status where that is not ok."""
+    when = np.where(pg["final"].fillna(0).astype(int) == 1, "at the step's end", "after the step's last backward pass")
+    ps = pg["param_status"] if "param_status" in pg else pd.Series(None, index=pg.index, dtype=object)
+    return pd.Series(
+        [
+            f".grad is None {w}" + (f" (param_status {s})" if isinstance(s, str) and s != "ok" else "")
+            for w, s in zip(when, ps)
+        ],
+        index=pg.index,
+    )
+
+
+def _with_other_view(store, run: str, pg: pd.DataFrame, which: str) -> pd.DataFrame:
+    """`pg` (one rank's or every rank's param_grads rows of view `which`, with `_with_summaries`' rows) with column
+    other_view (False) and other_why, plus, for each recorded step (steps row, written) in which a parameter that has
+    rows has none of this view, a row of the other view marked other_view True and other_why saying why (what the
+    step's passes did) and what that row holds. Read only where such a step exists (with which='pass': a step none
+    of whose backward passes returned)."""
+    pg = pg.assign(other_view=False, other_why=None)
+    if pg.empty or which not in ("pass", "final"):
+        return pg
+    steps = store.steps(run=run)
+    steps = steps[(steps["status"] != UNWRITTEN) & (steps["level"] != "summary") & steps["rank"].isin(pg["rank"])]
+    have = set(zip(pg["rank"], pg["step"], pg["param"]))
+    params = pg[["rank", "param"]].drop_duplicates()
+    want = params.merge(steps[["rank", "step"]], on="rank")
+    missing = [k for k in zip(want["rank"], want["step"], want["param"]) if k not in have]
+    if not missing:  # the usual case: every recorded step has a row of this view for every parameter
+        return pg
+    other = store.param_grads(run=run, which="final" if which == "pass" else "pass")
+    other = other[[k in set(missing) for k in zip(other["rank"], other["step"], other["param"])]]
+    info = steps.set_index(["rank", "step"])
+    why = []
+    for r in other.itertuples():
+        st = info.loc[(r.rank, r.step)]
+        passes = int(st["passes"]) if pd.notna(st["passes"]) else 0
+        if which == "pass":
+            cause = (
+                "no backward pass ran in the step"
+                if passes == 0
+                else "the step's backward pass raised (step status error)"
+                if st["status"] == "error"
+                else "no backward pass of the step returned"
+            )
+            held = "its .grad at the step's end (param_grads which='final')"
+        else:
+            cause, held = "no row taken at the step's end", "its .grad after the step's last backward pass"
+        known = isinstance(r.param_status, str) and r.param_status != "ok"
+        value = (
+            "was None" + (f" (param_status {r.param_status})" if known else "")
+            if r.status == "none"
+            else "was recorded"
+            if r.status == "ok"
+            else f"has status {r.status}"
+        )
+        why.append(f"{cause}; {held} {value}, not in this view")
+    other = other.assign(other_view=True, other_why=why, summary=False)
+    return pd.concat([pg, other], ignore_index=True)
 
 
 def no_gradient_mask(rows: pd.DataFrame) -> pd.Series:
@@ -1094,3 +1170,85 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows, columns=columns)
+
+
+_NO_GRAD_WORDS = {
+    "zero": "an all-zero gradient in every recorded step (param_status zero: every gradient it received was exactly 0)",
+    "not used": "no gradient in any recorded step (param_status not used: its module did not run)",
+    "unreachable": "no gradient in any recorded step (param_status unreachable: no backward pass gave it one)",
+    "stale": "no gradient in any recorded step (param_status stale: its .grad holds a tensor left from before)",
+    "frozen": "frozen (requires_grad=False) in every recorded step, no gradient",
+}
+
+
+def never_gradient(store, run: str, rank: int | None = None) -> pd.DataFrame:
+    """The parameters that got no gradient, or an all-zero one, in every recorded step of `rank` (default every
+    rank) whose param_status was recorded (`Store.param_status`: status zero, not used, unreachable, stale, or frozen
+    with no AccumulateGrad call, in each such step and rank): a dead expert, a dead layer. One row per group: names
+    (a module prefix 'moe.experts.3.*' where every parameter under it shares the reason, else a name), params (how
+    many), why (the param_status words: 'an all-zero gradient in every recorded step (param_status zero: ...)';
+    mixed statuses name their steps), steps (recorded steps with a param_status row), not_known ('' or the steps
+    with no param_status row: nothing is claimed of them). Empty where none. Raises UnknownRun."""
+    cols = ["names", "params", "why", "steps", "not_known"]
+    ps = store.param_status(run=run, rank=rank)
+    if ps.empty:
+        return pd.DataFrame(columns=cols)
+    calls = pd.to_numeric(ps["calls"], errors="coerce")
+    nograd = ps["status"].isin(["zero", "not used", "unreachable", "stale"]) | (
+        (ps["status"] == "frozen") & ~(calls > 0)
+    )
+    dead = nograd.groupby(ps["param"]).all()
+    if not dead.any():
+        return pd.DataFrame(columns=cols)
+    seen = sorted({int(v) for v in ps["step"]})
+    steps = store.steps(run=run, rank=rank)
+    steps = steps[(steps["status"] != UNWRITTEN) & (steps["level"] != "summary")]
+    unknown = sorted({int(v) for v in steps["step"]} - set(seen))
+    why = {}
+    for param, f in ps[ps["param"].isin(dead[dead].index)].groupby("param", sort=False):
+        kinds = list(dict.fromkeys(f["status"]))
+        if len(kinds) == 1:
+            why[param] = _NO_GRAD_WORDS[kinds[0]]
+        else:
+            at = {k: sorted({int(v) for v in g["step"]}) for k, g in f.groupby("status", sort=False)}
+            why[param] = (
+                "no gradient, or an all-zero one, in any recorded step (param_status "
+                + "; ".join(f"{k} in step{'s' if len(v) > 1 else ''} {step_ranges(v)}" for k, v in at.items())
+                + ")"
+            )
+    # a module prefix whose every parameter shares one reason names them all: 'moe.experts.3.*'
+    under: dict[str, set] = {}
+    for param in ps["param"].unique():
+        parts = param.split(".")
+        for i in range(1, len(parts)):
+            under.setdefault(".".join(parts[:i]), set()).add(why.get(param))
+    groups: dict[str, tuple[str, int]] = {}
+    for param, w in why.items():
+        parts, label = param.split("."), param
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i])
+            if under[prefix] == {w}:
+                label = prefix + ".*"
+                break
+        n, _ = groups.get(label, (0, w))
+        groups[label] = (n + 1, w)
+    rows = [
+        {"names": k, "params": n, "why": w, "steps": len(seen), "not_known": step_ranges(unknown) if unknown else ""}
+        for k, (n, w) in groups.items()
+    ]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def never_gradient_words(frame: pd.DataFrame, limit: int = 20) -> str:
+    """One sentence per `never_gradient` row, '; '-joined: 'moe.experts.3.* (4 parameters): an all-zero gradient in
+    every recorded step (...)', at most `limit` rows then 'and N more'; '' for an empty frame."""
+    if frame.empty:
+        return ""
+    parts = [
+        f"{r.names}" + (f" ({r.params} parameters)" if r.params > 1 else "") + f": {r.why}"
+        for r in frame.head(limit).itertuples()
+    ]
+    more = f"; and {len(frame) - limit:,} more groups" if len(frame) > limit else ""
+    first = frame.iloc[0]
+    tail = f" (steps {first['not_known']}: no param_status row, not known)" if first["not_known"] else ""
+    return "; ".join(parts) + more + tail
