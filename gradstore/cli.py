@@ -307,7 +307,8 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         if fault and step is None:  # the scaler handled that one: name the first step that is a fault
             notes.append(f"(rank {rank}: {fault})")
         before_lost = lost[(lost["rank"] == rank) & (lost["step"] < r["step"])]["step"]
-        before_lost = before_lost[~before_lost.isin(gap["steps"].get("unwritten", []) if gap else [])]  # said above
+        said = (gap["steps"].get("unwritten", []) + gap.get("earlier", {}).get("unwritten", [])) if gap else []
+        before_lost = before_lost[~before_lost.isin(said)]  # said above
         if len(before_lost):  # the record cannot say that nothing went non-finite there
             notes.append(
                 f"(rank {rank}: steps {_step_ranges(before_lost)} before it were not written: a non-finite gradient "

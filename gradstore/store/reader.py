@@ -25,7 +25,7 @@ from . import claims, queries
 from . import schema as s
 from . import values as stored_values
 from .database import check_db, damaged, explain, open_existing, open_sqlite_reader
-from .writer import flush_pending, step_ranges
+from .writer import brief_ranges, flush_pending, step_ranges
 
 # how a record(values=...) copy that failed is named among a step's recorder faults (steps.error); as
 # gradstore.recording.values.FAULT
@@ -650,10 +650,14 @@ class Store:
         stats='shape' measured no values (Store.steps' level says which). As queries/first_nonfinite.sql.
         Without `step=`, where steps before a rank's first non-finite step were not measured after the last one
         that was (not recorded: every=, steps=; a flight-recorder summary whose gradients held NaN/Inf; stats
-        'shape'; not written), the first non-finite gradient may be in one of them: `frame.attrs['not_recorded']`
-        maps (run, rank) to {'steps': {why: [step, ...]}, 'note': a sentence} (why: 'not recorded', 'summary',
-        'unmeasured', 'unwritten'; note: 'steps 21-23 were not recorded: the first non-finite gradient may be in
-        one of them'); absent when there are none.
+        'shape'; not written), the first non-finite gradient may be in one of them; and so may any step before
+        that one that was not measured either: a transient NaN (an optimizer step skipped, as GradScaler does) leaves
+        the later steps finite. `frame.attrs['not_recorded']` maps (run, rank) to {'steps': {why: [step, ...]} (the
+        immediate gap), 'earlier': {why: [step, ...]} (the steps before the last measured one; only when there
+        are some), 'note': a sentence} (why: 'not recorded', 'summary', 'unmeasured', 'unwritten'; note: 'steps
+        21-23 were not recorded: the first non-finite gradient may be in one of them; and 14 earlier steps (1-2,
+        4-5, ...) were not recorded either: a transient NaN there (a skipped optimizer step) would not be seen');
+        absent when there are none.
         Raises UnknownRun; ArgumentError (a ValueError) for a role other than grad_output, grad_input,
         param_grad, activation, loss."""
         if role is not None and role not in _NONFINITE_ROLES:
@@ -677,7 +681,9 @@ class Store:
         error or nonfinite, or a flight-recorder summary, measured in full in memory, that stayed finite) that were
         not recorded (no steps row: every=, steps=; numbering starts at 0), kept only as a flight-recorder summary
         that held NaN/Inf, measured nothing (status unmeasured, level shape) or were not written, as
-        {'steps': {why: [step, ...]}, 'note': sentence}; None when there are none."""
+        {'steps': {why: [step, ...]}, 'note': sentence}, with 'earlier': {why: [step, ...]} where steps before that
+        last measured one were not measured either (not recorded: numbers from 0 with no steps row); None when
+        there are none."""
         st, r = s.steps.c, s.runs.c
         q = (
             select(st.step, st.status, st.level)  # the steps table only: cheaper than queries/steps.sql's counts
@@ -688,6 +694,7 @@ class Store:
         with self.engine.connect() as conn:
             rows = conn.execute(q).all()
         kinds: dict[str, list[int]] = {"not recorded": [], "summary": [], "unmeasured": [], "unwritten": []}
+        earlier: dict[str, list[int]] = {k: [] for k in kinds}  # the same, before the last measured step
         last = -1
         for step, status, level in rows:
             if status == s.UNWRITTEN:
@@ -696,12 +703,14 @@ class Store:
                 kinds["unmeasured"].append(int(step))
             elif level == "summary" and status == "nonfinite":
                 kinds["summary"].append(int(step))
-            else:  # measured: what came before it is not in question
+            else:  # measured: the gap after it is the immediate one; what came before it stays a candidate
                 last = int(step)
-                for k in kinds.values():
-                    k.clear()
+                for k, v in kinds.items():
+                    earlier[k] += v
+                    v.clear()
         recorded = {int(row[0]) for row in rows}
         kinds["not recorded"] = [n for n in range(last + 1, first) if n not in recorded]
+        earlier["not recorded"] = [n for n in range(0, max(last, 0)) if n not in recorded]
         words = {
             "not recorded": "not recorded",
             "summary": "kept only as a flight-recorder summary, whose gradients held NaN or Inf",
@@ -713,10 +722,26 @@ class Store:
             for k, v in kinds.items()
             if v
         ]
-        if not parts:
+        earlier = {k: v for k, v in earlier.items() if v}
+        if not parts and not earlier:
             return None
-        note = "; ".join(parts) + ": the first non-finite gradient may be in one of them"
-        return {"steps": {k: v for k, v in kinds.items() if v}, "note": note}
+        note = "; ".join(parts) + ": the first non-finite gradient may be in one of them" if parts else ""
+        if earlier:  # a transient NaN (an optimizer step skipped, as GradScaler does) leaves later steps finite
+            n = sum(len(v) for v in earlier.values())
+            if list(earlier) == ["not recorded"]:
+                said, verb = f"({brief_ranges(earlier['not recorded'])})", "not recorded"
+            else:
+                said = "(" + "; ".join(f"{words[k]}: {brief_ranges(v)}" for k, v in earlier.items()) + ")"
+                verb = "not measured"
+            note += (
+                f"{'; and ' if note else ''}{n:,} earlier step{'s' if n > 1 else ''} {said} "
+                f"{'were' if n > 1 else 'was'} {verb}{' either' if parts else ''}: a transient NaN there (a skipped "
+                "optimizer step) would not be seen"
+            )
+        out = {"steps": {k: v for k, v in kinds.items() if v}, "note": note}
+        if earlier:
+            out["earlier"] = earlier
+        return out
 
     @_per_step
     def first_nonfinite_saved(
