@@ -257,3 +257,47 @@ def test_a_gradient_that_went_to_zero_ranks_as_the_largest_change(tmp_path):
     assert b["ratio"] == pytest.approx(max(live) / min(live), rel=1e-6) and b["zero_at"] is pd.NA
     text = re.sub(r"<[^>]+>", "", page)
     assert all(f"{n}: its .grad went to 0 at step 3" in text for n in zero), text
+
+
+def test_the_all_clear_boxes_name_the_steps_not_recorded(tmp_path):
+    """every=2 over 6 steps, a NaN gradient at (unrecorded) step 3 whose optimizer step the loop skips: the boxes
+    "Every recorded step has status ok" and "No recorded gradient held NaN or Inf" must say that steps 1 and 3 were
+    not recorded (the NaN step, from plain PyTorch, among them), and the strip has a cell for each step from 0."""
+    import torch
+
+    from gradstore.view import html_report
+
+    def train(model, rec=None):
+        torch.manual_seed(1)
+        opt, bad = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for step in range(6):
+            x = torch.randn(4, 3)
+            if step == 3:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+                opt.step()
+            else:
+                bad.append(step)
+            if rec is not None:
+                rec.step()
+        return bad
+
+    torch.manual_seed(0)
+    assert train(torch.nn.Linear(3, 1)) == [3]  # plain PyTorch: step 3 alone held NaN
+    db = str(tmp_path / "h.db")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    with gradstore.record("hidden", db=db, model=model, every=2) as rec:
+        train(model, rec)
+    page = _write(db, "hidden", tmp_path / "h.html")
+    boxes = [re.sub("<[^>]+>", "", b) for b in re.findall(r'<p class="(?:calm|partial)">(.*?)</p>', page, re.S)]
+    ok = [b for b in boxes if "step has status ok" in b]
+    clean = [b for b in boxes if "held NaN or Inf (exact counts" in b]
+    assert ok and clean
+    for box in ok + clean:
+        assert "Steps 1, 3 were not recorded" in box, box
+    assert '<p class="calm">' not in page  # no all-clear box in green
+    assert html_report._strip_columns([2, 4]) == [0, 1, 2, 3, 4]
+    assert html_report._strip_columns([6000, 12000]) == [None, 6000, None, 12000]

@@ -108,21 +108,53 @@ def _when(ts) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
 
 
+def _unrecorded(steps: pd.DataFrame) -> str:
+    """What a claim about the recorded steps does not cover: the step numbers from 0 (a run's first step) to each
+    rank's last recorded step with no steps row (every=, steps=), as a sentence ('' where there are none). Steps
+    run after the last recorded one leave no row: the record cannot say whether any ran."""
+    if steps.empty:
+        return ""
+    missing = {}
+    for rank, nums in steps.groupby("rank")["step"]:
+        have = {int(n) for n in nums}
+        gone = [n for n in range(0, max(have)) if n not in have]
+        if gone:
+            missing[int(rank)] = gone
+    if not missing:
+        return ""
+    lists = {tuple(v) for v in missing.values()}
+    one = len(lists) == 1 and len(missing) == steps["rank"].nunique()
+
+    def said(v):
+        return f"step{'s' if len(v) > 1 else ''} {_ranges(v, strided=True)} {'were' if len(v) > 1 else 'was'}"
+
+    where = (
+        said(next(iter(missing.values())))
+        if one
+        else "; ".join(f"on rank {r}, {said(v)}" for r, v in sorted(missing.items()))
+    )
+    last = int(steps["step"].max())
+    return (
+        f"{where[0].upper()}{where[1:]} not recorded (every=, steps=): nothing is known of them (a NaN there is not "
+        f"seen), nor of any step that ran after step {last}, the last recorded."
+    )
+
+
 _STRIP_SPAN = 5000  # the strip has a column for every step number up to this many; beyond, one per gap
 
 
 def _strip_columns(recorded: list[int]) -> list[int | None]:
-    """The strip's columns: every step number from the first recorded to the last (a step with no row, or one
+    """The strip's columns: every step number from 0 (a run's first) to the last recorded (a step with no row, or one
     the writer could not write, is a "not recorded" cell), or, over _STRIP_SPAN of them, the recorded steps with
     one blank column (None) wherever numbers are skipped: two cells side by side are always adjacent steps."""
     if not recorded:
         return []
-    lo, hi = recorded[0], recorded[-1]
+    lo, hi = min(0, recorded[0]), recorded[-1]  # a run's steps are numbered from 0: those before it not recorded
     if hi - lo + 1 <= max(_STRIP_SPAN, len(recorded)):
         return list(range(lo, hi + 1))
-    out: list[int | None] = []
+    out: list[int | None] = [None] if recorded[0] > 0 else []
     for s in recorded:
-        if out and s != out[-1] + 1:
+        if out and out[-1] is not None and s != out[-1] + 1:
             out.append(None)
         out.append(s)
     return out
@@ -304,11 +336,13 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
                     "; a step status speaks of errors and NaN/Inf, not of parameters that got no gradient or an "
                     "all-zero one in every step (named under Parameters whose gradients changed most)"
                 )
-            box = "partial" if left or dead else "calm"
+            gaps = _unrecorded(steps)  # steps with no row: the status of a recorded step says nothing of them
+            box = "partial" if left or dead or gaps else "calm"
+            gaps = f" {_e(gaps)}" if gaps else ""
             page.add(
-                f'<p class="{box}">Every {which} step has status ok{_e(tail)}.</p>'
+                f'<p class="{box}">Every {which} step has status ok{_e(tail)}.{gaps}</p>'
                 if not unmeasured
-                else f'<p class="{box}">Every other {which} step has status ok{_e(tail)}.</p>'
+                else f'<p class="{box}">Every other {which} step has status ok{_e(tail)}.{gaps}</p>'
             )
         return
     shown = bad.head(50)
@@ -648,6 +682,8 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
             page.add('<p class="note">No steps recorded.</p>')
         else:
             measured, not_measured, why = story.measured_rows(store, run)
+            gaps = _unrecorded(steps)  # steps with no row: nothing below speaks of them
+            gaps, calm = (f" {_e(gaps)}", "partial") if gaps else ("", "calm")
             if not measured:
                 page.add(
                     f'<p class="note">No gradient value was measured ({not_measured:,} gradient rows not measured: '
@@ -655,21 +691,21 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
                 )
             elif not_measured:
                 page.add(
-                    f'<p class="{"partial" if left else "calm"}">No recorded gradient held NaN or Inf (exact counts, '
+                    f'<p class="{"partial" if left else calm}">No recorded gradient held NaN or Inf (exact counts, '
                     f"in the {measured:,} measured gradient rows); {not_measured:,} not measured ({_e(why)})"
                     + (f"; and {_e(left.words())}, not measured: not checked" if left else "")
-                    + ".</p>"
+                    + f".{gaps}</p>"
                 )
             elif left:
                 page.add(
                     '<p class="partial">No measured gradient held NaN or Inf (exact counts, in the '
                     f"{measured:,} measured gradient rows), but {_e(left.words())} were not measured: whether they "
-                    "held NaN or Inf is not known.</p>"
+                    f"held NaN or Inf is not known.{gaps}</p>"
                 )
             else:
                 page.add(
-                    '<p class="calm">No recorded gradient held NaN or Inf (exact counts, in every measured gradient).'
-                    "</p>"
+                    f'<p class="{calm}">No recorded gradient held NaN or Inf (exact counts, in every measured '
+                    f"gradient).{gaps}</p>"
                 )
         for c in caveats:
             page.add(f'<p class="note">{_e(c)}.</p>')
