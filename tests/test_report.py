@@ -301,3 +301,30 @@ def test_the_all_clear_boxes_name_the_steps_not_recorded(tmp_path):
     assert '<p class="calm">' not in page  # no all-clear box in green
     assert html_report._strip_columns([2, 4]) == [0, 1, 2, 3, 4]
     assert html_report._strip_columns([6000, 12000]) == [None, 6000, None, 12000]
+
+
+def test_the_module_heatmap_caption_says_what_a_cell_sums(tmp_path):
+    """A Linear's module cell, by hand: its output's gradient gy once, its weight's gradient twice (TBackward0's
+    grad_output and AccumulateGrad's), its bias's once: sqrt(|gy|^2 + 2|gW|^2 + |gb|^2), not |gy| (the one gradient
+    that leaves the module). The caption must say that it counts a gradient once per node and is no one gradient's
+    norm."""
+    import torch
+
+    from gradstore.view import cells
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    db = str(tmp_path / "m.db")
+    gy = torch.arange(8.0).view(4, 2)
+    with gradstore.record("m", db=db, model=model):
+        (model(torch.randn(4, 3)) * gy).sum().backward()
+    w, b = model[0].weight.grad, model[0].bias.grad
+    by_hand = float((gy.pow(2).sum() + 2 * w.pow(2).sum() + b.pow(2).sum()).sqrt())
+    g = cells.grid(gradstore.open(db), "m", by="module")
+    cell = float(g.value[g.labels.index("0"), 0])
+    assert cell == pytest.approx(by_hand, rel=1e-5) and cell != pytest.approx(float(gy.norm()), rel=1e-2)
+    page = _write(db, "m", tmp_path / "m.html")
+    caption = re.sub("<[^>]+>", "", page.split('id="heatmap"', 1)[1].split("<img", 1)[0])
+    assert "every grad_output of every node the module owns" in caption
+    assert "counted once per node it enters" in caption and "not the norm of one gradient" in caption
+    assert "L2 norm of the grad_outputs flowing into each module" not in caption

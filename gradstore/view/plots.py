@@ -134,7 +134,9 @@ def heatmap(
     Args:
         store: a `gradstore.Store` (`gradstore.open(db)`).
         run: the run name.
-        by: 'module' (every node of a module and its calls combined; default), 'param' (each parameter's .grad
+        by: 'module' (default: a cell combines every node the module owns, its parameters' AccumulateGrad
+            included, over its calls: a gradient passing a View / Transpose / AccumulateGrad counts once per node,
+            so stat='norm' is a root-sum-square, not the norm of one gradient), 'param' (each parameter's .grad
             after the step's last backward pass) or 'node' (one row per node key).
         stat: 'norm' (combined L2 norm over finite elements; default), 'absmax' (largest |x|), 'min', 'max',
             'mean'. norm and absmax use a log colour scale; min, max and mean a symmetric log scale.
