@@ -560,3 +560,37 @@ def test_a_hook_after_a_sum_that_cannot_overflow_is_still_said_to_have_changed_i
 
     text = " ".join(re.sub(r"<[^>]+>", "", report_html(store, "hook")).split())
     assert "so their sum did not overflow: it changed on the way, in a tensor hook or a node hook" in text
+
+
+def test_graph_labels_list_the_gradients_they_combine(tmp_path):
+    """Two micro-batches through y = lin(x) + lin(x), the second's loss halved: the bias's AccumulateGrad runs once
+    per pass, so its node label lists each pass's gradient norm (plain PyTorch: a hook on the bias), never their
+    root-sum-square as if it were one gradient; AddBackward0's two grad_inputs (ones(4, 2), then halved: norms
+    sqrt(8) and sqrt(8) / 2, by hand) are listed by slot and call."""
+    import math
+
+    pytest.importorskip("graphviz")
+    from gradstore.view.backward_graph import graph
+
+    def train(lin):
+        torch.manual_seed(1)
+        for scale in (1.0, 0.5):
+            x = torch.randn(4, 3)
+            ((lin(x) + lin(x)).sum() * scale).backward()
+
+    torch.manual_seed(0)
+    plain, per = torch.nn.Linear(3, 2), []
+    plain.bias.register_hook(lambda g: per.append(float(g.norm())))
+    train(plain)
+    assert len(per) == 2 and per[0] != per[1]
+    db = str(tmp_path / "g.db")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    with gradstore.record("g", db=db, model=lin):
+        train(lin)
+    src = graph(gradstore.open(db), "g", step=0).source
+    assert f"in |g| {per[0]:.3g}, {per[1]:.3g} (2 calls)" in src
+    assert f"in |g| {math.hypot(*per):.3g}" not in src
+    a, b = math.sqrt(8), math.sqrt(8) / 2
+    assert f"out |g| {a:.3g}, {a:.3g}, {b:.3g}, {b:.3g} (slots 0, 1; 2 calls)" in src
+    assert "root-sum-square" in src

@@ -36,6 +36,32 @@ def _counts(row) -> str:
     return ", ".join(words)
 
 
+_LISTED = 4  # up to this many gradients are listed one by one; beyond, their root-sum-square ("rss")
+
+
+def _norms(rows: pd.DataFrame, slots: bool = True) -> str:
+    """The L2 norms of the gradient rows `rows` (tensors rows of one node and role, or of one slot; columns norm,
+    pass, seq, slot), as a label: one gradient's norm alone ('0.105'); a few one by one, saying what they are
+    ('0.105, 0.087 (2 calls)', '1, 1 (slots 0, 1)'); more as 'rss 0.136 of 6 (2 slots, 3 calls)', the
+    root-sum-square of their norms, which is the norm of no one gradient. '-' where none was measured."""
+    rows = rows[pd.to_numeric(rows["norm"], errors="coerce").notna()].sort_values(["pass", "seq", "slot"])
+    norms = rows["norm"].astype("float64").tolist()
+    if not norms:
+        return "-"
+    if len(norms) == 1:
+        return _fmt(norms[0])
+    calls = len(rows[["pass", "seq"]].drop_duplicates())
+    slot_nums = sorted(int(v) for v in rows["slot"].unique()) if slots else [0]
+    what = []
+    if len(slot_nums) > 1:
+        what.append(f"slots {', '.join(map(str, slot_nums))}" if len(norms) <= _LISTED else f"{len(slot_nums)} slots")
+    if calls > 1:
+        what.append(f"{calls} calls")
+    if len(norms) <= _LISTED:
+        return f"{', '.join(_fmt(v) for v in norms)} ({'; '.join(what)})"
+    return f"rss {_fmt(math.sqrt(sum(v * v for v in norms)))} of {len(norms)} ({', '.join(what)})"
+
+
 def _bad(row) -> int:
     return int(row["nan"]) + int(row["posinf"]) + int(row["neginf"])
 
@@ -63,8 +89,11 @@ def graph(
 
     Returns a `graphviz.Digraph`. Each node that ran in the step is a box: its name (`node.name()`), the key's
     ordinal, its module (or parameter, for an AccumulateGrad), the L2 norms of its grad_outputs (in) and
-    grad_inputs (out) over the step's calls, and its first seq. Edges run from a node to its next_functions
-    (the direction gradients flow), labelled `grad_inputs[i] -> grad_outputs[j]` with the norm of that gradient:
+    grad_inputs (out): one gradient's alone, up to four listed one by one with what they are ('0.105, 0.087 (2
+    calls)', '1, 1 (slots 0, 1)'), more as 'rss X of N' (the root-sum-square of their norms, the norm of no one
+    gradient; the legend says so), and its first seq. Edges run from a node to its next_functions
+    (the direction gradients flow), labelled `grad_inputs[i] -> grad_outputs[j]` with the norm of that gradient (of
+    each call, listed as above):
     those of the graphs the step's passes walked (`store.edges(run, step, rank)`; for a step written before schema
     revision 0012_edge_steps, which did not record them, every edge seen by then, and the title says so).
     Nodes and edges whose gradients held NaN or Inf are red (exact counts), and the run's first non-finite node
@@ -153,6 +182,7 @@ def graph(
             neginf=("neginf", "sum"),
         )
     )
+    by_key = dict(iter(tensors[tensors["key"].isin(keep)].groupby("key")))
     first_key = start.key if start is not None and start.step == step and start.rank == rank else None
 
     what = f"step {step}, rank {rank}" + (f", {depth} edges around {around}" if around is not None else "")
@@ -164,7 +194,9 @@ def graph(
             "rankdir": "TB",
             "label": f"{run}: backward graph, {what}\n"
             "edge [i]->[j]: grad_inputs[i] of a node into grad_outputs[j] of "
-            "its next function; |g|: L2 norm over finite elements",
+            "its next function; |g|: L2 norm over finite elements of one gradient, or of each, listed, where a "
+            "node has several slots or calls ('0.105, 0.087 (2 calls)'); 'rss X of N': the root-sum-square of N "
+            "such norms, the norm of no one gradient",
             "labelloc": "t",
             "fontname": "Helvetica",
             "fontsize": "12",
@@ -189,12 +221,13 @@ def graph(
         where = f"param {param}" if param else (module or "(top level)")
         lines = [f"{name}" + (f" #{ordinal}" if ordinal else ""), where]
         bad = 0
+        mine = by_key.get(key, tensors.iloc[:0])
         for role, arrow in (("grad_output", "in"), ("grad_input", "out")):
             if (key, role) in per.index:
                 r = per.loc[(key, role)]
                 n = _bad(r)
                 bad += n
-                norm = _fmt(math.sqrt(r["sumsq"]) if not pd.isna(r["sumsq"]) else None)
+                norm = _norms(mine[mine["role"] == role])
                 lines.append(f"{arrow} |g| {norm}" + (f"  {_counts(r)}" if n else ""))
         c = ran.loc[key]
         lines.append(f"seq {int(c['seq'])}" + (f", {int(c['calls'])} calls" if c["calls"] > 1 else ""))
@@ -207,15 +240,16 @@ def graph(
         g.node(nid, label="\n".join(lines), **attrs)
     for e in edges.itertuples(index=False):
         src_slot, dst_slot = int(e.src_slot), int(e.dst_slot)
-        r = None
+        r, at = None, None
         if (e.src, "grad_input", src_slot) in slot.index:
-            r = slot.loc[(e.src, "grad_input", src_slot)]
+            r, at = slot.loc[(e.src, "grad_input", src_slot)], (e.src, "grad_input", src_slot)
         elif (e.dst, "grad_output", dst_slot) in slot.index:
-            r = slot.loc[(e.dst, "grad_output", dst_slot)]
+            r, at = slot.loc[(e.dst, "grad_output", dst_slot)], (e.dst, "grad_output", dst_slot)
         label = f"[{src_slot}]->[{dst_slot}]"
         attrs = {}
         if r is not None:
-            label += f" {_fmt(math.sqrt(r['sumsq']) if not pd.isna(r['sumsq']) else None)}"
+            rows = by_key.get(at[0], tensors.iloc[:0])
+            label += f" {_norms(rows[(rows['role'] == at[1]) & (rows['slot'] == at[2])], slots=False)}"
             if _bad(r):
                 attrs.update(color=NONFINITE, fontcolor=NONFINITE, penwidth="2.5")
                 label += f" ({_counts(r)})"
