@@ -166,7 +166,7 @@ def test_a_run_that_logged_step_values_shows_them(tmp_path):
     (fig,) = figs
     marks = {
         ax.get_title(loc="left").split(" ")[0]: [
-            list(ln.get_xdata()) for ln in ax.lines if ln.get_label() == "NaN / Inf logged"
+            list(ln.get_xdata()) for ln in ax.lines if ln.get_label() == "NaN / +Inf logged (top edge)"
         ]
         for ax in fig.axes
     }
@@ -328,3 +328,42 @@ def test_the_module_heatmap_caption_says_what_a_cell_sums(tmp_path):
     assert "every grad_output of every node the module owns" in caption
     assert "counted once per node it enters" in caption and "not the norm of one gradient" in caption
     assert "L2 norm of the grad_outputs flowing into each module" not in caption
+
+
+def test_step_values_plot_partial_and_infinite_values_truthfully(tmp_path):
+    """lr logged on even steps only is one line through 0, 2, 4, 6 (no dots among blanks); gnorm logged once has the
+    one integer tick 3; a logged -inf is an x on the bottom edge, a NaN on the top. Wide tables scroll."""
+    import torch
+
+    from gradstore.view import html_report
+
+    db = str(tmp_path / "v.db")
+    model = torch.nn.Linear(3, 1)
+    with gradstore.record("v", db=db, model=model) as rec:
+        for step in range(8):
+            model(torch.randn(5, 3)).sum().backward()
+            rec.log(loss=float("nan") if step == 4 else (float("-inf") if step == 5 else 1.0 + step))
+            if step % 2 == 0:
+                rec.log(lr=0.1 / (step + 1))
+            if step == 3:
+                rec.log(gnorm=2.5)
+            rec.step()
+    figs = []
+    real = html_report._png
+    html_report._png = lambda fig, alt: figs.append(fig) or real(fig, alt)
+    try:
+        html_report._values_section(html_report._Page(), gradstore.open(db), "v")
+    finally:
+        html_report._png = real
+    (fig,) = figs
+    axes = {ax.get_title(loc="left").split(" ")[0]: ax for ax in fig.axes}
+    (lr_line,) = [ln for ln in axes["lr"].lines if ln.get_marker() == "o"]
+    assert list(lr_line.get_xdata()) == [0, 2, 4, 6]
+    assert list(lr_line.get_ydata()) == pytest.approx([0.1, 0.1 / 3, 0.1 / 5, 0.1 / 7])
+    assert list(axes["gnorm"].get_xticks()) == [3]
+    marks = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in axes["loss"].lines}
+    assert marks["NaN / +Inf logged (top edge)"] == ([4], [1.0])
+    assert marks["-Inf logged (bottom edge)"] == ([5], [0.0])
+    page = _write(db, "v", tmp_path / "v.html")
+    assert ".scroll { overflow-x: auto" in page and '<div class="scroll"><table>' in page
+    assert "X in the shaded top row" not in page  # no .grad held NaN or Inf

@@ -51,6 +51,7 @@ h3 { font-size: 15px; margin: 18px 0 6px; }
 .calm { border-left: 5px solid #4c9a5e; background: #f2faf3; padding: 10px 14px; margin: 10px 0; }
 .partial { border-left: 5px solid #c98a00; background: #fff8e8; padding: 10px 14px; margin: 10px 0; }
 table { border-collapse: collapse; font-size: 12.5px; margin: 8px 0; }
+.scroll { overflow-x: auto; max-width: 100%; }
 th, td { border: 1px solid #dde2ea; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #f1f4f9; } td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 code { font-family: Menlo, Consolas, monospace; font-size: 12px; background: #f1f4f9; padding: 0 3px; }
@@ -99,7 +100,8 @@ def _table(df: pd.DataFrame, numeric: set[str] = frozenset()) -> str:
                     f"<td>{'-' if v is None or v is pd.NA or (isinstance(v, float) and np.isnan(v)) else _e(v)}</td>"
                 )
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    # wide tables scroll sideways inside the page instead of running past its margin
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
 def _when(ts) -> str:
@@ -989,10 +991,11 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
     if not when.startswith("after"):  # the plot draws the pass rows (gradstore.view.history): there are none
         page.add('<p class="note">No .grad after a backward pass recorded: nothing to draw.</p>')
         return
-    names = top["param"].head(6).tolist()
+    names = top["param"].tolist()  # every parameter of the table above
     fig, ax = new_axes(None, (10.0, 4.2))
     steps: list[int] = []
-    drawn = marked = False  # a finite positive norm on the log scale; a step marked non-finite
+    drawn = False  # a finite positive norm on the log scale
+    marked: set[int] = set()  # the steps where some parameter's .grad held NaN / Inf: one X each
     for name in names:
         s = cells.series(store, run, param=name)
         whole = s[s["rank"].isna()]  # a DTensor parameter: its whole gradient, combined from every rank's shards
@@ -1008,9 +1011,9 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         y = s["value"].where(~bad & (s["value"] > 0))
         drawn = drawn or bool(y.notna().any())
         (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=label)
-        if bad.any():
-            mark_nonfinite_steps(ax, s["step"][bad], line.get_color(), size=60)
-            marked = True
+        marked |= {int(v) for v in s["step"][bad]}
+    if marked:  # once per step (each parameter's would stack on one spot): the table's nonfinite_at says whose
+        mark_nonfinite_steps(ax, sorted(marked), _STATUS_COLOURS["nonfinite"], size=60)
     if not drawn:
         page.add('<p class="note">No finite, nonzero .grad norm to draw on a log scale.</p>')
         return
@@ -1020,7 +1023,12 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         clear_nonfinite_band(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("L2 norm of .grad after the backward pass\n(before clipping; log scale)", fontsize=8)
-    ax.set_title("X in the shaded top row: the step's .grad held NaN or Inf", fontsize=9, loc="left")
+    if marked:
+        ax.set_title(
+            "X in the shaded top row: a step where some parameter's .grad held NaN or Inf (the table says whose)",
+            fontsize=9,
+            loc="left",
+        )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     page.add(_png(fig, "gradient norm history of the parameters that changed most"))
@@ -1190,6 +1198,7 @@ def _values_section(page: _Page, store, run: str) -> None:
         return
     # the wide frame has NaN both where a step logged NaN and where it logged nothing: the long one tells them apart
     logged = {(int(r.step), int(r.rank), r.name) for r in store.query("values", run=run).itertuples()}
+    gaps = {(int(a), int(b)) for a, b in zip(lost["step"], lost["rank"])}  # not written: a gap in the lines
     ticker = require("matplotlib.ticker", "gradstore report")
     cols = min(3, len(names))
     rows = int(np.ceil(len(names) / cols))
@@ -1200,7 +1209,15 @@ def _values_section(page: _Page, store, run: str) -> None:
         ax = fig.add_subplot(rows, cols, i + 1)
         groups = vals.groupby("rank") if "rank" in vals else [(None, vals)]
         bad_steps: set[int] = set()
+        top_steps: set[int] = set()  # NaN / +Inf: an x on the top edge; -Inf on the bottom edge
+        shown_steps: set[int] = set()
         for k, (rank, f) in enumerate(groups):
+            r0 = 0 if rank is None else int(rank)
+            # the steps that logged this value (and those not written, gaps): a value logged every other step is
+            # one line through its points, not dots between the other steps' blanks
+            held = [(int(st), r0, name) in logged or (int(st), r0) in gaps for st in f["step"]]
+            f = f[held]
+            shown_steps |= {int(v) for v in f["step"]}
             y = pd.to_numeric(f[name], errors="coerce")
             # ranks often log equal values (DDP's averaged loss, one lr): a later rank's line is dashed and its
             # markers hollow, so that the line under it still shows
@@ -1209,7 +1226,7 @@ def _values_section(page: _Page, store, run: str) -> None:
                 f["step"],
                 y,
                 marker="o",
-                markersize=2 if not k else 4,
+                markersize=3 if not k else 4,
                 label=f"rank {rank}" if several else None,
                 **style,
             )
@@ -1218,24 +1235,39 @@ def _values_section(page: _Page, store, run: str) -> None:
                 r = 0 if rank is None else int(rank)
                 if (v != v and (int(st), r, name) in logged) or v in (np.inf, -np.inf):
                     bad_steps.add(int(st))
+                    if v != -np.inf:
+                        top_steps.add(int(st))
                     bad_rows[(vals["step"] == st) & ((vals["rank"] == rank) if "rank" in vals else True)] = True
-        if bad_steps:
-            xs = sorted(bad_steps)
-            ax.plot(
-                xs,
-                [1.0] * len(xs),
-                "x",
-                color=_STATUS_COLOURS["nonfinite"],
-                transform=ax.get_xaxis_transform(),
-                clip_on=False,
-                markersize=6,
-                label="NaN / Inf logged",
-            )
+        for xs, edge, what in (
+            (sorted(top_steps), 1.0, "NaN / +Inf logged (top edge)"),
+            (sorted(bad_steps - top_steps), 0.0, "-Inf logged (bottom edge)"),
+        ):
+            if xs:
+                ax.plot(
+                    xs,
+                    [edge] * len(xs),
+                    "x",
+                    color=_STATUS_COLOURS["nonfinite"],
+                    transform=ax.get_xaxis_transform(),
+                    clip_on=False,
+                    markersize=6,
+                    label=what,
+                )
         if several or bad_steps:  # beside the axes: inside, it would sit on the lines
             ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
-        ax.set_title(str(name) + (" (NaN / Inf: x on the top edge)" if bad_steps else ""), fontsize=9, loc="left")
+        edges = [
+            w
+            for w, hit in (("NaN / +Inf: x on the top edge", top_steps), ("-Inf: bottom", bad_steps - top_steps))
+            if hit
+        ]
+        ax.set_title(str(name) + (f" ({'; '.join(edges)})" if edges else ""), fontsize=9, loc="left")
         ax.set_xlabel("step", fontsize=8)
-        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # steps are whole numbers
+        if len(shown_steps) <= 8:  # a few steps: a tick at each, and never a fractional one
+            ax.set_xticks(sorted(shown_steps))
+            if len(shown_steps) == 1:
+                ax.set_xlim(min(shown_steps) - 1, max(shown_steps) + 1)
+        else:
+            ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))  # steps are whole numbers
         ax.tick_params(labelsize=7)
     page.add(_png(fig, "step values over steps"))
     if len(lost):
