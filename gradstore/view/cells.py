@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..errors import ArgumentError, GradstoreError
+from ..errors import ArgumentError, GradstoreError, UnknownNode, UnknownStep
 from ..store import shards
+from ..store.reader import step_span
 from ..store.schema import UNWRITTEN
 
 STATS = ("norm", "absmax", "min", "max", "mean")
@@ -107,7 +108,9 @@ class Grid:
     run, rank, by ('module' / 'param' / 'node'), stat, role; labels (rows, top to bottom) and steps (columns);
     value: float64 array (len(labels), len(steps)), NaN where nothing was measured; nan, posinf, neginf: the
     exact counts (0 where unknown); measured: bool array, True where at least one gradient was measured;
-    depth: the module depth rows were grouped to (None: not grouped); notes: sentences for the title.
+    depth: the module depth rows were grouped to (None: not grouped); notes: sentences for the title;
+    row_notes: label -> why a row holds no gradient by design ('frozen': every parameter of it has
+    requires_grad False, by='param').
     """
 
     run: str
@@ -124,6 +127,7 @@ class Grid:
     measured: np.ndarray
     depth: int | None = None
     notes: list[str] = field(default_factory=list)
+    row_notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def nonfinite(self) -> np.ndarray:
@@ -166,8 +170,8 @@ def grid(
     depth (exact: the parts are combined again) when `depth` is given, or automatically, to the deepest depth
     that keeps at most `max_rows` rows, when by is 'module' or 'param' and there are more rows than that.
 
-    Raises UnknownRun, ArgumentError (a ValueError: by, stat, role, depth), GradstoreError (no such rank,
-    nothing recorded).
+    Raises UnknownRun, UnknownStep (a list in `steps` naming a step not recorded, or a range holding none),
+    ArgumentError (a ValueError: by, stat, role, depth), GradstoreError (no such rank, nothing recorded).
     """
     if by not in BY:
         raise ArgumentError(f"by is one of {', '.join(BY)}, got {by!r}")
@@ -180,9 +184,17 @@ def grid(
     recorded = store.steps(run=run, rank=rank)["step"].astype(int).tolist()
     if steps is not None:
         wanted = {int(s) for s in steps}
+        # a range is a window (the recorded steps within it); a step named in a list is one asked for: left out
+        # silently, its column would be missing unsaid
+        absent = sorted(wanted - set(recorded)) if not isinstance(steps, range) else []
+        if absent or not set(recorded) & wanted:
+            said = step_span(absent) if absent else f"any of {step_span(wanted)}" if wanted else "any step (none asked)"
+            raise UnknownStep(
+                f"run {run!r} rank {rank} did not record {said} asked for in steps=; it has "
+                f"{step_span(recorded) if recorded else 'no steps'} (every= / steps= record some steps only)"
+            )
         recorded = [s for s in recorded if s in wanted]
-        if not recorded:
-            raise GradstoreError(f"run {run!r} rank {rank} recorded none of the steps asked for")
+    frozen: list[str] = []  # by='param': parameters frozen in the steps drawn that have no .grad row there
     if by == "param":
         if role not in (None, "param_grad"):
             raise ArgumentError("by='param' draws the parameters' .grad (role param_grad); leave role out")
@@ -198,6 +210,13 @@ def grid(
                 "used, unreachable or a stale .grad: param_grads' no_gradient) left blank"
             )
         parts = additive(rows).assign(label=lambda f: f["param"])
+        # a frozen parameter (requires_grad False) has no .grad row at all: its row would be left out unsaid
+        frozen_rows = store.param_status(run=run, rank=rank, status="frozen")
+        frozen_rows = frozen_rows[frozen_rows["step"].isin(recorded)]
+        if prefix:
+            frozen_rows = frozen_rows[_under(frozen_rows["param"], prefix)]
+        had = set(parts.loc[parts["step"].isin(recorded), "param"])
+        frozen = sorted(set(frozen_rows["param"]) - had, key=natural_key)
     else:
         role = role or "grad_output"
         if role not in ("grad_output", "grad_input", "param_grad", "saved"):
@@ -206,7 +225,7 @@ def grid(
         label = parts["key"] if by == "node" else parts["module"].map(lambda m: m if m else TOP_LEVEL)
         parts = parts.assign(label=label)
     parts = parts[parts["step"].isin(recorded)]
-    labels = sorted(set(parts["label"]), key=natural_key)
+    labels = sorted(set(parts["label"]) | set(frozen), key=natural_key)
     if not labels:
         what = f"under {prefix!r} " if prefix else ""
         raise GradstoreError(f"run {run!r} rank {rank} has no {role} gradients {what}to draw by {by}")
@@ -222,7 +241,23 @@ def grid(
         notes.append(f"{len(labels)} nodes (prefix=MODULE or by='module' for fewer rows)")
     if depth is not None:
         parts = parts.assign(label=parts["label"].map(lambda lab: truncate(lab, depth)))
-        labels = sorted(set(parts["label"]), key=natural_key)
+        labels = sorted(set(parts["label"]) | {truncate(f, depth) for f in frozen}, key=natural_key)
+    row_notes = {}  # label -> what its row is when it holds no gradient by design
+    if frozen:
+        for lab in labels:
+            members = {p for p in frozen if (truncate(p, depth) if depth is not None else p) == lab}
+            if members and lab not in set(parts["label"]):
+                row_notes[lab] = "frozen"
+        notes.append(
+            f"{len(frozen)} frozen parameter{'s' if len(frozen) > 1 else ''} (requires_grad False, param_status "
+            "'frozen': no gradient)"
+            + (": rows marked frozen, hatched" if row_notes else "")
+            + (
+                "; in groups with others, their rows are the others' gradients"
+                if len(row_notes) < len({truncate(p, depth) if depth is not None else p for p in frozen})
+                else ""
+            )
+        )
     cells = combine(parts, ["label", "step"])
     cells = cells.assign(value=values(cells, stat), bad=nonfinite(cells))
     row = {lab: i for i, lab in enumerate(labels)}
@@ -252,6 +287,7 @@ def grid(
         measured=measured,
         depth=depth,
         notes=notes,
+        row_notes=row_notes,
     )
 
 
@@ -284,8 +320,11 @@ def series(
     the step's last pass counts (the .grad after accumulation), and nan / posinf / neginf are the larger of its
     counts and those of the step's final row (the .grad the optimizer read), so a `.grad` that went non-finite
     after the backward pass marks the step.
+    A run with no row of it says why in reason (frozen, left out by modules= / params=, stats='params'); a step
+    with no value and no skipped row, where the record says (stats='shape'; param_status 'frozen').
     Raises UnknownRun, ArgumentError (a ValueError: not exactly one of param / module / key; stat; role),
-    GradstoreError (rank).
+    UnknownNode (no run given has that parameter, module or key: close names listed), GradstoreError (rank; no
+    run has rows of that role of it: the roles it has are named).
     """
     if sum(x is not None for x in (param, module, key)) != 1:
         raise ArgumentError("give exactly one of param=, module= or key=")
@@ -296,8 +335,10 @@ def series(
         raise ArgumentError("runs is a run name or a list of them")
     role = role or ("param_grad" if param is not None else "grad_output")
     out = []
+    absence: list[tuple[str, str]] = []  # (kind, sentence) of each run with no row of it
     for run in runs:
-        recorded = store.steps(run=run)[["rank", "step"]].astype(int)
+        level = store.steps(run=run)
+        recorded = level[["rank", "step"]].astype(int)
         all_ranks = sorted(recorded["rank"].unique())
         if rank is None:
             ranks = all_ranks
@@ -309,6 +350,10 @@ def series(
                     f"run {run!r} has no rank {missing[0]}; its ranks: {', '.join(map(str, all_ranks))}"
                 )
         rows = store.history(run, key=key, module=module, param=param, role=role)
+        absent = None  # why the run has no row of it at all (raised below where no run has it)
+        if not (rows["status"] != UNWRITTEN).any():
+            absent = _why_no_rows(store, run, param, module, key, role)
+            absence.append(absent)
         # a step the writer could not write: its history row only marks the gap (its step in `recorded` is NaN)
         rows = rows[rows["rank"].isin(ranks) & (rows["status"] != UNWRITTEN)]
         final = None
@@ -350,8 +395,16 @@ def series(
             if not skipped.empty
             else pd.Series(dtype=object)
         )
+        # a step with no value and no skipped row: what the record says about it (stats='shape' measured no value
+        # there; a frozen parameter has no gradient), never a bare 'no value'
+        said = _step_reasons(store, run, param, level) if blank.any() else {}
         frame = frame.assign(
-            reason=[reasons.get((int(r), int(s_)), None) for r, s_ in zip(frame["rank"], frame["step"])],
+            reason=[
+                absent[1]
+                if absent is not None
+                else reasons.get((int(r), int(s_)), None) or (said.get((int(r), int(s_))) if b else None)
+                for r, s_, b in zip(frame["rank"], frame["step"], blank)
+            ],
             no_gradient=[nograd.get((int(r), int(s_)), None) for r, s_ in zip(frame["rank"], frame["step"])],
         )
         several = len(ranks) > 1
@@ -372,6 +425,11 @@ def series(
         out.append(frame)
         if piece and param is not None and role == "param_grad" and rank is None:
             out.append(_whole_param(store, run, param, stat, frame["step"].unique()))
+    if absence and len(absence) == len(runs) and all(k != "reason" for k, _ in absence):
+        unknown = [w for k, w in absence if k == "unknown"]
+        if len(unknown) == len(absence):
+            raise UnknownNode(unknown[0] if len(runs) == 1 else "; ".join(dict.fromkeys(unknown)))
+        raise GradstoreError("; ".join(dict.fromkeys(w for _, w in absence)))
     cols = [
         "run",
         "rank",
@@ -387,6 +445,75 @@ def series(
         "part",
     ]
     return pd.concat(out, ignore_index=True)[cols]
+
+
+_ROLE_WORDS = {"grad_output": "grad_outputs", "grad_input": "grad_inputs", "param_grad": ".grad (param_grad)"}
+
+
+def _why_no_rows(store, run: str, param, module, key, role: str) -> tuple[str, str]:
+    """(kind, sentence): why `run` holds no history row of the parameter, module or node asked for with `role`.
+    kind 'unknown': the run has no such name (the sentence lists close names); 'role': it has rows of other roles
+    only (the sentence names them); 'reason': it exists and was not measured (frozen in every step, left out by
+    record(modules= / params=), stats='params', which hooks no node), the sentence says which."""
+    import difflib
+
+    nodes = store.nodes(run=run)
+    modules = {m for m in nodes["module"].dropna().astype(str) if m}
+    parents = {".".join(m.split(".")[:i]) for m in modules for i in range(1, len(m.split(".")) + 1)}
+    params = set(nodes["param"].dropna().astype(str))
+    if param is not None:
+        what, name, known, exists = "parameter", param, params, param in params
+    elif module is not None:
+        what, name, known, exists = "module", module, parents, module in parents or module == ""
+    else:
+        what, name, known, exists = "node key", key, set(nodes["key"].astype(str)), key in set(nodes["key"])
+    if not exists:
+        close = difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.6)
+        hint = (
+            f"; close names: {', '.join(close)}"
+            if close
+            else f"; store.nodes({run!r}) lists its {'parameters' if param is not None else 'modules and keys'}"
+        )
+        return "unknown", f"run {run!r} has no {what} {name!r}{hint}"
+    others = store.history(run, key=key, module=module, param=param)
+    others = others[others["status"] != UNWRITTEN]
+    if len(others):
+        roles = ", ".join(sorted(set(others["role"].dropna())))
+        return (
+            "role",
+            f"{what} {name!r} of run {run!r} has no {_ROLE_WORDS.get(role, role)} rows (role {role!r}) in any step; "
+            f"its rows are of role {roles} (role=...)",
+        )
+    if param is not None:
+        frozen = store.param_status(run=run, param=param, status="frozen")
+        if len(frozen) and len(frozen) >= len(store.steps(run=run)):
+            return "reason", "frozen: requires_grad was False in every step (param_status 'frozen'), no gradient"
+    levels = set(store.steps(run=run)["level"].dropna())
+    if param is None and levels == {"params"}:
+        return "reason", "stats='params' records parameter .grad rows only, no node (param= draws those)"
+    from .story import left_out
+
+    out = left_out(store, run)
+    if param is not None and param in out.params:
+        return "reason", "left out by record(params= / modules=): its gradient was not recorded"
+    if out.nodes:
+        return "reason", "no row recorded in any step: record(modules= / params=) may have left its nodes out"
+    return "reason", "no row recorded in any step"
+
+
+def _step_reasons(store, run: str, param, level: pd.DataFrame) -> dict:
+    """(rank, step) -> why the step holds no value of it, where the record says: stats='shape' (the steps' level:
+    dtype and shape only), or, for a parameter, param_status 'frozen' (requires_grad False: no gradient)."""
+    said = {
+        (int(r), int(st)): "recorded at stats='shape', which measures no value (dtype and shape only)"
+        for r, st, lv in zip(level["rank"], level["step"], level["level"])
+        if lv == "shape"
+    }
+    if param is not None:
+        frozen = store.param_status(run=run, param=param, status="frozen")
+        for r, st in zip(frozen["rank"], frozen["step"]):
+            said[(int(r), int(st))] = "frozen: requires_grad was False (param_status 'frozen'), no gradient"
+    return said
 
 
 def _with_no_gradient(store, run: str, param: str | None, rows: pd.DataFrame) -> pd.DataFrame:

@@ -31,7 +31,17 @@ from ..version import __version__
 from . import cells, story
 from .backward_graph import graph
 from .extras import require
-from .plots import clear_nonfinite_band, figure_class, heatmap, mark_nonfinite_steps, new_axes, steps_in_view
+from .plots import (
+    clear_nonfinite_band,
+    figure_class,
+    heatmap,
+    mark_nonfinite_steps,
+    mark_unrecorded,
+    new_axes,
+    steps_in_view,
+    unrecorded_spans,
+    with_gaps,
+)
 
 SECTIONS = ("run", "steps", "first non-finite gradient", "heatmap", "parameters", "ranks", "step values")
 # 'unmeasured': stats='shape' measured no value (nothing raised; finiteness unknown)
@@ -1010,7 +1020,7 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         bad = (s["nan"].fillna(0) + s["posinf"].fillna(0) + s["neginf"].fillna(0)) > 0
         y = s["value"].where(~bad & (s["value"] > 0))
         drawn = drawn or bool(y.notna().any())
-        (line,) = ax.plot(s["step"], y, marker="o", markersize=3, linewidth=1.3, label=label)
+        (line,) = ax.plot(*with_gaps(s["step"], y), marker="o", markersize=3, linewidth=1.3, label=label)
         marked |= {int(v) for v in s["step"][bad]}
     if marked:  # once per step (each parameter's would stack on one spot): the table's nonfinite_at says whose
         mark_nonfinite_steps(ax, sorted(marked), _STATUS_COLOURS["nonfinite"], size=60)
@@ -1018,6 +1028,7 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         page.add('<p class="note">No finite, nonzero .grad norm to draw on a log scale.</p>')
         return
     steps_in_view(ax, steps)
+    mark_unrecorded(ax, unrecorded_spans(steps))  # every= / steps=: grey columns, the lines broken there
     ax.set_yscale("log")
     if marked:
         clear_nonfinite_band(ax)
@@ -1203,6 +1214,10 @@ def _values_section(page: _Page, store, run: str) -> None:
     cols = min(3, len(names))
     rows = int(np.ceil(len(names) / cols))
     several = "rank" in vals and vals["rank"].nunique() > 1  # a line per rank: the legend says which is which
+    # steps not recorded (every=, steps=) logged no value: each line is broken there, and grey columns mark them
+    ran = store.steps(run=run)[["rank", "step"]]
+    recorded_at = {int(r): sorted(int(v) for v in f["step"]) for r, f in ran.groupby("rank")}
+    nobody = unrecorded_spans(ran["step"])
     fig = figure_class()(figsize=(4.0 * cols, 2.6 * rows), layout="constrained")
     bad_rows = pd.Series(False, index=vals.index)  # the rows that logged NaN or +/-Inf: always in the table
     for i, name in enumerate(names):
@@ -1223,8 +1238,7 @@ def _values_section(page: _Page, store, run: str) -> None:
             # markers hollow, so that the line under it still shows
             style = {"linestyle": (0, (4, 3)), "markerfacecolor": "none"} if k else {}
             ax.plot(
-                f["step"],
-                y,
+                *with_gaps(f["step"], y, recorded_at.get(0 if rank is None else int(rank))),
                 marker="o",
                 markersize=3 if not k else 4,
                 label=f"rank {rank}" if several else None,
@@ -1238,6 +1252,7 @@ def _values_section(page: _Page, store, run: str) -> None:
                     if v != -np.inf:
                         top_steps.add(int(st))
                     bad_rows[(vals["step"] == st) & ((vals["rank"] == rank) if "rank" in vals else True)] = True
+        mark_unrecorded(ax, nobody)
         for xs, edge, what in (
             (sorted(top_steps), 1.0, "NaN / +Inf logged (top edge)"),
             (sorted(bad_steps - top_steps), 0.0, "-Inf logged (bottom edge)"),

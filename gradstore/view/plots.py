@@ -21,7 +21,11 @@ from ..store.writer import step_ranges
 from . import cells
 from .extras import require
 
-NONFINITE_COLOUR = "#ff1f5b"  # no colour of viridis or coolwarm is near it
+NONFINITE_COLOUR = "#e600e6"  # magenta: no colour of viridis or coolwarm is near it (coolwarm's reds are)
+NONFINITE_HATCH = "#ffffff"  # the hatch lines over a non-finite cell, one pattern per kind (NONFINITE_KINDS)
+# (word, Grid count attribute, hatch): a cell's hatch holds the pattern of every kind it counted, so that NaN, +Inf
+# and -Inf cells stay apart when the grid is too small for words
+NONFINITE_KINDS = (("NaN", "nan", "xx"), ("+Inf", "posinf", "||"), ("-Inf", "neginf", "--"))
 ZERO_COLOUR = "#ffffff"
 MISSING_FACE = "#e9e9e9"
 MISSING_HATCH = "#a0a0a0"
@@ -142,7 +146,9 @@ def heatmap(
             'mean'. norm and absmax use a log colour scale; min, max and mean a symmetric log scale.
         role: for by='module' or 'node': 'grad_output' (what flows into the nodes, as their prehooks saw it;
             default), 'grad_input' (what flows out) or 'saved'. by='param' draws param_grad rows.
-        steps: the steps to draw (an iterable of ints, e.g. range(100, 200)); default every recorded step.
+        steps: the steps to draw: a list of ints (each one the run recorded: UnknownStep otherwise, naming the steps
+            it has) or a range (a window: the recorded steps within it, e.g. range(100, 200)); default every
+            recorded step.
         rank: the rank to draw (default: the lowest recorded; the title says so when there are others).
         prefix: only this module (and its submodules), or for by='param' the parameters under this name.
         depth: group rows to the first `depth` parts of their dotted name (exactly combined); by default rows
@@ -150,18 +156,23 @@ def heatmap(
         ax: a matplotlib Axes to draw into (default: a new Figure sized to the rows).
         cmap: a matplotlib colour map name (default viridis, or coolwarm for the signed statistics).
 
-    Returns the matplotlib Figure. Cells: a colour from the scale where measured; NONFINITE_COLOUR (and the
-    words NaN / +Inf / -Inf where cells are large enough) where any gradient of the cell held NaN or Inf, from
-    the exact counts (the statistic over the finite elements is not drawn there); white where the statistic is
+    Returns the matplotlib Figure. Cells: a colour from the scale where measured; NONFINITE_COLOUR (a colour of
+    neither default scale) hatched in white per kind (NONFINITE_KINDS: NaN xx, +Inf ||, -Inf --, overlaid for a
+    mix; the legend names each kind drawn) and the words NaN / +Inf / -Inf where cells are large enough, where any
+    gradient of the cell held NaN or Inf, from the exact counts (the statistic over the finite elements is not
+    drawn there); white where the statistic is
     exactly 0 (log scales); grey hatching where nothing was measured (no call, a None slot, a skipped tensor, a
     level that does not measure it) and, by='param', where no backward pass of the step gave the parameter a
     gradient (`Store.param_grads`' no_gradient: its .grad, left from before, is no value of the step; the title
-    counts those cells). Rows with a non-finite cell have red labels. By module or node, the cell of
+    counts those cells); by='param', a frozen parameter (`Store.param_status` 'frozen', requires_grad False) keeps
+    its row, hatched and labelled '(frozen)', and the title counts them. Rows with a non-finite cell have red
+    labels. By module or node, the cell of
     the run's first non-finite node call (gradstore.view.story.first_nonfinite: its module, or its key, and its
     step) is outlined, and the legend names it: with the default role grad_output its own cell may be finite (its
     backward made the NaN / Inf from finite grad_outputs), while the red rows show where it went.
-    Raises UnknownRun, ArgumentError (a ValueError: by, stat, role, depth), GradstoreError (no such rank, nothing
-    recorded), MissingDependency (matplotlib not installed: pip install 'gradstore[view]').
+    Raises UnknownRun, UnknownStep (steps= names a step not recorded), ArgumentError (a ValueError: by, stat,
+    role, depth), GradstoreError (no such rank, nothing recorded), MissingDependency (matplotlib not installed:
+    pip install 'gradstore[view]').
     """
     colors = require("matplotlib.colors", "gradstore.view.heatmap")
     mpl = require("matplotlib", "gradstore.view.heatmap")
@@ -207,14 +218,37 @@ def heatmap(
     x = np.arange(ncols + 1) - 0.5
     y = np.arange(nrows + 1) - 0.5
     mesh = ax.pcolormesh(x, y, np.ma.masked_invalid(shown), cmap=cm, norm=scale, shading="flat")
-    if bad.any():
-        flag = colors.ListedColormap([NONFINITE_COLOUR])
-        ax.pcolormesh(x, y, np.ma.masked_where(~bad, np.ones_like(g.value)), cmap=flag, vmin=0, vmax=1)
+    if bad.any():  # a colour outside the scale's, and a hatch per kind: NaN, +Inf, -Inf and their mixes apart
+        mcoll = require("matplotlib.collections", "gradstore.view.heatmap")
+        code = sum((getattr(g, attr) > 0).astype(int) << k for k, (_, attr, _) in enumerate(NONFINITE_KINDS))
+        for c in sorted(set(code[bad].tolist())):
+            ii, jj = np.nonzero(code == c)
+            cellv = [
+                [(j - 0.5, i - 0.5), (j + 0.5, i - 0.5), (j + 0.5, i + 0.5), (j - 0.5, i + 0.5)] for i, j in zip(ii, jj)
+            ]
+            hatch = "".join(h for k, (_, _, h) in enumerate(NONFINITE_KINDS) if c >> k & 1)
+            coll = mcoll.PolyCollection(
+                cellv, facecolors=NONFINITE_COLOUR, edgecolors=NONFINITE_HATCH, linewidths=0, hatch=hatch
+            )
+            coll.set_gid(
+                "gradstore-nonfinite-" + "/".join(w for k, (w, _, _) in enumerate(NONFINITE_KINDS) if c >> k & 1)
+            )
+            ax.add_collection(coll, autolim=False)
         if nrows <= 40 and ncols <= 40:
             for i, j in zip(*np.nonzero(bad)):
                 word = _nonfinite_word(g.nan[i, j], g.posinf[i, j], g.neginf[i, j])
                 size = min(7, font) * (0.75 if len(word) > 4 else 1.0)
-                ax.text(j, i, word, ha="center", va="center", fontsize=size, color="white", weight="bold")
+                ax.text(
+                    j,
+                    i,
+                    word,
+                    ha="center",
+                    va="center",
+                    fontsize=size,
+                    color="white",
+                    weight="bold",
+                    bbox={"facecolor": NONFINITE_COLOUR, "edgecolor": "none", "pad": 0.6},
+                )
     start = _first_nonfinite_cell(store, run, g)
     if start is not None and start[0] is not None:  # the first non-finite gradient's cell, outlined: a node call's
         i, j, _ = start  # own cell may be finite with role grad_output (its backward made the NaN / Inf)
@@ -224,7 +258,14 @@ def heatmap(
     ax.set_xlim(-0.5, ncols - 0.5)
     ax.set_ylim(nrows - 0.5, -0.5)  # first label on top
     ax.set_yticks(np.arange(nrows))
-    ax.set_yticklabels(g.labels, fontsize=font)
+    # a row with no gradient by design (a frozen parameter) says so: its hatched cells are not "not measured"
+    ax.set_yticklabels(
+        [f"{lab} ({g.row_notes[lab]})" if lab in g.row_notes else lab for lab in g.labels], fontsize=font
+    )
+    for i, tick in enumerate(ax.get_yticklabels()):
+        if g.labels[i] in g.row_notes:
+            tick.set_color("#666666")
+            tick.set_fontstyle("italic")
     for i, tick in enumerate(ax.get_yticklabels()):
         if bad[i].any():
             tick.set_color("#c40030")
@@ -245,8 +286,29 @@ def heatmap(
         bar.set_label(f"{_UNITS[stat]} ({'log' if log else 'symmetric log'} scale)", fontsize=8)
         _colorbar_ticks(bar, scale, log)
         bar.ax.tick_params(labelsize=7)
+    kinds = [(w, h) for w, attr, h in NONFINITE_KINDS if (getattr(g, attr) > 0).any()]
     handles = [
-        mpatches.Patch(facecolor=NONFINITE_COLOUR, label="NaN / Inf in a gradient (exact counts)"),
+        mpatches.Patch(
+            facecolor=NONFINITE_COLOUR,
+            edgecolor=NONFINITE_HATCH,
+            linewidth=0,
+            hatch=h,
+            label=f"{w} in a gradient" + (" (exact counts; its statistic not drawn)" if not k else ""),
+        )
+        for k, (w, h) in enumerate(kinds or [("NaN / Inf (none here)", "")])
+    ]
+    code_bad = sum((getattr(g, attr) > 0).astype(int) for _, attr, _ in NONFINITE_KINDS)
+    if (code_bad > 1).any():
+        handles.append(
+            mpatches.Patch(
+                facecolor=NONFINITE_COLOUR,
+                edgecolor=NONFINITE_HATCH,
+                linewidth=0,
+                hatch="||--",
+                label="several kinds in a cell: their patterns overlaid",
+            )  # fmt: skip
+        )
+    handles += [
         mpatches.Patch(
             facecolor=MISSING_FACE,
             edgecolor=MISSING_HATCH,
@@ -280,18 +342,23 @@ def heatmap(
 
 
 def _colorbar_ticks(bar, scale, log: bool, gap: float = 0.09) -> None:
-    """Ticks of a heatmap's colour bar that do not overlap: candidates (log: 1, 2 and 5 times the powers of ten;
-    symmetric log: 0 and +-powers of ten) are kept in order of rank (decades and 0 first), each at least `gap` of
-    the bar's length from every one kept; no minor ticks; plain numbers where the range spans under two decades."""
+    """Ticks of a heatmap's colour bar that do not overlap: candidates (log: every power of ten in the range, and 2
+    and 5 times each; symmetric log: 0 and +-every power of ten from the linear threshold up, and the ends) are kept
+    in order of rank (decades and 0 first, the largest first), each at least `gap` of the bar's length from every
+    one kept, so that a range of many decades gets a labelled tick every few decades (matplotlib's own locators
+    thin such a range to one or two); no minor ticks; plain numbers where the range spans under two decades."""
     ticker = require("matplotlib.ticker", "gradstore.view.heatmap")
     lo, hi = float(scale.vmin), float(scale.vmax)
     if log:
-        found = ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)).tick_values(lo, hi)
-        rank = [0 if abs(math.log10(t) - round(math.log10(t))) < 1e-9 else 1 for t in found]
+        decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+        found = [m * 10.0**k for k in decades for m in (1.0, 2.0, 5.0)]
+        rank = [0 if m == 1.0 else 1 for k in decades for m in (1.0, 2.0, 5.0)]
     else:
-        found = ticker.SymmetricalLogLocator(linthresh=float(scale.linthresh), base=10).tick_values(lo, hi)
-        found = [*found, lo, hi]
-        rank = [0 if t == 0 else (2 if t in (lo, hi) else 1) for t in found]
+        top = max(abs(lo), abs(hi))
+        lin = float(scale.linthresh)
+        decades = range(math.floor(math.log10(lin)), math.ceil(math.log10(top)) + 1) if top > 0 else range(0)
+        found = [0.0, lo, hi, *(sign * 10.0**k for k in decades for sign in (1.0, -1.0))]
+        rank = [0, 2, 2, *(1 for _ in decades for _ in (1, -1))]
     cands = sorted(((r, t) for r, t in zip(rank, found) if lo <= t <= hi), key=lambda x: (x[0], -abs(x[1])))
     kept: list[float] = []
     where: list[float] = []
@@ -306,6 +373,17 @@ def _colorbar_ticks(bar, scale, log: bool, gap: float = 0.09) -> None:
     bar.ax.yaxis.set_minor_locator(ticker.NullLocator())
     if not log or hi / lo < 100:
         bar.ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.2g}"))
+    else:  # every tick kept labelled (a log formatter thins the labels of a long range itself)
+        bar.ax.yaxis.set_major_formatter(ticker.FuncFormatter(_power_label))
+
+
+def _power_label(v: float, _pos=None) -> str:
+    """A colour bar tick: '$10^{-30}$' for a power of ten, '$2\\times10^{5}$' for 2 or 5 times one."""
+    if v <= 0:
+        return f"{v:.2g}"
+    k = math.floor(math.log10(v) + 1e-9)
+    m = v / 10.0**k
+    return f"$10^{{{k}}}$" if abs(m - 1) < 1e-6 else f"${m:.0f}\\times10^{{{k}}}$"
 
 
 FIRST_EDGE = "#111111"  # the outline of the first non-finite node call's cell in a heatmap
@@ -365,9 +443,10 @@ def clear_nonfinite_band(ax) -> None:
     # no tick label above the values' range: a number beside the NaN / Inf row would read as the marker's value
 
     class BelowTop(ticker.Formatter):
-        """The axis's own formatter below `hi`, nothing above. It passes on `set_axis` and `set_locs`, through which
-        a log axis's formatter decides which minor ticks to label (a plain FuncFormatter wrap labels them all, and
-        they overlap)."""
+        """The axis's own formatter below `hi`, nothing above. Everything else is the inner formatter's: `set_axis`
+        and `set_locs` (through which a log axis's formatter decides which minor ticks to label, and a
+        ScalarFormatter its offset and multiplier), `get_offset` (the '1e-7' or '+1.5e3' the axis writes beside the
+        ticks: without it the labels read 1e7 times too large), `format_data`, `format_data_short`, `fix_minus`."""
 
         def __init__(self, inner):
             self.inner = inner
@@ -379,6 +458,23 @@ def clear_nonfinite_band(ax) -> None:
         def set_locs(self, locs):
             super().set_locs(locs)
             self.inner.set_locs(locs)
+
+        def get_offset(self):
+            return self.inner.get_offset()
+
+        def format_data(self, value):
+            return self.inner.format_data(value)
+
+        def format_data_short(self, value):
+            return self.inner.format_data_short(value)
+
+        def fix_minus(self, s):
+            return self.inner.fix_minus(s)
+
+        def __getattr__(self, name):  # anything else a formatter has (ScalarFormatter.orderOfMagnitude, ...)
+            if name == "inner":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
 
         def __call__(self, v, pos=None):
             return "" if v > hi * (1 + 1e-9) else self.inner(v, pos)
@@ -397,6 +493,56 @@ def steps_in_view(ax, steps) -> None:
         pad = max(0.5, 0.03 * (hi - lo))
         ax.set_xlim(lo - pad, hi + pad)
     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+
+
+UNRECORDED_FACE = "#000000"  # at UNRECORDED_ALPHA: the grey columns of steps not recorded, behind a history's lines
+UNRECORDED_ALPHA = 0.07
+
+
+def unrecorded_spans(recorded) -> list[tuple[int, int]]:
+    """(first, last) of each run of step numbers missing between the smallest and largest of `recorded` (step
+    numbers, any order): the steps that ran unrecorded (every=, steps=) or were never run, e.g. [0, 2, 3, 7] ->
+    [(1, 1), (4, 6)]."""
+    nums = np.unique(np.asarray([int(v) for v in recorded], dtype=np.int64))
+    if len(nums) < 2:
+        return []
+    at = np.nonzero(np.diff(nums) > 1)[0]
+    return [(int(nums[i]) + 1, int(nums[i + 1]) - 1) for i in at]
+
+
+def with_gaps(steps, y, recorded=None) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) float arrays of a line over `steps` with a NaN point inserted between two consecutive points that
+    have a step not in `recorded` between them (default: any step between them), so that matplotlib breaks the
+    line there instead of drawing it straight through steps that have no value."""
+    x = np.asarray([float(v) for v in steps])
+    y = np.asarray(y, dtype="float64")
+    if len(x) < 2:
+        return x, y
+    order = np.argsort(x, kind="stable")
+    x, y = x[order], y[order]
+    gap = np.diff(x) - 1  # whole steps between two points
+    if recorded is not None:
+        rec = np.unique(np.asarray([float(v) for v in recorded]))
+        inside = np.searchsorted(rec, x[1:], side="left") - np.searchsorted(rec, x[:-1], side="right")
+        gap = gap - inside
+    cut = np.nonzero(gap > 0)[0]
+    if not len(cut):
+        return x, y
+    return np.insert(x, cut + 1, (x[cut] + x[cut + 1]) / 2), np.insert(y, cut + 1, np.nan)
+
+
+def mark_unrecorded(ax, spans) -> None:
+    """Shade, full height and behind the lines, each span (first, last) of steps of `ax`'s x axis (step numbers)
+    that was not recorded (`unrecorded_spans`): one collection, however many spans."""
+    if not spans:
+        return
+    collections = require("matplotlib.collections", "gradstore.view")
+    verts = [[(a - 0.5, 0), (a - 0.5, 1), (b + 0.5, 1), (b + 0.5, 0)] for a, b in spans]
+    shade = collections.PolyCollection(
+        verts, transform=ax.get_xaxis_transform(), facecolors=UNRECORDED_FACE, alpha=UNRECORDED_ALPHA, linewidths=0
+    )
+    shade.set_zorder(0)
+    ax.add_collection(shade, autolim=False)
 
 
 def history(
@@ -435,11 +581,17 @@ def history(
     axes: 'RUN: not measured (the reason stored on its skipped rows)'. A parameter's step in which no backward pass
     gave it a gradient (frozen, not used, unreachable, a stale .grad: `cells.series`' no_gradient) is not drawn,
     and the title names those steps and why: the .grad it held there, left from before, is no value of
-    that step (the zeros `zero_grad(set_to_none=False)` writes would read as a gradient that went to 0).
-    Raises UnknownRun, ArgumentError (a ValueError), GradstoreError (no such rank), MissingDependency (no matplotlib).
+    that step (the zeros `zero_grad(set_to_none=False)` writes would read as a gradient that went to 0). A
+    frozen parameter's note says 'no gradient (frozen ...)', a stats='shape' run's that it measured no value.
+    Steps between two recorded ones that were not recorded (every=, steps=) break the line (a NaN point between),
+    are named in the title, and are grey columns where no line recorded them. A log y axis says so in its label.
+    Raises UnknownRun, UnknownNode (param / module / key not in any run given; close names listed), ArgumentError
+    (a ValueError), GradstoreError (no such rank; no rows of that role in any run, naming the roles there),
+    MissingDependency (no matplotlib).
     """
     ticker = require("matplotlib.ticker", "gradstore.view.history")
     mlines = require("matplotlib.lines", "gradstore.view.history")
+    mpatches = require("matplotlib.patches", "gradstore.view.history")
     data = cells.series(store, runs, param=param, module=module, key=key, stat=stat, role=role, rank=rank)
     fig, ax = new_axes(ax, (8.0, 4.2))
     log = stat in ("norm", "absmax")
@@ -447,6 +599,7 @@ def history(
     any_bad = any_zero = False
     unmeasured = []  # (label, why) of the lines with no value measured in any step: nothing drawn for them
     nograd = []  # (label, steps, why): steps in which no backward pass gave the parameter a gradient, not drawn
+    broken = []  # (label, steps): steps between its first and last that the line's run (rank) did not record
     for label, f in data.groupby("label", sort=False):
         bad = (f["nan"].fillna(0) + f["posinf"].fillna(0) + f["neginf"].fillna(0)) > 0
         without = f[f["no_gradient"].notna()]
@@ -457,11 +610,20 @@ def history(
             continue  # no gradient in any step: said below, not "not measured"
         if f["value"].isna().all() and not bad.any():
             why = sorted({r for r in f["reason"].dropna()})
-            unmeasured.append((label, "; ".join(why) if why else "no value recorded in any step"))
+            # frozen: there is no gradient to measure, which is not "not measured"
+            head = "no gradient" if why and all(w.startswith("frozen") for w in why) else "not measured"
+            unmeasured.append((label, head, "; ".join(why) if why else "no value recorded in any step"))
             continue
         y = f["value"].where(~bad)
         zero = (y == 0) if log else y.isna() & False
-        (line,) = ax.plot(f["step"], y.where(~zero) if log else y, marker="o", markersize=3, linewidth=1.4, label=label)
+        # broken where steps between two recorded ones were not recorded (every=, steps=): a straight segment
+        # there would read as values measured in them
+        gaps = unrecorded_spans(f["step"])
+        if gaps:
+            broken.append((label, [n for a, b in gaps for n in range(a, b + 1)]))
+        (line,) = ax.plot(
+            *with_gaps(f["step"], y.where(~zero) if log else y), marker="o", markersize=3, linewidth=1.4, label=label
+        )
         if bad.any():
             any_bad = True
             mark_nonfinite_steps(ax, f["step"][bad], line.get_color())
@@ -494,9 +656,12 @@ def history(
     if any_bad:
         clear_nonfinite_band(ax)
     ax.set_xlabel("step")
+    nobody = unrecorded_spans(data["step"])  # steps no line recorded: grey columns (a line's own gaps: breaks)
+    mark_unrecorded(ax, nobody)
     role_eff = role or ("param_grad" if param is not None else "grad_output")
     ax.set_ylabel(
         f"{_UNITS[stat]} of {'.grad after the backward pass' if role_eff == 'param_grad' else role_eff + 's'}"
+        + (" (log scale)" if ax.get_yscale() == "log" else "")
     )
     what = f"parameter {param}" if param is not None else (f"module {module}" if module is not None else key)
     title = f"{_UNITS[stat]} of {what}"
@@ -511,6 +676,9 @@ def history(
         )
     for label, at, kinds in nograd:  # its .grad there, left from before (frozen, zero_grad(set_to_none=False)),
         title += f"\n{label}: no gradient in step(s) {at} ({kinds}): not drawn"  # is no gradient value
+    for label, missing in broken:
+        title += f"\n{label}: step{'s' if len(missing) > 1 else ''} {step_ranges(missing, strided=True)} not recorded"
+        title += " (every= / steps=): line broken" + (", grey columns" if nobody else "")
     ax.set_title(title, fontsize=10 if "\n" not in title else 9, loc="left")
     ax.grid(True, which="major", alpha=0.3)
     if unmeasured:  # said on the axes: an empty axis alone would read as a value near 0
@@ -519,7 +687,7 @@ def history(
         ax.text(
             0.5,
             0.5,
-            "\n".join(f"{label}: not measured ({why})" for label, why in unmeasured),
+            "\n".join(f"{label}: {head} ({why})" for label, head, why in unmeasured),
             transform=ax.transAxes,
             ha="center",
             va="center",
@@ -533,6 +701,9 @@ def history(
             mlines.Line2D([], [], marker="X", linestyle="", color="#888888", markeredgecolor="#c40030", markersize=8)
         )
         labels.append("NaN / Inf in the gradient")
+    if nobody:
+        handles.append(mpatches.Patch(facecolor=UNRECORDED_FACE, alpha=UNRECORDED_ALPHA * 2, linewidth=0))
+        labels.append("steps not recorded (every= / steps=)")
     if any_zero:
         handles.append(
             mlines.Line2D(
