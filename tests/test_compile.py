@@ -910,12 +910,14 @@ def _with_own_hook() -> Net:
         (make, {"forward": True}),
         (make, {"frames": True}),
         (_with_own_hook, {}),
+        (lambda: _regional("in_place"), {}),
     ],
-    ids=["forward", "frames", "own_hook"],
+    ids=["forward", "frames", "own_hook", "blocks_compiled_in_place"],
 )
 def test_recording_some_steps_compiles_as_many_graphs_as_without(tmp_path, model, kw):
     """forward=True (a global module forward hook, and the module tracker's global hooks), frames=True (a
-    TorchFunctionMode) and a model with module hooks of its own (the tracker's global hooks) on every other step,
+    TorchFunctionMode), a model with module hooks of its own (the tracker's global hooks) and one whose blocks are
+    compiled in place (`block.compile()`: the tracker stands in their call slot) on every other step,
     and on one step of four: dynamo guards each compiled frame on the global module hooks and the function mode
     stack, so those must be as they are on the recorded steps. As many graphs and graph breaks as the unrecorded
     compiled model, and bit-identical gradients."""
@@ -1101,4 +1103,129 @@ def test_views_by_module_and_the_nonfinite_origin_say_what_a_region_hides(tmp_pa
     assert CliRunner().invoke(main, ["report", db, "nan", "-o", page]).exit_code == 0
     text = open(page).read()
     assert "torch.compile regions (0 holds 0.a)" in text and "hold only their parameters" in text
+    torch._dynamo.reset()
+
+
+# ---- regional compilation: each block compiled, in place (`block.compile()`) or wrapped ---------------------------
+class NanBlock(Block):
+    """Block whose backward makes NaN where `nan` (sqrt at 0: d sqrt / dx is inf, times 0), with a finite forward."""
+
+    def __init__(self, nan: bool = False):
+        super().__init__()
+        self.nan = nan
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.nan:
+            h = h + torch.sqrt(h * 0).sum()
+        return x + self.b(torch.tanh(h))
+
+
+class Blocks(nn.Module):
+    def __init__(self, nan: bool = False):
+        super().__init__()
+        self.emb = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([NanBlock(), NanBlock(nan)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _regional(form: str, nan: bool = False) -> Blocks:
+    """Blocks with each block compiled (aot_eager) as torch's regional compilation recipe does (`in_place`:
+    `block.compile()`, nn.Module.compile, which keeps the module) or wrapped (`net.blocks[i] = torch.compile(...)`)."""
+    torch.manual_seed(0)
+    net = Blocks(nan)
+    for i in range(len(net.blocks)):
+        if form == "in_place":
+            net.blocks[i].compile(backend="aot_eager")
+        else:
+            net.blocks[i] = torch.compile(net.blocks[i], backend="aot_eager")
+    return net
+
+
+def _regional_steps(net: Blocks, step=None) -> list:
+    """Two forward/backward steps (`step(x)` given, else plain): per step every parameter gradient and x's."""
+    out = []
+    for x0 in XS:
+        x = x0.clone().requires_grad_()
+        (step or (lambda x: net(x).sum().backward()))(x)
+        out.append([p.grad.clone() for p in net.parameters()] + [x.grad])
+        net.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("form", ["in_place", "wrap"])
+def test_regional_compile_in_place_is_a_region_as_the_wrapped_one_is(tmp_path, form):
+    """`block.compile()` compiles the module's call in place (no OptimizedModule): each block is a compiled region
+    as `torch.compile(block)` makes one: its node `blocks.<i>/CompiledFunctionBackward#0` lists the block's
+    submodules; the block's submodules ran in it, not known to a hook (module_ran NULL); the GraphModule aot_eager
+    runs is no module call of the model; the compiled call is back on the module after the scope; every gradient
+    is bit-identical to the same compiled model's unrecorded."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    want = _regional_steps(_regional(form))
+    torch._dynamo.reset()
+    net = _regional(form)
+    slots = [vars(b).get("_compiled_call_impl") for b in net.blocks]
+    db = str(tmp_path / "r.db")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradstore.record("r", db=db, model=net) as rec:
+            got = _regional_steps(net, lambda x: (net(x).sum().backward(), rec.step()))
+    assert [str(w.message) for w in caught] == []
+    assert all(torch.equal(a, b) for ga, gb in zip(want, got) for a, b in zip(ga, gb))
+    assert [vars(b).get("_compiled_call_impl") for b in net.blocks] == slots  # the user's, or None for a wrapper
+    keys = _keys(db, "r")
+    _no_orig_mod(keys)
+    compiled = {k: v[2:] for k, v in keys.items() if v[1] == "compiled"}
+    assert compiled == {
+        "blocks.0/CompiledFunctionBackward#0": ("blocks.0", None, "blocks.0.a,blocks.0.b"),
+        "blocks.1/CompiledFunctionBackward#0": ("blocks.1", None, "blocks.1.a,blocks.1.b"),
+    }
+    calls = _sql(
+        db,
+        "SELECT DISTINCT m.module FROM module_calls m JOIN steps s ON s.id = m.step_id JOIN runs r ON r.id = s.run_id "
+        "WHERE r.name = 'r'",
+    )
+    assert {c for (c,) in calls} == {"", "emb", "blocks.0", "blocks.1", "head"}
+    with gradstore.open(db) as store:
+        status = store.param_status("r", step=0).set_index("param")
+    inside = [n for n, _ in make_blocks_params() if n.startswith("blocks.")]
+    assert status.loc[inside, "module_ran"].isna().all()
+    outside = [n for n, _ in make_blocks_params() if not n.startswith("blocks.")]
+    assert (status.loc[outside, "module_ran"] == 1).all()
+    torch._dynamo.reset()
+
+
+def make_blocks_params() -> list:
+    """(name, parameter) of a plain Blocks: the names a recording of any form of it gives."""
+    return list(Blocks().named_parameters())
+
+
+@pytest.mark.parametrize("form", ["in_place", "wrap"])
+def test_a_nan_made_in_a_region_compiled_in_place_is_named_with_what_the_region_hides(tmp_path, form):
+    """The second block, compiled either way, makes NaN in its backward: `show` names its region's node, in that
+    block, as the origin, with the note that which op inside made it is not recorded."""
+    import torch._dynamo
+    from click.testing import CliRunner
+
+    from gradstore.cli import main
+
+    torch._dynamo.reset()
+    net = _regional(form, nan=True)
+    db = str(tmp_path / "nan.db")
+    with gradstore.record("nan", db=db, model=net):
+        net(XS[0]).sum().backward()
+    # plain torch: the NaN is made in block 1 (head, after it, gets finite gradients) and flows on into block 0
+    assert net.blocks[1].a.weight.grad.isnan().any() and net.head.weight.grad.isfinite().all()
+    shown = CliRunner().invoke(main, ["show", db, "nan"]).output
+    line = next(s for s in shown.splitlines() if s.startswith("First non-finite gradient"))
+    assert "blocks.1/CompiledFunctionBackward#0 in blocks.1 " in line
+    assert "which op inside made the NaN/Inf is not recorded" in line
     torch._dynamo.reset()

@@ -127,6 +127,35 @@ def test_compiled_module_wrapper_is_found_and_unwrapped():
     assert tp.dynamo_imported()
 
 
+def test_module_compile_puts_a_compiled_call_impl_on_the_instance_that_its_call_runs():
+    """`Module.compile()` (regional compilation in place) keeps the module and puts `torch.compile(self._call_impl)`
+    in its own `_compiled_call_impl`, which torch's `nn.Module.__call__` calls in place of `_call_impl`: what
+    gradstore.recording.modules reads (`own_call_slot`, `dynamo_compiled`) and stands in (`set_own_call_slot`)."""
+    net = torch.nn.Linear(2, 2)
+    assert tp.own_call_slot(net) is None and "_compiled_call_impl" not in vars(net)
+    assert not tp.dynamo_compiled(net._call_impl)
+    net.compile(backend="eager")
+    compiled = vars(net)["_compiled_call_impl"]
+    assert tp.own_call_slot(net) is compiled and tp.dynamo_compiled(compiled)
+    assert compiled._torchdynamo_orig_callable == net._call_impl  # the bound method, compiled
+    assert tp.compiled_module_inner(net) is None  # no OptimizedModule: the module itself
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(len(args))
+        return compiled(*args, **kwargs)
+
+    tp.set_own_call_slot(net, spy)
+    x = torch.ones(1, 2)
+    try:
+        out = net(x)
+    finally:
+        tp.set_own_call_slot(net, compiled)
+    assert seen == [1] and vars(net)["_compiled_call_impl"] is compiled
+    assert torch.equal(out, torch.nn.functional.linear(x, net.weight, net.bias))
+    torch._dynamo.reset()
+
+
 def test_aot_autograd_traces_autograd_grad_on_functional_tensors_under_fake_and_proxy_modes(monkeypatch):
     """While torch.compile (aot_eager) traces a module, AOTAutograd calls the engine entry with FunctionalTensor
     roots under a fake-tensor and a proxy dispatch mode: `compile_tracing` says so; the real pass it is not."""

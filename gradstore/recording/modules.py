@@ -22,6 +22,9 @@ How module calls are seen, while a tracker records:
   `Structure.call_slot_reached`, False where a module of the model has hooks of its own, is compiled in place or
   overrides the call path) by global module forward pre-hooks and hooks
   (`torch.nn.modules.module.register_module_forward_pre_hook` and `register_module_forward_hook`).
+A module compiled in place (`module.compile()`) runs its whole `_call_impl`, global hooks included, compiled: no
+hook sees its call. While the tracker is installed a `_RegionCall` stands in its own `_compiled_call_impl` and notes
+the call as a `torch.compile` wrapper's, its compiled region included.
 """
 
 from __future__ import annotations
@@ -182,6 +185,66 @@ def region_of(module: nn.Module, names: dict[int, str]) -> str:
             seen.add(name)
             listed.append(name)
     return ",".join(listed)
+
+
+def in_place_compiled(models: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every module under `models` compiled in place (`module.compile()`, which puts
+    `torch.compile(module._call_impl)` in its own `_compiled_call_impl`: the module keeps its identity and no
+    OptimizedModule wraps it), each once, in `walk_modules` order; [] while torch._dynamo is not imported."""
+    if not tp.dynamo_imported():
+        return []
+    found, seen = [], set()
+    for name, m in walk_modules(models):
+        if id(m) not in seen:
+            seen.add(id(m))
+            slot = tp.own_call_slot(m)
+            if slot is not None and (isinstance(slot, _RegionCall) or tp.dynamo_compiled(slot)):
+                found.append((name, m))
+    return found
+
+
+# module compiled in place -> the _RegionCall last made for it, reused by every tracker (scope) while the module holds
+# the same compiled callable: a frame that dynamo compiles around the module's call (`torch.compile(model)` of a model
+# whose blocks are compiled in place) guards on the call slot, and finds the same object in each recorded step
+_region_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _RegionCall:
+    """Stands in the own `_compiled_call_impl` of a module compiled in place (`module.compile()`) while a tracker
+    records: that call runs the module's whole `_call_impl` compiled, global module hooks included (traced, so
+    they note nothing), so no hook sees the module's call. This one notes it as the call of a `torch.compile`
+    wrapper (its compiled region: `name`, `region`) around the compiled callable `inner`, which it calls with the
+    same arguments and whose result it returns unchanged. Calls straight through while torch.compile traces, and
+    once `tracker` is None (taken down: `ModuleTracker.remove`)."""
+
+    def __init__(self, tracker: ModuleTracker, module: nn.Module, inner, name: str, region: str):
+        self.tracker = tracker
+        self.module = weakref.ref(module)
+        self.inner = inner
+        self.name = name
+        self.region = region
+
+    def __call__(self, *args, **kwargs):
+        tracker = self.tracker
+        if tracker is None or _is_compiling():
+            return self.inner(*args, **kwargs)
+        try:
+            tracker._pre(self, args)
+        except Exception:  # a recorder fault never stops the call
+            pass
+        try:
+            output = self.inner(*args, **kwargs)
+        except BaseException:
+            try:
+                tracker._post(self, args, None)
+            except Exception:
+                pass
+            raise
+        try:
+            tracker._post(self, args, output)
+        except Exception:
+            pass
+        return output
 
 
 def parameter_groups(models: list[tuple[str, nn.Module]]) -> list[tuple[tuple[str, ...], nn.Parameter]]:
@@ -478,13 +541,18 @@ class ModuleTracker:
             hook of its own, `record(forward=True)`, where torch's hooked path is taken anyway); True: through the
             module tap where it can be used (the module docstring); a callable: asked at each `install()` (False:
             global hooks for that step), as `Structure.call_slot_reached`.
+        in_place: (qualified name, module) of the modules compiled in place (`in_place_compiled`): while the
+            tracker is installed each holds a `_RegionCall` as its own `_compiled_call_impl`, which notes its call
+            as a compiled region's, as a `torch.compile` wrapper's (the compiled callable back at `remove()`).
 
     `context`: None, or a callable returning (pass, seq) of the backward call running on this thread (or None):
     set while a backward pass runs, so that a module's forward re-run inside it (activation checkpointing) is
     noted as such.
     """
 
-    def __init__(self, names: dict[int, str], regions: dict[int, str] | None = None, refresh=None, tap=True):
+    def __init__(
+        self, names: dict[int, str], regions: dict[int, str] | None = None, refresh=None, tap=True, in_place=()
+    ):
         self.names = names
         self.regions = dict(regions or {})
         self.refresh = refresh
@@ -508,6 +576,9 @@ class ModuleTracker:
         self._sleeping = False  # `sleep()`: the global hooks stay installed and note nothing
         self._own_thread = self._thread  # `_thread` reads -1 while sleeping
         self._switch = None  # `_switched`'s switch of the C hooks behind `_native_hooks`
+        # modules compiled in place, held weakly (a model may be one), with their regions
+        self._in_place = [(name, weakref.ref(m), region_of(m, names)) for name, m in in_place]
+        self._standing: list[_RegionCall] = []  # those in place now
 
     def _bind(self, record: ForwardRecord) -> None:
         """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
@@ -521,12 +592,15 @@ class ModuleTracker:
     def for_models(cls, models: list[tuple[str, nn.Module]], refresh=None) -> ModuleTracker:
         """A tracker naming the modules of `models` ((prefix, model) pairs), with their compiled regions."""
         names = qualified_names(models)
-        return cls(names, compiled_regions(models, names), refresh=refresh)
+        return cls(names, compiled_regions(models, names), refresh=refresh, in_place=in_place_compiled(models))
 
     def _unknown(self, module: nn.Module) -> tuple[str, str | None]:
         """(name, region) of a module not in `names`: a `torch.compile` wrapper is named as the module it
         compiles and has that module's region; any other module is named by `refresh` (asked once: a layer
-        swapped in since the names were taken), else '<ClassName>', with no region."""
+        swapped in since the names were taken), else '<ClassName>', with no region. A `_RegionCall` (a module
+        compiled in place) gives its module's name and region."""
+        if type(module) is _RegionCall:
+            return module.name, module.region
         inner = tp.compiled_module_inner(module)
         if inner is not None:
             hit = self._found.get(module)
@@ -668,10 +742,49 @@ class ModuleTracker:
         if not tp.has_sequence_nr() or self._handles or self._tapped:
             return
         pre, post = self._hooks()
+        if self._in_place:
+            self._stand_in()
         if self._tap_in():
             return
         self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
         tp.hide_global_module_hooks(self._handles)
+
+    def _stand_in(self) -> None:
+        """Put a `_RegionCall` in the call slot of each module compiled in place that still holds a compiled
+        callable there: the one made for it before (`_region_calls`), or a new one for a module compiled again since,
+        or named otherwise."""
+        for name, ref, region in self._in_place:
+            module = ref()
+            slot = tp.own_call_slot(module) if module is not None else None
+            while type(slot) is _RegionCall and slot.tracker is None:  # left by a scope that could not take it back
+                slot = slot.inner
+            if slot is None or type(slot) is _RegionCall:
+                continue  # gone, not compiled any more, or another tracker's stands there
+            if type(slot) is not _RegionCall and not tp.dynamo_compiled(slot):
+                continue
+            try:
+                stand = _region_calls.get(module)
+            except TypeError:  # a module class that is not hashable: a new one each time
+                stand = None
+            if stand is None or stand.inner is not slot or stand.name != name or stand.region != region:
+                stand = _RegionCall(self, module, slot, name, region)
+                try:
+                    _region_calls[module] = stand
+                except TypeError:
+                    pass
+            stand.tracker = self
+            tp.set_own_call_slot(module, stand)
+            self._standing.append(stand)
+
+    def _stand_down(self) -> None:
+        """Undo `_stand_in`: each module holds its compiled callable again, unless something else was put there
+        since (then the `_RegionCall` stays, calling straight through)."""
+        standing, self._standing = self._standing, []
+        for stand in standing:
+            stand.tracker = None
+            module = stand.module()
+            if module is not None and tp.own_call_slot(module) is stand:
+                tp.set_own_call_slot(module, stand.inner)
 
     def sleep(self) -> None:
         """Stop noting module calls until `install()`, for a step the recording does not sample while torch.compile
@@ -774,6 +887,8 @@ class ModuleTracker:
                 tp.clear_call_slot(_tap)
                 native.load().tap_target(_tap)  # the tap holds this tracker's hooks: let go of them
             self._tapped = False
+        if self._standing:
+            self._stand_down()
         tp.unhide_global_module_hooks(self._handles)
         for h in self._handles:
             h.remove()

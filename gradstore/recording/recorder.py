@@ -45,6 +45,7 @@ from .modules import (
     fsdp_aliases,
     fsdp_candidates,
     fsdp_modules,
+    in_place_compiled,
     named_models,
     parameter_groups,
     parameter_names,
@@ -130,6 +131,7 @@ class _KnownNames:
     recorded: list  # [(first name, parameter)] the filters keep
     param_names: dict  # first name -> every name, of the recorded parameters
     fsdp: list  # weak references to fsdp_candidates (alive while the structure is the same)
+    in_place: list = field(default_factory=list)  # [(name, weak reference)] of in_place_compiled (module.compile())
     # [(requires_grad flags of `recorded`, [(first name, frozen)])] once a step has asked (`record._frozen_facts`)
     facts: list = field(default_factory=list)
 
@@ -499,6 +501,7 @@ class record:
             refresh=lambda: self._names_of(models),
             # forward=True installs a global module hook: torch takes its hooked path for every module call anyway
             tap=False if self.options.forward else self._call_slot_reached,
+            in_place=[(n, m) for n, ref in known.in_place for m in (ref(),) if m is not None],
         )
         self._frames = FrameTracker() if self.options.frames else None
         self._lineage.clear()
@@ -566,6 +569,7 @@ class record:
             # every parameter, recorded or not: a module owns a filtered-out tied weight under any of its names
             param_names={n: all_names_of[id(p)] for n, p in params},
             fsdp=[weakref.ref(m) for m in fsdp_candidates(models)],  # weakly: a model may be one of them
+            in_place=[(n, weakref.ref(m)) for n, m in in_place_compiled(models)],
         )
 
     def _call_slot_reached(self) -> bool:

@@ -405,6 +405,30 @@ def own_call_path(module) -> bool:
     return _CALL_SLOT in d or any(d.get(name) for name in _OWN_HOOKS)
 
 
+def own_call_slot(module):
+    """What `module` holds itself as `_compiled_call_impl` (nn.Module's private call slot, read from its `__dict__`:
+    `Module.compile()` puts `torch.compile(module._call_impl)` there, which torch's `_wrapped_call_impl` then calls in
+    place of `_call_impl`), or None where it holds nothing there (torch's class attribute, None, stands)."""
+    d = getattr(module, "__dict__", None)
+    return d.get(_CALL_SLOT) if d is not None else None
+
+
+def set_own_call_slot(module, fn) -> None:
+    """Put `fn` in `module`'s own `_compiled_call_impl` (an instance attribute, written into its `__dict__` as
+    `Module.compile()` leaves it, past any `__setattr__` of its class): torch's `_wrapped_call_impl` calls it in
+    place of `_call_impl`. Private; see `own_call_slot`."""
+    module.__dict__[_CALL_SLOT] = fn
+
+
+def dynamo_compiled(fn) -> bool:
+    """True when `fn` is a function that torch.compile (torch._dynamo) made: it carries the private
+    `_torchdynamo_orig_callable` (the callable it compiles), as `torch.compile(module._call_impl)` does."""
+    try:
+        return callable(fn) and hasattr(fn, "_torchdynamo_orig_callable")
+    except Exception:
+        return False
+
+
 def torch_function_mode_active() -> bool:
     """True while a TorchFunctionMode is active (`torch._C._is_torch_function_mode_enabled`): it sees a tensor's
     attribute reads, so reading `.grad` around Python's getter would skip it. Takes nothing; returns a bool; raises
