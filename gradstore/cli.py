@@ -999,7 +999,7 @@ def _show_nonfinite(
         # both moments where their counts differ (GradScaler.unscale_ or clipping between them), else one row
         shown = bad_rows.drop_duplicates(["rank", "param", "nan", "posinf", "neginf", "norm"]).copy()
         shown["moment"] = [
-            ("at the step's end (no optimizer step)" if rk in (unstepped or ()) else "as the optimizer read it")
+            ("at the step's end (no optimizer step seen)" if rk in (unstepped or ()) else "as the optimizer read it")
             if f == 1
             else "after the last pass"
             for f, rk in zip(shown["final"].fillna(0), shown["rank"])
@@ -1062,9 +1062,10 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     unstepped = no_optimizer_steps(steps[steps["status"] != UNWRITTEN])
     if unstepped:
         click.echo(
-            f"\nNo optimizer step ran in this step (optimizer_steps 0, rank(s) "
-            f"{', '.join(str(r) for r, _ in sorted(unstepped))}): its final parameter rows are the .grad the step "
-            "ended with, or that zero_grad cleared, not one an optimizer read"
+            f"\nNo optimizer step seen in this step (optimizer_steps 0, rank(s) "
+            f"{', '.join(str(r) for r, _ in sorted(unstepped))}; one inside a torch.compile region is not recorded): "
+            "its final parameter rows are the .grad the step ended with, or that zero_grad cleared, not known to be "
+            "one an optimizer read"
         )
     if steps["optimizer_steps"].isna().any():
         click.echo("(optimizer_steps '-': recorded before schema revision 0014_optimizer_steps, not known)")

@@ -211,9 +211,9 @@ def test_a_run_with_final_rows_only_shows_them_and_draws_nothing_false(tmp_path)
             norms.append(float(model.weight.grad.double().norm()))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # a no-op clip: the final rows are the grads
     page = _write(db, "hand", tmp_path / "f.html").replace("&#x27;", "'")
-    assert "at the end of each step (the step's final rows; no optimizer stepped in any step" in page
+    assert "at the end of each step (the step's final rows; no optimizer step seen in any step" in page
     assert "as the optimizer saw it" not in page
-    assert "3 step records ran no optimizer step (steps 0-2; steps column optimizer_steps 0)" in page
+    assert "3 step records saw no optimizer step (steps 0-2; steps column optimizer_steps 0;" in page
     assert "No .grad after a backward pass recorded: nothing to draw." in page
     assert "No parameter .grad rows recorded" not in page
     with gradstore.open(db) as store:

@@ -530,3 +530,20 @@ def test_a_nodes_python_post_hooks_share_one_dict_that_a_hook_can_be_put_in_fron
         handle.remove()
         (again,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
         assert torch.equal(again, g) and len(seen) == 1 and tp.python_hook_counts(node) == (1, 2)
+
+
+def test_disabled_like_hides_a_wrapper_where_torch_hides_the_original():
+    """torch keeps Optimizer.zero_grad out of compiled code (`torch._disable_dynamo`): a wrapper of it is hidden the
+    same way (a compiled function breaks its graph at the call as it does unwrapped); a plain function's is not."""
+
+    def wrapper(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    original = torch.optim.Optimizer.zero_grad
+    hidden = tp.disabled_like(original, wrapper)
+    assert hidden is not wrapper and hidden.__code__ is original.__code__  # torch's own marker of a hidden function
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    hidden(torch.optim.SGD([p], lr=0.1))
+    assert p.grad is None
+    assert tp.disabled_like(torch.nn.utils.clip_grad_norm_, wrapper) is wrapper

@@ -26,17 +26,25 @@ through otherwise (and on any thread but the recording's):
   `KEPT_NUMEL` elements, else two flags computed on its device without a wait); read only where the scaler then
   skipped the optimizer step (`loss_nonfinite`), to tell a loss-scale overflow from a loss that was already
   NaN or Inf (gradstore.recording.reaction.not_an_overflow);
-- torch.optim's global step hooks (`torch.optim.optimizer.register_optimizer_step_pre_hook` / `_post_hook`,
-  public): the final gradients just before an optimizer steps, after every pre-hook of its own and every global
-  one (the global pre-hook adds one to the optimizer, last, for the step: `Optimizer.register_step_pre_hook`),
-  taken again there where the snapshot the step holds may no longer be what the optimizer reads
-  (`FinalGrads.at_optimizer_step`), and when it returns if a backward pass ran inside it (a closure); each step
-  that returns is counted (`FinalGrads.optimizer_steps`: steps.optimizer_steps);
+- torch.optim's global step pre-hook (`torch.optim.optimizer.register_optimizer_step_pre_hook`, public): the
+  final gradients just before an optimizer steps, after every pre-hook of its own and every global one (the
+  global pre-hook adds one to the optimizer, last, for the step, and a post-hook: `Optimizer.
+  register_step_pre_hook` / `register_step_post_hook`), taken again there where the snapshot the step holds may
+  no longer be what the optimizer reads (`FinalGrads.at_optimizer_step`), and when it returns if a backward pass
+  ran inside it (a closure); each step that returns is counted (`FinalGrads.optimizer_steps`:
+  steps.optimizer_steps);
 - `torch.optim.Optimizer.zero_grad` and `torch.nn.Module.zero_grad`: the final gradients just before they are
   cleared, unless already taken after the last backward pass (a loop that zeroes them inside the step); an
   optimizer step after that takes them again (it steps with what zero_grad left).
 Every wrapper returns the wrapped function's result unchanged and passes its exceptions through; a fault of
 gradstore's own is noted on the step and never reaches the caller.
+
+Inside a torch.compile region (while dynamo traces: `torch.compiler.is_compiling()`, which it constant-folds,
+read before anything else) every wrapper is the original function, called as if unwrapped, and every hook does
+nothing: the region compiles the same graphs, with the same graph breaks and frames, as without gradstore. What
+runs compiled is then not seen: a clip there logs no `clip_grad_norm` value and takes no final rows, an
+optimizer step there takes none and is not counted in optimizer_steps (the final rows are then taken at an
+eager `zero_grad`, else when the step ends).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.amp import grad_scaler
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import torch_private as tp
 
@@ -57,7 +65,10 @@ _lock = threading.Lock()
 _target = None  # the open step: an Observed
 _saved: list[tuple[object, str, object, object]] = []  # (owner, attribute, original, wrapper) while installed
 _handles: list = []
-_last: dict = {}  # id(optimizer) -> the handle of its `_last_pre_hook` while its step runs
+_last: dict = {}  # id(optimizer) -> [handle of its `_last_pre_hook` while its step runs, of its `_step_post_hook`]
+# torch.compiler.is_compiling(), which dynamo constant-folds: read first by every wrapper and hook, before any global
+# of gradstore's (one dynamo would guard on) or `threading.get_ident` (one it cannot trace)
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
 KEPT_NUMEL = 64  # a loss given to GradScaler.scale of at most this many elements is held as it is (an alias)
@@ -123,6 +134,8 @@ def _norm_type_of(args: tuple, kwargs: dict, at: int):
 def _clip_norm(original):
     @functools.wraps(original)
     def clip_grad_norm_(*args, **kwargs):
+        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
+            return original(*args, **kwargs)
         result = original(*args, **kwargs)
         t = _here()
         if t is not None:
@@ -140,6 +153,8 @@ def _log_clip_norm(t: Observed, norm_type, value) -> None:
 def _total_norm(original):
     @functools.wraps(original)
     def get_total_norm(*args, **kwargs):
+        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
+            return original(*args, **kwargs)
         result = original(*args, **kwargs)
         t = _here()
         if t is not None:
@@ -168,6 +183,8 @@ def _norm_type_given(t: Observed, total_norm) -> float | None:
 def _clip_with_norm(original):
     @functools.wraps(original)
     def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
+        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
+            return original(parameters, max_norm, total_norm, *args, **kwargs)
         result = original(parameters, max_norm, total_norm, *args, **kwargs)
         t = _here()
         if t is not None:
@@ -181,6 +198,8 @@ def _clip_with_norm(original):
 def _clip_value(original):
     @functools.wraps(original)
     def clip_grad_value_(*args, **kwargs):
+        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
+            return original(*args, **kwargs)
         result = original(*args, **kwargs)
         t = _here()
         if t is not None:
@@ -193,6 +212,8 @@ def _clip_value(original):
 def _unscale(original):
     @functools.wraps(original)
     def unscale_(self, optimizer):
+        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
+            return original(self, optimizer)
         result = original(self, optimizer)
         t = _here()
         if t is not None:
@@ -239,6 +260,8 @@ def loss_nonfinite(losses: list[tuple[bool, torch.Tensor]]) -> str | None:
 def _scaler_scale(original):
     @functools.wraps(original)
     def scale(self, outputs, *args, **kwargs):
+        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
+            return original(self, outputs, *args, **kwargs)
         t = _here()
         if t is not None:  # before the call: a list or tuple is read, never consumed
             _guarded("GradScaler.scale", _note_losses, t, self, outputs)
@@ -250,6 +273,8 @@ def _scaler_scale(original):
 def _scaler_step(original):
     @functools.wraps(original)
     def step(self, optimizer, *args, **kwargs):
+        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
+            return original(self, optimizer, *args, **kwargs)
         t = _here()
         scale = None
         if t is not None:
@@ -279,6 +304,8 @@ def _after_scaler_step(t: Observed, scaler, optimizer, scale: float | None) -> N
 def _zero_grad(original):
     @functools.wraps(original)
     def zero_grad(self, *args, **kwargs):
+        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
+            return original(self, *args, **kwargs)
         t = _here()
         if t is not None:
             _guarded("zero_grad", t.final.take_if_missing, "zero_grad")
@@ -290,32 +317,60 @@ def _zero_grad(original):
 def _optimizer_pre_hook(optimizer, args, kwargs):
     """torch.optim's global pre-hooks run before the optimizer's own (`Optimizer.register_step_pre_hook`), and a
     global one registered later runs after this one: either may change the `.grad`s. So this one adds a pre-hook
-    to the optimizer, last of its own (`_last_pre_hook`), which takes the final gradients; removed when the step
-    returns (`_optimizer_post_hook`) or at the optimizer's next step. Where that cannot be added, taken here."""
+    to the optimizer, last of its own (`_last_pre_hook`), which takes the final gradients, and a post-hook
+    (`_step_post_hook`); the pre-hook is removed when the step returns, both at the optimizer's next step and when
+    the scope closes. Where the pre-hook cannot be added, taken here.
+
+    Traced by dynamo (the step inside a torch.compile region): nothing, and it adds nothing, so the compiled step
+    meets no hook of gradstore's but this one, which is constant-folded away (no graph break, no guard on
+    gradstore's state). gradstore then sees nothing of that step: no final rows taken there, not counted in
+    optimizer_steps."""
+    if _is_compiling():
+        return None
     t = _here()
     if t is None:
         return None
-    old = _last.pop(id(optimizer), None)
-    if old is not None:  # a step that raised: its hook is still there (the optimizer's hooks do not run yet)
-        old.remove()
+    _drop(optimizer)  # a step that raised left its pre-hook; a step that returned, its post-hook
+    pre = post = None
     try:
-        _last[id(optimizer)] = optimizer.register_step_pre_hook(_last_pre_hook)
+        pre = optimizer.register_step_pre_hook(_last_pre_hook)
+        post = optimizer.register_step_post_hook(_step_post_hook)
     except Exception:
-        _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step", optimizer)
+        if pre is None:
+            _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step", optimizer)
+    if pre is not None or post is not None:
+        _last[id(optimizer)] = [pre, post]
     return None
 
 
+def _drop(optimizer) -> None:
+    """Remove the hooks `_optimizer_pre_hook` added to `optimizer` (called where neither of its hook dicts is being
+    iterated: its post-hooks are not while a global pre-hook runs)."""
+    for handle in _last.pop(id(optimizer), ()):
+        if handle is not None:
+            handle.remove()
+
+
 def _last_pre_hook(optimizer, args, kwargs):
+    if _is_compiling():
+        return None
     t = _here()
     if t is not None:
         _guarded("optimizer step pre-hook", t.final.at_optimizer_step, "optimizer step", optimizer)
     return None
 
 
-def _optimizer_post_hook(optimizer, args, kwargs):
-    hook = _last.pop(id(optimizer), None)
-    if hook is not None:  # the optimizer's own post-hooks ran: its pre-hooks are not being iterated
-        hook.remove()
+def _step_post_hook(optimizer, args, kwargs):
+    """The step returned: its pre-hook goes (the optimizer's pre-hooks are not being iterated); this one stays
+    until the optimizer's next step or the scope's end (its own dict is being iterated now). A per-optimizer hook,
+    not a global one: a step compiled by torch.compile meets none of gradstore's post-hooks (but one an eager step
+    of the same optimizer left, which does nothing there)."""
+    if _is_compiling():
+        return None
+    handles = _last.get(id(optimizer))
+    if handles is not None and handles[0] is not None:
+        handles[0].remove()
+        handles[0] = None
     t = _here()
     if t is not None:
         _guarded("optimizer step post-hook", t.final.optimizer_stepped)
@@ -356,12 +411,11 @@ def activate(target: Observed) -> None:
                 # about half of a step's activate and deactivate
                 made = _WRAPPERS.get(id(original))
                 if made is None or made[0] is not original or made[1] is not wrap:
-                    made = _WRAPPERS[id(original)] = (original, wrap, wrap(original))
+                    made = _WRAPPERS[id(original)] = (original, wrap, tp.disabled_like(original, wrap(original)))
                 wrapper = made[2]
                 _saved.append((owner, name, original, wrapper))
                 setattr(owner, name, wrapper)
             _handles.append(register_optimizer_step_pre_hook(_optimizer_pre_hook))
-            _handles.append(register_optimizer_step_post_hook(_optimizer_post_hook))
         _target = target
 
 
@@ -378,4 +432,6 @@ def deactivate() -> None:
         while _handles:
             _handles.pop().remove()
         while _last:
-            _last.popitem()[1].remove()
+            for handle in _last.popitem()[1]:
+                if handle is not None:
+                    handle.remove()

@@ -712,3 +712,25 @@ def foreach_norm(tensors: list) -> list:
         except Exception:
             pass
     return [torch.linalg.vector_norm(t) for t in tensors]
+
+
+def _disabled_code():
+    try:
+        return torch._disable_dynamo(lambda: None).__code__
+    except Exception:
+        return None
+
+
+_DISABLED_CODE = _disabled_code()
+
+
+def disabled_like(original, wrapper):
+    """`wrapper` (which calls `original`) hidden from dynamo where torch hides `original` so
+    (`torch._disable_dynamo`, private: `torch.optim.Optimizer.zero_grad`): a torch.compile region then breaks its
+    graph at the call exactly as at the original's, and the wrapper runs eagerly. Else `wrapper` itself."""
+    if _DISABLED_CODE is None or getattr(original, "__code__", None) is not _DISABLED_CODE:
+        return wrapper
+    try:
+        return torch._disable_dynamo(wrapper)
+    except Exception:
+        return wrapper

@@ -207,8 +207,9 @@ class Store:
         disk or an I/O error, and only this row is stored, its error saying why), not_measured (gradient rows
         skipped: `not_measured()` gives their reasons; NULL for an unwritten step), passes,
         tracing_passes (torch.compile's tracing calls of autograd, not recorded), optimizer_steps (the optimizer
-        `step()` calls that returned in the step; 0: none did, and the step's final param_grad rows are the .grad
-        the step ended with, or that zero_grad cleared, not one an optimizer read; NULL: recorded before schema
+        `step()` calls seen to return in the step, not one inside a torch.compile region; 0: none seen, and the
+        step's final param_grad rows are the .grad the step ended with, or that zero_grad cleared, not known to be
+        one an optimizer read; NULL: recorded before schema
         revision 0014_optimizer_steps, not known), level (the stats level; 'summary' for
         a flight-recorder step written without its detail), dropped (rows), waited (s), values_bytes and values_left_out
         (record(values=...)), started_at, ended_at, duration (s), error; then one column per step value the steps logged
@@ -443,10 +444,10 @@ class Store:
         after the pass).
 
         which: 'final' (default): as the step left it, when the optimizer read it (final = 1, pass NaN; in a step
-            where no optimizer stepped, `steps` optimizer_steps 0, the .grad the step ended with, or that zero_grad
-            cleared), or, for a step without that row (recorded before schema revision 0009_loop), as the step's last
-            top-level backward pass returned it (final = 0); 'pass': always the latter; 'all': both rows (two a
-            step, not one per pass: each micro-batch's pass rows are `tensors(role='param_grad')`).
+            where no optimizer step was seen, `steps` optimizer_steps 0, the .grad the step ended with, or that
+            zero_grad cleared), or, for a step without that row (recorded before schema revision 0009_loop), as the
+            step's last top-level backward pass returned it (final = 0); 'pass': always the latter; 'all': both rows
+            (two a step, not one per pass: each micro-batch's pass rows are `tensors(role='param_grad')`).
         Raises UnknownRun; QueryParameterError for another `which`; ArgumentError (a ValueError) for another
         scope, or a rank with 'global'.
         """

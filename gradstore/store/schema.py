@@ -112,8 +112,9 @@ steps = Table(
     Column("values_bytes", BigInteger),
     Column("values_left_out", Integer),
     # optimizer `step()` calls that returned in the step (revision 0014_optimizer_steps; NULL before it: not known).
-    # 0: no optimizer stepped (a skipped step, a hand-written update, a GradScaler that skipped it): the step's
-    # final param_grad rows are then the .grad the step ended with (or that zero_grad cleared), not one it read
+    # 0: no optimizer step seen (a skipped step, a hand-written update, a GradScaler that skipped it, one inside a
+    # torch.compile region): the step's final param_grad rows are then the .grad the step ended with (or that
+    # zero_grad cleared), not known to be one it read
     Column("optimizer_steps", Integer),
     UniqueConstraint("run_id", "rank", "step"),
 )

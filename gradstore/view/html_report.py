@@ -304,11 +304,11 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
     if unstepped:  # their final rows are not what an optimizer read: said before anything reads them
         scaled = unstepped & (story.amp_skipped_steps(store, run) if store is not None else set())
         page.add(
-            f'<p class="note">{len(unstepped):,} step record{"s" if len(unstepped) > 1 else ""} ran no optimizer step '
+            f'<p class="note">{len(unstepped):,} step record{"s" if len(unstepped) > 1 else ""} saw no optimizer step '
             f"(steps {_e(_ranges(sorted({st for _, st in unstepped})))}; steps column optimizer_steps 0"
             + (f"; in {len(scaled):,} of them a torch.amp.GradScaler skipped it" if scaled else "")
-            + "): their final parameter rows are the .grad the step ended with, or that zero_grad cleared, not one "
-            "an optimizer read.</p>"
+            + "; one inside a torch.compile region is not recorded): their final parameter rows are the .grad the "
+            "step ended with, or that zero_grad cleared, not known to be one an optimizer read.</p>"
         )
     unmeasured = int((steps["status"] == "unmeasured").sum())
     skipped = steps["not_measured"].fillna(0).astype(int) if "not_measured" in steps else steps["step"] * 0
@@ -855,8 +855,8 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
     if every.empty:  # no top-level backward pass recorded a .grad: the final rows, where there are
         ran = store.steps(run=run)
         seen = (  # no optimizer stepped in any step (optimizer_steps 0 throughout): none read them
-            "at the end of each step (the step's final rows; no optimizer stepped in any step: not what an optimizer "
-            "read"
+            "at the end of each step (the step's final rows; no optimizer step seen in any step, one inside a "
+            "torch.compile region not being recorded: not known to be what an optimizer read"
             if len(ran) and ran["optimizer_steps"].eq(0).all()
             else "as the optimizer saw it (the step's final rows"
         )

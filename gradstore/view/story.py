@@ -533,8 +533,11 @@ def _narrowing(outs: pd.DataFrame, bad_ins: pd.DataFrame) -> Narrowing | None:
     return None
 
 
-# how a step's final param_grad rows are described where no optimizer stepped in it (steps.optimizer_steps 0)
-NO_OPTIMIZER_STEP = "no optimizer step in this step: the .grad the step ended with, or that zero_grad cleared"
+# how a step's final param_grad rows are described where no optimizer step was seen in it (steps.optimizer_steps 0)
+NO_OPTIMIZER_STEP = (
+    "no optimizer step seen in this step (one inside a torch.compile region is not recorded): the .grad the step "
+    "ended with, or that zero_grad cleared"
+)
 
 
 def no_optimizer_steps(steps: pd.DataFrame) -> set[tuple[int, int]]:
