@@ -1657,8 +1657,10 @@ def _side_labels(run_a, run_b, step_a, step_b, rank_a, rank_b) -> tuple[str, str
     return " ".join(a), " ".join(b), carried
 
 
-def _where(row, carried: set[str], several_ranks: bool) -> str:
-    """'step 3, pass 0' (and the rank where runs have several ranks) of a first_divergence row."""
+def _where(row, carried: set[str], several_ranks: bool, unstepped=frozenset()) -> str:
+    """'step 3, pass 0' (and the rank where runs have several ranks) of a first_divergence row. `unstepped`: (run,
+    rank, step) of the steps in which no optimizer stepped (steps.optimizer_steps 0): a final row there is the .grad
+    the step ended with, not one an optimizer read."""
     side = "b" if row["side"] == "b" else "a"
     parts = []
     if "step" not in carried:
@@ -1673,7 +1675,11 @@ def _where(row, carried: set[str], several_ranks: bool) -> str:
     elif not _missing(p):
         parts.append(f"pass {int(p)}")
     elif row["role"] == "param_grad":  # the step's final row: .grad as the optimizer read it
-        parts.append("the step's final .grad, as the optimizer read it")
+        read = (row.get(f"run_{side}"), row.get(f"rank_{side}"), row.get(f"step_{side}"))
+        if not any(_missing(v) for v in read[1:]) and (read[0], int(read[1]), int(read[2])) in unstepped:
+            parts.append("the step's final .grad, as the step ended (no optimizer step in it)")
+        else:
+            parts.append("the step's final .grad, as the optimizer read it")
     return ", ".join(parts)
 
 
@@ -1721,7 +1727,14 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
         # steps a side could not write (status unwritten) before any divergence found: said apart, never a divergence
         unwritten = first[first["key"].isna() & (first["differs"] == "not compared")]
         first = first.drop(index=unwritten.index)
-        ranks = set(store.steps(run=run_a)["rank"]) | set(store.steps(run=run_b)["rank"])
+        steps_ab = pd.concat([store.steps(run=run_a), store.steps(run=run_b)], ignore_index=True)
+        ranks = set(steps_ab["rank"])
+        # steps in which no optimizer stepped: their final rows are not what an optimizer read
+        idle = steps_ab[steps_ab["optimizer_steps"].eq(0)]
+        unstepped = {(r, int(k), int(x)) for r, k, x in zip(idle["run"], idle["rank"], idle["step"])}
+        own_note = ""
+        if rank_a is not None and rank_b is not None and rank_a != rank_b:
+            own_note = _own_accumulation_words(store, run_a, step_a if step_a is not None else step_b, rank_a, rank_b)
         held_a, held_b, summaries = _summary_steps(store, **sides, label_a=label_a, label_b=label_b)
         store_levels = (
             (_side_levels(store, run_a, step_a, step_b, rank_a, rank_b), label_a),
@@ -1843,19 +1856,39 @@ def diff(db, run_a, run_b, step_a, step_b, rank_a, rank_b, rtol, atol):
             f"{label_b} differs from {label_a}{tolerance} first "
             + ("in the forward, " if r["phase"] == "forward" else "")
             + f"at {r['key']} "
-            f"{_slot_label(r['role'], r['slot'])} ({_where(r, carried, several)}): "
+            f"{_slot_label(r['role'], r['slot'])} ({_where(r, carried, several, unstepped)}): "
             f"{_difference_words(r, label_a, label_b)}"
         )
         for _, other in rows.iloc[1:].iterrows():
             click.echo(
                 f"  also {_slot_label(other['role'], other['slot'])}: {_difference_words(other, label_a, label_b)}"
             )
+    if own_note:
+        click.echo(own_note)
     if unhealthy_piece:
         click.echo(unhealthy_piece)
     if summaries:  # an earlier step kept only its summary: the sides may have parted there, unseen
         click.echo(summaries)
     if lost_line:  # an earlier step was not written on a side: the sides may have parted there, unseen
         click.echo(lost_line)
+
+
+def _own_accumulation_words(store, run: str, step: int | None, rank_a: int, rank_b: int) -> str:
+    """For `diff` across two ranks of one run: a line naming the compared steps whose parameter .grads were each
+    rank's own accumulation (rank_divergence's accumulation 1: no optimizer step on either rank, DDP no_sync), where
+    their param_grad rows differ by design; '' where none."""
+    if run is None:
+        return ""
+    rows = store.rank_divergence(run, step)
+    rows = rows[_accumulation(rows) & rows["rank_a"].isin([rank_a, rank_b]) & rows["rank_b"].isin([rank_a, rank_b])]
+    if rows.empty:
+        return ""
+    steps = sorted({int(v) for v in rows["step"]})
+    return (
+        f"  note: at step{'s' if len(steps) > 1 else ''} {_step_ranges(steps)} each rank's parameter .grad was its own "
+        "accumulation (DDP no_sync / no optimizer step on either rank): their param_grad rows differ by design, not "
+        f"a divergence ({rows.iloc[0]['reason']})"
+    )
 
 
 def _nonfinite_piece_words(table: pd.DataFrame, carried: set[str], several_ranks: bool, label_a: str, label_b: str):
@@ -2138,6 +2171,43 @@ def _count(v) -> float:
 _STAGE_SAW = {"backward": "after the backward pass", "final": "as the optimizer read it", None: ""}
 
 
+def _accumulation(rows: pd.DataFrame) -> pd.Series:
+    """rank_divergence rows not compared because each rank's .grad was its own accumulation (column accumulation 1:
+    no optimizer step on the ranks, DDP no_sync)."""
+    if "accumulation" not in rows:
+        return pd.Series(False, index=rows.index)
+    return pd.to_numeric(rows["accumulation"], errors="coerce").fillna(0).eq(1)
+
+
+def _unstepped(row) -> list[int]:
+    """The ranks of a rank_divergence row (rank_a, rank_b) on which no optimizer stepped in its step
+    (optimizer_steps 0): its final row there is the .grad the step ended with, not one an optimizer read."""
+    out = []
+    for side in ("a", "b"):
+        n = row.get(f"optimizer_steps_{side}") if hasattr(row, "get") else None
+        if n is not None and not _missing(n) and int(n) == 0:
+            out.append(int(row[f"rank_{side}"]))
+    return out
+
+
+def _stage_saw(row) -> str:
+    """How a rank_divergence row's stage saw the .grad: `_STAGE_SAW`, but a final row of a step in which no
+    optimizer stepped on a rank it compares is 'at the step's end (no optimizer step on rank R)'."""
+    if row["stage"] == "final":
+        none = _unstepped(row)
+        if none:
+            ranks = " or ".join(f"rank {r}" for r in none)
+            return f"at the step's end (no optimizer step on {ranks})"
+    return _STAGE_SAW.get(row["stage"], "")
+
+
+def _stage_words(row) -> str:
+    """`_STAGE_WORDS` of a rank_divergence row, with `_stage_saw`'s words for a final row no optimizer read."""
+    if row["stage"] == "final" and _unstepped(row):
+        return f" ({_stage_saw(row)}: the final row)"
+    return _STAGE_WORDS.get(row["stage"], "")
+
+
 def _first_difference(rows: pd.DataFrame) -> str:
     """'fc2.weight on rank 1 vs rank 0, as the optimizer read it' (', and 2 more parameters'): the first of
     rank_divergence's 'differs' rows of one step, by what the optimizer read (stage final) where it differs, and
@@ -2150,7 +2220,9 @@ def _first_difference(rows: pd.DataFrame) -> str:
         stage = "by the final norms of a flight-recorder summary"
     else:
         same = rows[(rows["param"] == r["param"]) & (rows["rank_a"] == r["rank_a"]) & (rows["rank_b"] == r["rank_b"])]
-        stage = " and ".join(_STAGE_SAW[st] for st in ("final", "backward") if st in set(same["stage"]))
+        stage = " and ".join(
+            _stage_saw(same[same["stage"] == st].iloc[0]) for st in ("final", "backward") if st in set(same["stage"])
+        )
     more = rows["param"].nunique() - 1
     return (
         f"{r['param']} on rank {int(r['rank_b'])} vs rank {int(r['rank_a'])}"
@@ -2206,9 +2278,12 @@ def ranks(db, run, step, verbose):
                 if missing_here and int(st) != step:
                     unseen[int(st)] = missing_here
         sick_steps: list[int] = []
+        own_steps: list[int] = []
         if step_given is None:  # the last step only: say where the ranks first differed, if earlier
             every = store.rank_divergence(run)
             bad = every[every["result"] == "differs"]
+            # the steps whose .grads were each rank's own accumulation (no optimizer step, DDP no_sync): not compared
+            own_steps = sorted({int(v) for v in every.loc[_accumulation(every), "step"]} - {step})
             earlier = int(bad["step"].min()) if len(bad) and int(bad["step"].min()) < step else None
             earlier_what = _first_difference(bad[bad["step"] == earlier]) if earlier is not None else ""
             # and where a .grad held NaN/Inf on some rank: agreeing there is no health
@@ -2240,6 +2315,9 @@ def ranks(db, run, step, verbose):
         return
     differ = [p for p in params if verdict[p] == "differs"]
     unchecked = [p for p in params if verdict[p] == "not compared"]
+    # not compared because each rank's .grad is its own accumulation (no optimizer step, DDP no_sync): by design
+    own_rows = table[_accumulation(table)]
+    own = [p for p in unchecked if p in set(own_rows["param"])]
     fine = [p for p in params if verdict[p] in ("equal", "sharded", "local")]
     # gradients reduced after the pass (a hand-written all-reduce): after it each rank's own, different by design
     local = list(dict.fromkeys(table.loc[table["result"] == "local", "param"]))
@@ -2261,6 +2339,11 @@ def ranks(db, run, step, verbose):
     if differ:
         head = f"ranks differ at step {step}: {len(differ)} of {n} parameter gradients differ (ranks {rank_list}){note}"
         head += f": {_first_difference(table[table['result'] == 'differs'])}"
+    elif own and len(own) == len(unchecked) and not fine:
+        head = (
+            f"not compared at step {step}: {len(own)} of {n} parameter gradients (ranks {rank_list}){note}: "
+            f"{own_rows.iloc[0]['reason']}"
+        )
     elif unchecked:
         head = (
             f"no difference at step {step} among the {len(fine)} of {n} parameter gradients compared; "
@@ -2292,6 +2375,12 @@ def ranks(db, run, step, verbose):
         click.echo(
             f"  the ranks differed earlier, first at step {earlier} ({earlier_what}): gradstore ranks {db} {run} "
             f"--step {earlier} (without --step, only the last recorded step is checked)"
+        )
+    if own_steps:
+        click.echo(
+            f"  not compared: {len(own_steps)} step{'s' if len(own_steps) > 1 else ''} ({_step_ranges(own_steps)}) "
+            "where no optimizer stepped on the ranks and each rank's .grad was its own accumulation (DDP no_sync / no "
+            f"optimizer step), expected to differ: gradstore ranks {db} {run} --step {own_steps[0]}"
         )
     if sick_steps:
         click.echo(
@@ -2325,7 +2414,10 @@ def ranks(db, run, step, verbose):
     said: set = set()
     for result in ("differs", "not compared"):
         rows = []
-        for _, r in table[table["result"] == result].iterrows():
+        listed = table[table["result"] == result]
+        if result == "not compared" and not verbose and len(own) == len(unchecked) and not fine and own:
+            listed = listed[~_accumulation(listed)]  # the head says why, once
+        for _, r in listed.iterrows():
             pair = (r["param"], r["rank_a"], r["rank_b"])
             if pair in said and not verbose:
                 continue
@@ -2338,13 +2430,14 @@ def ranks(db, run, step, verbose):
                     r["rule"], f" ({r['rule']}: layouts differ)"
                 )
                 click.echo(
-                    f"  {r['param']}{_STAGE_WORDS[r['stage']]}: {b} differs from {a}{how}: {_difference_words(r, a, b)}"
+                    f"  {r['param']}{_stage_words(r)}: {b} differs from {a}{how}: {_difference_words(r, a, b)}"
+                    + (f" ({r['reason']})" if isinstance(r.get("reason"), str) and r["rule"] == "replicated" else "")
                 )
         else:
             shown = rows
             for r in shown[: None if verbose else 20]:
                 click.echo(
-                    f"  {r['param']}{_STAGE_WORDS[r['stage']]}: rank {int(r['rank_b'])} vs rank "
+                    f"  {r['param']}{_stage_words(r)}: rank {int(r['rank_b'])} vs rank "
                     f"{int(r['rank_a'])} not compared: {r['reason']}"
                 )
     if not verbose and len(shown) > 20:

@@ -181,6 +181,11 @@ class PassRecord:
     born: dict[int, tuple[int | None, int | None, int | None]] | None = None
     grads_changed: list[str] | None = None  # stats='params': parameters whose .grad this pass changed
     error: str | None = None  # the exception the engine raised in this pass ('Type: message'), None: it returned
+    # a top-level backward pass under DistributedDataParallel (revision 0015_ddp_sync): 1 where every DDP wrapper of
+    # the recorded models prepared its reducer for a backward in its last forward (`require_forward_param_sync`:
+    # the pass all-reduces .grad), 0 where one did not (its forward ran under `no_sync()`: each rank keeps its own
+    # accumulation); None: no DDP wrapper in the recorded models, or not a top-level backward pass
+    ddp_sync: int | None = None
     # a recorder fault may have lost some of the pass's calls or rows (a hook's fault it could not recover from, a
     # C++ hook's, the end of the pass, rows not built): a node with no call is then not known not to have run
     faulted: bool = False

@@ -1,5 +1,5 @@
 -- title: Parameter gradients that differ across ranks, or could not be compared
--- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank of the run (0 .. world_size - 1, and any rank that wrote a step) has no param_grad row for the parameter: it recorded the step without one, or recorded no such step (reason: rank R recorded no step S, and where it recorded into this database how its recording stands: still running, interrupted after its last step written (its process died: the steps it had not written are lost), ended with an error at a step, or finished after its last step; else whether it wrote other steps of the run to this database), or could not write the step (status unwritten: reason says step S was not written on rank R), not compared (side says which rank has one). rule none: .grad is None on both ranks: no values to compare and no placement to read (replicated or sharded is not known from these rows): not compared. result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side, a rank that recorded no such step or could not write it, or .grad None on both: nothing is claimed about its values), equal, sharded (layouts agree; values not compared, by design) or local: a backward row of rule replicated that differs (differs lists the fields) where the gradients were reduced after the pass (a hand-written all-reduce between backward() and the optimizer): its pair of ranks' final rows compared by value and agree, or, in the same step, some other pair's final rows agree where their backward rows differ; each rank's .grad after the pass is then its own local gradient (different where the ranks see different data), and the final rows are the comparison that counts. Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
+-- description: At each step, every parameter's gradient on each rank at two stages (stage): backward, its param_grad row of the step's last top-level backward pass (.grad after gradient accumulation and after DDP's all-reduce or FSDP2's reduce-scatter); final, its final row where the step has one (.grad as the optimizer saw it: after GradScaler.unscale_, clipping or a division by hand), compared with another rank's by the rule its layout calls for. rule replicated: the ranks hold the same values (a plain tensor, as DDP's all-reduced .grad; or a DTensor's copies along Replicate mesh dimensions, same shard and Partial term): each rank is compared with the lowest rank holding that region (rank_a), by checksum where both have one (compared = checksum: bitwise), else by every statistic (compared = statistics: status, dtype, shape, placements, the nan/posinf/neginf counts, norm, min, max, mean, std and the zeros count must be equal; a statistic NULL on both sides is not compared), or by status where neither has a gradient (compared = status: .grad None on both). rule sharded / partial: the ranks hold different shards (Shard / _StridedShard placements) or different Partial terms of a DTensor, whose values differ by design: only the layout is compared (compared = layout: status, dtype, placements, mesh and global shape), with the lowest rank holding the parameter (rank_a). rule missing: a rank of the run (0 .. world_size - 1, and any rank that wrote a step) has no param_grad row for the parameter: it recorded the step without one, or recorded no such step (reason: rank R recorded no step S, and where it recorded into this database how its recording stands: still running, interrupted after its last step written (its process died: the steps it had not written are lost), ended with an error at a step, or finished after its last step; else whether it wrote other steps of the run to this database), or could not write the step (status unwritten: reason says step S was not written on rank R), not compared (side says which rank has one). rule none: .grad is None on both ranks: no values to compare and no placement to read (replicated or sharded is not known from these rows): not compared. result: differs (differs lists the fields), not compared (reason says why: a row missing, skipped, or recorded without statistics on either side, a rank that recorded no such step or could not write it, or .grad None on both: nothing is claimed about its values), equal, sharded (layouts agree; values not compared, by design) or local: a backward row of rule replicated that differs (differs lists the fields) where the gradients were reduced after the pass (a hand-written all-reduce between backward() and the optimizer): its pair of ranks' final rows compared by value and agree, or, in the same step, some other pair's final rows agree where their backward rows differ; each rank's .grad after the pass is then its own local gradient (different where the ranks see different data), and the final rows are the comparison that counts. A replicated row of a plain tensor (not a DTensor, whose placement says its copies are kept equal) is not compared (accumulation = 1) where no optimizer stepped in the step on either rank (steps.optimizer_steps 0) and DDP did not all-reduce the step's last top-level backward pass on both (passes.ddp_sync 1): each rank's .grad is then its own accumulation (DDP no_sync, gradient accumulation over recorded micro-batches), expected to differ; reason says so, and names the ranks whose DDP sync was off; where an optimizer stepped the rows are compared as ever, and a row that differs with DDP's sync off on a rank says so in reason (no_sync left on for the optimizer's micro-batch). optimizer_steps_a/_b and ddp_sync_a/_b give each side's. Only differs and not compared rows unless all = 1. Statistics side by side (_a, _b) with absolute and relative differences as in the diff query.
 -- param run: run name; empty (NULL) for every run
 -- param step: step number; empty (NULL) for every step
 -- param all: 1 to list every comparison (the equal and sharded ones too); empty (NULL): only those that differ or were not compared
@@ -112,8 +112,16 @@ WITH RECURSIVE prm AS (
            ta.checksum AS checksum_a, tb.checksum AS checksum_b,
            da.placements AS placements_a, db.placements AS placements_b,
            da.mesh_shape AS mesh_a, db.mesh_shape AS mesh_b, da.global_shape AS global_shape_a,
-           db.global_shape AS global_shape_b, da.global_offset AS offset_a, db.global_offset AS offset_b
+           db.global_shape AS global_shape_b, da.global_offset AS offset_a, db.global_offset AS offset_b,
+           sta.optimizer_steps AS opt_a, stb.optimizer_steps AS opt_b,
+           -- DDP's gradient sync in each rank's last top-level backward pass (passes.ddp_sync; NULL: not known)
+           (SELECT p.ddp_sync FROM passes p WHERE p.step_id = pr.a_sid AND p.parent_pass IS NULL AND p.kind = 'backward'
+            ORDER BY p.pass DESC LIMIT 1) AS sync_a,
+           (SELECT p.ddp_sync FROM passes p WHERE p.step_id = pr.b_sid AND p.parent_pass IS NULL AND p.kind = 'backward'
+            ORDER BY p.pass DESC LIMIT 1) AS sync_b
     FROM pairs pr
+    LEFT JOIN steps sta ON sta.id = pr.a_sid
+    LEFT JOIN steps stb ON stb.id = pr.b_sid
     LEFT JOIN tensors ta ON ta.step_id = pr.a_sid AND ta.node_id = pr.node_id AND ta.id = pr.a_tid
     LEFT JOIN tensors tb ON tb.step_id = pr.b_sid AND tb.node_id = pr.node_id AND tb.id = pr.b_tid
     LEFT JOIN dtensors da ON da.id = pr.a_tid
@@ -140,6 +148,13 @@ WITH RECURSIVE prm AS (
            CASE WHEN (ida IS NULL OR idb IS NULL) AND has_step = 0 THEN 'absent'
                 WHEN ida IS NULL OR idb IS NULL THEN 'missing'
                 WHEN sa = 2 OR sb = 2 THEN 'skipped'
+                -- no optimizer stepped in the step on either rank, and DDP did not all-reduce its last pass on both:
+                -- each rank's .grad is its own accumulation (DDP no_sync, gradient accumulation), not synchronised
+                -- for an optimizer to read: different by design (a DTensor's Replicate placement says its copies
+                -- are kept equal in the pass itself: compared as ever)
+                WHEN rule = 'replicated' AND placements_a IS NULL AND placements_b IS NULL
+                     AND opt_a = 0 AND opt_b = 0 AND NOT (sa = 1 AND sb = 1)
+                     AND NOT (COALESCE(sync_a, 0) = 1 AND COALESCE(sync_b, 0) = 1) THEN 'own'
                 WHEN rule <> 'replicated' THEN 'layout'
                 WHEN sa = 1 AND sb = 1 THEN 'none'
                 WHEN sa <> sb THEN 'status'
@@ -152,6 +167,7 @@ WITH RECURSIVE prm AS (
            CASE how WHEN 'missing' THEN 'missing'
                     WHEN 'absent' THEN ''
                     WHEN 'skipped' THEN ''
+                    WHEN 'own' THEN ''
                     WHEN 'layout' THEN RTRIM(layout_diff, ',')
                     WHEN 'status' THEN RTRIM(layout_diff, ',')
                     WHEN 'none' THEN ''
@@ -177,7 +193,7 @@ WITH RECURSIVE prm AS (
     WHERE j.stage = 'backward' AND j.rule = 'replicated' AND j.how IN ('checksum', 'statistics') AND j.differs <> ''
 ), verdicts AS (
     SELECT judged.*,
-           CASE WHEN how IN ('missing', 'absent', 'skipped', 'none') THEN 'not compared'
+           CASE WHEN how IN ('missing', 'absent', 'skipped', 'none', 'own') THEN 'not compared'
                 -- after the pass, a gradient reduced later (above): each rank's own, different by design where the
                 -- ranks see different data; its final rows are the comparison that counts
                 WHEN differs <> '' AND stage = 'backward' AND rule = 'replicated' AND how IN ('checksum', 'statistics')
@@ -252,12 +268,33 @@ SELECT r.name AS run,
                  || COALESCE(CASE WHEN v.sa = 2 THEN v.reason_a ELSE v.reason_b END, 'no reason recorded')
             WHEN v.how = 'none' THEN '.grad is None on both ranks: no values to compare, and no placement to read '
                  || '(whether the parameter is replicated or sharded is not known from these rows)'
+            WHEN v.how = 'own' THEN 'each rank''s own accumulation (DDP no_sync / no optimizer step): '
+                 || CASE WHEN v.sync_a = 0 OR v.sync_b = 0
+                         THEN 'DDP''s gradient sync was off for the step''s last backward pass on '
+                              || CASE WHEN v.sync_a = 0 AND v.sync_b = 0
+                                      THEN 'ranks ' || CAST(v.rank_a AS TEXT) || ' and ' || CAST(v.rank_b AS TEXT)
+                                      WHEN v.sync_a = 0 THEN 'rank ' || CAST(v.rank_a AS TEXT)
+                                      ELSE 'rank ' || CAST(v.rank_b AS TEXT) END
+                              || ' (its forward ran under no_sync()), and '
+                         ELSE '' END
+                 || 'no optimizer stepped in this step on rank ' || CAST(v.rank_a AS TEXT) || ' or rank '
+                 || CAST(v.rank_b AS TEXT) || ' (steps.optimizer_steps 0): the .grads were not synchronised for an '
+                 || 'optimizer to read, and they are expected to differ; the step whose optimizer reads them is compared'
             WHEN v.result = 'not compared' THEN 'recorded without statistics (stats=''shape''): only status, dtype and shape compared'
             WHEN v.how = 'layout' AND v.result = 'sharded' AND v.rule = 'sharded'
                  THEN 'different shards (offsets ' || COALESCE(v.offset_a, '?') || ' and ' || COALESCE(v.offset_b, '?')
                       || '): values differ by design and are not compared; status, dtype, placements, mesh and global shape agree'
             WHEN v.how = 'layout' AND v.result = 'sharded'
                  THEN 'different Partial terms of the same region: values differ by design and are not compared; status, dtype, placements, mesh and global shape agree'
+            WHEN v.result = 'differs' AND v.rule = 'replicated' AND (v.sync_a = 0 OR v.sync_b = 0)
+                 THEN 'DDP''s gradient sync was off for the step''s last backward pass on '
+                      || CASE WHEN v.sync_a = 0 AND v.sync_b = 0
+                              THEN 'ranks ' || CAST(v.rank_a AS TEXT) || ' and ' || CAST(v.rank_b AS TEXT)
+                              WHEN v.sync_a = 0 THEN 'rank ' || CAST(v.rank_a AS TEXT)
+                              ELSE 'rank ' || CAST(v.rank_b AS TEXT) END
+                      || ' (its forward ran under no_sync()) while an optimizer stepped in the step: it read each '
+                      || 'rank''s own accumulation, not the all-reduced gradient (run the forward and backward of '
+                      || 'the micro-batch before the optimizer step outside no_sync())'
             WHEN v.result = 'local' AND v.final_agree = 1
                  THEN 'each rank''s own gradient after the backward pass, made equal before the optimizer read it (the '
                       || 'final rows agree): a reduction after the pass, e.g. a hand-written all-reduce; expected where '
@@ -302,7 +339,12 @@ SELECT r.name AS run,
        v.zeros_a,
        v.zeros_b,
        v.checksum_a,
-       v.checksum_b
+       v.checksum_b,
+       v.opt_a AS optimizer_steps_a,
+       v.opt_b AS optimizer_steps_b,
+       v.sync_a AS ddp_sync_a,
+       v.sync_b AS ddp_sync_b,
+       CASE WHEN v.how = 'own' THEN 1 ELSE 0 END AS accumulation
 FROM verdicts v
 JOIN runs r ON r.id = v.run_id
 LEFT JOIN rank_ends ke ON v.how = 'absent' AND ke.run_id = v.run_id

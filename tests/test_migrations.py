@@ -1049,6 +1049,7 @@ def test_upgrade_0013_to_0014_adds_optimizer_steps_as_not_known_and_down_again(t
         after = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
         now = [r[1] for r in conn.execute("PRAGMA table_info(steps)")]
     assert now == [*columns, "optimizer_steps"] and after == [(*row, None) for row in before] and before
+    _migrate(path, database.head_revision())  # readers open the newest revision only (later ones add to 0014)
     with gradstore.open(path) as store:
         steps = store.steps()
     assert len(steps) == len(before) and steps["optimizer_steps"].isna().all()
@@ -1056,3 +1057,28 @@ def test_upgrade_0013_to_0014_adds_optimizer_steps_as_not_known_and_down_again(t
     with sqlite3.connect(path) as conn:
         assert [r[1] for r in conn.execute("PRAGMA table_info(steps)")] == columns
         assert conn.execute("SELECT * FROM steps ORDER BY id").fetchall() == before
+
+
+# ---- revision 0015_ddp_sync: whether DDP synchronised each backward pass's gradients ----------------------------
+def test_upgrade_0014_to_0015_adds_ddp_sync_as_not_known_and_down_again(tmp_path):
+    """The committed revision-0003 file with passes at 0014_optimizer_steps, then 0015_ddp_sync: every passes row keeps
+    its values and its new ddp_sync is NULL (not known: an older gradstore did not read DDP's flag), never 0 (0 says
+    DDP's sync was off). Down to 0014 drops the column and leaves the rows as they were."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-loop.db", path)
+    _migrate(path, "0014_optimizer_steps")
+    with sqlite3.connect(path) as conn:
+        before = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
+    _migrate(path, "0015_ddp_sync")
+    assert _revision(path) == "0015_ddp_sync" == database.head_revision()
+    with sqlite3.connect(path) as conn:
+        after = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
+        now = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
+    assert now == [*columns, "ddp_sync"] and after == [(*row, None) for row in before] and before
+    with gradstore.open(path) as store:  # a run read across ranks at this revision: its rows are compared as before
+        assert len(store.passes()) == len(before)
+    _migrate(path, "0014_optimizer_steps", down=True)
+    with sqlite3.connect(path) as conn:
+        assert [r[1] for r in conn.execute("PRAGMA table_info(passes)")] == columns
+        assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before

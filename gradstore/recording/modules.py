@@ -143,6 +143,26 @@ def fsdp_candidates(models: list[tuple[str, nn.Module]]) -> list[nn.Module]:
     return found
 
 
+def ddp_modules(models: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The `torch.nn.parallel.DistributedDataParallel` wrappers among `models` ((prefix, model) pairs) and the
+    wrappers inside them (DDP(compiled), compiled(DDP)), outermost first; [] without one."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [m for _, model in models for m in _peel(model) if isinstance(m, DistributedDataParallel)]
+
+
+def ddp_sync(modules: list[nn.Module]) -> int | None:
+    """Whether the next backward pass all-reduces the gradients of DDP wrappers `modules` (`ddp_modules`): 1 where
+    each one's last forward prepared its reducer for a backward, 0 where one's did not (its forward ran under
+    `DistributedDataParallel.no_sync()`, or with grad disabled), None for no wrapper. Reads the public
+    `require_forward_param_sync` attribute, which DDP's forward sets to `torch.is_grad_enabled() and
+    require_backward_grad_sync` (what decides whether its reducer expects the backward's hooks); a wrapper
+    without it counts as syncing."""
+    if not modules:
+        return None
+    return int(all(getattr(m, "require_forward_param_sync", True) for m in modules))
+
+
 def fsdp_modules(models: list[tuple[str, nn.Module]], candidates: list[nn.Module] | None = None) -> list[nn.Module]:
     """The modules under `models` ((prefix, model) pairs) that FSDP2's `fully_shard` manages and that hold
     parameters of their own (gradstore.recording.torch_private.fsdp_parameters), in `modules()` order.

@@ -42,6 +42,8 @@ from .modules import (
     ModuleTracker,
     Structure,
     compiled_regions,
+    ddp_modules,
+    ddp_sync,
     fsdp_aliases,
     fsdp_candidates,
     fsdp_modules,
@@ -369,6 +371,7 @@ class record:
         self._per_call = False  # the scope is one call of a function this record decorates (one step)
         self._params: list = []
         self._fsdp: list = []  # the modules FSDP2 (fully_shard) manages, whose parameters the graph sees unsharded
+        self._ddp: list = []  # the DistributedDataParallel wrappers of the models (passes.ddp_sync)
         self._recorded: list = []  # [(first name, parameter)] that param_status rows are written for
         self._frozen_cache: list = []  # _KnownNames.facts of _recorded
         self._param_names: dict[str, tuple[str, ...]] = {}  # first name -> every name (tied weights)
@@ -495,6 +498,7 @@ class record:
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
         known = self._known_names(models)
         self._fsdp = fsdp_modules(models, [ref() for ref in known.fsdp])
+        self._ddp = ddp_modules(models)
         self._tracker = ModuleTracker(
             known.names,
             known.regions,
@@ -684,6 +688,7 @@ class record:
         self._tracker = None
         self._params = []
         self._fsdp = []
+        self._ddp = []
         self._recorded, self._frozen_cache = [], []
         self._lineage.clear()
         self._in_scope = False
@@ -994,6 +999,11 @@ class record:
             except Exception as exc:
                 state.fault("start of pass", exc)
             watched = p is not None and kind == "backward" and p.record.parent_pass is None
+            if watched and self._ddp:  # whether DDP all-reduces in this pass (off under no_sync): a few attributes
+                try:
+                    p.record.ddp_sync = ddp_sync(self._ddp)
+                except Exception as exc:
+                    state.fault("start of pass", exc)
             if watched and not self._reads.carried_off:
                 try:
                     self._reads.pass_started(self._params, p.grads_before)

@@ -278,8 +278,10 @@ class Store:
         retain_graph, roots, inputs, nodes, calls, started_at, duration, setup, finish (s), error (the exception
         the pass raised, 'Type: message', also where the training code caught it, followed by ' [raised in a hook
         on the gradient of parameter NAME]' where a hook on a recorded parameter raised it with no node's call
-        open; NULL where it returned) and raised_at (the key of the node whose call started and did not end in a
-        pass that raised)."""
+        open; NULL where it returned), raised_at (the key of the node whose call started and did not end in a
+        pass that raised) and ddp_sync (a top-level backward pass under DistributedDataParallel: 1 where DDP
+        all-reduced the gradients, 0 where its sync was off, a forward under `no_sync()`; NULL: no DDP wrapper among
+        the recorded models, another kind of pass, or stored before schema revision 0015_ddp_sync)."""
         return self.query("passes", run=run, rank=rank, step=step)
 
     @_per_step
@@ -1267,14 +1269,19 @@ class Store:
         were reduced after the pass (a hand-written all-reduce before the optimizer), so each rank's .grad after the
         pass is its own: its pair of ranks' 'final' rows agree, or in that step some other pair's do; the 'final'
         rows are then the comparison that counts (DDP's reducer and FSDP2's reduce-scatter reduce inside the pass,
-        where the 'backward' rows agree).
+        where the 'backward' rows agree). A replicated row is 'not compared' with `accumulation` 1 where no
+        optimizer stepped in the step on either rank (`steps()` optimizer_steps 0) and DDP did not all-reduce the
+        step's last backward pass on both (`passes()` ddp_sync 1): each rank's .grad is its own accumulation (a
+        micro-batch under `DistributedDataParallel.no_sync()`), expected to differ; where an optimizer stepped the
+        rows are compared as ever, and so are a DTensor's copies (a 'differs' row with DDP's sync off on a rank
+        says so in `reason`).
 
         Args:
             run: the run; step: one step (None: every step); all: also the comparisons that agree ('equal',
                 'sharded'), so that every parameter's rule shows.
         Columns: run, step, stage, param, module, rank_a, rank_b, rule, result, side, compared, differs, reason,
         status_a/_b, placements_a/_b, shape_a/_b, norm, min, max, mean, std (_a, _b, _abs, _rel), nan, posinf,
-        neginf, zeros, checksum (_a, _b).
+        neginf, zeros, checksum (_a, _b), optimizer_steps_a/_b, ddp_sync_a/_b, accumulation (1 / 0).
         A flight-recorder summary step (`steps()` level 'summary') kept each rank's final norm only
         (`param_norms`): its parameters are compared by that norm (rule 'summary', stage 'final', compared
         'norm'): 'differs' where the ranks' norms or non-finite counts differ, else 'not compared' (equal norms do
@@ -1340,17 +1347,22 @@ class Store:
         # a DTensor parameter (placements in a step written in full) holds a different shard on each rank
         full = self.param_grads(run=run)
         sharded = set(full.loc[full["placements"].notna(), "param"]) if "placements" in full else set()
+        # no optimizer step on either rank: each rank's .grad its own accumulation (passes are not kept: DDP unknown)
+        opt = {(int(r), int(x)): o for r, x, o in zip(held["rank"], held["step"], held["optimizer_steps"])}
         out = []
         for (st, param), rows in norms.groupby(["step", "param"], sort=True):
             rows = rows.sort_values("rank")
             a = rows.iloc[0]
             for b in rows.iloc[1:].itertuples():
+                own = (
+                    param not in sharded and opt.get((int(a["rank"]), int(st))) == opt.get((int(b.rank), int(st))) == 0
+                )
                 na, nb = a["norm"], b.norm
                 same_norm = (pd.isna(na) and pd.isna(nb)) or na == nb
                 same_bad = a["nonfinite"] == b.nonfinite
                 differs = [f for f, same in (("norm", same_norm), ("nonfinite", same_bad)) if not same]
                 unmeasured = pd.isna(na) or pd.isna(nb)  # a summary at stats='shape' keeps no norm
-                if param in sharded or unmeasured:  # shards differ by design; a missing norm says nothing
+                if param in sharded or unmeasured or own:  # shards differ by design; a missing norm says nothing
                     differs = []
                 out.append(
                     {
@@ -1369,7 +1381,11 @@ class Store:
                         "reason": None
                         if differs
                         else (
-                            "flight-recorder summary without a norm on some rank (stats='shape' measures none)"
+                            f"each rank's own accumulation (no optimizer step): no optimizer stepped in this step on "
+                            f"rank {int(a['rank'])} or rank {int(b.rank)} (steps.optimizer_steps 0): the .grads were "
+                            "not synchronised for an optimizer to read, and they are expected to differ"
+                            if own
+                            else "flight-recorder summary without a norm on some rank (stats='shape' measures none)"
                             if unmeasured
                             else "flight-recorder summary of a DTensor parameter: each rank's shard differs by design, "
                             "and only its norm was kept"
@@ -1381,6 +1397,9 @@ class Store:
                         "norm_b": nb,
                         "nan_a": None,
                         "nan_b": None,
+                        "optimizer_steps_a": opt.get((int(a["rank"]), int(st))),
+                        "optimizer_steps_b": opt.get((int(b.rank), int(st))),
+                        "accumulation": int(own),
                     }
                 )
         return pd.DataFrame(out)

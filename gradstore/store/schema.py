@@ -146,6 +146,10 @@ passes = Table(
     # the graph the pass walked (graphs.id; revision 0012_edge_steps); NULL: not walked (stats='params'), or stored
     # before that revision: which edges held in the pass is not known
     Column("graph_id", Integer),
+    # a top-level backward pass under DistributedDataParallel (revision 0015_ddp_sync): 1 where DDP all-reduced its
+    # gradients, 0 where its gradient sync was off (the forward ran under no_sync(): each rank's .grad is its own
+    # accumulation); NULL: no DDP wrapper in the recorded models, another kind of pass, or stored before that revision
+    Column("ddp_sync", Integer),
     UniqueConstraint("step_id", "pass"),
 )
 

@@ -426,6 +426,7 @@ class Writer:
                     "last_call",
                     "error",
                     "graph_id",
+                    "ddp_sync",
                 ),
             )
             + returning
@@ -1234,6 +1235,7 @@ class Writer:
                             max(ids) if ids else None,
                             p.error,
                             graph_id,
+                            p.ddp_sync,
                         ),
                     )
                 )

@@ -1073,8 +1073,17 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
     agree = story.rank_agreement(store, run)
     alone = agree[agree["ranks"] < 2]  # steps some rank of the run did not record: nothing of theirs compared
     agree = agree[agree["ranks"] > 1]
+    # steps where every parameter was each rank's own accumulation (no optimizer step, DDP no_sync): none compared
+    own = agree[(agree["params"] > 0) & (agree["differing"] == 0) & (agree["accumulation"] == agree["params"])]
+    listed = agree
+    agree = agree.drop(index=own.index)
     if agree.empty:
-        page.add('<p class="note">No step was recorded by two ranks: ranks not compared.</p>')
+        page.add(
+            '<p class="note">No step was recorded by two ranks'
+            + (" with an optimizer step or DDP's all-reduce" if len(own) else "")
+            + ": ranks not compared.</p>"
+        )
+        _own_note(page, own)
         _alone_note(page, alone)
         return
     differing = agree[agree["differing"] > 0]
@@ -1086,7 +1095,9 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
         local = agree[agree["local"] > 0]  # reduced after the pass: each rank's own .grad there
         if (agree["sharded"] == 0).all():
             text = (
-                f"At all {len(agree):,} steps recorded by several ranks, every "
+                f"At all {len(agree):,} steps recorded by several ranks"
+                + (" and compared" if len(own) else "")
+                + ", every "
                 + ("recorded " if left else "")
                 + f"parameter's .grad agrees across ranks ({how}): "
                 + (
@@ -1154,6 +1165,7 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
             f"{int(first['step'])}: {int(first['differing'])} of {int(first['params'])} parameter .grad differ"
             f"{where} (first <code>{_e(first['first'])}</code>).{hint}</p>"
         )
+    _own_note(page, own)
     if not unchecked.empty or not empty.empty:
         page.add(
             f'<p class="callout">Not compared: at {len(unchecked) + len(empty):,} of {len(agree):,} steps some '
@@ -1163,13 +1175,29 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
             "<code>gradstore ranks DB RUN --step N</code> says why.</p>"
         )
     _alone_note(page, alone)
-    page.add(_table(agree.head(200), {"step", "ranks", "params", "replicated", "sharded", "differing", "not_compared"}))
+    page.add(
+        _table(listed.head(200), {"step", "ranks", "params", "replicated", "sharded", "differing", "not_compared"})
+    )
 
 
 def _span(values) -> str:
     """'3' where every step has the same count, else '2-3'."""
     lo, hi = int(values.min()), int(values.max())
     return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _own_note(page: _Page, own: pd.DataFrame) -> None:
+    """The steps not compared across ranks because each rank's .grad was its own accumulation (no optimizer stepped
+    on the ranks, DDP no_sync): left out of the steps compared, counted and named."""
+    if own.empty:
+        return
+    steps = _ranges(sorted(int(v) for v in own["step"]))
+    page.add(
+        f'<p class="note">Not compared: {len(own):,} step{"s" if len(own) != 1 else ""} ({_e(steps)}) in which no '
+        "optimizer stepped on the ranks and each rank's .grad was its own accumulation (DDP no_sync / no optimizer "
+        "step): expected to differ, and not counted among the steps compared. "
+        "<code>gradstore ranks DB RUN --step N</code> says why.</p>"
+    )
 
 
 def _alone_note(page: _Page, alone: pd.DataFrame) -> None:

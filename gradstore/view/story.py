@@ -1107,7 +1107,10 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
     '' when none does), local (parameters whose .grad after the backward pass differs on some rank while the final
     rows agree there, or in a step where others do: each rank's own gradient, reduced after the pass, as by a
     hand-written all-reduce; rank_divergence's result 'local', not a divergence), not_compared (parameters not
-    compared on some rank and differing nowhere), compared ('checksum' where every row had checksums, 'norm' for a
+    compared on some rank and differing nowhere), accumulation (those of them not compared because each rank's .grad
+    was its own accumulation: no optimizer stepped in the step on the ranks and DDP's sync was off or not known,
+    rank_divergence's accumulation 1; a step where it equals params is no step compared), compared ('checksum' where
+    every row had checksums, 'norm' for a
     summary step, else 'statistics'), first (the first
     differing parameter, else the first not compared, or None), nonfinite (parameters whose .grad held NaN or Inf on
     some rank in the step, from the exact counts of its rows: agreement is not health, values that agree bitwise
@@ -1123,6 +1126,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         "stages",
         "local",
         "not_compared",
+        "accumulation",
         "compared",
         "first",
         "nonfinite",
@@ -1145,6 +1149,10 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         diff = here[here["result"] == "differs"]
         differing = list(dict.fromkeys(diff["param"]))
         unchecked = [q for q in dict.fromkeys(here[here["result"] == "not compared"]["param"]) if q not in differing]
+        own_flag = pd.to_numeric(here.get("accumulation", pd.Series(0, index=here.index)), errors="coerce")
+        own = set(here.loc[own_flag.fillna(0).eq(1), "param"])
+        # a parameter not compared only because each rank's .grad was its own accumulation (no optimizer step)
+        accumulation = [q for q in unchecked if q in own]
         checks = at["checksum"].notna().all() if len(at) else False
         summary = (here["rule"] == "summary").any()  # a flight-recorder summary: each rank's final norm only
         params = int(lowest["param"].nunique()) if len(lowest) else 0
@@ -1167,6 +1175,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
                 else ",".join(st for st in ("backward", "final") if st in set(diff["stage"])),
                 "local": int(here.loc[here["result"] == "local", "param"].nunique()),
                 "not_compared": len(unchecked),
+                "accumulation": len(accumulation),
                 "compared": "norm" if summary else ("checksum" if checks else "statistics"),
                 "first": differing[0] if differing else (unchecked[0] if unchecked else None),
                 "nonfinite": int(at.loc[_nonfinite_rows(at), "param"].nunique()) if len(at) else 0,
