@@ -1271,7 +1271,9 @@ class Store:
         rows are then the comparison that counts (DDP's reducer and FSDP2's reduce-scatter reduce inside the pass,
         where the 'backward' rows agree). A replicated row is 'not compared' with `accumulation` 1 where no
         optimizer stepped in the step on either rank (`steps()` optimizer_steps 0) and DDP did not all-reduce the
-        step's last backward pass on both (`passes()` ddp_sync 1): each rank's .grad is its own accumulation (a
+        step's last backward pass on both (`passes()` ddp_sync 1), where DDP's sync was off on a rank (ddp_sync 0) or,
+        without DDP, both ranks' optimizers stepped in other recorded steps of the run (where none did, the optimizer
+        runs outside the recorded steps: compared as ever): each rank's .grad is its own accumulation (a
         micro-batch under `DistributedDataParallel.no_sync()`), expected to differ; where an optimizer stepped the
         rows are compared as ever, and so are a DTensor's copies (a 'differs' row with DDP's sync off on a rank
         says so in `reason`).
@@ -1347,15 +1349,20 @@ class Store:
         # a DTensor parameter (placements in a step written in full) holds a different shard on each rank
         full = self.param_grads(run=run)
         sharded = set(full.loc[full["placements"].notna(), "param"]) if "placements" in full else set()
-        # no optimizer step on either rank: each rank's .grad its own accumulation (passes are not kept: DDP unknown)
+        # no optimizer step on either rank while both stepped one in other steps of the run: each rank's .grad its
+        # own accumulation (a summary keeps no passes: DDP's sync not known)
         opt = {(int(r), int(x)): o for r, x, o in zip(held["rank"], held["step"], held["optimizer_steps"])}
+        every = self.steps(run=run)
+        stepped = {int(r) for r in every.loc[every["optimizer_steps"].gt(0), "rank"]}
         out = []
         for (st, param), rows in norms.groupby(["step", "param"], sort=True):
             rows = rows.sort_values("rank")
             a = rows.iloc[0]
             for b in rows.iloc[1:].itertuples():
                 own = (
-                    param not in sharded and opt.get((int(a["rank"]), int(st))) == opt.get((int(b.rank), int(st))) == 0
+                    param not in sharded
+                    and opt.get((int(a["rank"]), int(st))) == opt.get((int(b.rank), int(st))) == 0
+                    and {int(a["rank"]), int(b.rank)} <= stepped
                 )
                 na, nb = a["norm"], b.norm
                 same_norm = (pd.isna(na) and pd.isna(nb)) or na == nb

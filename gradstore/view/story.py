@@ -1108,7 +1108,8 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
     rows agree there, or in a step where others do: each rank's own gradient, reduced after the pass, as by a
     hand-written all-reduce; rank_divergence's result 'local', not a divergence), not_compared (parameters not
     compared on some rank and differing nowhere), accumulation (those of them not compared because each rank's .grad
-    was its own accumulation: no optimizer stepped in the step on the ranks and DDP's sync was off or not known,
+    was its own accumulation: no optimizer stepped in the step on the ranks, and DDP's sync was off or, without DDP,
+    they stepped in other steps,
     rank_divergence's accumulation 1; a step where it equals params is no step compared), compared ('checksum' where
     every row had checksums, 'norm' for a
     summary step, else 'statistics'), first (the first
