@@ -52,7 +52,8 @@ def test_add_backward_facts(page):
     assert f"prehook  AddBackward0: grad_outputs = ({text},)" in page
     assert f"hook     AddBackward0: grad_inputs = ({text}, {text})" in page
     norm = float(torch.linalg.vector_norm(expected))
-    assert f"| 2 | `AddBackward0#0` | grad_input | 1 | `3` | {norm:.6g} | 22 | 66 | 44 |" in page
+    # the example's graph is built before its recording begins: the record keys it '?/' (module not known)
+    assert f"| 2 | `?/AddBackward0#0` | grad_input | 1 | `3` | {norm:.6g} | 22 | 66 | 44 |" in page
     # no saved tensor, so it re-runs after the pass; PowBackward0 saved its input and refuses
     assert [k for k in dir(c.grad_fn) if k.startswith("_saved_")] == ["_saved_alpha"]
     again = c.grad_fn(expected)

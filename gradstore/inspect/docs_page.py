@@ -310,7 +310,8 @@ def render() -> str:
     w_("")
     w_(
         "The same pass recorded by gradstore (`gradstore.open(db).tensors(run)`; `seq` is execution order, "
-        "`grad_output` rows are what the prehook saw, `grad_input` rows what the hook saw):"
+        "`grad_output` rows are what the prehook saw, `grad_input` rows what the hook saw; the graph was built "
+        "before the recording began, so which module made each node is not known to the record: `?/` in its key):"
     )
     w_("")
     w_(add.recorded_table())
