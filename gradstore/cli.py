@@ -435,8 +435,9 @@ def demo(db, run_name, steps, seed, nan_step, top):
         click.echo(_table(_slowest_nodes(calls, top)))
         norms = store.grad_norms(run=run_name, by="module")
         click.echo(
-            "\nLargest gradient norms by module (L2 norm of the grad_outputs flowing into the module's "
-            "nodes, at the step where it peaked):"
+            "\nLargest gradient norms by module (at the step where it peaked; the L2 norm over every grad_output "
+            "of every node the module owns, so a gradient counts again at each node it enters: not one gradient's "
+            "norm; Store.module_gains has the gradient crossing a module's boundary):"
         )
         click.echo(_table(_largest_module_norms(norms, top)))
         bad = _first_nonfinite_line(store, run_name)
