@@ -222,3 +222,27 @@ def test_q_runs_reads_an_empty_now_as_the_current_time(tmp_path):
             }, query
         past = _get(f"{base}/{name}/{browse.PREFIX}runs.json?_shape=array&now={now - 600}")
         assert {r["run"]: r["status"] for r in past} == {"dead": "running", "live": "running"}
+
+
+def test_every_table_and_view_is_described(served):
+    """The metadata Datasette serves describes every table and view of the file (listed by sqlite itself), and
+    tensor_data's norm column says why a cell is blank and where the value is; the table page shows it."""
+    base, name, db = served
+    with sqlite3.connect(db) as con:
+        names = {n for (n,) in con.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
+        blank, filled = con.execute(  # blank norms in tensor_data that the tensors view fills in
+            "SELECT COUNT(*), COUNT(v.norm) FROM tensor_data t JOIN tensors v ON v.id = t.id "
+            "WHERE t.norm IS NULL AND t.status = 0"
+        ).fetchone()
+    assert blank > 0 and filled == blank  # the situation the description explains
+    tables = _get(f"{base}/-/metadata.json")["databases"][name]["tables"]
+    for table in sorted(names - {n for n in names if n.startswith("sqlite_")}):
+        assert len(tables.get(table, {}).get("description", "")) > 20, table
+    norm = tables["tensor_data"]["columns"]["norm"]
+    assert "NULL" in norm and "`tensors` view" in norm and "derive" in norm
+    assert "code: 0 grad_output, 1 grad_input" in tables["tensor_data"]["columns"]["role"]
+    assert "'?'" in tables["nodes"]["columns"]["module"]
+    for table, column in (("passes", "ddp_sync"), ("steps", "optimizer_steps"), ("tensor_data", "status")):
+        assert tables[table]["columns"][column], (table, column)
+    page = _get(f"{base}/{name}/tensor_data?_size=1")
+    assert "derive" in page and "tensors" in page

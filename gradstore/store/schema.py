@@ -54,6 +54,27 @@ NAMING_CONVENTION = {
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
+
+# ---- descriptions: `info={"doc": ...}` on a column whose value is coded, derived or NULL by design, and DOCS below
+# for the tables and views; Datasette shows them (gradstore.view.browse). Not DDL: Alembic does not compare them.
+def doc(description: str) -> dict:
+    """The `info` of a Column with this description (read back by `describe`)."""
+    return {"doc": description}
+
+
+def codes(names, lookup: str) -> str:
+    """The description of an integer code column: '0 grad_output, 1 grad_input, ... (lookup table roles)'."""
+    return "code: " + ", ".join(f"{i} {n}" for i, n in enumerate(names)) + f" (lookup table {lookup})"
+
+
+# tensor_data.norm: NULL by design in most rows, where the `tensors` view derives it exactly
+NORM_DOC = (
+    "L2 norm over the finite elements, stored only where the `tensors` view cannot derive it: blank (NULL) where the "
+    "view gives it bit for bit as SQRT((n - 1) * std * std + n * mean * mean) over the n = numel - nan - posinf - "
+    "neginf finite elements (read the norm from the `tensors` view or the q_tensors / q_grad_norms queries, never "
+    "from this table); NULL there too where no norm was measured (a skipped or None row, stats='shape')"
+)
+
 # ---- integer codes: defined with the record's plain data (gradstore.records) and re-exported here ---------
 # ROLES, STATUSES, KINDS, DTYPES (frozen lists) and ROLE, STATUS, KIND, DTYPE (name -> code)
 
@@ -98,7 +119,16 @@ steps = Table(
     Column("step", Integer, nullable=False),
     Column("started_at", Float, nullable=False),
     Column("ended_at", Float),
-    Column("status", String(16), nullable=False),  # ok / error / nonfinite / unmeasured / unwritten
+    Column(
+        "status",
+        String(16),
+        nullable=False,
+        info=doc(
+            "as stored: ok / error / nonfinite / unmeasured / unwritten (the writer could not write the step: `error` "
+            "says why). q_steps derives the status to read: unmeasured also where this says ok and no gradient value "
+            "was measured (stats='shape', or every row skipped), and counts the rows not measured"
+        ),
+    ),
     Column("error", Text),
     Column("passes", Integer, nullable=False),
     Column("level", String(16), nullable=False),  # stats level: full / health / params / shape
@@ -111,11 +141,16 @@ steps = Table(
     # not measured, or a failed copy; earlier versions counted only the budget's)
     Column("values_bytes", BigInteger),
     Column("values_left_out", Integer),
-    # optimizer `step()` calls that returned in the step (revision 0014_optimizer_steps; NULL before it: not known).
-    # 0: no optimizer step seen (a skipped step, a hand-written update, a GradScaler that skipped it, one inside a
-    # torch.compile region): the step's final param_grad rows are then the .grad the step ended with (or that
-    # zero_grad cleared), not known to be one it read
-    Column("optimizer_steps", Integer),
+    Column(
+        "optimizer_steps",
+        Integer,
+        info=doc(
+            "optimizer `step()` calls that returned in the step (revision 0014_optimizer_steps; NULL before it: not "
+            "known). 0: no optimizer step seen (a skipped step, a hand-written update, a GradScaler that skipped it, "
+            "one inside a torch.compile region): the step's final param_grad rows are then the .grad the step ended "
+            "with (or that zero_grad cleared), not known to be one it read"
+        ),
+    ),
     UniqueConstraint("run_id", "rank", "step"),
 )
 
@@ -146,10 +181,16 @@ passes = Table(
     # the graph the pass walked (graphs.id; revision 0012_edge_steps); NULL: not walked (stats='params'), or stored
     # before that revision: which edges held in the pass is not known
     Column("graph_id", Integer),
-    # a top-level backward pass under DistributedDataParallel (revision 0015_ddp_sync): 1 where DDP all-reduced its
-    # gradients, 0 where its gradient sync was off (the forward ran under no_sync(): each rank's .grad is its own
-    # accumulation); NULL: no DDP wrapper in the recorded models, another kind of pass, or stored before that revision
-    Column("ddp_sync", Integer),
+    Column(
+        "ddp_sync",
+        Integer,
+        info=doc(
+            "a top-level backward pass under DistributedDataParallel (revision 0015_ddp_sync): 1 where DDP all-reduced "
+            "its gradients, 0 where its gradient sync was off (the forward ran under no_sync(): each rank's .grad is "
+            "its own accumulation); NULL: no DDP wrapper in the recorded models, another kind of pass, or stored "
+            "before that revision"
+        ),
+    ),
     UniqueConstraint("step_id", "pass"),
 )
 
@@ -160,8 +201,17 @@ nodes = Table(
     Column("run_id", Integer, ForeignKey("runs.id"), nullable=False),
     Column("key", String(1024), nullable=False),
     Column("name", String(255), nullable=False),
-    Column("kind", Integer, nullable=False),
-    Column("module", String(1024), nullable=False),
+    Column("kind", Integer, nullable=False, info=doc(codes(KINDS, "kinds"))),
+    Column(
+        "module",
+        String(1024),
+        nullable=False,
+        info=doc(
+            "qualified name of the innermost module whose forward created the node ('' for the model's own forward "
+            "and code outside any module); '?' where not known: a node made before the recording began, in a step it "
+            "did not record or more than four recorded steps back, run by a later step"
+        ),
+    ),
     Column("param", String(1024)),
     Column("frame", String(2048)),  # 'file:line in function' of the user code that created it (frames=True)
     # a compiled region (CompiledFunctionBackward) of a torch.compile'd module: the modules inside it, comma-separated
@@ -288,7 +338,7 @@ layouts = Table(
     "layouts",
     metadata,
     Column("id", Integer, primary_key=True),
-    Column("dtype", Integer),
+    Column("dtype", Integer, info=doc("code of a torch dtype (lookup table dtypes)")),
     Column("shape", String(255)),  # comma-separated sizes, '' for a 0-d tensor
     Column("numel", BigInteger),
     UniqueConstraint("dtype", "shape", "numel"),
@@ -300,14 +350,31 @@ tensor_data = Table(
     Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
     # PostgreSQL: from this sequence (SQLAlchemy inserts call it; the writer reserves blocks); SQLite: given
     Column("id", Integer, Sequence("tensor_data_id_seq"), nullable=False, autoincrement=False),
-    Column("pass_id", Integer, ForeignKey("passes.id")),  # param_grad rows; NULL: the pass of the row's call
-    Column("call_id", Integer, ForeignKey("call_data.id")),  # NULL for param_grad rows
+    Column(
+        "pass_id",
+        Integer,
+        ForeignKey("passes.id"),
+        info=doc(
+            "set only for rows without a call (param_grad rows); NULL: the pass of the row's call (see `tensors`)"
+        ),
+    ),
+    Column("call_id", Integer, ForeignKey("call_data.id"), info=doc("NULL for rows without a call (param_grad)")),
     Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
-    Column("role", Integer, nullable=False),
+    Column("role", Integer, nullable=False, info=doc(codes(ROLES, "roles"))),
     Column("slot", Integer, nullable=False),
-    Column("status", Integer, nullable=False),
-    Column("layout_id", Integer, ForeignKey("layouts.id")),  # dtype, shape, numel; NULL when none is known
-    Column("norm", Float),  # NULL where the view derives it exactly (see above) or where it is absent
+    Column(
+        "status",
+        Integer,
+        nullable=False,
+        info=doc(codes(STATUSES, "statuses") + "; skipped: the `tensors` view's `reason` says why"),
+    ),
+    Column(
+        "layout_id",
+        Integer,
+        ForeignKey("layouts.id"),
+        info=doc("dtype, shape and numel (table layouts); NULL when none is known"),
+    ),
+    Column("norm", Float, info=doc(NORM_DOC)),
     Column("min", Float),
     Column("max", Float),
     Column("mean", Float),
@@ -509,7 +576,7 @@ param_status = Table(
     metadata,
     Column("step_id", Integer, ForeignKey("steps.id"), nullable=False),
     Column("node_id", Integer, ForeignKey("nodes.id"), nullable=False),
-    Column("status", Integer, nullable=False),  # code of PARAM_STATUSES (lookup table param_statuses)
+    Column("status", Integer, nullable=False, info=doc(codes(PARAM_STATUSES, "param_statuses"))),
     Column("module_ran", Integer),  # 0/1: its module's forward ran in the step; NULL: not known
     Column("reached", Integer),  # 0/1: some pass's graph walk reached its AccumulateGrad; NULL: no walk
     Column("calls", Integer),  # its AccumulateGrad's executions in the step; NULL: not hooked (stats='params')
@@ -615,3 +682,73 @@ dumps = Table(
     Column("last_step", Integer, nullable=False),
     Column("at", Float, nullable=False),
 )
+
+
+# ---- descriptions of every table and view (Datasette shows them as the page's description) -------------------
+# the codes of the view's columns as in tensor_data; its norm is always filled where one was measured
+_TENSORS_COLUMN_DOCS = {
+    "role": codes(ROLES, "roles"),
+    "status": codes(STATUSES, "statuses") + "; skipped: `reason` says why",
+    "dtype": "code of a torch dtype (lookup table dtypes)",
+    "norm": "L2 norm over the finite elements (tensor_data's, or derived from mean and std where tensor_data leaves "
+    "it NULL); NULL: not measured (a skipped or None row, stats='shape')",
+    "pass_id": "NULL for a final row (taken when the step ended)",
+    "call_id": "NULL for rows without a call (param_grad, activation, loss)",
+    "final": "1 for a param_grad row taken when the step ended (.grad as the optimizer saw it), else 0",
+}
+DOCS = {
+    "roles": "Lookup table: the names of the role codes of tensor_data and tensors.",
+    "statuses": "Lookup table: the names of the status codes of tensor_data and tensors.",
+    "kinds": "Lookup table: the names of the kind codes of nodes.",
+    "dtypes": "Lookup table: the names of the dtype codes of layouts and tensors.",
+    "param_statuses": "Lookup table: the names of the status codes of param_status.",
+    "runs": "One named recording. The stored status; q_runs also shows 'interrupted' for a run whose writer died.",
+    "steps": "One call of the recorded function (or one rec.step() interval), per rank. Read q_steps for the "
+    "status as derived from the rows and the count of rows not measured.",
+    "passes": "One backward pass (backward or autograd.grad) of a step.",
+    "nodes": "Every autograd node seen in a run, once, by its stable key.",
+    "edges": "node.next_functions[src_slot] == (dst, dst_slot): every edge any pass of the run walked, once.",
+    "graphs": "One set of edges a pass walked, stored once per run (passes.graph_id names each pass's).",
+    "graph_edges": "The edges of each graph.",
+    "claims": "Who writes, or wrote, each (run, rank): its process, heartbeat and lease, and how its scope ended.",
+    "call_data": "The rows of the `calls` view (one execution of a node's backward), times in integer "
+    "nanoseconds and no step_id: read the `calls` view (q_calls), which gives seconds and the step.",
+    "calls": "View: one execution of a node's backward (its prehook, then its hook), from call_data.",
+    "layouts": "One row per distinct (dtype, shape, numel), shared by every run.",
+    "tensor_data": "The rows of the `tensors` view (one gradient each), stored compactly: the norm is blank where "
+    "the view derives it, and dtype, shape, reason, checksum live in other tables. Read the `tensors` view "
+    "(or q_tensors), which has every column filled.",
+    "tensors": "View: one gradient (or saved tensor, activation, loss) per row, with its statistics; the norm "
+    "filled in where tensor_data leaves it blank.",
+    "tensor_notes": "The rarely set columns of a tensor row (reason, checksum, sparse layout), only for rows that "
+    "have one.",
+    "tensor_slices": "record(slices=...): a gradient summarised along one dimension, by tensor id.",
+    "tensor_values": "record(values=...): the elements of a small gradient, by tensor id.",
+    "saved_versions": "record(saved=True): a saved tensor's version counters, by tensor id.",
+    "forward_seqs": "record(forward=True): the place in the step of an activation or loss row (which has no call).",
+    "shardings": "DTensor layouts: how a shard sits in the whole tensor, shared by every step.",
+    "tensor_shardings": "Ties a DTensor shard's tensor row to its sharding (read the `dtensors` view).",
+    "dtensors": "View: the sharding of each DTensor shard's tensor row.",
+    "param_names": "Every qualified name of each recorded parameter (a tied weight has several).",
+    "param_status": "Per step and recorded parameter: why it has, or has no, gradient (q_param_status).",
+    "module_calls": "One forward call of a module (also one re-run inside a backward pass: checkpointing).",
+    "step_nodes": "The nodes of a step not created by its forward and run: born earlier, never run, or recomputed.",
+    "step_warnings": "Warnings raised inside a step, one row per category, message and location.",
+    "step_values": "Scalars per step (rec.log, trainer callbacks, GradScaler, clip_grad_norm_); value NULL means NaN.",
+    "param_norms": "The flight recorder's summary of a step (record(keep=N)): each parameter's final gradient norm.",
+    "dumps": "One row per flight-recorder dump: the step whose trigger fired, why, and the steps written in full.",
+    "alembic_version": "The schema revision of the file (Alembic's).",
+}
+VIEW_COLUMN_DOCS = {"tensors": _TENSORS_COLUMN_DOCS}
+
+
+def describe() -> dict[str, dict]:
+    """Every table and view of the schema: {name: {'description': str, 'columns': {column: description}}}, from
+    DOCS and the `info={"doc": ...}` of the columns (only the columns that have one)."""
+    out = {}
+    for name, description in DOCS.items():
+        cols = dict(VIEW_COLUMN_DOCS.get(name, {}))
+        if name in metadata.tables:
+            cols.update({c.name: c.info["doc"] for c in metadata.tables[name].columns if "doc" in c.info})
+        out[name] = {"description": description, "columns": cols}
+    return out

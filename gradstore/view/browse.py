@@ -9,8 +9,10 @@ from an interrupted one), reads an empty field as the current time instead: the 
 Datasette's magic parameter `_now_epoch` (the current time in whole seconds since the epoch, which Datasette
 fills in for canned queries, with no form field), as the Python helper binds the current time, so q_runs says
 interrupted once a dead writer's lease has run out, as `gradstore runs` does (which also sees at once, by its
-pid, a writer that died on this host). `serve(db)` runs Datasette with that metadata and the plugin
-gradstore.view.datasette_labels, which shows role, status, dtype and kind codes as names in the table pages.
+pid, a writer that died on this host). Each table and view carries its description, and the columns that hold a
+code, a derived value or a NULL by design carry theirs (gradstore.store.schema.describe). `serve(db)` runs
+Datasette with that metadata and the plugin gradstore.view.datasette_labels, which shows role, status, dtype
+and kind codes as names in the table pages.
 """
 
 from __future__ import annotations
@@ -87,8 +89,17 @@ def metadata(db: str | Path) -> dict:
         "title": f"gradstore: {Path(db).name}",
         "description": "Gradients recorded by gradstore. Canned queries q_* are the files of queries/; "
         "role, status, dtype and kind codes are shown as names.",
-        "databases": {database_name(db): {"queries": canned_queries(names)}},
+        "databases": {database_name(db): {"tables": table_descriptions(names), "queries": canned_queries(names)}},
     }
+
+
+def table_descriptions(tables: set[str]) -> dict[str, dict]:
+    """Datasette's `tables` metadata for the tables and views named: {name: {description, columns}}, from the
+    schema's own descriptions (gradstore.store.schema.describe: each table and view, and the columns whose value is
+    a code, derived, or NULL by design, such as tensor_data's norm, which the `tensors` view fills in)."""
+    from ..store.schema import describe
+
+    return {name: d for name, d in describe().items() if name in tables}
 
 
 def make_app(db: str | Path, max_rows: int = 10_000, time_limit_ms: int = 30_000):
