@@ -504,6 +504,11 @@ class RecordedExplanation:
             )
         else:
             where = f"module {self.module!r}" if self.module else "top level (the model itself, or no module)"
+        earlier = (
+            "; of a node made in an earlier step, only where one of the last four recorded steps made it"
+            if self.made and self.made.startswith("made before step")
+            else ""
+        )
         seen = (
             f"parameter {self.param}'s key, named from step {self.first_step} (an AccumulateGrad exists only while "
             "the parameter requires grad and a graph uses it)"
@@ -515,7 +520,11 @@ class RecordedExplanation:
             f"created at {self.frame}"
             if self.frame
             else "created at: not recorded"
-            + ("" if self.param else " (record(frames=True) keeps the user-code line that made the node)"),
+            + (
+                ""
+                if self.param
+                else " (record(frames=True) keeps the user-code line that made the node" + earlier + ")"
+            ),
         ]
         if self.made:
             out.append(self.made)

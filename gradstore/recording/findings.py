@@ -52,6 +52,7 @@ from itertools import compress
 
 from ..records import PARAM_STATUS, ROLE, NodeInfo
 from . import torch_private as tp
+from .frames import frame_in
 from .graph import key_ordinal
 
 _GO, _GI, _PARAM = ROLE["grad_output"], ROLE["grad_input"], ROLE["param_grad"]
@@ -114,6 +115,8 @@ class StepFacts:
     tracing: int = 0  # backward passes torch.compile ran while tracing in the step (it compiled something then)
     unfollowed: frozenset = frozenset()  # first names whose .grad another thread's (unrecorded) backward changed
     final_norms: dict | None = None  # with `unfollowed`: param key -> (norm, NaN + Inf count) of its final row
+    frames: dict | None = None  # record(frames=True): the step's FrameTracker.record() (held), for never_ran's frames
+    frame_texts: dict | None = None  # in its place, handed to another process: seq -> frame of the forward's outputs
 
 
 @dataclass
@@ -162,7 +165,10 @@ class Findings:
         f = self.facts
         if f is None or self._result is not None or (f.dropped is not None and f.dropped()):
             return None
-        return replace(f, records=records, dropped=None)
+        texts = None
+        if f.frames and f.forward is not None:  # code objects do not pickle: the frames never_ran may name, as text
+            texts = {seq: t for seq in f.forward.out_seqs if (t := frame_in(f.frames, seq)) is not None}
+        return replace(f, records=records, dropped=None, frames=None, frame_texts=texts)
 
 
 class _Pass:
@@ -977,9 +983,10 @@ def _modules_and_nodes(f: StepFacts, passes: list[_Pass], out: Result, plan: lis
             base = (module, name)
             ordinal = taken.get(base, -1) + 1
             taken[base] = ordinal
-            info = NodeInfo(
-                f"{module}/{name}#{ordinal}" if module else f"{name}#{ordinal}", name, kind_of_name(name), module, None
-            )
+            key = f"{module}/{name}#{ordinal}" if module else f"{name}#{ordinal}"
+            texts = f.frame_texts
+            frame = texts.get(seq) if texts is not None else frame_in(f.frames, seq) if f.frames else None
+            info = NodeInfo(key, name, kind_of_name(name), module, None, frame=frame)
         key_of_seq[seq] = info
         out.nodes.append(info)
         for c in chain(k):

@@ -53,7 +53,8 @@ class FrameTracker(TorchFunctionMode):
     Args:
         skip: path prefixes (str) of files that are not user code (default: torch's and gradstore's
             package directories). The first frame outside all of them is the one kept.
-    Use `owner_frame(sequence_nr)` -> 'path/to/file.py:42 in forward' (or None), `clear()` between steps.
+    Use `owner_frame(sequence_nr)` -> 'path/to/file.py:42 in forward' (or None), `clear()` between steps; `record()`
+    hands out the step's notes (kept by gradstore.recording.lineage for a node a later step runs).
     """
 
     def __init__(self, skip: tuple[str, ...] | None = None):
@@ -178,8 +179,14 @@ class FrameTracker(TorchFunctionMode):
         return self._active
 
     def clear(self) -> None:
-        """Forget the frames noted so far (between steps)."""
-        self._sites.clear()
+        """Forget the frames noted so far (between steps): later notes go to a new record, so one that `record()`
+        handed out (held by gradstore.recording.lineage for the last recorded steps) stays as it was."""
+        self._sites = {}
+
+    def record(self) -> dict:
+        """The frames noted since the last `clear()`: {sequence_nr: (code object, line number)}, the tracker's own
+        dict (not a copy), which it stops writing to at its next `clear()`. Read it with `site_in`."""
+        return self._sites
 
     def __len__(self) -> int:
         return len(self._sites)
@@ -188,16 +195,27 @@ class FrameTracker(TorchFunctionMode):
     def site(self, sequence_nr: int) -> tuple[str, int, str] | None:
         """(file path, line number, function name) of the user code that created node `sequence_nr`, or None
         (created outside the tracker, by C++ alone, or an AccumulateGrad)."""
-        hit = self._sites.get(sequence_nr)
-        if hit is None:
-            return None
-        code, line = hit
-        return code.co_filename, line, code.co_name
+        return site_in(self._sites, sequence_nr)
 
     def owner_frame(self, sequence_nr: int) -> str | None:
         """'file.py:LINE in FUNCTION' for the node with this sequence number (`node._sequence_nr()`), or None."""
-        s = self.site(sequence_nr)
-        return None if s is None else f"{s[0]}:{s[1]} in {s[2]}"
+        return frame_in(self._sites, sequence_nr)
+
+
+def site_in(record: dict, sequence_nr: int) -> tuple[str, int, str] | None:
+    """(file path, line number, function name) noted for node `sequence_nr` in `record` (a `FrameTracker.record()`),
+    or None where it holds none."""
+    hit = record.get(sequence_nr)
+    if hit is None:
+        return None
+    code, line = hit
+    return code.co_filename, line, code.co_name
+
+
+def frame_in(record: dict, sequence_nr: int) -> str | None:
+    """'file.py:LINE in FUNCTION' noted for node `sequence_nr` in `record` (a `FrameTracker.record()`), or None."""
+    s = site_in(record, sequence_nr)
+    return None if s is None else f"{s[0]}:{s[1]} in {s[2]}"
 
 
 def benchmark(n: int = 20000) -> dict[str, float]:

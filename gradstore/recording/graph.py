@@ -422,7 +422,8 @@ def describe(
             created it; the nodes of this step take ordinals after it, so no two nodes of a step share a key. One
             that no remembered walk keyed (made in a module's forward, first run by a later step) gets the module
             its own step's boundaries name (`Lineage.made`): for a module output that step did not walk, the key
-            that step's findings gave it; else keyed in that module here. One made where no remembered step
+            that step's findings gave it; else keyed in that module here; and the frame that step noted for it
+            (`NodeInfo.frame`, record(frames=True)), where one was. One made where no remembered step
             noted module boundaries (before the recording, in a step not recorded) gets module `UNKNOWN_MODULE`.
         device_threads: a pass of this step ran on an accelerator, whose device threads number the nodes they
             create (double backward, recomputation) with counters of their own: a node below the step's first
@@ -473,6 +474,7 @@ def describe(
     taken: dict[tuple[str, str], int] = {}  # ordinals held by nodes of earlier steps
     born: dict[int, tuple] = {}
     made_in: dict[int, str] | None = None  # nodes of an earlier step made inside a compiled region: that region
+    made_at: dict[int, str] | None = None  # nodes of an earlier step whose frame that step noted: that frame
     scope = parent_scope
     leaf_ordinal = 0
     idents = w.idents()
@@ -519,10 +521,14 @@ def describe(
                     continue
                 born[i] = (birth.step, birth.pass_, birth.call)
                 if birth.info is not None:  # a module output its step did not walk: the key that step gave it
-                    info = infos[i] = replace(birth.info, kind=kind, region=birth.region)
+                    info = infos[i] = replace(birth.info, kind=kind, region=birth.region, frame=birth.frame)
                     base = (info.module, info.name)
                     taken[base] = max(taken.get(base, -1), key_ordinal(info.key))
                     continue
+                if birth.frame is not None:  # the user-code line that made it, noted in the step that made it
+                    if made_at is None:
+                        made_at = {}
+                    made_at[i] = birth.frame
                 if birth.module is None:
                     groups.setdefault((UNKNOWN_MODULE, name), []).append((seq, i, i))
                     continue
@@ -556,6 +562,9 @@ def describe(
     if made_in:  # the region of the step that made them, not this step's (`region` answers for this step's numbers)
         for i, inside in made_in.items():
             infos[i] = replace(infos[i], region=inside)
+    if made_at:  # the frame noted in the step that made them (this step's frame record starts at its first number)
+        for i, frame in made_at.items():
+            infos[i] = replace(infos[i], frame=frame)
     known.hold(w.nodes)
     for i, ident in enumerate(idents):
         known.add(ident, infos[i], scope)

@@ -12,9 +12,10 @@ only in a step that meets a node of an earlier step.
 A node a remembered step created but never walked (made in a module's forward and first run by a later step's
 backward: a loss backwarded a step later, a generator's output used by the next step, a cached embedding) is
 known by its number alone: the step whose numbers hold it created it (`made`), and that step's module boundaries
-name the module (and module call) its forward was in, as they would have in that step. A node no remembered step
-handed out (made before the recording began, in a step not recorded, or more than `keep` recorded steps back) has
-no module known: `made` says None, and `unknown_reason` why.
+name the module (and module call) its forward was in, as they would have in that step; with record(frames=True), that
+step's frame record (gradstore.recording.frames, held, not copied) names the user-code line that made it. A node no
+remembered step handed out (made before the recording began, in a step not recorded, or more than `keep` recorded
+steps back) has no module and no frame known: `made` says None, and `unknown_reason` why.
 
 Relies on: `Node._sequence_nr()` being unique per thread and increasing in creation order (private; see
 gradstore.recording.torch_private); nodes created on another thread (autograd's device threads) are not told apart.
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from ..records import NodeInfo
 from . import torch_private as tp
 from .findings import kind_of_name
+from .frames import frame_in
 from .graph import key_ordinal
 
 _ACC = tp.ACCUMULATE_GRAD_SEQUENCE_NR
@@ -44,7 +46,8 @@ class Birth:
     qualified name, '' outside any module), None where that step's module boundaries are not known; region: the
     `torch.compile` region running then (`ModuleTracker.region`), or None; info: the NodeInfo that step's findings
     gave it (a module's output no pass of that step reached: its `never_ran` row), None for any other node (keyed
-    where it is met)."""
+    where it is met); frame: 'file:line in function' of the user code that made it, from that step's frame record
+    (record(frames=True)), None where none was noted (frames off, made by C++ alone, or by a backward pass)."""
 
     step: int
     pass_: int | None
@@ -52,15 +55,17 @@ class Birth:
     module: str | None
     region: str | None = None
     info: NodeInfo | None = None
+    frame: str | None = None
 
 
 class _Step:
     """What the lineage keeps of one recorded step."""
 
-    __slots__ = ("step", "passes", "span", "forward", "written", "_late", "_ranges")
+    __slots__ = ("step", "passes", "span", "forward", "written", "frames", "_late", "_ranges")
 
-    def __init__(self, step: int, passes: list, span: tuple | None, forward: tuple | None, written: bool):
+    def __init__(self, step, passes: list, span, forward, written: bool, frames: dict | None = None):
         self.step, self.passes, self.span, self.forward, self.written = step, passes, span, forward, written
+        self.frames = frames  # FrameTracker.record() of the step (held), or None
         self._late: dict | None = None
         self._ranges: list | None = None
 
@@ -153,19 +158,29 @@ class Lineage:
             self.scope_seq = first_seq
         self._table = None
 
-    def push(self, step: int, records: list, end_seq: int = -1, forward: tuple | None = None, written=True) -> None:
+    def push(
+        self,
+        step: int,
+        records: list,
+        end_seq: int = -1,
+        forward: tuple | None = None,
+        written=True,
+        frames: dict | None = None,
+    ) -> None:
         """A recorded step ended: remember what its passes (PassRecords) walked and keyed, the sequence numbers it
         handed out (`first_seq` up to `end_seq`, the counter's next number now; -1: not known) and, where given, its
         module boundaries: `forward` (the tracker's ForwardRecord of the step, its region sequence numbers, its
         region values: held, not copied; the tracker appends to new lists from its next `clear()`). `written`: False
         for a step that wrote no row (no backward pass ran in it): its module calls have no `module_calls` row; such a
-        step is remembered only where it made a node (it would take the place of a step that did)."""
+        step is remembered only where it made a node (it would take the place of a step that did). `frames`: the frame
+        tracker's record of the step (`FrameTracker.record()`, held, not copied: the tracker writes to a new dict from
+        its next `clear()`), None without record(frames=True); dropped with the step."""
         passes = [(r.seqs, r.nodes, r.born, r.number, r.seq_range) for r in records if r.seqs]
         span = (self.first_seq, end_seq) if 0 <= self.first_seq <= end_seq else None
         if not written and (span is None or span[1] == span[0]):
             span = None
         if passes or span is not None:
-            self._steps.append(_Step(step, passes, span, forward, written))
+            self._steps.append(_Step(step, passes, span, forward, written, frames))
         self._table = None
 
     def _holding(self, seq: int) -> _Step | None:
@@ -177,23 +192,26 @@ class Lineage:
     def made(self, seq: int, name: str) -> Birth | None:
         """Where the node numbered `seq` (named `name`) was made, for a node no remembered walk keyed (`lookup` gave
         None): the remembered step that handed out its number, the pass and module call of that step, its module
-        and region there, and for a module output that step's walks did not reach the NodeInfo that step's findings
-        keyed it by (see `Birth`). None where no remembered step handed out that number (`unknown_reason`). Reads
-        only what the lineage remembers (no graph object, nothing changed but a cache of the step's keys)."""
+        and region there, the user-code line that made it (that step's frame record), and for a module output that
+        step's walks did not reach the NodeInfo that step's findings keyed it by (see `Birth`). None where no
+        remembered step handed out that number (`unknown_reason`). Reads only what the lineage remembers (no graph
+        object, nothing changed but a cache of the step's keys)."""
         entry = self._holding(seq)
         if entry is None:
             return None
         born_pass = entry.pass_of(seq)
+        frame = frame_in(entry.frames, seq) if entry.frames else None
         where = entry.where(seq)
         if where is None:
-            return Birth(entry.step, born_pass, None, None)
+            return Birth(entry.step, born_pass, None, None, frame=frame)
         module, call, region = where
         info = None
         if born_pass is None:
             late = entry.late().get(seq)
             if late is not None and late.name == name:
                 info = late
-        return Birth(entry.step, born_pass, call if call >= 0 and entry.written else None, module, region, info)
+        call = call if call >= 0 and entry.written else None
+        return Birth(entry.step, born_pass, call, module, region, info, frame)
 
     def unknown_reason(self, seq: int) -> str:
         """Why the node numbered `seq` has no remembered birth (`made` None), in words."""

@@ -783,7 +783,14 @@ class record:
             quiet and not state.records and not state.faults and not state.tracing_passes and not activations
         ):
             if state is not None and self._tracker is not None:  # its forward's nodes may run in a later step
-                self._lineage.push(self._step_number, [], tp.next_sequence_nr(), self._tracker.boundaries(), False)
+                self._lineage.push(
+                    self._step_number,
+                    [],
+                    tp.next_sequence_nr(),
+                    self._tracker.boundaries(),
+                    False,
+                    self._frame_record(),
+                )
             if final is not None:
                 final.close()
             if run_status is not None:
@@ -932,6 +939,7 @@ class record:
             tracing=state.tracing_passes,
             unfollowed=frozenset(state.unfollowed_changed),
             final_norms={k: (n, c) for k, n, c in zip(*final_norms)} if state.unfollowed_changed else None,
+            frames=self._frame_record(),
         )
         findings = Findings(facts)
         batch.nodes = LazyRows.deferred(lambda: findings.result().nodes, findings)
@@ -939,7 +947,15 @@ class record:
         batch.param_status = LazyRows.deferred(lambda: findings.result().param_status, findings)
         batch.module_calls = LazyRows.deferred(lambda: findings.result().module_calls, findings)
         batch.step_nodes = LazyRows.deferred(lambda: findings.result().step_nodes, findings)
-        self._lineage.push(self._step_number, records, tp.next_sequence_nr(), self._tracker.boundaries())
+        self._lineage.push(
+            self._step_number, records, tp.next_sequence_nr(), self._tracker.boundaries(), frames=self._frame_record()
+        )
+
+    def _frame_record(self) -> dict | None:
+        """The frame tracker's record of the step ending (held by the lineage: the tracker starts a new one at the
+        next step's `clear()`), or None without record(frames=True)."""
+        frames = self._frames
+        return frames.record() if frames is not None and frames.active else None
 
     def _frozen_facts(self) -> list[tuple[str, bool]]:
         """[(first name, frozen: not requires_grad)] of the recorded parameters, for the step's findings: the list
