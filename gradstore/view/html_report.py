@@ -932,20 +932,7 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
         top = top.drop(columns="no_gradient")
     if not every["not_in_view"].any():
         top = top.drop(columns="not_in_view")
-    numeric = {
-        "steps",
-        "first",
-        "last",
-        "smallest",
-        "largest",
-        "ratio",
-        "zero_at",
-        "nonfinite_at",
-        "nonfinite",
-        "not_measured",
-        "no_gradient",
-        "not_in_view",
-    }
+    numeric = set(story.CHANGED_MOST_NUMBERS)
     page.add(_table(top, numeric))
     vanished = top[top["zero_at"].notna()]
     if len(vanished):

@@ -855,6 +855,34 @@ def recorder_faults(store, run: str, step: int, rank: int | None = None) -> str:
     return "; ".join(dict.fromkeys(parts))
 
 
+# changed_most's columns, and those of them that are numbers (the report right-aligns them)
+CHANGED_MOST_NUMBERS = (
+    "steps",
+    "first",
+    "last",
+    "smallest",
+    "largest",
+    "ratio",
+    "zero_at",
+    "nonfinite_at",
+    "nonfinite",
+    "not_measured",
+    "no_gradient",
+    "not_in_view",
+)
+CHANGED_MOST_COLUMNS = [
+    "param",
+    "module",
+    *CHANGED_MOST_NUMBERS[:-2],
+    "no_gradient",
+    "no_gradient_why",
+    "not_in_view",
+    "not_in_view_why",
+    "norm_of",
+    "summaries",
+]
+
+
 def changed_most(store, run: str, rank: int | None = None, top: int | None = 10, which: str = "pass") -> pd.DataFrame:
     """The parameters whose .grad norm (after each step's last backward pass, before any clipping or unscaling: the
     `param_grads(which='pass')` rows; `which='final'`: as the optimizer saw it) moved most over the recorded
@@ -884,28 +912,7 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
     pg = store.param_grads(run=run, rank=rank, which=which)
     pg = _with_summaries(store, run, rank, pg)
     if pg.empty:
-        return pd.DataFrame(
-            columns=[
-                "param",
-                "module",
-                "steps",
-                "first",
-                "last",
-                "smallest",
-                "largest",
-                "ratio",
-                "zero_at",
-                "nonfinite_at",
-                "nonfinite",
-                "not_measured",
-                "no_gradient",
-                "no_gradient_why",
-                "not_in_view",
-                "not_in_view_why",
-                "norm_of",
-                "summaries",
-            ]
-        )
+        return pd.DataFrame(columns=CHANGED_MOST_COLUMNS)
     if rank is None:
         pg = pg[pg["rank"] == pg["rank"].min()]
     pg = _with_other_view(store, run, pg, which)
