@@ -14,6 +14,7 @@ from collections import Counter
 import pandas as pd
 import torch
 import torch.nn as nn
+from _models import RNN
 
 import gradstore
 
@@ -180,22 +181,6 @@ def test_the_call_a_carried_node_came_from_among_several_calls_of_its_module(db)
         with gradstore.open(db) as store:
             assert store.calls("many", step=step).key.is_unique, step
     assert keys_of_b[1] == keys_of_b[2]  # run twice, one node: one key
-
-
-class Cell(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(3, 3)
-
-    def forward(self, x, h):
-        return torch.tanh(self.lin(x) + h)
-
-
-class RNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.cell = Cell()
 
 
 def test_a_hidden_state_not_detached_names_the_cell_call_of_the_step_that_made_it(db):

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as cp
+from _models import RNN
 
 import gradstore
 
@@ -60,20 +61,6 @@ class Running:
 
 
 # ---- a hidden state that is not detached: the graph of step t reaches back into steps 0 .. t-1 -------------
-class Cell(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(3, 3)
-
-    def forward(self, x, h):
-        return torch.tanh(self.lin(x) + h)
-
-
-class RNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.cell = Cell()
 
 
 # the module that creates each node of a step, by hand: Cell.forward makes Tanh and Add, its Linear Addmm and T;
