@@ -70,6 +70,7 @@ class _Step:
         self._ranges: list | None = None
 
     def holds(self, seq: int) -> bool:
+        """Whether autograd sequence number `seq` falls in the numbers this step's forward and passes took."""
         return self.span is not None and self.span[0] <= seq < self.span[1]
 
     def pass_of(self, seq: int) -> int | None:
