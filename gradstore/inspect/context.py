@@ -11,7 +11,14 @@ from contextlib import contextmanager
 
 from ..errors import ReplayError
 from ..recording.graph import Keyed, Walk, describe, walk
-from ..recording.modules import ModuleTracker, named_models, named_parameters
+from ..recording.modules import (
+    ModuleTracker,
+    fsdp_aliases,
+    fsdp_modules,
+    named_models,
+    named_parameters,
+    names_with_aliases,
+)
 from ..recording.recorder import scope_keys
 from ..records import NodeInfo
 
@@ -28,11 +35,14 @@ def owner_fn(owner):
 
 
 def param_names(model) -> dict[int, str]:
-    """id(parameter) -> qualified name for `model` (an nn.Module, a list or dict of them, or None: {})."""
+    """id(parameter) -> qualified name for `model` (an nn.Module, a list or dict of them, or None: {}); under FSDP2
+    the unsharded parameter that the autograd graph accumulates into gets its sharded parameter's name, as a
+    recording names it (gradstore.recording.modules.fsdp_aliases, names_with_aliases)."""
     if model is None:
         return {}
     pairs = named_models(model)
-    return {id(p): n for n, p in named_parameters(pairs)}
+    names = {id(p): n for n, p in named_parameters(pairs)}
+    return names_with_aliases(names, fsdp_aliases(fsdp_modules(pairs)))
 
 
 def live_keys(roots: list, owner=None, model=None, include=None) -> tuple[Walk, list[NodeInfo]]:

@@ -180,6 +180,21 @@ def fsdp_aliases(modules: list[nn.Module]) -> list[tuple]:
     return [(s, u) for mod in modules for s, u in tp.fsdp_parameters(mod) if u is not None]
 
 
+def names_with_aliases(names: dict[int, str], aliases) -> dict[int, str]:
+    """id(parameter) -> name, with each FSDP2 (sharded, unsharded) pair of `aliases` (`fsdp_aliases`) under one name:
+    the one either parameter has in `names`, so that the unsharded parameter's AccumulateGrad node is keyed by the
+    parameter ('param:fc.weight') as the recording keys it. `names` itself is returned, unchanged, when there are no
+    aliases; otherwise a copy (`names` is never changed)."""
+    if not aliases:
+        return names
+    out = dict(names)
+    for sharded, unsharded in aliases:  # FSDP2: both parameters of one name
+        name = out.get(id(sharded)) or out.get(id(unsharded))
+        if name is not None:
+            out[id(sharded)] = out[id(unsharded)] = name
+    return out
+
+
 def compiled_regions(models: list[tuple[str, nn.Module]], names: dict[int, str]) -> dict[int, str]:
     """id(wrapper) -> the modules inside its compiled region, for every `torch.compile` wrapper (OptimizedModule)
     under `models`: `region_of` of the module it compiles."""

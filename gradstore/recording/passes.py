@@ -31,6 +31,7 @@ from . import torch_private as tp
 from .final_grads import measure_params, norms_of, pack_params, reusable, total_norm, wanted, watch_start, watch_stop
 from .graph import Keyed, LazyNodes, describe, roots_of, walk
 from .inside import PassInside
+from .modules import names_with_aliases
 from .native import LEVEL_CODES
 from .options import Options
 from .param_list import ids_of, names_of
@@ -281,13 +282,7 @@ class PassRecorder:
             return
         self.walk = walk(roots, owner_key[0] if owner_key else 0, step.walker, lazy=True)
         self.record.reachable = len(self.walk.nodes)
-        param_names = ids_of(params)  # read only: copied where FSDP2 aliases add to it
-        if aliases:
-            param_names = dict(param_names)
-        for sharded, unsharded in aliases:  # FSDP2: both parameters of one name
-            name = param_names.get(id(sharded)) or param_names.get(id(unsharded))
-            if name is not None:
-                param_names[id(sharded)] = param_names[id(unsharded)] = name
+        param_names = names_with_aliases(ids_of(params), aliases)  # ids_of's dict is read only: copied for aliases
         parent_scope = parent.walk.scope if parent is not None and parent.walk is not None else None
         self.infos = describe(
             self.walk,

@@ -49,6 +49,7 @@ from .modules import (
     fsdp_modules,
     in_place_compiled,
     named_models,
+    names_with_aliases,
     parameter_groups,
     parameter_names,
     qualified_names,
@@ -1361,7 +1362,8 @@ class ScopeKeys:
     `gradstore.explain`: what a pass of the scope's step would hand `gradstore.recording.graph.describe`.
 
     owner, region: the scope's `ModuleTracker.owner` and `.region` (sequence_nr -> module name / compiled region);
-    param_names: id(parameter) -> first qualified name, of the scope's models (read only); known: the step's `Keyed`,
+    param_names: id(parameter) -> first qualified name, of the scope's models, FSDP2's unsharded parameters under
+    their sharded ones' names (`names_with_aliases`), as the passes key them (read only); known: the step's `Keyed`,
     the nodes its passes keyed so far (read only: wrap it, never add to it), None before the first step; walker: the
     step's C++ walk (gradstore.recording.native) or None, which `known` keys nodes by (`Walk.ident`); lineage: the
     scope's `Lineage` (nodes of earlier steps); device_threads: as `StepState.device_threads`.
@@ -1392,7 +1394,7 @@ def scope_keys() -> ScopeKeys | None:
     return ScopeKeys(
         owner=rec._tracker.owner,
         region=rec._tracker.region,
-        param_names=ids_of(rec._params),
+        param_names=names_with_aliases(ids_of(rec._params), fsdp_aliases(rec._fsdp) if rec._fsdp else ()),
         known=state.known if state is not None else None,
         walker=state.walker if state is not None else None,
         lineage=state.lineage if state is not None else rec._lineage,
