@@ -51,9 +51,11 @@ import torch
 
 from ..errors import ReplayError, SavedTensorModified, SavedTensorsFreed
 from ..recording import torch_private as tp
+from ..recording.dtensor import placements_text
 from ..recording.graph import node_kind, node_name
 from ..recording.recorder import tool_passes
 from ..recording.saved import is_custom, saved_tensors, saved_versions
+from ..store.shards import piece_label
 from .capture import captured
 from .context import live_keys
 from .guard import NESTED_NAMES, REASON_NESTED, NestedBackward, no_nested_backward
@@ -73,6 +75,16 @@ MODIFIED_ADVICE = (
     "save a tensor that is not changed afterwards (.clone() it before the in-place op, or use the out-of-place op)"
 )
 FREED_TEXT = "Trying to backward through the graph a second time"  # what PyTorch raises (RuntimeError) then
+REASON_STORAGE = (
+    "the memory of a tensor it saved for its backward was freed after it was saved (its storage "
+    "is 0 bytes; FSDP2 frees an unsharded parameter this way when it reshards, after the forward or the backward of "
+    "its module), so it cannot be replayed now (a backward pass is not affected: FSDP2 gathers the parameter again "
+    "before its nodes run)"
+)
+STORAGE_ADVICE = (
+    "replay while the tensor is there: in the node's own hooks during the backward pass (replay_check replays every "
+    "node there), or, under FSDP2, before the module reshards (fully_shard(..., reshard_after_forward=False))"
+)
 REASON_NOT_RUN = "it did not run in the pass (no gradient reached it, or it was not needed)"
 REASON_COMPILED = (
     "a torch.compile region's node (CompiledFunctionBackward): AOTAutograd's backward frees the region's saved "
@@ -125,7 +137,35 @@ def replayable(node) -> tuple[bool, str | None]:
     modified = modified_saved(node, saved)
     if modified:
         return False, _modified_reason(modified)
+    emptied = storage_freed(saved)
+    if emptied:
+        return False, _storage_reason(emptied)
     return True, None
+
+
+def storage_freed(saved) -> list[tuple[str, tuple]]:
+    """(name, shape) of each tensor in `saved` (`saved_tensors(node)`) whose memory is gone although the tensor
+    still has elements: its storage was resized to 0 bytes after it was saved (what FSDP2 does to an unsharded
+    parameter when it reshards: after the forward of a module with reshard_after_forward, after its backward).
+    A DTensor is checked on its local piece; a tensor without a storage (sparse, nested) is skipped. Never raises."""
+    out = []
+    for name, t in saved:
+        if not isinstance(t, torch.Tensor):
+            continue
+        try:
+            dtensor = tp.dtensor_type()
+            local = tp.dtensor_local(t) if dtensor is not None and isinstance(t, dtensor) else t
+            if local.numel() > 0 and local.untyped_storage().nbytes() == 0:
+                out.append((name, tuple(local.shape)))
+        except Exception:  # no storage to read (sparse, nested, some subclasses)
+            continue
+    return out
+
+
+def _storage_reason(emptied: list[tuple[str, tuple]]) -> str:
+    """REASON_STORAGE naming the saved tensors and what to do."""
+    which = ", ".join(f"{name} {shape}" for name, shape in emptied)
+    return f"{REASON_STORAGE}: {which}; {STORAGE_ADVICE}"
 
 
 def modified_saved(node, saved=None) -> list[tuple[str, int, int]]:
@@ -384,15 +424,53 @@ def compare(
     (`_compare_sparse`): bitwise equal when both store the same entries bit for bit, or when the tensors they
     represent (duplicates summed) have the same bits; a sparse against a dense (strided) one is never bitwise
     equal (their layouts differ), close and the difference are over the elements they represent.
+    A DTensor (tensor parallelism, FSDP2) is compared on this rank's local piece (`dtensor_layout` says which):
+    two DTensors of one mesh, placements and global shape compare as their local tensors do; a DTensor against a
+    plain tensor, or DTensors of different layouts, are neither equal nor close (inf). No collective runs: the
+    other ranks' pieces are not compared here (each rank compares its own).
     """
     if a is None and b is None:
         return True, True, None
     if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
         return False, False, math.inf
     a, b = a.detach(), b.detach()
+    dtensor = tp.dtensor_type()
+    if dtensor is not None and (isinstance(a, dtensor) or isinstance(b, dtensor)):
+        if dtensor_layout(a) != dtensor_layout(b) or dtensor_layout(a) is None:
+            return False, False, math.inf
+        return compare(tp.dtensor_local(a), tp.dtensor_local(b), rtol, atol)
     if a.layout != torch.strided or b.layout != torch.strided:
         return _compare_sparse(a, b, rtol, atol)
     return _compare_dense(a, b, rtol, atol)
+
+
+def dtensor_layout(t) -> tuple | None:
+    """(mesh, placements text, global shape) of a DTensor (host metadata: no collective), None for any other value;
+    two DTensors whose local pieces may be compared element for element have equal layouts."""
+    dtensor = tp.dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return None
+    return (t.device_mesh, placements_text(t.placements), tuple(t.shape))
+
+
+def piece_text(t) -> str | None:
+    """How a gradient that is a DTensor relates to the whole tensor, in words ("this rank's shard, (Shard(dim=1),) of
+    (3,8)", as the recorded views say it; "DTensor (Replicate(),): this rank holds the whole tensor"); None for a
+    plain tensor or None. Host metadata only."""
+    layout = dtensor_layout(t)
+    if layout is None:
+        return None
+    placements, shape = layout[1], ",".join(str(int(n)) for n in layout[2])
+    return piece_label(placements, shape) or f"DTensor {placements}: this rank holds the whole tensor"
+
+
+def _pieces(slots: tuple) -> str | None:
+    """replay_check's `pieces` column: the DTensor slots of a node's grad_inputs, each with what this rank holds of
+    it; None when no slot is a DTensor."""
+    texts = [f"grad_inputs[{k}]: {text}" for k, g in enumerate(slots) if (text := piece_text(g)) is not None]
+    if not texts:
+        return None
+    return "compared on this rank's local pieces (no collective): " + "; ".join(texts)
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -464,6 +542,9 @@ def _tensor_text(t: torch.Tensor | None) -> str:
     if t is None:
         return "None"
     layout = "" if t.layout == torch.strided else f" {str(t.layout).removeprefix('torch.')}"
+    dtensor = dtensor_layout(t)
+    if dtensor is not None:
+        return f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} DTensor {dtensor[1]}"
     return f"a {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}{layout} tensor"
 
 
@@ -481,6 +562,7 @@ def difference(
         or seen.shape != again.shape
         or seen.dtype != again.dtype
         or seen.layout != again.layout
+        or dtensor_layout(seen) != dtensor_layout(again)
     ):
         return f"{where}: {_tensor_text(seen)} {names[0]}, {_tensor_text(again)} {names[1]}"
     if result[2] == 0:  # compare counts NaN against NaN and -0.0 against 0.0 as no difference: only the bits differ
@@ -671,17 +753,22 @@ def replay_check(
         for a slot that is None in both, inf for None in one only), equal (bitwise, all slots; <NA> when not
         replayed; a sparse gradient is compared as the tensor it represents: `compare`), close, difference (the
         slots that are not bitwise equal and how, e.g. 'grad_inputs[1]: None in the pass, a (3, 4) float32 tensor
-        in the replay'; None when equal or not replayed),
+        in the replay'; None when equal or not replayed), pieces (where grad_inputs are DTensors: that they were
+        compared on this rank's local pieces, and which piece each DTensor slot is, e.g. "grad_inputs[2]: this
+        rank's shard, (Shard(dim=0),) of (8,4)"; None otherwise; no collective runs in the comparison),
         hooks_changed (the node's own Python post hooks, registered before replay_check ran: `node.register_hook`,
         a module's full backward hook; True when what they handed on is not bitwise equal to what its backward
         computed, False when it is; <NA> when not measured: the node did not run, or PyTorch did not let
         replay_check see its grad_inputs before them), hooks_difference (how, per slot; None otherwise).
         Each node is replayed on what the pass gave it: its prehook's grad_outputs (after its tensor hooks and
         prehooks), and for a custom Function the arguments the engine passed its backward (zeros where the prehook
-        saw None, unless ctx.set_materialize_grads(False)). The replay is compared with what its backward computed
-        in the pass, taken by a hook put in front of the node's own post hooks (torch_private.register_hook_first),
-        so a hook that replaces gradients is not taken for a difference of the backward; where it cannot be put
-        there, the comparison is with what the node handed on, and a difference says its hooks were not measured.
+        saw None, unless ctx.set_materialize_grads(False)). The replay runs in the node's last post hook, during
+        the pass, while what the node saved is as its backward used it (FSDP2 frees an unsharded parameter's memory
+        when it reshards, at the end of the pass for the root module). The replay is compared with what its
+        backward computed in the pass, taken by a hook put in front of the node's own post hooks
+        (torch_private.register_hook_first), so a hook that replaces gradients is not taken for a difference of the
+        backward; where it cannot be put there, the comparison is with what the node handed on, and a difference
+        says its hooks were not measured.
     Raises:
         SavedTensorsFreed (a ReplayError): a backward pass without retain_graph=True already freed saved tensors of
             the graph (the message says to use retain_graph=True).
@@ -689,8 +776,8 @@ def replay_check(
             donated buffers (torch._functorch.config.donated_buffer), which refuses retain_graph=True.
         SavedTensorModified: a node's saved tensor was modified in place after it was saved (optimizer.step()
             on a weight), so the pass would raise: the message names the nodes, the tensors and the fix.
-    Cost: one backward pass, one replay per node, and a copy of every gradient (grad_outputs and grad_inputs)
-    held until the comparison ends.
+    Cost: one backward pass, one replay per node (inside it), and a copy of every gradient (grad_outputs and
+    grad_inputs) and of every replay's result held until the comparison ends.
     """
     roots = _roots(loss_or_roots)
     if grad_outputs is None:
@@ -705,12 +792,29 @@ def replay_check(
     handed: dict[int, str | None] = {}  # how the node's own post hooks changed its grad_inputs (None: they did not)
     ran_post: set[int] = set()
     backward_args: dict[int, tuple] = {}  # custom nodes: what the engine passed backward (after materializing)
+    replayed: dict[int, tuple] = {}  # (grad_inputs of the replay, None) or (None, why not), taken in the pass
 
     def watch(i):
         def sink(args):
             backward_args.setdefault(i, tuple(_clone(g) for g in args))
 
         return sink
+
+    def replay_now(i) -> tuple:
+        """Replay node i on what the pass gave it, in its last post hook: (grad_inputs, None) or (None, reason)."""
+        node = nodes[i]
+        ok, reason = replayable(node)
+        if not ok:
+            return None, reason
+        gos, materialize = captured_out[i], None
+        if i in backward_args and len(backward_args[i]) == len(gos):
+            gos, materialize = backward_args[i], False  # exactly what backward got: nothing left to fill
+        try:
+            return replay(node, tuple(_clone(g) for g in gos), materialize_grads=materialize), None
+        except ReplayError as exc:
+            return None, str(exc)
+        except Exception as exc:  # a custom backward that cannot run twice
+            return None, f"its backward raised on replay: {type(exc).__name__}: {exc}"[:500]
 
     def hooks(i):
         def pre(gos):
@@ -728,6 +832,8 @@ def replay_check(
             else:
                 captured_in.setdefault(i, tuple(_clone(g) for g in gis))
             ran_post.add(i)
+            if i not in replayed and i in captured_out:  # while what the node saved is as its backward used it
+                replayed[i] = replay_now(i)
 
         return pre, first, post
 
@@ -774,22 +880,15 @@ def replay_check(
             "equal": pd.NA,
             "close": pd.NA,
             "difference": None,
+            "pieces": None,
             "hooks_changed": (handed[i] is not None) if measured else pd.NA,
             "hooks_difference": handed[i] if measured else None,
         }
         if ok and not ran:
             row["reason"] = REASON_NOT_RUN
-        elif ok:
-            gos, materialize = captured_out[i], None
-            if i in backward_args and len(backward_args[i]) == len(gos):
-                gos, materialize = backward_args[i], False  # exactly what backward got: nothing left to fill
-            try:
-                again = replay(node, tuple(_clone(g) for g in gos), materialize_grads=materialize)
-            except ReplayError as exc:
-                row["reason"] = str(exc)
-            except Exception as exc:  # a custom backward that cannot run twice
-                row["reason"] = f"its backward raised on replay: {type(exc).__name__}: {exc}"[:500]
-            else:
+        elif ran and i in replayed:  # replayed in its hook in the pass (replay_now)
+            again, row["reason"] = replayed[i]
+            if row["reason"] is None:
                 seen = captured_in[i]
                 results = [compare(a, b, rtol, atol) for a, b in itertools.zip_longest(seen, again)]
                 diffs = tuple(r[2] for r in results)
@@ -797,6 +896,7 @@ def replay_check(
                 row.update(
                     replayable=True,
                     reason=None,
+                    pieces=_pieces(seen) or _pieces(again),
                     slot_max_abs_diff=diffs,
                     max_abs_diff=max(finite) if finite else 0.0,
                     equal=all(r[0] for r in results),
@@ -827,11 +927,12 @@ def replay_check(
             "equal",
             "close",
             "difference",
+            "pieces",
             "hooks_changed",
             "hooks_difference",
         ],
     )
-    for column in ("reason", "difference", "hooks_difference"):
+    for column in ("reason", "difference", "pieces", "hooks_difference"):
         df[column] = df[column].astype(object).where(df[column].notna(), None)
     df["equal"] = df["equal"].astype("boolean")
     df["close"] = df["close"].astype("boolean")
