@@ -30,17 +30,21 @@ from ..errors import ArgumentError, UnknownNode
 from ..recording import torch_private as tp
 from ..recording.graph import UNKNOWN_MODULE, node_kind, node_name
 from ..recording.recorder import scope_keys
-from ..recording.saved import FREED_MESSAGE, is_custom, saved_bytes, saved_tensors, saved_values
+from ..recording.saved import FREED_MESSAGE, is_custom, local_piece, saved_bytes, saved_tensors, saved_values
 from ..recording.stats import ROW_COLUMNS, measure, to_rows
 from ..store import shards
 from ..store.reader import Store
 from ..store.writer import step_ranges
 from .context import live_keys
-from .replay import captured_outputs, looks_undefined, output_metadata, replayable
+from .replay import captured_outputs, looks_undefined, output_metadata, piece_text, replayable, storage_freed
 
 # the levels whose steps store no node call (so no sequence number), as a message names them
 _NO_CALLS = {"params": "at stats='params'", "summary": "as flight-recorder summaries (record(keep=N))"}
 STAT_COLUMNS = ("norm", "min", "max", "mean", "std", "nan", "posinf", "neginf", "zeros")
+EMPTIED_NOTE = (
+    "its memory was freed after it was saved (storage of 0 bytes; FSDP2 frees an unsharded parameter this way when "
+    "it reshards)"
+)
 
 
 # ---- plain data ----------------------------------------------------------------------------------------------
@@ -75,7 +79,10 @@ class SavedItem:
     """One tensor the node holds for its backward: name ('_saved_self', 'saved_tensors[0]', 'ctx.w'),
     shape, dtype, device, bytes (numel × element size), stats (norm, min, max, mean, std, nan, posinf,
     neginf, zeros: gradstore.recording.stats), note (e.g. 'modified in place since saved', 'packed by a
-    saved_tensors_hooks pack hook'). A None tensor (optional input not given) has shape None."""
+    saved_tensors_hooks pack hook'). A None tensor (optional input not given) has shape None. A DTensor (tensor
+    parallelism, FSDP2) is described by this rank's local piece (shape, bytes, stats: no collective), and `piece`
+    says what that piece is of the whole ("this rank's shard, (Shard(dim=1),) of (3,8)", as the recorded explain
+    says it); None for a plain tensor."""
 
     name: str
     shape: tuple | None
@@ -84,6 +91,7 @@ class SavedItem:
     bytes: int
     stats: dict = field(default_factory=dict)
     note: str | None = None
+    piece: str | None = None
 
 
 def _fmt(v) -> str:
@@ -251,13 +259,16 @@ class Explanation:
                 "one value per argument, None for non-tensor ones)"
             )
         state = "freed by a backward pass" if self.freed else f"{len(self.saved)} tensor(s), {self.saved_bytes:,} bytes"
+        if not self.freed and any(s.piece for s in self.saved):
+            state += " (DTensors counted as this rank's local pieces)"
         out.append(f"saved for backward (not passed to either hook): {state}")
         for s in self.saved:
             if s.shape is None:
                 out.append(f"  {s.name}  None")
                 continue
             note = f"  [{s.note}]" if s.note else ""
-            out.append(f"  {s.name}  {_shape(s.shape)} {s.dtype} {s.device}  {_stats_text(s.stats)}{note}")
+            piece = f" [{s.piece}: the statistics are this piece's]" if s.piece else ""
+            out.append(f"  {s.name}  {_shape(s.shape)} {s.dtype} {s.device}{piece}  {_stats_text(s.stats)}{note}")
         for name, value in self.values:
             out.append(f"  {name} = {value!r}")
         if self.metadata:
@@ -308,7 +319,8 @@ class Explanation:
                         _shape(s.shape) if s.shape is not None else None,
                         s.dtype,
                         *[s.stats.get(c) for c in STAT_COLUMNS],
-                        s.note,
+                        "; ".join(x for x in (s.piece and f"{s.piece}: the statistics are this piece's", s.note) if x)
+                        or None,
                     ]
                     for s in self.saved
                 ]
@@ -325,11 +337,14 @@ def _saved_items(node, stats: bool) -> tuple[list[SavedItem], bool, int]:
     saved = saved_tensors(node)
     items = []
     measured = []
+    emptied = {name for name, _shape in storage_freed(saved)}  # reading their elements would crash the process
     for name, t in saved:
         if t is None:
             items.append(SavedItem(name, None, None, None, 0))
             continue
         note = []
+        if name in emptied:
+            note.append(f"{EMPTIED_NOTE}: no statistics")
         if name in saved.packed:
             note.append("held as packed by a saved_tensors_hooks pack hook")
         elif not is_custom(node) and name.startswith("_saved_") and "[" not in name:
@@ -343,10 +358,17 @@ def _saved_items(node, stats: bool) -> tuple[list[SavedItem], bool, int]:
                     elif FREED_MESSAGE not in str(exc):
                         note.append(f"unpacking raises: {str(exc)[:120]}")
         item = SavedItem(
-            name, tuple(t.shape), _dtype(t.dtype), str(t.device), saved_bytes([(name, t)]), note="; ".join(note) or None
+            name,
+            tuple(local_piece(t).shape),  # a DTensor: this rank's piece, which the statistics measure
+            _dtype(t.dtype),
+            str(t.device),
+            saved_bytes([(name, t)]),
+            note="; ".join(note) or None,
+            piece=piece_text(t),
         )
         items.append(item)
-        measured.append((item, measure(t) if stats else None))
+        if name not in emptied:
+            measured.append((item, measure(t) if stats else None))
     if stats and measured:
         rows = to_rows([m for _, m in measured])
         for (item, _), row in zip(measured, rows):

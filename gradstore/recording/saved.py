@@ -30,6 +30,8 @@ from functools import partial
 import torch
 from torch.autograd.function import BackwardCFunction
 
+from . import torch_private as tp
+
 SAVED_PREFIX = "_saved_"
 RAW_PREFIX = "_raw_saved_"
 FREED_MESSAGE = "Trying to backward through the graph a second time"
@@ -346,9 +348,18 @@ def is_freed(node) -> bool:
     return saved_tensors(node).freed
 
 
+def local_piece(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `t`: a DTensor's local piece (gradstore.recording.torch_private.dtensor_local: no
+    collective), any other tensor itself."""
+    dtensor = tp.dtensor_type()
+    return tp.dtensor_local(t) if dtensor is not None and isinstance(t, dtensor) else t
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of the elements a tensor covers (numel × element size); 0 for a tensor without a size."""
+    """Bytes of the elements a tensor covers (numel × element size; a DTensor: of this rank's local piece, what it
+    holds); 0 for a tensor without a size."""
     try:
+        t = local_piece(t)
         return t.numel() * t.element_size()
     except Exception:
         return 0
@@ -363,8 +374,9 @@ def saved_bytes(saved, distinct: bool = True) -> int:
             appear once: e.g. MulBackward0 saving the same tensor as self and other); False adds them all.
     Returns:
         int bytes: numel × element size of each tensor (views count the elements they cover, not their
-        whole storage). Tensors that are also parameters or activations still alive elsewhere are counted:
-        this is what the node keeps alive, not necessarily extra memory. Never raises.
+        whole storage; a DTensor counts this rank's local piece). Tensors that are also parameters or
+        activations still alive elsewhere are counted: this is what the node keeps alive, not necessarily extra
+        memory. Never raises.
     """
     if not isinstance(saved, list):
         saved = saved_tensors(saved)
@@ -374,7 +386,8 @@ def saved_bytes(saved, distinct: bool = True) -> int:
             continue
         if distinct:
             try:
-                ident = (t.device, t.data_ptr(), t.dtype, t.numel())
+                local = local_piece(t)
+                ident = (local.device, local.data_ptr(), local.dtype, local.numel())
             except Exception:
                 ident = (id(t),)
             if ident in seen:
