@@ -2291,7 +2291,7 @@ def ranks(db, run, step, verbose):
             grads_all = store.param_grads(run=run, which="all")
             sick = grads_all[_nonfinite_mask(grads_all)] if len(grads_all) else grads_all
             sick_steps = sorted({int(v) for v in sick["step"]} - {step}) if len(sick) else []
-        from .view.story import left_out  # pandas only, as the CLI
+        from .view.story import BOTH_RULES_WORDS, left_out  # pandas only, as the CLI
 
         unhooked = left_out(store, run)
     rank_list = ", ".join(map(str, ranks_at))
@@ -2410,6 +2410,11 @@ def ranks(db, run, step, verbose):
             members = [p for p in params if p in set(grad_none["param"])]
         if members:
             click.echo(f"  {_RULE_WORDS[rule]}: {len(members)}: {_names(members, verbose)}")
+    both = [
+        p for p in params if "replicated" in rules[p].split("+") and {"sharded", "partial"} & set(rules[p].split("+"))
+    ]
+    if both:  # the lists are no partition of the parameters: say which are in two and why
+        click.echo(f"  in both lists: {len(both)}: {_names(both, verbose)} ({BOTH_RULES_WORDS})")
     # one line per parameter and pair of ranks: its first stage that differs (or was not compared); a later stage
     # of the same pair is listed by --verbose, or where the first one agreed
     said: set = set()

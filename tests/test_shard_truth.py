@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import pandas as pd
 import pytest
@@ -165,8 +166,50 @@ def _tp_gains(rank, db):
     return {"gains": gains, "local": local, "full": _full_norms(model)}
 
 
+class TPExtra(TPNet):
+    """TPNet with `extra` (plain), used on rank 0 only: its .grad is None on rank 1, and the gradient flowing into
+    down's replicated output differs between the ranks, so down.bias (RowwiseParallel: Replicate) is a copy each
+    rank computed for itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(3, 3)
+
+    def forward(self, x, use_extra=False):
+        h = super().forward(x)
+        return h + self.extra(h) if use_extra else h
+
+
+def _tp_extra(rank, db):
+    """TPExtra, two steps, the same batch on both ranks: per parameter its .grad's layout on this rank ('plain',
+    'none', or the DTensor placements), and per step down.bias's .grad norm on this rank (its own copy)."""
+    torch.manual_seed(0)
+    model = TPExtra()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    layouts, bias = {}, []
+    with gradstore.record("tpx", db=db, model=model) as rec:
+        for step in range(2):
+            torch.manual_seed(200 + step)
+            model(torch.randn(5, 4), use_extra=rank == 0).pow(2).mean().backward()
+            for name, p in model.named_parameters():
+                g = p.grad
+                layouts[name] = "none" if g is None else str(tuple(g.placements)) if isinstance(g, DTensor) else "plain"
+            bias.append(float(model.down.bias.grad.to_local().double().norm()))
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    return {"layouts": layouts, "bias": bias}
+
+
 def _scenario(rank, db):
-    return {"accum": _ddp_accum(rank, db), "fsdp": _fsdp_scaled(rank, db), "tp": _tp_gains(rank, db)}
+    return {
+        "accum": _ddp_accum(rank, db),
+        "fsdp": _fsdp_scaled(rank, db),
+        "tp": _tp_gains(rank, db),
+        "tpx": _tp_extra(rank, db),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +320,47 @@ def test_history_labels_each_rank_as_its_shard_and_draws_the_whole_parameter(rec
     assert "local shard" in ax.get_title(loc="left")
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any("whole parameter" in t for t in labels) and any("rank 1: this rank's shard" in t for t in labels)
+
+
+def _rule_sets(ranks, run) -> tuple[set, set]:
+    """(replicated, sharded) from the ranks' own .grad layouts: a parameter is replicated where some rank holds a
+    plain .grad or a DTensor Replicate on every mesh dimension (copies whose values must agree), sharded where some
+    rank holds a Shard or Partial piece."""
+    replicated, sharded = set(), set()
+    for res in ranks:
+        for name, layout in res[run]["layouts"].items():
+            if layout == "plain" or (layout != "none" and "Shard" not in layout and "Partial" not in layout):
+                replicated.add(name)
+            if "Shard" in layout or "Partial" in layout:
+                sharded.add(name)
+    return replicated, sharded
+
+
+def test_ranks_and_the_report_count_replicated_and_sharded_parameters_alike(record, tmp_path):
+    pytest.importorskip("matplotlib")
+    from gradstore.view import story
+
+    db, ranks = record
+    replicated, sharded = _rule_sets(ranks, "tpx")
+    assert replicated == {"pre.weight", "pre.bias", "down.bias", "extra.weight", "extra.bias"}
+    assert sharded == {"up.weight", "up.bias", "down.weight"}
+    assert ranks[1]["tpx"]["layouts"]["extra.weight"] == "none"  # not used on rank 1: in no column but differing
+    out = _invoke("ranks", db, "tpx", "--step", 0).output
+    lists = [re.match(r"  (replicated|sharded) \(.*?\): (\d+): (.*)$", line) for line in out.splitlines()]
+    listed = {m.group(1): (int(m.group(2)), set(m.group(3).split(", "))) for m in lists if m}
+    assert listed == {"replicated": (5, replicated), "sharded": (3, sharded)}, out
+    assert "in both lists" not in out
+    with gradstore.open(db) as store:
+        agree = story.rank_agreement(store, "tpx")
+    assert list(agree["replicated"]) == [len(replicated)] * 2 and list(agree["sharded"]) == [len(sharded)] * 2
+    assert list(agree["both"]) == [0, 0]
+    page = tmp_path / "tpx.html"
+    assert _invoke("report", db, "tpx", "-o", page).exit_code == 0
+    html = page.read_text()
+    table = html[html.index('id="ranks"') :]
+    table = table[table.index("<table>") : table.index("</table>")]
+    head = [re.sub("<[^>]+>", "", c) for c in re.findall(r"<th[^>]*>(.*?)</th>", table)]
+    first = [re.sub("<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", table.split("</tr>")[1])]
+    row = dict(zip(head, first))
+    assert (row["replicated"], row["sharded"]) == (str(len(replicated)), str(len(sharded))), row
+    assert "both" not in head  # no parameter is both: no column for it

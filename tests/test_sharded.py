@@ -23,6 +23,7 @@ would leave the others waiting in it, which a test cannot afford.
 from __future__ import annotations
 
 import math
+import re
 import sqlite3
 
 import pandas as pd
@@ -694,6 +695,37 @@ def test_fsdp2_with_tp_on_a_2x2_mesh(tmp_path):
         (0, 2, "sharded", "sharded"),
     }
     assert set(every["result"]) == {"equal", "sharded"}
+    # `gradstore ranks` and the report's Ranks table count alike: a parameter Shard on dp and Replicate on tp is in
+    # both lists (plain or Replicate somewhere: replicated; Shard somewhere: sharded), and they say so
+    names = list(ranks[0]["local"])
+    layout = {n: "plain" if n == "gain" else want_placements[n.split(".", 2)[2]] for n in names}
+    replicated = {n for n, p in layout.items() if p == "plain" or "Replicate()" in p}
+    sharded = {n for n, p in layout.items() if "Shard(" in p}
+    both = sorted(replicated & sharded)
+    assert both == ["layers.0.fc2.bias", "layers.1.fc2.bias"] and len(replicated) == 3 and len(sharded) == 8
+    from gradstore.view import story
+
+    with gradstore.open(db) as store:
+        agree = story.rank_agreement(store, "2d")
+    assert (int(agree["params"][0]), int(agree["replicated"][0]), int(agree["sharded"][0])) == (9, 3, 8)
+    assert int(agree["both"][0]) == 2
+    said = CliRunner().invoke(main, ["ranks", db, "2d", "--verbose"]).output
+    lists = [
+        re.match(r"  (replicated|sharded|in both lists)( \(.*?\))?: (\d+): ([\w.]+(?:, [\w.]+)*)", ln)
+        for ln in said.splitlines()
+    ]
+    listed = {m.group(1): (int(m.group(3)), set(m.group(4).split(", "))) for m in lists if m}
+    assert listed == {
+        "replicated": (3, replicated),
+        "sharded": (8, sharded),
+        "in both lists": (2, set(both)),
+    }, said
+    assert "(a DTensor Shard on one mesh dimension and Replicate on another (a 2-D mesh) is both" in said
+    page = tmp_path / "2d.html"
+    assert CliRunner().invoke(main, ["report", db, "2d", "-o", str(page)]).exit_code == 0
+    text = page.read_text()
+    assert "3 replicated parameters (the same values on every rank) agree bitwise, by checksums. 8 sharded" in text
+    assert "2 of them are counted as replicated too: a DTensor Shard on one mesh dimension" in text
     assert ranks[3]["broken_gain"] != ranks[0]["broken_gain"]
     assert list(zip(broken["param"], broken["rank_a"], broken["rank_b"], broken["stage"])) == [
         ("gain", 0, 3, "backward"),

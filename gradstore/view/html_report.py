@@ -1108,6 +1108,12 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
                 + f"{sharded} sharded parameter{'s' if sharded != '1' else ''} (each rank holds a different shard or "
                 "Partial term of a DTensor) were compared by layout only: placements, mesh and global shape agree; "
                 "their values are not compared across ranks, so a rank whose shard went wrong does not show here."
+                + (
+                    f" {_span(agree['both'])} of them {'is' if _span(agree['both']) == '1' else 'are'} counted as "
+                    f"replicated too: {story.BOTH_RULES_WORDS}."
+                    if (agree["both"] > 0).any()
+                    else ""
+                )
             )
         sick = agree[agree["nonfinite"] > 0]  # agreement is not health: equal values may all be NaN
         if len(sick):
@@ -1162,8 +1168,18 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
             "<code>gradstore ranks DB RUN --step N</code> says why.</p>"
         )
     _alone_note(page, alone)
+    if (listed["both"] > 0).any():  # a parameter in two columns: the counts are no partition of params
+        page.add(
+            '<p class="note">Columns replicated and sharded count the parameters by the rule their layout calls for, '
+            "as <code>gradstore ranks</code> lists them, and a parameter can be in both (column both): "
+            f"{_e(story.BOTH_RULES_WORDS)}; so replicated + sharded can exceed params.</p>"
+        )
+    else:
+        listed = listed.drop(columns="both")
     page.add(
-        _table(listed.head(200), {"step", "ranks", "params", "replicated", "sharded", "differing", "not_compared"})
+        _table(
+            listed.head(200), {"step", "ranks", "params", "replicated", "sharded", "both", "differing", "not_compared"}
+        )
     )
 
 

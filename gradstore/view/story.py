@@ -1102,14 +1102,26 @@ def _with_summaries(store, run: str, rank: int | None, pg: pd.DataFrame) -> pd.D
     return pd.concat([pg, extra], ignore_index=True) if not pg.empty else extra
 
 
+# why a parameter is both replicated and sharded (rank_agreement's column both; `gradstore ranks`' lists)
+BOTH_RULES_WORDS = (
+    "a DTensor Shard on one mesh dimension and Replicate on another (a 2-D mesh) is both: the ranks that differ only "
+    "along its Replicate dimension hold copies of one shard, compared by value, and the others different shards, "
+    "compared by layout"
+)
+
+
 def rank_agreement(store, run: str) -> pd.DataFrame:
     """Per step of a run with more than one rank (those its world size names, or that wrote steps): step, ranks (how
     many recorded it), missing (the ranks of the run that recorded no such step, comma-separated, '' for none: nothing
     of theirs is compared there), params (parameters with a .grad row on the lowest rank; of a flight-recorder summary
-    step, with a final norm), replicated (parameters compared by value: plain tensors or a DTensor's copies of one
-    region), sharded (parameters compared by layout only: different shards or Partial terms, whose values differ by
-    design and are not compared across ranks), differing (parameters whose .grad differs from the lowest rank's on
-    some rank, after the backward pass or as the optimizer saw it: `Store.rank_divergence`), stages (where they
+    step, with a final norm), replicated (parameters whose ranks' values must agree, rank_divergence's rule
+    'replicated': plain tensors or a DTensor's copies of one region, as `gradstore ranks` lists them), sharded
+    (parameters compared by layout only, rule 'sharded' or 'partial': different shards or Partial terms, whose values
+    differ by design and are not compared across ranks), both (parameters counted in replicated and in sharded: a
+    DTensor Shard on one mesh dimension and Replicate on another, whose copies of one shard are compared by value and
+    whose different shards by layout; so replicated + sharded can exceed params), differing (parameters whose .grad
+    differs from the lowest rank's on some rank, after the backward pass or as the optimizer saw it:
+    `Store.rank_divergence`), stages (where they
     differ: 'backward', 'final' or 'backward,final', 'summary' by the final norms of a flight-recorder summary step;
     '' when none does), local (parameters whose .grad after the backward pass differs on some rank while the final
     rows agree there, or in a step where others do: each rank's own gradient, reduced after the pass, as by a
@@ -1130,6 +1142,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         "params",
         "replicated",
         "sharded",
+        "both",
         "differing",
         "stages",
         "local",
@@ -1166,8 +1179,9 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         params = int(lowest["param"].nunique()) if len(lowest) else 0
         if summary:
             params = int(here["param"].nunique())
-        by_value = here[(here["rule"] == "replicated") & here["compared"].isin(["checksum", "statistics"])]
-        replicated = set(by_value["param"])
+        # by rule, as `gradstore ranks` lists them: a parameter Shard on one mesh dimension and Replicate on another
+        # is in both (its copies of one shard compared by value, its different shards by layout)
+        replicated = set(here.loc[here["rule"] == "replicated", "param"])
         layout = set(here.loc[here["rule"].isin(["sharded", "partial"]), "param"])
         rows.append(
             {
@@ -1175,8 +1189,9 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
                 "ranks": int(n),
                 "missing": ",".join(str(r) for r in every_rank if r not in held[int(step)]),
                 "params": params,
-                "replicated": len(replicated - layout),
+                "replicated": len(replicated),
                 "sharded": len(layout),
+                "both": len(replicated & layout),
                 "differing": len(differing),
                 "stages": "summary"
                 if summary and len(diff)
