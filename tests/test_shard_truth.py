@@ -364,3 +364,25 @@ def test_ranks_and_the_report_count_replicated_and_sharded_parameters_alike(reco
     row = dict(zip(head, first))
     assert (row["replicated"], row["sharded"]) == (str(len(replicated)), str(len(sharded))), row
     assert "both" not in head  # no parameter is both: no column for it
+
+
+def test_changed_most_names_a_replicate_copy_whose_ranks_differ(record):
+    from gradstore.view import story
+
+    db, ranks = record
+    mine, theirs = ranks[0]["tpx"]["bias"], ranks[1]["tpx"]["bias"]
+    assert all(abs(a - b) > 1e-3 * a for a, b in zip(mine, theirs))  # each rank's own copy
+    assert ranks[0]["tpx"]["layouts"]["down.bias"] == "(Replicate(),)"
+    with gradstore.open(db) as store:
+        top = story.changed_most(store, "tpx", top=None).set_index("param")
+        other = story.changed_most(store, "tpx", rank=1, top=None).set_index("param")
+    row = top.loc["down.bias"]
+    assert (row["first"], row["last"]) == (pytest.approx(mine[0], rel=1e-6), pytest.approx(mine[1], rel=1e-6))
+    assert row["norm_of"] == (
+        "rank 0: this rank's copy, (Replicate(),) of (3): the ranks' copies differ (ranks 0 to 1, in 1 region(s)) "
+        "at steps 0-1"
+    )
+    assert other.loc["down.bias", "first"] == pytest.approx(theirs[0], rel=1e-6)
+    assert other.loc["down.bias", "norm_of"].startswith("rank 1: this rank's copy, (Replicate(),) of (3): ")
+    assert top.loc["pre.weight", "norm_of"] == ""  # a plain .grad whose ranks agree
+    assert top.loc["up.weight", "norm_of"] == "the whole parameter (every rank's shards combined)"

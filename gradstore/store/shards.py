@@ -34,3 +34,20 @@ def piece_label(placements, global_shape) -> str | None:
         kind = "shard of a term"
     shape = _text(global_shape)
     return f"this rank's {kind}, {p} of ({shape if shape is not None else '?'})"
+
+
+def is_copy(placements) -> bool:
+    """True where a row with these placements is a DTensor that holds the whole tensor as one of the ranks' copies
+    (Replicate on every mesh dimension); False for a plain tensor (None) and for a piece (`is_piece`)."""
+    return _text(placements) is not None and not is_piece(placements)
+
+
+def copy_label(placements, global_shape) -> str | None:
+    """'this rank's copy, (Replicate(),) of (8)': the words for a row that `is_copy`, one of the ranks' copies,
+    which agree only where every rank computed or reduced it alike; None for a plain tensor and for a piece
+    (`piece_label`)."""
+    if not is_copy(placements):
+        return None
+    p = _text(placements)
+    shape = _text(global_shape)
+    return f"this rank's copy, {p} of ({shape if shape is not None else '?'})"

@@ -901,12 +901,14 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
     parameter: with which='pass', a step none of whose backward passes returned, e.g. one that raised, has only
     its final row, the .grad at the step's end; not counted in steps .. nonfinite), not_in_view_why ('' for none;
     else which steps and why, and what the other view holds), norm_of ('' for a plain
-    .grad; for a DTensor .grad, whose rows are each rank's shard, 'the whole parameter ...' where every step's
-    shards combine (`Store.global_grads`, same `which`): the norms are then the whole parameter's; else 'rank R:
-    this rank's shard, ...': the norms are that rank's shard's). Non-finite parameters first, then by ratio,
-    largest first; `top` rows (None: all). A flight-recorder run's summary steps keep each parameter's final norm
-    and NaN/Inf count only (`Store.param_norms`): those stand in for their steps' rows (`summaries` counts them). Raises
-    UnknownRun."""
+    .grad and for a Replicate DTensor whose ranks' copies agree in every step; for a DTensor .grad, whose rows are
+    each rank's shard, 'the whole parameter ...' where every step's shards combine (`Store.global_grads`, same
+    `which`): the norms are then the whole parameter's; else 'rank R: this rank's shard, ...: why at steps S' or,
+    for a Replicate DTensor whose ranks' copies differ, 'rank R: this rank's copy, (Replicate(),) of (8): the ranks'
+    copies differ ... at steps S': the norms are that rank's shard's or copy's). Non-finite parameters first, then
+    by ratio, largest first; `top` rows (None: all). A flight-recorder run's summary steps keep each parameter's
+    final norm and NaN/Inf count only (`Store.param_norms`): those stand in for their steps' rows (`summaries`
+    counts them). Raises UnknownRun."""
     # 'pass' by default, as the plot beside the report's table draws them (gradstore.view.cells.series): clipping and
     # unscaling after the pass would hide how far the gradient itself moved
     pg = store.param_grads(run=run, rank=rank, which=which)
@@ -926,13 +928,19 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
         no_gradient=pg["no_gradient"].where(~none, _none_words(pg, which)) if "no_gradient" in pg else None,
     )
     pieces = pg["placements"].map(shards.is_piece)
-    if pieces.any():  # DTensor shards: the whole parameter's norms where every rank's shards combine, else say so
+    # a Replicate DTensor's copies: the whole parameter where the ranks' copies agree, one rank's own where not
+    copies = pg["placements"].map(shards.is_copy)
+    if (
+        pieces.any() or copies.any()
+    ):  # DTensor rows: the whole parameter's norms where every rank's combine, else say so
         whole = store.global_grads(run=run, which=which).set_index(["step", "param"])
-        for param in pg.loc[pieces, "param"].unique():
+        for param in pg.loc[pieces | copies, "param"].unique():
             at = pg["param"] == param
             keys = list(zip(pg.loc[at, "step"], pg.loc[at, "param"]))
             got = whole.reindex(keys)
             if len(got) and (got["status"] == "ok").all():
+                if not pieces[at].any():  # each rank's copy is the whole parameter: its norms already are
+                    continue
                 pg.loc[at, "norm"] = pd.to_numeric(got["norm"], errors="coerce").astype("float64").to_numpy()
                 pg.loc[at, "bad"] = (
                     got[["nan", "posinf", "neginf"]].apply(pd.to_numeric).fillna(0).sum(axis=1) > 0
@@ -940,9 +948,10 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
                 pg.loc[at, "norm_of"] = "the whole parameter (every rank's shards combined)"
             else:
                 first = pg[at].iloc[0]
-                pg.loc[at, "norm_of"] = f"rank {int(first['rank'])}: " + (
-                    shards.piece_label(first["placements"], first["global_shape"]) or ""
+                label = shards.piece_label(first["placements"], first["global_shape"]) or shards.copy_label(
+                    first["placements"], first["global_shape"]
                 )
+                pg.loc[at, "norm_of"] = f"rank {int(first['rank'])}: {label}: {_not_whole_words(got)}"
     rows = []
     for (param, module), f in pg.groupby(["param", "module"], sort=False, dropna=False):
         f = f.sort_values("step")
@@ -986,6 +995,21 @@ def changed_most(store, run: str, rank: int | None = None, top: int | None = 10,
     out["nonfinite_at"] = out["nonfinite_at"].astype("Int64")
     out = out.sort_values(["nonfinite", "ratio"], ascending=[False, False], na_position="last", kind="stable")
     return (out if top is None else out.head(top)).reset_index(drop=True)
+
+
+def _not_whole_words(got: pd.DataFrame) -> str:
+    """Why a DTensor parameter's rows do not give the whole parameter in every step (`got`: its global_grads rows
+    indexed by (step, param), NaN where the store combined none): "the ranks' copies differ (ranks 0 to 1, in 1
+    region(s)) at steps 0-1", from the first step whose rows did not combine, and the steps where they did not."""
+    bad = got[got["status"] != "ok"]
+    if bad.empty:
+        return "no rank's rows combined"
+    row = bad.iloc[0]
+    why = row["not_derivable"] if isinstance(row["not_derivable"], str) else None
+    if why is None:
+        why = "no whole-parameter row" if pd.isna(row["status"]) else f"status {row['status']}"
+    steps = [int(k[0]) for k in bad.index]
+    return f"{why.split(':')[0]} at step{'s' if len(steps) > 1 else ''} {step_ranges(steps)}"
 
 
 def _none_words(pg: pd.DataFrame, which: str) -> pd.Series:
