@@ -322,6 +322,30 @@ def test_history_labels_each_rank_as_its_shard_and_draws_the_whole_parameter(rec
     assert any("whole parameter" in t for t in labels) and any("rank 1: this rank's shard" in t for t in labels)
 
 
+def _title_fits(fig) -> None:
+    """The left title of the figure's first axes, drawn, lies inside the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    ax = fig.axes[0]
+    (title,) = [t for t in ax.get_children() if getattr(t, "get_text", None) and t.get_text() == ax.get_title("left")]
+    box = title.get_window_extent(canvas.get_renderer())
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
+
+
+def test_history_title_of_a_sharded_parameter_fits_the_figure(record):
+    pytest.importorskip("matplotlib")
+    from gradstore.view import history
+
+    db, _ = record
+    with gradstore.open(db) as store:
+        fig = history(store, "fsdp", param="l1.weight")
+    _title_fits(fig)
+    words = fig.axes[0].get_title(loc="left").replace("\n", " ")
+    assert "each rank's local shard (DTensor piece, named in the legend), not the whole gradient" in words
+
+
 def _rule_sets(ranks, run) -> tuple[set, set]:
     """(replicated, sharded) from the ranks' own .grad layouts: a parameter is replicated where some rank holds a
     plain .grad or a DTensor Replicate on every mesh dimension (copies whose values must agree), sharded where some

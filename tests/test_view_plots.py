@@ -234,3 +234,51 @@ def test_colour_bar_over_many_decades_has_several_labelled_ticks(tmp_path):
     norm = fig.axes[0].collections[0].norm  # the scale the bar maps: plain PyTorch's smallest and largest norm
     assert norm.vmin == pytest.approx(min(norms), rel=1e-5) and norm.vmax == pytest.approx(max(norms), rel=1e-5)
     assert min(at for at, _ in ticks) >= norm.vmin and max(at for at, _ in ticks) <= norm.vmax
+
+
+def _left_title_box(fig, ax):
+    """The drawn extent (display pixels) of `ax`'s left title."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    (title,) = [t for t in ax.get_children() if getattr(t, "get_text", None) and t.get_text() == ax.get_title("left")]
+    return title.get_window_extent(canvas.get_renderer())
+
+
+def test_history_title_of_a_long_parameter_name_stays_in_the_figure(tmp_path):
+    """A parameter name of 170 characters and a line on steps not recorded: the title is broken into lines that
+    stay inside the figure (its own) or above the axes (the caller's), and still says all it said."""
+    db = str(tmp_path / "long.db")
+    torch.manual_seed(0)
+    inner = nn.Module()
+    inner.self_attention_query_key_value_projection_with_a_low_rank_adapter = nn.Linear(3, 2)
+    block = nn.Module()
+    block.transformer_block_number_eleven_of_the_language_model_decoder = inner
+    model = nn.Module()
+    model.encoder_stack_with_a_deliberately_long_module_name = block
+    name = next(n for n, _ in model.named_parameters() if n.endswith(".weight"))
+    assert len(name) > 170
+    lin = inner.self_attention_query_key_value_projection_with_a_low_rank_adapter
+    with gradstore.record("long", db=db, model=model, every=2) as rec:
+        for _ in range(5):
+            lin(torch.randn(4, 3)).pow(2).mean().backward()
+            lin.zero_grad()
+            rec.step()
+    store = gradstore.open(db)
+    fig = history(store, "long", param=name)
+    ax = fig.axes[0]
+    box = _left_title_box(fig, ax)
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
+    title = ax.get_title("left")
+    assert len(title.splitlines()) >= 4  # the name alone is wider than the figure: broken, after a '_' or '.'
+    assert name in title.replace("\n", "")
+    assert "long: steps 1, 3 not recorded (every= / steps=)" in title.replace("\n", " ")
+    # drawn into the caller's axes, the left one of two: its title stays above it, not over its neighbour
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    left, right = figure.subplots(1, 2)
+    history(store, "long", param=name, ax=left)
+    box = _left_title_box(figure, left)
+    assert box.x1 <= right.get_window_extent().x0, (box, right.get_window_extent())

@@ -63,6 +63,44 @@ def new_axes(ax, size: tuple[float, float]):
     return fig, fig.add_subplot()
 
 
+def fit_lines(text: str, width: float, fontsize: float) -> str:
+    """`text` with each of its lines broken so that none is wider than `width` points at `fontsize` in matplotlib's
+    default font (measured, not estimated): at spaces, and a word wider than the width alone (a long parameter
+    name) after a '.', '/' or '_' in it, else where it must. Lines already apart stay apart. No error of its own;
+    MissingDependency without matplotlib."""
+    textpath = require("matplotlib.textpath", "gradstore.view")
+    font_manager = require("matplotlib.font_manager", "gradstore.view")
+    prop = font_manager.FontProperties(size=fontsize)
+
+    def wide(piece: str) -> bool:
+        return textpath.text_to_path.get_text_width_height_descent(piece, prop, ismath=False)[0] > width
+
+    def pieces(word: str) -> list[str]:  # a word too wide for a line alone, cut after its separators
+        out, cur = [], ""
+        for ch in word:
+            if cur and wide(cur + ch):
+                cut = max(cur.rfind(sep) for sep in "./_") + 1
+                out.append(cur[:cut] if cut > 0 else cur)
+                cur = cur[cut:] if cut > 0 else ""
+            cur += ch
+        return [*out, cur]
+
+    lines = []
+    for line in text.split("\n"):
+        cur = ""
+        for word in line.split(" "):
+            joined = f"{cur} {word}" if cur else word
+            if not wide(joined):
+                cur = joined
+                continue
+            if cur:
+                lines.append(cur)
+            *full, cur = pieces(word) if wide(word) else [word]
+            lines.extend(full)
+        lines.append(cur)
+    return "\n".join(lines)
+
+
 def _first_nonfinite_cell(store, run: str, g) -> tuple | None:
     """(row, column, legend text) of the run's first non-finite gradient in grid `g` (its rank): a node call's cell
     (by 'module' or 'node'), or a parameter's (by 'param') where a `.grad` held NaN / Inf before any node call
@@ -593,6 +631,7 @@ def history(
     mlines = require("matplotlib.lines", "gradstore.view.history")
     mpatches = require("matplotlib.patches", "gradstore.view.history")
     data = cells.series(store, runs, param=param, module=module, key=key, stat=stat, role=role, rank=rank)
+    own = ax is None
     fig, ax = new_axes(ax, (8.0, 4.2))
     log = stat in ("norm", "absmax")
     edge = ax.get_xaxis_transform()  # x in data, y in axes fractions
@@ -679,7 +718,13 @@ def history(
     for label, missing in broken:
         title += f"\n{label}: step{'s' if len(missing) > 1 else ''} {step_ranges(missing, strided=True)} not recorded"
         title += " (every= / steps=): line broken" + (", grey columns" if nobody else "")
-    ax.set_title(title, fontsize=10 if "\n" not in title else 9, loc="left")
+    size = 10 if "\n" not in title else 9
+    # broken to fit (a long line would run off the figure): from the axes' left edge, where the title starts, to the
+    # figure's right edge in a figure of its own (the axes' left margin taken at matplotlib's default, wider than
+    # the one constrained layout leaves), to the axes' right edge in the caller's
+    box = ax.get_position()
+    width = (1 - box.x0 if own else box.width) * ax.figure.get_figwidth() * 72
+    ax.set_title(fit_lines(title, width, size), fontsize=size, loc="left")
     ax.grid(True, which="major", alpha=0.3)
     if unmeasured:  # said on the axes: an empty axis alone would read as a value near 0
         if data["value"].isna().all():
