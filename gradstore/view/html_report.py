@@ -921,8 +921,9 @@ def _params_section(page: _Page, store, run: str, left=None) -> None:
             "<code>p.grad.full_tensor().norm()</code> returns, combined exactly from every rank's shards "
             "(<code>Store.global_grads</code>); where it names a rank's shard, not every step's shards combine "
             "(a rank's rows are missing, or its copies differ) and the norms are that shard's, not the "
-            "parameter's; where it names a rank's copy (a Replicate DTensor), the ranks' copies differ and the norms "
-            "are that rank's own, not one whole gradient's.</p>"
+            "parameter's; where it names a rank's copy (a Replicate DTensor), the ranks' copies make no one whole "
+            "gradient (they differ, or a rank's rows are missing: it says which) and the norms are that rank's own."
+            "</p>"
         )
     else:
         top = top.drop(columns="norm_of")
