@@ -34,6 +34,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <tuple>
 #include <typeindex>
@@ -1801,6 +1802,23 @@ PyObject* py_same_structure(PyObject*, PyObject* args) {
 // or while `is_compiling()` (None: not asked, where the caller asks it first), and return
 // None. The sequence counter is read with at::sequence_number::peek (what _get_sequence_nr returns), a grad_fn's
 // number and name with Node::sequence_nr / Node::name (what `_sequence_nr()` and `name()` return).
+// The tracker's attributes that a hook reads, as last read from the tracker's __dict__ (borrowed: the dict holds them).
+// Reading them is a dict lookup by interned name each (13 for a pre-hook, 11 for a hook: more than the appends); they
+// change only where an attribute of the tracker is set (`clear()` binds new lists once a step), so they are read again
+// only when the dict changed since: its version tag (`ma_version_tag`, a global counter that each change of any dict
+// takes a new value from, and a new dict a fresh one) differs, or it is another dict. Where the tag is not there to
+// read (CPython 3.14 on) they are read at each call, as before.
+enum { A_NAMES, A_REGIONS, A_CONTEXT, A_REGION_STACK, A_STACK, A_CALL_NAMES, A_ENTRIES, A_CONTEXTS, A_LASTS, A_EXITS,
+       A_SEQS, A_OWNERS, A_OWNER_CALLS, A_OUT_CALLS, A_OUT_SEQS, A_OUT_NAMES, A_N };
+
+struct TrackerAttrs {
+  PyObject* dict = nullptr;  // the dict they were read from (compared by address with the version); nullptr: none read
+  uint64_t version = 0;
+  bool pre_ok = false;   // those `tracker_pre` reads there, of the types its common path takes (exact dicts, lists)
+  bool post_ok = false;  // those `tracker_post` reads there, exact lists
+  PyObject* v[A_N] = {};
+};
+
 struct TrackerHook {
   PyObject_HEAD
   vectorcallfunc vectorcall;
@@ -1809,6 +1827,7 @@ struct TrackerHook {
   PyObject* tracker;
   PyObject* fallback;
   PyObject* is_compiling;
+  TrackerAttrs attrs;
 };
 
 PyObject *s_names, *s_regions, *s_context, *s_region_stack, *s_stack, *s_call_names, *s_entries, *s_contexts,
@@ -1829,37 +1848,86 @@ bool intern_names() {
   return true;
 }
 
-// the tracker's instance attributes, read from its __dict__ (a dict lookup by an interned name each: a getattr's type
-// lookup per attribute cost more than the Python hook's own work)
-struct Attrs {
-  PyObject* dict;  // owned; nullptr: none
-  explicit Attrs(PyObject* obj) : dict(PyObject_GenericGetDict(obj, nullptr)) {
-    if (dict != nullptr && !PyDict_Check(dict)) Py_CLEAR(dict);
-    if (dict == nullptr) PyErr_Clear();
+#if PY_VERSION_HEX < 0x030E0000
+#define GS_DICT_VERSION 1
+uint64_t dict_version(PyObject* dict) {
+  return ((PyDictObject*)dict)->ma_version_tag;
+}
+#else
+#define GS_DICT_VERSION 0
+#endif
+
+// the tracker's attributes (above), read again where its __dict__ changed; false: no usable __dict__ (the Python
+// body decides). `ok` tells whether the common path applies to them.
+bool tracker_attrs(TrackerHook* h) {
+  TrackerAttrs& a = h->attrs;
+  if (h->tracker == nullptr) {  // cleared by the collector
+    a.dict = nullptr;
+    return false;
   }
-  ~Attrs() { Py_XDECREF(dict); }
-  PyObject* get(PyObject* name) const {  // borrowed, or nullptr (no exception)
-    if (dict == nullptr) return nullptr;
-    PyObject* v = PyDict_GetItemWithError(dict, name);
+  PyObject* dict = PyObject_GenericGetDict(h->tracker, nullptr);
+  if (dict == nullptr) {
+    PyErr_Clear();
+    a.dict = nullptr;
+    return false;
+  }
+  Py_DECREF(dict);  // held by the tracker for the call (read and compared here, never kept past a change)
+  if (!PyDict_Check(dict)) {
+    a.dict = nullptr;
+    return false;
+  }
+#if GS_DICT_VERSION
+  uint64_t version = dict_version(dict);
+  if (a.dict == dict && a.version == version && version != 0) return true;
+#endif
+  PyObject* const names[A_N] = {s_names,     s_regions, s_context, s_region_stack, s_stack,       s_call_names,
+                                s_entries,   s_contexts, s_lasts,  s_exits,        s_seqs,        s_owners,
+                                s_owner_calls, s_out_calls, s_out_seqs, s_out_names};
+  bool there[A_N];
+  for (int i = 0; i < A_N; ++i) {
+    PyObject* v = PyDict_GetItemWithError(dict, names[i]);  // borrowed; no Python code runs (interned str keys)
     if (v == nullptr) PyErr_Clear();
-    return v;
+    a.v[i] = v;
+    there[i] = v != nullptr && (i == A_CONTEXT || ((i == A_NAMES || i == A_REGIONS) ? PyDict_CheckExact(v)
+                                                                                    : PyList_CheckExact(v)));
   }
-  PyObject* list(PyObject* name) const {  // borrowed, only if exactly a list
-    PyObject* v = get(name);
-    return v != nullptr && PyList_CheckExact(v) ? v : nullptr;
-  }
-};
+  a.pre_ok = there[A_NAMES] && there[A_REGIONS] && there[A_CONTEXT] && there[A_REGION_STACK];
+  for (int i : {A_CALL_NAMES, A_ENTRIES, A_CONTEXTS, A_LASTS, A_EXITS, A_STACK, A_SEQS, A_OWNERS, A_OWNER_CALLS})
+    a.pre_ok = a.pre_ok && there[i];
+  a.post_ok = there[A_REGION_STACK];
+  for (int i : {A_STACK, A_CALL_NAMES, A_LASTS, A_EXITS, A_OUT_CALLS, A_OUT_SEQS, A_OUT_NAMES, A_SEQS, A_OWNERS,
+                A_OWNER_CALLS})
+    a.post_ok = a.post_ok && there[i];
+  a.dict = dict;
+#if GS_DICT_VERSION
+  a.version = version;
+#endif
+  return true;
+}
 
 bool plain_tensor(PyObject* o) {
   PyObject* type = (PyObject*)Py_TYPE(o);
   return type == G.plain[0] || type == G.plain[1];
 }
 
+// the plain tensors of a module's output (borrowed: the output holds them for the call), kept inline up to 16
+struct OutTensors {
+  PyObject* small[16];
+  std::vector<PyObject*> more;
+  size_t n = 0;
+  void push(PyObject* t) {
+    if (n < 16) small[n] = t;
+    else more.push_back(t);
+    ++n;
+  }
+  PyObject* at(size_t i) const { return i < 16 ? small[i] : more[i - 16]; }
+};
+
 // 1: common path, 0: needs the Python body, -1: an error is set. For the post hook: the output's plain tensors
-int classify_output(PyObject* output, std::vector<PyObject*>& tensors) {
+int classify_output(PyObject* output, OutTensors& tensors) {
   if (THPVariable_Check(output)) {
     if (!plain_tensor(output)) return 0;
-    tensors.push_back(output);
+    tensors.push(output);
     return 1;
   }
   if (PyTuple_Check(output) || PyList_Check(output) || PyDict_Check(output)) {
@@ -1872,7 +1940,7 @@ int classify_output(PyObject* output, std::vector<PyObject*>& tensors) {
     for (Py_ssize_t i = 0; i < n && ok == 1; ++i) {
       if (THPVariable_Check(at[i])) {
         if (!plain_tensor(at[i])) ok = 0;
-        else tensors.push_back(at[i]);  // borrowed: `output` holds it for the call
+        else tensors.push(at[i]);  // borrowed: `output` holds it for the call
       } else if (PyTuple_Check(at[i]) || PyList_Check(at[i]) || PyDict_Check(at[i])) {
         ok = 0;  // a container inside (nn.LSTM's (output, (h_n, c_n))): the Python hook reads it
       }
@@ -1895,39 +1963,54 @@ bool append_new(PyObject* list, PyObject* item) {  // steals item
   return rc == 0;
 }
 
+// the name of a grad_fn `fn` as `fn.name()` gives it (a new reference; nullptr with an error set, or an exception
+// thrown by Node::name). A C++ Node class's name is its class's (as name_of): one str per class, made at its first
+// node and handed out again (only on the thread holding the GIL: no lock); a custom Function's Node is named by its
+// Python class, asked each time.
+std::unordered_map<std::type_index, PyObject*> g_grad_fn_names;  // nullptr: a custom Function's Node class
+
+PyObject* grad_fn_name(Node* fn) {
+  std::type_index type(typeid(*fn));
+  auto it = g_grad_fn_names.find(type);
+  bool known = it != g_grad_fn_names.end();
+  if (known && it->second != nullptr) return Py_NewRef(it->second);
+  std::string name = fn->name();  // a custom Function's runs Python code
+  bool python = known || is_python_node(fn);
+  PyObject* text = PyUnicode_FromStringAndSize(name.data(), (Py_ssize_t)name.size());
+  if (text != nullptr && !known) g_grad_fn_names.emplace(type, python ? nullptr : Py_NewRef(text));
+  return text;
+}
+
 PyObject* tracker_pre(TrackerHook* h, PyObject* const* args, size_t nargsf) {
   PyObject* module = args[0];
-  Attrs a(h->tracker);
+  if (!tracker_attrs(h)) return call_fallback(h, args, nargsf);
+  const TrackerAttrs& a = h->attrs;
   // names, regions and context decide whether the common path applies; nothing is appended before
-  PyObject* names = a.get(s_names);
-  PyObject* regions = a.get(s_regions);
-  PyObject* context = a.get(s_context);
-  PyObject* region_stack = a.get(s_region_stack);  // inside a compiled region: `_pre` keeps its owner
-  if (names == nullptr || !PyDict_CheckExact(names) || regions == nullptr || !PyDict_CheckExact(regions) ||
-      PyDict_GET_SIZE(regions) != 0 || context != Py_None || region_stack == nullptr ||
-      !PyList_CheckExact(region_stack) || PyList_GET_SIZE(region_stack) > 0)
+  // (`_region_stack` not empty: inside a compiled region, `_pre` keeps its owner)
+  if (!a.pre_ok || PyDict_GET_SIZE(a.v[A_REGIONS]) != 0 || a.v[A_CONTEXT] != Py_None ||
+      PyList_GET_SIZE(a.v[A_REGION_STACK]) > 0)
     return call_fallback(h, args, nargsf);
   PyObject* key = PyLong_FromVoidPtr(module);
   if (key == nullptr) return nullptr;
-  PyObject* name = PyDict_GetItemWithError(names, key);  // borrowed
+  PyObject* name = PyDict_GetItemWithError(a.v[A_NAMES], key);  // borrowed
   Py_DECREF(key);
   if (name == nullptr) {
     if (PyErr_Occurred()) return nullptr;
     return call_fallback(h, args, nargsf);
   }
-  PyObject* const want[9] = {s_call_names, s_entries, s_contexts, s_lasts, s_exits,
-                             s_stack,      s_seqs,    s_owners,   s_owner_calls};
-  PyObject* l[9];
-  for (int i = 0; i < 9; ++i)
-    if ((l[i] = a.list(want[i])) == nullptr) return call_fallback(h, args, nargsf);
-  Py_INCREF(name);  // held while the lists grow (an append may run no Python code, but stay safe)
-  int64_t seq = (int64_t)at::sequence_number::peek();
-  Py_ssize_t index = PyList_GET_SIZE(l[0]);
-  bool ok = PyList_Append(l[0], name) == 0 && append_new(l[1], PyLong_FromLongLong(seq)) &&
-            PyList_Append(l[2], Py_None) == 0 && PyList_Append(l[3], Py_None) == 0 &&
-            PyList_Append(l[4], Py_None) == 0 && append_new(l[5], PyLong_FromSsize_t(index)) &&
-            append_new(l[6], PyLong_FromLongLong(seq)) && PyList_Append(l[7], name) == 0 &&
-            append_new(l[8], PyLong_FromSsize_t(index));
+  // hashing an int key and appending run no Python code: the lists stay the tracker's for the call
+  Py_INCREF(name);
+  int64_t seq_value = (int64_t)at::sequence_number::peek();
+  Py_ssize_t index_value = PyList_GET_SIZE(a.v[A_CALL_NAMES]);
+  PyObject* seq = PyLong_FromLongLong(seq_value);  // one object each for the two columns that hold it
+  PyObject* index = seq != nullptr ? PyLong_FromSsize_t(index_value) : nullptr;
+  bool ok = index != nullptr && PyList_Append(a.v[A_CALL_NAMES], name) == 0 &&
+            PyList_Append(a.v[A_ENTRIES], seq) == 0 && PyList_Append(a.v[A_CONTEXTS], Py_None) == 0 &&
+            PyList_Append(a.v[A_LASTS], Py_None) == 0 && PyList_Append(a.v[A_EXITS], Py_None) == 0 &&
+            PyList_Append(a.v[A_STACK], index) == 0 && PyList_Append(a.v[A_SEQS], seq) == 0 &&
+            PyList_Append(a.v[A_OWNERS], name) == 0 && PyList_Append(a.v[A_OWNER_CALLS], index) == 0;
+  Py_XDECREF(seq);
+  Py_XDECREF(index);
   Py_DECREF(name);
   if (!ok) return nullptr;
   Py_RETURN_NONE;
@@ -1935,66 +2018,66 @@ PyObject* tracker_pre(TrackerHook* h, PyObject* const* args, size_t nargsf) {
 
 PyObject* tracker_post(TrackerHook* h, PyObject* const* args, size_t nargsf) {
   PyObject* output = args[2];
-  Attrs a(h->tracker);
-  PyObject* region_stack = a.get(s_region_stack);
-  if (region_stack == nullptr || !PyList_CheckExact(region_stack) || PyList_GET_SIZE(region_stack) > 0)
-    return call_fallback(h, args, nargsf);
-  std::vector<PyObject*> tensors;
+  if (!tracker_attrs(h)) return call_fallback(h, args, nargsf);
+  if (!h->attrs.post_ok || PyList_GET_SIZE(h->attrs.v[A_REGION_STACK]) > 0) return call_fallback(h, args, nargsf);
+  OutTensors tensors;
   int kind = classify_output(output, tensors);
   if (kind < 0) return nullptr;
+  if (kind == 0) return call_fallback(h, args, nargsf);
   enum { STACK, NAMES, LASTS, EXITS, OUT_CALLS, OUT_SEQS, OUT_NAMES, SEQS, OWNERS, OWNER_CALLS, N };
-  PyObject* const want[N] = {s_stack, s_call_names, s_lasts, s_exits, s_out_calls, s_out_seqs,
-                             s_out_names, s_seqs, s_owners, s_owner_calls};
+  const int which[N] = {A_STACK,     A_CALL_NAMES, A_LASTS, A_EXITS,  A_OUT_CALLS,
+                        A_OUT_SEQS,  A_OUT_NAMES,  A_SEQS,  A_OWNERS, A_OWNER_CALLS};
   PyObject* l[N];
-  for (int i = 0; i < N; ++i)
-    if (kind == 0 || (l[i] = a.list(want[i])) == nullptr) return call_fallback(h, args, nargsf);
-  for (PyObject* x : l) Py_INCREF(x);  // ours for the call, whatever a tensor's grad_fn name runs
+  for (int i = 0; i < N; ++i) l[i] = Py_NewRef(h->attrs.v[which[i]]);  // ours: a custom Function's name runs Python
   bool ok = true;
-  int64_t seq = (int64_t)at::sequence_number::peek();
+  PyObject* seq = PyLong_FromLongLong((int64_t)at::sequence_number::peek());  // the exit and the boundary
+  if (seq == nullptr) ok = false;
   Py_ssize_t depth = PyList_GET_SIZE(l[STACK]);
-  if (depth > 0) {
-    PyObject* top = PyList_GET_ITEM(l[STACK], depth - 1);
-    Py_INCREF(top);
-    ok = PyList_SetSlice(l[STACK], depth - 1, depth, nullptr) == 0;
-    Py_ssize_t index = ok ? PyLong_AsSsize_t(top) : -1;
-    if (ok && (index < 0 || index >= PyList_GET_SIZE(l[LASTS]) || index >= PyList_GET_SIZE(l[EXITS]))) {
+  if (ok && depth > 0) {
+    PyObject* top = PyList_GET_ITEM(l[STACK], depth - 1);  // the stack's reference, ours once it is popped
+    Py_SET_SIZE(l[STACK], depth - 1);                       // list.pop(): the slot above the size is not read
+    Py_ssize_t index = PyLong_AsSsize_t(top);
+    if (index < 0 || index >= PyList_GET_SIZE(l[LASTS]) || index >= PyList_GET_SIZE(l[EXITS])) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "module hook: a call index out of range");
       ok = false;
     }
     if (ok) {
       PyObject* last = PyLong_FromSsize_t(PyList_GET_SIZE(l[NAMES]) - 1);
-      PyObject* exit = PyLong_FromLongLong(seq);
-      if (last == nullptr || exit == nullptr) {
-        Py_XDECREF(last);
-        Py_XDECREF(exit);
+      if (last == nullptr) {
         ok = false;
       } else if (PyList_SetItem(l[LASTS], index, last) < 0) {  // SetItem takes the reference, even failing
-        Py_DECREF(exit);
         ok = false;
       } else {
-        ok = PyList_SetItem(l[EXITS], index, exit) == 0;
+        ok = PyList_SetItem(l[EXITS], index, Py_NewRef(seq)) == 0;
       }
     }
-    for (size_t k = 0; ok && k < tensors.size(); ++k) {
-      std::string fname;
+    for (size_t k = 0; ok && k < tensors.n; ++k) {
+      PyObject* fname = nullptr;
       uint64_t fseq = 0;
       try {  // `.grad_fn` of a view may rebuild its node, and a custom Function's name() runs Python: either may throw
-        auto fn = THPVariable_Unpack(tensors[k]).grad_fn();  // a copy: the tensor may drop its grad_fn
+        auto fn = THPVariable_Unpack(tensors.at(k)).grad_fn();  // a copy: the tensor may drop its grad_fn
         if (!fn) continue;
-        fname = fn->name();
+        fname = grad_fn_name(fn.get());
         fseq = fn->sequence_nr();
       } catch (const std::exception& e) {  // a Python error, as `output.grad_fn` raises in the Python hook
+        Py_CLEAR(fname);
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
         ok = false;
         break;
       }
-      ok = PyList_Append(l[OUT_CALLS], top) == 0 &&
-           append_new(l[OUT_SEQS], PyLong_FromUnsignedLongLong((unsigned long long)fseq)) &&
-           append_new(l[OUT_NAMES], PyUnicode_FromStringAndSize(fname.data(), (Py_ssize_t)fname.size()));
+      if (fname == nullptr) {
+        ok = false;
+      } else if (PyList_Append(l[OUT_CALLS], top) != 0 ||
+                 !append_new(l[OUT_SEQS], PyLong_FromUnsignedLongLong((unsigned long long)fseq))) {
+        Py_DECREF(fname);
+        ok = false;
+      } else {
+        ok = append_new(l[OUT_NAMES], fname);
+      }
     }
     Py_DECREF(top);
   }
-  ok = ok && append_new(l[SEQS], PyLong_FromLongLong(seq));
+  ok = ok && PyList_Append(l[SEQS], seq) == 0;
   if (ok) {
     Py_ssize_t left = PyList_GET_SIZE(l[STACK]);
     if (left > 0) {
@@ -2011,6 +2094,7 @@ PyObject* tracker_post(TrackerHook* h, PyObject* const* args, size_t nargsf) {
       ok = append_new(l[OWNERS], PyUnicode_FromString("")) && append_new(l[OWNER_CALLS], PyLong_FromLong(-1));
     }
   }
+  Py_XDECREF(seq);
   for (PyObject* x : l) Py_DECREF(x);
   if (!ok) return nullptr;
   Py_RETURN_NONE;
@@ -2019,6 +2103,7 @@ PyObject* tracker_post(TrackerHook* h, PyObject* const* args, size_t nargsf) {
 PyObject* tracker_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* h = (TrackerHook*)self;
   Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  if (h->tracker == nullptr || h->fallback == nullptr) Py_RETURN_NONE;  // cleared by the collector
   if (kwnames != nullptr || n != (h->post ? 3 : 2)) return PyObject_Vectorcall(h->fallback, args, nargsf, kwnames);
   if (PyThread_get_thread_ident() != h->thread) Py_RETURN_NONE;
   if (h->is_compiling != Py_None) {  // None: the Python function in front asked it already (modules.py's wrappers)
@@ -2082,6 +2167,7 @@ PyObject* py_module_hooks(PyObject*, PyObject* args) {
     h->tracker = Py_NewRef(tracker);
     h->fallback = Py_NewRef(post_hook ? post : pre);
     h->is_compiling = Py_NewRef(is_compiling);
+    new (&h->attrs) TrackerAttrs();  // none read yet
     PyObject_GC_Track((PyObject*)h);
     PyTuple_SET_ITEM(out, post_hook, (PyObject*)h);
   }
