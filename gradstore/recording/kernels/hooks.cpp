@@ -2330,11 +2330,17 @@ PyObject* bound_tap_call(PyObject* self, PyObject* const* argv, size_t nargsf, P
   return out;
 }
 
+// torch's call path reads the tap twice a module call (`if self._compiled_call_impl is not None: return
+// self._compiled_call_impl(...)`): the first BoundTap is gone before the second is made, and its memory is kept here
+// for it (one slot; only with the GIL held) in place of a free and a malloc each time
+BoundTap* g_spare_bound_tap = nullptr;
+
 void bound_tap_dealloc(PyObject* self) {
   auto* b = (BoundTap*)self;
   Py_CLEAR(b->tap);
   Py_CLEAR(b->module);
-  PyObject_Free(self);
+  if (g_spare_bound_tap == nullptr) g_spare_bound_tap = b;
+  else PyObject_Free(self);
 }
 
 // 1 when the frame reading the attribute runs `wrapped_code` (torch's `_wrapped_call_impl`), 0 otherwise
@@ -2356,8 +2362,13 @@ PyObject* module_tap_get(PyObject* self, PyObject* obj, PyObject*) {
   if (compiling == nullptr && PyErr_Occurred()) return nullptr;
   if (compiling != nullptr && compiling != Py_False) Py_RETURN_NONE;
   if (!read_by_call_path(t)) Py_RETURN_NONE;
-  auto* b = PyObject_New(BoundTap, &BoundTapType);
-  if (b == nullptr) return nullptr;
+  BoundTap* b = g_spare_bound_tap;
+  if (b != nullptr) {
+    g_spare_bound_tap = nullptr;
+    PyObject_Init((PyObject*)b, &BoundTapType);  // its type, one reference
+  } else if ((b = PyObject_New(BoundTap, &BoundTapType)) == nullptr) {
+    return nullptr;
+  }
   b->vectorcall = bound_tap_call;
   b->tap = (ModuleTap*)Py_NewRef(self);
   b->module = Py_NewRef(obj);
