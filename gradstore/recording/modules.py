@@ -616,7 +616,8 @@ class ModuleTracker:
         self._standing: list[_RegionCall] = []  # those in place now
 
     def _bind(self, record: ForwardRecord) -> None:
-        """Start appending to `record` (its lists are held directly: the hooks look each up once per call)."""
+        """Start appending to `record` (its lists are held directly: the Python hooks look each up once per call;
+        the C++ hooks keep them until an attribute of the tracker is set, as here)."""
         self._record = record
         self._seqs, self._owners, self._owner_calls = record.seqs, record.owners, record.owner_calls
         self._names, self._entries, self._contexts = record.call_names, record.call_seqs, record.call_contexts

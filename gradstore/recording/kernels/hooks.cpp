@@ -1802,12 +1802,15 @@ PyObject* py_same_structure(PyObject*, PyObject* args) {
 // or while `is_compiling()` (None: not asked, where the caller asks it first), and return
 // None. The sequence counter is read with at::sequence_number::peek (what _get_sequence_nr returns), a grad_fn's
 // number and name with Node::sequence_nr / Node::name (what `_sequence_nr()` and `name()` return).
-// The tracker's attributes that a hook reads, as last read from the tracker's __dict__ (borrowed: the dict holds them).
-// Reading them is a dict lookup by interned name each (13 for a pre-hook, 11 for a hook: more than the appends); they
-// change only where an attribute of the tracker is set (`clear()` binds new lists once a step), so they are read again
-// only when the dict changed since: its version tag (`ma_version_tag`, a global counter that each change of any dict
-// takes a new value from, and a new dict a fresh one) differs, or it is another dict. Where the tag is not there to
-// read (CPython 3.14 on) they are read at each call, as before.
+//
+// Each hook keeps the tracker's attributes that it reads (`TrackerAttrs`), as last read from the tracker's __dict__
+// (borrowed: the dict holds them). Reading them is a dict lookup by interned name each (13 for a pre-hook, 11 for a
+// hook: as much as the appends); they change only where an attribute of the tracker is set (`clear()` binds new lists,
+// `names` replaced), so they are read again only when the dict changed since: its version tag (PEP 509's
+// `ma_version_tag`: each change of any dict takes a new value of one global counter, and a new dict a fresh one)
+// differs, or it is another dict. The objects themselves are read at each call (the names' dict, whether `regions` and
+// `_region_stack` are empty, whether `context` is None). CPython 3.12 on (where PEP 509 is deprecated and managed
+// dicts changed; not tested here): read at each call, as before.
 enum { A_NAMES, A_REGIONS, A_CONTEXT, A_REGION_STACK, A_STACK, A_CALL_NAMES, A_ENTRIES, A_CONTEXTS, A_LASTS, A_EXITS,
        A_SEQS, A_OWNERS, A_OWNER_CALLS, A_OUT_CALLS, A_OUT_SEQS, A_OUT_NAMES, A_N };
 
@@ -1848,7 +1851,7 @@ bool intern_names() {
   return true;
 }
 
-#if PY_VERSION_HEX < 0x030E0000
+#if PY_VERSION_HEX < 0x030C0000
 #define GS_DICT_VERSION 1
 uint64_t dict_version(PyObject* dict) {
   return ((PyDictObject*)dict)->ma_version_tag;
@@ -1858,7 +1861,7 @@ uint64_t dict_version(PyObject* dict) {
 #endif
 
 // the tracker's attributes (above), read again where its __dict__ changed; false: no usable __dict__ (the Python
-// body decides). `ok` tells whether the common path applies to them.
+// body decides). `pre_ok` / `post_ok` tell whether a common path applies to them.
 bool tracker_attrs(TrackerHook* h) {
   TrackerAttrs& a = h->attrs;
   if (h->tracker == nullptr) {  // cleared by the collector
