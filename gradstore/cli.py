@@ -534,6 +534,26 @@ def _unwritten_line(store: Store, run: str, rank: int | None = None) -> str | No
     )
 
 
+FSDP_HELD = (
+    "gradient accumulating inside FSDP2 (set_requires_gradient_sync(False)): not yet reduce-scattered into .grad"
+)
+
+
+def _fsdp_held(status: pd.DataFrame, passes: pd.DataFrame) -> int:
+    """How many rows of `status` (Store.param_status of a step) got a gradient (status ok) that FSDP2 holds, not
+    yet reduce-scattered into `.grad` (has_grad 0) because its rank's last top-level backward pass of the step ran
+    with FSDP2's gradient sync off (`passes` of the step: fsdp_sync 0, or 2 where off for some modules)."""
+    if status.empty or passes.empty or "fsdp_sync" not in passes or "has_grad" not in status:
+        return 0
+    top = passes[passes["parent_pass"].isna() & (passes["kind"] == "backward")]
+    last = top.sort_values("pass").groupby("rank")["fsdp_sync"].last()
+    off = {int(r) for r, v in last.items() if v in (0, 2)}
+    if not off:
+        return 0
+    rows = status[(status["status"] == "ok") & (status["has_grad"] == 0) & status["rank"].isin(off)]
+    return len(rows)
+
+
 def _status_why(
     row,
     skipped: dict | None = None,
@@ -1158,14 +1178,21 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
         shown_odd = shown_odd.assign(
             why=[_status_why(r, reasons, raised, where, fault, last_bad) for r in shown_odd.itertuples()]
         )
+        in_fsdp = _fsdp_held(status, passes)
         click.echo(
             _table(
                 shown_odd[["rank", "param", "status", "why", "module_ran", "reached", "calls", "has_grad"]],
-                empty="  (none: every parameter got a gradient that is not all zero)",
+                empty="  (none: every parameter got a gradient that is not all zero"
+                + (f"; {in_fsdp:,} of them hold it inside FSDP2, not in .grad: below)" if in_fsdp else ")"),
             )
         )
         if more:
             click.echo(more)
+        if in_fsdp:
+            click.echo(
+                f"  {in_fsdp:,} with status ok have .grad None (has_grad 0): {FSDP_HELD} (it is, in the step whose "
+                "backward pass runs with the sync on)"
+            )
 
     gains = store.module_gains(run=run, rank=rank, step=step)
     measured = gains.dropna(subset=["ratio"])
@@ -1319,6 +1346,9 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
     # no backward pass of the step gave it a gradient (frozen, not used, unreachable, stale): its .grad, left from
     # before (an earlier gradient, the zeros zero_grad(set_to_none=False) writes), is no gradient of this step
     nograd = grads["no_gradient"].notna() & ~bad
+    # FSDP2 with its gradient sync off: a gradient the step gave, held inside FSDP2 (.grad None: not measured)
+    in_fsdp = grads["no_gradient"].fillna("").str.startswith(FSDP_HELD.split(" (")[0])
+    nograd &= ~in_fsdp
     finite = grads[~bad & ~nograd & (grads["status"] == "ok") & grads["norm"].notna()]
     top = finite.sort_values("norm", ascending=False).head(limit)
     others = []
@@ -1332,7 +1362,9 @@ def _show_step(store: Store, db: str, run: str, step: int, rank: int | None, lim
             f"{int(nograd.sum()):,} that no backward pass of the step gave a gradient ({kinds}, above; their .grad "
             "is left from before: param_grads' no_gradient)"
         )
-    unmeasured = len(grads) - len(finite) - int(bad.sum()) - int(nograd.sum())
+    if in_fsdp.any():
+        others.append(f"{int(in_fsdp.sum()):,} with .grad None: {FSDP_HELD}")
+    unmeasured = len(grads) - len(finite) - int(bad.sum()) - int(nograd.sum()) - int(in_fsdp.sum())
     if unmeasured:
         others.append(f"{unmeasured:,} with no .grad or not measured (status none / skipped, or stats='shape')")
     pieces = grads["placements"].map(shards.is_piece) if "placements" in grads else pd.Series(False, grads.index)
@@ -2309,6 +2341,8 @@ def ranks(db, run, step, verbose):
         )
     # the parameters and stages whose .grad was None on both ranks: nothing compared there
     grad_none = table[table["rule"] == "none"]
+    # of those, the ones FSDP2 holds: its gradient sync was off (set_requires_gradient_sync(False)) on both ranks
+    fsdp_none = grad_none[grad_none["reason"].fillna("").str.startswith(FSDP_HELD.split(" (")[0])]
     if not params:
         click.echo(
             f"nothing compared at step {step}: no rank recorded a parameter gradient in it (ranks {rank_list}){note}"
@@ -2344,6 +2378,11 @@ def ranks(db, run, step, verbose):
         head = (
             f"not compared at step {step}: {len(own)} of {n} parameter gradients (ranks {rank_list}){note}: "
             f"{own_rows.iloc[0]['reason']}"
+        )
+    elif len(fsdp_none) and set(unchecked) <= set(fsdp_none["param"]) and not fine:
+        head = (
+            f"not compared at step {step}: {len(unchecked)} of {n} parameter gradients (ranks {rank_list}){note}: "
+            f".grad None on every rank: {FSDP_HELD}; the step whose backward pass runs with the sync on is compared"
         )
     elif unchecked:
         head = (
@@ -2406,10 +2445,13 @@ def ranks(db, run, step, verbose):
         click.echo(f"  not compared: {len(unchecked)}")
     for rule in ("replicated", "summary", "sharded", "partial", "missing", "none"):
         members = [p for p in params if rule in rules[p].split("+")]
+        words = _RULE_WORDS[rule]
         if rule == "none":  # a stage whose .grad was None on both ranks, whatever the other stage's rule
             members = [p for p in params if p in set(grad_none["param"])]
+            if members and set(members) <= set(fsdp_none["param"]):
+                words = f".grad None on both ranks: {FSDP_HELD} (nothing compared)"
         if members:
-            click.echo(f"  {_RULE_WORDS[rule]}: {len(members)}: {_names(members, verbose)}")
+            click.echo(f"  {words}: {len(members)}: {_names(members, verbose)}")
     both = [
         p for p in params if "replicated" in rules[p].split("+") and {"sharded", "partial"} & set(rules[p].split("+"))
     ]
@@ -2423,6 +2465,8 @@ def ranks(db, run, step, verbose):
         listed = table[table["result"] == result]
         if result == "not compared" and not verbose and len(own) == len(unchecked) and not fine and own:
             listed = listed[~_accumulation(listed)]  # the head says why, once
+        if result == "not compared" and not verbose and head.startswith("not compared") and len(fsdp_none):
+            listed = listed[~listed.index.isin(fsdp_none.index)]  # FSDP2 holds the gradients: the head says so, once
         for _, r in listed.iterrows():
             pair = (r["param"], r["rank_a"], r["rank_b"])
             if pair in said and not verbose:

@@ -186,6 +186,11 @@ class PassRecord:
     # the pass all-reduces .grad), 0 where one did not (its forward ran under `no_sync()`: each rank keeps its own
     # accumulation); None: no DDP wrapper in the recorded models, or not a top-level backward pass
     ddp_sync: int | None = None
+    # a top-level backward pass of FSDP2 modules (revision 0016_fsdp_sync): 1 where every FSDP2 parameter group of
+    # the recorded models reduce-scatters its gradient into the sharded `.grad` after the pass, 0 where none does
+    # (`set_requires_gradient_sync(False)`: the gradient accumulates inside FSDP2, `.grad` is not written), 2 where
+    # some do and some do not; None: no FSDP2 module in the recorded models, or not a top-level backward pass
+    fsdp_sync: int | None = None
     # a recorder fault may have lost some of the pass's calls or rows (a hook's fault it could not recover from, a
     # C++ hook's, the end of the pass, rows not built): a node with no call is then not known not to have run
     faulted: bool = False

@@ -1071,14 +1071,41 @@ def test_upgrade_0014_to_0015_adds_ddp_sync_as_not_known_and_down_again(tmp_path
         before = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
         columns = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
     _migrate(path, "0015_ddp_sync")
-    assert _revision(path) == "0015_ddp_sync" == database.head_revision()
+    assert _revision(path) == "0015_ddp_sync"
     with sqlite3.connect(path) as conn:
         after = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
         now = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
     assert now == [*columns, "ddp_sync"] and after == [(*row, None) for row in before] and before
+    _migrate(path, database.head_revision())  # readers open the newest revision only (later ones add to 0015)
     with gradstore.open(path) as store:  # a run read across ranks at this revision: its rows are compared as before
         assert len(store.passes()) == len(before)
     _migrate(path, "0014_optimizer_steps", down=True)
+    with sqlite3.connect(path) as conn:
+        assert [r[1] for r in conn.execute("PRAGMA table_info(passes)")] == columns
+        assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before
+
+
+# ---- revision 0016_fsdp_sync: whether FSDP2 reduce-scattered each backward pass's gradients into .grad ----------
+def test_upgrade_0015_to_0016_adds_fsdp_sync_as_not_known_and_down_again(tmp_path):
+    """The committed revision-0003 file with passes at 0015_ddp_sync, then 0016_fsdp_sync: every passes row keeps
+    its values and its new fsdp_sync is NULL (not known: an older gradstore did not read FSDP2's flag), never 0 (0
+    says FSDP2's gradient sync was off). Down to 0015 drops the column and leaves the rows as they were."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-loop.db", path)
+    _migrate(path, "0015_ddp_sync")
+    with sqlite3.connect(path) as conn:
+        before = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
+    _migrate(path, "0016_fsdp_sync")
+    assert _revision(path) == "0016_fsdp_sync" == database.head_revision()
+    with sqlite3.connect(path) as conn:
+        after = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
+        now = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
+    assert now == [*columns, "fsdp_sync"] and after == [(*row, None) for row in before] and before
+    with gradstore.open(path) as store:
+        passes = store.passes()
+    assert len(passes) == len(before) and passes["fsdp_sync"].isna().all()
+    _migrate(path, "0015_ddp_sync", down=True)
     with sqlite3.connect(path) as conn:
         assert [r[1] for r in conn.execute("PRAGMA table_info(passes)")] == columns
         assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before

@@ -115,6 +115,46 @@ def test_dtensor_local_offset_and_fsdp2_parameter_pairs():
     assert (r0["offset"], r1["offset"]) == ((0, 0), (3, 0))
 
 
+def _fsdp_sync_facts(rank):
+    """FSDP2's per-group gradient-sync flag as `fsdp_gradient_sync` reads it, and what `.grad` is after a backward
+    pass with the public `set_requires_gradient_sync` off and then on (plain torch: the truth)."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,))
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(net[0], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    facts = {"plain_module": tp.fsdp_gradient_sync(nn.Linear(2, 2)), "default": tp.fsdp_gradient_sync(net)}
+    net.set_requires_gradient_sync(False)
+    facts["off"] = [tp.fsdp_gradient_sync(net), tp.fsdp_gradient_sync(net[0])]
+    net(torch.randn(2, 3)).sum().backward()
+    facts["off_grads_none"] = [p.grad is None for p in net.parameters()]
+    net[0].set_requires_gradient_sync(True, recurse=False)
+    facts["inner_on"] = [tp.fsdp_gradient_sync(net), tp.fsdp_gradient_sync(net[0])]
+    net.set_requires_gradient_sync(True)
+    net(torch.randn(2, 3)).sum().backward()
+    facts["on_grads_none"] = [p.grad is None for p in net.parameters()]
+    facts["on"] = [tp.fsdp_gradient_sync(net), tp.fsdp_gradient_sync(net[0])]
+    return facts
+
+
+def test_fsdp2_gradient_sync_flag():
+    """FSDP2's `_get_fsdp_state()._fsdp_param_groups[i].reduce_grads` (what `set_requires_gradient_sync` sets; read by
+    `fsdp_gradient_sync` for passes.fsdp_sync): if this fails after a PyTorch upgrade, a micro-batch under
+    `set_requires_gradient_sync(False)` is no longer told from a pass whose parameters got no gradient."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    for r in run_distributed(_fsdp_sync_facts):
+        assert r["plain_module"] == [] and r["default"] == [True]
+        assert r["off"] == [[False], [False]]
+        assert r["off_grads_none"] == [True] * 4  # the gradient stays inside FSDP2: no .grad written
+        assert r["inner_on"] == [[False], [True]]  # one module's groups only (recurse=False)
+        assert r["on"] == [[True], [True]] and r["on_grads_none"] == [False] * 4
+
+
 # ---- torch.compile --------------------------------------------------------------------------------------------
 def test_compiled_module_wrapper_is_found_and_unwrapped():
     net = torch.nn.Linear(2, 2)

@@ -163,6 +163,19 @@ def ddp_sync(modules: list[nn.Module]) -> int | None:
     return int(all(getattr(m, "require_forward_param_sync", True) for m in modules))
 
 
+def fsdp_sync(modules: list[nn.Module]) -> int | None:
+    """Whether the next backward pass reduce-scatters the gradients of FSDP2 modules `modules` (`fsdp_modules`) into
+    their sharded parameters' `.grad`: 1 where every parameter group of every one does, 0 where none does (the
+    training loop called `set_requires_gradient_sync(False)`: the gradient accumulates inside FSDP2, and `.grad`
+    is not written), 2 where some do and some do not (`set_requires_gradient_sync(False, recurse=False)` on some
+    modules); None for no FSDP2 module. Reads FSDP2's private flag through
+    gradstore.recording.torch_private.fsdp_gradient_sync (raises what it raises where torch moved it)."""
+    flags = [flag for mod in modules for flag in tp.fsdp_gradient_sync(mod)]
+    if not flags:
+        return None
+    return 1 if all(flags) else 0 if not any(flags) else 2
+
+
 def fsdp_modules(models: list[tuple[str, nn.Module]], candidates: list[nn.Module] | None = None) -> list[nn.Module]:
     """The modules under `models` ((prefix, model) pairs) that FSDP2's `fully_shard` manages and that hold
     parameters of their own (gradstore.recording.torch_private.fsdp_parameters), in `modules()` order.

@@ -47,6 +47,7 @@ from .modules import (
     fsdp_aliases,
     fsdp_candidates,
     fsdp_modules,
+    fsdp_sync,
     in_place_compiled,
     named_models,
     names_with_aliases,
@@ -1019,6 +1020,11 @@ class record:
             if watched and self._ddp:  # whether DDP all-reduces in this pass (off under no_sync): a few attributes
                 try:
                     p.record.ddp_sync = ddp_sync(self._ddp)
+                except Exception as exc:
+                    state.fault("start of pass", exc)
+            if watched and self._fsdp:  # whether FSDP2 reduce-scatters into .grad after this pass: a flag per group
+                try:
+                    p.record.fsdp_sync = fsdp_sync(self._fsdp)
                 except Exception as exc:
                     state.fault("start of pass", exc)
             if watched and not self._reads.carried_off:

@@ -196,6 +196,21 @@ def fsdp_parameters(module) -> list[tuple]:
     return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for fp in group.fsdp_params]
 
 
+def fsdp_gradient_sync(module) -> list[bool]:
+    """Whether FSDP2 reduces the gradients of `module` (a module given to `fully_shard`, an instance of the public
+    `torch.distributed.fsdp.FSDPModule`) in the next backward pass: one flag per FSDPParamGroup of it, True where
+    the group's post-backward reduce-scatters the accumulated gradient into the sharded parameters' `.grad`, False
+    where `set_requires_gradient_sync(False)` turned that off (the gradient then accumulates inside FSDP2, in its
+    unsharded parameters, and the sharded `.grad` is left as it was: None after zero_grad); [] for any other module
+    or one with no parameter group. Relies on `module._get_fsdp_state()._fsdp_param_groups` and each
+    FSDPParamGroup's `reduce_grads` (private, torch 2.13: what the public `set_requires_gradient_sync` sets).
+    Raises AttributeError where torch moved them (the caller notes a recorder fault)."""
+    fsdp_module = fsdp_module_type()
+    if fsdp_module is None or not isinstance(module, fsdp_module):
+        return []
+    return [bool(group.reduce_grads) for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
 # ---- torch.compile -----------------------------------------------------------------------------------------
 def compiled_module_inner(module):
     """The module that a `torch.compile(module)` wrapper compiles (its `_orig_mod`), or None when `module` is not

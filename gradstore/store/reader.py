@@ -281,7 +281,11 @@ class Store:
         open; NULL where it returned), raised_at (the key of the node whose call started and did not end in a
         pass that raised) and ddp_sync (a top-level backward pass under DistributedDataParallel: 1 where DDP
         all-reduced the gradients, 0 where its sync was off, a forward under `no_sync()`; NULL: no DDP wrapper among
-        the recorded models, another kind of pass, or stored before schema revision 0015_ddp_sync)."""
+        the recorded models, another kind of pass, or stored before schema revision 0015_ddp_sync) and fsdp_sync (a
+        top-level backward pass of FSDP2 modules: 1 where every FSDP2 parameter group reduce-scattered its gradient
+        into the sharded `.grad` after the pass, 0 where none did, `set_requires_gradient_sync(False)`: the gradient
+        accumulates inside FSDP2 and `.grad` is not written, 2 where some did; NULL: no FSDP2 module among the
+        recorded models, another kind of pass, or stored before schema revision 0016_fsdp_sync)."""
         return self.query("passes", run=run, rank=rank, step=step)
 
     @_per_step
@@ -441,7 +445,10 @@ class Store:
         row), and no_gradient, where no backward pass of the step gave it a gradient (frozen with no
         AccumulateGrad call, stale, not used, unreachable), says so and what the .grad holds then (a tensor left
         from before: an earlier gradient, or the zeros `zero_grad(set_to_none=False)` writes); NULL where a pass
-        gave it one, and where .grad is None (status none). Such a row is no gradient of its step: do not read
+        gave it one, and where .grad is None (status none), except under FSDP2 with its gradient sync off
+        (`passes()` fsdp_sync 0, or 2: off for some modules), where a `.grad` of None whose parameter got a gradient
+        (param_status ok) says 'gradient accumulating inside FSDP2 (set_requires_gradient_sync(False)): not yet
+        reduce-scattered into .grad'. Such a row is no gradient of its step: do not read
         its norm as one (a final row is labelled only where it matches the step's pass row: code may set .grad
         after the pass).
 
@@ -1276,14 +1283,16 @@ class Store:
         runs outside the recorded steps: compared as ever): each rank's .grad is its own accumulation (a
         micro-batch under `DistributedDataParallel.no_sync()`), expected to differ; where an optimizer stepped the
         rows are compared as ever, and so are a DTensor's copies (a 'differs' row with DDP's sync off on a rank
-        says so in `reason`).
+        says so in `reason`). A 'none' row where FSDP2's gradient sync was off on both ranks (`passes()` fsdp_sync
+        0, or 2: off for some modules) says in `reason` that the gradient is accumulating inside FSDP2
+        (`set_requires_gradient_sync(False)`), not yet reduce-scattered into `.grad`.
 
         Args:
             run: the run; step: one step (None: every step); all: also the comparisons that agree ('equal',
                 'sharded'), so that every parameter's rule shows.
         Columns: run, step, stage, param, module, rank_a, rank_b, rule, result, side, compared, differs, reason,
         status_a/_b, placements_a/_b, shape_a/_b, norm, min, max, mean, std (_a, _b, _abs, _rel), nan, posinf,
-        neginf, zeros, checksum (_a, _b), optimizer_steps_a/_b, ddp_sync_a/_b, accumulation (1 / 0).
+        neginf, zeros, checksum (_a, _b), optimizer_steps_a/_b, ddp_sync_a/_b, fsdp_sync_a/_b, accumulation (1 / 0).
         A flight-recorder summary step (`steps()` level 'summary') kept each rank's final norm only
         (`param_norms`): its parameters are compared by that norm (rule 'summary', stage 'final', compared
         'norm'): 'differs' where the ranks' norms or non-finite counts differ, else 'not compared' (equal norms do

@@ -191,6 +191,17 @@ passes = Table(
             "before that revision"
         ),
     ),
+    Column(
+        "fsdp_sync",
+        Integer,
+        info=doc(
+            "a top-level backward pass of FSDP2 modules (fully_shard; revision 0016_fsdp_sync): 1 where every FSDP2 "
+            "parameter group reduce-scattered its gradient into the sharded .grad after the pass, 0 where none did "
+            "(set_requires_gradient_sync(False): the gradient accumulates inside FSDP2 and .grad is not written: None "
+            "after zero_grad), 2 where some did and some did not; NULL: no FSDP2 module in the recorded models, "
+            "another kind of pass, or stored before that revision"
+        ),
+    ),
     UniqueConstraint("step_id", "pass"),
 )
 

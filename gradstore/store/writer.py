@@ -427,6 +427,7 @@ class Writer:
                     "error",
                     "graph_id",
                     "ddp_sync",
+                    "fsdp_sync",
                 ),
             )
             + returning
@@ -1236,6 +1237,7 @@ class Writer:
                             p.error,
                             graph_id,
                             p.ddp_sync,
+                            p.fsdp_sync,
                         ),
                     )
                 )
