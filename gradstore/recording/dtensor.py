@@ -17,6 +17,7 @@ gradstore.recording.torch_private for the shard offset and the private `_Strided
 from __future__ import annotations
 
 import math
+import re
 
 from ..records import Sharding
 from . import torch_private as tp
@@ -110,3 +111,22 @@ def describe(t) -> Sharding:
         _CACHE.clear()
     _CACHE[key] = (mesh, info)
     return info
+
+
+_PLACEMENT_NAME = re.compile(r"(\w+)\(")
+
+
+def holds_whole(info: Sharding | None) -> bool:
+    """Whether a row with layout `info` (`describe`'s, None for a plain tensor) holds the whole gradient on this
+    rank: a plain tensor, or a DTensor whose every mesh dimension of more than one rank is Replicate (a Shard or
+    _StridedShard splits it, a Partial makes it one term of a sum); False where this rank is not in the mesh. Read
+    from the placements alone, so every rank of the mesh answers the same."""
+    if info is None:
+        return True
+    if info.coordinate is None:
+        return False
+    names = _PLACEMENT_NAME.findall(info.placements)
+    sizes = [int(n) for n in info.mesh_shape.split(",")] if info.mesh_shape else []
+    if len(names) != len(sizes):
+        return False
+    return all(name == "Replicate" or size == 1 for name, size in zip(names, sizes))

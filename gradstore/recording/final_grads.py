@@ -32,6 +32,7 @@ import torch
 from ..records import ROLE, STATUS, NodeInfo
 from . import native
 from . import torch_private as tp
+from .dtensor import holds_whole
 from .options import Options
 from .param_list import ParamList
 from .rows import PackedRows
@@ -363,6 +364,16 @@ class FinalGrads:
         self.read_states: bytes | None = None
         self.optimizer_steps = 0  # optimizer `step()` calls that returned in the step (`optimizer_stepped`)
         self.absent: frozenset = frozenset()  # `rows`: the keys of its rows whose `.grad` was None
+        # sharded gradients (`rows`): split is True where some final row is a DTensor piece that is not the whole
+        # gradient on this rank (`dtensor.holds_whole`), with more than one rank; then the step's totals come from
+        # the clip alone (`note_clip`): clip_total, what clip_grad_norm_ returned (the whole gradient's norm before
+        # clipping), and whole_total, the norm of the final .grads it left (where they are the final rows); None
+        # where not known without a collective
+        self.split = False
+        self.clip_total: float | None = None
+        self.whole_total: float | None = None
+        self._taken = 0  # snapshots taken in the step (`take`): which one a clip's note belongs to
+        self._clip: tuple | None = None  # `note_clip`: (snapshot number, total, max_norm)
 
     def take(self, why: str) -> None:
         """Take the snapshot now, replacing an earlier one of the step. `why` names the moment.
@@ -377,6 +388,7 @@ class FinalGrads:
         array or DLPack view made before the pass ended, a C extension, another process sharing the memory), an
         operator already running on another thread when the pass ended."""
         self._lock_stepped()
+        self._taken += 1
         basis, self._basis = self._basis, None
         if basis is not None and basis[0] is not None:  # the pass's measurement: `_unchanged` removes its watcher
             if self._unchanged(basis):
@@ -465,6 +477,7 @@ class FinalGrads:
         self._lock_stepped()
         self.results = None
         self.taken_by = None
+        self._clip = None  # a clip before this pass clipped other gradients
         self.close()
         if count is None:
             return
@@ -509,6 +522,8 @@ class FinalGrads:
         here, on the training thread (one host copy per device for results still in device tensors). The norms and
         counts are per parameter, None where its row has none (what gradstore.recording.flight's summary holds).
         `absent` is then the keys of the rows whose `.grad` was None (found only where some norm is None)."""
+        self.split, self.clip_total, self.whole_total = False, None, None
+        clip, self._clip = self._clip, None
         try:
             self.take_if_missing("end of step")
         finally:
@@ -523,7 +538,40 @@ class FinalGrads:
             if None in got[3][1]:
                 absent |= {k for k, (_, row, _, _) in locked.items() if row[_STATUS_AT] == _NONE_CODE}
         self.absent = frozenset(absent)
+        self.split = split_rows(got[1])
+        if self.split and clip is not None:
+            total = host_total(clip[1])
+            if total is not None and math.isfinite(total):
+                self.clip_total = total
+                if clip[0] == self._taken and not locked:  # the final rows are the clip's own snapshot
+                    # what clip_grads_with_norm_ multiplied every gradient by: max_norm / (total + 1e-6), at most 1
+                    self.whole_total = total * min(clip[2] / (total + 1e-6), 1.0)
+        self._taken = 0
         return got
+
+    def note_clip(self, total, max_norm, norm_type, params) -> None:
+        """`torch.nn.utils.clip_grad_norm_` (or `clip_grads_with_norm_`) just returned and the snapshot was taken
+        after it (`take`): where the gradients are DTensor pieces (FSDP2, tensor parallelism) the clip's own total is
+        the one whole-gradient norm known on every rank without a collective, so `rows` gives the step's totals from
+        it (`clip_total`, `whole_total`). Kept only for the L2 norm, and where the clip's parameters that hold a
+        `.grad` are exactly the recorded ones that do (the ones the step's totals are over); with one rank nothing
+        is kept (every gradient is whole there).
+
+        Args: total: what the clip returned, or was given (a tensor: read when the step ends); max_norm: its
+        max_norm; norm_type: its norm type (None: not known); params: its parameters (a list), None where they
+        could not be read without consuming what the caller passed."""
+        self._clip = None
+        if params is None or norm_type is None or world_size() == 1 or not _results_split(self.results):
+            return
+        if float(norm_type) != 2.0:
+            return
+        max_norm = float(max_norm)
+        clipped = {id(p) for p in params if getattr(p, "grad", None) is not None}
+        sharded_of = {id(u): sh for sh, u in self._aliases()} if self._aliases is not None else None
+        _, grads, measured = _selected(self.params, self.options, sharded_of)
+        if clipped != {id(p) for p, g in zip(measured, grads) if g is not None}:
+            return
+        self._clip = (self._taken, total, max_norm)
 
     def _absent(self, norms: list) -> frozenset:
         """The keys of the snapshot's parameters whose `.grad` was None (`norms`: its norms; a packed snapshot knows
@@ -611,6 +659,45 @@ class FinalGrads:
     def _keys_of(self, ids: set[int]) -> set[str]:
         """The parameter node keys ('param:<name>', every name of a tied one) of the parameters with these ids."""
         return {f"param:{name}" for name, p in self.params if id(p) in ids}
+
+
+def split_rows(rows) -> bool:
+    """Whether some of the step's final rows (`FinalGrads.rows`' rows: a list of row tuples or a `rows.PackedRows`,
+    each row's last item its `Sharding` or None) holds a DTensor piece that is not the whole gradient on this rank
+    (`dtensor.holds_whole`): only with more than one rank. Such a rank's norms add up to its own pieces' norm."""
+    if world_size() == 1:
+        return False
+    listed = rows.payload[2] if isinstance(rows, PackedRows) else rows  # packed: the DTensors are its fallbacks
+    return any(not holds_whole(row[-1]) for row in listed if row[-1] is not None)
+
+
+def _results_split(results) -> bool:
+    """`split_rows` of a snapshot's results before any row is built: a `PackedParams` (its fallback rows), or
+    `measure_params`' results (a `Measured`'s sharding, a `stats.Row`'s last item; a `shape_only` tuple has none)."""
+    if results is None:
+        return False
+    if isinstance(results, PackedParams):
+        return split_rows(results.rows)
+    for m in results:
+        info = m.sharding if type(m) is Measured else m[-1] if type(m) is Row else None
+        if info is not None and not holds_whole(info):
+            return True
+    return False
+
+
+def host_total(total) -> float | None:
+    """A clip's total norm as a float: a tensor read with `.item()` (a DTensor only where every placement is
+    Replicate, through its public `to_local()`: no collective), a number as it is; None otherwise."""
+    if isinstance(total, torch.Tensor):
+        if hasattr(total, "placements") and hasattr(total, "to_local"):
+            if not all(p.is_replicate() for p in total.placements):
+                return None
+            total = total.to_local()
+        return float(total.detach().item()) if total.numel() == 1 else None
+    try:
+        return float(total)
+    except (TypeError, ValueError):
+        return None
 
 
 def _listed(nodes: list[NodeInfo], results: list) -> tuple[list[NodeInfo], list[tuple], bool, tuple[list, list, list]]:

@@ -20,7 +20,11 @@ non-finite count in `param_norms`); the full detail of the steps in the ring is 
     only;
   - the final total: the norm of the step's final parameter gradients (what the optimizer read);
   each over the parameters that hold a gradient (a `.grad` of None is left out, as clip_grad_norm_ does; one
-  that is not measured, skipped, leaves that total unknown), over finite elements;
+  that is not measured, skipped, leaves that total unknown), over finite elements. Where the gradients are DTensor
+  pieces (FSDP2, tensor parallelism), one rank's norms are its own pieces' only, so both totals are the whole
+  gradient's, from clip_grad_norm_'s own total (gradstore.recording.final_grads.FinalGrads.note_clip): the pre-clip
+  total is what it returned, the final total what it left (`LastStep.grad_norm`); a step without such a clip
+  judges neither. Every rank then takes the same decision, and no collective is added;
 - 'error': the step raised;
 - `rec.dump()`: the ring is written at once, and the current step in full when it ends.
 

@@ -8,13 +8,17 @@ through otherwise (and on any thread but the recording's):
   is logged as step value `clip_grad_norm` for its default norm_type 2.0 (the L2 norm), `clip_grad_norm[inf]`,
   `clip_grad_norm[1]`, ... for another norm_type (`norm_name`) ('#1', '#2', ... for further calls in the step;
   read with `Tensor.item()` when the step ends, so no device wait is added), and the final gradients are taken
-  again after it (clipping changed them);
+  again after it (clipping changed them); its total, max_norm and parameters go to `FinalGrads.note_clip` (with
+  sharded gradients the clip's total is the one whole-gradient norm every rank knows): parameters given as a
+  generator or another one-pass iterator are handed on through a wrapper that keeps what it yields (a generator
+  stays a generator), a container is read again after the call;
 - `torch.nn.utils.clip_grads_with_norm_` (the second half of clip_grad_norm_, public): the total norm it is given,
   the same way, named by the norm_type of the `torch.nn.utils.get_total_norm` calls it was computed from (also
   wrapped: each notes the type of its result): the call that returned that very tensor, else the calls made
   since the last clipping of the step where they all used one type (a total combined from per-mesh or per-stage
   get_total_norm results, as accelerate's and the HF Trainer's clipping of DTensor gradients and pipeline
   schedules do), else `clip_grad_norm[unknown]` (no get_total_norm call, or several types: the caller's norm);
+  its total, max_norm and parameters go to `FinalGrads.note_clip` as clip_grad_norm_'s do;
   `torch.nn.utils.clip_grad_value_`: the final gradients again;
 - `torch.amp.GradScaler.unscale_` (also `torch.cuda.amp.GradScaler`, a subclass): the final gradients again;
 - `torch.amp.GradScaler.step`: `grad_scaler.scale` (`get_scale()` before the step: the scale this step's loss
@@ -52,6 +56,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import types
 
 import torch
 import torch.nn.utils
@@ -131,19 +136,88 @@ def _norm_type_of(args: tuple, kwargs: dict, at: int):
     return args[at] if len(args) > at else kwargs.get("norm_type", 2.0)
 
 
+class _Seen:
+    """An iterator over `it` that keeps what it gives in `seen` (not a generator: a caller that tells generators
+    apart, as clip_grad_norm_ does for its empty-generator warning, sees what it was given)."""
+
+    __slots__ = ("_it", "_seen")
+
+    def __init__(self, it, seen: list):
+        self._it, self._seen = it, seen
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self._it)
+        self._seen.append(item)
+        return item
+
+
+def _seen_generator(gen, seen: list):
+    for item in gen:
+        seen.append(item)
+        yield item
+
+
+def _parameters_seen(parameters) -> tuple[object, list | None]:
+    """(what to pass on in place of `parameters`, a list that holds its parameters once the call has iterated it):
+    a tensor, list or tuple as it is; a generator or another one-pass iterator wrapped so that what it yields is
+    kept (a generator stays a generator); a container that can be iterated again (a set, dict values) as it is,
+    with None: it is read after the call (`_after_call`)."""
+    if isinstance(parameters, torch.Tensor):
+        return parameters, [parameters]
+    if isinstance(parameters, (list, tuple)):
+        return parameters, list(parameters)
+    seen: list = []
+    if isinstance(parameters, types.GeneratorType):
+        return _seen_generator(parameters, seen), seen
+    try:
+        one_pass = iter(parameters) is parameters
+    except Exception:  # not iterable: the original raises for it
+        return parameters, None
+    return (_Seen(parameters, seen), seen) if one_pass else (parameters, None)
+
+
+def _after_call(parameters, seen: list | None) -> list | None:
+    """The clipped parameters: `seen` where `_parameters_seen` kept them, else `parameters` read again now (a
+    container, which iterating does not use up)."""
+    if seen is not None:
+        return seen
+    try:
+        return list(parameters)
+    except Exception:
+        return None
+
+
 def _clip_norm(original):
     @functools.wraps(original)
     def clip_grad_norm_(*args, **kwargs):
         if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
             return original(*args, **kwargs)
-        result = original(*args, **kwargs)
         t = _here()
-        if t is not None:
-            _guarded("clip_grad_norm_", _log_clip_norm, t, _norm_type_of(args, kwargs, 2), result)
-            _guarded("clip_grad_norm_", t.final.take, "clip_grad_norm_")
+        if t is None:
+            return original(*args, **kwargs)
+        given = args[0] if args else kwargs.get("parameters")
+        passed, seen = _parameters_seen(given)
+        if args:
+            args = (passed, *args[1:])
+        elif "parameters" in kwargs:
+            kwargs = {**kwargs, "parameters": passed}
+        result = original(*args, **kwargs)
+        norm_type = _norm_type_of(args, kwargs, 2)
+        _guarded("clip_grad_norm_", _log_clip_norm, t, norm_type, result)
+        _guarded("clip_grad_norm_", t.final.take, "clip_grad_norm_")
+        max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+        _guarded("clip_grad_norm_", _note_clip, t, result, max_norm, norm_type, given, seen)
         return result
 
     return clip_grad_norm_
+
+
+def _note_clip(t: Observed, total, max_norm, norm_type, given, seen: list | None) -> None:
+    """Tell the step's final gradients what the clip just did (`FinalGrads.note_clip`)."""
+    t.final.note_clip(total, max_norm, norm_type, _after_call(given, seen))
 
 
 def _log_clip_norm(t: Observed, norm_type, value) -> None:
@@ -185,11 +259,15 @@ def _clip_with_norm(original):
     def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
         if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
             return original(parameters, max_norm, total_norm, *args, **kwargs)
-        result = original(parameters, max_norm, total_norm, *args, **kwargs)
         t = _here()
-        if t is not None:
-            _guarded("clip_grads_with_norm_", _log_clip_norm, t, _norm_type_given(t, total_norm), total_norm)
-            _guarded("clip_grads_with_norm_", t.final.take, "clip_grads_with_norm_")
+        if t is None:
+            return original(parameters, max_norm, total_norm, *args, **kwargs)
+        passed, seen = _parameters_seen(parameters)
+        result = original(passed, max_norm, total_norm, *args, **kwargs)
+        norm_type = _norm_type_given(t, total_norm)
+        _guarded("clip_grads_with_norm_", _log_clip_norm, t, norm_type, total_norm)
+        _guarded("clip_grads_with_norm_", t.final.take, "clip_grads_with_norm_")
+        _guarded("clip_grads_with_norm_", _note_clip, t, total_norm, max_norm, norm_type, parameters, seen)
         return result
 
     return clip_grads_with_norm_

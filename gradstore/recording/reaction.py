@@ -205,7 +205,12 @@ class LastStep:
         grad_norm (float | None): the total norm (sqrt of the sum of squares) of the final parameter gradients'
             norms over their finite elements, of the parameters that hold a gradient (a `.grad` of None is left
             out, as `clip_grad_norm_` does); None at stats='shape', where a gradient was not measured (skipped), and
-            where no parameter holds one.
+            where no parameter holds one. The same on every rank: where some final `.grad` is a DTensor piece that
+            is not the whole gradient on this rank (FSDP2, tensor parallelism: `FinalGrads.split`), this rank's
+            norms are its own pieces' only and the whole norm needs a collective, which gradstore never adds: it
+            is derived from the total `clip_grad_norm_` returned (`min(total, total * max_norm / (total + 1e-6))`,
+            what clipping leaves) where an L2 clip over exactly the recorded parameters holding a `.grad` made the
+            final `.grad`s (a finite total), else None.
         amp_skipped (bool): a GradScaler skipped the optimizer step (its inf check found Inf/NaN).
         amp_reason (str | None): with amp_skipped, why the skip cannot be the scaler's own handling of a
             loss-scale overflow (`not_an_overflow`): such a nonfinite step reacts (on_nonfinite) and dumps like

@@ -862,13 +862,18 @@ class record:
         self._add_findings(batch, state, records, final_norms)
         state.release()
         written, dump = "full", None
-        grad_norm = total_norm(final_norms[1], final_norms[0], final.absent if final is not None else frozenset())
+        split = final is not None and final.split  # DTensor pieces: this rank's norms are of its own pieces only
+        if split:  # the whole gradient's total, known on every rank from the clip alone (else None): no collective
+            grad_norm = final.whole_total
+        else:
+            grad_norm = total_norm(final_norms[1], final_norms[0], final.absent if final is not None else frozenset())
         if self._flight is not None:
             batch.param_norms = list(zip(*final_norms))
             if batch.status == "ok" and _nothing_measured(batch, final_norms[1]):
                 # its summary keeps no row a reader could tell it from (as steps.sql does for a full step)
                 batch.status = "unmeasured"
-            pre_clip = _unscaled(state.pass_norm, values)
+            # sharded: what clip_grad_norm_ returned (the whole gradient's norm, before clipping), else not judged
+            pre_clip = final.clip_total if split else _unscaled(state.pass_norm, values)
             batches, dump = self._flight.end_step(batch, status == "error", overflow, grad_norm, pre_clip)
             written = "dumped" if dump is not None else "summary"
         else:
