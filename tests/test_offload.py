@@ -342,7 +342,7 @@ def test_nodes_go_once_and_come_back_as_they_were():
     a = NodeInfo("m/AddBackward0#0", "AddBackward0", "function", "m", None)
     b = NodeInfo("param:m.w", "AccumulateGrad", "accumulate_grad", "m", "m.w")
     b2 = NodeInfo("param:m.w", "AccumulateGrad", "accumulate_grad", "m", "m.w", frame="x.py:3 in f")
-    send, receive = offload.Nodes(), offload.Nodes()
+    send, receive = offload.Repeats(), offload.Repeats()
 
     def trip(nodes, passes=()):
         batch = StepBatch(0, 0, 0, 0.0, 0.0, "ok", None, final_nodes=list(nodes))
@@ -416,7 +416,7 @@ def test_the_child_raises_its_warnings_again_in_the_training_process(tmp_path):
     t.start()
     offload._write_all(to_main, pickle.dumps(("open", db)))
     assert pickle.loads(offload._read_message(from_child, time.monotonic() + 120))[0] == "ready"
-    specs, reset = offload.Nodes().encode(offload._records(plain, facts))
+    specs, reset = offload.Repeats().encode(offload._records(plain, facts))
     offload._write_all(to_main, pickle.dumps((reset, specs, plain, facts)))
     status, retries, detail, caught = pickle.loads(offload._read_message(from_child, time.monotonic() + 120))
     os.close(to_main)
@@ -717,7 +717,7 @@ def test_an_interrupted_message_leaves_the_child_in_step(tmp_path, monkeypatch):
     """KeyboardInterrupt while the training thread makes a step's message (after the nodes' encoding took its new
     nodes as sent): that step is not recorded, and the next message tells the child to start again, so the later
     steps are written whole (the node keys it names are ones the child holds)."""
-    encode = offload.Nodes.encode
+    encode = offload.Repeats.encode
     interrupted = []
 
     def encode_then_interrupt(self, records):
@@ -727,7 +727,7 @@ def test_an_interrupted_message_leaves_the_child_in_step(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return out
 
-    monkeypatch.setattr(offload.Nodes, "encode", encode_then_interrupt)
+    monkeypatch.setattr(offload.Repeats, "encode", encode_then_interrupt)
     db = str(tmp_path / "interrupted.db")
     torch.manual_seed(0)
     m = Branchy()

@@ -58,7 +58,6 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -75,7 +74,8 @@ STEP_TIMEOUT_S = 900.0  # for one step's answer (a SQLite busy wait and its retr
 _starting = threading.Lock()  # held while a child is started for a writer
 _FINDINGS_FIELDS = ("nodes", "param_names", "param_status", "module_calls", "step_nodes")
 _LEN = struct.Struct("<Q")
-SAME = "="  # after a field's name in `Nodes.encode`'s spec: the list is the one of the message before
+SAME = "="  # after a place in `Repeats.encode`'s spec: its value is the one of the message before there
+KEEP = "+"  # after a place in `Repeats.encode`'s spec: sent whole, kept for the next message's mark
 PIPE_BYTES = 1 << 20  # the buffer asked for the pipe to the child (`_widen`)
 
 
@@ -124,24 +124,46 @@ def maybe_offload(writer: Writer, mode: str) -> None:
         )
 
 
-def _nodes_fields(record) -> list[str]:
-    """The fields of a PassRecord or StepBatch holding a list of NodeInfo."""
-    return [
-        f.name
-        for f in fields(record)
-        if (v := getattr(record, f.name)) and isinstance(v, list) and isinstance(v[0], NodeInfo)
-    ]
+_EXACT = (str, int, bool, bytes, type(None))  # types whose equal values are the same value (not float: -0.0 == 0.0)
 
 
-class Nodes:
-    """NodeInfo sent once: each side keeps key -> NodeInfo, and a node the child holds already (the same
-    object, or an equal one) goes as its key alone (pickling a NodeInfo takes about 2 µs and loading it 3: 925
-    of them a step on benchmarks/steady.py's `mlp` at stats='shape'). The child forgets nothing unless the
-    sender says so (`reset`), so every key it is sent is one it holds. A list equal to the one sent in the same
-    place of the message before (the same record position and field: a repeating graph's NodeInfos) goes as a
-    mark alone, the field's name with SAME after it in the spec, and the receiver uses its own copy of that list."""
+def _repeatable(first) -> bool:
+    """Whether a list or dict whose first item (value) is `first` may go as a mark when it equals the one the
+    receiver holds: its items are str, int, bool, bytes, None or tuples of those (a float list is always sent:
+    -0.0 == 0.0). A place holds what one line of the recorder makes, of the same types step after step."""
+    t = type(first)
+    if t in _EXACT:
+        return True
+    return t is tuple and all(type(x) in _EXACT for x in first)
+
+
+def _own(value):
+    """A shallow copy of a list or dict (what one side keeps: the record's own value may change later)."""
+    return value.copy()
+
+
+class Repeats:
+    """What a step's message repeats of the message before goes as a mark; and NodeInfo goes once.
+
+    The records (`_records`: the batch, its passes, the findings' facts and their ForwardRecord) are looked at field
+    by field. A list or dict (of at least MIN items: `_repeatable`) equal to the one sent in the same place of the
+    message before (the same record position and field; for a `PackedRows`, the same part of its payload: the C++
+    rows' node keys) goes as a mark alone, and the receiver uses its own copy of what it got there (the parameters'
+    names and flags, the forward's module names, a pass's `grads_changed`, a repeating graph's NodeInfos): checking
+    costs a comparison with a kept copy, where the items are mostly the same objects, not the pickling and loading
+    of each item. Each side keeps only the places of the message before.
+
+    NodeInfo is sent once: each side keeps key -> NodeInfo, and a node the child holds already (the same object, or
+    an equal one) goes as its key alone (pickling a NodeInfo takes about 2 µs and loading it 3: 925 of them a step
+    on benchmarks/steady.py's `mlp` at stats='shape'). The child forgets nothing unless the sender says so
+    (`reset`), so every key and mark it is sent names what it holds.
+
+    The spec of a record lists its encoded places: a field of NodeInfo keys by its name; a place sent whole and
+    kept by the name with KEEP after it, one that is a mark with SAME after it; a part of a PackedRows' payload as
+    'field:index'."""
 
     LIMIT = 200_000  # keys held before both sides start again (a graph whose keys change every step)
+    MIN = 8  # items in a list or dict before it is kept for a mark (fewer pickle faster than they are checked)
 
     def __init__(self):
         self.known: dict[str, NodeInfo] = {}
@@ -149,7 +171,7 @@ class Nodes:
         # AccumulateGrad NodeInfos and the final rows' (gradstore.recording.final_grads) are two equal objects per
         # parameter, each step; compared once, not with a dataclass __eq__ every step (292 a step on the MLP)
         self._same: dict[int, tuple[NodeInfo, NodeInfo]] = {}
-        self._last: dict[tuple[int, str], list] = {}  # (record position, field) -> its list in the message before
+        self._last: dict[tuple[int, str], object] = {}  # (record position, place) -> its value in the message before
         self._reset = False
 
     def forget(self) -> None:
@@ -158,85 +180,168 @@ class Nodes:
         self.known, self._same, self._last, self._reset = {}, {}, {}, True
 
     def encode(self, records: list) -> tuple[list[list[str]], bool]:
-        """Replace, in each record (a PassRecord or StepBatch copy), every list of NodeInfo by one where a
-        node the receiver holds is its key. Returns (per record, the fields replaced; whether the receiver is
-        to forget what it holds first)."""
+        """Replace, in each record (a copy the caller owns: a PassRecord, StepBatch, StepFacts, ForwardRecord; None
+        for none), every
+        list of NodeInfo by one where a node the receiver holds is its key, and every place that repeats the message
+        before by None (a PackedRows by one whose payload holds None there). Returns (per record, its spec: the
+        places encoded; whether the receiver is to forget what it holds first)."""
         reset, self._reset = self._reset or len(self.known) > self.LIMIT, False
         if reset:
             self.known, self._same, self._last = {}, {}, {}
-        known, same, specs = self.known, self._same, []
-        last, self._last = self._last, {}
+        last, kept = self._last, {}
+        self._last = kept
+        least, specs = self.MIN, []
         for at, record in enumerate(records):
-            names = _nodes_fields(record)
-            for j, name in enumerate(names):
-                nodes = getattr(record, name)
-                self._last[at, name] = list(nodes)
-                if last.get((at, name)) == nodes:  # the receiver holds an equal list: a mark alone
-                    setattr(record, name, None)
-                    names[j] = name + SAME
+            spec, changes = [], {}
+            specs.append(spec)
+            if record is None:
+                continue
+            for name, v in record.__dict__.items():
+                t = type(v)
+                if t is list:
+                    if not v:
+                        continue
+                    if type(v[0]) is NodeInfo:
+                        changes[name] = self._nodes(v, at, name, last, kept, spec)
+                        continue
+                    if len(v) < least or not _repeatable(v[0]):
+                        continue
+                elif t is dict:
+                    if len(v) < least or not _repeatable(next(iter(v.values()))):
+                        continue
+                elif t is PackedRows:
+                    if not v.built:
+                        self._parts(v, at, name, last, kept, spec, changes)
                     continue
-                items = []
-                for n in nodes:
-                    k = n.key
-                    held = known.get(k)
-                    if held is n:
-                        items.append(k)
-                    elif held is not None and ((s := same.get(id(n))) is not None and s[0] is n and s[1] is held):
-                        items.append(k)  # equal to the held one when last compared; both frozen, both held here
-                    elif held is not None and held == n:
-                        if len(same) > self.LIMIT:
-                            same.clear()
-                        same[id(n)] = (n, held)
-                        items.append(k)
-                    else:
-                        known[k] = n
-                        items.append(n)
-                setattr(record, name, items)
-            specs.append(names)
+                else:
+                    continue
+                mark = self._repeat((at, name), v, last, kept)
+                spec.append(name + mark)
+                if mark == SAME:
+                    changes[name] = None
+            for name, v in changes.items():
+                setattr(record, name, v)
         return specs, reset
 
+    def _parts(self, rows: PackedRows, at: int, name: str, last: dict, kept: dict, spec: list, changes: dict) -> None:
+        """`encode` for the lists of a PackedRows' payload (the node keys): a part equal to the message before's
+        becomes None in a new PackedRows (the record's own is never changed: it may be the batch's)."""
+        payload, out = rows.payload, None
+        for i, part in enumerate(payload):
+            if type(part) is not list or len(part) < self.MIN or not _repeatable(part[0]):
+                continue
+            place = (at, f"{name}:{i}")
+            mark = self._repeat(place, part, last, kept)
+            spec.append(place[1] + mark)
+            if mark == SAME:
+                if out is None:
+                    out = list(payload)
+                out[i] = None
+        if out is not None:
+            changes[name] = rows.with_payload(tuple(out))
+
+    def _repeat(self, place: tuple, value, last: dict, kept: dict) -> str:
+        """SAME where `value` (a list or dict) equals what the receiver holds for `place` (from the message before),
+        else KEEP: it is sent whole, and kept (a copy) for the next message."""
+        held = last.get(place)
+        if held is not None:
+            if type(value) is dict:
+                same = held[0] == list(value) and held[1] == list(value.values())
+            else:
+                same = held == value
+            if same:
+                kept[place] = held
+                return SAME
+        # what is kept: a list's copy; a dict's keys and values in order (two lists compared item by item, mostly
+        # the same objects: no lookup of each key in another dict)
+        kept[place] = (list(value), list(value.values())) if type(value) is dict else value.copy()
+        return KEEP
+
+    def _nodes(self, nodes: list, at: int, name: str, last: dict, kept: dict, spec: list) -> list | None:
+        """`encode` for a list of NodeInfo: None (a mark) where it equals the message before's, else the list with
+        the nodes the receiver holds as their keys."""
+        kept[at, name] = list(nodes)
+        if last.get((at, name)) == nodes:  # the receiver holds an equal list: a mark alone
+            spec.append(name + SAME)
+            return None
+        spec.append(name)
+        known, same, items = self.known, self._same, []
+        for n in nodes:
+            k = n.key
+            held = known.get(k)
+            if held is n:
+                items.append(k)
+            elif held is not None and ((s := same.get(id(n))) is not None and s[0] is n and s[1] is held):
+                items.append(k)  # equal to the held one when last compared; both frozen, both held here
+            elif held is not None and held == n:
+                if len(same) > self.LIMIT:
+                    same.clear()
+                same[id(n)] = (n, held)
+                items.append(k)
+            else:
+                known[k] = n
+                items.append(n)
+        return items
+
     def decode(self, records: list, specs: list[list[str]], reset: bool) -> None:
-        """Undo `encode` on the received records (the same ones, in the same order)."""
+        """Undo `encode` on the received records (the same ones, in the same order: `_records`)."""
         if reset:
             self.known, self._last = {}, {}
-        known, last, self._last = self.known, self._last, {}
-        for at, (record, names) in enumerate(zip(records, specs)):
-            for name in names:
-                if name.endswith(SAME):
-                    name = name[: -len(SAME)]
-                    kept = self._last[at, name] = last[at, name]
-                    setattr(record, name, list(kept))  # the record's own list: what it is given may change
-                    continue
-                out = []
-                for x in getattr(record, name):
-                    if x.__class__ is str:
-                        out.append(known[x])
+        known, last, kept = self.known, self._last, {}
+        self._last = kept
+        for at, (record, spec) in enumerate(zip(records, specs)):
+            for entry in spec:
+                mark = entry[-1]
+                place = entry[:-1] if mark in (SAME, KEEP) else entry
+                name, _, part = place.partition(":")
+                value = getattr(record, name)
+                if part:
+                    i = int(part)
+                    if mark == SAME:
+                        got = kept[at, place] = last[at, place]
+                        payload = list(value.payload)
+                        payload[i] = _own(got)  # the record's own list: what it is given may change
+                        setattr(record, name, value.with_payload(tuple(payload)))
                     else:
-                        known[x.key] = x
-                        out.append(x)
-                setattr(record, name, out)
-                self._last[at, name] = list(out)
+                        kept[at, place] = _own(value.payload[i])
+                elif mark == SAME:
+                    got = kept[at, place] = last[at, place]
+                    setattr(record, name, _own(got))
+                elif mark == KEEP:
+                    kept[at, place] = _own(value)
+                else:
+                    out = []
+                    for x in value:
+                        if x.__class__ is str:
+                            out.append(known[x])
+                        else:
+                            known[x.key] = x
+                            out.append(x)
+                    setattr(record, name, out)
+                    kept[at, place] = list(out)
 
 
-def _light(batch: StepBatch) -> bool:
-    """True when making the step's message builds no rows: every unbuilt LazyRows of the batch and its passes is
-    packed already or packs cheaply (the C++ hooks' rows), or is the step's own findings (handed over as their
-    facts). Otherwise (the Python hooks' rows; a flight-recorder summary, whose names pack the ring's copy of the
-    step) the message is made on the writer thread, as it was, not on the training thread."""
-    for record in (batch, *batch.passes):
-        for f in fields(record):
-            v = getattr(record, f.name)
-            if not isinstance(v, LazyRows) or v.built or isinstance(v, PackedRows) or v.pack is not None:
-                continue
-            if record is batch and f.name in _FINDINGS_FIELDS and isinstance(v.source, Findings):
-                continue
-            return False
-    return True
+def _fields_of(record):
+    """(name, value) of each field of a dataclass record (its __dict__: every field, cheaper than `fields`)."""
+    return record.__dict__.items()
+
+
+def _copy(record, changes: dict):
+    """A shallow copy of a dataclass record with `changes` (as `dataclasses.replace` for these records, which have
+    no __post_init__ and no init=False field, without calling __init__ with every field)."""
+    new = object.__new__(type(record))
+    state = new.__dict__
+    state.update(record.__dict__)
+    state.update(changes)
+    return new
 
 
 def _records(batch: StepBatch, facts) -> list:
-    """The batch and every PassRecord it or its facts hold, each once, in one order on both sides."""
-    out, seen = [batch], set()
+    """The records of a message, in one order on both sides: the batch, the facts and their ForwardRecord (None
+    where there are none: the places of these three stay where they are whatever the passes), then every
+    PassRecord the batch or its facts hold, each once."""
+    forward = facts.forward if facts is not None else None
+    out, seen = [batch, facts, forward if _is_dataclass_record(forward) else None], set()
     for r in [*batch.passes, *(facts.records if facts is not None else ())]:
         if id(r) not in seen:
             seen.add(id(r))
@@ -244,35 +349,56 @@ def _records(batch: StepBatch, facts) -> list:
     return out
 
 
-def detached(batch: StepBatch) -> tuple[StepBatch, object | None]:
+def _is_dataclass_record(obj) -> bool:
+    return hasattr(type(obj), "__dataclass_fields__")
+
+
+def detached(batch: StepBatch, light: bool = False) -> tuple[StepBatch, object | None] | None:
     """(the step with every row built as a plain list, the StepFacts its findings are built from or None),
     except the C++ hooks' tensor, call and edge rows: those go unbuilt, as `PackedRows` (bytes), built in the child.
 
     The findings' five fields (nodes, param_names, param_status, module_calls, step_nodes) are left empty
     and their facts returned when they are the step's own, unbuilt findings (LazyRows whose `source` is one
     Findings); otherwise (a flight-recorder summary, findings already built, a dropped step) they are built
-    here and the facts are None. Every field of the result pickles."""
-    passes = {id(p): replace(p, **built_fields(p, packed=True)) for p in batch.passes}
+    here and the facts are None. Every field of the result pickles. The result's records, and the facts' forward
+    record, are copies the caller may change (`Repeats.encode`).
+
+    light=True (the training thread, `ProcessSink.prepare`): None, with nothing built, where making the message
+    would build rows other than the findings (the Python hooks' rows; a flight-recorder summary, whose names pack
+    the ring's copy of the step): the writer thread makes that one, as it did. Every unbuilt LazyRows of the batch
+    and its passes is then packed already or packs cheaply (the C++ hooks' rows), or is the step's own findings."""
+    passes = {}
+    for p in batch.passes:
+        built = built_fields(p, packed=True, build=not light)
+        if built is None:
+            return None
+        passes[id(p)] = _copy(p, built)
     sources = {getattr(getattr(batch, name), "source", None) for name in _FINDINGS_FIELDS}
     source = sources.pop() if len(sources) == 1 else None
-    facts = None
-    if isinstance(source, Findings) and all(
+    own = isinstance(source, Findings) and all(
         isinstance(v := getattr(batch, name), LazyRows) and not v.built for name in _FINDINGS_FIELDS
-    ):
-        facts = source.handover(
-            [passes.get(id(r)) or replace(r, **built_fields(r, packed=True)) for r in source.records()]
-        )
+    )
     rows = {}
-    for f in fields(batch):
-        value = getattr(batch, f.name)
-        if facts is not None and f.name in _FINDINGS_FIELDS:
-            rows[f.name] = []
-        elif isinstance(value, PackedRows) and not value.built:  # bytes already (the final parameter rows)
-            rows[f.name] = value
-        elif isinstance(value, LazyRows):
-            rows[f.name] = value.rows()
+    for name, value in batch.__dict__.items():
+        if LazyRows not in type(value).__mro__ or (own and name in _FINDINGS_FIELDS):
+            continue
+        if isinstance(value, PackedRows) and not value.built:  # bytes already (the final parameter rows)
+            rows[name] = value
+        elif light and not value.built and value.pack is None:
+            return None
+        else:
+            rows[name] = value.rows()
+    facts = None
+    if own:
+        facts = source.handover([passes.get(id(r)) or _copy(r, built_fields(r, packed=True)) for r in source.records()])
+        if facts is None:  # built already, or the step's calls and tensors dropped: the findings' rows, here
+            rows.update((name, getattr(batch, name).rows()) for name in _FINDINGS_FIELDS)
+        else:
+            rows.update((name, []) for name in _FINDINGS_FIELDS)
+            if _is_dataclass_record(facts.forward):  # the tracker's record stays as it is (the findings read it)
+                facts.forward = _copy(facts.forward, {})
     rows["passes"] = [passes[id(p)] for p in batch.passes]
-    return replace(batch, **rows), facts
+    return _copy(batch, rows), facts
 
 
 # ---- the pipe: length-prefixed bytes -----------------------------------------------------------------------
@@ -369,7 +495,7 @@ class ProcessSink:
         self._ready = False
         self.written = 0  # steps the child wrote
         self._started = time.monotonic()
-        self._nodes = Nodes()
+        self._nodes = Repeats()
         # encoding is in message order: `prepare` (the submitting thread) and `write` (the writer thread) encode
         # under this lock; `_epoch` counts the times both sides started again (`_forget`), `_outstanding` the
         # prepared messages not yet sent or discarded
@@ -433,12 +559,14 @@ class ProcessSink:
         more of its own work (the wall time moved less than the host's drift: benchmarks/STEADY.md).
 
         Args: batch: a finished StepBatch. Returns: a token for `send`, or None. Raises nothing."""
-        if not self._ready or not _light(batch):
+        if not self._ready:
             return None
         with self._lock:
             try:
-                data = self._encode(batch)
+                data = self._encode(batch, light=True)
             except OffloadDeclined:
+                return None
+            if data is None:
                 return None
             token = _Prepared(self._epoch, data)
             self._outstanding += 1
@@ -467,13 +595,17 @@ class ProcessSink:
         self._outstanding -= 1
         return True
 
-    def _encode(self, batch: StepBatch) -> bytes:
-        """The step as the child's message (with `_lock` held). Raises OffloadDeclined when it cannot be made.
+    def _encode(self, batch: StepBatch, light: bool = False) -> bytes | None:
+        """The step as the child's message (with `_lock` held); light=True: None where it would build rows
+        (`detached`). Raises OffloadDeclined when it cannot be made.
         A message that could not be made (an error, or KeyboardInterrupt on the training thread) may have left
-        the nodes' encoding half done: it starts again, and the next message tells the child to (the messages made
+        the encoding half done: it starts again, and the next message tells the child to (the messages made
         before it stay good: the child gets them first)."""
         try:
-            plain, facts = detached(batch)
+            got = detached(batch, light)
+            if got is None:
+                return None
+            plain, facts = got
             specs, reset = self._nodes.encode(_records(plain, facts))
             return pickle.dumps((reset, specs, plain, facts), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
@@ -583,7 +715,7 @@ def _settle_gc() -> None:
 
 
 def _serve(writer: Writer, rfd: int, answer) -> None:
-    nodes = Nodes()
+    nodes = Repeats()
     while (data := _read_message(rfd)) is not None:
         before = writer.retries
         with warnings.catch_warnings(record=True) as caught:

@@ -679,7 +679,7 @@ class PassRecorder:
         parameters' total norm from the rows of the pass's host copy (`StepState.pass_norm`)."""
         rec, infos, calls, measured = self.record, self.infos, self.calls, self.measured
         # no calls (stats='params' hooks no node): rows already built, so that the step's message to the writer's
-        # child is made on the training thread (offload._light), not with the GIL on the writer thread
+        # child is made on the training thread (offload.detached(light=True)), not with the GIL on the writer thread
         seqs = rec.seqs  # each call's sequence_nr: its node's, as the walk read it (no read in a hook)
         rec.calls = LazyRows(len(calls), lambda: call_rows(calls, infos, seqs)) if calls else LazyRows.of([])
         packed = self._params_packed  # the param_grad rows packed (then `measured` holds none of them), or None

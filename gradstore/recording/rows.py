@@ -119,24 +119,34 @@ class LazyRows(Sequence):
         return f"LazyRows(<{self._len if self._len >= 0 else 'some'} rows, not built yet>)"
 
 
-def built_fields(record, packed: bool = False) -> dict:
+def built_fields(record, packed: bool = False, build: bool = True) -> dict | None:
     """{field: list of rows} for every field of a dataclass (a PassRecord, a StepBatch) that holds a LazyRows,
     its rows built now if they were not yet (a LazyRows holds its builder and a lock, which do not pickle);
     every field is looked at, so a field added later is covered too. packed: a LazyRows not built yet that can
     be packed (`LazyRows.pack`: the C++ hooks' tensor and call rows) is given as its `PackedRows` instead, which
     pickles as bytes and is built where it is read (the writer's child process). A record with a `faulted` field
-    (a PassRecord) whose rows faulted while being built gets faulted=True too."""
+    (a PassRecord) whose rows faulted while being built gets faulted=True too. build=False: None where some rows
+    would have to be built (the Python hooks' rows), and nothing is built."""
     out = {}
     faulted = False
-    for f in fields(record):
-        v = getattr(record, f.name)
-        if isinstance(v, LazyRows):
+    # the fields' values: the record's __dict__ where it has one (a dataclass without slots holds every field there;
+    # one pass over it costs less than `fields` and a getattr per field, on the training thread at each step); a
+    # LazyRows told by its type's MRO (`isinstance` with an ABC runs Python code for every other value)
+    items = (
+        vars(record).items()
+        if hasattr(record, "__dict__")
+        else ((f.name, getattr(record, f.name)) for f in fields(record))
+    )
+    for name, v in items:
+        if LazyRows in type(v).__mro__:
             if packed and isinstance(v, PackedRows) and not v.built:
-                out[f.name] = v  # already bytes (the parameters' rows: gradstore.recording.final_grads.pack_params)
+                out[name] = v  # already bytes (the parameters' rows: gradstore.recording.final_grads.pack_params)
             elif packed and v.pack is not None and not v.built:
-                out[f.name] = _packed(v)
+                out[name] = _packed(v)
+            elif not build and not v.built:
+                return None
             else:
-                out[f.name] = v.rows()
+                out[name] = v.rows()
             faulted = faulted or v.fault is not None
     if faulted and hasattr(record, "faulted"):  # rows lost to a fault while building them: said with the plain list
         out["faulted"] = True
@@ -181,6 +191,12 @@ class PackedRows(LazyRows):
     def payload(self) -> tuple:
         """What the rows are built from (see Args): bytes, keys and rows, never changed once made."""
         return self._payload
+
+    def with_payload(self, payload: tuple) -> PackedRows:
+        """Rows of the same kind and number built from another payload (one of the same shape: see Args), not built.
+
+        Args: payload: the new payload. Returns: a new PackedRows. Raises nothing."""
+        return PackedRows(self._what, self._len, payload)
 
     def identity(self) -> tuple:
         """As `LazyRows.identity`: for 'edges' and 'walk_edges', the packed bytes and node keys (no row built)."""
