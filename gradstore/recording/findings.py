@@ -46,7 +46,7 @@ import operator
 import threading
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress
 
@@ -168,7 +168,11 @@ class Findings:
         texts = None
         if f.frames and f.forward is not None:  # code objects do not pickle: the frames never_ran may name, as text
             texts = {seq: t for seq in f.forward.out_seqs if (t := frame_in(f.frames, seq)) is not None}
-        return replace(f, records=records, dropped=None, frames=None, frame_texts=texts)
+        # a shallow copy as `dataclasses.replace` makes it (StepFacts has no __post_init__ and no init=False field),
+        # without calling __init__ with every field: made on the training thread at each step (ProcessSink.prepare)
+        out = object.__new__(StepFacts)
+        out.__dict__.update(f.__dict__, records=records, dropped=None, frames=None, frame_texts=texts)
+        return out
 
 
 class _Pass:
