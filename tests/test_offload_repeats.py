@@ -69,6 +69,7 @@ def _train(db, level, writer):
 
 @pytest.mark.parametrize("level", ["params", "full"])
 def test_a_child_given_marks_writes_what_the_writer_thread_writes(tmp_path, level, monkeypatch):
+    monkeypatch.setattr(offload.Repeats, "MIN", 8)  # the sender's choice: the model's lists have 14 items
     specs = []
     encode = offload.Repeats.encode
 
@@ -109,7 +110,8 @@ def _batch(**fields):
     return StepBatch(0, 0, 0, 0.0, 0.0, "ok", None, **fields)
 
 
-def test_a_mark_gives_the_value_sent_before_and_never_a_changed_one():
+def test_a_mark_gives_the_value_sent_before_and_never_a_changed_one(monkeypatch):
+    monkeypatch.setattr(offload.Repeats, "MIN", 8)
     names = [f"layer{i}.weight" for i in range(10)]
     flags = {n: i % 2 == 0 for i, n in enumerate(names)}
     rows = PackedRows("tensors", 10, (b"x" * 10, names, [], []))
@@ -165,9 +167,10 @@ def test_a_mark_gives_the_value_sent_before_and_never_a_changed_one():
     assert specs[0] == ["warnings+"] and sent[0] == pairs and got.warnings == pairs
 
 
-def test_nodes_and_other_places_share_a_message():
+def test_nodes_and_other_places_share_a_message(monkeypatch):
     """A pass's NodeInfo list beside its other repeating places (grads_changed): each comes back as it was."""
     a = NodeInfo("param:m.w", "AccumulateGrad", "accumulate_grad", "m", "m.w")
+    monkeypatch.setattr(offload.Repeats, "MIN", 8)
     changed = [f"p{i}" for i in range(9)]
     send, receive = offload.Repeats(), offload.Repeats()
     for n in range(3):
