@@ -324,11 +324,6 @@ class Repeats:
                     kept[at, place] = list(out)
 
 
-def _fields_of(record):
-    """(name, value) of each field of a dataclass record (its __dict__: every field, cheaper than `fields`)."""
-    return record.__dict__.items()
-
-
 def _copy(record, changes: dict):
     """A shallow copy of a dataclass record with `changes` (as `dataclasses.replace` for these records, which have
     no __post_init__ and no init=False field, without calling __init__ with every field)."""
