@@ -38,12 +38,15 @@ from .param_list import ParamList
 from .rows import PackedRows
 from .stats import NONFINITE_COLUMNS, NORM, ROW_COLUMNS, Measured, Row, measure, measure_many, to_rows
 
+# torch.distributed where this build of torch has it (fixed for the process), else None
+_DIST = torch.distributed if torch.distributed.is_available() else None
+
 
 def world_size() -> int:
-    """`torch.distributed.get_world_size()` when a process group is initialised, else 1."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """`torch.distributed.get_world_size()` when a process group is initialised (asked at each call: one may be
+    initialised, or destroyed, between steps), else 1."""
+    dist = _DIST
+    return dist.get_world_size() if dist is not None and dist.is_initialized() else 1
 
 
 def measure_params(

@@ -76,6 +76,18 @@ _FLAGS = ("-O2", "-fPIC", "-shared", "-w")
 _STANDARDS = ("-std=c++17", "-std=c++20")  # the first the installed torch's headers compile with
 _lock = threading.Lock()
 _state: dict = {}  # "module": the module or None once settled; "error": why none; "thread": a build running
+# this process's id, read once and again in every forked child (`os.register_at_fork`): `load` and the getters below
+# ask it several times a recorded step, and `os.getpid()` is a system call each time
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 LEVEL_CODES = {"shape": 0, "health": 1, "full": 2}
 
 
@@ -290,13 +302,13 @@ def load(wait: bool = False):
             time and return None until it is done.
     Never raises. Thread-safe. A forked child whose parent was building starts its own.
     """
-    if _state.get("pid") != os.getpid():  # a fresh process, or a fork: the parent's build thread is not ours
+    if _state.get("pid") != _pid:  # a fresh process, or a fork: the parent's build thread is not ours
         with _lock:
-            if _state.get("pid") != os.getpid():
+            if _state.get("pid") != _pid:
                 settled = "module" in _state and "thread" not in _state
                 keep = {k: v for k, v in _state.items() if k != "pid"} if settled else {}
                 _state.clear()
-                _state.update(keep, pid=os.getpid())
+                _state.update(keep, pid=_pid)
     if "module" in _state:
         if "warn" in _state:
             error = _state.pop("warn", None)
@@ -343,7 +355,7 @@ def load_cached():
     """The hooks module where it is loaded already or its build is in the cache (then loaded now: milliseconds),
     else None; never starts a build. For a process that only reads rows the hooks packed in another one
     (gradstore.recording.rows.unpack, in the writer's child). Never raises."""
-    if "module" in _state and _state.get("pid") == os.getpid():
+    if "module" in _state and _state.get("pid") == _pid:
         return _state["module"]
     try:
         target = _target(_compiler())
@@ -371,7 +383,7 @@ def same_structure():
     """The hooks module's `same_structure(modules, stored)` (gradstore.recording.modules.Structure.same: the modules'
     flat fingerprint compared with the stored one by identity, without building it; True, False, or None for no
     judgement) where the module is loaded in this process, else None. Never starts a build; never raises."""
-    module = _state.get("module") if _state.get("pid") == os.getpid() else None
+    module = _state.get("module") if _state.get("pid") == _pid else None
     return getattr(module, "same_structure", None)
 
 
@@ -383,7 +395,7 @@ def grads_of():
     torch.nn.Parameter), and returns ([requires_grad: bool], [.grad: Tensor or None]) as Python's attribute reads
     give them (`at::Tensor::requires_grad()`, `grad()`), or None where it declines (a subclass, a non-leaf, not a
     tensor, an error while reading): the caller then reads them in Python."""
-    module = _state.get("module") if _state.get("pid") == os.getpid() else None
+    module = _state.get("module") if _state.get("pid") == _pid else None
     return getattr(module, "grads_of", None)
 
 
@@ -391,7 +403,7 @@ def grad_impls():
     """The hooks module's `grad_impls(params)` where the module is loaded in this process, else None. Never starts
     a build; never raises. The function returned takes a list of (name, parameter) and returns the address of each
     parameter's `.grad` TensorImpl (0 for None) as int64 bytes, or None where a parameter is not a plain tensor."""
-    module = _state.get("module") if _state.get("pid") == os.getpid() else None
+    module = _state.get("module") if _state.get("pid") == _pid else None
     return getattr(module, "grad_impls", None)
 
 
@@ -408,7 +420,7 @@ def ops_watch():
     inside them are). A write to a tensor's memory that no operator makes (through a NumPy array sharing it, a C
     extension writing raw memory) is not counted. `ops_watch(None)` (run in every forked child) removes the callback
     and every watcher: a child's operators are not the parent's."""
-    module = _state.get("module") if _state.get("pid") == os.getpid() else None
+    module = _state.get("module") if _state.get("pid") == _pid else None
     return getattr(module, "ops_watch", None)
 
 

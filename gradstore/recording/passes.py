@@ -22,7 +22,6 @@ from dataclasses import replace
 from functools import partial
 from operator import attrgetter
 
-import numpy as np
 import torch
 
 from ..records import COMPILED_AUTOGRAD_REASON, NodeInfo, PassRecord
@@ -127,8 +126,9 @@ class StepState:
     def note_grads(self, params: list[tuple[str, object]], states=None) -> None:
         """Note which parameters hold a `.grad` now (the end of a top-level backward pass, or of the step).
         states: `grad_states(params, ...)` taken now, or None (read here)."""
-        if isinstance(states, bytes):
-            held = (np.frombuffer(states, dtype=np.int64)[1::2] != _NO_GRAD).tolist()
+        if isinstance(states, bytes):  # read as machine words, no NumPy: a few µs for a few dozen parameters
+            no_grad = _NO_GRAD
+            held = [word != no_grad for word in memoryview(states).cast("q")[1::2].tolist()]
             self.has_grad = dict(zip(names_of(params), held))
         elif states is not None:
             self.has_grad = {name: state is not None for (name, _), state in zip(params, states)}
@@ -173,9 +173,12 @@ def grads_changed(params: list[tuple[str, object]], before, after) -> list[str]:
     """The names of `params` whose `.grad` differs between two `grad_states` results (every name where they
     were not made the same way, which cannot tell)."""
     if isinstance(before, bytes) and isinstance(after, bytes) and len(before) == len(after):
-        a = np.frombuffer(before, dtype=np.int64).reshape(-1, 2)
-        b = np.frombuffer(after, dtype=np.int64).reshape(-1, 2)
-        return list(itertools.compress(names_of(params), (a != b).any(axis=1).tolist()))
+        if before == after:
+            return []
+        n = len(before) // 16  # two int64 per parameter, compared as [data pointer, version] pairs
+        a = memoryview(before).cast("q", (n, 2)).tolist()
+        b = memoryview(after).cast("q", (n, 2)).tolist()
+        return [name for name, was, now in zip(names_of(params), a, b) if was != now]
     if isinstance(before, list) and isinstance(after, list):
         return [name for (name, _), was, now in zip(params, before, after) if now != was]
     return [name for name, _ in params]
@@ -589,8 +592,9 @@ class PassRecorder:
                 h.remove()
             self.handles.clear()
             rec.duration = t_end - self.t0
-            stack = self.step.open_stack()
-            stack[:] = [c for c in stack if c[0] != rec.number]
+            stack = getattr(self.step.open_calls, "stack", None)  # none made on this thread: no call was open
+            if stack:
+                stack[:] = [c for c in stack if c[0] != rec.number]
             param_nodes: dict[str, NodeInfo] = {}
             param_keys: list[str] = []
             if rec.kind == "backward" and rec.parent_pass is None:  # what the optimizer will see, also after a fault
