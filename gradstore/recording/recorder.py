@@ -136,6 +136,9 @@ class _KnownNames:
     param_names: dict  # first name -> every name, of the recorded parameters
     fsdp: list  # weak references to fsdp_candidates (alive while the structure is the same)
     in_place: list = field(default_factory=list)  # [(name, weak reference)] of in_place_compiled (module.compile())
+    # weak references to ddp_modules: the DDP wrappers among the models' wrappers, which `Structure.same` compares by
+    # identity (alive while the structure is the same)
+    ddp: list = field(default_factory=list)
     # [(requires_grad flags of `recorded`, [(first name, frozen)])] once a step has asked (`record._frozen_facts`)
     facts: list = field(default_factory=list)
 
@@ -500,7 +503,7 @@ class record:
         self._thread = threading.get_ident()  # the thread whose passes and forward modules are recorded
         known = self._known_names(models)
         self._fsdp = fsdp_modules(models, [ref() for ref in known.fsdp])
-        self._ddp = ddp_modules(models)
+        self._ddp = [ref() for ref in known.ddp]
         self._tracker = ModuleTracker(
             known.names,
             known.regions,
@@ -576,6 +579,7 @@ class record:
             param_names={n: all_names_of[id(p)] for n, p in params},
             fsdp=[weakref.ref(m) for m in fsdp_candidates(models)],  # weakly: a model may be one of them
             in_place=[(n, weakref.ref(m)) for n, m in in_place_compiled(models)],
+            ddp=[weakref.ref(m) for m in ddp_modules(models)],
         )
 
     def _call_slot_reached(self) -> bool:
@@ -1335,6 +1339,9 @@ def _dropped_of(batch_ref):
 def _module_arguments(signature, args, kwargs) -> list[tuple[str, nn.Module]]:
     """The decorated function's nn.Module arguments as (prefix, module): no prefix for a single one, the
     parameter's name for several (`train(model, ema_model)` -> 'model.…', 'ema_model.…')."""
+    modules = [a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)]
+    if len(modules) < 2:  # none or one, whatever their names: no binding to the signature (tens of µs a call)
+        return [("", modules[0])] if modules else []
     found = []
     if signature is not None:
         try:
