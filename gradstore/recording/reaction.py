@@ -113,6 +113,8 @@ def first_nonfinite(batch: StepBatch, run: str) -> dict | None:
 
 def amp_skipped(values: dict[str, float]) -> bool:
     """True when a GradScaler skipped the optimizer step in this step (step value grad_scaler.skipped)."""
+    if not values:  # the common step: nothing logged
+        return False
     return any(
         v == 1.0 for k, v in values.items() if k == "grad_scaler.skipped" or k.startswith("grad_scaler.skipped#")
     )

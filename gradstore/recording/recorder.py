@@ -1019,7 +1019,8 @@ class record:
                     self._params,
                     self.options,
                     self._frames.owner_frame if self._frames is not None else None,
-                    owner_key=self._tracker.signature(),
+                    # what keys a walk's nodes: at stats='params' no node is walked
+                    owner_key=self._tracker.signature() if self.options.node_level is not None else None,
                     aliases=fsdp_aliases(self._fsdp) if self._fsdp else (),
                     region=self._tracker.region,
                 )
