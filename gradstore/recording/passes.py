@@ -22,6 +22,7 @@ from dataclasses import replace
 from functools import partial
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from ..records import COMPILED_AUTOGRAD_REASON, NodeInfo, PassRecord
@@ -126,9 +127,12 @@ class StepState:
     def note_grads(self, params: list[tuple[str, object]], states=None) -> None:
         """Note which parameters hold a `.grad` now (the end of a top-level backward pass, or of the step).
         states: `grad_states(params, ...)` taken now, or None (read here)."""
-        if isinstance(states, bytes):  # read as machine words, no NumPy: a few µs for a few dozen parameters
-            no_grad = _NO_GRAD
-            held = [word != no_grad for word in memoryview(states).cast("q")[1::2].tolist()]
+        if isinstance(states, bytes):
+            if len(states) <= _FEW_STATES:  # read as machine words: NumPy's first call in a step costs more
+                no_grad = _NO_GRAD
+                held = [word != no_grad for word in memoryview(states).cast("q")[1::2].tolist()]
+            else:
+                held = (np.frombuffer(states, dtype=np.int64)[1::2] != _NO_GRAD).tolist()
             self.has_grad = dict(zip(names_of(params), held))
         elif states is not None:
             self.has_grad = {name: state is not None for (name, _), state in zip(params, states)}
@@ -153,6 +157,9 @@ def _grad_state(p) -> tuple | None:
 
 
 _NO_GRAD = -2  # grad_states' second word for a `.grad` of None (hooks.cpp)
+# grad_states bytes of at most this many parameters (16 bytes each) are read in Python: cheaper than NumPy's calls
+# in a step (whose code is cold there: measured about 40 µs a call on benchmarks/steady.py's CNN), dearer past it
+_FEW_STATES = 64 * 16
 _KIND, _KEY = attrgetter("kind"), attrgetter("key")
 _TRUSTED_KINDS = frozenset(("function", "accumulate_grad"))  # nodes whose incoming gradients are never changed
 
@@ -175,10 +182,14 @@ def grads_changed(params: list[tuple[str, object]], before, after) -> list[str]:
     if isinstance(before, bytes) and isinstance(after, bytes) and len(before) == len(after):
         if before == after:
             return []
-        n = len(before) // 16  # two int64 per parameter, compared as [data pointer, version] pairs
-        a = memoryview(before).cast("q", (n, 2)).tolist()
-        b = memoryview(after).cast("q", (n, 2)).tolist()
-        return [name for name, was, now in zip(names_of(params), a, b) if was != now]
+        if len(before) <= _FEW_STATES:  # [data pointer, version] pairs as machine words, as `note_grads` reads them
+            n = len(before) // 16
+            a = memoryview(before).cast("q", (n, 2)).tolist()
+            b = memoryview(after).cast("q", (n, 2)).tolist()
+            return [name for name, was, now in zip(names_of(params), a, b) if was != now]
+        a = np.frombuffer(before, dtype=np.int64).reshape(-1, 2)
+        b = np.frombuffer(after, dtype=np.int64).reshape(-1, 2)
+        return list(itertools.compress(names_of(params), (a != b).any(axis=1).tolist()))
     if isinstance(before, list) and isinstance(after, list):
         return [name for (name, _), was, now in zip(params, before, after) if now != was]
     return [name for name, _ in params]
