@@ -190,29 +190,42 @@ def _after_call(parameters, seen: list | None) -> list | None:
         return None
 
 
-def _clip_norm(original):
-    @functools.wraps(original)
-    def clip_grad_norm_(*args, **kwargs):
-        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
-            return original(*args, **kwargs)
-        t = _here()
-        if t is None:
-            return original(*args, **kwargs)
-        given = args[0] if args else kwargs.get("parameters")
-        passed, seen = _parameters_seen(given)
-        if args:
-            args = (passed, *args[1:])
-        elif "parameters" in kwargs:
-            kwargs = {**kwargs, "parameters": passed}
-        result = original(*args, **kwargs)
-        norm_type = _norm_type_of(args, kwargs, 2)
-        _guarded("clip_grad_norm_", _log_clip_norm, t, norm_type, result)
-        _guarded("clip_grad_norm_", t.final.take, "clip_grad_norm_")
-        max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
-        _guarded("clip_grad_norm_", _note_clip, t, result, max_norm, norm_type, given, seen)
-        return result
+def _observing(body):
+    """A wrap function for `_WRAPS`: `wrap(original)` gives a wrapper that calls `body(t, original, *args, **kwargs)`
+    where a step is open on the calling thread (`t`, its Observed), and the original alone everywhere else: no step
+    open, another thread, or dynamo tracing the call (torch.compiler.is_compiling(), constant-folded: the compiled
+    graph meets the original as if unwrapped, with no graph break and no guard on gradstore's state)."""
 
-    return clip_grad_norm_
+    def wrap(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if _is_compiling():
+                return original(*args, **kwargs)
+            t = _here()
+            if t is None:
+                return original(*args, **kwargs)
+            return body(t, original, *args, **kwargs)
+
+        return wrapper
+
+    return wrap
+
+
+@_observing
+def _clip_norm(t: Observed, original, *args, **kwargs):
+    given = args[0] if args else kwargs.get("parameters")
+    passed, seen = _parameters_seen(given)
+    if args:
+        args = (passed, *args[1:])
+    elif "parameters" in kwargs:
+        kwargs = {**kwargs, "parameters": passed}
+    result = original(*args, **kwargs)
+    norm_type = _norm_type_of(args, kwargs, 2)
+    _guarded("clip_grad_norm_", _log_clip_norm, t, norm_type, result)
+    _guarded("clip_grad_norm_", t.final.take, "clip_grad_norm_")
+    max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+    _guarded("clip_grad_norm_", _note_clip, t, result, max_norm, norm_type, given, seen)
+    return result
 
 
 def _note_clip(t: Observed, total, max_norm, norm_type, given, seen: list | None) -> None:
@@ -224,18 +237,11 @@ def _log_clip_norm(t: Observed, norm_type, value) -> None:
     _log_tensor_or_float(t, norm_name(norm_type), value)
 
 
-def _total_norm(original):
-    @functools.wraps(original)
-    def get_total_norm(*args, **kwargs):
-        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
-            return original(*args, **kwargs)
-        result = original(*args, **kwargs)
-        t = _here()
-        if t is not None:
-            _guarded("get_total_norm", _note_norm_type, t, result, _norm_type_of(args, kwargs, 1))
-        return result
-
-    return get_total_norm
+@_observing
+def _total_norm(t: Observed, original, *args, **kwargs):
+    result = original(*args, **kwargs)
+    _guarded("get_total_norm", _note_norm_type, t, result, _norm_type_of(args, kwargs, 1))
+    return result
 
 
 def _note_norm_type(t: Observed, result, norm_type) -> None:
@@ -254,51 +260,29 @@ def _norm_type_given(t: Observed, total_norm) -> float | None:
     return types.pop() if len(types) == 1 else None
 
 
-def _clip_with_norm(original):
-    @functools.wraps(original)
-    def clip_grads_with_norm_(parameters, max_norm, total_norm, *args, **kwargs):
-        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
-            return original(parameters, max_norm, total_norm, *args, **kwargs)
-        t = _here()
-        if t is None:
-            return original(parameters, max_norm, total_norm, *args, **kwargs)
-        passed, seen = _parameters_seen(parameters)
-        result = original(passed, max_norm, total_norm, *args, **kwargs)
-        norm_type = _norm_type_given(t, total_norm)
-        _guarded("clip_grads_with_norm_", _log_clip_norm, t, norm_type, total_norm)
-        _guarded("clip_grads_with_norm_", t.final.take, "clip_grads_with_norm_")
-        _guarded("clip_grads_with_norm_", _note_clip, t, total_norm, max_norm, norm_type, parameters, seen)
-        return result
-
-    return clip_grads_with_norm_
+@_observing
+def _clip_with_norm(t: Observed, original, parameters, max_norm, total_norm, *args, **kwargs):
+    passed, seen = _parameters_seen(parameters)
+    result = original(passed, max_norm, total_norm, *args, **kwargs)
+    norm_type = _norm_type_given(t, total_norm)
+    _guarded("clip_grads_with_norm_", _log_clip_norm, t, norm_type, total_norm)
+    _guarded("clip_grads_with_norm_", t.final.take, "clip_grads_with_norm_")
+    _guarded("clip_grads_with_norm_", _note_clip, t, total_norm, max_norm, norm_type, parameters, seen)
+    return result
 
 
-def _clip_value(original):
-    @functools.wraps(original)
-    def clip_grad_value_(*args, **kwargs):
-        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
-            return original(*args, **kwargs)
-        result = original(*args, **kwargs)
-        t = _here()
-        if t is not None:
-            _guarded("clip_grad_value_", t.final.take, "clip_grad_value_")
-        return result
-
-    return clip_grad_value_
+@_observing
+def _clip_value(t: Observed, original, *args, **kwargs):
+    result = original(*args, **kwargs)
+    _guarded("clip_grad_value_", t.final.take, "clip_grad_value_")
+    return result
 
 
-def _unscale(original):
-    @functools.wraps(original)
-    def unscale_(self, optimizer):
-        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
-            return original(self, optimizer)
-        result = original(self, optimizer)
-        t = _here()
-        if t is not None:
-            _guarded("GradScaler.unscale_", t.final.take, "GradScaler.unscale_")
-        return result
-
-    return unscale_
+@_observing
+def _unscale(t: Observed, original, scaler, optimizer):
+    result = original(scaler, optimizer)
+    _guarded("GradScaler.unscale_", t.final.take, "GradScaler.unscale_")
+    return result
 
 
 def _loss_tensors(outputs, depth: int = 0) -> list[torch.Tensor]:
@@ -335,37 +319,24 @@ def loss_nonfinite(losses: list[tuple[bool, torch.Tensor]]) -> str | None:
     return " and ".join(name for name, there in (("NaN", nan), ("Inf", inf)) if there) or None
 
 
-def _scaler_scale(original):
-    @functools.wraps(original)
-    def scale(self, outputs, *args, **kwargs):
-        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
-            return original(self, outputs, *args, **kwargs)
-        t = _here()
-        if t is not None:  # before the call: a list or tuple is read, never consumed
-            _guarded("GradScaler.scale", _note_losses, t, self, outputs)
-        return original(self, outputs, *args, **kwargs)
-
-    return scale
+@_observing
+def _scaler_scale(t: Observed, original, scaler, outputs, *args, **kwargs):
+    _guarded(
+        "GradScaler.scale", _note_losses, t, scaler, outputs
+    )  # before the call: a list or tuple is read, never consumed
+    return original(scaler, outputs, *args, **kwargs)
 
 
-def _scaler_step(original):
-    @functools.wraps(original)
-    def step(self, optimizer, *args, **kwargs):
-        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
-            return original(self, optimizer, *args, **kwargs)
-        t = _here()
-        scale = None
-        if t is not None:
-            try:
-                scale = self.get_scale() if self.is_enabled() else 1.0
-            except Exception as exc:
-                t.fault("GradScaler.step", exc)
-        result = original(self, optimizer, *args, **kwargs)
-        if t is not None:
-            _guarded("GradScaler.step", _after_scaler_step, t, self, optimizer, scale)
-        return result
-
-    return step
+@_observing
+def _scaler_step(t: Observed, original, scaler, optimizer, *args, **kwargs):
+    scale = None
+    try:
+        scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+    except Exception as exc:
+        t.fault("GradScaler.step", exc)
+    result = original(scaler, optimizer, *args, **kwargs)
+    _guarded("GradScaler.step", _after_scaler_step, t, scaler, optimizer, scale)
+    return result
 
 
 def _after_scaler_step(t: Observed, scaler, optimizer, scale: float | None) -> None:
@@ -379,17 +350,10 @@ def _after_scaler_step(t: Observed, scaler, optimizer, scale: float | None) -> N
             t.final.after_optimizer_step(optimizer)
 
 
-def _zero_grad(original):
-    @functools.wraps(original)
-    def zero_grad(self, *args, **kwargs):
-        if _is_compiling():  # dynamo traces the call: the original's, as if unwrapped
-            return original(self, *args, **kwargs)
-        t = _here()
-        if t is not None:
-            _guarded("zero_grad", t.final.take_if_missing, "zero_grad")
-        return original(self, *args, **kwargs)
-
-    return zero_grad
+@_observing
+def _zero_grad(t: Observed, original, *args, **kwargs):
+    _guarded("zero_grad", t.final.take_if_missing, "zero_grad")
+    return original(*args, **kwargs)
 
 
 def _optimizer_pre_hook(optimizer, args, kwargs):
