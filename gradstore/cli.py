@@ -493,6 +493,9 @@ def runs(db):
     for run, line in zip(df["run"], df["ranks"]):
         if run in several:
             click.echo(f"run {run!r}: {line}")
+    resumed = store.run_ranks()
+    for h in resumed[(resumed["history"] != "") & ~resumed["run"].isin(several)].itertuples():
+        click.echo(f"run {h.run!r}: rank {int(h.rank)} {h.history}")  # one rank: its earlier processes
 
 
 def _several_ranks(store: Store, runs: pd.DataFrame) -> set[str]:
@@ -821,6 +824,10 @@ def _show_run(store: Store, db: str, run: str, rank: int | None, limit: int) -> 
     )
     if several:
         click.echo(f"Ranks: {r['ranks']}")
+    else:  # one rank: its earlier processes (a resumed run), which the status above does not tell
+        for h in store.run_ranks(run=run).itertuples():
+            if h.history:
+                click.echo(f"Rank {int(h.rank)}: {h.history}")
     click.echo(_counts_lines(_counts(store, run, rank=rank)))
     steps = store.steps(run=run, rank=rank)
     if steps.empty:

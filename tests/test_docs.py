@@ -47,6 +47,7 @@ def test_readme_documents_every_table_and_column():
             "step_nodes",
             "step_warnings",
             "claims",
+            "past_claims",
             "tensor_slices",
             "tensor_values",
             "saved_versions",

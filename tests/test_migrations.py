@@ -1109,3 +1109,27 @@ def test_upgrade_0015_to_0016_adds_fsdp_sync_as_not_known_and_down_again(tmp_pat
     with sqlite3.connect(path) as conn:
         assert [r[1] for r in conn.execute("PRAGMA table_info(passes)")] == columns
         assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before
+
+
+# ---- revision 0017_claim_history: the claims rows another process took over ------------------------------------
+def test_upgrade_0016_to_0017_adds_an_empty_past_claims_and_down_again(tmp_path):
+    """The committed revision-0003 file at 0016_fsdp_sync, then 0017_claim_history: every claims row keeps its
+    values and past_claims is empty (a takeover before it overwrote its claim: not known). Down to 0016 drops it."""
+    path = tmp_path / "old.db"
+    shutil.copy(ASSETS / "rev0003-loop.db", path)
+    _migrate(path, "0016_fsdp_sync")
+    with sqlite3.connect(path) as conn:
+        before = conn.execute("SELECT * FROM claims ORDER BY id").fetchall()
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    _migrate(path, "0017_claim_history")
+    assert _revision(path) == "0017_claim_history" == database.head_revision()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT * FROM claims ORDER BY id").fetchall() == before
+        assert conn.execute("SELECT COUNT(*) FROM past_claims").fetchone() == (0,)
+    assert "past_claims" not in tables
+    with gradstore.open(path) as store:
+        assert store.past_claims().empty and (store.run_ranks()["history"] == "").all()
+    _migrate(path, "0016_fsdp_sync", down=True)
+    with sqlite3.connect(path) as conn:
+        assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == tables
+        assert conn.execute("SELECT * FROM claims ORDER BY id").fetchall() == before

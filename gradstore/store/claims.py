@@ -5,7 +5,8 @@ per (run, rank) with the process's pid and host, when it started, and a heartbea
 thread renews every `heartbeat_interval()` seconds (`renew`). The claim stands while `heartbeat_at + lease` is in
 the future (lease: LEASE_HEARTBEATS heartbeats), and, when its holder runs on this host, while its pid is alive.
 A second process claiming a rank whose claim stands gets `RankInUse`; a claim that no longer stands (its holder
-was killed, or its machine lost) is taken over, so a restarted job resumes its record. The holder releases its
+was killed, or its machine lost) is taken over, so a restarted job resumes its record; the claims row as it stood
+then is kept in past_claims (revision 0017_claim_history), so that an interruption stays on record after a resume. The holder releases its
 claim when its scope ends (`release`), and the row stays (revision 0013_rank_ends) with how the scope ended
 (`end`: finished / error, when, and where an error ended it) and when the claim was released, so that a run's
 status is the aggregate over its ranks: running while a rank's writer is live, interrupted where a rank's process
@@ -24,7 +25,7 @@ import os
 import socket
 import time
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 
 from ..errors import RankInUse
 from ..records import RankEnd
@@ -111,7 +112,44 @@ def take(conn, run_id: int, rank: int, run_name: str) -> None:
             f"whose process died is taken over: at once on the same host, else {row.lease:.0f} s after its last "
             "heartbeat"
         )
+    if (row.pid, row.host) != (pid, host):  # another process's claim: kept (past_claims), then taken over
+        _keep(conn, row, now, pid, host)
     conn.execute(update(s.claims).where(c.id == row.id).values(**mine))
+
+
+def _keep(conn, row, now: float, pid: int, host: str) -> None:
+    """Keep the claims row `row` as it stands (revision 0017_claim_history: past_claims) before process `pid` on
+    `host` takes its rank over at `now`, with the rank's highest step written until then."""
+    st = s.steps.c
+    last = conn.execute(
+        select(func.max(st.step)).where(st.run_id == row.run_id, st.rank == row.rank, st.status != s.UNWRITTEN)
+    ).scalar()
+    kept = {k: getattr(row, k) for k in _KEPT}
+    conn.execute(
+        insert(s.past_claims).values(
+            run_id=row.run_id,
+            rank=row.rank,
+            **kept,
+            last_step=last,
+            taken_at=now,
+            taken_by_pid=pid,
+            taken_by_host=host,
+        )
+    )
+
+
+_KEPT = (
+    "pid",
+    "host",
+    "started_at",
+    "heartbeat_at",
+    "lease",
+    "status",
+    "ended_at",
+    "ended_step",
+    "error",
+    "released_at",
+)
 
 
 def renew(conn, keys) -> list[tuple[int, int]]:

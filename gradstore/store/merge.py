@@ -226,6 +226,15 @@ def _merge_claims(src, dst, run_map: dict[int, int]) -> None:
             rows.append({**{k: v for k, v in r.items() if k != "id"}, "run_id": key[0]})
     if rows:
         dst.execute(insert(s.claims), rows)
+    # the claims taken over (revision 0017_claim_history), of the (run, rank)s whose claims row came from this input
+    copied = {(row["run_id"], row["rank"]) for row in rows}
+    past = [
+        {**{k: v for k, v in r.items() if k != "id"}, "run_id": run_map[r["run_id"]]}
+        for r in src.execute(select(s.past_claims).order_by(s.past_claims.c.id)).mappings()
+        if (run_map[r["run_id"]], r["rank"]) in copied
+    ]
+    if past:
+        dst.execute(insert(s.past_claims), past)
 
 
 def _merge_steps(src, dst, run_map, names, db, out, skip_existing, report) -> dict[int, int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import ArgumentError, StepNotWritten, UnknownRun, UnknownStep, ValuesNotRecorded
@@ -197,8 +197,60 @@ class Store:
         steps, last_step, last_step_at, unwritten. A writer on this host whose pid is gone reads interrupted at
         once; one elsewhere once its lease runs out.
 
+        history: where other processes recorded the rank before its claim's holder (a resumed run: revision
+        0017_claim_history), one sentence per earlier process (`past_words`), '; '-joined; '' where none did.
+
         Raises UnknownRun."""
-        return self.query("run_ranks", run=run)
+        frame = self.query("run_ranks", run=run)
+        past = self.past_claims(run=run)
+        said = {
+            key: "; ".join(past_words(r) for r in rows.itertuples())
+            for key, rows in past.groupby(["run", "rank"], sort=False)
+        }
+        return frame.assign(history=[said.get((r, int(k)), "") for r, k in zip(frame["run"], frame["rank"])])
+
+    def past_claims(self, run: str | None = None) -> pd.DataFrame:
+        """The processes that recorded a rank of a run (or of `run`) before another process took the rank over (a
+        restarted job recording into the run again; revision 0017_claim_history: past_claims), in the order they
+        were taken over: run, rank, pid, host, claimed_at, heartbeat_at, status (finished / error, or interrupted:
+        its process died with its scope open), ended_at, ended_step, error, last_step (the rank's highest step
+        written when it was taken over; NULL: none), taken_at, taken_by_pid, taken_by_host, resumed_at (the first
+        step the rank wrote from taken_at on; NULL: none yet). Empty where no rank was taken over (and in a
+        database upgraded from before that revision, where a takeover overwrote its claim: not known)."""
+        pc, r, st = s.past_claims.c, s.runs.c, s.steps.c
+        first = (
+            select(func.min(st.step))
+            .where(st.run_id == pc.run_id, st.rank == pc.rank, st.started_at >= pc.taken_at, st.status != s.UNWRITTEN)
+            .scalar_subquery()
+        )
+        q = (
+            select(
+                r.name.label("run"),
+                pc.rank,
+                pc.pid,
+                pc.host,
+                pc.started_at.label("claimed_at"),
+                pc.heartbeat_at,
+                pc.status,
+                pc.ended_at,
+                pc.ended_step,
+                pc.error,
+                pc.last_step,
+                pc.taken_at,
+                pc.taken_by_pid,
+                pc.taken_by_host,
+                first.label("resumed_at"),
+            )
+            .select_from(s.past_claims.join(s.runs, r.id == pc.run_id))
+            .order_by(r.id, pc.rank, pc.taken_at, pc.id)
+        )
+        if run:
+            self.query("runs", run=run)  # UnknownRun, naming the runs there are
+            q = q.where(r.name == run)
+        with self.engine.connect() as conn:
+            frame = pd.DataFrame(conn.execute(q).mappings().all(), columns=[c.name for c in q.selected_columns])
+        frame["status"] = frame["status"].where(frame["status"].notna(), "interrupted")
+        return frame
 
     def steps(self, run: str | None = None, rank: int | None = None, step: int | None = None) -> pd.DataFrame:
         """Steps: run, rank, step, status (ok / error / nonfinite, or unmeasured: nothing raised and no gradient
@@ -1579,11 +1631,35 @@ def rank_words(row) -> str:
     return f"rank {rank} {status}"
 
 
+def past_words(row) -> str:
+    """One earlier holder of a rank (a `Store.past_claims` row) in words: 'resumed at step 8 after an interruption
+    (pid 123 on HOST died with its scope open after step 7 was written, last heartbeat ...; the steps it had not yet
+    written are lost), by pid 456 on HOST', or, for one whose scope ended, 'steps 0-7 by pid 123 on HOST (finished),
+    then from step 8 by pid 456 on HOST'."""
+    process = f"pid {int(row.pid)} on {row.host}"
+    after = f"after step {int(row.last_step)} was written" if _known(row.last_step) else "before any step was written"
+    then = f"pid {int(row.taken_by_pid)} on {row.taken_by_host}"
+    at = f"step {int(row.resumed_at)}" if _known(row.resumed_at) else "no step yet"
+    if row.status == "interrupted":
+        return (
+            f"resumed at {at} after an interruption ({process} died with its scope open {after}, last heartbeat "
+            f"{_clock(row.heartbeat_at)}; the steps it had not yet written are lost), by {then} "
+            f"(taken over {_clock(row.taken_at)})"
+        )
+    how = row.status
+    if row.status == "error" and _known(row.ended_step):
+        how = f"error at step {int(row.ended_step)}"
+    return f"recorded by {process} ({how}, {after}), then by {then} from {at} (taken over {_clock(row.taken_at)})"
+
+
 def ranks_line(rows: pd.DataFrame, world_size) -> str:
     """The ranks of one run in words, '; '-joined: `rank_words` of each of its `Store.run_ranks` rows, then the ranks
     of its world (0 .. world_size - 1) that left no trace in this database ('rank 1 of world size 2: no record in
     this database (no claim, no step: it may have recorded into another file, which gradstore merge joins)')."""
-    parts = [rank_words(r) for r in rows.itertuples()]
+    parts = [
+        rank_words(r) + (f", {r.history}" if isinstance(getattr(r, "history", ""), str) and r.history else "")
+        for r in rows.itertuples()
+    ]
     world = int(world_size) if _known(world_size) else 0
     missing = sorted(set(range(world)) - {int(r) for r in rows["rank"]})
     if missing:

@@ -295,6 +295,33 @@ claims = Table(
     UniqueConstraint("run_id", "rank"),
 )
 
+# past_claims (revision 0017_claim_history): a claims row as it stood when another process took its rank over (a
+# restarted job resuming a run): the earlier holder's pid, host, times and how its scope ended (status NULL: it died
+# with its scope open, interrupted), the rank's highest step written then (last_step; NULL: none), and when and by
+# whom it was taken over. The claims row then names the new holder; these rows keep that the steps of the rank come
+# from several processes, and where one of them was interrupted.
+past_claims = Table(
+    "past_claims",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id"), nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("heartbeat_at", Float, nullable=False),
+    Column("lease", Float, nullable=False),
+    Column("status", String(16)),  # finished / error; NULL: its scope was open (interrupted)
+    Column("ended_at", Float),
+    Column("ended_step", Integer),
+    Column("error", Text),
+    Column("released_at", Float),
+    Column("last_step", Integer),  # the rank's highest step written when it was taken over (NULL: none)
+    Column("taken_at", Float, nullable=False),  # when the next process took the rank over
+    Column("taken_by_pid", Integer, nullable=False),
+    Column("taken_by_host", String(255), nullable=False),
+)
+
 # ---- calls: a compact table and a view ---------------------------------------------------------------------
 # `calls` (what every query reads) is a VIEW with the columns of revisions 0001-0002 and sequence_nr (revision
 # 0011_sequence_nr); the rows live in call_data:
@@ -722,6 +749,8 @@ DOCS = {
     "graphs": "One set of edges a pass walked, stored once per run (passes.graph_id names each pass's).",
     "graph_edges": "The edges of each graph.",
     "claims": "Who writes, or wrote, each (run, rank): its process, heartbeat and lease, and how its scope ended.",
+    "past_claims": "A claims row as it stood when another process took its rank over (a resumed run): the earlier "
+    "holder, how its scope ended (status NULL: interrupted), the rank's last step written then, and who took over.",
     "call_data": "The rows of the `calls` view (one execution of a node's backward), times in integer "
     "nanoseconds and no step_id: read the `calls` view (q_calls), which gives seconds and the step.",
     "calls": "View: one execution of a node's backward (its prehook, then its hook), from call_data.",
