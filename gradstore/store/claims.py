@@ -6,8 +6,8 @@ thread renews every `heartbeat_interval()` seconds (`renew`). The claim stands w
 the future (lease: LEASE_HEARTBEATS heartbeats), and, when its holder runs on this host, while its pid is alive.
 A second process claiming a rank whose claim stands gets `RankInUse`; a claim that no longer stands (its holder
 was killed, or its machine lost) is taken over, so a restarted job resumes its record; the claims row as it stood
-then is kept in past_claims (revision 0017_claim_history), so that an interruption stays on record after a resume. The holder releases its
-claim when its scope ends (`release`), and the row stays (revision 0013_rank_ends) with how the scope ended
+then is kept in past_claims (revision 0017_claim_history), so that an interruption stays on record after a
+resume. The holder releases its claim when its scope ends (`release`), and the row stays (revision 0013_rank_ends) with how the scope ended
 (`end`: finished / error, when, and where an error ended it) and when the claim was released, so that a run's
 status is the aggregate over its ranks: running while a rank's writer is live, interrupted where a rank's process
 died with its scope open, error where a rank raised, finished when every rank that recorded ended cleanly
