@@ -1,16 +1,16 @@
 """One writer per (run, rank): the claims table (revision 0007_faults).
 
-A process that records a rank of a run claims it first (`take`, in the transaction that opens the run): one row
-per (run, rank) with the process's pid and host, when it started, and a heartbeat that the process's writer
-thread renews every `heartbeat_interval()` seconds (`renew`). The claim stands while `heartbeat_at + lease` is in
-the future (lease: LEASE_HEARTBEATS heartbeats), and, when its holder runs on this host, while its pid is alive.
-A second process claiming a rank whose claim stands gets `RankInUse`; a claim that no longer stands (its holder
-was killed, or its machine lost) is taken over, so a restarted job resumes its record; the claims row as it stood
-then is kept in past_claims (revision 0017_claim_history), so that an interruption stays on record after a
-resume. The holder releases its claim when its scope ends (`release`), and the row stays (revision 0013_rank_ends) with how the scope ended
-(`end`: finished / error, when, and where an error ended it) and when the claim was released, so that a run's
-status is the aggregate over its ranks: running while a rank's writer is live, interrupted where a rank's process
-died with its scope open, error where a rank raised, finished when every rank that recorded ended cleanly
+A process that records a rank of a run claims it first (`take`, in the transaction that opens the run): one row per
+(run, rank) with the process's pid and host, when it started, and a heartbeat that the process's writer thread
+renews every `heartbeat_interval()` seconds (`renew`). The claim stands while `heartbeat_at + lease` is in the
+future (lease: LEASE_HEARTBEATS heartbeats), and, when its holder runs on this host, while its pid is alive. A
+second process claiming a rank whose claim stands gets `RankInUse`; a claim that no longer stands (its holder was
+killed, or its machine lost) is taken over, so a restarted job resumes its record; the claims row as it stood then
+is kept in past_claims (revision 0017_claim_history), so that an interruption stays on record after a resume. The
+holder releases its claim when its scope ends (`release`), and the row stays (revision 0013_rank_ends) with how the
+scope ended (`end`: finished / error, when, and where an error ended it) and when the claim was released, so that a
+run's status is the aggregate over its ranks: running while a rank's writer is live, interrupted where a rank's
+process died with its scope open, error where a rank raised, finished when every rank that recorded ended cleanly
 (queries/runs.sql and queries/run_ranks.sql read it; `end` also stores that aggregate in runs.status, as far as it
 can be known without a clock: a rank whose scope is open counts as running there). Readers on this host also bind
 `dead` (the held claims whose pid is gone) so that a writer killed here reads as interrupted at once.
