@@ -286,9 +286,15 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
     """
     bad = store.first_nonfinite(run=run)
     gaps = bad.attrs.get("not_recorded", {})  # the run's first: steps before it that nobody measured
+    lost_bad = bad.attrs.get("nonfinite_unwritten", {})  # before it: steps known non-finite, not written
     if step is not None:
         bad = bad[bad["step"] == step]
     if bad.empty:
+        if step is None and lost_bad:  # none in the record, yet the recorder saw one: not "all finite"
+            return "\n".join(
+                f"First non-finite gradient (rank {rank}): not in the record: {lost['note']}"
+                for (_, rank), lost in sorted(lost_bad.items())
+            )
         return None
     from .view.story import amp_fault_note, amp_skipped_steps  # pandas only, as the CLI
 
@@ -301,6 +307,9 @@ def _first_nonfinite_line(store: Store, run: str, step: int | None = None) -> st
         gap = gaps.get((run, int(rank)))
         if gap:  # steps before it that nobody measured: the first non-finite gradient may be there
             notes.append(f"(rank {rank}: {gap['note']})")
+        gone = lost_bad.get((run, int(rank)))
+        if gone and step is None:  # a step before it went non-finite and was not written: the first is there
+            notes.append(f"(rank {rank}: {gone['note']}: the first non-finite gradient is there, not in the record)")
         fault = (
             amp_fault_note(store, run, int(rank), int(r["step"])) if (int(rank), int(r["step"])) in skipped else None
         )

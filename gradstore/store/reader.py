@@ -43,6 +43,15 @@ def unwritten_why(error) -> str:
     return text
 
 
+def unwritten_status(error) -> str | None:
+    """The status an unwritten step had when the writer gave it up, from its steps.error ('not written to the
+    database: E; the step's status was nonfinite...' -> 'nonfinite'); None where the text does not say it."""
+    text = "" if error is None or (isinstance(error, float) and math.isnan(error)) else str(error)
+    if not text.startswith(_NOT_WRITTEN) or "; the step's status was " not in text:
+        return None
+    return text.split("; the step's status was ", 1)[1].split(";", 1)[0].split()[0]
+
+
 def _per_step(method):
     """A helper of one step (its `step=` argument): asked for a step the run did not record it raises UnknownStep,
     for one the writer could not write (status unwritten) on every rank asked for StepNotWritten; where only some
@@ -321,7 +330,8 @@ class Store:
 
     def dumps(self, run: str | None = None, rank: int | None = None) -> pd.DataFrame:
         """Flight-recorder dumps: run, rank, step (whose trigger fired), reason (nonfinite / spike / error /
-        manual), first_step, last_step (the steps written in full), at (s since the epoch)."""
+        manual), first_step, last_step (the steps written in full), at (s since the epoch), unwritten (those of
+        the steps the writer could not write: a full disk; the dump was made, their rows are not in the record)."""
         return self.query("dumps", run=run, rank=rank)
 
     @_per_step
@@ -719,7 +729,11 @@ class Store:
         are some), 'note': a sentence} (why: 'not recorded', 'summary', 'unmeasured', 'unwritten'; note: 'steps
         21-23 were not recorded: the first non-finite gradient may be in one of them; and 14 earlier steps (1-2,
         4-5, ...) were not recorded either: a transient NaN there (a skipped optimizer step) would not be seen');
-        absent when there are none.
+        absent when there are none. `frame.attrs['nonfinite_unwritten']` maps (run, rank) to {'steps': [step, ...],
+        'note': 'step 15 went non-finite but was not written: <the writer's error>'}: the steps before the first row
+        (every one where there is none) that went non-finite but that the writer could not write
+        (`nonfinite_unwritten`): their gradients are not in the record, so an empty frame does not mean that every
+        gradient stayed finite; absent when there are none.
         Raises UnknownRun; ArgumentError (a ValueError) for a role other than grad_output, grad_input,
         param_grad, activation, loss."""
         if role is not None and role not in _NONFINITE_ROLES:
@@ -735,7 +749,59 @@ class Store:
                     notes[(str(run_), int(rank_))] = note
             if notes:
                 frame.attrs["not_recorded"] = notes
+        lost = self.nonfinite_unwritten(run=run, rank=rank, step=step)
+        if not lost.empty:
+            firsts = frame.groupby(["run", "rank"])["step"].min().to_dict() if not frame.empty else {}
+            said = {}
+            for (run_, rank_), rows in lost.groupby(["run", "rank"], sort=False):
+                first = firsts.get((str(run_), int(rank_)))
+                rows = rows if first is None else rows[rows["step"] < first]
+                if not rows.empty:
+                    said[(str(run_), int(rank_))] = {
+                        "steps": [int(v) for v in rows["step"]],
+                        "note": "; ".join(rows["note"]),
+                    }
+            if said:
+                frame.attrs["nonfinite_unwritten"] = said
         return frame
+
+    def nonfinite_unwritten(
+        self, run: str | None = None, rank: int | None = None, step: int | None = None
+    ) -> pd.DataFrame:
+        """The steps that went non-finite but that the writer could not write (a full disk, an I/O error): steps
+        rows of status unwritten whose error keeps the status the step had, nonfinite (its gradients held NaN or
+        Inf as the recorder measured them; none of them is in the record). Columns: run, rank, step, why (the
+        writer's error), note ('step 15 went non-finite but was not written: the disk holding ... is full (...)').
+        Empty where there are none."""
+        columns = ["run", "rank", "step", "why", "note"]
+        st, r = s.steps.c, s.runs.c
+        q = (
+            select(r.name.label("run"), st.rank, st.step, st.error)
+            .select_from(s.steps.join(s.runs, r.id == st.run_id))
+            .where(st.status == s.UNWRITTEN)
+            .order_by(r.id, st.rank, st.step)
+        )
+        if run:
+            q = q.where(r.name == run)
+        if rank is not None:
+            q = q.where(st.rank == int(rank))
+        if step is not None:
+            q = q.where(st.step == int(step))
+        with self.engine.connect() as conn:
+            rows = [row for row in conn.execute(q).all() if unwritten_status(row.error) == "nonfinite"]
+        return pd.DataFrame(
+            [
+                (
+                    row.run,
+                    int(row.rank),
+                    int(row.step),
+                    unwritten_why(row.error),
+                    f"step {int(row.step)} went non-finite but was not written: {unwritten_why(row.error)}",
+                )
+                for row in rows
+            ],
+            columns=columns,
+        )
 
     def _unmeasured_before(self, run: str, rank: int, first: int) -> dict | None:
         """Why the first non-finite gradient of `run` on `rank` may come before step `first` (its first recorded

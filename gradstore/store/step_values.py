@@ -49,6 +49,18 @@ def write(cur, paramstyle: str, step_id: int, b: StepBatch, node_ids: dict[str, 
                 for key, norm, nonfinite in b.param_norms
             ],
         )
+    write_dump(cur, paramstyle, b)
+
+
+def write_dump(cur, paramstyle: str, b: StepBatch) -> None:
+    """Insert the dumps row of the flight-recorder dump that step `b` closes (nothing where it closes none): with the
+    step's rows, or, where the writer could not write the dump's steps (a full disk), with their steps rows of
+    status unwritten once a write works again, so that a dump that was made stays on record (queries/dumps.sql
+    counts its steps not written).
+
+    Args:
+        cur: the driver's cursor of the transaction; paramstyle: the driver's ('qmark' or 'format'); b: the step.
+    """
     if b.dump is not None:
         reason, first, last = b.dump
         cur.execute(

@@ -935,6 +935,8 @@ class Writer:
                         (run_id, rank, step),
                     )
                     there = cur.fetchone()
+                    # the flight-recorder dump it closed was made: its row says so (its steps are not written)
+                    step_values.write_dump(cur, self.engine.dialect.paramstyle, b)
                     if there is not None:  # a flight-recorder summary whose detail was not written: it says so
                         cur.execute(
                             f"UPDATE steps SET error = CASE WHEN error IS NULL THEN {mark} ELSE error || {mark} END "

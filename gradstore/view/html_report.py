@@ -120,15 +120,18 @@ def _when(ts) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(ts)))
 
 
-def _unrecorded(steps: pd.DataFrame) -> str:
+def _unrecorded(steps: pd.DataFrame, unwritten: pd.DataFrame | None = None) -> str:
     """What a claim about the recorded steps does not cover: the step numbers from 0 (a run's first step) to each
     rank's last recorded step with no steps row (every=, steps=), as a sentence ('' where there are none). Steps
-    run after the last recorded one leave no row: the record cannot say whether any ran."""
+    run after the last recorded one leave no row: the record cannot say whether any ran. `unwritten`: the steps
+    rows of status unwritten where `steps` leaves them out: they are not gaps of every= / steps= (`_not_written`
+    says them)."""
     if steps.empty:
         return ""
+    lost = unwritten if unwritten is not None else steps.iloc[:0]
     missing = {}
     for rank, nums in steps.groupby("rank")["step"]:
-        have = {int(n) for n in nums}
+        have = {int(n) for n in nums} | {int(n) for n in lost.loc[lost["rank"] == rank, "step"]}
         gone = [n for n in range(0, max(have)) if n not in have]
         if gone:
             missing[int(rank)] = gone
@@ -150,6 +153,25 @@ def _unrecorded(steps: pd.DataFrame) -> str:
         f"{where[0].upper()}{where[1:]} not recorded (every=, steps=): nothing is known of them (a NaN there is not "
         f"seen), nor of any step that ran after step {last}, the last recorded."
     )
+
+
+def _not_written(steps: pd.DataFrame, store=None, run: str | None = None) -> tuple[str, str]:
+    """What a claim about the recorded gradients does not cover among `steps` (a run's steps rows): the steps the
+    writer could not write (status unwritten), as a sentence, and, as another, each of them that went non-finite
+    (Store.nonfinite_unwritten: 'Step 15 went non-finite but was not written: <why>.'); '' for none."""
+    lost = steps[steps["status"] == UNWRITTEN]
+    if lost.empty:
+        return "", ""
+    nums = sorted({int(v) for v in lost["step"]})
+    said = (
+        f"Step{'s' if len(nums) > 1 else ''} {_ranges(nums)} {'were' if len(nums) > 1 else 'was'} not written (the "
+        "writer could not write them: a full disk or an I/O error; not every=, steps=): their gradients are not in "
+        "the record, so nothing here speaks of them."
+    )
+    bad = store.nonfinite_unwritten(run=run) if store is not None else pd.DataFrame(columns=["rank", "note"])
+    several = steps["rank"].nunique() > 1
+    notes = [f"on rank {int(r.rank)}, {r.note}" if several else r.note for r in bad.itertuples()]
+    return said, " ".join(f"{n[0].upper()}{n[1:]}." for n in notes)
 
 
 _STRIP_SPAN = 5000  # the strip has a column for every step number up to this many; beyond, one per gap
@@ -348,9 +370,12 @@ def _steps_section(page: _Page, steps: pd.DataFrame, run: str, store=None, left=
                     "; a step status speaks of errors and NaN/Inf, not of parameters that got no gradient or an "
                     "all-zero one in every step (named under Parameters whose gradients changed most)"
                 )
-            gaps = _unrecorded(steps)  # steps with no row: the status of a recorded step says nothing of them
-            box = "partial" if left or dead or gaps else "calm"
+            gaps = _unrecorded(steps, lost)  # steps with no row: the status of a recorded step says nothing of them
+            went_bad = _not_written(lost, store, run)[1]  # the steps not written: said above; one non-finite, here
+            box = "bad" if went_bad else "partial" if left or dead or gaps else "calm"
             gaps = f" {_e(gaps)}" if gaps else ""
+            if went_bad:
+                gaps += " " + _e(went_bad)
             page.add(
                 f'<p class="{box}">Every {which} step has status ok{_e(tail)}.{gaps}</p>'
                 if not unmeasured
@@ -620,9 +645,14 @@ def _origin(start: story.NonfiniteStart) -> str:
 def _not_recorded_before(page: _Page, store, run: str) -> None:
     """A note per rank where steps before the first non-finite gradient were not measured (not recorded: every=,
     steps=, ...; Store.first_nonfinite's attrs['not_recorded']): it may be in one of them."""
-    gaps = store.first_nonfinite(run=run).attrs.get("not_recorded", {})
-    for (_, rank), gap in sorted(gaps.items()):
+    attrs = store.first_nonfinite(run=run).attrs
+    for (_, rank), gap in sorted(attrs.get("not_recorded", {}).items()):
         page.add(f'<p class="partial">Rank {rank}: {_e(gap["note"])}.</p>')
+    for (_, rank), lost in sorted(attrs.get("nonfinite_unwritten", {}).items()):  # earlier, known, not in the record
+        page.add(
+            f'<p class="bad">Rank {rank}: {_e(lost["note"])}: the first non-finite gradient of the rank is there (or '
+            "earlier), not in the record; the one below is the first the record holds.</p>"
+        )
 
 
 def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None) -> int | None:
@@ -684,7 +714,15 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
     if start is None:
         pg = store.param_grads(run=run)
         badp = pg[(pg["nan"].fillna(0) + pg["posinf"].fillna(0) + pg["neginf"].fillna(0)) > 0]
-        if len(badp):
+        kept = store.param_norms(run=run)
+        badk = kept[kept["nonfinite"].fillna(0) > 0]  # flight-recorder summaries: counted as measured below
+        if len(badk) and not len(badp):
+            page.add(
+                f'<p class="callout">No recorded node call or .grad row saw NaN or Inf, but flight-recorder '
+                f"summaries counted them in parameter .grad: {badk['param'].nunique()} parameters, first at step "
+                f"{int(badk['step'].min())} (e.g. <code>{_e(badk['param'].iloc[0])}</code>).</p>"
+            )
+        elif len(badp):
             page.add(
                 f'<p class="callout">No recorded node call saw NaN or Inf, but parameter .grad held them: '
                 f"{badp['param'].nunique()} parameters, first at step {int(badp['step'].min())} "
@@ -694,23 +732,29 @@ def _nonfinite_section(page: _Page, store, run: str, steps: pd.DataFrame, left=N
             page.add('<p class="note">No steps recorded.</p>')
         else:
             measured, not_measured, why = story.measured_rows(store, run)
-            gaps = _unrecorded(steps)  # steps with no row: nothing below speaks of them
-            gaps, calm = (f" {_e(gaps)}", "partial") if gaps else ("", "calm")
+            written = steps[steps["status"] != UNWRITTEN]
+            gaps = _unrecorded(written, steps[steps["status"] == UNWRITTEN])  # no row: nothing below speaks of them
+            unsaid, went_bad = _not_written(steps, store, run)  # not written: nor of them
+            gaps = " ".join(g for g in (gaps, unsaid, went_bad) if g)
+            gaps, calm = (f" {_e(gaps)}", "bad" if went_bad else "partial") if gaps else ("", "calm")
             if not measured:
                 page.add(
-                    f'<p class="note">No gradient value was measured ({not_measured:,} gradient rows not measured: '
-                    f"{_e(why or 'no row recorded')}): whether a gradient held NaN or Inf is not known.</p>"
+                    f'<p class="{"bad" if went_bad else "note"}">No gradient value was measured ({not_measured:,} '
+                    f"gradient rows not measured: {_e(why or 'no row recorded')}): whether a gradient held NaN or Inf "
+                    f"is not known.{gaps}</p>"
                 )
             elif not_measured:
+                box = "partial" if left and calm == "calm" else calm
                 page.add(
-                    f'<p class="{"partial" if left else calm}">No recorded gradient held NaN or Inf (exact counts, '
+                    f'<p class="{box}">No recorded gradient held NaN or Inf (exact counts, '
                     f"in the {measured:,} measured gradient rows); {not_measured:,} not measured ({_e(why)})"
                     + (f"; and {_e(left.words())}, not measured: not checked" if left else "")
                     + f".{gaps}</p>"
                 )
             elif left:
+                box = "bad" if calm == "bad" else "partial"
                 page.add(
-                    '<p class="partial">No measured gradient held NaN or Inf (exact counts, in the '
+                    f'<p class="{box}">No measured gradient held NaN or Inf (exact counts, in the '
                     f"{measured:,} measured gradient rows), but {_e(left.words())} were not measured: whether they "
                     f"held NaN or Inf is not known.{gaps}</p>"
                 )

@@ -639,8 +639,10 @@ def amp_fault_note(store, run: str, rank: int, step: int) -> str | None:
 
 def measured_rows(store, run: str) -> tuple[int, int, str]:
     """(gradient rows measured, rows not measured, why) over `run`'s steps: grad_output, grad_input and
-    param_grad rows; measured = status ok with NaN/Inf counts (stats='shape' counts none); not measured = skipped
-    rows (why: their stored reasons with counts, most frequent first) and rows of stats='shape' steps."""
+    param_grad rows, and a flight-recorder summary's parameter norms (record(keep=N): param_norms, each
+    parameter's final .grad of a step kept as a summary, measured where its NaN/Inf count is stored); measured =
+    status ok with NaN/Inf counts (stats='shape' counts none); not measured = skipped rows (why: their stored
+    reasons with counts, most frequent first) and rows of stats='shape' steps."""
     from sqlalchemy import text
 
     sql = text(
@@ -651,14 +653,26 @@ def measured_rows(store, run: str) -> tuple[int, int, str]:
     )
     skipped = store.not_measured(run=run)  # first: it checks the run and refreshes the reader
     skipped = skipped[skipped["role"].isin(["grad_output", "grad_input", "param_grad"])]  # not activation / loss
+    summaries = text(
+        "SELECT SUM(CASE WHEN pn.nonfinite IS NOT NULL THEN 1 ELSE 0 END), "
+        "SUM(CASE WHEN pn.nonfinite IS NULL THEN 1 ELSE 0 END) "
+        "FROM param_norms pn JOIN steps st ON st.id = pn.step_id JOIN runs r ON r.id = st.run_id "
+        "WHERE r.name = :run"
+    )
     with store.engine.connect() as conn:
         measured, unmeasured = conn.execute(sql, {"run": run}).one()
+        kept, kept_unmeasured = conn.execute(summaries, {"run": run}).one()
+    measured = int(measured or 0) + int(kept or 0)
+    unmeasured = int(unmeasured or 0) + int(kept_unmeasured or 0)
     parts = []
     if not skipped.empty:
         counts = skipped.assign(reason=skipped["reason"].fillna("no reason recorded")).groupby("reason")["tensors"]
         for reason, n in counts.sum().sort_values(ascending=False, kind="stable").items():
             parts.append(f"{reason} ({int(n):,})")
     shape = int(unmeasured or 0) - (int(skipped["tensors"].sum()) if not skipped.empty else 0)
+    shape -= int(kept_unmeasured or 0)
+    if kept_unmeasured:
+        parts.append(f"flight-recorder summaries at stats='shape' count no NaN/Inf ({int(kept_unmeasured):,})")
     if shape > 0:
         parts.append(f"stats='shape' measures no value ({shape:,})")
     return int(measured or 0), int(unmeasured or 0), "; ".join(parts)
