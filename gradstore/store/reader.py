@@ -331,7 +331,8 @@ class Store:
     def dumps(self, run: str | None = None, rank: int | None = None) -> pd.DataFrame:
         """Flight-recorder dumps: run, rank, step (whose trigger fired), reason (nonfinite / spike / error /
         manual), first_step, last_step (the steps written in full), at (s since the epoch), unwritten (those of
-        the steps the writer could not write: a full disk; the dump was made, their rows are not in the record)."""
+        the steps the writer could not write in full, a full disk: status unwritten, or a summary whose detail was
+        not written; the dump was made, their rows are not in the record)."""
         return self.query("dumps", run=run, rank=rank)
 
     @_per_step
