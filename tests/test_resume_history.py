@@ -80,6 +80,13 @@ def test_a_resumed_interrupted_run_keeps_the_interruption(tmp_path):
     assert said in _cli("runs", db)
     shown = _cli("show", db, "resume")
     assert f"Rank 0: {said}" in shown, shown
+    from gradstore.store.merge import merge
+
+    merge(tmp_path / "merged.db", [db])  # the history travels with the rank's claim
+    with gradstore.open(tmp_path / "merged.db") as store:
+        merged = store.past_claims("resume")
+        assert said in store.runs("resume").iloc[0]["ranks"]
+    assert merged.drop(columns="run").equals(past.drop(columns="run"))
 
 
 def test_a_rank_recorded_by_two_processes_that_both_finished_says_so(tmp_path):
