@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import warnings
 
 import matplotlib
 import pytest
@@ -255,3 +256,106 @@ def test_report_lists_the_step_whose_pass_raised(db, tmp_path):
     assert "Every recorded step has status ok" not in text
     assert "Steps that raised or held NaN / Inf" in text
     assert "backward pass 0 raised RuntimeError: backward exploded" in text
+
+
+# ---- the live answer (rec.last_step) says what the database says ---------------------------------------------------
+def _expected_status(path, run):
+    """Per step, the status the rows give, computed here from the stored tensor rows: 'unmeasured' where some
+    gradient row was skipped and none measured, else 'ok' (these steps raise nothing and hold no NaN/Inf)."""
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute(
+            "SELECT st.step, t.status FROM tensor_data t JOIN steps st ON st.id = t.step_id JOIN runs r "
+            "ON r.id = st.run_id WHERE r.name = ? AND t.role IN (0, 1, 2)",
+            (run,),
+        ).fetchall()
+    by_step: dict[int, set] = {}
+    for step, status in rows:
+        by_step.setdefault(step, set()).add(status)
+    return {s: "unmeasured" if 2 in st and 0 not in st else "ok" for s, st in by_step.items()}
+
+
+def _stored_status(path, run):
+    with sqlite3.connect(path) as conn:
+        return dict(
+            conn.execute(
+                "SELECT st.step, st.status FROM steps st JOIN runs r ON r.id = st.run_id WHERE r.name = ?", (run,)
+            ).fetchall()
+        )
+
+
+@pytest.mark.parametrize("kind", ["meta", "subclass", "complex", "plain"])
+def test_last_step_status_is_the_stored_and_read_status(tmp_path, kind):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    path = str(tmp_path / "live.db")
+    torch.manual_seed(0)
+    if kind == "meta":
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).to("meta")
+        batch = lambda: torch.randn(3, 4, device="meta")  # noqa: E731
+        loss = lambda x: model(x).sum()  # noqa: E731
+    elif kind == "subclass":
+        model = nn.Module()
+        model.lin = nn.Linear(4, 4)
+        model.w = nn.Parameter(TwoTensor(torch.randn(4), torch.randn(4)))
+        batch = lambda: torch.randn(3, 4)  # noqa: E731
+        loss = lambda x: (model.lin(x) * model.w).sum()  # noqa: E731
+    elif kind == "complex":
+        model = Cplx()
+        batch = lambda: torch.tensor([1.0, 2.0, 3.0])  # noqa: E731
+        loss = model
+    else:
+        model = nn.Linear(4, 1)
+        batch = lambda: torch.randn(3, 4)  # noqa: E731
+        loss = lambda x: model(x).sum()  # noqa: E731
+    live = {}
+    with gradstore.record(kind, db=path, model=model) as rec:
+        for _ in range(STEPS):
+            model.zero_grad()
+            loss(batch()).backward()
+            rec.step()
+            live[rec.last_step.step] = rec.last_step.status
+    expected = _expected_status(path, kind)
+    assert live == expected
+    assert _stored_status(path, kind) == expected
+    assert dict(zip(gradstore.open(path).steps(kind)["step"], gradstore.open(path).steps(kind)["status"])) == expected
+    want = {"meta": "unmeasured", "subclass": "unmeasured", "complex": "ok", "plain": "ok"}[kind]
+    assert set(expected.values()) == {want}
+
+
+@pytest.mark.parametrize("how", ["raise", "warn"])
+def test_on_nonfinite_says_once_that_it_checks_nothing_where_nothing_is_measured(tmp_path, how):
+    model = nn.Linear(4, 4, device="meta")
+    with pytest.warns(gradstore.RecordUsageWarning) as caught:
+        with gradstore.record("meta", db=str(tmp_path / "m.db"), model=model, on_nonfinite=how) as rec:
+            for _ in range(3):
+                model.zero_grad()
+                model(torch.randn(3, 4, device="meta")).sum().backward()
+                rec.step()
+    said = [str(w.message) for w in caught if "on_nonfinite" in str(w.message)]
+    assert len(said) == 1, said
+    assert "checks nothing" in said[0] and "meta tensor: it has no data" in said[0]
+    assert "param:weight" in said[0] and "step 0" in said[0]
+
+
+def test_on_nonfinite_names_the_parameters_it_cannot_check(tmp_path):
+    model = Cplx()
+    with pytest.warns(gradstore.RecordUsageWarning) as caught:
+        with gradstore.record("cplx", db=str(tmp_path / "c.db"), model=model, on_nonfinite="raise") as rec:
+            for _ in range(2):
+                model.p.grad = None
+                model(torch.tensor([1.0, 2.0, 3.0])).backward()
+                rec.step()
+    said = [str(w.message) for w in caught if "on_nonfinite" in str(w.message)]
+    assert len(said) == 1, said
+    assert "does not check 1 parameter gradient" in said[0] and "param:p" in said[0] and "complex" in said[0]
+
+
+def test_on_nonfinite_is_silent_where_every_gradient_is_measured(tmp_path):
+    model = nn.Linear(4, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gradstore.RecordUsageWarning)
+        with gradstore.record("plain", db=str(tmp_path / "p.db"), model=model, on_nonfinite="raise") as rec:
+            for _ in range(2):
+                model.zero_grad()
+                model(torch.randn(3, 4)).sum().backward()
+                rec.step()

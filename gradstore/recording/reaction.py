@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 
 from ..errors import NonFiniteGradient
-from ..records import ROLES, StepBatch
+from ..records import ROLES, STATUS, StepBatch
 from .stats import ROW_COLUMNS
 
 # positions in a tensor row: (key, seq, role, slot, *stats.ROW_COLUMNS)
@@ -25,6 +25,11 @@ _NAN, _POSINF, _NEGINF = _ROW["nan"], _ROW["posinf"], _ROW["neginf"]
 _ROLE_ORDER = {0: 0, 1: 1, 2: 3}  # grad_output, grad_input, param_grad
 _GRAD_INPUT = ROLES.index("grad_input")
 _SAVED = ROLES.index("saved")  # record(saved=True): a forward value the node saved, not a gradient
+_STATUS_AT, _REASON_AT = _ROW["status"], _ROW["reason"]
+_GRADIENT_ROLES = frozenset({ROLES.index("grad_output"), _GRAD_INPUT, ROLES.index("param_grad")})
+# a row's status, as a code or (rows built in Python) its name
+_MEASURED = frozenset({STATUS["ok"], "ok"})
+_SKIPPED = frozenset({STATUS["skipped"], "skipped"})
 
 
 def _nonfinite(row) -> bool:
@@ -176,6 +181,83 @@ def not_an_overflow(values: dict[str, float], loss: str | None, forward: bool) -
     return amp_judgement(values, loss, forward)[1]
 
 
+def _gradient_rows(batch: StepBatch):
+    """The step's gradient rows (grad_output, grad_input, param_grad): its final rows, then its passes'."""
+    for row in batch.final:
+        yield row
+    for p in batch.passes:
+        for row in p.tensors:
+            if row[2] in _GRADIENT_ROLES:
+                yield row
+
+
+def measured_nothing(batch: StepBatch, norms: list) -> bool:
+    """True when the step is 'unmeasured' by the rule queries/steps.sql reads stored rows by: some gradient row
+    (grad_output, grad_input, param_grad) was skipped and none was measured (a meta-device model, a tensor-subclass
+    parameter): finiteness is not known. The recorder stores that status, and `LastStep.status` says it, so the
+    loop and the database agree.
+
+    Args:
+        batch: the finished step (its final rows and passes' rows as handed to the writer).
+        norms: the final parameter gradients' norms (`FinalGrads.rows`), None where a row has none.
+    Returns: bool. Only where no final norm is known (rare: then no parameter gradient was measured) are the rows
+    read, on the calling thread. Raises nothing: a fault reading the rows leaves the answer False.
+    """
+    if any(n is not None for n in norms):  # a measured parameter gradient: the common case, decided here
+        return False
+    skipped = False
+    try:
+        for row in _gradient_rows(batch):
+            status = row[_STATUS_AT]
+            if status in _MEASURED:
+                return False
+            skipped = skipped or status in _SKIPPED
+    except Exception:  # a recorder fault never reaches training: the status stays as it was
+        return False
+    return skipped
+
+
+def unmeasured_rows(batch: StepBatch, keys: list, norms: list, absent: frozenset, everything: bool) -> list:
+    """The step's gradients that were not measured: [(node key, role name, reason)] of its skipped gradient rows,
+    each (key, role, reason) once, in row order. everything=False reads only the final parameter rows, and only
+    where some parameter holding a `.grad` has no norm (`keys`, `norms`: `FinalGrads.rows`' keys and norms;
+    `absent`: the keys whose `.grad` was None), so a step whose parameters were all measured costs a scan of
+    `norms`; everything=True reads the passes' rows too. Raises nothing (a fault gives what was found)."""
+    if not everything and not any(n is None and k not in absent for k, n in zip(keys, norms)):
+        return []
+    found: dict[tuple, None] = {}
+    try:
+        for row in _gradient_rows(batch) if everything else batch.final:
+            if row[_STATUS_AT] in _SKIPPED:
+                found.setdefault((row[0], ROLES[row[2]], row[_REASON_AT] or "no reason given"), None)
+    except Exception:
+        pass
+    return list(found)
+
+
+def unchecked_message(how, run: str, step: int, rows: list, everything: bool) -> str:
+    """The warning for `record(on_nonfinite=how)` where the gradients of step `step` of `run` cannot be checked
+    (`rows`: `unmeasured_rows`' answer; everything: no gradient of the step was measured). Returns the text."""
+    reasons: dict[str, list[str]] = {}
+    for key, role, reason in rows:
+        reasons.setdefault(reason, []).append(key if role == "param_grad" else f"{role} of {key}")
+    parts = []
+    for reason, what in list(reasons.items())[:3]:
+        shown = ", ".join(what[:4]) + (f" and {len(what) - 4:,} more" if len(what) > 4 else "")
+        parts.append(f"{reason} ({shown})")
+    scope = (
+        "checks nothing: no gradient value was measured"
+        if everything
+        else f"does not check {len({k for k, r, _ in rows if r == 'param_grad'}):,} parameter gradient(s), which "
+        "were not measured"
+    )
+    return (
+        f"gradstore: record({run!r}, on_nonfinite={how!r}) {scope} in step {step} (nor in a later "
+        f"step where the same holds): {'; '.join(parts)}. NaN/Inf there is not seen; steps.status reads "
+        "'unmeasured' where nothing was measured, and Store.not_measured() lists the rows (warned once per recording)"
+    )
+
+
 class LastStep:
     """What the loop can read about the step that ended last (`rec.last_step`; with the decorator,
     `train_step.recorder.last_step`).
@@ -186,8 +268,8 @@ class LastStep:
             a backward pass in it raised and the training code caught it), 'nonfinite' (some gradient, of a node or
             a parameter, held NaN or Inf; with record(forward=True) also a pass's loss; never a saved tensor nor a
             module's output, which are forward values) or 'unmeasured' (stats='shape', which measures no value:
-            nothing raised, finiteness unknown). A step whose gradient rows were all skipped (meta device) is 'ok'
-            here, as the rows are built after the step: `Store.steps` reads it as 'unmeasured'.
+            nothing raised, finiteness unknown; also a step whose gradient rows were all skipped, as on the meta
+            device or for a tensor-subclass parameter: `measured_nothing`, the rule `Store.steps` reads by).
         error (str | None): the exception's text (and recorder faults); for a pass that raised and was caught,
             'backward pass N raised Type: message (caught by the training code, which went on)'.
         passes (int): backward passes in the step.

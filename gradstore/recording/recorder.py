@@ -24,7 +24,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from ..errors import NonFiniteGradient, RecordUsageError, RecordUsageWarning
-from ..records import HOOK_RAISED, STATUS, RankEnd, StepBatch
+from ..records import HOOK_RAISED, RankEnd, StepBatch
 from ..store import claims
 from ..store import schema as s
 from ..store.database import DEFAULT_DB, check_db, explain
@@ -62,7 +62,17 @@ from .optimizer_reads import UNHELD_STEPS, OptimizerReads
 from .options import Options
 from .param_list import ParamList, ids_of
 from .passes import PassRecorder, StepState, grad_states, grads_changed
-from .reaction import AMP_FAULT, LastStep, Reaction, amp_judgement, amp_skipped, first_nonfinite
+from .reaction import (
+    AMP_FAULT,
+    LastStep,
+    Reaction,
+    amp_judgement,
+    amp_skipped,
+    first_nonfinite,
+    measured_nothing,
+    unchecked_message,
+    unmeasured_rows,
+)
 from .rows import LazyRows
 from .stats import NONFINITE_COLUMNS
 from .step_values import StepValues
@@ -631,6 +641,24 @@ class record:
             self._warned.add(what)
             warnings.warn(message, RecordUsageWarning, stacklevel=_user_stacklevel())
 
+    def _warn_unchecked(self, batch: StepBatch, final_norms: tuple, final) -> None:
+        """record(on_nonfinite=...): warn once per record object where the step's gradients (all of them, or some
+        parameters') were not measured, so NaN/Inf there goes unseen. Never raises."""
+        try:
+            everything = batch.status == "unmeasured"
+            absent = final.absent if final is not None else frozenset()
+            rows = unmeasured_rows(batch, final_norms[0], final_norms[1], absent, everything)
+            if rows:
+                how = self.options.on_nonfinite
+                how = how if isinstance(how, str) else getattr(how, "__name__", "a function")
+                message = unchecked_message(how, self.run, batch.step, rows, everything)
+                self._warn_once("on_nonfinite unchecked", message)
+        except RecordUsageWarning:  # a warnings filter of 'error': it reaches the loop, as other usage warnings do
+            raise
+        except Exception as e:
+            self._warned.add("on_nonfinite unchecked")
+            warnings.warn(f"gradstore: could not check what on_nonfinite sees: {e!r}", RuntimeWarning, stacklevel=2)
+
     def _check_filters(self, models: list) -> None:
         """Warn (once per record object) about a modules= or params= filter that matches nothing."""
         opts = self.options
@@ -871,11 +899,13 @@ class record:
             grad_norm = final.whole_total
         else:
             grad_norm = total_norm(final_norms[1], final_norms[0], final.absent if final is not None else frozenset())
+        if batch.status == "ok" and measured_nothing(batch, final_norms[1]):
+            # stored as such (a flight summary keeps no row a reader could tell it from), and said by last_step
+            batch.status = "unmeasured"
+        if self._reaction is not None and "on_nonfinite unchecked" not in self._warned:
+            self._warn_unchecked(batch, final_norms, final)
         if self._flight is not None:
             batch.param_norms = list(zip(*final_norms))
-            if batch.status == "ok" and _nothing_measured(batch, final_norms[1]):
-                # its summary keeps no row a reader could tell it from (as steps.sql does for a full step)
-                batch.status = "unmeasured"
             # sharded: what clip_grad_norm_ returned (the whole gradient's norm, before clipping), else not judged
             pre_clip = final.clip_total if split else _unscaled(state.pass_norm, values)
             batches, dump = self._flight.end_step(batch, status == "error", overflow, grad_norm, pre_clip)
@@ -1303,23 +1333,6 @@ def _unscaled(norm: float | None, values: dict[str, float]) -> float | None:
         return None
     (scale,) = scales
     return norm / scale if 0.0 < scale < float("inf") else None
-
-
-def _nothing_measured(batch: StepBatch, norms: list) -> bool:
-    """True when no gradient of the step was measured: parameters there are, none with a final norm, and no node
-    row of its passes measured (every one skipped or None: a meta-device model). Only where every final norm is
-    missing (rare) are the passes' rows read."""
-    if not norms or any(n is not None for n in norms):
-        return False
-    ok = STATUS["ok"]
-    try:
-        for rec in batch.passes:
-            for row in rec.tensors:
-                if row[4] == ok or row[4] == "ok":
-                    return False
-    except Exception:  # a recorder fault never reaches training: the status stays as it was
-        return False
-    return True
 
 
 def _dropped_of(batch_ref):
