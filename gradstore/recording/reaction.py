@@ -223,7 +223,7 @@ def unmeasured_rows(batch: StepBatch, keys: list, norms: list, absent: frozenset
     where some parameter holding a `.grad` has no norm (`keys`, `norms`: `FinalGrads.rows`' keys and norms;
     `absent`: the keys whose `.grad` was None), so a step whose parameters were all measured costs a scan of
     `norms`; everything=True reads the passes' rows too. Raises nothing (a fault gives what was found)."""
-    if not everything and not any(n is None and k not in absent for k, n in zip(keys, norms)):
+    if not everything and (None not in norms or not any(n is None and k not in absent for k, n in zip(keys, norms))):
         return []
     found: dict[tuple, None] = {}
     try:
