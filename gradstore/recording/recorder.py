@@ -23,12 +23,12 @@ import torch.nn as nn
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from ..errors import NonFiniteGradient, RecordUsageError, RecordUsageWarning
+from ..errors import NonFiniteGradient, RecordUsageError, RecordUsageWarning, WriteFailedWarning
 from ..records import HOOK_RAISED, RankEnd, StepBatch
 from ..store import claims
 from ..store import schema as s
 from ..store.database import DEFAULT_DB, check_db, explain
-from ..store.writer import flush_pending, writer_for
+from ..store.writer import flush_pending, step_ranges, writer_for
 from ..version import __version__
 from . import intercept, kernel, native, observers
 from . import torch_private as tp
@@ -84,6 +84,7 @@ _TOOL = threading.local()  # .depth > 0: this thread runs gradstore's own backwa
 _scope_lock = threading.Lock()  # held while a scope checks for and takes `_open_scope`
 # nan, posinf, neginf in an activation row (node key, seq, role, slot, *stats.ROW_COLUMNS)
 _ACTIVATION_NONFINITE = tuple(4 + i for i in NONFINITE_COLUMNS)
+INTERRUPT_FLUSH_S = 2.0  # a scope ended by KeyboardInterrupt waits at most this long for the writer
 _REQUIRES_GRAD, _SECOND = attrgetter("requires_grad"), itemgetter(1)
 
 
@@ -913,8 +914,15 @@ class record:
         else:
             batches = [batch]
         maybe_offload(self._writer, self.options.writer)  # before the step: with 'process' the first goes there too
-        for b in batches:
-            self._writer.submit(b, on_full=self.options.on_full, max_rows=self.options.queue_rows)
+        try:
+            for b in batches:
+                self._writer.submit(b, on_full=self.options.on_full, max_rows=self.options.queue_rows)
+        except BaseException as e:  # KeyboardInterrupt while submit waited for room: the step it met is queued
+            for rest in batches[batches.index(b) + 1 :]:  # a flight dump's other steps go too, past the bound
+                self._writer.submit(rest, on_full="wait", max_rows=sys.maxsize)
+            self.last_step = LastStep(batch, self.run, written, dump, grad_norm, self._writer, amp_reason)
+            self._interrupted(e, batch, run_status)
+            raise
         self.last_step = LastStep(batch, self.run, written, dump, grad_norm, writer=self._writer, amp_reason=amp_reason)
         if status == "nonfinite" and self._reaction is not None and not overflow:
             self._writer.flush()  # the step is in the database before the loop hears of it
@@ -939,6 +947,21 @@ class record:
                 if run_status is not None:
                     self._writer.set_run_status(self.run_id, self.rank, self._rank_end("error", e))
                 raise
+
+    def _interrupted(self, exc: BaseException, batch: StepBatch, run_status: str | None) -> None:
+        """`exc` (a KeyboardInterrupt) came while this step was handed to the writer (`submit` waited for room in
+        the queue, on_full='wait'): it belongs to this step, whose rows are queued all the same, not to the next one
+        the loop never ran. Its steps row keeps its status and says what came; the scope's end names this step."""
+        self._raised, self._raised_step = exc, batch.step
+        self._writer.set_step_error(
+            self.run_id,
+            self.rank,
+            batch.step,
+            f"{_exception_text(exc)} came in rec.step() while it waited {batch.waited:.1f} s for the writer (its "
+            "queue was full, on_full='wait'); the step itself was recorded whole",
+        )
+        if run_status is not None:
+            self._writer.set_run_status(self.run_id, self.rank, self._rank_end("error", exc))
 
     def _rank_end(self, status: str, exc: BaseException | None) -> RankEnd:
         """How this scope on its rank ended (end of a scope): `status`, now, and for an error the step and the
@@ -1228,8 +1251,31 @@ class record:
             return False  # a forked child leaving its parent's scope
         self._exit(exc, run_status="error" if exc is not None else "finished")
         self._release_claim()
-        self._writer.flush()
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C reaches the caller now, not once a lock goes
+            self._flush_interrupted(exc)
+        else:
+            self._writer.flush()
         return False  # the exception, if any, reaches the caller unchanged
+
+    def _flush_interrupted(self, exc: BaseException) -> None:
+        """The scope ends with a KeyboardInterrupt: wait at most INTERRUPT_FLUSH_S for the writer; where steps are
+        still queued (the database is locked, say) say so and let them be written behind the caller (the process's
+        exit waits for them, as for any scope). Never raises but a second KeyboardInterrupt."""
+        if self._writer.flush(timeout=INTERRUPT_FLUSH_S):
+            return
+        steps = self._writer.waiting_steps()
+        if not steps:
+            return
+        cause = self._writer.blocked_by()
+        n = len(steps)
+        warnings.warn(
+            f"gradstore: {type(exc).__name__}: {n} step{'s' if n != 1 else ''} of record({self.run!r}) "
+            f"({step_ranges(steps)}) {'are' if n != 1 else 'is'} not written to {self.db} yet"
+            f"{f' ({cause})' if cause else ''}; the writer goes on behind your code, and the process's exit waits "
+            "for it (another Ctrl-C there gives them up, and says which)",
+            WriteFailedWarning,
+            stacklevel=3,
+        )
 
     def __call__(self, fn):
         if not callable(fn):

@@ -47,13 +47,13 @@ from collections import deque
 from dataclasses import astuple, replace
 from pathlib import Path
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import event, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ..errors import GradstoreError, WriteFailedWarning
 from ..records import KIND, ROLE, RankEnd, StepBatch
-from . import claims, step_values
+from . import claims, database, step_values
 from . import schema as s
 from .database import ensure_schema, explain, is_url, make_engine, transient, write_limit
 from .inserts import Insert
@@ -122,6 +122,8 @@ def use_native_rows(fn) -> None:
 _CHUNK = 500  # keys per IN (...) list
 _GRAPH_MEMO = 64  # passes' edge lists (by identity) whose graph the writer remembers, the latest
 _ATTEMPTS = 6  # tries of one step transaction that fails for a transient reason
+LOCK_WARN_S = 5.0  # SQLite: the writer's wait for the write lock that makes a warning (WriteFailedWarning)
+HOLDER_SCAN_S = 0.5  # at most this long looking for the processes that have a locked file open (/proc)
 
 
 class FileGone(Exception):
@@ -330,7 +332,16 @@ class Writer:
         itself (a sink's process). Raises GradstoreError naming the database when it cannot be written."""
         self.db = db
         self.pid = os.getpid()
+        # SQLite: time.monotonic() when the writer's BEGIN IMMEDIATE started waiting for the file's write lock (None:
+        # not waiting); when the last "blocked by a lock" warning was given (LOCK_WARN_S), and whether one was
+        self._begin_at: float | None = None
+        self._lock_warned_at = -math.inf
+        self._lock_warned = False
+        self._on_full, self._max_rows = "wait", 500_000  # as the last `submit` was given them (for the warning)
         self.engine = make_engine(db, immediate=True)
+        if self.engine.dialect.name == "sqlite":
+            event.listen(self.engine, "before_cursor_execute", self._before_begin)
+            event.listen(self.engine, "after_cursor_execute", self._after_begin)
         try:
             ensure_schema(self.engine, str(db))
             self._probe_write()
@@ -370,6 +381,7 @@ class Writer:
         # id(step in _pending) -> (sink, what its `prepare` made of the step on the submitting thread)
         self._prepared: dict[int, tuple] = {}
         self._busy = False
+        self._current: int | None = None  # the step the writer thread is writing now
         self._closed = False
         self._cond = threading.Condition()
         self._io = threading.Lock()  # held by the writer thread while it is inside the database driver
@@ -485,6 +497,7 @@ class Writer:
         self._pending_rows = 0
         self._prepared = {}
         self._busy = False
+        self._current = None
         self._closed = False
         self._node_ids = {}  # the parent may have been inside a step transaction that is yet to commit
         self._edge_ids, self._graph_ids, self._graph_memo = {}, {}, {}
@@ -539,6 +552,9 @@ class Writer:
         the writer catches up (the seconds go to batch.waited), 'drop' strips the step's calls and tensors
         (their count goes to batch.dropped) and queues the rest. Never raises."""
         n = batch.rows()
+        self._on_full, self._max_rows = on_full, max_rows
+        if self._begin_at is not None:  # the writer waits for the write lock (SQLite): said once it lasts
+            self._check_blocked()
         with self._cond:
             self._running()
             if self._pending_rows and self._pending_rows + n > max_rows:
@@ -552,18 +568,31 @@ class Writer:
                     n = 0
                 else:
                     t0 = time.perf_counter()
-                    while self._pending_rows and self._pending_rows + n > max_rows and self._thread.is_alive():
-                        self._cond.wait(timeout=1.0)
+                    try:
+                        while self._pending_rows and self._pending_rows + n > max_rows and self._thread.is_alive():
+                            self._cond.wait(timeout=min(1.0, LOCK_WARN_S))
+                            if self._begin_at is not None:
+                                self._check_blocked()
+                    except BaseException:  # KeyboardInterrupt while waiting: the step is queued all the same
+                        batch.waited = time.perf_counter() - t0
+                        self._queue(batch, n)
+                        raise
                     batch.waited = time.perf_counter() - t0
-            self._prepare(batch)
-            try:
-                self._pending.append(batch)
-            except BaseException:  # KeyboardInterrupt: the step is not queued, its message is not sent
-                self._unprepare(batch)
-                raise
-            self._pending_rows += n
-            self.submitted += 1
-            self._cond.notify_all()
+            self._queue(batch, n)
+
+    def _queue(self, batch: StepBatch, n: int) -> None:
+        """Append `batch` (of `n` rows as the bound counts them) to the queue, with _cond held. A step that an
+        interrupt (KeyboardInterrupt) met while `submit` waited for room is queued past the bound: it was recorded,
+        so it is written, or given up as not written with the reason, never dropped unsaid."""
+        self._prepare(batch)
+        try:
+            self._pending.append(batch)
+        except BaseException:  # KeyboardInterrupt: the step is not queued, its message is not sent
+            self._unprepare(batch)
+            raise
+        self._pending_rows += n
+        self.submitted += 1
+        self._cond.notify_all()
 
     def _prepare(self, batch: StepBatch) -> None:
         """On the submitting thread (with _cond held, so that steps are prepared in queue order): let the sink make
@@ -693,11 +722,27 @@ class Writer:
         with self._cond:
             return list(self._claims)
 
-    def flush(self) -> None:
-        """Block until every submitted step is written (or has failed and been reported)."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every submitted step is written (or has failed and been reported).
+
+        Args: timeout: seconds to wait at most (None: as long as it takes). Returns True when nothing is left to
+        write, False when the timeout came first. Raises nothing of its own (KeyboardInterrupt ends the wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while (self._pending or self._busy) and self._running():
-                self._cond.wait(timeout=1.0)
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=left)
+        return True
+
+    def waiting_steps(self) -> list[int]:
+        """The step numbers queued or being written now (submitted, not yet written nor given up on), in order."""
+        with self._cond:
+            steps = [b.step for b in self._pending if isinstance(b, StepBatch)]
+            if self._current is not None:
+                steps.insert(0, self._current)
+        return steps
 
     def close(self) -> None:
         """Flush, release this process's claims, stop the thread and release the engine."""
@@ -734,6 +779,7 @@ class Writer:
                 item = self._pending.popleft() if self._pending else None
                 prepared = self._prepared.pop(id(item), None) if item is not None else None
                 self._busy = True
+                self._current = item.step if isinstance(item, StepBatch) else None
             sent = False
             try:  # outside _io: this process's driver is not used
                 if self._sink_next is not None:
@@ -787,8 +833,10 @@ class Writer:
                     self._periodic()
                 finally:
                     self._io.release()
+                self._begin_at = None  # a heartbeat's or checkpoint's BEGIN that failed left it set
                 with self._cond:
                     self._busy = False
+                    self._current = None
                     if item is not None and not isinstance(item, tuple):
                         self._pending_rows -= item.rows()
                         self.taken += 1
@@ -1106,15 +1154,93 @@ class Writer:
 
     def _retrying(self, write, item) -> None:
         """Run one transaction, again (whole) after a transient failure, with a growing pause."""
-        for attempt in range(_ATTEMPTS):
-            try:
-                write(item)
-                return
-            except DBAPIError as exc:
-                if attempt == _ATTEMPTS - 1 or not transient(exc):
-                    raise
-                self.retries += 1
-                time.sleep(min(0.05 * 2**attempt, 2.0))
+        try:
+            for attempt in range(_ATTEMPTS):
+                try:
+                    write(item)
+                    return
+                except DBAPIError as exc:
+                    if self._begin_at is not None:  # BEGIN IMMEDIATE gave up after the busy timeout: said now
+                        self._check_blocked(quiet=True)
+                    if attempt == _ATTEMPTS - 1 or not transient(exc):
+                        raise
+                    self.retries += 1
+                    time.sleep(min(0.05 * 2**attempt, 2.0))
+        finally:
+            self._begin_at = None  # the wait for the lock spans the tries: it ends with them
+
+    # ---- a write lock another connection holds (SQLite) ------------------------------------------------------
+    def _before_begin(self, conn, cursor, statement, parameters, context, executemany) -> None:
+        """SQLAlchemy 'before_cursor_execute': before BEGIN IMMEDIATE, note when the wait for the write lock starts
+        (a try again after a busy timeout goes on waiting since the first)."""
+        if self._begin_at is None and statement.startswith("BEGIN"):
+            self._begin_at = time.monotonic()
+
+    def _after_begin(self, conn, cursor, statement, parameters, context, executemany) -> None:
+        """SQLAlchemy 'after_cursor_execute': after BEGIN IMMEDIATE returned, the lock is this writer's; where a
+        warning said it was blocked, say that writing goes on."""
+        if not statement.startswith("BEGIN"):
+            return
+        since, self._begin_at = self._begin_at, None
+        if self._lock_warned:
+            self._lock_warned = False
+            waited = time.monotonic() - since if since is not None else 0.0
+            _warn(
+                f"gradstore: the writer got the write lock of {self.db} after waiting {waited:.1f} s: writing (and "
+                "a training loop that waited for it) goes on",
+                WriteFailedWarning,
+            )
+
+    def _check_blocked(self, quiet: bool = False) -> None:
+        """Warn (WriteFailedWarning) once the writer's BEGIN IMMEDIATE has waited LOCK_WARN_S for the write lock,
+        and again no sooner than FAULT_SUMMARY_S later while the lock stays taken; from whichever thread sees it
+        first (a `submit`, the training thread's wait for room, or the writer after a busy timeout: quiet=True,
+        where a warnings filter of 'error' must not raise). Never raises but what such a filter raises on the
+        training thread."""
+        since = self._begin_at
+        now = time.monotonic()
+        if since is None or now - since < LOCK_WARN_S or now - self._lock_warned_at < FAULT_SUMMARY_S:
+            return
+        self._lock_warned_at, self._lock_warned = now, True
+        if quiet:
+            _warn(self.blocked_message(now - since), WriteFailedWarning)
+        else:
+            warnings.warn(self.blocked_message(now - since), WriteFailedWarning, stacklevel=4)
+
+    def blocked_by(self) -> str | None:
+        """Why the writer is not writing now, in words, where it waits for the SQLite write lock another connection
+        holds ('waiting N s for the write lock of DB, held by ...'); None otherwise."""
+        since = self._begin_at
+        if since is None:
+            return None
+        waited = time.monotonic() - since
+        return f"the writer has waited {waited:.0f} s for the write lock of {self.db}, {_holder(self)}"
+
+    def blocked_message(self, waited: float) -> str:
+        """The warning's text for a writer that has waited `waited` seconds for the SQLite write lock."""
+        busy = database.SQLITE_BUSY_TIMEOUT_MS / 1000
+        with self._cond:
+            queued, rows = sum(isinstance(b, StepBatch) for b in self._pending), self._pending_rows
+        if self._on_full == "wait":
+            effect = (
+                f"with on_full='wait' (the default) rec.step() waits once the queue is full (queue_rows="
+                f"{self._max_rows:,}), until the lock goes, or until the writer gives the step it holds up after "
+                f"{_ATTEMPTS} tries of the {busy:g} s busy timeout (about {_ATTEMPTS * busy / 60:.1f} min; that step "
+                f"is then recorded as '{UNWRITTEN}') and takes the next"
+            )
+        else:
+            effect = (
+                f"with on_full='drop' training never waits: steps that find the queue full (queue_rows="
+                f"{self._max_rows:,}) keep only their steps row (steps.dropped counts the rest)"
+            )
+        return (
+            f"gradstore: the writer has waited {waited:.0f} s for the write lock of {self.db}, {_holder(self)}. "
+            f"Steps queue in memory meanwhile ({queued} step{'s' if queued != 1 else ''}, {rows:,} rows); {effect}. "
+            "Fix: end the other connection's transaction; or record(on_full='drop') so that training never waits "
+            "for the database; or a database file of this run's own, or a PostgreSQL server "
+            "(db='postgresql+psycopg://...') for many writers. Said again at most every "
+            f"{FAULT_SUMMARY_S:g} s while it lasts"
+        )
 
     def _write_release(self, item) -> None:
         with self.engine.begin() as conn:
@@ -1662,6 +1788,35 @@ _writers_lock = threading.Lock()
 _exit_hook_pid: int | None = None
 
 
+def _holder(w: Writer) -> str:
+    """Who holds the lock, as far as this process can see: 'held by another connection (pid N (name), ... have the
+    file open)'; Linux only (/proc), and within HOLDER_SCAN_S; the holder may also be another thread of this
+    process, or a process this user cannot see."""
+    path = getattr(w, "_where", None)
+    found: list[str] = []
+    if path and os.path.isdir("/proc"):
+        names = {path, path + "-wal", path + "-shm"}
+        deadline = time.monotonic() + HOLDER_SCAN_S
+        me = os.getpid()
+        try:
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
+        except OSError:
+            pids = []
+        for pid in pids:
+            if time.monotonic() > deadline or len(found) >= 5:
+                break
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in names for fd in fds):
+                    with open(f"/proc/{pid}/comm") as f:
+                        found.append(f"pid {pid} ({f.read().strip()})")
+            except OSError:
+                continue
+    if found:
+        return f"held by another connection (other processes with it open: {', '.join(found)})"
+    return "held by another connection (no other process with it open was found: another thread of this process?)"
+
+
 def _db_id(db) -> str:
     return str(db) if is_url(db) else str(Path(db).resolve())
 
@@ -1728,7 +1883,18 @@ def _flush_all() -> None:
         try:
             if w.pid == os.getpid():
                 w.release_all()  # the decorator's claims are held until the process ends
-                w.flush()
+                try:
+                    w.flush()
+                except KeyboardInterrupt:  # Ctrl-C while the exit waits (a locked database): say what is lost
+                    steps = w.waiting_steps()
+                    if steps:
+                        cause = w.blocked_by()
+                        _warn(
+                            f"gradstore: interrupted at exit: {len(steps)} step(s) ({step_ranges(steps)}) were not "
+                            f"written to {w.db}{f' ({cause})' if cause else ''} and are not in it",
+                            WriteFailedWarning,
+                        )
+                    continue
                 w.settle()  # steps given up on, still to be recorded as not written: a last try
                 w._close_sink()  # its process closes its connection: the WAL folds back into the .db file
                 w.engine.dispose()
