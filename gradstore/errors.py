@@ -92,7 +92,9 @@ class RecordUsageWarning(UserWarning):
 class WriteFailedWarning(RuntimeWarning):
     """The writer could not write steps to the database (a full disk, an I/O error, a lock): warned when the fault
     starts (naming the database, the cause and the fix), then at most once a minute while it lasts, and once when
-    writing works again. Training goes on; the steps given up on are recorded as status 'unwritten'."""
+    writing works again. Training goes on; the steps given up on are recorded as status 'unwritten'. Also warned
+    while the writer waits for a SQLite write lock another connection holds (from gradstore.store.writer's
+    LOCK_WARN_S seconds on; with on_full='wait' a full queue then holds `rec.step()`), and when it gets it."""
 
 
 class NonFiniteGradient(GradstoreError):

@@ -224,8 +224,11 @@ class record:
             nodes and param_grad rows are recorded (a tied parameter when any of its names matches, as with
             modules=).
         on_full: when more than `queue_rows` rows wait for the database: 'wait' (the step blocks until the
-            writer catches up; seconds waited go to steps.waited) or 'drop' (the step's calls and tensors are
-            dropped; their count goes to steps.dropped).
+            writer catches up; seconds waited go to steps.waited; a SQLite file another connection keeps locked
+            holds it as long as the lock lasts, the writer giving a step up as 'unwritten' after 6 busy timeouts,
+            and a WriteFailedWarning says so after writer.LOCK_WARN_S; Ctrl-C there ends the wait at once, the
+            step queued all the same) or 'drop' (the step's calls and tensors are dropped; their count goes to
+            steps.dropped; training never waits).
         queue_rows: the bound on rows waiting for the writer (int).
         saved: also record the statistics of every saved tensor each node holds for its backward (role
             'saved', slot = position in `gradstore.saved_tensors(node)`), measured in the node's prehook. A

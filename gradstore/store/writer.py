@@ -2,7 +2,10 @@
 
 Training code hands a `StepBatch` to `Writer.submit` and goes on; it never waits on the database except in
 `flush` (end of a recording scope, `gradstore.open` on the same database, interpreter exit, and the end of a
-`multiprocessing` child, which skips the interpreter's exit handlers). A write that fails is reported as a
+`multiprocessing` child, which skips the interpreter's exit handlers) and in `submit` with on_full='wait' once
+the queue is full. A SQLite write lock another connection holds past LOCK_WARN_S is warned about (whichever thread
+sees it first: `submit`, or the writer after a busy timeout), and again when the writer gets it; a
+KeyboardInterrupt that ends `submit`'s wait for room queues the step all the same. A write that fails is reported as a
 warning and counted in `Writer.errors`; it never raises into training.
 
 Many writers, one database: every rank (process) has its own Writer. On SQLite each step transaction starts
