@@ -917,11 +917,13 @@ class record:
         else:
             batches = [batch]
         maybe_offload(self._writer, self.options.writer)  # before the step: with 'process' the first goes there too
+        handed = 0
         try:
             for b in batches:
+                handed += 1
                 self._writer.submit(b, on_full=self.options.on_full, max_rows=self.options.queue_rows)
         except BaseException as e:  # KeyboardInterrupt while submit waited for room: the step it met is queued
-            for rest in batches[batches.index(b) + 1 :]:  # a flight dump's other steps go too, past the bound
+            for rest in batches[handed:]:  # a flight dump's other steps go too, past the bound
                 self._writer.submit(rest, on_full="wait", max_rows=sys.maxsize)
             self.last_step = LastStep(batch, self.run, written, dump, grad_norm, self._writer, amp_reason)
             self._interrupted(e, batch, run_status)

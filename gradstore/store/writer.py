@@ -553,11 +553,11 @@ class Writer:
     def submit(self, batch: StepBatch, on_full: str = "wait", max_rows: int = 500_000) -> None:
         """Queue a step for writing. When more than `max_rows` rows are already waiting: 'wait' blocks until
         the writer catches up (the seconds go to batch.waited), 'drop' strips the step's calls and tensors
-        (their count goes to batch.dropped) and queues the rest. Never raises."""
+        (their count goes to batch.dropped) and queues the rest. Raises nothing of its own: a KeyboardInterrupt
+        that ends the wait (the step is queued first), or the lock warning (`_check_blocked`) where a warnings
+        filter of 'error' makes it an exception (after the step is queued), reach the caller."""
         n = batch.rows()
         self._on_full, self._max_rows = on_full, max_rows
-        if self._begin_at is not None:  # the writer waits for the write lock (SQLite): said once it lasts
-            self._check_blocked()
         with self._cond:
             self._running()
             if self._pending_rows and self._pending_rows + n > max_rows:
@@ -582,6 +582,8 @@ class Writer:
                         raise
                     batch.waited = time.perf_counter() - t0
             self._queue(batch, n)
+        if self._begin_at is not None:  # the writer waits for the write lock (SQLite): said once it lasts
+            self._check_blocked()
 
     def _queue(self, batch: StepBatch, n: int) -> None:
         """Append `batch` (of `n` rows as the bound counts them) to the queue, with _cond held. A step that an
