@@ -78,7 +78,8 @@ def test_edge_cases():
     assert checksum_module.checksum(torch.zeros(0)) == 0
     assert checksum_module.checksum(torch.zeros(5)) == 0  # all-zero bytes
     assert checksum_module.checksum(torch.tensor(1.5)) == _reference(torch.tensor(1.5).reshape(1))
-    assert checksum_module.checksum(torch.zeros(3).to_sparse()) is None
+    assert checksum_module.checksum(torch.zeros(3).to_sparse()) == 0  # a sparse tensor of no stored entry
+    assert checksum_module.checksum(torch.zeros(2, 2).to_mkldnn()) is None  # a layout whose bytes are not read
     # -0.0 == 0.0 numerically but not bitwise
     assert checksum_module.checksum(torch.tensor([0.0, -0.0])) != checksum_module.checksum(torch.zeros(2))
 
@@ -146,3 +147,68 @@ def test_checksums_left_on_the_device_travel_with_the_statistics_in_one_transfer
     assert rows[0]["nan"] == 1 and rows[0]["numel"] == 50
     assert rows[3]["norm"] == pytest.approx(float(plain.double().norm()), rel=1e-12)
     assert rows[1]["norm"] == pytest.approx(float(plain.double().norm()), rel=1e-6)
+
+
+def _coo(indices, values, size) -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.tensor(indices), values, size, check_invariants=True)
+
+
+def test_a_sparse_tensor_has_the_checksum_of_the_dense_tensor_it_represents():
+    """The formula over the dense tensor (`_reference` of `coalesce().to_dense()`, NumPy, no sparse code), for COO
+    (uncoalesced, hybrid, several sparse dims, entries past the first chunks) and the compressed layouts."""
+    g = torch.Generator().manual_seed(4)
+    c = checksum_module._CSUM_CHUNK
+    uncoalesced = torch.sparse_coo_tensor(
+        torch.randint(0, 16, (2, 40), generator=g), torch.randn(40, generator=g), (16, 16)
+    )
+    hybrid = torch.sparse_coo_tensor(
+        torch.randint(0, 50, (1, 30), generator=g), torch.randn(30, 7, generator=g), (50, 7)
+    )
+    far = _coo([[0, c - 1, c, 3 * c + 7, 5 * c + 2]], torch.randn(5, 3, generator=g).double(), (5 * c + 3, 3))
+    three = _coo([[1, 0, 2], [5, 699, 0], [79, 0, 3]], torch.randn(3, 2, generator=g).half(), (3, 700, 80, 2))
+    dense = torch.randn(8, 12, generator=g) * (torch.rand(8, 12, generator=g) > 0.6)
+    compressed = [
+        dense.to_sparse_csr(),
+        dense.to_sparse_csc(),
+        dense.to_sparse_bsr((2, 3)),
+        dense.to_sparse_bsc((2, 2)),
+    ]
+    assert not uncoalesced.is_coalesced()
+    for t in [uncoalesced, hybrid, far, three, *compressed]:
+        want = _reference((t.coalesce() if t.layout is torch.sparse_coo else t).to_dense())
+        assert checksum_module.checksum(t) == want, t.layout
+    assert not uncoalesced.is_coalesced()  # the user's tensor is not coalesced in place
+
+
+def test_sparse_checksums_equal_exactly_when_the_tensors_are_equal():
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    a = _coo([[1, 4, 6]], values, (8, 2))
+    c = checksum_module.checksum(a)
+    # the same tensor stored otherwise: entries in another order, split into duplicates, an explicit zero row
+    assert checksum_module.checksum(_coo([[6, 1, 4]], values[[2, 0, 1]], (8, 2))) == c
+    split = _coo([[1, 4, 6, 6]], torch.cat([values[:2], values[2:] - 1.0, torch.ones(1, 2)]), (8, 2))
+    assert not split.is_coalesced() and torch.equal(split.coalesce().to_dense(), a.to_dense())
+    assert checksum_module.checksum(split) == c
+    assert (
+        checksum_module.checksum(_coo([[1, 2, 4, 6]], torch.cat([values[:1], -torch.zeros(1, 2), values[1:]]), (8, 2)))
+        == c
+    )
+    assert checksum_module.checksum(a.to_dense()) == c  # and the dense tensor it represents
+    # two rows swapped (every statistic kept), one element one ulp off, one row moved to a row of zeros: all differ
+    assert checksum_module.checksum(_coo([[4, 1, 6]], values, (8, 2))) != c
+    bumped = values.clone()
+    bumped[1, 1] = torch.nextafter(bumped[1, 1], torch.tensor(float("inf")))
+    assert checksum_module.checksum(_coo([[1, 4, 6]], bumped, (8, 2))) != c
+    assert checksum_module.checksum(_coo([[1, 4, 7]], values, (8, 2))) != c
+
+
+def test_measure_takes_a_sparse_gradients_checksum_and_leaves_it_as_it_was():
+    g = torch.Generator().manual_seed(5)
+    grad = torch.sparse_coo_tensor(torch.randint(0, 20, (1, 12), generator=g), torch.randn(12, 4, generator=g), (20, 4))
+    indices, values = grad._indices().clone(), grad._values().clone()
+    m = stats.measure(grad, checksum=True)
+    assert m.checksum == _reference(grad.coalesce().to_dense()) and m.nondense == ("sparse_coo", 12, 0)
+    assert not grad.is_coalesced() and torch.equal(grad._indices(), indices) and torch.equal(grad._values(), values)
+    assert stats.measure(grad).checksum is None  # only where asked
+    row = stats.to_dicts([m])[0]
+    assert row["checksum"] == m.checksum and row["norm"] == pytest.approx(float(grad.to_dense().double().norm()))

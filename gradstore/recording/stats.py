@@ -387,23 +387,29 @@ def _with_implicit_zeros(vec, zeros: int, level: str, device: torch.device):
     return out if isinstance(vec, torch.Tensor) else tuple(out.tolist())
 
 
-def _measure_sparse(t: torch.Tensor, m: Measured, level: str) -> Measured:
+def _measure_sparse(t: torch.Tensor, m: Measured, level: str, checksum: bool = False) -> Measured:
     """`measure` of a sparse tensor (COO, CSR, CSC, BSR, BSC): its layout, nnz (stored entries, duplicates
     included) and whether it is coalesced (COO only; the compressed layouts' indices are sorted and distinct
-    by their invariants), and the statistics of the dense tensor it represents. The tensor is never changed: an
-    uncoalesced COO tensor is measured through a coalesced copy (`Tensor.coalesce()` returns a new tensor, its
-    duplicates summed in the tensor's dtype, as `to_dense()` sums them), and the values are read in place."""
+    by their invariants), and the statistics of the dense tensor it represents; with `checksum`, that dense
+    tensor's checksum (`checksum.checksum_on_device` of the coalesced copy; a fault there stores none). The tensor
+    is never changed: an uncoalesced COO tensor is measured through a coalesced copy (`Tensor.coalesce()` returns
+    a new tensor, its duplicates summed in the tensor's dtype), and the values are read in place."""
     coalesced = int(t.is_coalesced()) if t.layout is torch.sparse_coo else None
     m.nondense = (SPARSE_LAYOUTS[t.layout], tp.sparse_nnz(t), coalesced)
     reason = _skip_reason(t)
     if reason is not None:
         m.status, m.reason = "skipped", reason
         return m
+    x = t.detach()
+    if coalesced == 0 and (checksum or (m.numel and level != "shape")):
+        x = x.coalesce()  # a new tensor: t stays as it is (uncoalesced, same indices and values)
+    if checksum:
+        try:
+            m.checksum = checksum_on_device(x)
+        except Exception:
+            m.checksum = None
     if m.numel == 0 or level == "shape":
         return m
-    x = t.detach()
-    if coalesced == 0:
-        x = x.coalesce()  # a new tensor: t stays as it is (uncoalesced, same indices and values)
     values = tp.sparse_values(x)
     vec = _reduce(values, level) if values.numel() else None
     m.vec = _with_implicit_zeros(vec, m.numel - values.numel(), level, values.device)
@@ -453,7 +459,7 @@ def measure(t: torch.Tensor | None, level: str = "full", checksum: bool = False)
         m = Measured("ok", dtype=dtype_code(t.dtype), shape=shape, numel=t.numel())
         if t.layout is not torch.strided:
             if t.layout in SPARSE_LAYOUTS and type(t) in _PLAIN_TENSOR_TYPES:
-                return _measure_sparse(t, m, level)
+                return _measure_sparse(t, m, level, checksum)
             m.nondense = (str(t.layout).removeprefix("torch."), None, None)
         reason = _skip_reason(t)
         if reason is not None:
