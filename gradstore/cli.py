@@ -2174,6 +2174,23 @@ def _consistent_words(rules: dict, bitwise: bool) -> str:
     return "; ".join(parts) or "no values compared"
 
 
+def _no_checksum_words(rows: pd.DataFrame) -> str:
+    """Why rank_divergence rows compared by statistics had no checksum, from their `reason`: 'no checksum recorded
+    (sparse gradients recorded by a gradstore that took no checksum of sparse tensors)' and the like."""
+    reasons = rows["reason"].fillna("").astype(str)
+    sparse = reasons.str.contains("a sparse gradient", regex=False)
+    if len(rows) and sparse.all():
+        why = "sparse gradients recorded by a gradstore that took no checksum of sparse tensors"
+    elif sparse.any():
+        why = (
+            "record(checksum=True) takes them; the sparse ones were recorded by a gradstore that took none of sparse "
+            "tensors"
+        )
+    else:
+        why = "not taken: record(checksum=False), or a process of one rank without record(checksum=True)"
+    return f"no checksum recorded: {why}"
+
+
 def _nonfinite_words(rows: pd.DataFrame) -> str:
     """'; but not healthy: 4 of the 4 parameter gradients compared hold NaN or Inf (106 NaN in the ranks' rows
     together: 53 on rank 0, 53 on rank 1; after the backward pass)' for the compared rows that agree while holding NaN
@@ -2290,8 +2307,9 @@ def ranks(db, run, step, verbose):
     .grad each rank held when the step's last backward pass returned (after DDP's all-reduce or FSDP2's
     reduce-scatter), and the .grad the optimizer saw (the step's final rows, where recorded: after
     GradScaler.unscale_ or clipping), by the rule its layout calls for. Replicated gradients (plain tensors,
-    DTensor copies along Replicate mesh dimensions) must agree: bitwise where the record holds checksums, else
-    statistic by statistic. Sharded ones (different DTensor shards or Partial terms) differ by design: only their layout
+    DTensor copies along Replicate mesh dimensions) must agree: bitwise where the record holds checksums (a sparse
+    gradient's too), else statistic by statistic, which the first line calls no bitwise comparison, naming the
+    parameters compared so. Sharded ones (different DTensor shards or Partial terms) differ by design: only their layout
     is compared. Where the gradients are reduced after the backward pass (a hand-written all-reduce), each rank's
     .grad after the pass is its own: the gradients the optimizer read decide, and the others are said to be local.
     A row missing, skipped or recorded without statistics on either rank, a .grad None on both, or
@@ -2373,6 +2391,15 @@ def ranks(db, run, step, verbose):
     # gradients reduced after the pass (a hand-written all-reduce): after it each rank's own, different by design
     local = list(dict.fromkeys(table.loc[table["result"] == "local", "param"]))
     bitwise = not (table[table["result"] == "equal"]["compared"] == "statistics").any()
+    # the parameters some pair of ranks agreed on by statistics only (no checksum on a side): not bitwise, said by name
+    by_stats = table[(table["result"] == "equal") & (table["compared"] == "statistics")]
+    stats_only = [p for p in params if p in set(by_stats["param"]) and verdict[p] != "differs"]
+    stats_note = (
+        f"; {len(stats_only)} of them compared by statistics only, not bitwise ({_no_checksum_words(by_stats)}): "
+        f"{_names(stats_only, verbose)}"
+        if stats_only
+        else ""
+    )
     n = len(params)
     # equal is not healthy: values that agree bitwise may all be NaN or Inf
     bad_note = _nonfinite_words(table[table["result"].isin(["equal", "sharded"])])
@@ -2405,19 +2432,31 @@ def ranks(db, run, step, verbose):
             f"no difference at step {step} among the {len(fine)} of {n} parameter gradients compared; "
             f"{len(unchecked)} not compared (ranks {rank_list}){note}"
         )
-        head += bad_note
+        head += stats_note + bad_note
     elif set(rules.values()) == {"replicated"}:
-        kind = "bitwise equal" if bitwise else "have equal statistics"
-        kind += " as the optimizer read them" if local else ""
-        extra = "" if bitwise else "; no checksums recorded, so not a bitwise comparison"
-        head = f"ranks agree at step {step}: all {n} parameter gradients {kind} (ranks {rank_list}{extra}){note}"
+        read = " as the optimizer read them" if local else ""
+        if bitwise:
+            head = (
+                f"ranks agree at step {step}: all {n} parameter gradients bitwise equal{read} (ranks {rank_list}){note}"
+            )
+        elif len(stats_only) == n:
+            head = (
+                f"ranks agree at step {step} by statistics only, not bitwise: all {n} parameter gradients have equal "
+                f"statistics{read} (ranks {rank_list}; {_no_checksum_words(by_stats)}){note}"
+            )
+        else:
+            head = (
+                f"ranks agree at step {step}, not all bitwise: {n - len(stats_only)} of {n} parameter gradients "
+                f"bitwise equal{read}, {len(stats_only)} with equal statistics only, not a bitwise comparison "
+                f"({_no_checksum_words(by_stats)}): {_names(stats_only, verbose)} (ranks {rank_list}){note}"
+            )
         head += bad_note + none_note
     else:
         head = (
-            f"ranks agree at step {step}: all {n} parameter gradients consistent (ranks {rank_list}): "
-            f"{_consistent_words(rules, bitwise)}{note}"
+            f"ranks agree at step {step}{'' if bitwise else ', not all bitwise'}: all {n} parameter gradients "
+            f"consistent (ranks {rank_list}): {_consistent_words(rules, bitwise)}{note}"
         )
-        head += bad_note + none_note
+        head += stats_note + bad_note + none_note
     click.echo(head)
     if local:
         click.echo(
@@ -2510,7 +2549,9 @@ def ranks(db, run, step, verbose):
         click.echo(f"  ... and {len(shown) - 20} more not compared (--verbose lists them)")
     if verbose:
         for p in params:
-            click.echo(f"  {p}: {rules[p]}: {verdict[p]}")
+            click.echo(
+                f"  {p}: {rules[p]}: {verdict[p]}" + (" (by statistics only, not bitwise)" if p in stats_only else "")
+            )
     replicated_differ = table[(table["result"] == "differs") & (table["rule"] == "replicated")]
     stage = table["stage"]
     # parameters whose final rows differ while their rows after the backward pass agree on every pair of ranks

@@ -503,7 +503,10 @@ def test_cli_ranks(recorded):
     if missing == 0:
         assert f"ranks agree at step 0: all {n_params} parameter gradients bitwise equal" in result.output
     else:
-        assert f"ranks agree at step 0: all {n_params} parameter gradients have equal statistics" in result.output
+        assert (
+            f"ranks agree at step 0 by statistics only, not bitwise: all {n_params} parameter gradients have equal "
+            "statistics" in result.output
+        )
     result = invoke("ranks", recorded, "base")  # one rank: nothing to compare
     assert result.exit_code == 0 and f"only rank 0 recorded step {STEPS - 1} of run 'base'" in result.output
 

@@ -1123,7 +1123,7 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
     unchecked = agree[(agree["differing"] == 0) & (agree["not_compared"] > 0)]
     empty = agree[agree["params"] == 0]
     if differing.empty and unchecked.empty and empty.empty:
-        how = "bitwise, by checksums" if (agree["compared"] == "checksum").all() else "by their statistics"
+        how = _agreement_words(agree)
         replicated, sharded = _span(agree["replicated"]), _span(agree["sharded"])
         local = agree[agree["local"] > 0]  # reduced after the pass: each rank's own .grad there
         if (agree["sharded"] == 0).all():
@@ -1227,6 +1227,21 @@ def _ranks_section(page: _Page, store, run: str, steps: pd.DataFrame, left=None)
             listed.head(200), {"step", "ranks", "params", "replicated", "sharded", "both", "differing", "not_compared"}
         )
     )
+
+
+def _agreement_words(agree: pd.DataFrame) -> str:
+    """How the steps' replicated .grads were compared across ranks (`story.rank_agreement` rows that agree):
+    'bitwise, by checksums'; else which parameters were compared by statistics only, never read as bitwise."""
+    names = list(dict.fromkeys(q for v in agree["statistics_only"].fillna("") for q in str(v).split(",") if q))
+    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    if (agree["compared"] == "checksum").all() and not names:
+        return "bitwise, by checksums"
+    if names and len(names) < int(agree["replicated"].max()):
+        return (
+            f"bitwise, by checksums, except {len(names)} parameter{'s' if len(names) > 1 else ''} compared by "
+            f"statistics only, not bitwise (no checksum recorded): {listed}"
+        )
+    return "by their statistics only, not bitwise (no checksums recorded)" + (f": {listed}" if names else "")
 
 
 def _span(values) -> str:

@@ -1169,7 +1169,8 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
     they stepped in other steps,
     rank_divergence's accumulation 1; a step where it equals params is no step compared), compared ('checksum' where
     every row had checksums, 'norm' for a
-    summary step, else 'statistics'), first (the first
+    summary step, else 'statistics'), statistics_only (the parameters some pair of ranks agreed on by statistics
+    only, no checksum on a side: not a bitwise comparison; comma-separated, '' for none), first (the first
     differing parameter, else the first not compared, or None), nonfinite (parameters whose .grad held NaN or Inf on
     some rank in the step, from the exact counts of its rows: agreement is not health, values that agree bitwise
     may all be NaN). Empty when the run has one rank. Raises UnknownRun."""
@@ -1187,6 +1188,7 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
         "not_compared",
         "accumulation",
         "compared",
+        "statistics_only",
         "first",
         "nonfinite",
     ]
@@ -1238,6 +1240,13 @@ def rank_agreement(store, run: str) -> pd.DataFrame:
                 "not_compared": len(unchecked),
                 "accumulation": len(accumulation),
                 "compared": "norm" if summary else ("checksum" if checks else "statistics"),
+                "statistics_only": ",".join(
+                    q
+                    for q in dict.fromkeys(
+                        here.loc[(here["compared"] == "statistics") & (here["result"] == "equal"), "param"]
+                    )
+                    if q not in differing
+                ),
                 "first": differing[0] if differing else (unchecked[0] if unchecked else None),
                 "nonfinite": int(at.loc[_nonfinite_rows(at), "param"].nunique()) if len(at) else 0,
             }
