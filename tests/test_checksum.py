@@ -165,6 +165,7 @@ def test_a_sparse_tensor_has_the_checksum_of_the_dense_tensor_it_represents():
         torch.randint(0, 50, (1, 30), generator=g), torch.randn(30, 7, generator=g), (50, 7)
     )
     far = _coo([[0, c - 1, c, 3 * c + 7, 5 * c + 2]], torch.randn(5, 3, generator=g).double(), (5 * c + 3, 3))
+    wide_rows = _coo([[0, c // 4 - 1, c // 4, 5 * c // 4 + 1]], torch.randn(4, 4, generator=g), (5 * c // 4 + 2, 4))
     three = _coo([[1, 0, 2], [5, 699, 0], [79, 0, 3]], torch.randn(3, 2, generator=g).half(), (3, 700, 80, 2))
     dense = torch.randn(8, 12, generator=g) * (torch.rand(8, 12, generator=g) > 0.6)
     compressed = [
@@ -174,7 +175,7 @@ def test_a_sparse_tensor_has_the_checksum_of_the_dense_tensor_it_represents():
         dense.to_sparse_bsc((2, 2)),
     ]
     assert not uncoalesced.is_coalesced()
-    for t in [uncoalesced, hybrid, far, three, *compressed]:
+    for t in [uncoalesced, hybrid, far, wide_rows, three, *compressed]:
         want = _reference((t.coalesce() if t.layout is torch.sparse_coo else t).to_dense())
         assert checksum_module.checksum(t) == want, t.layout
     assert not uncoalesced.is_coalesced()  # the user's tensor is not coalesced in place

@@ -163,16 +163,28 @@ def _sparse_sum(t: torch.Tensor):
     mult = _multipliers(values.device)
     last = (t.numel() * (2 if values.is_complex() else 1) - 1) >> _CSUM_SHIFT  # the last chunk's index
     factors = _factors(values.device, last + 1) if last > 0 else None
-    inner_at = torch.arange(inner, dtype=torch.int64, device=values.device)
     per = max(1, _CSUM_CHUNK // inner)
+    mask = _CSUM_CHUNK - 1
+    # inner dividing the chunk (a power of two: an embedding's width): each entry lies inside one chunk, at a row of
+    # the multipliers viewed as (chunk / inner, inner); one row index and one block factor per entry
+    rows = mult.view(-1, inner) if _CSUM_CHUNK % inner == 0 else None
+    inner_at = None if rows is not None else torch.arange(inner, dtype=torch.int64, device=values.device)
     acc = None
     for start in range(0, nnz, per):
         v = values[start : start + per]
-        pos = (base[start : start + per].unsqueeze(1) + inner_at).reshape(-1)
-        m = mult[pos & (_CSUM_CHUNK - 1)]
-        if factors is not None:
-            m.mul_(factors[pos >> _CSUM_SHIFT])
-        s = m.mul_(_as_ints(v + 0 if signed else v).reshape(-1)).sum()  # int64 times the sign-extended elements
+        ints = _as_ints(v + 0 if signed else v).reshape(v.shape[0], inner)
+        b = base[start : start + per]
+        if rows is not None:
+            m = torch.index_select(rows, 0, (b & mask) // inner).mul_(ints).sum(1)  # per entry
+            if factors is not None:
+                m.mul_(torch.index_select(factors, 0, b >> _CSUM_SHIFT))
+        else:
+            pos = (b.unsqueeze(1) + inner_at).reshape(-1)
+            m = torch.index_select(mult, 0, pos & mask)
+            if factors is not None:
+                m.mul_(torch.index_select(factors, 0, pos >> _CSUM_SHIFT))
+            m.mul_(ints.reshape(-1))  # int64 times the sign-extended elements
+        s = m.sum()
         acc = s if acc is None else acc.add_(s)
     return acc
 
