@@ -124,6 +124,7 @@ class FrameTracker(TorchFunctionMode):
         """Start noting frames on this thread (no-op when the sequence counter is unreadable; wakes a tracker that
         `sleep()` left on the stack). Pair with `remove()`; modes nest, so remove in the reverse order of
         installing."""
+        _skip_own_frames()
         if self._sleeping:
             self._sleeping = self._paused = False
         if self._active or not tp.has_sequence_nr():
@@ -200,6 +201,21 @@ class FrameTracker(TorchFunctionMode):
     def owner_frame(self, sequence_nr: int) -> str | None:
         """'file.py:LINE in FUNCTION' for the node with this sequence number (`node._sequence_nr()`), or None."""
         return frame_in(self._sites, sequence_nr)
+
+
+_frames_skipped = False  # torch._dynamo told to convert no frame of the tracker's own (`_skip_own_frames`)
+
+
+def _skip_own_frames() -> None:
+    """Once torch._dynamo is imported, tell it to convert no frame of `FrameTracker.__torch_function__` (its frames
+    called from dynamo's own code at a graph break: converted, the op that broke the user's graph would break it
+    again there, counted twice in `counters["graph_break"]`) nor of `_note` (torch_private.skip_top_frame,
+    torch_private.skip_frames). The ops `__torch_function__` calls are converted as they are without the tracker;
+    where dynamo traces an op it still inlines `__torch_function__`. Done once per process."""
+    global _frames_skipped
+    if _frames_skipped or not tp.dynamo_imported():
+        return
+    _frames_skipped = tp.skip_top_frame(FrameTracker.__torch_function__) and tp.skip_frames(FrameTracker._note)
 
 
 def site_in(record: dict, sequence_nr: int) -> tuple[str, int, str] | None:

@@ -519,6 +519,28 @@ def skip_top_frame(fn) -> bool:
     return True
 
 
+def skip_frames(fn) -> bool:
+    """Make torch._dynamo leave frames of `fn` (a Python function) uncompiled where they are the frame it is asked to
+    compile, and every frame they call too, while still inlining `fn` where a traced frame calls it: for gradstore's
+    own hooks (a module hook, the frame tracker's `__torch_function__`), which call no user code, so that dynamo
+    converts no frame of theirs that it would not convert without gradstore (`counters["frames"]`), nor meets a
+    graph break there. `torch._dynamo.eval_frame.set_code_exec_strategy` with `FrameAction.SKIP` for the frame and
+    the frames it calls (private). Returns False while torch._dynamo is not imported (nothing can compile yet) or
+    where these are missing."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    types = sys.modules.get("torch._dynamo.types")
+    set_strategy = getattr(eval_frame, "set_code_exec_strategy", None)
+    action = getattr(types, "FrameAction", None)
+    strategy = getattr(types, "FrameExecStrategy", None)
+    if set_strategy is None or action is None or strategy is None:
+        return False
+    try:
+        set_strategy(fn.__code__, strategy(action.SKIP, action.SKIP))
+    except Exception:
+        return False
+    return True
+
+
 # ---- sparse tensors ------------------------------------------------------------------------------------------
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
