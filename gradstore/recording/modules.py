@@ -477,6 +477,22 @@ def _tracer_get(self, module, owner=None):
 _tap = None  # the C++ hooks' ModuleTap (made once per process), False where there is none; None: not asked yet
 _tap_owner = None  # the ModuleTracker whose hooks the tap runs now, or None
 _skipped = False  # torch._dynamo told to compile no frame of ModuleTracker._call_hooked (torch_private.skip_top_frame)
+_hooks_skipped = False  # torch._dynamo told to convert no frame of the tracker's hooks (`_skip_hook_frames`)
+
+
+def _skip_hook_frames() -> None:
+    """Once torch._dynamo is imported, tell it to convert no frame of the tracker's hooks (`ModuleTracker._pre`,
+    `_post` and `_switched`'s two wrappers) nor of what they call (torch_private.skip_frames): called from eager code
+    that dynamo's frame callback covers (a compiled module's call, whose global hooks run inside it, or a hook that the
+    C++ hooks hand over), each would be a frame dynamo converts (with no graph: `counters["frames"]` +2 per compiled
+    frame) where an unrecorded run has none. Where dynamo traces a module call it still inlines them (and they return
+    at once under `torch.compiler.is_compiling()`). Done once per process."""
+    global _hooks_skipped
+    if _hooks_skipped or not tp.dynamo_imported():
+        return
+    pre, post, _switch = _switched(_quiet, _quiet)
+    done = [tp.skip_frames(fn) for fn in (ModuleTracker._pre, ModuleTracker._post, pre, post)]
+    _hooks_skipped = all(done)
 
 
 def _module_tap():
@@ -531,8 +547,8 @@ class ForwardRecord:
     Inside a compiled region the boundaries stay those of the compiled module: torch.compile inlines the module
     calls it traces (their hooks do not run), and after a graph break inside a module it may run the rest of
     the caller's code before that module's call returns (nested graph breaks), so a hook seen there does not
-    bound the module's ops. Such a call is in `calls` (the module ran) with no boundary of its own; so whether a
-    module listed in `compiled` ran is not known from `calls` alone.
+    bound the module's ops. Such a call is not noted either (`ModuleTracker._pre`); so whether a module listed in
+    `compiled` ran is not known from `calls`.
 
     The hooks append to flat columns of numbers and strings (`call_names` ... `out_names`), which the garbage
     collector does not track. A list or tuple per module call would count towards its young generation and be
@@ -614,8 +630,10 @@ class ModuleTracker:
         self._region_seqs: list[int] = []
         self._region_vals: list[str | None] = []
         self._region_stack: list[tuple[int, str]] = []
-        # indices of the module calls entered inside a compiled region: noted as calls, but no owner (below)
-        self._unowned: set[int] = set()
+        # the module calls running that are not noted, innermost last: (id, True for a backend's module (`_backend`),
+        # False for a call inside a compiled region)
+        self._foreign: list[tuple[int, bool]] = []
+        self._backends = 0  # how many of those are a backend's
         self._handles = []
         self._native_hooks = None  # (pre-hook, hook) from the C++ hooks module, False: the Python ones; None: not asked
         self._c_hooks = None  # the C++ hooks module's (pre-hook, hook) behind `_native_hooks`
@@ -701,15 +719,19 @@ class ModuleTracker:
         region = None
         if name is None:
             name, region = self._unknown(module)
+            if self._backend(module):  # no module call of the model: the backend's
+                self._foreign.append((key, True))
+                self._backends += 1
+                return
         elif self.regions:
             region = self.regions.get(key)
         seq = _peek()
-        if self._region_stack and region is None:  # a module called inside a compiled region
-            if self._inside(module):
-                return
-            unowned = True
-        else:
-            unowned = False
+        if self._region_stack and region is None:
+            # a module called inside a compiled region, in the eager code dynamo runs there (a compiled wrapper's call
+            # of the module it wraps, a call after a graph break): not noted, as the calls in traced code are not (a
+            # hook seen there bounds nothing, and its nodes are the region's)
+            self._foreign.append((key, False))
+            return
         names = self._names
         index = len(names)
         context = self.context
@@ -719,9 +741,6 @@ class ModuleTracker:
         self._lasts.append(None)
         self._exits.append(None)
         self._stack.append(index)
-        if unowned:
-            self._unowned.add(index)
-            return
         self._seqs.append(seq)
         self._owners.append(name)
         self._owner_calls.append(index)
@@ -732,15 +751,30 @@ class ModuleTracker:
             self._record.compiled.append(region)
             self._record.compiled_calls.append(index)
 
-    def _inside(self, module) -> bool:
-        """True for a graph that torch.compile made and calls inside its compiled region (a `torch.fx.GraphModule`
-        no model names: backends such as 'aot_eager' run it as a module): not a module call of the model."""
-        return isinstance(module, _GRAPH_MODULE) and id(module) not in self.names
+    def _backend(self, module) -> bool:
+        """True for a module that a compiler backend made and calls, not a module of the model: a `torch.fx.GraphModule`
+        that no model names (the graph a torch.compile backend such as 'aot_eager' runs as a module inside a compiled
+        region, compiled autograd's `CompiledAutograd0` run inside a backward pass), and any module that no model
+        names called inside one (DDPOptimizer's `WrapperModule`s inside the graph it splits per bucket); a
+        `torch.compile` wrapper of such a graph (compiled autograd compiles its graph so) too. Its call is not noted
+        (no module call, no boundary: its nodes stay the enclosing module's), nor are such calls inside it; a module of
+        the model called inside it still is."""
+        names = self.names
+        if id(module) in names or type(module) is _RegionCall:
+            return False
+        if tp.compiled_module_inner(module) is not None:
+            module = unwrap(module)
+            if id(module) in names:
+                return False
+        return self._backends > 0 or isinstance(module, _GRAPH_MODULE)
 
     def _post(self, module, _args, output):
         if _is_compiling() or _get_ident() != self._thread:
             return
-        if self._region_stack and self._inside(module):
+        foreign = self._foreign
+        if foreign and foreign[-1][0] == id(module):  # a call `_pre` did not note (a backend's, one inside a region)
+            if foreign.pop()[1]:
+                self._backends -= 1
             return
         stack = self._stack
         seq = _peek()
@@ -764,9 +798,6 @@ class ModuleTracker:
                         self._out_calls.append(index)
                         self._out_seqs.append(_sequence_nr(fn))
                         self._out_names.append(fn.name())
-        if index in self._unowned:  # called inside a compiled region: the owner stays the compiled module
-            self._unowned.discard(index)
-            return
         self._seqs.append(seq)
         if stack:
             top = stack[-1]
@@ -785,6 +816,7 @@ class ModuleTracker:
         """Start noting module calls (no-op when the sequence counter is unreadable): through the module tap where
         it can be used (`_tap_in`, the module docstring), else by a global forward pre-hook and hook, hidden from
         torch's check for global hooks, so `torch.compile(module)` does not warn about them."""
+        _skip_hook_frames()
         if self._sleeping:  # the global hooks `sleep()` left installed note calls again
             self._wake()
             return
@@ -947,7 +979,8 @@ class ModuleTracker:
             self._c_hooks = None
             self._switch = None
         self._stack.clear()
-        self._unowned.clear()
+        self._foreign.clear()
+        self._backends = 0
         self._region_stack.clear()
 
     def forget_in_child(self) -> None:
@@ -962,7 +995,8 @@ class ModuleTracker:
         is left as it is."""
         self._bind(ForwardRecord())
         self._stack = []
-        self._unowned = set()
+        self._foreign = []
+        self._backends = 0
         self._region_seqs = []
         self._region_vals = []
 

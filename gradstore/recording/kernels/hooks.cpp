@@ -1796,7 +1796,7 @@ PyObject* py_same_structure(PyObject*, PyObject* args) {
 // args)` / `_post(module, args, output)` do, appending the same items to the tracker's lists, without a Python frame;
 // every case but the common one goes to those Python methods (given), before anything is appended: a module that
 // `tracker.names` does not name, known compiled regions (`tracker.regions`, `tracker._region_stack`: pre-hook and
-// hook alike), a recomputation
+// hook alike), a module call running that the tracker does not note (`tracker._foreign`: the hook), a recomputation
 // (`tracker.context`), an output that is a tensor subclass or a container other than a plain tuple, list or dict.
 // Like the Python ones, they do nothing on a thread other than `thread` (the tracker's `_thread`: the one that made it)
 // or while `is_compiling()` (None: not asked, where the caller asks it first), and return
@@ -1804,7 +1804,7 @@ PyObject* py_same_structure(PyObject*, PyObject* args) {
 // number and name with Node::sequence_nr / Node::name (what `_sequence_nr()` and `name()` return).
 //
 // Each hook keeps the tracker's attributes that it reads (`TrackerAttrs`), as last read from the tracker's __dict__
-// (borrowed: the dict holds them). Reading them is a dict lookup by interned name each (13 for a pre-hook, 11 for a
+// (borrowed: the dict holds them). Reading them is a dict lookup by interned name each (13 for a pre-hook, 12 for a
 // hook: as much as the appends); they change only where an attribute of the tracker is set (`clear()` binds new lists,
 // `names` replaced), so they are read again only when the dict changed since: its version tag (PEP 509's
 // `ma_version_tag`: each change of any dict takes a new value of one global counter, and a new dict a fresh one)
@@ -1812,7 +1812,7 @@ PyObject* py_same_structure(PyObject*, PyObject* args) {
 // `_region_stack` are empty, whether `context` is None). CPython 3.12 on (where PEP 509 is deprecated and managed
 // dicts changed; not tested here): read at each call, as before.
 enum { A_NAMES, A_REGIONS, A_CONTEXT, A_REGION_STACK, A_STACK, A_CALL_NAMES, A_ENTRIES, A_CONTEXTS, A_LASTS, A_EXITS,
-       A_SEQS, A_OWNERS, A_OWNER_CALLS, A_OUT_CALLS, A_OUT_SEQS, A_OUT_NAMES, A_N };
+       A_SEQS, A_OWNERS, A_OWNER_CALLS, A_OUT_CALLS, A_OUT_SEQS, A_OUT_NAMES, A_FOREIGN, A_N };
 
 struct TrackerAttrs {
   PyObject* dict = nullptr;  // the dict they were read from (compared by address with the version); nullptr: none read
@@ -1834,7 +1834,7 @@ struct TrackerHook {
 };
 
 PyObject *s_names, *s_regions, *s_context, *s_region_stack, *s_stack, *s_call_names, *s_entries, *s_contexts,
-    *s_lasts, *s_exits, *s_seqs, *s_owners, *s_owner_calls, *s_out_calls, *s_out_seqs, *s_out_names;
+    *s_lasts, *s_exits, *s_seqs, *s_owners, *s_owner_calls, *s_out_calls, *s_out_seqs, *s_out_names, *s_foreign;
 
 bool intern_names() {
   struct {
@@ -1845,7 +1845,7 @@ bool intern_names() {
              {&s_entries, "_entries"},  {&s_contexts, "_contexts"}, {&s_lasts, "_lasts"},
              {&s_exits, "_exits"},      {&s_seqs, "_seqs"},        {&s_owners, "_owners"},
              {&s_owner_calls, "_owner_calls"}, {&s_out_calls, "_out_calls"}, {&s_out_seqs, "_out_seqs"},
-             {&s_out_names, "_out_names"}};
+             {&s_out_names, "_out_names"}, {&s_foreign, "_foreign"}};
   for (auto& a : all)
     if (*a.at == nullptr && (*a.at = PyUnicode_InternFromString(a.text)) == nullptr) return false;
   return true;
@@ -1885,7 +1885,7 @@ bool tracker_attrs(TrackerHook* h) {
 #endif
   PyObject* const names[A_N] = {s_names,     s_regions, s_context, s_region_stack, s_stack,       s_call_names,
                                 s_entries,   s_contexts, s_lasts,  s_exits,        s_seqs,        s_owners,
-                                s_owner_calls, s_out_calls, s_out_seqs, s_out_names};
+                                s_owner_calls, s_out_calls, s_out_seqs, s_out_names, s_foreign};
   bool there[A_N];
   for (int i = 0; i < A_N; ++i) {
     PyObject* v = PyDict_GetItemWithError(dict, names[i]);  // borrowed; no Python code runs (interned str keys)
@@ -1899,7 +1899,7 @@ bool tracker_attrs(TrackerHook* h) {
     a.pre_ok = a.pre_ok && there[i];
   a.post_ok = there[A_REGION_STACK];
   for (int i : {A_STACK, A_CALL_NAMES, A_LASTS, A_EXITS, A_OUT_CALLS, A_OUT_SEQS, A_OUT_NAMES, A_SEQS, A_OWNERS,
-                A_OWNER_CALLS})
+                A_OWNER_CALLS, A_FOREIGN})
     a.post_ok = a.post_ok && there[i];
   a.dict = dict;
 #if GS_DICT_VERSION
@@ -2022,7 +2022,10 @@ PyObject* tracker_pre(TrackerHook* h, PyObject* const* args, size_t nargsf) {
 PyObject* tracker_post(TrackerHook* h, PyObject* const* args, size_t nargsf) {
   PyObject* output = args[2];
   if (!tracker_attrs(h)) return call_fallback(h, args, nargsf);
-  if (!h->attrs.post_ok || PyList_GET_SIZE(h->attrs.v[A_REGION_STACK]) > 0) return call_fallback(h, args, nargsf);
+  // `_foreign` not empty: a backend's module call runs (`_backend`), whose end `_post` tells apart
+  if (!h->attrs.post_ok || PyList_GET_SIZE(h->attrs.v[A_REGION_STACK]) > 0 ||
+      PyList_GET_SIZE(h->attrs.v[A_FOREIGN]) > 0)
+    return call_fallback(h, args, nargsf);
   OutTensors tensors;
   int kind = classify_output(output, tensors);
   if (kind < 0) return nullptr;
