@@ -775,21 +775,11 @@ class Store:
         writer's error), note ('step 15 went non-finite but was not written: the disk holding ... is full (...)').
         Empty where there are none."""
         columns = ["run", "rank", "step", "why", "note"]
-        st, r = s.steps.c, s.runs.c
-        q = (
-            select(r.name.label("run"), st.rank, st.step, st.error)
-            .select_from(s.steps.join(s.runs, r.id == st.run_id))
-            .where(st.status == s.UNWRITTEN)
-            .order_by(r.id, st.rank, st.step)
-        )
-        if run:
-            q = q.where(r.name == run)
-        if rank is not None:
-            q = q.where(st.rank == int(rank))
-        if step is not None:
-            q = q.where(st.step == int(step))
-        with self.engine.connect() as conn:
-            rows = [row for row in conn.execute(q).all() if unwritten_status(row.error) == "nonfinite"]
+        rows = [
+            row
+            for row in self._unwritten_rows(run, rank, step, by_rank=True)
+            if unwritten_status(row.error) == "nonfinite"
+        ]
         return pd.DataFrame(
             [
                 (
@@ -1539,22 +1529,32 @@ class Store:
                 )
         return pd.DataFrame(out)
 
-    def _unwritten(self, run: str | None, rank: int | None = None) -> pd.DataFrame:
-        """The steps of `run` (None: every run; `rank`: one rank) the writer could not write (status unwritten): run,
-        rank, step, reason ('step N was not written on rank R: <the writer's error>'), in run and step order."""
+    def _unwritten_rows(
+        self, run: str | None, rank: int | None = None, step: int | None = None, by_rank: bool = False
+    ) -> list:
+        """The steps rows of status unwritten (run, rank, step, error) of `run` (None: every run), `rank` and `step`
+        (None: all), in run order, then step and rank (`by_rank`: rank and step)."""
         st, r = s.steps.c, s.runs.c
+        order = (st.rank, st.step) if by_rank else (st.step, st.rank)
         q = (
             select(r.name.label("run"), st.rank, st.step, st.error)
-            .select_from(s.steps.join(s.runs, s.runs.c.id == st.run_id))
+            .select_from(s.steps.join(s.runs, r.id == st.run_id))
             .where(st.status == s.UNWRITTEN)
-            .order_by(r.id, st.step, st.rank)
+            .order_by(r.id, *order)
         )
         if run:
             q = q.where(r.name == run)
         if rank is not None:
             q = q.where(st.rank == int(rank))
+        if step is not None:
+            q = q.where(st.step == int(step))
         with self.engine.connect() as conn:
-            rows = conn.execute(q).all()
+            return conn.execute(q).all()
+
+    def _unwritten(self, run: str | None, rank: int | None = None) -> pd.DataFrame:
+        """The steps of `run` (None: every run; `rank`: one rank) the writer could not write (status unwritten): run,
+        rank, step, reason ('step N was not written on rank R: <the writer's error>'), in run and step order."""
+        rows = self._unwritten_rows(run, rank)
         return pd.DataFrame(
             {
                 "run": [row.run for row in rows],
