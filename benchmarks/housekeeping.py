@@ -68,10 +68,10 @@ def measure(model: str, level: str, steps: int, a) -> dict:
     writer = collections.Counter()
     detached = offload.detached
 
-    def timed_detached(batch):
+    def timed_detached(*args, **kwargs):  # offload.detached's arguments, whatever they are
         t = time.thread_time()
         try:
-            return detached(batch)
+            return detached(*args, **kwargs)
         finally:
             writer["detached_ms"] += (time.thread_time() - t) * 1e3
 
