@@ -1034,82 +1034,52 @@ def test_upgrade_0012_to_0013_keeps_the_held_claims_and_down_again(tmp_path):
 
 
 # ---- revision 0014_optimizer_steps: how many optimizer steps ran in each step ------------------------------------
-def test_upgrade_0013_to_0014_adds_optimizer_steps_as_not_known_and_down_again(tmp_path):
-    """The committed revision-0003 file at 0013_rank_ends, then 0014_optimizer_steps: every steps row keeps its
-    values and its new optimizer_steps is NULL (not known: an older gradstore did not count them), which the steps
-    query gives as missing, never as 0 (0 says no optimizer stepped). Down to 0013 drops the column."""
+def _adds_a_null_column(tmp_path, asset: str, table: str, column: str, older: str, newer: str) -> list:
+    """Copy the committed `asset`, migrate it to `older`, then to `newer`: `table`'s rows keep their values and
+    gain `column` as NULL (not known), never a value an older gradstore did not measure. Then to the head, which
+    readers open, and down to `older` again: the column goes and the rows are as they were. Returns the rows."""
     path = tmp_path / "old.db"
-    shutil.copy(ASSETS / "rev0003.db", path)
-    _migrate(path, "0013_rank_ends")
+    shutil.copy(ASSETS / asset, path)
+    _migrate(path, older)
     with sqlite3.connect(path) as conn:
-        before = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
-        columns = [r[1] for r in conn.execute("PRAGMA table_info(steps)")]
-    _migrate(path, "0014_optimizer_steps")
+        before = conn.execute(f"SELECT * FROM {table} ORDER BY id").fetchall()
+        columns = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+    _migrate(path, newer)
+    assert _revision(path) == newer
     with sqlite3.connect(path) as conn:
-        after = conn.execute("SELECT * FROM steps ORDER BY id").fetchall()
-        now = [r[1] for r in conn.execute("PRAGMA table_info(steps)")]
-    assert now == [*columns, "optimizer_steps"] and after == [(*row, None) for row in before] and before
-    _migrate(path, database.head_revision())  # readers open the newest revision only (later ones add to 0014)
+        after = conn.execute(f"SELECT * FROM {table} ORDER BY id").fetchall()
+        now = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+    assert now == [*columns, column] and after == [(*row, None) for row in before] and before
+    _migrate(path, database.head_revision())  # readers open the newest revision only
     with gradstore.open(path) as store:
-        steps = store.steps()
-    assert len(steps) == len(before) and steps["optimizer_steps"].isna().all()
-    _migrate(path, "0013_rank_ends", down=True)
+        read = getattr(store, table)()
+    assert len(read) == len(before) and read[column].isna().all()
+    _migrate(path, older, down=True)
     with sqlite3.connect(path) as conn:
-        assert [r[1] for r in conn.execute("PRAGMA table_info(steps)")] == columns
-        assert conn.execute("SELECT * FROM steps ORDER BY id").fetchall() == before
+        assert [r[1] for r in conn.execute(f"PRAGMA table_info({table})")] == columns
+        assert conn.execute(f"SELECT * FROM {table} ORDER BY id").fetchall() == before
+    return before
+
+
+def test_upgrade_0013_to_0014_adds_optimizer_steps_as_not_known_and_down_again(tmp_path):
+    """0014_optimizer_steps: every steps row keeps its values and its new optimizer_steps is NULL (not known: an older
+    gradstore did not count them), which the steps query gives as missing, never as 0 (0 says no optimizer
+    stepped). Down to 0013 drops the column."""
+    _adds_a_null_column(tmp_path, "rev0003.db", "steps", "optimizer_steps", "0013_rank_ends", "0014_optimizer_steps")
 
 
 # ---- revision 0015_ddp_sync: whether DDP synchronised each backward pass's gradients ----------------------------
 def test_upgrade_0014_to_0015_adds_ddp_sync_as_not_known_and_down_again(tmp_path):
-    """The committed revision-0003 file with passes at 0014_optimizer_steps, then 0015_ddp_sync: every passes row keeps
-    its values and its new ddp_sync is NULL (not known: an older gradstore did not read DDP's flag), never 0 (0 says
-    DDP's sync was off). Down to 0014 drops the column and leaves the rows as they were."""
-    path = tmp_path / "old.db"
-    shutil.copy(ASSETS / "rev0003-loop.db", path)
-    _migrate(path, "0014_optimizer_steps")
-    with sqlite3.connect(path) as conn:
-        before = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
-        columns = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
-    _migrate(path, "0015_ddp_sync")
-    assert _revision(path) == "0015_ddp_sync"
-    with sqlite3.connect(path) as conn:
-        after = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
-        now = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
-    assert now == [*columns, "ddp_sync"] and after == [(*row, None) for row in before] and before
-    _migrate(path, database.head_revision())  # readers open the newest revision only (later ones add to 0015)
-    with gradstore.open(path) as store:  # a run read across ranks at this revision: its rows are compared as before
-        assert len(store.passes()) == len(before)
-    _migrate(path, "0014_optimizer_steps", down=True)
-    with sqlite3.connect(path) as conn:
-        assert [r[1] for r in conn.execute("PRAGMA table_info(passes)")] == columns
-        assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before
+    """0015_ddp_sync: every passes row keeps its values and its new ddp_sync is NULL (not known: an older gradstore
+    did not read DDP's flag), never 0 (0 says DDP's sync was off). Down to 0014 drops the column."""
+    _adds_a_null_column(tmp_path, "rev0003-loop.db", "passes", "ddp_sync", "0014_optimizer_steps", "0015_ddp_sync")
 
 
 # ---- revision 0016_fsdp_sync: whether FSDP2 reduce-scattered each backward pass's gradients into .grad ----------
 def test_upgrade_0015_to_0016_adds_fsdp_sync_as_not_known_and_down_again(tmp_path):
-    """The committed revision-0003 file with passes at 0015_ddp_sync, then 0016_fsdp_sync: every passes row keeps
-    its values and its new fsdp_sync is NULL (not known: an older gradstore did not read FSDP2's flag), never 0 (0
-    says FSDP2's gradient sync was off). Down to 0015 drops the column and leaves the rows as they were."""
-    path = tmp_path / "old.db"
-    shutil.copy(ASSETS / "rev0003-loop.db", path)
-    _migrate(path, "0015_ddp_sync")
-    with sqlite3.connect(path) as conn:
-        before = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
-        columns = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
-    _migrate(path, "0016_fsdp_sync")
-    assert _revision(path) == "0016_fsdp_sync"
-    with sqlite3.connect(path) as conn:
-        after = conn.execute("SELECT * FROM passes ORDER BY id").fetchall()
-        now = [r[1] for r in conn.execute("PRAGMA table_info(passes)")]
-    assert now == [*columns, "fsdp_sync"] and after == [(*row, None) for row in before] and before
-    _migrate(path, database.head_revision())  # readers open the newest revision only (later ones add to 0016)
-    with gradstore.open(path) as store:
-        passes = store.passes()
-    assert len(passes) == len(before) and passes["fsdp_sync"].isna().all()
-    _migrate(path, "0015_ddp_sync", down=True)
-    with sqlite3.connect(path) as conn:
-        assert [r[1] for r in conn.execute("PRAGMA table_info(passes)")] == columns
-        assert conn.execute("SELECT * FROM passes ORDER BY id").fetchall() == before
+    """0016_fsdp_sync: every passes row keeps its values and its new fsdp_sync is NULL (not known: an older gradstore
+    did not read FSDP2's flag), never 0 (0 says FSDP2's gradient sync was off). Down to 0015 drops the column."""
+    _adds_a_null_column(tmp_path, "rev0003-loop.db", "passes", "fsdp_sync", "0015_ddp_sync", "0016_fsdp_sync")
 
 
 # ---- revision 0017_claim_history: the claims rows another process took over ------------------------------------
